@@ -1,0 +1,113 @@
+//! FLOPs and bytes per node, forward and backward.
+//!
+//! Conventions (documented so MFU figures can be compared with other tools):
+//! - a multiply-add counts as 2 FLOPs;
+//! - attention counts the full `s x t` score matrix even when causal, as torchtitan's and
+//!   PaLM's MFU formulas do (`12 * layers * heads * head_dim * seq` per token, fwd+bwd);
+//! - backward of a matmul-like op is twice its forward (input and weight gradients);
+//! - elementwise ops use the small per-element constants in [`elementwise_flops`]; they are
+//!   approximate and negligible next to the matmuls;
+//! - bytes are operand bytes read plus result bytes written (reshape is a view: 0).
+//!
+//! Arithmetic saturates: a graph only holds tensors whose byte sizes fit u64, but FLOP
+//! products of absurd models may not, and a saturated count is still "too big".
+
+use crate::{Graph, NodeId, Op};
+use serde::Serialize;
+use std::ops::AddAssign;
+
+/// Work of one node, or a sum of nodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Cost {
+    pub fwd_flops: u64,
+    pub bwd_flops: u64,
+    /// Bytes moved by the forward op (operands read + result written).
+    pub fwd_bytes: u64,
+}
+
+impl AddAssign for Cost {
+    fn add_assign(&mut self, o: Cost) {
+        self.fwd_flops = self.fwd_flops.saturating_add(o.fwd_flops);
+        self.bwd_flops = self.bwd_flops.saturating_add(o.bwd_flops);
+        self.fwd_bytes = self.fwd_bytes.saturating_add(o.fwd_bytes);
+    }
+}
+
+/// `(forward, backward)` FLOPs per output element of the elementwise-like ops.
+pub fn elementwise_flops(op: &Op) -> (u64, u64) {
+    match op {
+        Op::Add => (1, 1),
+        Op::Mul => (1, 2),
+        Op::Silu => (4, 8),
+        Op::Gelu => (8, 16),
+        Op::RmsNorm { .. } => (4, 8),
+        Op::LayerNorm { .. } => (7, 14),
+        Op::Rope { .. } => (3, 3),
+        Op::Softmax { .. } => (5, 5),
+        _ => (0, 0),
+    }
+}
+
+fn mul(xs: &[u64]) -> u64 {
+    xs.iter().fold(1u64, |acc, &x| acc.saturating_mul(x))
+}
+
+impl Graph {
+    /// FLOPs and bytes of one node.
+    pub fn node_cost(&self, id: NodeId) -> Cost {
+        let node = self.node(id);
+        let ins: Vec<_> = node.inputs.iter().map(|&i| &self.node(i).ty).collect();
+        let out_numel = node.ty.numel().unwrap_or(u64::MAX);
+        let (fwd_flops, bwd_flops) = match &node.op {
+            Op::Input { .. } | Op::Param { .. } => (0, 0),
+            Op::Embedding => (0, out_numel),
+            Op::Linear { bias, .. } => {
+                let w = ins[1].shape.dims();
+                let rows = mul(&ins[0].shape.dims()[..ins[0].shape.rank() - 1]);
+                let mm = mul(&[2, rows, w[0], w[1]]);
+                let b = if *bias { out_numel } else { 0 };
+                (mm.saturating_add(b), mm.saturating_mul(2).saturating_add(b))
+            }
+            Op::MatMul => {
+                let k = ins[0].shape.last().unwrap_or(0);
+                let mm = mul(&[2, out_numel, k]);
+                (mm, mm.saturating_mul(2))
+            }
+            Op::Attention { .. } => {
+                let q = ins[0].shape.dims();
+                let t = ins[1].shape.dims()[1];
+                let f = mul(&[4, q[0], q[2], q[1], t, q[3]]);
+                (f, f.saturating_mul(2))
+            }
+            Op::CrossEntropy => {
+                let n = ins[0].numel().unwrap_or(u64::MAX);
+                (n.saturating_mul(5), n.saturating_mul(2))
+            }
+            op => {
+                let (f, b) = elementwise_flops(op);
+                (out_numel.saturating_mul(f), out_numel.saturating_mul(b))
+            }
+        };
+        let fwd_bytes = match node.op {
+            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => 0,
+            _ => ins
+                .iter()
+                .chain(std::iter::once(&&node.ty))
+                .fold(0u64, |acc, t| acc.saturating_add(t.bytes().unwrap_or(u64::MAX))),
+        };
+        Cost {
+            fwd_flops,
+            bwd_flops,
+            fwd_bytes,
+        }
+    }
+
+    /// Sum of [`Graph::node_cost`] over all nodes.
+    pub fn total_cost(&self) -> Cost {
+        let mut total = Cost::default();
+        for (id, _) in self.nodes() {
+            total += self.node_cost(id);
+        }
+        total
+    }
+}

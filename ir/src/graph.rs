@@ -1,0 +1,265 @@
+//! The graph: nodes on petgraph, with parameter and scope side tables.
+
+use crate::{IrError, ModuleKind, NodeId, Op, ParamId, Scope, ScopeId, TensorType};
+use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::Direction;
+
+/// One op application; it produces exactly one value, named by its [`NodeId`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: Op,
+    /// Operands in the order the op's contract gives.
+    pub inputs: Vec<NodeId>,
+    /// Type of the value the node produces.
+    pub ty: TensorType,
+    /// Module the node was traced in.
+    pub scope: ScopeId,
+}
+
+/// A trainable parameter, named exactly as in Hugging Face checkpoints.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Param {
+    pub name: String,
+    pub ty: TensorType,
+    /// Module that owns the parameter (a tied weight is owned by its first user).
+    pub scope: ScopeId,
+    /// The `param` node that yields it.
+    pub node: NodeId,
+}
+
+/// A traced model: a DAG of tensor ops with concrete types.
+///
+/// Nodes are appended after their operands, so id order is a topological order.
+/// Architecture invariant: petgraph indices never leave this module; callers see [`NodeId`].
+#[derive(Clone, Debug)]
+pub struct Graph {
+    name: String,
+    dag: DiGraph<Node, u32, u32>,
+    params: Vec<Param>,
+    scopes: Vec<Scope>,
+    inputs: Vec<NodeId>,
+    outputs: Vec<NodeId>,
+}
+
+impl Graph {
+    /// An empty graph whose root scope has id `s0`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Graph {
+            name: name.into(),
+            dag: DiGraph::default(),
+            params: Vec::new(),
+            scopes: vec![Scope {
+                path: String::new(),
+                kind: ModuleKind::Root,
+                parent: None,
+            }],
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    /// The root scope.
+    pub fn root(&self) -> ScopeId {
+        ScopeId(0)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A child scope of `parent` named `segment` (paths join with `.`).
+    pub fn add_scope(&mut self, parent: ScopeId, segment: &str, kind: ModuleKind) -> ScopeId {
+        let parent_path = &self.scopes[parent.index()].path;
+        let path = if parent_path.is_empty() {
+            segment.to_string()
+        } else {
+            format!("{parent_path}.{segment}")
+        };
+        self.scopes.push(Scope {
+            path,
+            kind,
+            parent: Some(parent),
+        });
+        ScopeId::from_index(self.scopes.len() - 1)
+    }
+
+    /// A data input of the given type.
+    pub fn add_input(
+        &mut self,
+        name: &str,
+        ty: TensorType,
+        scope: ScopeId,
+    ) -> Result<NodeId, IrError> {
+        self.check_size(name, &ty, scope)?;
+        let id = self.push(Op::Input { name: name.to_string() }, Vec::new(), ty, scope);
+        self.inputs.push(id);
+        Ok(id)
+    }
+
+    /// A parameter named as in HF checkpoints; names are unique.
+    pub fn add_param(
+        &mut self,
+        name: &str,
+        ty: TensorType,
+        scope: ScopeId,
+    ) -> Result<NodeId, IrError> {
+        if self.params.iter().any(|p| p.name == name) {
+            return Err(IrError::DuplicateParam(name.to_string()));
+        }
+        self.check_size(name, &ty, scope)?;
+        let param = ParamId::from_index(self.params.len());
+        let node = self.push(Op::Param { param }, Vec::new(), ty.clone(), scope);
+        self.params.push(Param {
+            name: name.to_string(),
+            ty,
+            scope,
+            node,
+        });
+        Ok(node)
+    }
+
+    /// Applies `op` to `inputs`, inferring the result type.
+    pub fn add_node(
+        &mut self,
+        op: Op,
+        inputs: &[NodeId],
+        scope: ScopeId,
+    ) -> Result<NodeId, IrError> {
+        if let Some(bad) = inputs.iter().find(|i| i.index() >= self.dag.node_count()) {
+            return Err(IrError::UnknownOperand {
+                op: op.name(),
+                scope: self.scope(scope).display_path().to_string(),
+                operand: bad.to_string(),
+            });
+        }
+        let types: Vec<&TensorType> = inputs.iter().map(|&i| &self.node(i).ty).collect();
+        let ty = op.infer(&types).map_err(|reason| IrError::Shape {
+            op: op.name(),
+            scope: self.scope(scope).display_path().to_string(),
+            operands: types.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", "),
+            reason,
+        })?;
+        self.check_size(op.name(), &ty, scope)?;
+        Ok(self.push(op, inputs.to_vec(), ty, scope))
+    }
+
+    /// Marks a node as a graph output (the loss).
+    pub fn add_output(&mut self, node: NodeId) {
+        self.outputs.push(node);
+    }
+
+    fn check_size(&self, what: &str, ty: &TensorType, scope: ScopeId) -> Result<(), IrError> {
+        match ty.bytes() {
+            Some(_) => Ok(()),
+            None => Err(IrError::Overflow {
+                what: what.to_string(),
+                scope: self.scope(scope).display_path().to_string(),
+                ty: ty.to_string(),
+            }),
+        }
+    }
+
+    fn push(&mut self, op: Op, inputs: Vec<NodeId>, ty: TensorType, scope: ScopeId) -> NodeId {
+        let operands = inputs.clone();
+        let idx = self.dag.add_node(Node { op, inputs, ty, scope });
+        for (pos, src) in operands.iter().enumerate() {
+            self.dag.add_edge(NodeIndex::new(src.index()), idx, pos as u32);
+        }
+        NodeId::from_index(idx.index())
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.dag[NodeIndex::new(id.index())]
+    }
+
+    /// All nodes in id (topological) order.
+    pub fn nodes(&self) -> impl Iterator<Item = (NodeId, &Node)> + '_ {
+        self.dag
+            .node_weights()
+            .enumerate()
+            .map(|(i, n)| (NodeId::from_index(i), n))
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.dag.node_count()
+    }
+
+    pub fn edge_count(&self) -> usize {
+        self.dag.edge_count()
+    }
+
+    /// Nodes that read `id`'s value, in id order (a node reading it twice appears once).
+    pub fn users(&self, id: NodeId) -> Vec<NodeId> {
+        let mut users: Vec<NodeId> = self
+            .dag
+            .neighbors_directed(NodeIndex::new(id.index()), Direction::Outgoing)
+            .map(|n| NodeId::from_index(n.index()))
+            .collect();
+        users.sort_unstable();
+        users.dedup();
+        users
+    }
+
+    pub fn param(&self, id: ParamId) -> &Param {
+        &self.params[id.index()]
+    }
+
+    pub fn params(&self) -> impl ExactSizeIterator<Item = (ParamId, &Param)> + '_ {
+        self.params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (ParamId::from_index(i), p))
+    }
+
+    pub fn scope(&self, id: ScopeId) -> &Scope {
+        &self.scopes[id.index()]
+    }
+
+    pub fn scopes(&self) -> impl ExactSizeIterator<Item = (ScopeId, &Scope)> + '_ {
+        self.scopes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (ScopeId::from_index(i), s))
+    }
+
+    /// The outermost non-root ancestor of `id` (itself when it is top level), or the root.
+    pub fn top_level(&self, id: ScopeId) -> ScopeId {
+        let mut cur = id;
+        while let Some(parent) = self.scope(cur).parent {
+            if parent == self.root() {
+                return cur;
+            }
+            cur = parent;
+        }
+        cur
+    }
+
+    pub fn inputs(&self) -> &[NodeId] {
+        &self.inputs
+    }
+
+    pub fn outputs(&self) -> &[NodeId] {
+        &self.outputs
+    }
+
+    /// True when both graphs have the same nodes, parameters, scopes, inputs and outputs
+    /// (names of the graphs themselves may differ).
+    pub fn same_structure(&self, other: &Graph) -> bool {
+        self.params == other.params
+            && self.scopes == other.scopes
+            && self.inputs == other.inputs
+            && self.outputs == other.outputs
+            && self.dag.node_weights().eq(other.dag.node_weights())
+    }
+
+    /// Iterates the petgraph edges as `(from, to, operand position)`.
+    pub fn edges(&self) -> impl Iterator<Item = (NodeId, NodeId, u32)> + '_ {
+        self.dag.raw_edges().iter().map(|e| {
+            (
+                NodeId::from_index(e.source().index()),
+                NodeId::from_index(e.target().index()),
+                e.weight,
+            )
+        })
+    }
+}

@@ -1,0 +1,27 @@
+//! shardplan's IR: tensor types, a closed set of ops with shape inference, a graph of op
+//! applications with module scopes and HF parameter names, FLOP/byte costs and printers.
+//!
+//! Architecture invariant: the IR knows nothing of devices, sharding or collectives.
+
+mod cost;
+mod dot;
+mod dtype;
+mod error;
+mod graph;
+mod ids;
+mod op;
+mod print;
+mod scope;
+mod shape;
+pub mod stats;
+
+pub use cost::{elementwise_flops, Cost};
+pub use dot::to_dot;
+pub use dtype::DType;
+pub use error::IrError;
+pub use graph::{Graph, Node, Param};
+pub use ids::{NodeId, ParamId, ScopeId};
+pub use op::{Op, WeightLayout};
+pub use print::to_text;
+pub use scope::{ModuleKind, Scope};
+pub use shape::{Shape, TensorType};

@@ -1,0 +1,409 @@
+//! The closed set of tensor ops and their shape inference.
+//!
+//! Ops are coarse where kernels are coarse (attention, rms_norm, cross_entropy), so the
+//! planner and cost model see the same units the executor runs.
+
+use crate::{DType, ParamId, Shape, TensorType};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// How a linear layer's weight is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightLayout {
+    /// `[out, in]`, as `torch.nn.Linear` (Llama, Mistral, Qwen2).
+    OutIn,
+    /// `[in, out]`, as GPT-2's `Conv1D`.
+    InOut,
+}
+
+/// One tensor operation. Operand order is part of each op's contract (see [`Op::infer`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// A graph input fed by the data pipeline (`tokens`, `targets`, `features`).
+    Input { name: String },
+    /// A trainable parameter.
+    Param { param: ParamId },
+    /// `(table [V, D], ids [...] int) -> [..., D]`.
+    Embedding,
+    /// `(x [..., in], w, bias? [out]) -> [..., out]`.
+    Linear { bias: bool, layout: WeightLayout },
+    /// `(a [..., m, k], b [..., k, n]) -> [..., m, n]`, batch dims broadcast.
+    MatMul,
+    /// Elementwise sum with broadcasting.
+    Add,
+    /// Elementwise product with broadcasting.
+    Mul,
+    /// `(x [..., d], w [d]) -> [..., d]`.
+    RmsNorm { eps: f64 },
+    /// `(x [..., d], w [d], b [d]) -> [..., d]`.
+    LayerNorm { eps: f64 },
+    /// Rotary position embedding over positions `0..seq`: `(x [b, s, h, d]) -> same`, d even.
+    Rope { theta: f64 },
+    /// Scaled dot-product attention with grouped-query heads:
+    /// `(q [b, s, h, d], k [b, t, kv, d], v [b, t, kv, d]) -> [b, s, h, d]`, h % kv == 0.
+    Attention { causal: bool },
+    /// `x * sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation (GPT-2's `gelu_new`).
+    Gelu,
+    /// Softmax over one dim.
+    Softmax { dim: usize },
+    /// Mean token cross-entropy: `(logits [n, v] float, targets [n] int) -> f32 []`.
+    CrossEntropy,
+    /// Same elements, new shape.
+    Reshape { shape: Shape },
+    /// Swap two dims.
+    Transpose { dim0: usize, dim1: usize },
+    /// `len` entries of `dim` starting at `start`.
+    Narrow { dim: usize, start: u64, len: u64 },
+    /// Join operands along `dim`; all other dims equal.
+    Concat { dim: usize },
+    /// Change the element type.
+    Cast { dtype: DType },
+}
+
+impl Op {
+    /// Short lowercase name used in printouts and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param { .. } => "param",
+            Op::Embedding => "embedding",
+            Op::Linear { .. } => "linear",
+            Op::MatMul => "matmul",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::LayerNorm { .. } => "layer_norm",
+            Op::Rope { .. } => "rope",
+            Op::Attention { .. } => "attention",
+            Op::Silu => "silu",
+            Op::Gelu => "gelu",
+            Op::Softmax { .. } => "softmax",
+            Op::CrossEntropy => "cross_entropy",
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Narrow { .. } => "narrow",
+            Op::Concat { .. } => "concat",
+            Op::Cast { .. } => "cast",
+        }
+    }
+
+    /// True for ops without operands (inputs and parameters).
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::Param { .. })
+    }
+
+    /// Attributes for printing (`eps=1e-5`), empty when the op has none.
+    pub fn attrs(&self) -> String {
+        match self {
+            Op::Linear { bias, layout } => {
+                let mut s = String::new();
+                if *bias {
+                    s.push_str("bias");
+                }
+                if *layout == WeightLayout::InOut {
+                    if !s.is_empty() {
+                        s.push(' ');
+                    }
+                    s.push_str("w=[in,out]");
+                }
+                s
+            }
+            Op::RmsNorm { eps } | Op::LayerNorm { eps } => format!("eps={eps:e}"),
+            Op::Rope { theta } => format!("theta={theta}"),
+            Op::Attention { causal } => if *causal { "causal" } else { "full" }.to_string(),
+            Op::Softmax { dim } => format!("dim={dim}"),
+            Op::Reshape { shape } => format!("to={shape}"),
+            Op::Transpose { dim0, dim1 } => format!("dims={dim0},{dim1}"),
+            Op::Narrow { dim, start, len } => format!("dim={dim} start={start} len={len}"),
+            Op::Concat { dim } => format!("dim={dim}"),
+            Op::Cast { dtype } => format!("to={dtype}"),
+            _ => String::new(),
+        }
+    }
+
+    /// Number of operands the op takes, or `None` when variadic (concat).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Input { .. } | Op::Param { .. } => 0,
+            Op::Embedding | Op::MatMul | Op::Add | Op::Mul | Op::RmsNorm { .. } => 2,
+            Op::CrossEntropy => 2,
+            Op::Linear { bias, .. } => 2 + usize::from(*bias),
+            Op::LayerNorm { .. } | Op::Attention { .. } => 3,
+            Op::Rope { .. } | Op::Silu | Op::Gelu | Op::Softmax { .. } => 1,
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Narrow { .. } | Op::Cast { .. } => 1,
+            Op::Concat { .. } => return None,
+        })
+    }
+
+    /// Infers the output type from the operand types, or says what is wrong.
+    ///
+    /// Leaf ops have no operands; their type is given when they are added to the graph.
+    pub fn infer(&self, ins: &[&TensorType]) -> Result<TensorType, String> {
+        match self.arity() {
+            Some(n) if ins.len() != n => {
+                return Err(format!("expects {n} operand(s), got {}", ins.len()))
+            }
+            None if ins.is_empty() => return Err("expects at least one operand".into()),
+            _ => {}
+        }
+        match self {
+            Op::Input { .. } | Op::Param { .. } => Err("leaf ops take their type as given".into()),
+            Op::Embedding => infer_embedding(ins[0], ins[1]),
+            Op::Linear { layout, .. } => infer_linear(*layout, ins),
+            Op::MatMul => infer_matmul(ins[0], ins[1]),
+            Op::Add | Op::Mul => {
+                same_float_dtype(ins)?;
+                let shape = ins[0].shape.broadcast(&ins[1].shape).ok_or_else(|| {
+                    format!("shapes {} and {} do not broadcast", ins[0].shape, ins[1].shape)
+                })?;
+                Ok(TensorType::new(ins[0].dtype, shape))
+            }
+            Op::RmsNorm { .. } | Op::LayerNorm { .. } => infer_norm(ins),
+            Op::Rope { .. } => {
+                float(ins[0], "input")?;
+                let d = ins[0].shape.dims();
+                if d.len() != 4 {
+                    return Err(format!("input must be [batch, seq, heads, head_dim], got {}", ins[0].shape));
+                }
+                if d[3] % 2 != 0 {
+                    return Err(format!("head_dim {} must be even", d[3]));
+                }
+                Ok(ins[0].clone())
+            }
+            Op::Attention { .. } => infer_attention(ins[0], ins[1], ins[2]),
+            Op::Silu | Op::Gelu => {
+                float(ins[0], "input")?;
+                Ok(ins[0].clone())
+            }
+            Op::Softmax { dim } => {
+                float(ins[0], "input")?;
+                check_dim(*dim, ins[0])?;
+                Ok(ins[0].clone())
+            }
+            Op::CrossEntropy => infer_cross_entropy(ins[0], ins[1]),
+            Op::Reshape { shape } => {
+                let (from, to) = (ins[0].shape.numel(), shape.numel());
+                if from != to || from.is_none() {
+                    return Err(format!(
+                        "cannot reshape {} ({} elements) to {} ({} elements)",
+                        ins[0].shape,
+                        show_numel(from),
+                        shape,
+                        show_numel(to)
+                    ));
+                }
+                Ok(TensorType::new(ins[0].dtype, shape.clone()))
+            }
+            Op::Transpose { dim0, dim1 } => {
+                check_dim(*dim0, ins[0])?;
+                check_dim(*dim1, ins[0])?;
+                let mut dims = ins[0].shape.dims().to_vec();
+                dims.swap(*dim0, *dim1);
+                Ok(TensorType::new(ins[0].dtype, dims))
+            }
+            Op::Narrow { dim, start, len } => {
+                check_dim(*dim, ins[0])?;
+                let size = ins[0].shape.dims()[*dim];
+                match start.checked_add(*len) {
+                    Some(end) if end <= size => {}
+                    _ => {
+                        return Err(format!(
+                            "range {start}..{start}+{len} is outside dim {dim} of size {size}"
+                        ))
+                    }
+                }
+                let mut dims = ins[0].shape.dims().to_vec();
+                dims[*dim] = *len;
+                Ok(TensorType::new(ins[0].dtype, dims))
+            }
+            Op::Concat { dim } => infer_concat(*dim, ins),
+            Op::Cast { dtype } => Ok(TensorType::new(*dtype, ins[0].shape.clone())),
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn show_numel(n: Option<u64>) -> String {
+    n.map_or_else(|| "overflowing".to_string(), |n| n.to_string())
+}
+
+fn float(t: &TensorType, what: &str) -> Result<(), String> {
+    if t.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a float tensor, got {t}"))
+    }
+}
+
+fn same_float_dtype(ins: &[&TensorType]) -> Result<(), String> {
+    for t in ins {
+        float(t, "operand")?;
+    }
+    if ins.windows(2).any(|w| w[0].dtype != w[1].dtype) {
+        let list: Vec<String> = ins.iter().map(|t| t.dtype.to_string()).collect();
+        return Err(format!("operand dtypes differ ({}); insert a cast", list.join(" vs ")));
+    }
+    Ok(())
+}
+
+fn check_dim(dim: usize, t: &TensorType) -> Result<(), String> {
+    if dim < t.shape.rank() {
+        Ok(())
+    } else {
+        Err(format!("dim {dim} is out of range for {} (rank {})", t.shape, t.shape.rank()))
+    }
+}
+
+fn infer_embedding(table: &TensorType, ids: &TensorType) -> Result<TensorType, String> {
+    float(table, "table")?;
+    if table.shape.rank() != 2 {
+        return Err(format!("table must be [vocab, dim], got {}", table.shape));
+    }
+    if ids.dtype.is_float() {
+        return Err(format!("ids must be an integer tensor, got {ids}"));
+    }
+    let mut dims = ids.shape.dims().to_vec();
+    dims.push(table.shape.dims()[1]);
+    Ok(TensorType::new(table.dtype, dims))
+}
+
+fn infer_linear(layout: WeightLayout, ins: &[&TensorType]) -> Result<TensorType, String> {
+    same_float_dtype(ins)?;
+    let (x, w) = (ins[0], ins[1]);
+    if w.shape.rank() != 2 {
+        return Err(format!("weight must be 2-D, got {}", w.shape));
+    }
+    let (wd_in, wd_out) = match layout {
+        WeightLayout::OutIn => (w.shape.dims()[1], w.shape.dims()[0]),
+        WeightLayout::InOut => (w.shape.dims()[0], w.shape.dims()[1]),
+    };
+    let x_in = x
+        .shape
+        .last()
+        .ok_or_else(|| "input must have at least one dim".to_string())?;
+    if x_in != wd_in {
+        return Err(format!(
+            "input features {x_in} (last dim of {}) do not match the weight's input features {wd_in} (weight {})",
+            x.shape, w.shape
+        ));
+    }
+    if let Some(b) = ins.get(2) {
+        if b.shape.dims() != [wd_out] {
+            return Err(format!("bias must be [{wd_out}], got {}", b.shape));
+        }
+    }
+    let mut dims = x.shape.dims().to_vec();
+    *dims.last_mut().expect("checked non-empty") = wd_out;
+    Ok(TensorType::new(x.dtype, dims))
+}
+
+fn infer_matmul(a: &TensorType, b: &TensorType) -> Result<TensorType, String> {
+    same_float_dtype(&[a, b])?;
+    let (ad, bd) = (a.shape.dims(), b.shape.dims());
+    if ad.len() < 2 || bd.len() < 2 {
+        return Err(format!("operands must be at least 2-D, got {} and {}", a.shape, b.shape));
+    }
+    let (m, k) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (k2, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    if k != k2 {
+        return Err(format!("inner dims differ: {} has k={k}, {} has k={k2}", a.shape, b.shape));
+    }
+    let batch_a = Shape::new(&ad[..ad.len() - 2]);
+    let batch_b = Shape::new(&bd[..bd.len() - 2]);
+    let batch = batch_a.broadcast(&batch_b).ok_or_else(|| {
+        format!("batch dims {batch_a} and {batch_b} do not broadcast")
+    })?;
+    let mut dims = batch.dims().to_vec();
+    dims.extend([m, n]);
+    Ok(TensorType::new(a.dtype, dims))
+}
+
+fn infer_norm(ins: &[&TensorType]) -> Result<TensorType, String> {
+    same_float_dtype(ins)?;
+    let x = ins[0];
+    let d = x
+        .shape
+        .last()
+        .ok_or_else(|| "input must have at least one dim".to_string())?;
+    for (t, what) in ins[1..].iter().zip(["weight", "bias"]) {
+        if t.shape.dims() != [d] {
+            return Err(format!("{what} must be [{d}] to match input {}, got {}", x.shape, t.shape));
+        }
+    }
+    Ok(x.clone())
+}
+
+fn infer_attention(q: &TensorType, k: &TensorType, v: &TensorType) -> Result<TensorType, String> {
+    same_float_dtype(&[q, k, v])?;
+    for (t, what) in [(q, "q"), (k, "k"), (v, "v")] {
+        if t.shape.rank() != 4 {
+            return Err(format!("{what} must be [batch, seq, heads, head_dim], got {}", t.shape));
+        }
+    }
+    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
+    if kd != vd {
+        return Err(format!("k {} and v {} must have the same shape", k.shape, v.shape));
+    }
+    if qd[0] != kd[0] || qd[3] != kd[3] {
+        return Err(format!(
+            "q {} and k {} must agree on batch and head_dim",
+            q.shape, k.shape
+        ));
+    }
+    if kd[2] == 0 || qd[2] % kd[2] != 0 {
+        return Err(format!(
+            "query heads {} are not a multiple of key/value heads {} (q {}, k {})",
+            qd[2], kd[2], q.shape, k.shape
+        ));
+    }
+    Ok(q.clone())
+}
+
+fn infer_cross_entropy(logits: &TensorType, targets: &TensorType) -> Result<TensorType, String> {
+    float(logits, "logits")?;
+    if targets.dtype.is_float() {
+        return Err(format!("targets must be an integer tensor, got {targets}"));
+    }
+    let (ld, td) = (logits.shape.dims(), targets.shape.dims());
+    if ld.len() != 2 || td.len() != 1 || ld[0] != td[0] {
+        return Err(format!(
+            "logits must be [n, vocab] and targets [n], got logits {} and targets {}",
+            logits.shape, targets.shape
+        ));
+    }
+    Ok(TensorType::new(DType::F32, Shape::scalar()))
+}
+
+fn infer_concat(dim: usize, ins: &[&TensorType]) -> Result<TensorType, String> {
+    let first = ins[0];
+    check_dim(dim, first)?;
+    let mut total: u64 = 0;
+    for t in ins {
+        if t.dtype != first.dtype {
+            return Err(format!("operand dtypes differ ({} vs {})", first.dtype, t.dtype));
+        }
+        let same_rest = t.shape.rank() == first.shape.rank()
+            && t.shape.dims().iter().zip(first.shape.dims()).enumerate().all(|(i, (a, b))| i == dim || a == b);
+        if !same_rest {
+            return Err(format!(
+                "{} and {} differ outside concat dim {dim}",
+                first.shape, t.shape
+            ));
+        }
+        total = total
+            .checked_add(t.shape.dims()[dim])
+            .ok_or_else(|| "concatenated size overflows u64".to_string())?;
+    }
+    let mut dims = first.shape.dims().to_vec();
+    dims[dim] = total;
+    Ok(TensorType::new(first.dtype, dims))
+}

@@ -1,0 +1,242 @@
+//! Validated model configurations: what the builders trace. Frontends convert specs into
+//! these; presets build them directly. [`ModelConfig::validate`] is the one validation.
+
+use serde::Serialize;
+use thiserror::Error;
+
+/// Most layers a model may have: far beyond any real model, small enough to trace.
+pub const MAX_LAYERS: u64 = 10_000;
+
+/// A configuration value that cannot describe a model.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[error("`{field}`: {message}")]
+pub struct ConfigError {
+    /// The spec field at fault (model spec names: `n_kv_heads`).
+    pub field: &'static str,
+    pub message: String,
+    /// How to fix it.
+    pub help: String,
+}
+
+impl ConfigError {
+    fn new(field: &'static str, message: impl Into<String>, help: impl Into<String>) -> Self {
+        ConfigError {
+            field,
+            message: message.into(),
+            help: help.into(),
+        }
+    }
+}
+
+/// The Llama family: Llama 1/2/3, Mistral and Qwen2 differ only in these numbers.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LlamaConfig {
+    pub name: String,
+    pub vocab_size: u64,
+    pub dim: u64,
+    pub n_layers: u64,
+    pub n_heads: u64,
+    pub n_kv_heads: u64,
+    /// Per-head width; `None` means `dim / n_heads`.
+    pub head_dim: Option<u64>,
+    pub ffn_dim: u64,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_embeddings: bool,
+    /// Bias on q/k/v projections (Qwen2).
+    pub qkv_bias: bool,
+    pub max_seq_len: u64,
+}
+
+impl LlamaConfig {
+    pub fn head_dim(&self) -> u64 {
+        self.head_dim.unwrap_or(self.dim / self.n_heads.max(1))
+    }
+}
+
+/// GPT-2: learned positions, layer norm, gelu, biases everywhere, tied output head.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Gpt2Config {
+    pub name: String,
+    pub vocab_size: u64,
+    pub dim: u64,
+    pub n_layers: u64,
+    pub n_heads: u64,
+    pub ffn_dim: u64,
+    /// Length of the learned position table; also the longest sequence.
+    pub max_seq_len: u64,
+    pub norm_eps: f64,
+}
+
+/// A small residual MLP classifier over feature vectors, for tests and demos.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MlpConfig {
+    pub name: String,
+    /// Width of the input features and of the residual stream.
+    pub dim: u64,
+    pub ffn_dim: u64,
+    pub n_layers: u64,
+    pub n_classes: u64,
+}
+
+/// Any model shardplan can trace.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "family", rename_all = "lowercase")]
+pub enum ModelConfig {
+    Llama(LlamaConfig),
+    Gpt2(Gpt2Config),
+    Mlp(MlpConfig),
+}
+
+fn positive(field: &'static str, v: u64) -> Result<(), ConfigError> {
+    if v == 0 {
+        Err(ConfigError::new(field, "must be at least 1, got 0", format!("set `{field}` to a positive integer")))
+    } else {
+        Ok(())
+    }
+}
+
+fn finite_positive(field: &'static str, v: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::new(field, format!("must be a finite number > 0, got {v}"), format!("set `{field}` to a small positive number such as 1.0e-5")))
+    }
+}
+
+fn layers(v: u64) -> Result<(), ConfigError> {
+    positive("n_layers", v)?;
+    if v > MAX_LAYERS {
+        return Err(ConfigError::new("n_layers", format!("{v} layers is more than the {MAX_LAYERS} shardplan traces"), "use a realistic layer count"));
+    }
+    Ok(())
+}
+
+fn divides(field: &'static str, part: u64, whole_name: &str, whole: u64, help: &str) -> Result<(), ConfigError> {
+    if whole % part != 0 {
+        return Err(ConfigError::new(field, format!("{field} = {part} does not divide {whole_name} = {whole}"), help.to_string()));
+    }
+    Ok(())
+}
+
+/// Checked sum of products: the parameter count, or `None` on u64 overflow.
+fn checked_sum(terms: &[&[u64]]) -> Option<u64> {
+    terms.iter().try_fold(0u64, |acc, t| {
+        let p = t.iter().try_fold(1u64, |a, &x| a.checked_mul(x))?;
+        acc.checked_add(p)
+    })
+}
+
+impl ModelConfig {
+    pub fn name(&self) -> &str {
+        match self {
+            ModelConfig::Llama(c) => &c.name,
+            ModelConfig::Gpt2(c) => &c.name,
+            ModelConfig::Mlp(c) => &c.name,
+        }
+    }
+
+    /// `llama`, `gpt2` or `mlp`.
+    pub fn family(&self) -> &'static str {
+        match self {
+            ModelConfig::Llama(_) => "llama",
+            ModelConfig::Gpt2(_) => "gpt2",
+            ModelConfig::Mlp(_) => "mlp",
+        }
+    }
+
+    /// Longest sequence the model takes (`None`: no limit, the MLP has no sequence).
+    pub fn max_seq_len(&self) -> Option<u64> {
+        match self {
+            ModelConfig::Llama(c) => Some(c.max_seq_len),
+            ModelConfig::Gpt2(c) => Some(c.max_seq_len),
+            ModelConfig::Mlp(_) => None,
+        }
+    }
+
+    /// Sequence length traced when the parallel spec gives none: the model's context,
+    /// capped at 8192 (long-context configs announce 128K positions but train shorter),
+    /// and 1 for the MLP (a row of features is one "token").
+    pub fn default_seq_len(&self) -> u64 {
+        self.max_seq_len().map_or(1, |m| m.min(8192))
+    }
+
+    /// Exact parameter count, or `None` if it overflows u64.
+    pub fn param_count(&self) -> Option<u64> {
+        match self {
+            ModelConfig::Llama(c) => {
+                let hd = c.head_dim();
+                let (q, kv) = (c.n_heads.checked_mul(hd)?, c.n_kv_heads.checked_mul(hd)?);
+                let bias = if c.qkv_bias { checked_sum(&[&[q], &[kv], &[kv]])? } else { 0 };
+                let layer = checked_sum(&[&[c.dim, q], &[c.dim, kv], &[c.dim, kv], &[q, c.dim], &[3, c.dim, c.ffn_dim], &[2, c.dim], &[bias]])?;
+                let head = if c.tie_embeddings { 0 } else { 1 };
+                checked_sum(&[&[layer, c.n_layers], &[1 + head, c.vocab_size, c.dim], &[c.dim]])
+            }
+            ModelConfig::Gpt2(c) => {
+                let d = c.dim;
+                let layer = checked_sum(&[&[4, d], &[d, 3, d], &[3, d], &[d, d], &[d], &[2, d, c.ffn_dim], &[c.ffn_dim], &[d]])?;
+                checked_sum(&[&[layer, c.n_layers], &[c.vocab_size, d], &[c.max_seq_len, d], &[2, d]])
+            }
+            ModelConfig::Mlp(c) => {
+                let layer = checked_sum(&[&[2, c.dim, c.ffn_dim], &[c.ffn_dim], &[c.dim]])?;
+                checked_sum(&[&[layer, c.n_layers], &[c.n_classes, c.dim], &[c.n_classes]])
+            }
+        }
+    }
+
+    /// Checks every number; the error names the field and the fix.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match self {
+            ModelConfig::Llama(c) => {
+                positive("vocab_size", c.vocab_size)?;
+                positive("dim", c.dim)?;
+                layers(c.n_layers)?;
+                positive("n_heads", c.n_heads)?;
+                positive("n_kv_heads", c.n_kv_heads)?;
+                positive("ffn_dim", c.ffn_dim)?;
+                positive("max_seq_len", c.max_seq_len)?;
+                match c.head_dim {
+                    Some(hd) => positive("head_dim", hd)?,
+                    None => divides("n_heads", c.n_heads, "dim", c.dim, "choose n_heads dividing dim, or set head_dim explicitly")?,
+                }
+                if c.head_dim() % 2 != 0 {
+                    return Err(ConfigError::new("head_dim", format!("rotary embeddings need an even head_dim, got {}", c.head_dim()), "choose dim / n_heads (or head_dim) even"));
+                }
+                divides("n_kv_heads", c.n_kv_heads, "n_heads", c.n_heads, "grouped-query attention needs n_kv_heads dividing n_heads")?;
+                finite_positive("norm_eps", c.norm_eps)?;
+                finite_positive("rope_theta", c.rope_theta)?;
+            }
+            ModelConfig::Gpt2(c) => {
+                positive("vocab_size", c.vocab_size)?;
+                positive("dim", c.dim)?;
+                layers(c.n_layers)?;
+                positive("n_heads", c.n_heads)?;
+                positive("ffn_dim", c.ffn_dim)?;
+                positive("max_seq_len", c.max_seq_len)?;
+                divides("n_heads", c.n_heads, "dim", c.dim, "choose n_heads dividing dim")?;
+                finite_positive("norm_eps", c.norm_eps)?;
+            }
+            ModelConfig::Mlp(c) => {
+                positive("dim", c.dim)?;
+                positive("ffn_dim", c.ffn_dim)?;
+                layers(c.n_layers)?;
+                positive("n_classes", c.n_classes)?;
+            }
+        }
+        // Parameters must be countable, and storable in f32 (4 bytes each), in u64.
+        match self.param_count().and_then(|n| n.checked_mul(4)) {
+            Some(_) => Ok(()),
+            None => Err(ConfigError::new(self.largest_field(), "the model is too large: its parameter bytes overflow u64", "use realistic sizes (dims of at most a few hundred thousand)")),
+        }
+    }
+
+    /// The size field with the largest value, to blame for an overflow.
+    fn largest_field(&self) -> &'static str {
+        let fields: Vec<(&'static str, u64)> = match self {
+            ModelConfig::Llama(c) => vec![("vocab_size", c.vocab_size), ("dim", c.dim), ("ffn_dim", c.ffn_dim), ("n_heads", c.n_heads), ("head_dim", c.head_dim())],
+            ModelConfig::Gpt2(c) => vec![("vocab_size", c.vocab_size), ("dim", c.dim), ("ffn_dim", c.ffn_dim), ("max_seq_len", c.max_seq_len)],
+            ModelConfig::Mlp(c) => vec![("dim", c.dim), ("ffn_dim", c.ffn_dim), ("n_classes", c.n_classes)],
+        };
+        fields.into_iter().max_by_key(|f| f.1).map_or("dim", |f| f.0)
+    }
+}

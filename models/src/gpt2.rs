@@ -1,0 +1,62 @@
+//! GPT-2 with HF names (`transformer.h.3.attn.c_attn.weight`, Conv1D `[in, out]` weights)
+//! and HF module paths without the `transformer.` prefix (`h.3.attn`).
+
+use crate::trace::Tracer;
+use crate::Gpt2Config;
+use shardplan_ir::{DType, IrError, ModuleKind, NodeId, Op, ScopeId, WeightLayout};
+
+fn layer_norm(t: &mut Tracer, scope: ScopeId, x: NodeId, prefix: &str, d: u64, eps: f64) -> Result<NodeId, IrError> {
+    let w = t.param(scope, &format!("{prefix}.weight"), &[d])?;
+    let b = t.param(scope, &format!("{prefix}.bias"), &[d])?;
+    t.op(scope, Op::LayerNorm { eps }, &[x, w, b])
+}
+
+pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Result<(), IrError> {
+    let (d, hd) = (c.dim, c.dim / c.n_heads);
+    let tokens = t.input("tokens", DType::U32, &[batch, seq])?;
+    let targets = t.input("targets", DType::U32, &[batch * seq])?;
+    let root = t.g.root();
+
+    let wte_scope = t.scope(root, "wte", ModuleKind::Embedding);
+    let wte = t.param(wte_scope, "transformer.wte.weight", &[c.vocab_size, d])?;
+    let tok = t.op(wte_scope, Op::Embedding, &[wte, tokens])?;
+    let wpe_scope = t.scope(root, "wpe", ModuleKind::Embedding);
+    let wpe = t.param(wpe_scope, "transformer.wpe.weight", &[c.max_seq_len, d])?;
+    let pos = t.op(wpe_scope, Op::Narrow { dim: 0, start: 0, len: seq }, &[wpe])?;
+    let mut x = t.op(root, Op::Add, &[tok, pos])?;
+
+    for i in 0..c.n_layers {
+        let block = t.scope(root, &format!("h.{i}"), ModuleKind::Block);
+        let p = format!("transformer.h.{i}");
+
+        let ln = t.scope(block, "ln_1", ModuleKind::Norm);
+        let h = layer_norm(t, ln, x, &format!("{p}.ln_1"), d, c.norm_eps)?;
+        let attn = t.scope(block, "attn", ModuleKind::Attention);
+        let qkv = t.linear(attn, h, &format!("{p}.attn.c_attn"), [d, 3 * d], WeightLayout::InOut, true)?;
+        let mut heads = Vec::with_capacity(3);
+        for j in 0..3 {
+            let part = t.op(attn, Op::Narrow { dim: 2, start: j * d, len: d }, &[qkv])?;
+            heads.push(t.reshape(attn, part, &[batch, seq, c.n_heads, hd])?);
+        }
+        let a = t.op(attn, Op::Attention { causal: true }, &heads)?;
+        let a = t.reshape(attn, a, &[batch, seq, d])?;
+        let o = t.linear(attn, a, &format!("{p}.attn.c_proj"), [d, d], WeightLayout::InOut, true)?;
+        x = t.op(block, Op::Add, &[x, o])?;
+
+        let ln = t.scope(block, "ln_2", ModuleKind::Norm);
+        let h = layer_norm(t, ln, x, &format!("{p}.ln_2"), d, c.norm_eps)?;
+        let mlp = t.scope(block, "mlp", ModuleKind::Mlp);
+        let f = t.linear(mlp, h, &format!("{p}.mlp.c_fc"), [d, c.ffn_dim], WeightLayout::InOut, true)?;
+        let f = t.op(mlp, Op::Gelu, &[f])?;
+        let o = t.linear(mlp, f, &format!("{p}.mlp.c_proj"), [c.ffn_dim, d], WeightLayout::InOut, true)?;
+        x = t.op(block, Op::Add, &[x, o])?;
+    }
+
+    let ln = t.scope(root, "ln_f", ModuleKind::Norm);
+    let x = layer_norm(t, ln, x, "transformer.ln_f", d, c.norm_eps)?;
+    // The head is tied to the token embedding, as in GPT2LMHeadModel: no parameter of its own.
+    let head = t.scope(root, "lm_head", ModuleKind::Head);
+    let logits = t.op(head, Op::Linear { bias: false, layout: WeightLayout::OutIn }, &[x, wte])?;
+    t.loss(logits, targets)?;
+    Ok(())
+}

@@ -1,0 +1,15 @@
+//! Model builders: trace Llama (2/3, Mistral, Qwen2), GPT-2 and a small MLP into the IR,
+//! with Hugging Face parameter names, plus size presets.
+//!
+//! Architecture invariant: builders only call the IR's graph API; they hold no tensors.
+
+mod config;
+mod gpt2;
+mod llama;
+mod mlp;
+mod presets;
+mod trace;
+
+pub use config::{ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MAX_LAYERS};
+pub use presets::{preset, PRESET_NAMES};
+pub use trace::{trace, TraceError, TraceOptions};
