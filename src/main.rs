@@ -1,1 +1,59 @@
-fn main() {}
+//! The `shardplan` command.
+
+mod fmt;
+mod inspect;
+
+use clap::{Parser, Subcommand};
+use shardplan_frontends::SpecError;
+use std::process::ExitCode;
+
+/// Compile-ahead FSDP planner: trace a model, plan its sharded training, run the plan.
+#[derive(Parser, Debug)]
+#[command(name = "shardplan", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Trace a model and show what shardplan sees: parameters, FLOPs, per-layer table, graph.
+    Inspect(inspect::InspectArgs),
+}
+
+/// A failure of a command: bad user input (exit 2) or anything else (exit 1).
+#[derive(Debug)]
+pub enum CliError {
+    Input(SpecError),
+    Other(anyhow::Error),
+}
+
+impl From<SpecError> for CliError {
+    fn from(e: SpecError) -> Self {
+        CliError::Input(e)
+    }
+}
+
+impl From<anyhow::Error> for CliError {
+    fn from(e: anyhow::Error) -> Self {
+        CliError::Other(e)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(args) => inspect::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Input(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        Err(CliError::Other(e)) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! The YAML model spec: a serde type mirroring the file, converted into a validated
+//! [`ModelConfig`].
+
+use crate::yaml::{self, pos};
+use crate::{Origin, Pos, Source, SpecError};
+use serde::Deserialize;
+use serde_saphyr::Spanned;
+use shardplan_models::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig};
+
+/// Model families a spec may name.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// Llama 2/3, Mistral, Qwen2 (set `qkv_bias: true` for Qwen2).
+    Llama,
+    Gpt2,
+    Mlp,
+}
+
+/// A model spec file as written (see examples/models/ for documented examples).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpecFile {
+    /// Display name; defaults to the file name.
+    pub name: Option<String>,
+    pub family: Spanned<Family>,
+    /// Vocabulary size (llama, gpt2).
+    pub vocab_size: Option<Spanned<u64>>,
+    /// Hidden size of the residual stream (all families).
+    pub dim: Option<Spanned<u64>>,
+    /// Number of blocks (all families).
+    pub n_layers: Option<Spanned<u64>>,
+    /// Attention heads (llama, gpt2).
+    pub n_heads: Option<Spanned<u64>>,
+    /// Key/value heads for grouped-query attention (llama; default n_heads).
+    pub n_kv_heads: Option<Spanned<u64>>,
+    /// Per-head width (llama; default dim / n_heads).
+    pub head_dim: Option<Spanned<u64>>,
+    /// Feed-forward hidden size (llama: required; gpt2, mlp: default 4 x dim).
+    pub ffn_dim: Option<Spanned<u64>>,
+    /// Normalisation epsilon (llama, gpt2; default 1e-5).
+    pub norm_eps: Option<Spanned<f64>>,
+    /// Rotary base (llama; default 10000).
+    pub rope_theta: Option<Spanned<f64>>,
+    /// Output head shares the token embedding (llama; default false; gpt2 always ties).
+    pub tie_embeddings: Option<Spanned<bool>>,
+    /// Bias on q/k/v projections (llama; true for Qwen2; default false).
+    pub qkv_bias: Option<Spanned<bool>>,
+    /// Context length (llama: default 4096; gpt2: learned positions, default 1024).
+    pub max_seq_len: Option<Spanned<u64>>,
+    /// Output classes (mlp).
+    pub n_classes: Option<Spanned<u64>>,
+}
+
+/// Which fields each family takes.
+fn allowed(family: Family) -> &'static [&'static str] {
+    match family {
+        Family::Llama => &["vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings", "qkv_bias", "max_seq_len"],
+        Family::Gpt2 => &["vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "norm_eps", "max_seq_len"],
+        Family::Mlp => &["dim", "n_layers", "ffn_dim", "n_classes"],
+    }
+}
+
+impl ModelSpecFile {
+    /// `(field, position)` of every field present in the file.
+    fn present(&self) -> Vec<(&'static str, Pos)> {
+        let mut v = Vec::new();
+        macro_rules! add {
+            ($($f:ident),*) => {$( if let Some(s) = &self.$f { v.push((stringify!($f), pos(s))); } )*};
+        }
+        add!(vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, norm_eps, rope_theta, tie_embeddings, qkv_bias, max_seq_len, n_classes);
+        v
+    }
+
+    /// Validates and converts into the internal config.
+    pub fn into_config(self, src: &Source) -> Result<(ModelConfig, Origin), SpecError> {
+        let family = self.family.value;
+        let mut origin = Origin::new(&src.path);
+        origin.insert("family", pos(&self.family));
+        for (field, p) in self.present() {
+            if !allowed(family).contains(&field) {
+                return Err(origin.error(field, format!("does not apply to family {}", family_name(family)), format!("remove it; {} takes: {}", family_name(family), allowed(family).join(", "))));
+            }
+            origin.insert(field, p);
+        }
+        let need = |v: &Option<Spanned<u64>>, field: &str| -> Result<u64, SpecError> {
+            v.as_ref().map(|s| s.value).ok_or_else(|| {
+                origin.error("family", format!("family {} needs `{field}`", family_name(family)), format!("add `{field}: <integer>` to the spec"))
+            })
+        };
+        let val = |v: &Option<Spanned<u64>>| v.as_ref().map(|s| s.value);
+        let fval = |v: &Option<Spanned<f64>>, d: f64| v.as_ref().map_or(d, |s| s.value);
+        let name = self.name.clone().unwrap_or_else(|| file_stem(src));
+        let config = match family {
+            Family::Llama => {
+                let n_heads = need(&self.n_heads, "n_heads")?;
+                ModelConfig::Llama(LlamaConfig {
+                    name,
+                    vocab_size: need(&self.vocab_size, "vocab_size")?,
+                    dim: need(&self.dim, "dim")?,
+                    n_layers: need(&self.n_layers, "n_layers")?,
+                    n_heads,
+                    n_kv_heads: val(&self.n_kv_heads).unwrap_or(n_heads),
+                    head_dim: val(&self.head_dim),
+                    ffn_dim: need(&self.ffn_dim, "ffn_dim")?,
+                    norm_eps: fval(&self.norm_eps, 1e-5),
+                    rope_theta: fval(&self.rope_theta, 10000.0),
+                    tie_embeddings: self.tie_embeddings.as_ref().is_some_and(|s| s.value),
+                    qkv_bias: self.qkv_bias.as_ref().is_some_and(|s| s.value),
+                    max_seq_len: val(&self.max_seq_len).unwrap_or(4096),
+                })
+            }
+            Family::Gpt2 => {
+                let dim = need(&self.dim, "dim")?;
+                ModelConfig::Gpt2(Gpt2Config {
+                    name,
+                    vocab_size: need(&self.vocab_size, "vocab_size")?,
+                    dim,
+                    n_layers: need(&self.n_layers, "n_layers")?,
+                    n_heads: need(&self.n_heads, "n_heads")?,
+                    ffn_dim: val(&self.ffn_dim).unwrap_or(dim.saturating_mul(4)),
+                    max_seq_len: val(&self.max_seq_len).unwrap_or(1024),
+                    norm_eps: fval(&self.norm_eps, 1e-5),
+                })
+            }
+            Family::Mlp => {
+                let dim = need(&self.dim, "dim")?;
+                ModelConfig::Mlp(MlpConfig {
+                    name,
+                    dim,
+                    ffn_dim: val(&self.ffn_dim).unwrap_or(dim.saturating_mul(4)),
+                    n_layers: need(&self.n_layers, "n_layers")?,
+                    n_classes: need(&self.n_classes, "n_classes")?,
+                })
+            }
+        };
+        config.validate().map_err(|e| {
+            // A derived value (head_dim from dim / n_heads) is blamed on a field the user wrote.
+            let field = if origin.has(e.field) { e.field } else { "n_heads" };
+            origin.error(field, e.message.clone(), e.help.clone())
+        })?;
+        Ok((config, origin))
+    }
+}
+
+fn family_name(f: Family) -> &'static str {
+    match f {
+        Family::Llama => "llama",
+        Family::Gpt2 => "gpt2",
+        Family::Mlp => "mlp",
+    }
+}
+
+pub(crate) fn file_stem(src: &Source) -> String {
+    src.path
+        .file_stem()
+        .map(|s| s.to_string_lossy().trim_end_matches(".config").to_string())
+        .unwrap_or_else(|| "model".to_string())
+}
+
+/// Parses and validates a YAML model spec.
+pub fn parse_model_spec(src: &Source) -> Result<(ModelConfig, Origin), SpecError> {
+    let file: ModelSpecFile = yaml::parse(src)?;
+    file.into_config(src)
+}

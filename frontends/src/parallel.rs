@@ -1,0 +1,482 @@
+//! The YAML parallel spec (mesh, wrap policy, resharding, prefetch, precision, offload,
+//! checkpointing, batch, optimizer, hardware), validated into a [`ParallelConfig`].
+
+use crate::either::{BoolOrInt, NameOr};
+use crate::hardware::{builtin, HardwareProfile, HARDWARE_NAMES};
+use crate::yaml::{self, pos};
+use crate::{did_you_mean, Origin, Source, SpecError};
+use serde::{Deserialize, Serialize};
+use serde_saphyr::Spanned;
+use shardplan_ir::{DType, ModuleKind};
+
+/// Most ranks a mesh may have (2^20): beyond any cluster, small enough to plan.
+pub const MAX_WORLD: u64 = 1 << 20;
+
+// ---- the file, as written ----
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParallelSpecFile {
+    mesh: Spanned<MeshFile>,
+    gpus_per_node: Option<Spanned<u64>>,
+    hardware: Option<Spanned<NameOr<HardwareFile>>>,
+    wrap: Option<Spanned<Vec<Spanned<ModuleKind>>>>,
+    reshard_after_forward: Option<Spanned<BoolOrInt>>,
+    prefetch: Option<Spanned<PrefetchFile>>,
+    mixed_precision: Option<Spanned<MixedPrecisionFile>>,
+    offload: Option<Spanned<Offload>>,
+    activation_checkpointing: Option<Spanned<NameOr<AcEveryFile>>>,
+    batch: Option<Spanned<BatchFile>>,
+    optimizer: Option<Spanned<OptimizerFile>>,
+    grad_clip: Option<Spanned<Option<f64>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MeshFile {
+    replicate: Option<Spanned<u64>>,
+    shard: Spanned<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HardwareFile {
+    base: Option<Spanned<String>>,
+    name: Option<String>,
+    bf16_tflops: Option<Spanned<f64>>,
+    f32_tflops: Option<Spanned<f64>>,
+    hbm_gib: Option<Spanned<f64>>,
+    hbm_gbps: Option<Spanned<f64>>,
+    intra_node_gbps: Option<Spanned<f64>>,
+    inter_node_gbps: Option<Spanned<f64>>,
+    intra_node_latency_us: Option<Spanned<f64>>,
+    inter_node_latency_us: Option<Spanned<f64>>,
+    compute_efficiency: Option<Spanned<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrefetchFile {
+    forward: Option<Spanned<u32>>,
+    backward: Option<Spanned<u32>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MixedPrecisionFile {
+    param: Option<Spanned<DType>>,
+    reduce: Option<Spanned<DType>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcEveryFile {
+    every: Spanned<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchFile {
+    per_rank: Option<Spanned<u64>>,
+    seq_len: Option<Spanned<u64>>,
+    grad_accum: Option<Spanned<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+enum OptimizerFile {
+    Adamw(AdamwFile),
+    Sgd(SgdFile),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdamwFile {
+    lr: Option<Spanned<f64>>,
+    betas: Option<Spanned<[f64; 2]>>,
+    eps: Option<Spanned<f64>>,
+    weight_decay: Option<Spanned<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SgdFile {
+    lr: Option<Spanned<f64>>,
+    momentum: Option<Spanned<f64>>,
+    weight_decay: Option<Spanned<f64>>,
+}
+
+// ---- the validated config ----
+
+/// Replicate x shard: `world = replicate * shard`; replicate > 1 is HSDP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MeshShape {
+    pub replicate: u64,
+    pub shard: u64,
+}
+
+impl MeshShape {
+    pub fn world(&self) -> u64 {
+        self.replicate * self.shard
+    }
+}
+
+/// FSDP2's `reshard_after_forward`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reshard {
+    /// `true`: free unsharded parameters after forward, all-gather again in backward.
+    AfterForward,
+    /// `false`: keep them unsharded until backward.
+    Keep,
+    /// `N`: after forward, keep a copy sharded over groups of N ranks (intra-node).
+    ToGroupOf(u64),
+}
+
+/// All-gathers issued ahead of need, as FSDP2's prefetch depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Prefetch {
+    pub forward: u32,
+    pub backward: u32,
+}
+
+/// Dtypes of the unsharded parameters (and compute) and of gradient reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MixedPrecision {
+    pub param: DType,
+    pub reduce: DType,
+}
+
+/// Where sharded parameters, gradients and optimizer state live between uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    None,
+    Cpu,
+}
+
+/// Which blocks recompute their activations in backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActivationCheckpointing {
+    None,
+    Full,
+    /// Every n-th block.
+    Every(u64),
+}
+
+/// Batch shape per rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Batch {
+    /// Sequences per micro-batch on each rank.
+    pub per_rank: u64,
+    /// Tokens per sequence; `None`: the model's default.
+    pub seq_len: Option<u64>,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: u64,
+}
+
+/// The optimizer and its hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    /// AdamW with decoupled weight decay.
+    AdamW { lr: f64, betas: [f64; 2], eps: f64, weight_decay: f64 },
+    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
+}
+
+impl Optimizer {
+    /// f32 state elements kept per parameter element (Adam: 2 moments; SGD: momentum or none).
+    pub fn state_per_param(&self) -> u64 {
+        match self {
+            Optimizer::AdamW { .. } => 2,
+            Optimizer::Sgd { momentum, .. } => u64::from(*momentum != 0.0),
+        }
+    }
+}
+
+/// A validated parallel spec.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ParallelConfig {
+    pub mesh: MeshShape,
+    pub gpus_per_node: u64,
+    pub hardware: HardwareProfile,
+    /// Module kinds that become FSDP units; the root group (everything else) is always last.
+    pub wrap: Vec<ModuleKind>,
+    pub reshard_after_forward: Reshard,
+    pub prefetch: Prefetch,
+    pub mixed_precision: MixedPrecision,
+    pub offload: Offload,
+    pub activation_checkpointing: ActivationCheckpointing,
+    pub batch: Batch,
+    pub optimizer: Optimizer,
+    /// Global gradient-norm clip; `None`: no clipping.
+    pub grad_clip: Option<f64>,
+}
+
+// ---- conversion ----
+
+fn at_least_1(origin: &Origin, field: &str, v: u64) -> Result<u64, SpecError> {
+    if v == 0 {
+        return Err(origin.error(field, "must be at least 1, got 0", format!("set `{field}` to a positive integer")));
+    }
+    Ok(v)
+}
+
+fn number(origin: &Origin, field: &str, v: f64, ok: impl Fn(f64) -> bool, rule: &str) -> Result<f64, SpecError> {
+    if v.is_finite() && ok(v) {
+        Ok(v)
+    } else {
+        Err(origin.error(field, format!("must be {rule}, got {v}"), format!("set `{field}` to a value {rule}")))
+    }
+}
+
+fn record<T>(origin: &mut Origin, field: &str, s: &Option<Spanned<T>>) {
+    if let Some(s) = s {
+        origin.insert(field, pos(s));
+    }
+}
+
+impl ParallelSpecFile {
+    fn into_config(self, src: &Source) -> Result<(ParallelConfig, Origin), SpecError> {
+        let mut o = Origin::new(&src.path);
+
+        o.insert("mesh", pos(&self.mesh));
+        let mesh_file = self.mesh.value;
+        record(&mut o, "mesh.replicate", &mesh_file.replicate);
+        o.insert("mesh.shard", pos(&mesh_file.shard));
+        let replicate = at_least_1(&o, "mesh.replicate", mesh_file.replicate.map_or(1, |s| s.value))?;
+        let shard = at_least_1(&o, "mesh.shard", mesh_file.shard.value)?;
+        let mesh = MeshShape { replicate, shard };
+        match replicate.checked_mul(shard) {
+            Some(w) if w <= MAX_WORLD => {}
+            _ => return Err(o.error("mesh", format!("replicate x shard = {replicate} x {shard} is more than the {MAX_WORLD} ranks shardplan plans for"), "use a realistic mesh")),
+        }
+        let world = mesh.world();
+
+        record(&mut o, "gpus_per_node", &self.gpus_per_node);
+        let gpus_per_node = at_least_1(&o, "gpus_per_node", self.gpus_per_node.map_or(8, |s| s.value))?;
+        if world > gpus_per_node && world % gpus_per_node != 0 {
+            return Err(o.error("gpus_per_node", format!("world size {world} does not fill whole nodes of {gpus_per_node} GPUs"), format!("make replicate x shard a multiple of {gpus_per_node}, or change gpus_per_node")));
+        }
+
+        let hardware = hardware(&mut o, self.hardware)?;
+
+        let wrap = match self.wrap {
+            None => vec![ModuleKind::Block],
+            Some(list) => {
+                o.insert("wrap", pos(&list));
+                let mut kinds = Vec::new();
+                for k in list.value {
+                    if matches!(k.value, ModuleKind::Root | ModuleKind::Loss) {
+                        let e = o.error("wrap", format!("`{}` cannot be wrapped", k.value), "the root group is always the last group and holds what no unit took; remove it from `wrap`");
+                        return Err(e.at(Some(pos(&k))));
+                    }
+                    if !kinds.contains(&k.value) {
+                        kinds.push(k.value);
+                    }
+                }
+                kinds
+            }
+        };
+
+        record(&mut o, "reshard_after_forward", &self.reshard_after_forward);
+        let reshard_after_forward = match self.reshard_after_forward.map(|s| s.value) {
+            None | Some(BoolOrInt::Bool(true)) => Reshard::AfterForward,
+            Some(BoolOrInt::Bool(false)) => Reshard::Keep,
+            Some(BoolOrInt::Int(n)) => {
+                if n == 0 || shard % n != 0 {
+                    return Err(o.error("reshard_after_forward", format!("{n} does not divide the shard axis ({shard})"), format!("use true, false, or a divisor of {shard} (usually gpus_per_node)")));
+                }
+                Reshard::ToGroupOf(n)
+            }
+        };
+
+        let mut prefetch = Prefetch { forward: 1, backward: 1 };
+        if let Some(p) = self.prefetch {
+            o.insert("prefetch", pos(&p));
+            record(&mut o, "prefetch.forward", &p.value.forward);
+            record(&mut o, "prefetch.backward", &p.value.backward);
+            prefetch.forward = p.value.forward.map_or(1, |s| s.value);
+            prefetch.backward = p.value.backward.map_or(1, |s| s.value);
+            for (field, v) in [("prefetch.forward", prefetch.forward), ("prefetch.backward", prefetch.backward)] {
+                if v > 64 {
+                    return Err(o.error(field, format!("prefetch depth {v} is more than 64"), "FSDP2 uses 1; depths beyond 2-3 only add memory"));
+                }
+            }
+        }
+
+        let mut mixed_precision = MixedPrecision { param: DType::F32, reduce: DType::F32 };
+        if let Some(mp) = self.mixed_precision {
+            o.insert("mixed_precision", pos(&mp));
+            for (field, v, slot) in [("mixed_precision.param", &mp.value.param, &mut mixed_precision.param), ("mixed_precision.reduce", &mp.value.reduce, &mut mixed_precision.reduce)] {
+                if let Some(s) = v {
+                    o.insert(field, pos(s));
+                    if !s.value.is_float() {
+                        return Err(o.error(field, format!("{} is not a floating-point dtype", s.value), "use f32, bf16 or f16"));
+                    }
+                    *slot = s.value;
+                }
+            }
+        }
+
+        record(&mut o, "offload", &self.offload);
+        let offload = self.offload.map_or(Offload::None, |s| s.value);
+
+        record(&mut o, "activation_checkpointing", &self.activation_checkpointing);
+        let activation_checkpointing = match self.activation_checkpointing.map(|s| s.value) {
+            None => ActivationCheckpointing::None,
+            Some(NameOr::Name(n)) => match n.as_str() {
+                "none" => ActivationCheckpointing::None,
+                "full" => ActivationCheckpointing::Full,
+                other => {
+                    let help = did_you_mean(other, ["none", "full"]).map_or_else(|| "use none, full or {every: N}".to_string(), |m| format!("did you mean `{m}`? (none, full or {{every: N}})"));
+                    return Err(o.error("activation_checkpointing", format!("unknown mode `{other}`"), help));
+                }
+            },
+            Some(NameOr::Map(m)) => {
+                o.insert("activation_checkpointing.every", pos(&m.every));
+                ActivationCheckpointing::Every(at_least_1(&o, "activation_checkpointing.every", m.every.value)?)
+            }
+        };
+
+        let mut batch = Batch { per_rank: 1, seq_len: None, grad_accum: 1 };
+        if let Some(b) = self.batch {
+            o.insert("batch", pos(&b));
+            let b = b.value;
+            record(&mut o, "batch.per_rank", &b.per_rank);
+            record(&mut o, "batch.seq_len", &b.seq_len);
+            record(&mut o, "batch.grad_accum", &b.grad_accum);
+            batch.per_rank = at_least_1(&o, "batch.per_rank", b.per_rank.map_or(1, |s| s.value))?;
+            batch.seq_len = b.seq_len.map(|s| at_least_1(&o, "batch.seq_len", s.value)).transpose()?;
+            batch.grad_accum = at_least_1(&o, "batch.grad_accum", b.grad_accum.map_or(1, |s| s.value))?;
+        }
+
+        let optimizer = optimizer(&mut o, self.optimizer)?;
+
+        record(&mut o, "grad_clip", &self.grad_clip);
+        let grad_clip = match self.grad_clip.map(|s| s.value) {
+            None => Some(1.0),
+            Some(None) => None,
+            Some(Some(c)) => Some(number(&o, "grad_clip", c, |v| v > 0.0, "> 0 (or null for no clipping)")?),
+        };
+
+        let config = ParallelConfig { mesh, gpus_per_node, hardware, wrap, reshard_after_forward, prefetch, mixed_precision, offload, activation_checkpointing, batch, optimizer, grad_clip };
+        Ok((config, o))
+    }
+}
+
+fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Result<HardwareProfile, SpecError> {
+    let unknown = |o: &Origin, field: &str, name: &str| {
+        let help = match did_you_mean(name, HARDWARE_NAMES.iter().copied()) {
+            Some(m) => format!("did you mean `{m}`? built-in profiles: {}", HARDWARE_NAMES.join(", ")),
+            None => format!("built-in profiles: {}; or give the numbers as a mapping", HARDWARE_NAMES.join(", ")),
+        };
+        o.error(field, format!("unknown hardware profile `{name}`"), help)
+    };
+    let Some(spec) = spec else {
+        return Ok(builtin("h100-sxm").expect("built-in profile"));
+    };
+    o.insert("hardware", pos(&spec));
+    match spec.value {
+        NameOr::Name(n) => builtin(&n).ok_or_else(|| unknown(o, "hardware", &n)),
+        NameOr::Map(h) => {
+            let mut profile = match &h.base {
+                Some(b) => {
+                    o.insert("hardware.base", pos(b));
+                    builtin(&b.value).ok_or_else(|| unknown(o, "hardware.base", &b.value))?
+                }
+                None => HardwareProfile {
+                    name: "custom".into(),
+                    bf16_tflops: f64::NAN,
+                    f32_tflops: f64::NAN,
+                    hbm_gib: f64::NAN,
+                    hbm_gbps: f64::NAN,
+                    intra_node_gbps: f64::NAN,
+                    inter_node_gbps: f64::NAN,
+                    intra_node_latency_us: f64::NAN,
+                    inter_node_latency_us: f64::NAN,
+                    compute_efficiency: f64::NAN,
+                },
+            };
+            if let Some(n) = h.name {
+                profile.name = n;
+            } else if h.base.is_some() {
+                profile.name.push_str("-custom");
+            }
+            let fields = [
+                ("bf16_tflops", h.bf16_tflops, &mut profile.bf16_tflops),
+                ("f32_tflops", h.f32_tflops, &mut profile.f32_tflops),
+                ("hbm_gib", h.hbm_gib, &mut profile.hbm_gib),
+                ("hbm_gbps", h.hbm_gbps, &mut profile.hbm_gbps),
+                ("intra_node_gbps", h.intra_node_gbps, &mut profile.intra_node_gbps),
+                ("inter_node_gbps", h.inter_node_gbps, &mut profile.inter_node_gbps),
+                ("intra_node_latency_us", h.intra_node_latency_us, &mut profile.intra_node_latency_us),
+                ("inter_node_latency_us", h.inter_node_latency_us, &mut profile.inter_node_latency_us),
+                ("compute_efficiency", h.compute_efficiency, &mut profile.compute_efficiency),
+            ];
+            let mut missing = Vec::new();
+            for (name, value, slot) in fields {
+                let field = format!("hardware.{name}");
+                match value {
+                    Some(v) => {
+                        o.insert(&field, pos(&v));
+                        let rule = if name == "compute_efficiency" { "in (0, 1]" } else { "> 0" };
+                        *slot = number(o, &field, v.value, |x| x > 0.0 && (name != "compute_efficiency" || x <= 1.0), rule)?;
+                    }
+                    None if slot.is_nan() => missing.push(name),
+                    None => {}
+                }
+            }
+            if !missing.is_empty() {
+                return Err(o.error("hardware", format!("custom hardware is missing {}", missing.join(", ")), format!("give every number, or start from a built-in with `base: h100-sxm` ({})", HARDWARE_NAMES.join(", "))));
+            }
+            Ok(profile)
+        }
+    }
+}
+
+fn optimizer(o: &mut Origin, spec: Option<Spanned<OptimizerFile>>) -> Result<Optimizer, SpecError> {
+    let Some(spec) = spec else {
+        return Ok(Optimizer::AdamW { lr: 3e-4, betas: [0.9, 0.95], eps: 1e-8, weight_decay: 0.1 });
+    };
+    o.insert("optimizer", pos(&spec));
+    let get = |o: &mut Origin, field: &str, v: Option<Spanned<f64>>, default: f64, ok: fn(f64) -> bool, rule: &str| -> Result<f64, SpecError> {
+        match v {
+            None => Ok(default),
+            Some(s) => {
+                o.insert(field, pos(&s));
+                number(o, field, s.value, ok, rule)
+            }
+        }
+    };
+    Ok(match spec.value {
+        OptimizerFile::Adamw(a) => {
+            let lr = get(o, "optimizer.adamw.lr", a.lr, 3e-4, |v| v > 0.0, "> 0")?;
+            let eps = get(o, "optimizer.adamw.eps", a.eps, 1e-8, |v| v > 0.0, "> 0")?;
+            let weight_decay = get(o, "optimizer.adamw.weight_decay", a.weight_decay, 0.1, |v| v >= 0.0, ">= 0")?;
+            let betas = match a.betas {
+                None => [0.9, 0.95],
+                Some(b) => {
+                    o.insert("optimizer.adamw.betas", pos(&b));
+                    for v in b.value {
+                        number(o, "optimizer.adamw.betas", v, |x| (0.0..1.0).contains(&x), "in [0, 1)")?;
+                    }
+                    b.value
+                }
+            };
+            Optimizer::AdamW { lr, betas, eps, weight_decay }
+        }
+        OptimizerFile::Sgd(s) => Optimizer::Sgd {
+            lr: get(o, "optimizer.sgd.lr", s.lr, 1e-2, |v| v > 0.0, "> 0")?,
+            momentum: get(o, "optimizer.sgd.momentum", s.momentum, 0.0, |v| (0.0..1.0).contains(&v), "in [0, 1)")?,
+            weight_decay: get(o, "optimizer.sgd.weight_decay", s.weight_decay, 0.0, |v| v >= 0.0, ">= 0")?,
+        },
+    })
+}
+
+/// Parses and validates a parallel spec.
+pub fn parse_parallel_spec(src: &Source) -> Result<(ParallelConfig, Origin), SpecError> {
+    let file: ParallelSpecFile = yaml::parse(src)?;
+    file.into_config(src)
+}
