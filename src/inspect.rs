@@ -130,8 +130,8 @@ fn text(r: &Report) -> String {
         let _ = writeln!(s, "parallel world {} = replicate {} x shard {}, {} GPUs/node, {}", m.world(), m.replicate, m.shard, par.gpus_per_node, par.hardware.name);
         let _ = writeln!(
             s,
-            "         wrap {:?}, reshard_after_forward {:?}, prefetch fwd {} bwd {}, params {} / reduce {}, offload {:?}, checkpointing {:?}, grad_accum {}",
-            par.wrap.iter().map(|k| k.name()).collect::<Vec<_>>(),
+            "         wrap [{}], reshard_after_forward {}, prefetch fwd {} bwd {}, params {} / reduce {}, offload {}, checkpointing {}, grad_accum {}",
+            par.wrap.iter().map(|k| k.name()).collect::<Vec<_>>().join(", "),
             par.reshard_after_forward,
             par.prefetch.forward,
             par.prefetch.backward,

@@ -480,3 +480,34 @@ pub fn parse_parallel_spec(src: &Source) -> Result<(ParallelConfig, Origin), Spe
     let file: ParallelSpecFile = yaml::parse(src)?;
     file.into_config(src)
 }
+
+// ---- printing, in the spec's own words ----
+
+impl std::fmt::Display for Reshard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reshard::AfterForward => f.write_str("true"),
+            Reshard::Keep => f.write_str("false"),
+            Reshard::ToGroupOf(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Offload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Cpu => "cpu",
+        })
+    }
+}
+
+impl std::fmt::Display for ActivationCheckpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ActivationCheckpointing::None => f.write_str("none"),
+            ActivationCheckpointing::Full => f.write_str("full"),
+            ActivationCheckpointing::Every(n) => write!(f, "every {n}"),
+        }
+    }
+}

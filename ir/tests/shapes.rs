@@ -1,0 +1,190 @@
+//! Shape inference: one passing and one failing case per op; failures must name the op,
+//! the scope and the operand shapes.
+
+use shardplan_ir::{DType, Graph, IrError, ModuleKind, Op, Shape, TensorType, WeightLayout};
+
+const F: DType = DType::F32;
+
+/// Applies `op` to fresh inputs of the given types inside scope `layers.3.attention`.
+fn apply(op: Op, operands: &[(DType, &[u64])]) -> Result<TensorType, IrError> {
+    let mut g = Graph::new("t");
+    let block = g.add_scope(g.root(), "layers.3", ModuleKind::Block);
+    let scope = g.add_scope(block, "attention", ModuleKind::Attention);
+    let ins: Vec<_> = operands
+        .iter()
+        .enumerate()
+        .map(|(i, (d, dims))| g.add_input(&format!("x{i}"), TensorType::new(*d, dims.to_vec()), scope).unwrap())
+        .collect();
+    let id = g.add_node(op, &ins, scope)?;
+    Ok(g.node(id).ty.clone())
+}
+
+fn ok(op: Op, operands: &[(DType, &[u64])]) -> String {
+    apply(op, operands).unwrap().to_string()
+}
+
+/// The error message, checked to name op, scope and every operand type.
+fn err(op: Op, operands: &[(DType, &[u64])]) -> String {
+    let name = op.name();
+    let e = apply(op, operands).unwrap_err().to_string();
+    assert!(e.contains(&format!("`{name}`")), "op missing in: {e}");
+    assert!(e.contains("layers.3.attention"), "scope missing in: {e}");
+    for (d, dims) in operands {
+        let ty = TensorType::new(*d, dims.to_vec()).to_string();
+        assert!(e.contains(&ty), "operand {ty} missing in: {e}");
+    }
+    e
+}
+
+#[test]
+fn embedding() {
+    assert_eq!(ok(Op::Embedding, &[(F, &[100, 16]), (DType::U32, &[2, 8])]), "f32[2,8,16]");
+    let e = err(Op::Embedding, &[(F, &[100, 16]), (F, &[2, 8])]);
+    assert!(e.contains("ids must be an integer tensor"), "{e}");
+    let e = err(Op::Embedding, &[(F, &[100]), (DType::I64, &[2, 8])]);
+    assert!(e.contains("table must be [vocab, dim]"), "{e}");
+}
+
+#[test]
+fn linear() {
+    let out_in = Op::Linear { bias: false, layout: WeightLayout::OutIn };
+    let in_out_bias = Op::Linear { bias: true, layout: WeightLayout::InOut };
+    assert_eq!(ok(out_in.clone(), &[(F, &[2, 8, 64]), (F, &[32, 64])]), "f32[2,8,32]");
+    assert_eq!(ok(in_out_bias.clone(), &[(F, &[2, 8, 64]), (F, &[64, 192]), (F, &[192])]), "f32[2,8,192]");
+    let e = err(out_in, &[(F, &[2, 8, 64]), (F, &[32, 48])]);
+    assert!(e.contains("input features 64") && e.contains("input features 48"), "{e}");
+    let e = err(in_out_bias, &[(F, &[2, 8, 64]), (F, &[64, 192]), (F, &[64])]);
+    assert!(e.contains("bias must be [192]"), "{e}");
+}
+
+#[test]
+fn matmul() {
+    assert_eq!(ok(Op::MatMul, &[(F, &[4, 1, 8, 16]), (F, &[3, 16, 5])]), "f32[4,3,8,5]");
+    let e = err(Op::MatMul, &[(F, &[8, 16]), (F, &[17, 5])]);
+    assert!(e.contains("inner dims differ"), "{e}");
+    let e = err(Op::MatMul, &[(F, &[2, 8, 16]), (F, &[3, 16, 5])]);
+    assert!(e.contains("do not broadcast"), "{e}");
+}
+
+#[test]
+fn add_and_mul_broadcast() {
+    assert_eq!(ok(Op::Add, &[(F, &[2, 8, 64]), (F, &[8, 64])]), "f32[2,8,64]");
+    assert_eq!(ok(Op::Mul, &[(F, &[2, 1, 64]), (F, &[1, 8, 1])]), "f32[2,8,64]");
+    let e = err(Op::Add, &[(F, &[2, 8, 64]), (F, &[7, 64])]);
+    assert!(e.contains("[2,8,64] and [7,64] do not broadcast"), "{e}");
+    let e = err(Op::Mul, &[(F, &[4]), (DType::BF16, &[4])]);
+    assert!(e.contains("dtypes differ (f32 vs bf16)"), "{e}");
+}
+
+#[test]
+fn norms() {
+    assert_eq!(ok(Op::RmsNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64])]), "f32[2,8,64]");
+    assert_eq!(ok(Op::LayerNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64]), (F, &[64])]), "f32[2,8,64]");
+    let e = err(Op::RmsNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[32])]);
+    assert!(e.contains("weight must be [64]"), "{e}");
+    let e = err(Op::LayerNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64]), (F, &[63])]);
+    assert!(e.contains("bias must be [64]"), "{e}");
+}
+
+#[test]
+fn rope() {
+    assert_eq!(ok(Op::Rope { theta: 1e4 }, &[(F, &[2, 8, 4, 16])]), "f32[2,8,4,16]");
+    let e = err(Op::Rope { theta: 1e4 }, &[(F, &[2, 8, 4, 15])]);
+    assert!(e.contains("head_dim 15 must be even"), "{e}");
+    let e = err(Op::Rope { theta: 1e4 }, &[(F, &[8, 4, 16])]);
+    assert!(e.contains("[batch, seq, heads, head_dim]"), "{e}");
+}
+
+#[test]
+fn attention_with_grouped_query_heads() {
+    let att = Op::Attention { causal: true };
+    assert_eq!(ok(att.clone(), &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 2, 16]), (F, &[2, 8, 2, 16])]), "f32[2,8,8,16]");
+    let e = err(att.clone(), &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 3, 16]), (F, &[2, 8, 3, 16])]);
+    assert!(e.contains("query heads 8 are not a multiple of key/value heads 3"), "{e}");
+    let e = err(att, &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 2, 16]), (F, &[2, 8, 2, 8])]);
+    assert!(e.contains("same shape"), "{e}");
+}
+
+#[test]
+fn activations_and_softmax() {
+    assert_eq!(ok(Op::Silu, &[(DType::BF16, &[3, 5])]), "bf16[3,5]");
+    assert_eq!(ok(Op::Gelu, &[(F, &[3, 5])]), "f32[3,5]");
+    assert_eq!(ok(Op::Softmax { dim: 1 }, &[(F, &[3, 5])]), "f32[3,5]");
+    let e = err(Op::Silu, &[(DType::U32, &[3])]);
+    assert!(e.contains("must be a float tensor"), "{e}");
+    let e = err(Op::Softmax { dim: 2 }, &[(F, &[3, 5])]);
+    assert!(e.contains("dim 2 is out of range"), "{e}");
+}
+
+#[test]
+fn cross_entropy() {
+    assert_eq!(ok(Op::CrossEntropy, &[(F, &[16, 100]), (DType::U32, &[16])]), "f32[]");
+    assert_eq!(ok(Op::CrossEntropy, &[(DType::BF16, &[16, 100]), (DType::I64, &[16])]), "f32[]");
+    let e = err(Op::CrossEntropy, &[(F, &[16, 100]), (DType::U32, &[15])]);
+    assert!(e.contains("logits must be [n, vocab] and targets [n]"), "{e}");
+}
+
+#[test]
+fn reshape_transpose_narrow_concat_cast() {
+    assert_eq!(ok(Op::Reshape { shape: Shape::new([16, 64]) }, &[(F, &[2, 8, 64])]), "f32[16,64]");
+    let e = err(Op::Reshape { shape: Shape::new([15, 64]) }, &[(F, &[2, 8, 64])]);
+    assert!(e.contains("1024 elements") && e.contains("960 elements"), "{e}");
+
+    assert_eq!(ok(Op::Transpose { dim0: 0, dim1: 2 }, &[(F, &[2, 8, 64])]), "f32[64,8,2]");
+    let e = err(Op::Transpose { dim0: 0, dim1: 3 }, &[(F, &[2, 8, 64])]);
+    assert!(e.contains("dim 3 is out of range"), "{e}");
+
+    assert_eq!(ok(Op::Narrow { dim: 2, start: 64, len: 64 }, &[(F, &[2, 8, 192])]), "f32[2,8,64]");
+    let e = err(Op::Narrow { dim: 2, start: 160, len: 64 }, &[(F, &[2, 8, 192])]);
+    assert!(e.contains("outside dim 2 of size 192"), "{e}");
+
+    assert_eq!(ok(Op::Concat { dim: 1 }, &[(F, &[2, 3]), (F, &[2, 5]), (F, &[2, 1])]), "f32[2,9]");
+    let e = err(Op::Concat { dim: 1 }, &[(F, &[2, 3]), (F, &[3, 5])]);
+    assert!(e.contains("differ outside concat dim 1"), "{e}");
+
+    assert_eq!(ok(Op::Cast { dtype: DType::BF16 }, &[(F, &[2, 3])]), "bf16[2,3]");
+    let e = err(Op::Cast { dtype: DType::BF16 }, &[(F, &[2, 3]), (F, &[2, 3])]);
+    assert!(e.contains("expects 1 operand(s), got 2"), "{e}");
+}
+
+#[test]
+fn overflowing_sizes_are_errors_not_panics() {
+    let mut g = Graph::new("t");
+    let root = g.root();
+    let e = g.add_param("w", TensorType::new(F, [u64::MAX / 2, 3]), root).unwrap_err();
+    assert!(matches!(e, IrError::Overflow { .. }), "{e}");
+    assert!(e.to_string().contains("overflow u64"), "{e}");
+    // A result that overflows: [2^31, 2^31] @ [2^31, 2^31] -> 2^62 elements of 4 bytes.
+    let big = 1u64 << 31;
+    let a = g.add_input("a", TensorType::new(F, [big, 1]), root).unwrap();
+    let b = g.add_input("b", TensorType::new(F, [1, big]), root).unwrap();
+    let e = g.add_node(Op::MatMul, &[a, b], root).unwrap_err();
+    assert!(matches!(e, IrError::Overflow { .. }), "{e}");
+}
+
+#[test]
+fn duplicate_params_and_unknown_operands_are_rejected() {
+    let mut g = Graph::new("t");
+    let root = g.root();
+    g.add_param("w", TensorType::new(F, [2]), root).unwrap();
+    assert_eq!(g.add_param("w", TensorType::new(F, [2]), root).unwrap_err(), IrError::DuplicateParam("w".into()));
+    let e = g.add_node(Op::Silu, &[shardplan_ir::NodeId(7)], root).unwrap_err();
+    assert!(e.to_string().contains("n7"), "{e}");
+}
+
+#[test]
+fn costs_follow_the_documented_conventions() {
+    let mut g = Graph::new("t");
+    let root = g.root();
+    let x = g.add_input("x", TensorType::new(F, [2, 8, 64]), root).unwrap();
+    let w = g.add_param("w", TensorType::new(F, [32, 64]), root).unwrap();
+    let y = g.add_node(Op::Linear { bias: false, layout: WeightLayout::OutIn }, &[x, w], root).unwrap();
+    let c = g.node_cost(y);
+    assert_eq!(c.fwd_flops, 2 * 16 * 64 * 32);
+    assert_eq!(c.bwd_flops, 2 * c.fwd_flops);
+    assert_eq!(c.fwd_bytes, (16 * 64 + 32 * 64 + 16 * 32) * 4);
+    let q = g.add_input("q", TensorType::new(F, [2, 8, 4, 16]), root).unwrap();
+    let kv = g.add_input("kv", TensorType::new(F, [2, 8, 2, 16]), root).unwrap();
+    let a = g.add_node(Op::Attention { causal: true }, &[q, kv, kv], root).unwrap();
+    assert_eq!(g.node_cost(a).fwd_flops, 4 * 2 * 4 * 8 * 8 * 16);
+}
