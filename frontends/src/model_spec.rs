@@ -78,10 +78,10 @@ impl ModelSpecFile {
         let mut origin = Origin::new(&src.path);
         origin.insert("family", pos(&self.family));
         for (field, p) in self.present() {
+            origin.insert(field, p);
             if !allowed(family).contains(&field) {
                 return Err(origin.error(field, format!("does not apply to family {}", family_name(family)), format!("remove it; {} takes: {}", family_name(family), allowed(family).join(", "))));
             }
-            origin.insert(field, p);
         }
         let need = |v: &Option<Spanned<u64>>, field: &str| -> Result<u64, SpecError> {
             v.as_ref().map(|s| s.value).ok_or_else(|| {

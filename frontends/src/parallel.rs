@@ -28,7 +28,13 @@ struct ParallelSpecFile {
     activation_checkpointing: Option<Spanned<NameOr<AcEveryFile>>>,
     batch: Option<Spanned<BatchFile>>,
     optimizer: Option<Spanned<OptimizerFile>>,
+    /// Present-but-null (`grad_clip: null`) must differ from absent (the default clip).
+    #[serde(default, deserialize_with = "present")]
     grad_clip: Option<Spanned<Option<f64>>>,
+}
+
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
 }
 
 #[derive(Debug, Deserialize)]

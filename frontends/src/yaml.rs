@@ -65,6 +65,7 @@ pub fn parse<T: DeserializeOwned>(src: &Source) -> Result<T, SpecError> {
 /// serde_path_to_error's path, without the `.value` hops of `Spanned` and the `?` of an
 /// unknown position.
 fn clean_path(path: &str) -> Option<String> {
+    let path = path.replace(".value[", "[");
     let parts: Vec<&str> = path.split('.').filter(|p| *p != "value" && *p != "?" && !p.is_empty()).collect();
     (!parts.is_empty()).then(|| parts.join("."))
 }
@@ -74,6 +75,7 @@ fn describe(message: &str) -> String {
         ("invalid u64", "expected a whole number >= 0"),
         ("invalid u32", "expected a whole number >= 0"),
         ("invalid f64", "expected a number"),
+        ("invalid floating point", "expected a number"),
         ("invalid bool", "expected true or false"),
         ("unexpected end of input", "the document is empty or cut short"),
         ("expected mapping start", "expected a mapping of `key: value` lines here"),

@@ -1,0 +1,244 @@
+//! Every kind of bad input gets a clear, located error, never a panic.
+
+use shardplan_frontends::{load_model, load_parallel, parse_hf_config, parse_model_spec, parse_parallel_spec, Source, SpecError};
+use std::path::PathBuf;
+
+fn model(text: &str) -> SpecError {
+    parse_model_spec(&Source::from_text("m.yaml", text)).unwrap_err()
+}
+
+fn hf(text: &str) -> SpecError {
+    parse_hf_config(&Source::from_text("config.json", text)).unwrap_err()
+}
+
+const PAR_OK: &str = "mesh: {replicate: 1, shard: 8}\n";
+
+fn parallel(text: &str) -> SpecError {
+    parse_parallel_spec(&Source::from_text("p.yaml", text)).unwrap_err()
+}
+
+/// Asserts the error is at `line:col`, and its message (with help) contains each of `texts`.
+fn check(e: &SpecError, line: u64, col: u64, texts: &[&str]) {
+    let shown = e.to_string();
+    assert_eq!((e.line, e.column), (Some(line), Some(col)), "position of: {shown}");
+    for t in texts {
+        assert!(shown.contains(t), "`{t}` not in: {shown}");
+    }
+}
+
+const LLAMA: &str = "family: llama\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\nn_kv_heads: 2\nffn_dim: 128\n";
+
+fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardplan-bad-input-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+#[test]
+fn good_specs_parse() {
+    parse_model_spec(&Source::from_text("m.yaml", LLAMA)).unwrap();
+    parse_parallel_spec(&Source::from_text("p.yaml", PAR_OK)).unwrap();
+}
+
+#[test]
+fn missing_file() {
+    let e = load_model(&PathBuf::from("/nonexistent/model.yaml")).unwrap_err();
+    assert!(e.to_string().starts_with("/nonexistent/model.yaml: no such file"), "{e}");
+    let e = load_parallel(&PathBuf::from("/nonexistent/p.yaml")).unwrap_err();
+    assert!(e.to_string().contains("no such file"), "{e}");
+}
+
+#[test]
+fn unknown_preset_suggests_the_closest() {
+    let e = load_model(&PathBuf::from("llama3-8")).unwrap_err();
+    assert!(e.to_string().contains("did you mean the preset `llama3-8b`?"), "{e}");
+}
+
+#[test]
+fn empty_file() {
+    for text in ["", "   \n\n", "# only a comment\n"] {
+        let p = tmp("empty.yaml", text.as_bytes());
+        let e = load_model(&p).unwrap_err();
+        assert!(e.to_string().ends_with("is empty\n  help: write a spec in it; see examples/ for complete ones"), "{e}");
+    }
+}
+
+#[test]
+fn binary_and_directory_inputs() {
+    let p = tmp("weights.yaml", &[0xff, 0xfe, 0x00, 0x12]);
+    let e = load_model(&p).unwrap_err();
+    assert!(e.to_string().contains("not UTF-8 text"), "{e}");
+    let e = load_model(&std::env::temp_dir()).unwrap_err();
+    assert!(e.to_string().contains("is a directory"), "{e}");
+}
+
+#[test]
+fn not_yaml_or_json() {
+    let e = model("family: llama\ndim: [1, 2\n");
+    assert!(e.line.is_some(), "{e}");
+    let e = model("just some words\n");
+    check(&e, 1, 1, &["expected a mapping"]);
+    let e = hf("{\"hidden_size\": 4096,,}");
+    check(&e, 1, 22, &["is not valid JSON"]);
+    let e = hf("<html>not json</html>");
+    check(&e, 1, 1, &["is not valid JSON"]);
+}
+
+#[test]
+fn unknown_field_with_did_you_mean() {
+    let e = model(&LLAMA.replace("n_kv_heads", "n_kv_head"));
+    check(&e, 6, 1, &["unknown field `n_kv_head`", "did you mean `n_kv_heads`?"]);
+    let e = parallel("mesh: {replicate: 1, shard: 8}\nprefetch: {forwards: 2}\n");
+    check(&e, 2, 12, &["unknown field `forwards`", "did you mean `forward`?"]);
+    assert_eq!(e.field.as_deref(), Some("prefetch.forwards"));
+    let e = parallel("mesh: {replicate: 1, shard: 8}\nwrap: [blocks]\n");
+    check(&e, 2, 8, &["unknown variant `blocks`", "did you mean `block`?"]);
+    let e = model("family: lama\ndim: 4\n");
+    check(&e, 1, 9, &["unknown variant `lama`", "did you mean `llama`?"]);
+}
+
+#[test]
+fn wrong_type() {
+    let e = model(&LLAMA.replace("dim: 64", "dim: wide"));
+    check(&e, 3, 6, &["expected a whole number"]);
+    assert_eq!(e.field.as_deref(), Some("dim"));
+    let e = parallel("mesh: {replicate: 1, shard: 8}\ngrad_clip: lots\n");
+    check(&e, 2, 12, &["expected a number"]);
+    let e = hf("{\"architectures\": [\"LlamaForCausalLM\"],\n \"hidden_size\": \"4096\"}");
+    check(&e, 2, 22, &["wrong type"]);
+    assert_eq!(e.field.as_deref(), Some("hidden_size"));
+}
+
+#[test]
+fn zero_and_negative_sizes() {
+    let e = model(&LLAMA.replace("n_layers: 2", "n_layers: 0"));
+    check(&e, 4, 11, &["`n_layers`", "at least 1"]);
+    let e = model(&LLAMA.replace("ffn_dim: 128", "ffn_dim: -128"));
+    check(&e, 7, 10, &["expected a whole number >= 0"]);
+    let e = parallel("mesh: {replicate: 1, shard: 0}\n");
+    check(&e, 1, 29, &["`mesh.shard`", "at least 1"]);
+    let e = parallel("mesh: {replicate: -2, shard: 8}\n");
+    check(&e, 1, 19, &["expected a whole number"]);
+    let e = hf("{\"architectures\": [\"GPT2LMHeadModel\"], \"vocab_size\": 50257,\n \"n_embd\": 768, \"n_layer\": -12, \"n_head\": 12}");
+    check(&e, 2, 30, &["wrong type"]);
+}
+
+#[test]
+fn heads_must_divide_hidden_and_kv_heads_must_divide_heads() {
+    let e = model(&LLAMA.replace("n_heads: 4", "n_heads: 5"));
+    check(&e, 5, 10, &["n_heads = 5 does not divide dim = 64", "set head_dim explicitly"]);
+    let e = model(&LLAMA.replace("n_kv_heads: 2", "n_kv_heads: 3"));
+    check(&e, 6, 13, &["n_kv_heads = 3 does not divide n_heads = 4"]);
+    let e = hf("{\"architectures\": [\"MistralForCausalLM\"], \"vocab_size\": 32000,\n \"hidden_size\": 4096, \"num_hidden_layers\": 2,\n \"num_attention_heads\": 32, \"num_key_value_heads\": 7, \"intermediate_size\": 128}");
+    check(&e, 3, 29, &["`num_key_value_heads`", "does not divide"]);
+}
+
+#[test]
+fn fields_of_another_family_and_missing_fields() {
+    let e = model("family: gpt2\nvocab_size: 10\ndim: 8\nn_layers: 1\nn_heads: 2\nrope_theta: 10000\n");
+    check(&e, 6, 13, &["does not apply to family gpt2"]);
+    let e = model("family: llama\nvocab_size: 10\ndim: 8\n");
+    check(&e, 1, 9, &["family llama needs `n_heads`", "add `n_heads: <integer>`"]);
+    let e = hf("{\"architectures\": [\"LlamaForCausalLM\"], \"vocab_size\": 10}");
+    assert!(e.to_string().contains("missing `num_attention_heads`"), "{e}");
+}
+
+#[test]
+fn unsupported_architecture() {
+    let e = hf("{\n  \"architectures\": [\"MixtralForCausalLM\"]\n}");
+    check(&e, 2, 3, &["unsupported architecture `MixtralForCausalLM`", "MistralForCausalLM"]);
+    let e = hf("{\"model_type\": \"t5\"}");
+    check(&e, 1, 2, &["unsupported model_type `t5`"]);
+    let e = hf("{\"hidden_size\": 4}");
+    assert!(e.to_string().contains("neither `architectures` nor `model_type`"), "{e}");
+    let e = hf("{\"architectures\": [\"LlamaForCausalLM\"], \"attention_bias\": true}");
+    check(&e, 1, 41, &["`attention_bias: true`", "not supported"]);
+}
+
+/// The classic "billion laughs": nine levels of nine aliases each.
+fn billion_laughs() -> String {
+    let mut doc = String::from("a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for (i, c) in "bcdefghi".chars().enumerate() {
+        let p = (b'a' + i as u8) as char;
+        doc.push_str(&format!("{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"));
+    }
+    doc
+}
+
+#[test]
+fn yaml_alias_bomb_is_refused() {
+    // Strict keys refuse the bomb at its first key, before anything is expanded.
+    let e = parallel(&billion_laughs());
+    check(&e, 1, 1, &["unknown field `a`"]);
+    let e = model(&billion_laughs());
+    check(&e, 1, 1, &["unknown field `a`"]);
+    // Inside a field the spec does take, the parser's alias budget stops it.
+    let e = parallel(&format!("mesh: {{shard: 1}}\nwrap: [&b block{}]\n", ", *b".repeat(300)));
+    check(&e, 3, 1, &["expands too much (YAML alias bomb?)", "AliasAnchorRatio"]);
+}
+
+#[test]
+fn deep_nesting_is_refused_with_a_path() {
+    let mut doc = String::from("mesh: {shard: 1}\nwrap: [");
+    doc.push_str(&"[".repeat(200));
+    doc.push_str(&"]".repeat(201));
+    let e = parallel(&doc);
+    check(&e, 2, 8, &["`wrap[0]`"]);
+}
+
+#[test]
+fn absurd_sizes_do_not_overflow() {
+    let e = model(&LLAMA.replace("vocab_size: 256", "vocab_size: 9223372036854775807"));
+    check(&e, 2, 13, &["overflow u64", "realistic sizes"]);
+    let e = model(&LLAMA.replace("dim: 64", "dim: 99999999999999999999999"));
+    assert!(e.to_string().contains("expected a whole number"), "{e}");
+    let e = parallel("mesh: {replicate: 4294967296, shard: 4294967296}\n");
+    check(&e, 1, 7, &["more than the 1048576 ranks"]);
+    let e = model(&LLAMA.replace("n_layers: 2", "n_layers: 18446744073709551615"));
+    check(&e, 4, 11, &["more than the 10000"]);
+}
+
+#[test]
+fn parallel_spec_rules() {
+    let cases: &[(&str, u64, u64, &str)] = &[
+        ("mesh: {replicate: 3, shard: 4}\ngpus_per_node: 8\n", 2, 16, "does not fill whole nodes of 8"),
+        ("mesh: {shard: 8}\nreshard_after_forward: 3\n", 2, 24, "3 does not divide the shard axis (8)"),
+        ("mesh: {shard: 8}\nreshard_after_forward: maybe\n", 2, 1, "true, false or a positive integer"),
+        ("mesh: {shard: 8}\nmixed_precision: {param: u32}\n", 2, 26, "not a floating-point dtype"),
+        ("mesh: {shard: 8}\nmixed_precision: {param: fp8}\n", 2, 26, "unknown variant `fp8`"),
+        ("mesh: {shard: 8}\noffload: gpu\n", 2, 10, "unknown variant `gpu`"),
+        ("mesh: {shard: 8}\nactivation_checkpointing: ful\n", 2, 27, "did you mean `full`?"),
+        ("mesh: {shard: 8}\nactivation_checkpointing: {every: 0}\n", 2, 35, "at least 1"),
+        ("mesh: {shard: 8}\nwrap: [block, root]\n", 2, 15, "the root group is always the last group"),
+        ("mesh: {shard: 8}\nhardware: h100\n", 2, 11, "did you mean `h100-sxm`?"),
+        ("mesh: {shard: 8}\nhardware: {bf16_tflops: 100}\n", 2, 11, "missing f32_tflops"),
+        ("mesh: {shard: 8}\nhardware: {base: h200, compute_efficiency: 1.5}\n", 2, 44, "in (0, 1]"),
+        ("mesh: {shard: 8}\nhardware: {base: h200, hbm_gbs: 1}\n", 2, 24, "did you mean `hbm_gbps`?"),
+        ("mesh: {shard: 8}\nbatch: {per_rank: 0}\n", 2, 19, "at least 1"),
+        ("mesh: {shard: 8}\noptimizer: {adamw: {lr: -1}}\n", 2, 25, "must be > 0"),
+        ("mesh: {shard: 8}\noptimizer: {adamw: {betas: [0.9, 1.5]}}\n", 2, 28, "in [0, 1)"),
+        ("mesh: {shard: 8}\noptimizer: {adam: {lr: 1}}\n", 2, 13, "did you mean `adamw`?"),
+        ("mesh: {shard: 8}\ngrad_clip: 0\n", 2, 12, "> 0 (or null for no clipping)"),
+        ("mesh: {shard: 8}\nprefetch: {forward: 100}\n", 2, 21, "more than 64"),
+        ("mesh: {shard: 8}\nmesh: {shard: 4}\n", 2, 1, "duplicate"),
+        ("wrap: [block]\n", 1, 1, "missing field `mesh`"),
+    ];
+    for (text, line, col, want) in cases {
+        let e = parallel(text);
+        let shown = e.to_string();
+        assert!(shown.contains(want), "`{want}` not in: {shown}\n--- for:\n{text}");
+        assert_eq!((e.line, e.column), (Some(*line), Some(*col)), "position of: {shown}\n--- for:\n{text}");
+    }
+}
+
+#[test]
+fn nulls_and_defaults() {
+    let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", "mesh: {shard: 2}\ngrad_clip: null\n")).unwrap();
+    assert_eq!(c.grad_clip, None);
+    assert_eq!(c.mesh.world(), 2);
+    let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", PAR_OK)).unwrap();
+    assert_eq!(c.grad_clip, Some(1.0));
+    assert_eq!(c.hardware.name, "h100-sxm");
+}

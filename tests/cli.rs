@@ -1,0 +1,89 @@
+//! The `shardplan` binary as a user runs it: outputs, exit codes, help.
+
+use std::process::{Command, Output};
+
+fn shardplan(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardplan")).args(args).output().expect("run shardplan")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs a command that must fail with exit code 2 and an error (no panic) saying `want`.
+fn bad(args: &[&str], want: &str) {
+    let o = shardplan(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "args {args:?}, stderr: {err}");
+    assert!(err.contains(want), "`{want}` not in stderr for {args:?}: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn inspect_json_has_exact_counts() {
+    let o = shardplan(&["inspect", "--model", "examples/models/llama3-8b.yaml", "--format", "json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["params"]["total"], 8_030_261_248u64);
+    assert_eq!(v["params"]["embedding"], 525_336_576u64);
+    assert_eq!(v["params"]["non_embedding"], 8_030_261_248u64 - 525_336_576);
+    // torchtitan's count: 6 x non-embedding params + 12 x layers x heads x head_dim x seq.
+    let expected = 6 * 7_504_924_672u64 + 12 * 32 * 32 * 128 * 8192;
+    let got = v["flops_per_token"].as_u64().unwrap();
+    let rel = (got as f64 - expected as f64).abs() / expected as f64;
+    assert!(rel < 1e-3, "flops per token {got} vs {expected}");
+    assert_eq!(v["layers"].as_array().unwrap().iter().filter(|l| l["kind"] == "block").count(), 32);
+
+    let o = shardplan(&["inspect", "--model", "examples/models/gpt2.config.json", "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["params"]["total"], 124_439_808u64);
+}
+
+#[test]
+fn inspect_text_with_parallel_spec_and_dot() {
+    let dot = std::env::temp_dir().join(format!("shardplan-cli-{}.dot", std::process::id()));
+    let o = shardplan(&["inspect", "--model", "tiny-llama", "--parallel", "examples/parallel/cpu-1.yaml", "--dot", dot.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for want in ["model    tiny-llama (llama)", "batch 2 x seq 16", "parallel world 1", "layers.1  ", "params   106,816 total"] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    let dot_text = std::fs::read_to_string(&dot).unwrap();
+    assert!(dot_text.starts_with("digraph {"), "{dot_text}");
+    assert!(dot_text.contains("model.layers.1.mlp.down_proj.weight"));
+    std::fs::remove_file(dot).ok();
+}
+
+#[test]
+fn help_explains_every_flag() {
+    let o = shardplan(&["--help"]);
+    assert!(stdout(&o).contains("inspect"));
+    let o = shardplan(&["inspect", "--help"]);
+    let help = stdout(&o);
+    for flag in ["--model", "--parallel", "--format", "--dot"] {
+        assert!(help.contains(flag), "{flag} missing from:\n{help}");
+    }
+}
+
+#[test]
+fn bad_input_exits_2_with_a_located_message() {
+    bad(&["inspect", "--model", "no/such/model.yaml"], "no/such/model.yaml: no such file");
+    bad(&["inspect", "--model", "llama-3-8b"], "did you mean the preset `llama3-8b`?");
+    bad(&["inspect", "--model", "Cargo.toml"], "Cargo.toml:1:1: expected a mapping");
+    bad(&["inspect", "--model", "tiny-gpt2", "--parallel", "examples/parallel/fsdp-8.yaml"], "examples/parallel/fsdp-8.yaml:12:31: `batch.seq_len`: sequence length 8192 exceeds the model's 128 positions");
+    bad(&["inspect", "--model", "tiny-llama", "--parallel", "examples/models/tiny-llama.yaml"], "unknown field `name`");
+    bad(&["inspect", "--model", "tiny-llama", "--format", "xml"], "invalid value 'xml'");
+    bad(&["inspect"], "--model <FILE>");
+    bad(&["inspec"], "unrecognized subcommand");
+}
+
+#[test]
+fn unwritable_dot_path_is_an_error_not_a_panic() {
+    let o = shardplan(&["inspect", "--model", "tiny-mlp", "--dot", "/nonexistent-dir/x.dot"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cannot write DOT to /nonexistent-dir/x.dot"), "{}", stderr(&o));
+}
