@@ -5,7 +5,7 @@ pub fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::with_capacity(s.len() + s.len() / 3);
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -27,7 +27,12 @@ pub fn si(n: u64) -> String {
 /// Bytes with binary units: `1.5 GiB`.
 pub fn bytes(n: u64) -> String {
     let x = n as f64;
-    for (scale, suffix) in [(1u64 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
+    for (scale, suffix) in [
+        (1u64 << 40, "TiB"),
+        (1 << 30, "GiB"),
+        (1 << 20, "MiB"),
+        (1 << 10, "KiB"),
+    ] {
         if n >= scale {
             return format!("{:.1} {suffix}", x / scale as f64);
         }

@@ -99,7 +99,12 @@ fn build_report<'a>(model: &'a ModelConfig, parallel: Option<&'a ParallelConfig>
     let dtype = g.params().next().map_or(DType::F32, |(_, p)| p.ty.dtype);
     Report {
         model,
-        shape: Shape { batch, seq_len, tokens, dtype },
+        shape: Shape {
+            batch,
+            seq_len,
+            tokens,
+            dtype,
+        },
         params: param_counts(g),
         flops_per_token: cost.fwd_flops.saturating_add(cost.bwd_flops) / tokens,
         flops: Flops {
@@ -108,9 +113,17 @@ fn build_report<'a>(model: &'a ModelConfig, parallel: Option<&'a ParallelConfig>
             forward_total: cost.fwd_flops,
             backward_total: cost.bwd_flops,
         },
-        graph: GraphSize { nodes: g.node_count(), edges: g.edge_count(), params: g.params().len(), scopes: g.scopes().len() },
+        graph: GraphSize {
+            nodes: g.node_count(),
+            edges: g.edge_count(),
+            params: g.params().len(),
+            scopes: g.scopes().len(),
+        },
         // Rows that hold and compute nothing (the root, holding only the inputs) are noise.
-        layers: module_stats(g).into_iter().filter(|l| l.params > 0 || l.cost.fwd_flops > 0 || l.activation_bytes > 0).collect(),
+        layers: module_stats(g)
+            .into_iter()
+            .filter(|l| l.params > 0 || l.cost.fwd_flops > 0 || l.activation_bytes > 0)
+            .collect(),
         parallel,
     }
 }
@@ -119,15 +132,47 @@ fn text(r: &Report) -> String {
     let mut s = String::new();
     let p = &r.params;
     let _ = writeln!(s, "model    {} ({})", r.model.name(), r.model.family());
-    let _ = writeln!(s, "shape    batch {} x seq {} = {} tokens per micro-batch, {}", r.shape.batch, r.shape.seq_len, r.shape.tokens, r.shape.dtype);
-    let _ = writeln!(s, "params   {} total, {} embedding, {} non-embedding", thousands(p.total), thousands(p.embedding), thousands(p.non_embedding));
-    let kinds: Vec<String> = p.by_kind.iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();
+    let _ = writeln!(
+        s,
+        "shape    batch {} x seq {} = {} tokens per micro-batch, {}",
+        r.shape.batch, r.shape.seq_len, r.shape.tokens, r.shape.dtype
+    );
+    let _ = writeln!(
+        s,
+        "params   {} total, {} embedding, {} non-embedding",
+        thousands(p.total),
+        thousands(p.embedding),
+        thousands(p.non_embedding)
+    );
+    let kinds: Vec<String> = p
+        .by_kind
+        .iter()
+        .map(|(k, n)| format!("{k} {}", thousands(*n)))
+        .collect();
     let _ = writeln!(s, "  by kind  {}", kinds.join(", "));
-    let _ = writeln!(s, "flops    {} per token (fwd+bwd): forward {}, backward {}", si(r.flops_per_token), si(r.flops.forward_per_token), si(r.flops.backward_per_token));
-    let _ = writeln!(s, "graph    {} nodes, {} edges, {} parameters, {} scopes", r.graph.nodes, r.graph.edges, r.graph.params, r.graph.scopes);
+    let _ = writeln!(
+        s,
+        "flops    {} per token (fwd+bwd): forward {}, backward {}",
+        si(r.flops_per_token),
+        si(r.flops.forward_per_token),
+        si(r.flops.backward_per_token)
+    );
+    let _ = writeln!(
+        s,
+        "graph    {} nodes, {} edges, {} parameters, {} scopes",
+        r.graph.nodes, r.graph.edges, r.graph.params, r.graph.scopes
+    );
     if let Some(par) = r.parallel {
         let m = par.mesh;
-        let _ = writeln!(s, "parallel world {} = replicate {} x shard {}, {} GPUs/node, {}", m.world(), m.replicate, m.shard, par.gpus_per_node, par.hardware.name);
+        let _ = writeln!(
+            s,
+            "parallel world {} = replicate {} x shard {}, {} GPUs/node, {}",
+            m.world(),
+            m.replicate,
+            m.shard,
+            par.gpus_per_node,
+            par.hardware.name
+        );
         let _ = writeln!(
             s,
             "         wrap [{}], reshard_after_forward {}, prefetch fwd {} bwd {}, params {} / reduce {}, offload {}, checkpointing {}, grad_accum {}",
@@ -144,7 +189,11 @@ fn text(r: &Report) -> String {
     }
     let _ = writeln!(s);
     let w = r.layers.iter().map(|l| l.path.len()).max().unwrap_or(6).max(6);
-    let _ = writeln!(s, "{:<w$}  {:<9}  {:>9}  {:>10}  {:>10}  {:>11}", "module", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations");
+    let _ = writeln!(
+        s,
+        "{:<w$}  {:<9}  {:>9}  {:>10}  {:>10}  {:>11}",
+        "module", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations"
+    );
     for l in &r.layers {
         let _ = writeln!(
             s,

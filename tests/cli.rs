@@ -3,7 +3,10 @@
 use std::process::{Command, Output};
 
 fn shardplan(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_shardplan")).args(args).output().expect("run shardplan")
+    Command::new(env!("CARGO_BIN_EXE_shardplan"))
+        .args(args)
+        .output()
+        .expect("run shardplan")
 }
 
 fn stdout(o: &Output) -> String {
@@ -25,7 +28,13 @@ fn bad(args: &[&str], want: &str) {
 
 #[test]
 fn inspect_json_has_exact_counts() {
-    let o = shardplan(&["inspect", "--model", "examples/models/llama3-8b.yaml", "--format", "json"]);
+    let o = shardplan(&[
+        "inspect",
+        "--model",
+        "examples/models/llama3-8b.yaml",
+        "--format",
+        "json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["params"]["total"], 8_030_261_248u64);
@@ -36,9 +45,23 @@ fn inspect_json_has_exact_counts() {
     let got = v["flops_per_token"].as_u64().unwrap();
     let rel = (got as f64 - expected as f64).abs() / expected as f64;
     assert!(rel < 1e-3, "flops per token {got} vs {expected}");
-    assert_eq!(v["layers"].as_array().unwrap().iter().filter(|l| l["kind"] == "block").count(), 32);
+    assert_eq!(
+        v["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|l| l["kind"] == "block")
+            .count(),
+        32
+    );
 
-    let o = shardplan(&["inspect", "--model", "examples/models/gpt2.config.json", "--format", "json"]);
+    let o = shardplan(&[
+        "inspect",
+        "--model",
+        "examples/models/gpt2.config.json",
+        "--format",
+        "json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["params"]["total"], 124_439_808u64);
 }
@@ -46,10 +69,24 @@ fn inspect_json_has_exact_counts() {
 #[test]
 fn inspect_text_with_parallel_spec_and_dot() {
     let dot = std::env::temp_dir().join(format!("shardplan-cli-{}.dot", std::process::id()));
-    let o = shardplan(&["inspect", "--model", "tiny-llama", "--parallel", "examples/parallel/cpu-1.yaml", "--dot", dot.to_str().unwrap()]);
+    let o = shardplan(&[
+        "inspect",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--dot",
+        dot.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    for want in ["model    tiny-llama (llama)", "batch 2 x seq 16", "parallel world 1", "layers.1  ", "params   106,816 total"] {
+    for want in [
+        "model    tiny-llama (llama)",
+        "batch 2 x seq 16",
+        "parallel world 1",
+        "layers.1  ",
+        "params   106,816 total",
+    ] {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
     }
     let dot_text = std::fs::read_to_string(&dot).unwrap();
@@ -71,12 +108,42 @@ fn help_explains_every_flag() {
 
 #[test]
 fn bad_input_exits_2_with_a_located_message() {
-    bad(&["inspect", "--model", "no/such/model.yaml"], "no/such/model.yaml: no such file");
-    bad(&["inspect", "--model", "llama-3-8b"], "did you mean the preset `llama3-8b`?");
-    bad(&["inspect", "--model", "Cargo.toml"], "Cargo.toml:1:1: expected a mapping");
-    bad(&["inspect", "--model", "tiny-gpt2", "--parallel", "examples/parallel/fsdp-8.yaml"], "examples/parallel/fsdp-8.yaml:12:31: `batch.seq_len`: sequence length 8192 exceeds the model's 128 positions");
-    bad(&["inspect", "--model", "tiny-llama", "--parallel", "examples/models/tiny-llama.yaml"], "unknown field `name`");
-    bad(&["inspect", "--model", "tiny-llama", "--format", "xml"], "invalid value 'xml'");
+    bad(
+        &["inspect", "--model", "no/such/model.yaml"],
+        "no/such/model.yaml: no such file",
+    );
+    bad(
+        &["inspect", "--model", "llama-3-8b"],
+        "did you mean the preset `llama3-8b`?",
+    );
+    bad(
+        &["inspect", "--model", "Cargo.toml"],
+        "Cargo.toml:1:1: expected a mapping",
+    );
+    bad(
+        &[
+            "inspect",
+            "--model",
+            "tiny-gpt2",
+            "--parallel",
+            "examples/parallel/fsdp-8.yaml",
+        ],
+        "examples/parallel/fsdp-8.yaml:12:31: `batch.seq_len`: sequence length 8192 exceeds the model's 128 positions",
+    );
+    bad(
+        &[
+            "inspect",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/models/tiny-llama.yaml",
+        ],
+        "unknown field `name`",
+    );
+    bad(
+        &["inspect", "--model", "tiny-llama", "--format", "xml"],
+        "invalid value 'xml'",
+    );
     bad(&["inspect"], "--model <FILE>");
     bad(&["inspec"], "unrecognized subcommand");
 }
@@ -85,5 +152,9 @@ fn bad_input_exits_2_with_a_located_message() {
 fn unwritable_dot_path_is_an_error_not_a_panic() {
     let o = shardplan(&["inspect", "--model", "tiny-mlp", "--dot", "/nonexistent-dir/x.dot"]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("cannot write DOT to /nonexistent-dir/x.dot"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot write DOT to /nonexistent-dir/x.dot"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -14,7 +14,9 @@ fn mutate(text: &str, n: usize, value: &str) -> String {
     let mut out = String::new();
     let mut rest = text;
     while let Some(i) = rest.find(|c: char| c.is_ascii_digit()) {
-        let end = rest[i..].find(|c: char| !(c.is_ascii_alphanumeric() || c == '.' || c == '-')).map_or(rest.len(), |e| i + e);
+        let end = rest[i..]
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '.' || c == '-'))
+            .map_or(rest.len(), |e| i + e);
         out.push_str(&rest[..i]);
         out.push_str(if seen == n { value } else { &rest[i..end] });
         seen += 1;
@@ -26,7 +28,13 @@ fn mutate(text: &str, n: usize, value: &str) -> String {
 
 fn parse_all(text: &str) {
     if let Ok((m, _)) = parse_model_spec(&Source::from_text("m.yaml", text)) {
-        let _ = trace(&m, TraceOptions { seq_len: Some(4), ..TraceOptions::default() });
+        let _ = trace(
+            &m,
+            TraceOptions {
+                seq_len: Some(4),
+                ..TraceOptions::default()
+            },
+        );
     }
     let _ = parse_parallel_spec(&Source::from_text("p.yaml", text));
     let _ = parse_hf_config(&Source::from_text("c.json", text));

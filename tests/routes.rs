@@ -8,28 +8,56 @@ use std::path::Path;
 
 fn graph_of(path: &str) -> shardplan_ir::Graph {
     let m = load_model(Path::new(path)).unwrap_or_else(|e| panic!("{e}"));
-    trace(&m.config, TraceOptions { seq_len: Some(32), ..TraceOptions::default() }).unwrap()
+    trace(
+        &m.config,
+        TraceOptions {
+            seq_len: Some(32),
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap()
 }
 
 #[test]
 fn yaml_json_and_preset_give_the_same_graph() {
     for (yaml, json, preset_name) in [
-        ("examples/models/llama3-8b.yaml", "examples/models/llama3-8b.config.json", "llama3-8b"),
+        (
+            "examples/models/llama3-8b.yaml",
+            "examples/models/llama3-8b.config.json",
+            "llama3-8b",
+        ),
         ("examples/models/gpt2.yaml", "examples/models/gpt2.config.json", "gpt2"),
     ] {
         let (a, b) = (graph_of(yaml), graph_of(json));
         assert!(a.same_structure(&b), "{yaml} and {json} differ");
         assert_eq!(to_text(&a), to_text(&b));
-        let c = trace(&preset(preset_name).unwrap(), TraceOptions { seq_len: Some(32), ..TraceOptions::default() }).unwrap();
+        let c = trace(
+            &preset(preset_name).unwrap(),
+            TraceOptions {
+                seq_len: Some(32),
+                ..TraceOptions::default()
+            },
+        )
+        .unwrap();
         assert!(a.same_structure(&c), "{yaml} differs from preset {preset_name}");
     }
 }
 
 #[test]
 fn hf_imports_match_presets() {
-    for (json, preset_name) in [("examples/models/mistral-7b.config.json", "mistral-7b"), ("examples/models/qwen2-0.5b.config.json", "qwen2-0.5b")] {
+    for (json, preset_name) in [
+        ("examples/models/mistral-7b.config.json", "mistral-7b"),
+        ("examples/models/qwen2-0.5b.config.json", "qwen2-0.5b"),
+    ] {
         let a = graph_of(json);
-        let b = trace(&preset(preset_name).unwrap(), TraceOptions { seq_len: Some(32), ..TraceOptions::default() }).unwrap();
+        let b = trace(
+            &preset(preset_name).unwrap(),
+            TraceOptions {
+                seq_len: Some(32),
+                ..TraceOptions::default()
+            },
+        )
+        .unwrap();
         assert!(a.same_structure(&b), "{json} differs from preset {preset_name}");
     }
 }

@@ -55,7 +55,9 @@ impl<'de> Deserialize<'de> for BoolOrInt {
                 Ok(BoolOrInt::Int(v))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                u64::try_from(v).map(BoolOrInt::Int).map_err(|_| E::custom(format!("expected true, false or a positive integer, got {v}")))
+                u64::try_from(v)
+                    .map(BoolOrInt::Int)
+                    .map_err(|_| E::custom(format!("expected true, false or a positive integer, got {v}")))
             }
         }
         d.deserialize_any(V)

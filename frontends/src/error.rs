@@ -3,9 +3,13 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-/// A problem with a file the user gave us.
+/// A problem with a file the user gave us (boxed, so `Result`s stay small).
 #[derive(Debug, Clone, PartialEq)]
-pub struct SpecError {
+pub struct SpecError(Box<SpecErrorDetails>);
+
+/// What a [`SpecError`] says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecErrorDetails {
     pub file: PathBuf,
     /// 1-based line and column, where the format has them.
     pub line: Option<u64>,
@@ -20,32 +24,40 @@ pub struct SpecError {
 impl SpecError {
     /// An error about the whole file.
     pub fn file(file: &Path, message: impl Into<String>) -> Self {
-        SpecError {
+        SpecError(Box::new(SpecErrorDetails {
             file: file.to_path_buf(),
             line: None,
             column: None,
             field: None,
             message: message.into(),
             help: None,
-        }
+        }))
     }
 
     pub fn at(mut self, pos: Option<Pos>) -> Self {
         if let Some(p) = pos {
-            self.line = Some(p.line);
-            self.column = Some(p.column);
+            self.0.line = Some(p.line);
+            self.0.column = Some(p.column);
         }
         self
     }
 
     pub fn field(mut self, field: impl Into<String>) -> Self {
-        self.field = Some(field.into());
+        self.0.field = Some(field.into());
         self
     }
 
     pub fn help(mut self, help: impl Into<String>) -> Self {
-        self.help = Some(help.into());
+        self.0.help = Some(help.into());
         self
+    }
+}
+
+impl std::ops::Deref for SpecError {
+    type Target = SpecErrorDetails;
+
+    fn deref(&self) -> &SpecErrorDetails {
+        &self.0
     }
 }
 

@@ -5,12 +5,17 @@
 //! ignored: HF configs carry dozens of them and none changes a tensor shape.
 
 use crate::model_spec::file_stem;
-use crate::{did_you_mean, Origin, SpecError, Source};
+use crate::{did_you_mean, Origin, Source, SpecError};
 use serde::Deserialize;
 use shardplan_models::{Gpt2Config, LlamaConfig, ModelConfig};
 
 /// The architectures shardplan imports.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "GPT2LMHeadModel",
+];
 
 /// The subset of config.json shardplan reads, named as in the file.
 #[derive(Debug, Default, Deserialize)]
@@ -86,7 +91,10 @@ impl HfConfig {
                 if let Some(m) = did_you_mean(first, SUPPORTED_ARCHITECTURES.iter().copied()) {
                     help = format!("did you mean `{m}`? {help}");
                 }
-                SpecError::file(&src.path, format!("unsupported architecture `{first}`")).at(src.json_key_pos("architectures")).field("architectures").help(help)
+                SpecError::file(&src.path, format!("unsupported architecture `{first}`"))
+                    .at(src.json_key_pos("architectures"))
+                    .field("architectures")
+                    .help(help)
             });
         }
         match self.model_type.as_deref() {
@@ -94,8 +102,15 @@ impl HfConfig {
             Some("mistral") => Ok(Arch::Mistral),
             Some("qwen2") => Ok(Arch::Qwen2),
             Some("gpt2") => Ok(Arch::Gpt2),
-            Some(other) => Err(SpecError::file(&src.path, format!("unsupported model_type `{other}`")).at(src.json_key_pos("model_type")).field("model_type").help(format!("shardplan imports {supported}"))),
-            None => Err(SpecError::file(&src.path, "has neither `architectures` nor `model_type`").help(format!("is this a Hugging Face config.json? shardplan imports {supported}"))),
+            Some(other) => Err(SpecError::file(&src.path, format!("unsupported model_type `{other}`"))
+                .at(src.json_key_pos("model_type"))
+                .field("model_type")
+                .help(format!("shardplan imports {supported}"))),
+            None => Err(
+                SpecError::file(&src.path, "has neither `architectures` nor `model_type`").help(format!(
+                    "is this a Hugging Face config.json? shardplan imports {supported}"
+                )),
+            ),
         }
     }
 
@@ -104,14 +119,25 @@ impl HfConfig {
         let arch = self.arch(src)?;
         let need = |v: Option<u64>, field: &str| -> Result<u64, SpecError> {
             let key = hf_key(arch, field);
-            v.ok_or_else(|| SpecError::file(&src.path, format!("missing `{key}`")).field(key).help(format!("add \"{key}\": <integer> (see the model's config.json on the Hub)")))
+            v.ok_or_else(|| {
+                SpecError::file(&src.path, format!("missing `{key}`"))
+                    .field(key)
+                    .help(format!(
+                        "add \"{key}\": <integer> (see the model's config.json on the Hub)"
+                    ))
+            })
         };
         let name = self
             .name_or_path
             .clone()
             .filter(|n| !n.is_empty())
             .unwrap_or_else(|| file_stem(src));
-        let unsupported = |key: &str, what: &str| SpecError::file(&src.path, format!("`{key}: true` ({what}) is not supported")).at(src.json_key_pos(key)).field(key).help("shardplan models Llama/Mistral/Qwen2 without that bias");
+        let unsupported = |key: &str, what: &str| {
+            SpecError::file(&src.path, format!("`{key}: true` ({what}) is not supported"))
+                .at(src.json_key_pos(key))
+                .field(key)
+                .help("shardplan models Llama/Mistral/Qwen2 without that bias")
+        };
         let config = match arch {
             Arch::Gpt2 => {
                 let dim = need(self.n_embd, "dim")?;
@@ -154,9 +180,20 @@ impl HfConfig {
         let mut origin = Origin::new(&src.path);
         config.validate().map_err(|e| {
             let key = hf_key(arch, e.field);
-            SpecError::file(&src.path, e.message.clone()).at(src.json_key_pos(key)).field(key).help(e.help.clone())
+            SpecError::file(&src.path, e.message.clone())
+                .at(src.json_key_pos(key))
+                .field(key)
+                .help(e.help.clone())
         })?;
-        for field in ["vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"] {
+        for field in [
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+        ] {
             if let Some(p) = src.json_key_pos(hf_key(arch, field)) {
                 origin.insert(field, p);
             }
@@ -179,7 +216,10 @@ pub fn parse_hf_config(src: &Source) -> Result<(ModelConfig, Origin), SpecError>
             let raw = e.to_string();
             let detail = raw.rfind(" at line ").map_or(raw.as_str(), |i| &raw[..i]);
             let mut err = SpecError::file(&src.path, format!("{what}: {detail}"))
-                .at(Some(crate::Pos { line: e.line() as u64, column: e.column() as u64 }))
+                .at(Some(crate::Pos {
+                    line: e.line() as u64,
+                    column: e.column() as u64,
+                }))
                 .help("a config.json is one JSON object of `\"key\": value` pairs, as on the Hugging Face Hub");
             if !field.is_empty() && field != "." && field != "?" {
                 err = err.field(field);

@@ -13,11 +13,14 @@ mod parallel;
 mod source;
 mod yaml;
 
-pub use error::{did_you_mean, Pos, SpecError};
+pub use error::{did_you_mean, Pos, SpecError, SpecErrorDetails};
 pub use hardware::{HardwareProfile, HARDWARE_NAMES};
 pub use hf_config::{parse_hf_config, HfConfig, SUPPORTED_ARCHITECTURES};
 pub use load::{load_model, load_parallel, trace_error, trace_options, LoadedModel, LoadedParallel};
 pub use model_spec::{parse_model_spec, Family, ModelSpecFile};
 pub use origin::Origin;
-pub use parallel::{parse_parallel_spec, ActivationCheckpointing, Batch, MeshShape, MixedPrecision, Offload, Optimizer, ParallelConfig, Prefetch, Reshard, MAX_WORLD};
+pub use parallel::{
+    parse_parallel_spec, ActivationCheckpointing, Batch, MeshShape, MixedPrecision, Offload, Optimizer, ParallelConfig,
+    Prefetch, Reshard, MAX_WORLD,
+};
 pub use source::{Source, MAX_SPEC_BYTES};

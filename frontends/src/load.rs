@@ -1,6 +1,8 @@
 //! Entry points: a path (or preset name) in, a validated config and its origin out.
 
-use crate::{did_you_mean, parse_hf_config, parse_model_spec, parse_parallel_spec, Origin, ParallelConfig, Source, SpecError};
+use crate::{
+    did_you_mean, parse_hf_config, parse_model_spec, parse_parallel_spec, Origin, ParallelConfig, Source, SpecError,
+};
 use shardplan_models::{preset, ModelConfig, TraceError, TraceOptions, PRESET_NAMES};
 use std::path::Path;
 
@@ -16,7 +18,10 @@ pub struct LoadedModel {
 pub fn load_model(path: &Path) -> Result<LoadedModel, SpecError> {
     if !path.exists() {
         if let Some(config) = path.to_str().and_then(preset) {
-            return Ok(LoadedModel { config, origin: Origin::new(path) });
+            return Ok(LoadedModel {
+                config,
+                origin: Origin::new(path),
+            });
         }
         let name = path.to_string_lossy();
         if path.extension().is_none() {
@@ -33,7 +38,11 @@ pub fn load_model(path: &Path) -> Result<LoadedModel, SpecError> {
         Some("yaml" | "yml") => false,
         _ => src.text.trim_start().starts_with('{'),
     };
-    let (config, origin) = if is_json { parse_hf_config(&src)? } else { parse_model_spec(&src)? };
+    let (config, origin) = if is_json {
+        parse_hf_config(&src)?
+    } else {
+        parse_model_spec(&src)?
+    };
     Ok(LoadedModel { config, origin })
 }
 
@@ -72,6 +81,8 @@ pub fn trace_error(err: TraceError, model: &LoadedModel, parallel: Option<&Loade
             Some(p) => p.origin.error(field, message, help),
             None => model.origin.error("max_seq_len", message, help),
         },
-        TraceError::Ir(e) => SpecError::file(&model.origin.file, e.to_string()).help("use smaller sizes in the model or the batch"),
+        TraceError::Ir(e) => {
+            SpecError::file(&model.origin.file, e.to_string()).help("use smaller sizes in the model or the batch")
+        }
     }
 }

@@ -55,8 +55,29 @@ pub struct ModelSpecFile {
 /// Which fields each family takes.
 fn allowed(family: Family) -> &'static [&'static str] {
     match family {
-        Family::Llama => &["vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "norm_eps", "rope_theta", "tie_embeddings", "qkv_bias", "max_seq_len"],
-        Family::Gpt2 => &["vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "norm_eps", "max_seq_len"],
+        Family::Llama => &[
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "ffn_dim",
+            "norm_eps",
+            "rope_theta",
+            "tie_embeddings",
+            "qkv_bias",
+            "max_seq_len",
+        ],
+        Family::Gpt2 => &[
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "ffn_dim",
+            "norm_eps",
+            "max_seq_len",
+        ],
         Family::Mlp => &["dim", "n_layers", "ffn_dim", "n_classes"],
     }
 }
@@ -68,7 +89,21 @@ impl ModelSpecFile {
         macro_rules! add {
             ($($f:ident),*) => {$( if let Some(s) = &self.$f { v.push((stringify!($f), pos(s))); } )*};
         }
-        add!(vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim, norm_eps, rope_theta, tie_embeddings, qkv_bias, max_seq_len, n_classes);
+        add!(
+            vocab_size,
+            dim,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_dim,
+            norm_eps,
+            rope_theta,
+            tie_embeddings,
+            qkv_bias,
+            max_seq_len,
+            n_classes
+        );
         v
     }
 
@@ -80,12 +115,24 @@ impl ModelSpecFile {
         for (field, p) in self.present() {
             origin.insert(field, p);
             if !allowed(family).contains(&field) {
-                return Err(origin.error(field, format!("does not apply to family {}", family_name(family)), format!("remove it; {} takes: {}", family_name(family), allowed(family).join(", "))));
+                return Err(origin.error(
+                    field,
+                    format!("does not apply to family {}", family_name(family)),
+                    format!(
+                        "remove it; {} takes: {}",
+                        family_name(family),
+                        allowed(family).join(", ")
+                    ),
+                ));
             }
         }
         let need = |v: &Option<Spanned<u64>>, field: &str| -> Result<u64, SpecError> {
             v.as_ref().map(|s| s.value).ok_or_else(|| {
-                origin.error("family", format!("family {} needs `{field}`", family_name(family)), format!("add `{field}: <integer>` to the spec"))
+                origin.error(
+                    "family",
+                    format!("family {} needs `{field}`", family_name(family)),
+                    format!("add `{field}: <integer>` to the spec"),
+                )
             })
         };
         let val = |v: &Option<Spanned<u64>>| v.as_ref().map(|s| s.value);

@@ -14,7 +14,10 @@ pub struct Origin {
 
 impl Origin {
     pub fn new(file: &Path) -> Self {
-        Origin { file: file.to_path_buf(), spans: BTreeMap::new() }
+        Origin {
+            file: file.to_path_buf(),
+            spans: BTreeMap::new(),
+        }
     }
 
     pub fn insert(&mut self, field: &str, pos: Pos) {
@@ -38,6 +41,9 @@ impl Origin {
 
     /// An error about `field`, placed where it was written (or at its parent).
     pub fn error(&self, field: &str, message: impl Into<String>, help: impl Into<String>) -> SpecError {
-        SpecError::file(&self.file, message).at(self.pos(field)).field(field).help(help)
+        SpecError::file(&self.file, message)
+            .at(self.pos(field))
+            .field(field)
+            .help(help)
     }
 }

@@ -187,8 +187,17 @@ pub struct Batch {
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
     /// AdamW with decoupled weight decay.
-    AdamW { lr: f64, betas: [f64; 2], eps: f64, weight_decay: f64 },
-    Sgd { lr: f64, momentum: f64, weight_decay: f64 },
+    AdamW {
+        lr: f64,
+        betas: [f64; 2],
+        eps: f64,
+        weight_decay: f64,
+    },
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
 }
 
 impl Optimizer {
@@ -224,7 +233,11 @@ pub struct ParallelConfig {
 
 fn at_least_1(origin: &Origin, field: &str, v: u64) -> Result<u64, SpecError> {
     if v == 0 {
-        return Err(origin.error(field, "must be at least 1, got 0", format!("set `{field}` to a positive integer")));
+        return Err(origin.error(
+            field,
+            "must be at least 1, got 0",
+            format!("set `{field}` to a positive integer"),
+        ));
     }
     Ok(v)
 }
@@ -233,7 +246,11 @@ fn number(origin: &Origin, field: &str, v: f64, ok: impl Fn(f64) -> bool, rule: 
     if v.is_finite() && ok(v) {
         Ok(v)
     } else {
-        Err(origin.error(field, format!("must be {rule}, got {v}"), format!("set `{field}` to a value {rule}")))
+        Err(origin.error(
+            field,
+            format!("must be {rule}, got {v}"),
+            format!("set `{field}` to a value {rule}"),
+        ))
     }
 }
 
@@ -256,14 +273,26 @@ impl ParallelSpecFile {
         let mesh = MeshShape { replicate, shard };
         match replicate.checked_mul(shard) {
             Some(w) if w <= MAX_WORLD => {}
-            _ => return Err(o.error("mesh", format!("replicate x shard = {replicate} x {shard} is more than the {MAX_WORLD} ranks shardplan plans for"), "use a realistic mesh")),
+            _ => {
+                return Err(o.error(
+                    "mesh",
+                    format!(
+                    "replicate x shard = {replicate} x {shard} is more than the {MAX_WORLD} ranks shardplan plans for"
+                ),
+                    "use a realistic mesh",
+                ))
+            }
         }
         let world = mesh.world();
 
         record(&mut o, "gpus_per_node", &self.gpus_per_node);
         let gpus_per_node = at_least_1(&o, "gpus_per_node", self.gpus_per_node.map_or(8, |s| s.value))?;
-        if world > gpus_per_node && world % gpus_per_node != 0 {
-            return Err(o.error("gpus_per_node", format!("world size {world} does not fill whole nodes of {gpus_per_node} GPUs"), format!("make replicate x shard a multiple of {gpus_per_node}, or change gpus_per_node")));
+        if world > gpus_per_node && !world.is_multiple_of(gpus_per_node) {
+            return Err(o.error(
+                "gpus_per_node",
+                format!("world size {world} does not fill whole nodes of {gpus_per_node} GPUs"),
+                format!("make replicate x shard a multiple of {gpus_per_node}, or change gpus_per_node"),
+            ));
         }
 
         let hardware = hardware(&mut o, self.hardware)?;
@@ -291,35 +320,59 @@ impl ParallelSpecFile {
             None | Some(BoolOrInt::Bool(true)) => Reshard::AfterForward,
             Some(BoolOrInt::Bool(false)) => Reshard::Keep,
             Some(BoolOrInt::Int(n)) => {
-                if n == 0 || shard % n != 0 {
-                    return Err(o.error("reshard_after_forward", format!("{n} does not divide the shard axis ({shard})"), format!("use true, false, or a divisor of {shard} (usually gpus_per_node)")));
+                if n == 0 || !shard.is_multiple_of(n) {
+                    return Err(o.error(
+                        "reshard_after_forward",
+                        format!("{n} does not divide the shard axis ({shard})"),
+                        format!("use true, false, or a divisor of {shard} (usually gpus_per_node)"),
+                    ));
                 }
                 Reshard::ToGroupOf(n)
             }
         };
 
-        let mut prefetch = Prefetch { forward: 1, backward: 1 };
+        let mut prefetch = Prefetch {
+            forward: 1,
+            backward: 1,
+        };
         if let Some(p) = self.prefetch {
             o.insert("prefetch", pos(&p));
             record(&mut o, "prefetch.forward", &p.value.forward);
             record(&mut o, "prefetch.backward", &p.value.backward);
             prefetch.forward = p.value.forward.map_or(1, |s| s.value);
             prefetch.backward = p.value.backward.map_or(1, |s| s.value);
-            for (field, v) in [("prefetch.forward", prefetch.forward), ("prefetch.backward", prefetch.backward)] {
+            for (field, v) in [
+                ("prefetch.forward", prefetch.forward),
+                ("prefetch.backward", prefetch.backward),
+            ] {
                 if v > 64 {
-                    return Err(o.error(field, format!("prefetch depth {v} is more than 64"), "FSDP2 uses 1; depths beyond 2-3 only add memory"));
+                    return Err(o.error(
+                        field,
+                        format!("prefetch depth {v} is more than 64"),
+                        "FSDP2 uses 1; depths beyond 2-3 only add memory",
+                    ));
                 }
             }
         }
 
-        let mut mixed_precision = MixedPrecision { param: DType::F32, reduce: DType::F32 };
+        let mut mixed_precision = MixedPrecision {
+            param: DType::F32,
+            reduce: DType::F32,
+        };
         if let Some(mp) = self.mixed_precision {
             o.insert("mixed_precision", pos(&mp));
-            for (field, v, slot) in [("mixed_precision.param", &mp.value.param, &mut mixed_precision.param), ("mixed_precision.reduce", &mp.value.reduce, &mut mixed_precision.reduce)] {
+            for (field, v, slot) in [
+                ("mixed_precision.param", &mp.value.param, &mut mixed_precision.param),
+                ("mixed_precision.reduce", &mp.value.reduce, &mut mixed_precision.reduce),
+            ] {
                 if let Some(s) = v {
                     o.insert(field, pos(s));
                     if !s.value.is_float() {
-                        return Err(o.error(field, format!("{} is not a floating-point dtype", s.value), "use f32, bf16 or f16"));
+                        return Err(o.error(
+                            field,
+                            format!("{} is not a floating-point dtype", s.value),
+                            "use f32, bf16 or f16",
+                        ));
                     }
                     *slot = s.value;
                 }
@@ -336,7 +389,10 @@ impl ParallelSpecFile {
                 "none" => ActivationCheckpointing::None,
                 "full" => ActivationCheckpointing::Full,
                 other => {
-                    let help = did_you_mean(other, ["none", "full"]).map_or_else(|| "use none, full or {every: N}".to_string(), |m| format!("did you mean `{m}`? (none, full or {{every: N}})"));
+                    let help = did_you_mean(other, ["none", "full"]).map_or_else(
+                        || "use none, full or {every: N}".to_string(),
+                        |m| format!("did you mean `{m}`? (none, full or {{every: N}})"),
+                    );
                     return Err(o.error("activation_checkpointing", format!("unknown mode `{other}`"), help));
                 }
             },
@@ -346,7 +402,11 @@ impl ParallelSpecFile {
             }
         };
 
-        let mut batch = Batch { per_rank: 1, seq_len: None, grad_accum: 1 };
+        let mut batch = Batch {
+            per_rank: 1,
+            seq_len: None,
+            grad_accum: 1,
+        };
         if let Some(b) = self.batch {
             o.insert("batch", pos(&b));
             let b = b.value;
@@ -354,7 +414,10 @@ impl ParallelSpecFile {
             record(&mut o, "batch.seq_len", &b.seq_len);
             record(&mut o, "batch.grad_accum", &b.grad_accum);
             batch.per_rank = at_least_1(&o, "batch.per_rank", b.per_rank.map_or(1, |s| s.value))?;
-            batch.seq_len = b.seq_len.map(|s| at_least_1(&o, "batch.seq_len", s.value)).transpose()?;
+            batch.seq_len = b
+                .seq_len
+                .map(|s| at_least_1(&o, "batch.seq_len", s.value))
+                .transpose()?;
             batch.grad_accum = at_least_1(&o, "batch.grad_accum", b.grad_accum.map_or(1, |s| s.value))?;
         }
 
@@ -364,10 +427,29 @@ impl ParallelSpecFile {
         let grad_clip = match self.grad_clip.map(|s| s.value) {
             None => Some(1.0),
             Some(None) => None,
-            Some(Some(c)) => Some(number(&o, "grad_clip", c, |v| v > 0.0, "> 0 (or null for no clipping)")?),
+            Some(Some(c)) => Some(number(
+                &o,
+                "grad_clip",
+                c,
+                |v| v > 0.0,
+                "> 0 (or null for no clipping)",
+            )?),
         };
 
-        let config = ParallelConfig { mesh, gpus_per_node, hardware, wrap, reshard_after_forward, prefetch, mixed_precision, offload, activation_checkpointing, batch, optimizer, grad_clip };
+        let config = ParallelConfig {
+            mesh,
+            gpus_per_node,
+            hardware,
+            wrap,
+            reshard_after_forward,
+            prefetch,
+            mixed_precision,
+            offload,
+            activation_checkpointing,
+            batch,
+            optimizer,
+            grad_clip,
+        };
         Ok((config, o))
     }
 }
@@ -376,7 +458,10 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
     let unknown = |o: &Origin, field: &str, name: &str| {
         let help = match did_you_mean(name, HARDWARE_NAMES.iter().copied()) {
             Some(m) => format!("did you mean `{m}`? built-in profiles: {}", HARDWARE_NAMES.join(", ")),
-            None => format!("built-in profiles: {}; or give the numbers as a mapping", HARDWARE_NAMES.join(", ")),
+            None => format!(
+                "built-in profiles: {}; or give the numbers as a mapping",
+                HARDWARE_NAMES.join(", ")
+            ),
         };
         o.error(field, format!("unknown hardware profile `{name}`"), help)
     };
@@ -417,9 +502,21 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                 ("hbm_gbps", h.hbm_gbps, &mut profile.hbm_gbps),
                 ("intra_node_gbps", h.intra_node_gbps, &mut profile.intra_node_gbps),
                 ("inter_node_gbps", h.inter_node_gbps, &mut profile.inter_node_gbps),
-                ("intra_node_latency_us", h.intra_node_latency_us, &mut profile.intra_node_latency_us),
-                ("inter_node_latency_us", h.inter_node_latency_us, &mut profile.inter_node_latency_us),
-                ("compute_efficiency", h.compute_efficiency, &mut profile.compute_efficiency),
+                (
+                    "intra_node_latency_us",
+                    h.intra_node_latency_us,
+                    &mut profile.intra_node_latency_us,
+                ),
+                (
+                    "inter_node_latency_us",
+                    h.inter_node_latency_us,
+                    &mut profile.inter_node_latency_us,
+                ),
+                (
+                    "compute_efficiency",
+                    h.compute_efficiency,
+                    &mut profile.compute_efficiency,
+                ),
             ];
             let mut missing = Vec::new();
             for (name, value, slot) in fields {
@@ -427,15 +524,32 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                 match value {
                     Some(v) => {
                         o.insert(&field, pos(&v));
-                        let rule = if name == "compute_efficiency" { "in (0, 1]" } else { "> 0" };
-                        *slot = number(o, &field, v.value, |x| x > 0.0 && (name != "compute_efficiency" || x <= 1.0), rule)?;
+                        let rule = if name == "compute_efficiency" {
+                            "in (0, 1]"
+                        } else {
+                            "> 0"
+                        };
+                        *slot = number(
+                            o,
+                            &field,
+                            v.value,
+                            |x| x > 0.0 && (name != "compute_efficiency" || x <= 1.0),
+                            rule,
+                        )?;
                     }
                     None if slot.is_nan() => missing.push(name),
                     None => {}
                 }
             }
             if !missing.is_empty() {
-                return Err(o.error("hardware", format!("custom hardware is missing {}", missing.join(", ")), format!("give every number, or start from a built-in with `base: h100-sxm` ({})", HARDWARE_NAMES.join(", "))));
+                return Err(o.error(
+                    "hardware",
+                    format!("custom hardware is missing {}", missing.join(", ")),
+                    format!(
+                        "give every number, or start from a built-in with `base: h100-sxm` ({})",
+                        HARDWARE_NAMES.join(", ")
+                    ),
+                ));
             }
             Ok(profile)
         }
@@ -444,10 +558,21 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
 
 fn optimizer(o: &mut Origin, spec: Option<Spanned<OptimizerFile>>) -> Result<Optimizer, SpecError> {
     let Some(spec) = spec else {
-        return Ok(Optimizer::AdamW { lr: 3e-4, betas: [0.9, 0.95], eps: 1e-8, weight_decay: 0.1 });
+        return Ok(Optimizer::AdamW {
+            lr: 3e-4,
+            betas: [0.9, 0.95],
+            eps: 1e-8,
+            weight_decay: 0.1,
+        });
     };
     o.insert("optimizer", pos(&spec));
-    let get = |o: &mut Origin, field: &str, v: Option<Spanned<f64>>, default: f64, ok: fn(f64) -> bool, rule: &str| -> Result<f64, SpecError> {
+    let get = |o: &mut Origin,
+               field: &str,
+               v: Option<Spanned<f64>>,
+               default: f64,
+               ok: fn(f64) -> bool,
+               rule: &str|
+     -> Result<f64, SpecError> {
         match v {
             None => Ok(default),
             Some(s) => {
@@ -460,7 +585,14 @@ fn optimizer(o: &mut Origin, spec: Option<Spanned<OptimizerFile>>) -> Result<Opt
         OptimizerFile::Adamw(a) => {
             let lr = get(o, "optimizer.adamw.lr", a.lr, 3e-4, |v| v > 0.0, "> 0")?;
             let eps = get(o, "optimizer.adamw.eps", a.eps, 1e-8, |v| v > 0.0, "> 0")?;
-            let weight_decay = get(o, "optimizer.adamw.weight_decay", a.weight_decay, 0.1, |v| v >= 0.0, ">= 0")?;
+            let weight_decay = get(
+                o,
+                "optimizer.adamw.weight_decay",
+                a.weight_decay,
+                0.1,
+                |v| v >= 0.0,
+                ">= 0",
+            )?;
             let betas = match a.betas {
                 None => [0.9, 0.95],
                 Some(b) => {
@@ -471,12 +603,31 @@ fn optimizer(o: &mut Origin, spec: Option<Spanned<OptimizerFile>>) -> Result<Opt
                     b.value
                 }
             };
-            Optimizer::AdamW { lr, betas, eps, weight_decay }
+            Optimizer::AdamW {
+                lr,
+                betas,
+                eps,
+                weight_decay,
+            }
         }
         OptimizerFile::Sgd(s) => Optimizer::Sgd {
             lr: get(o, "optimizer.sgd.lr", s.lr, 1e-2, |v| v > 0.0, "> 0")?,
-            momentum: get(o, "optimizer.sgd.momentum", s.momentum, 0.0, |v| (0.0..1.0).contains(&v), "in [0, 1)")?,
-            weight_decay: get(o, "optimizer.sgd.weight_decay", s.weight_decay, 0.0, |v| v >= 0.0, ">= 0")?,
+            momentum: get(
+                o,
+                "optimizer.sgd.momentum",
+                s.momentum,
+                0.0,
+                |v| (0.0..1.0).contains(&v),
+                "in [0, 1)",
+            )?,
+            weight_decay: get(
+                o,
+                "optimizer.sgd.weight_decay",
+                s.weight_decay,
+                0.0,
+                |v| v >= 0.0,
+                ">= 0",
+            )?,
         },
     })
 }

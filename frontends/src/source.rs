@@ -18,17 +18,26 @@ impl Source {
     pub fn read(path: &Path) -> Result<Source, SpecError> {
         let meta = std::fs::metadata(path).map_err(|e| io_error(path, &e))?;
         if meta.is_dir() {
-            return Err(SpecError::file(path, "is a directory, not a spec file").help("pass the path of a .yaml or config.json file"));
+            return Err(SpecError::file(path, "is a directory, not a spec file")
+                .help("pass the path of a .yaml or config.json file"));
         }
         if meta.len() > MAX_SPEC_BYTES {
-            return Err(SpecError::file(path, format!("is {} bytes; a spec is at most {MAX_SPEC_BYTES}", meta.len())).help("pass a model or parallel spec, not a data or weights file"));
+            return Err(SpecError::file(
+                path,
+                format!("is {} bytes; a spec is at most {MAX_SPEC_BYTES}", meta.len()),
+            )
+            .help("pass a model or parallel spec, not a data or weights file"));
         }
         let bytes = std::fs::read(path).map_err(|e| io_error(path, &e))?;
         let text = String::from_utf8(bytes).map_err(|e| {
             let at = e.utf8_error().valid_up_to();
-            SpecError::file(path, format!("is not UTF-8 text (invalid byte at offset {at})")).help("pass a YAML spec or a JSON config.json, not a binary file")
+            SpecError::file(path, format!("is not UTF-8 text (invalid byte at offset {at})"))
+                .help("pass a YAML spec or a JSON config.json, not a binary file")
         })?;
-        let src = Source { path: path.to_path_buf(), text };
+        let src = Source {
+            path: path.to_path_buf(),
+            text,
+        };
         if src.is_blank() {
             return Err(SpecError::file(path, "is empty").help("write a spec in it; see examples/ for complete ones"));
         }
@@ -37,7 +46,10 @@ impl Source {
 
     /// A source from text in memory (tests, presets).
     pub fn from_text(path: impl Into<PathBuf>, text: impl Into<String>) -> Source {
-        Source { path: path.into(), text: text.into() }
+        Source {
+            path: path.into(),
+            text: text.into(),
+        }
     }
 
     /// True when the text has nothing but whitespace and `#` comments.
@@ -69,8 +81,12 @@ impl Source {
 
 fn io_error(path: &Path, e: &std::io::Error) -> SpecError {
     match e.kind() {
-        std::io::ErrorKind::NotFound => SpecError::file(path, "no such file").help("check the path; bundled examples are under examples/"),
-        std::io::ErrorKind::PermissionDenied => SpecError::file(path, "permission denied").help("make the file readable"),
+        std::io::ErrorKind::NotFound => {
+            SpecError::file(path, "no such file").help("check the path; bundled examples are under examples/")
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            SpecError::file(path, "permission denied").help("make the file readable")
+        }
         _ => SpecError::file(path, format!("cannot be read: {e}")),
     }
 }

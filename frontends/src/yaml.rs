@@ -1,7 +1,7 @@
 //! YAML parsing with serde-saphyr: resource budgets (alias bombs), duplicate keys refused,
 //! and errors turned into [`SpecError`]s with line, column, field path and a did-you-mean.
 
-use crate::{did_you_mean, Pos, SpecError, Source};
+use crate::{did_you_mean, Pos, Source, SpecError};
 use serde::de::DeserializeOwned;
 use serde_saphyr::{Budget, DuplicateKeyPolicy, Location, Spanned};
 
@@ -11,7 +11,10 @@ pub fn pos<T>(s: &Spanned<T>) -> Pos {
 }
 
 pub(crate) fn loc_pos(l: &Location) -> Pos {
-    Pos { line: l.line(), column: l.column() }
+    Pos {
+        line: l.line(),
+        column: l.column(),
+    }
 }
 
 /// Budgets sized for spec files (a few hundred nodes): an alias bomb or a huge document
@@ -66,7 +69,10 @@ pub fn parse<T: DeserializeOwned>(src: &Source) -> Result<T, SpecError> {
 /// unknown position.
 fn clean_path(path: &str) -> Option<String> {
     let path = path.replace(".value[", "[");
-    let parts: Vec<&str> = path.split('.').filter(|p| *p != "value" && *p != "?" && !p.is_empty()).collect();
+    let parts: Vec<&str> = path
+        .split('.')
+        .filter(|p| *p != "value" && *p != "?" && !p.is_empty())
+        .collect();
     (!parts.is_empty()).then(|| parts.join("."))
 }
 
@@ -78,7 +84,10 @@ fn describe(message: &str) -> String {
         ("invalid floating point", "expected a number"),
         ("invalid bool", "expected true or false"),
         ("unexpected end of input", "the document is empty or cut short"),
-        ("expected mapping start", "expected a mapping of `key: value` lines here"),
+        (
+            "expected mapping start",
+            "expected a mapping of `key: value` lines here",
+        ),
     ] {
         if message.starts_with(raw) {
             return format!("{nice} ({message})");
@@ -100,7 +109,10 @@ fn help_for(message: &str) -> Option<String> {
     })?;
     let list = rest.split_once("expected ").map(|(_, l)| l)?;
     let list = list.strip_prefix("one of ").unwrap_or(list);
-    let candidates: Vec<&str> = list.split(", ").map(|c| c.trim_matches(|ch| ch == '`' || ch == ' ')).collect();
+    let candidates: Vec<&str> = list
+        .split(", ")
+        .map(|c| c.trim_matches(|ch| ch == '`' || ch == ' '))
+        .collect();
     match did_you_mean(word, candidates.iter().copied()) {
         Some(best) => Some(format!("did you mean `{best}`?")),
         None => Some(format!("valid here: {}", candidates.join(", "))),

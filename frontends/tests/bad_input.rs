@@ -1,6 +1,8 @@
 //! Every kind of bad input gets a clear, located error, never a panic.
 
-use shardplan_frontends::{load_model, load_parallel, parse_hf_config, parse_model_spec, parse_parallel_spec, Source, SpecError};
+use shardplan_frontends::{
+    load_model, load_parallel, parse_hf_config, parse_model_spec, parse_parallel_spec, Source, SpecError,
+};
 use std::path::PathBuf;
 
 fn model(text: &str) -> SpecError {
@@ -45,7 +47,10 @@ fn good_specs_parse() {
 #[test]
 fn missing_file() {
     let e = load_model(&PathBuf::from("/nonexistent/model.yaml")).unwrap_err();
-    assert!(e.to_string().starts_with("/nonexistent/model.yaml: no such file"), "{e}");
+    assert!(
+        e.to_string().starts_with("/nonexistent/model.yaml: no such file"),
+        "{e}"
+    );
     let e = load_parallel(&PathBuf::from("/nonexistent/p.yaml")).unwrap_err();
     assert!(e.to_string().contains("no such file"), "{e}");
 }
@@ -61,7 +66,11 @@ fn empty_file() {
     for text in ["", "   \n\n", "# only a comment\n"] {
         let p = tmp("empty.yaml", text.as_bytes());
         let e = load_model(&p).unwrap_err();
-        assert!(e.to_string().ends_with("is empty\n  help: write a spec in it; see examples/ for complete ones"), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("is empty\n  help: write a spec in it; see examples/ for complete ones"),
+            "{e}"
+        );
     }
 }
 
@@ -128,7 +137,12 @@ fn zero_and_negative_sizes() {
 #[test]
 fn heads_must_divide_hidden_and_kv_heads_must_divide_heads() {
     let e = model(&LLAMA.replace("n_heads: 4", "n_heads: 5"));
-    check(&e, 5, 10, &["n_heads = 5 does not divide dim = 64", "set head_dim explicitly"]);
+    check(
+        &e,
+        5,
+        10,
+        &["n_heads = 5 does not divide dim = 64", "set head_dim explicitly"],
+    );
     let e = model(&LLAMA.replace("n_kv_heads: 2", "n_kv_heads: 3"));
     check(&e, 6, 13, &["n_kv_heads = 3 does not divide n_heads = 4"]);
     let e = hf("{\"architectures\": [\"MistralForCausalLM\"], \"vocab_size\": 32000,\n \"hidden_size\": 4096, \"num_hidden_layers\": 2,\n \"num_attention_heads\": 32, \"num_key_value_heads\": 7, \"intermediate_size\": 128}");
@@ -148,11 +162,19 @@ fn fields_of_another_family_and_missing_fields() {
 #[test]
 fn unsupported_architecture() {
     let e = hf("{\n  \"architectures\": [\"MixtralForCausalLM\"]\n}");
-    check(&e, 2, 3, &["unsupported architecture `MixtralForCausalLM`", "MistralForCausalLM"]);
+    check(
+        &e,
+        2,
+        3,
+        &["unsupported architecture `MixtralForCausalLM`", "MistralForCausalLM"],
+    );
     let e = hf("{\"model_type\": \"t5\"}");
     check(&e, 1, 2, &["unsupported model_type `t5`"]);
     let e = hf("{\"hidden_size\": 4}");
-    assert!(e.to_string().contains("neither `architectures` nor `model_type`"), "{e}");
+    assert!(
+        e.to_string().contains("neither `architectures` nor `model_type`"),
+        "{e}"
+    );
     let e = hf("{\"architectures\": [\"LlamaForCausalLM\"], \"attention_bias\": true}");
     check(&e, 1, 41, &["`attention_bias: true`", "not supported"]);
 }
@@ -162,7 +184,9 @@ fn billion_laughs() -> String {
     let mut doc = String::from("a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
     for (i, c) in "bcdefghi".chars().enumerate() {
         let p = (b'a' + i as u8) as char;
-        doc.push_str(&format!("{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"));
+        doc.push_str(&format!(
+            "{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        ));
     }
     doc
 }
@@ -203,24 +227,94 @@ fn absurd_sizes_do_not_overflow() {
 #[test]
 fn parallel_spec_rules() {
     let cases: &[(&str, u64, u64, &str)] = &[
-        ("mesh: {replicate: 3, shard: 4}\ngpus_per_node: 8\n", 2, 16, "does not fill whole nodes of 8"),
-        ("mesh: {shard: 8}\nreshard_after_forward: 3\n", 2, 24, "3 does not divide the shard axis (8)"),
-        ("mesh: {shard: 8}\nreshard_after_forward: maybe\n", 2, 1, "true, false or a positive integer"),
-        ("mesh: {shard: 8}\nmixed_precision: {param: u32}\n", 2, 26, "not a floating-point dtype"),
-        ("mesh: {shard: 8}\nmixed_precision: {param: fp8}\n", 2, 26, "unknown variant `fp8`"),
+        (
+            "mesh: {replicate: 3, shard: 4}\ngpus_per_node: 8\n",
+            2,
+            16,
+            "does not fill whole nodes of 8",
+        ),
+        (
+            "mesh: {shard: 8}\nreshard_after_forward: 3\n",
+            2,
+            24,
+            "3 does not divide the shard axis (8)",
+        ),
+        (
+            "mesh: {shard: 8}\nreshard_after_forward: maybe\n",
+            2,
+            1,
+            "true, false or a positive integer",
+        ),
+        (
+            "mesh: {shard: 8}\nmixed_precision: {param: u32}\n",
+            2,
+            26,
+            "not a floating-point dtype",
+        ),
+        (
+            "mesh: {shard: 8}\nmixed_precision: {param: fp8}\n",
+            2,
+            26,
+            "unknown variant `fp8`",
+        ),
         ("mesh: {shard: 8}\noffload: gpu\n", 2, 10, "unknown variant `gpu`"),
-        ("mesh: {shard: 8}\nactivation_checkpointing: ful\n", 2, 27, "did you mean `full`?"),
-        ("mesh: {shard: 8}\nactivation_checkpointing: {every: 0}\n", 2, 35, "at least 1"),
-        ("mesh: {shard: 8}\nwrap: [block, root]\n", 2, 15, "the root group is always the last group"),
+        (
+            "mesh: {shard: 8}\nactivation_checkpointing: ful\n",
+            2,
+            27,
+            "did you mean `full`?",
+        ),
+        (
+            "mesh: {shard: 8}\nactivation_checkpointing: {every: 0}\n",
+            2,
+            35,
+            "at least 1",
+        ),
+        (
+            "mesh: {shard: 8}\nwrap: [block, root]\n",
+            2,
+            15,
+            "the root group is always the last group",
+        ),
         ("mesh: {shard: 8}\nhardware: h100\n", 2, 11, "did you mean `h100-sxm`?"),
-        ("mesh: {shard: 8}\nhardware: {bf16_tflops: 100}\n", 2, 11, "missing f32_tflops"),
-        ("mesh: {shard: 8}\nhardware: {base: h200, compute_efficiency: 1.5}\n", 2, 44, "in (0, 1]"),
-        ("mesh: {shard: 8}\nhardware: {base: h200, hbm_gbs: 1}\n", 2, 24, "did you mean `hbm_gbps`?"),
+        (
+            "mesh: {shard: 8}\nhardware: {bf16_tflops: 100}\n",
+            2,
+            11,
+            "missing f32_tflops",
+        ),
+        (
+            "mesh: {shard: 8}\nhardware: {base: h200, compute_efficiency: 1.5}\n",
+            2,
+            44,
+            "in (0, 1]",
+        ),
+        (
+            "mesh: {shard: 8}\nhardware: {base: h200, hbm_gbs: 1}\n",
+            2,
+            24,
+            "did you mean `hbm_gbps`?",
+        ),
         ("mesh: {shard: 8}\nbatch: {per_rank: 0}\n", 2, 19, "at least 1"),
         ("mesh: {shard: 8}\noptimizer: {adamw: {lr: -1}}\n", 2, 25, "must be > 0"),
-        ("mesh: {shard: 8}\noptimizer: {adamw: {betas: [0.9, 1.5]}}\n", 2, 28, "in [0, 1)"),
-        ("mesh: {shard: 8}\noptimizer: {adam: {lr: 1}}\n", 2, 13, "did you mean `adamw`?"),
-        ("mesh: {shard: 8}\ngrad_clip: 0\n", 2, 12, "> 0 (or null for no clipping)"),
+        (
+            "mesh: {shard: 8}\noptimizer: {adamw: {betas: [0.9, 1.5]}}\n",
+            2,
+            28,
+            "in [0, 1)",
+        ),
+        (
+            "mesh: {shard: 8}\noptimizer: {adam: {lr: 1}}\n",
+            2,
+            13,
+            "did you mean `adamw`?",
+        ),
+        (
+            "mesh: {shard: 8}\ngrad_clip: 0\n",
+            2,
+            12,
+            "> 0 (or null for no clipping)",
+        ),
         ("mesh: {shard: 8}\nprefetch: {forward: 100}\n", 2, 21, "more than 64"),
         ("mesh: {shard: 8}\nmesh: {shard: 4}\n", 2, 1, "duplicate"),
         ("wrap: [block]\n", 1, 1, "missing field `mesh`"),
@@ -229,7 +323,11 @@ fn parallel_spec_rules() {
         let e = parallel(text);
         let shown = e.to_string();
         assert!(shown.contains(want), "`{want}` not in: {shown}\n--- for:\n{text}");
-        assert_eq!((e.line, e.column), (Some(*line), Some(*col)), "position of: {shown}\n--- for:\n{text}");
+        assert_eq!(
+            (e.line, e.column),
+            (Some(*line), Some(*col)),
+            "position of: {shown}\n--- for:\n{text}"
+        );
     }
 }
 

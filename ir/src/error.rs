@@ -22,5 +22,9 @@ pub enum IrError {
     DuplicateParam(String),
     /// An operand id that is not (yet) a node of the graph.
     #[error("operand {operand} of `{op}` at `{scope}` is not a node of this graph")]
-    UnknownOperand { op: &'static str, scope: String, operand: String },
+    UnknownOperand {
+        op: &'static str,
+        scope: String,
+        operand: String,
+    },
 }

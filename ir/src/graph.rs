@@ -3,6 +3,7 @@
 use crate::{IrError, ModuleKind, NodeId, Op, ParamId, Scope, ScopeId, TensorType};
 use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::Direction;
+use std::collections::HashSet;
 
 /// One op application; it produces exactly one value, named by its [`NodeId`].
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +37,8 @@ pub struct Graph {
     name: String,
     dag: DiGraph<Node, u32, u32>,
     params: Vec<Param>,
+    /// Names in `params`, for the uniqueness check.
+    param_names: HashSet<String>,
     scopes: Vec<Scope>,
     inputs: Vec<NodeId>,
     outputs: Vec<NodeId>,
@@ -48,6 +51,7 @@ impl Graph {
             name: name.into(),
             dag: DiGraph::default(),
             params: Vec::new(),
+            param_names: HashSet::new(),
             scopes: vec![Scope {
                 path: String::new(),
                 kind: ModuleKind::Root,
@@ -84,12 +88,7 @@ impl Graph {
     }
 
     /// A data input of the given type.
-    pub fn add_input(
-        &mut self,
-        name: &str,
-        ty: TensorType,
-        scope: ScopeId,
-    ) -> Result<NodeId, IrError> {
+    pub fn add_input(&mut self, name: &str, ty: TensorType, scope: ScopeId) -> Result<NodeId, IrError> {
         self.check_size(name, &ty, scope)?;
         let id = self.push(Op::Input { name: name.to_string() }, Vec::new(), ty, scope);
         self.inputs.push(id);
@@ -97,16 +96,11 @@ impl Graph {
     }
 
     /// A parameter named as in HF checkpoints; names are unique.
-    pub fn add_param(
-        &mut self,
-        name: &str,
-        ty: TensorType,
-        scope: ScopeId,
-    ) -> Result<NodeId, IrError> {
-        if self.params.iter().any(|p| p.name == name) {
+    pub fn add_param(&mut self, name: &str, ty: TensorType, scope: ScopeId) -> Result<NodeId, IrError> {
+        self.check_size(name, &ty, scope)?;
+        if !self.param_names.insert(name.to_string()) {
             return Err(IrError::DuplicateParam(name.to_string()));
         }
-        self.check_size(name, &ty, scope)?;
         let param = ParamId::from_index(self.params.len());
         let node = self.push(Op::Param { param }, Vec::new(), ty.clone(), scope);
         self.params.push(Param {
@@ -119,12 +113,7 @@ impl Graph {
     }
 
     /// Applies `op` to `inputs`, inferring the result type.
-    pub fn add_node(
-        &mut self,
-        op: Op,
-        inputs: &[NodeId],
-        scope: ScopeId,
-    ) -> Result<NodeId, IrError> {
+    pub fn add_node(&mut self, op: Op, inputs: &[NodeId], scope: ScopeId) -> Result<NodeId, IrError> {
         if let Some(bad) = inputs.iter().find(|i| i.index() >= self.dag.node_count()) {
             return Err(IrError::UnknownOperand {
                 op: op.name(),
@@ -205,10 +194,7 @@ impl Graph {
     }
 
     pub fn params(&self) -> impl ExactSizeIterator<Item = (ParamId, &Param)> + '_ {
-        self.params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (ParamId::from_index(i), p))
+        self.params.iter().enumerate().map(|(i, p)| (ParamId::from_index(i), p))
     }
 
     pub fn scope(&self, id: ScopeId) -> &Scope {
@@ -216,10 +202,7 @@ impl Graph {
     }
 
     pub fn scopes(&self) -> impl ExactSizeIterator<Item = (ScopeId, &Scope)> + '_ {
-        self.scopes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (ScopeId::from_index(i), s))
+        self.scopes.iter().enumerate().map(|(i, s)| (ScopeId::from_index(i), s))
     }
 
     /// The outermost non-root ancestor of `id` (itself when it is top level), or the root.

@@ -144,9 +144,7 @@ impl Op {
     /// Leaf ops have no operands; their type is given when they are added to the graph.
     pub fn infer(&self, ins: &[&TensorType]) -> Result<TensorType, String> {
         match self.arity() {
-            Some(n) if ins.len() != n => {
-                return Err(format!("expects {n} operand(s), got {}", ins.len()))
-            }
+            Some(n) if ins.len() != n => return Err(format!("expects {n} operand(s), got {}", ins.len())),
             None if ins.is_empty() => return Err("expects at least one operand".into()),
             _ => {}
         }
@@ -157,9 +155,10 @@ impl Op {
             Op::MatMul => infer_matmul(ins[0], ins[1]),
             Op::Add | Op::Mul => {
                 same_float_dtype(ins)?;
-                let shape = ins[0].shape.broadcast(&ins[1].shape).ok_or_else(|| {
-                    format!("shapes {} and {} do not broadcast", ins[0].shape, ins[1].shape)
-                })?;
+                let shape = ins[0]
+                    .shape
+                    .broadcast(&ins[1].shape)
+                    .ok_or_else(|| format!("shapes {} and {} do not broadcast", ins[0].shape, ins[1].shape))?;
                 Ok(TensorType::new(ins[0].dtype, shape))
             }
             Op::RmsNorm { .. } | Op::LayerNorm { .. } => infer_norm(ins),
@@ -167,9 +166,12 @@ impl Op {
                 float(ins[0], "input")?;
                 let d = ins[0].shape.dims();
                 if d.len() != 4 {
-                    return Err(format!("input must be [batch, seq, heads, head_dim], got {}", ins[0].shape));
+                    return Err(format!(
+                        "input must be [batch, seq, heads, head_dim], got {}",
+                        ins[0].shape
+                    ));
                 }
-                if d[3] % 2 != 0 {
+                if !d[3].is_multiple_of(2) {
                     return Err(format!("head_dim {} must be even", d[3]));
                 }
                 Ok(ins[0].clone())
@@ -259,7 +261,11 @@ fn check_dim(dim: usize, t: &TensorType) -> Result<(), String> {
     if dim < t.shape.rank() {
         Ok(())
     } else {
-        Err(format!("dim {dim} is out of range for {} (rank {})", t.shape, t.shape.rank()))
+        Err(format!(
+            "dim {dim} is out of range for {} (rank {})",
+            t.shape,
+            t.shape.rank()
+        ))
     }
 }
 
@@ -310,18 +316,24 @@ fn infer_matmul(a: &TensorType, b: &TensorType) -> Result<TensorType, String> {
     same_float_dtype(&[a, b])?;
     let (ad, bd) = (a.shape.dims(), b.shape.dims());
     if ad.len() < 2 || bd.len() < 2 {
-        return Err(format!("operands must be at least 2-D, got {} and {}", a.shape, b.shape));
+        return Err(format!(
+            "operands must be at least 2-D, got {} and {}",
+            a.shape, b.shape
+        ));
     }
     let (m, k) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (k2, n) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     if k != k2 {
-        return Err(format!("inner dims differ: {} has k={k}, {} has k={k2}", a.shape, b.shape));
+        return Err(format!(
+            "inner dims differ: {} has k={k}, {} has k={k2}",
+            a.shape, b.shape
+        ));
     }
     let batch_a = Shape::new(&ad[..ad.len() - 2]);
     let batch_b = Shape::new(&bd[..bd.len() - 2]);
-    let batch = batch_a.broadcast(&batch_b).ok_or_else(|| {
-        format!("batch dims {batch_a} and {batch_b} do not broadcast")
-    })?;
+    let batch = batch_a
+        .broadcast(&batch_b)
+        .ok_or_else(|| format!("batch dims {batch_a} and {batch_b} do not broadcast"))?;
     let mut dims = batch.dims().to_vec();
     dims.extend([m, n]);
     Ok(TensorType::new(a.dtype, dims))
@@ -336,7 +348,10 @@ fn infer_norm(ins: &[&TensorType]) -> Result<TensorType, String> {
         .ok_or_else(|| "input must have at least one dim".to_string())?;
     for (t, what) in ins[1..].iter().zip(["weight", "bias"]) {
         if t.shape.dims() != [d] {
-            return Err(format!("{what} must be [{d}] to match input {}, got {}", x.shape, t.shape));
+            return Err(format!(
+                "{what} must be [{d}] to match input {}, got {}",
+                x.shape, t.shape
+            ));
         }
     }
     Ok(x.clone())
@@ -392,7 +407,12 @@ fn infer_concat(dim: usize, ins: &[&TensorType]) -> Result<TensorType, String> {
             return Err(format!("operand dtypes differ ({} vs {})", first.dtype, t.dtype));
         }
         let same_rest = t.shape.rank() == first.shape.rank()
-            && t.shape.dims().iter().zip(first.shape.dims()).enumerate().all(|(i, (a, b))| i == dim || a == b);
+            && t.shape
+                .dims()
+                .iter()
+                .zip(first.shape.dims())
+                .enumerate()
+                .all(|(i, (a, b))| i == dim || a == b);
         if !same_rest {
             return Err(format!(
                 "{} and {} differ outside concat dim {dim}",

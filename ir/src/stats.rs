@@ -70,9 +70,7 @@ pub fn module_stats(g: &Graph) -> Vec<ModuleStats> {
         });
         let row = &mut rows[idx];
         match node.op {
-            Op::Param { .. } => {
-                row.params = row.params.saturating_add(node.ty.numel().unwrap_or(u64::MAX))
-            }
+            Op::Param { .. } => row.params = row.params.saturating_add(node.ty.numel().unwrap_or(u64::MAX)),
             Op::Input { .. } => {}
             _ => {
                 row.cost += g.node_cost(id);

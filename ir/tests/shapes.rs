@@ -13,7 +13,10 @@ fn apply(op: Op, operands: &[(DType, &[u64])]) -> Result<TensorType, IrError> {
     let ins: Vec<_> = operands
         .iter()
         .enumerate()
-        .map(|(i, (d, dims))| g.add_input(&format!("x{i}"), TensorType::new(*d, dims.to_vec()), scope).unwrap())
+        .map(|(i, (d, dims))| {
+            g.add_input(&format!("x{i}"), TensorType::new(*d, dims.to_vec()), scope)
+                .unwrap()
+        })
         .collect();
     let id = g.add_node(op, &ins, scope)?;
     Ok(g.node(id).ty.clone())
@@ -38,7 +41,10 @@ fn err(op: Op, operands: &[(DType, &[u64])]) -> String {
 
 #[test]
 fn embedding() {
-    assert_eq!(ok(Op::Embedding, &[(F, &[100, 16]), (DType::U32, &[2, 8])]), "f32[2,8,16]");
+    assert_eq!(
+        ok(Op::Embedding, &[(F, &[100, 16]), (DType::U32, &[2, 8])]),
+        "f32[2,8,16]"
+    );
     let e = err(Op::Embedding, &[(F, &[100, 16]), (F, &[2, 8])]);
     assert!(e.contains("ids must be an integer tensor"), "{e}");
     let e = err(Op::Embedding, &[(F, &[100]), (DType::I64, &[2, 8])]);
@@ -47,12 +53,24 @@ fn embedding() {
 
 #[test]
 fn linear() {
-    let out_in = Op::Linear { bias: false, layout: WeightLayout::OutIn };
-    let in_out_bias = Op::Linear { bias: true, layout: WeightLayout::InOut };
+    let out_in = Op::Linear {
+        bias: false,
+        layout: WeightLayout::OutIn,
+    };
+    let in_out_bias = Op::Linear {
+        bias: true,
+        layout: WeightLayout::InOut,
+    };
     assert_eq!(ok(out_in.clone(), &[(F, &[2, 8, 64]), (F, &[32, 64])]), "f32[2,8,32]");
-    assert_eq!(ok(in_out_bias.clone(), &[(F, &[2, 8, 64]), (F, &[64, 192]), (F, &[192])]), "f32[2,8,192]");
+    assert_eq!(
+        ok(in_out_bias.clone(), &[(F, &[2, 8, 64]), (F, &[64, 192]), (F, &[192])]),
+        "f32[2,8,192]"
+    );
     let e = err(out_in, &[(F, &[2, 8, 64]), (F, &[32, 48])]);
-    assert!(e.contains("input features 64") && e.contains("input features 48"), "{e}");
+    assert!(
+        e.contains("input features 64") && e.contains("input features 48"),
+        "{e}"
+    );
     let e = err(in_out_bias, &[(F, &[2, 8, 64]), (F, &[64, 192]), (F, &[64])]);
     assert!(e.contains("bias must be [192]"), "{e}");
 }
@@ -78,8 +96,14 @@ fn add_and_mul_broadcast() {
 
 #[test]
 fn norms() {
-    assert_eq!(ok(Op::RmsNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64])]), "f32[2,8,64]");
-    assert_eq!(ok(Op::LayerNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64]), (F, &[64])]), "f32[2,8,64]");
+    assert_eq!(
+        ok(Op::RmsNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64])]),
+        "f32[2,8,64]"
+    );
+    assert_eq!(
+        ok(Op::LayerNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64]), (F, &[64])]),
+        "f32[2,8,64]"
+    );
     let e = err(Op::RmsNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[32])]);
     assert!(e.contains("weight must be [64]"), "{e}");
     let e = err(Op::LayerNorm { eps: 1e-5 }, &[(F, &[2, 8, 64]), (F, &[64]), (F, &[63])]);
@@ -98,9 +122,21 @@ fn rope() {
 #[test]
 fn attention_with_grouped_query_heads() {
     let att = Op::Attention { causal: true };
-    assert_eq!(ok(att.clone(), &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 2, 16]), (F, &[2, 8, 2, 16])]), "f32[2,8,8,16]");
-    let e = err(att.clone(), &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 3, 16]), (F, &[2, 8, 3, 16])]);
-    assert!(e.contains("query heads 8 are not a multiple of key/value heads 3"), "{e}");
+    assert_eq!(
+        ok(
+            att.clone(),
+            &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 2, 16]), (F, &[2, 8, 2, 16])]
+        ),
+        "f32[2,8,8,16]"
+    );
+    let e = err(
+        att.clone(),
+        &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 3, 16]), (F, &[2, 8, 3, 16])],
+    );
+    assert!(
+        e.contains("query heads 8 are not a multiple of key/value heads 3"),
+        "{e}"
+    );
     let e = err(att, &[(F, &[2, 8, 8, 16]), (F, &[2, 8, 2, 16]), (F, &[2, 8, 2, 8])]);
     assert!(e.contains("same shape"), "{e}");
 }
@@ -119,26 +155,65 @@ fn activations_and_softmax() {
 #[test]
 fn cross_entropy() {
     assert_eq!(ok(Op::CrossEntropy, &[(F, &[16, 100]), (DType::U32, &[16])]), "f32[]");
-    assert_eq!(ok(Op::CrossEntropy, &[(DType::BF16, &[16, 100]), (DType::I64, &[16])]), "f32[]");
+    assert_eq!(
+        ok(Op::CrossEntropy, &[(DType::BF16, &[16, 100]), (DType::I64, &[16])]),
+        "f32[]"
+    );
     let e = err(Op::CrossEntropy, &[(F, &[16, 100]), (DType::U32, &[15])]);
     assert!(e.contains("logits must be [n, vocab] and targets [n]"), "{e}");
 }
 
 #[test]
 fn reshape_transpose_narrow_concat_cast() {
-    assert_eq!(ok(Op::Reshape { shape: Shape::new([16, 64]) }, &[(F, &[2, 8, 64])]), "f32[16,64]");
-    let e = err(Op::Reshape { shape: Shape::new([15, 64]) }, &[(F, &[2, 8, 64])]);
+    assert_eq!(
+        ok(
+            Op::Reshape {
+                shape: Shape::new([16, 64])
+            },
+            &[(F, &[2, 8, 64])]
+        ),
+        "f32[16,64]"
+    );
+    let e = err(
+        Op::Reshape {
+            shape: Shape::new([15, 64]),
+        },
+        &[(F, &[2, 8, 64])],
+    );
     assert!(e.contains("1024 elements") && e.contains("960 elements"), "{e}");
 
-    assert_eq!(ok(Op::Transpose { dim0: 0, dim1: 2 }, &[(F, &[2, 8, 64])]), "f32[64,8,2]");
+    assert_eq!(
+        ok(Op::Transpose { dim0: 0, dim1: 2 }, &[(F, &[2, 8, 64])]),
+        "f32[64,8,2]"
+    );
     let e = err(Op::Transpose { dim0: 0, dim1: 3 }, &[(F, &[2, 8, 64])]);
     assert!(e.contains("dim 3 is out of range"), "{e}");
 
-    assert_eq!(ok(Op::Narrow { dim: 2, start: 64, len: 64 }, &[(F, &[2, 8, 192])]), "f32[2,8,64]");
-    let e = err(Op::Narrow { dim: 2, start: 160, len: 64 }, &[(F, &[2, 8, 192])]);
+    assert_eq!(
+        ok(
+            Op::Narrow {
+                dim: 2,
+                start: 64,
+                len: 64
+            },
+            &[(F, &[2, 8, 192])]
+        ),
+        "f32[2,8,64]"
+    );
+    let e = err(
+        Op::Narrow {
+            dim: 2,
+            start: 160,
+            len: 64,
+        },
+        &[(F, &[2, 8, 192])],
+    );
     assert!(e.contains("outside dim 2 of size 192"), "{e}");
 
-    assert_eq!(ok(Op::Concat { dim: 1 }, &[(F, &[2, 3]), (F, &[2, 5]), (F, &[2, 1])]), "f32[2,9]");
+    assert_eq!(
+        ok(Op::Concat { dim: 1 }, &[(F, &[2, 3]), (F, &[2, 5]), (F, &[2, 1])]),
+        "f32[2,9]"
+    );
     let e = err(Op::Concat { dim: 1 }, &[(F, &[2, 3]), (F, &[3, 5])]);
     assert!(e.contains("differ outside concat dim 1"), "{e}");
 
@@ -151,7 +226,9 @@ fn reshape_transpose_narrow_concat_cast() {
 fn overflowing_sizes_are_errors_not_panics() {
     let mut g = Graph::new("t");
     let root = g.root();
-    let e = g.add_param("w", TensorType::new(F, [u64::MAX / 2, 3]), root).unwrap_err();
+    let e = g
+        .add_param("w", TensorType::new(F, [u64::MAX / 2, 3]), root)
+        .unwrap_err();
     assert!(matches!(e, IrError::Overflow { .. }), "{e}");
     assert!(e.to_string().contains("overflow u64"), "{e}");
     // A result that overflows: [2^31, 2^31] @ [2^31, 2^31] -> 2^62 elements of 4 bytes.
@@ -167,7 +244,10 @@ fn duplicate_params_and_unknown_operands_are_rejected() {
     let mut g = Graph::new("t");
     let root = g.root();
     g.add_param("w", TensorType::new(F, [2]), root).unwrap();
-    assert_eq!(g.add_param("w", TensorType::new(F, [2]), root).unwrap_err(), IrError::DuplicateParam("w".into()));
+    assert_eq!(
+        g.add_param("w", TensorType::new(F, [2]), root).unwrap_err(),
+        IrError::DuplicateParam("w".into())
+    );
     let e = g.add_node(Op::Silu, &[shardplan_ir::NodeId(7)], root).unwrap_err();
     assert!(e.to_string().contains("n7"), "{e}");
 }
@@ -178,7 +258,16 @@ fn costs_follow_the_documented_conventions() {
     let root = g.root();
     let x = g.add_input("x", TensorType::new(F, [2, 8, 64]), root).unwrap();
     let w = g.add_param("w", TensorType::new(F, [32, 64]), root).unwrap();
-    let y = g.add_node(Op::Linear { bias: false, layout: WeightLayout::OutIn }, &[x, w], root).unwrap();
+    let y = g
+        .add_node(
+            Op::Linear {
+                bias: false,
+                layout: WeightLayout::OutIn,
+            },
+            &[x, w],
+            root,
+        )
+        .unwrap();
     let c = g.node_cost(y);
     assert_eq!(c.fwd_flops, 2 * 16 * 64 * 32);
     assert_eq!(c.bwd_flops, 2 * c.fwd_flops);

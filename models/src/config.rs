@@ -90,7 +90,11 @@ pub enum ModelConfig {
 
 fn positive(field: &'static str, v: u64) -> Result<(), ConfigError> {
     if v == 0 {
-        Err(ConfigError::new(field, "must be at least 1, got 0", format!("set `{field}` to a positive integer")))
+        Err(ConfigError::new(
+            field,
+            "must be at least 1, got 0",
+            format!("set `{field}` to a positive integer"),
+        ))
     } else {
         Ok(())
     }
@@ -100,21 +104,33 @@ fn finite_positive(field: &'static str, v: f64) -> Result<(), ConfigError> {
     if v.is_finite() && v > 0.0 {
         Ok(())
     } else {
-        Err(ConfigError::new(field, format!("must be a finite number > 0, got {v}"), format!("set `{field}` to a small positive number such as 1.0e-5")))
+        Err(ConfigError::new(
+            field,
+            format!("must be a finite number > 0, got {v}"),
+            format!("set `{field}` to a small positive number such as 1.0e-5"),
+        ))
     }
 }
 
 fn layers(v: u64) -> Result<(), ConfigError> {
     positive("n_layers", v)?;
     if v > MAX_LAYERS {
-        return Err(ConfigError::new("n_layers", format!("{v} layers is more than the {MAX_LAYERS} shardplan traces"), "use a realistic layer count"));
+        return Err(ConfigError::new(
+            "n_layers",
+            format!("{v} layers is more than the {MAX_LAYERS} shardplan traces"),
+            "use a realistic layer count",
+        ));
     }
     Ok(())
 }
 
 fn divides(field: &'static str, part: u64, whole_name: &str, whole: u64, help: &str) -> Result<(), ConfigError> {
-    if whole % part != 0 {
-        return Err(ConfigError::new(field, format!("{field} = {part} does not divide {whole_name} = {whole}"), help.to_string()));
+    if !whole.is_multiple_of(part) {
+        return Err(ConfigError::new(
+            field,
+            format!("{field} = {part} does not divide {whole_name} = {whole}"),
+            help.to_string(),
+        ));
     }
     Ok(())
 }
@@ -167,14 +183,35 @@ impl ModelConfig {
             ModelConfig::Llama(c) => {
                 let hd = c.head_dim();
                 let (q, kv) = (c.n_heads.checked_mul(hd)?, c.n_kv_heads.checked_mul(hd)?);
-                let bias = if c.qkv_bias { checked_sum(&[&[q], &[kv], &[kv]])? } else { 0 };
-                let layer = checked_sum(&[&[c.dim, q], &[c.dim, kv], &[c.dim, kv], &[q, c.dim], &[3, c.dim, c.ffn_dim], &[2, c.dim], &[bias]])?;
+                let bias = if c.qkv_bias {
+                    checked_sum(&[&[q], &[kv], &[kv]])?
+                } else {
+                    0
+                };
+                let layer = checked_sum(&[
+                    &[c.dim, q],
+                    &[c.dim, kv],
+                    &[c.dim, kv],
+                    &[q, c.dim],
+                    &[3, c.dim, c.ffn_dim],
+                    &[2, c.dim],
+                    &[bias],
+                ])?;
                 let head = if c.tie_embeddings { 0 } else { 1 };
                 checked_sum(&[&[layer, c.n_layers], &[1 + head, c.vocab_size, c.dim], &[c.dim]])
             }
             ModelConfig::Gpt2(c) => {
                 let d = c.dim;
-                let layer = checked_sum(&[&[4, d], &[d, 3, d], &[3, d], &[d, d], &[d], &[2, d, c.ffn_dim], &[c.ffn_dim], &[d]])?;
+                let layer = checked_sum(&[
+                    &[4, d],
+                    &[d, 3, d],
+                    &[3, d],
+                    &[d, d],
+                    &[d],
+                    &[2, d, c.ffn_dim],
+                    &[c.ffn_dim],
+                    &[d],
+                ])?;
                 checked_sum(&[&[layer, c.n_layers], &[c.vocab_size, d], &[c.max_seq_len, d], &[2, d]])
             }
             ModelConfig::Mlp(c) => {
@@ -197,12 +234,28 @@ impl ModelConfig {
                 positive("max_seq_len", c.max_seq_len)?;
                 match c.head_dim {
                     Some(hd) => positive("head_dim", hd)?,
-                    None => divides("n_heads", c.n_heads, "dim", c.dim, "choose n_heads dividing dim, or set head_dim explicitly")?,
+                    None => divides(
+                        "n_heads",
+                        c.n_heads,
+                        "dim",
+                        c.dim,
+                        "choose n_heads dividing dim, or set head_dim explicitly",
+                    )?,
                 }
-                if c.head_dim() % 2 != 0 {
-                    return Err(ConfigError::new("head_dim", format!("rotary embeddings need an even head_dim, got {}", c.head_dim()), "choose dim / n_heads (or head_dim) even"));
+                if !c.head_dim().is_multiple_of(2) {
+                    return Err(ConfigError::new(
+                        "head_dim",
+                        format!("rotary embeddings need an even head_dim, got {}", c.head_dim()),
+                        "choose dim / n_heads (or head_dim) even",
+                    ));
                 }
-                divides("n_kv_heads", c.n_kv_heads, "n_heads", c.n_heads, "grouped-query attention needs n_kv_heads dividing n_heads")?;
+                divides(
+                    "n_kv_heads",
+                    c.n_kv_heads,
+                    "n_heads",
+                    c.n_heads,
+                    "grouped-query attention needs n_kv_heads dividing n_heads",
+                )?;
                 finite_positive("norm_eps", c.norm_eps)?;
                 finite_positive("rope_theta", c.rope_theta)?;
             }
@@ -226,15 +279,30 @@ impl ModelConfig {
         // Parameters must be countable, and storable in f32 (4 bytes each), in u64.
         match self.param_count().and_then(|n| n.checked_mul(4)) {
             Some(_) => Ok(()),
-            None => Err(ConfigError::new(self.largest_field(), "the model is too large: its parameter bytes overflow u64", "use realistic sizes (dims of at most a few hundred thousand)")),
+            None => Err(ConfigError::new(
+                self.largest_field(),
+                "the model is too large: its parameter bytes overflow u64",
+                "use realistic sizes (dims of at most a few hundred thousand)",
+            )),
         }
     }
 
     /// The size field with the largest value, to blame for an overflow.
     fn largest_field(&self) -> &'static str {
         let fields: Vec<(&'static str, u64)> = match self {
-            ModelConfig::Llama(c) => vec![("vocab_size", c.vocab_size), ("dim", c.dim), ("ffn_dim", c.ffn_dim), ("n_heads", c.n_heads), ("head_dim", c.head_dim())],
-            ModelConfig::Gpt2(c) => vec![("vocab_size", c.vocab_size), ("dim", c.dim), ("ffn_dim", c.ffn_dim), ("max_seq_len", c.max_seq_len)],
+            ModelConfig::Llama(c) => vec![
+                ("vocab_size", c.vocab_size),
+                ("dim", c.dim),
+                ("ffn_dim", c.ffn_dim),
+                ("n_heads", c.n_heads),
+                ("head_dim", c.head_dim()),
+            ],
+            ModelConfig::Gpt2(c) => vec![
+                ("vocab_size", c.vocab_size),
+                ("dim", c.dim),
+                ("ffn_dim", c.ffn_dim),
+                ("max_seq_len", c.max_seq_len),
+            ],
             ModelConfig::Mlp(c) => vec![("dim", c.dim), ("ffn_dim", c.ffn_dim), ("n_classes", c.n_classes)],
         };
         fields.into_iter().max_by_key(|f| f.1).map_or("dim", |f| f.0)

@@ -22,7 +22,15 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
     let tok = t.op(wte_scope, Op::Embedding, &[wte, tokens])?;
     let wpe_scope = t.scope(root, "wpe", ModuleKind::Embedding);
     let wpe = t.param(wpe_scope, "transformer.wpe.weight", &[c.max_seq_len, d])?;
-    let pos = t.op(wpe_scope, Op::Narrow { dim: 0, start: 0, len: seq }, &[wpe])?;
+    let pos = t.op(
+        wpe_scope,
+        Op::Narrow {
+            dim: 0,
+            start: 0,
+            len: seq,
+        },
+        &[wpe],
+    )?;
     let mut x = t.op(root, Op::Add, &[tok, pos])?;
 
     for i in 0..c.n_layers {
@@ -32,10 +40,25 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
         let ln = t.scope(block, "ln_1", ModuleKind::Norm);
         let h = layer_norm(t, ln, x, &format!("{p}.ln_1"), d, c.norm_eps)?;
         let attn = t.scope(block, "attn", ModuleKind::Attention);
-        let qkv = t.linear(attn, h, &format!("{p}.attn.c_attn"), [d, 3 * d], WeightLayout::InOut, true)?;
+        let qkv = t.linear(
+            attn,
+            h,
+            &format!("{p}.attn.c_attn"),
+            [d, 3 * d],
+            WeightLayout::InOut,
+            true,
+        )?;
         let mut heads = Vec::with_capacity(3);
         for j in 0..3 {
-            let part = t.op(attn, Op::Narrow { dim: 2, start: j * d, len: d }, &[qkv])?;
+            let part = t.op(
+                attn,
+                Op::Narrow {
+                    dim: 2,
+                    start: j * d,
+                    len: d,
+                },
+                &[qkv],
+            )?;
             heads.push(t.reshape(attn, part, &[batch, seq, c.n_heads, hd])?);
         }
         let a = t.op(attn, Op::Attention { causal: true }, &heads)?;
@@ -46,9 +69,23 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
         let ln = t.scope(block, "ln_2", ModuleKind::Norm);
         let h = layer_norm(t, ln, x, &format!("{p}.ln_2"), d, c.norm_eps)?;
         let mlp = t.scope(block, "mlp", ModuleKind::Mlp);
-        let f = t.linear(mlp, h, &format!("{p}.mlp.c_fc"), [d, c.ffn_dim], WeightLayout::InOut, true)?;
+        let f = t.linear(
+            mlp,
+            h,
+            &format!("{p}.mlp.c_fc"),
+            [d, c.ffn_dim],
+            WeightLayout::InOut,
+            true,
+        )?;
         let f = t.op(mlp, Op::Gelu, &[f])?;
-        let o = t.linear(mlp, f, &format!("{p}.mlp.c_proj"), [c.ffn_dim, d], WeightLayout::InOut, true)?;
+        let o = t.linear(
+            mlp,
+            f,
+            &format!("{p}.mlp.c_proj"),
+            [c.ffn_dim, d],
+            WeightLayout::InOut,
+            true,
+        )?;
         x = t.op(block, Op::Add, &[x, o])?;
     }
 
@@ -56,7 +93,14 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
     let x = layer_norm(t, ln, x, "transformer.ln_f", d, c.norm_eps)?;
     // The head is tied to the token embedding, as in GPT2LMHeadModel: no parameter of its own.
     let head = t.scope(root, "lm_head", ModuleKind::Head);
-    let logits = t.op(head, Op::Linear { bias: false, layout: WeightLayout::OutIn }, &[x, wte])?;
+    let logits = t.op(
+        head,
+        Op::Linear {
+            bias: false,
+            layout: WeightLayout::OutIn,
+        },
+        &[x, wte],
+    )?;
     t.loss(logits, targets)?;
     Ok(())
 }

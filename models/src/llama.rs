@@ -27,15 +27,33 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
         let attn = t.scope(block, "attention", ModuleKind::Attention);
         let sa = format!("{p}.self_attn");
         let mut heads = Vec::with_capacity(3);
-        for (proj, width, n) in [("q_proj", q_width, c.n_heads), ("k_proj", kv_width, c.n_kv_heads), ("v_proj", kv_width, c.n_kv_heads)] {
-            let y = t.linear(attn, h, &format!("{sa}.{proj}"), [width, d], WeightLayout::OutIn, c.qkv_bias)?;
+        for (proj, width, n) in [
+            ("q_proj", q_width, c.n_heads),
+            ("k_proj", kv_width, c.n_kv_heads),
+            ("v_proj", kv_width, c.n_kv_heads),
+        ] {
+            let y = t.linear(
+                attn,
+                h,
+                &format!("{sa}.{proj}"),
+                [width, d],
+                WeightLayout::OutIn,
+                c.qkv_bias,
+            )?;
             heads.push(t.reshape(attn, y, &[batch, seq, n, hd])?);
         }
         let q = t.op(attn, Op::Rope { theta: c.rope_theta }, &[heads[0]])?;
         let k = t.op(attn, Op::Rope { theta: c.rope_theta }, &[heads[1]])?;
         let a = t.op(attn, Op::Attention { causal: true }, &[q, k, heads[2]])?;
         let a = t.reshape(attn, a, &[batch, seq, q_width])?;
-        let o = t.linear(attn, a, &format!("{sa}.o_proj"), [d, q_width], WeightLayout::OutIn, false)?;
+        let o = t.linear(
+            attn,
+            a,
+            &format!("{sa}.o_proj"),
+            [d, q_width],
+            WeightLayout::OutIn,
+            false,
+        )?;
         x = t.op(block, Op::Add, &[x, o])?;
 
         let norm = t.scope(block, "ffn_norm", ModuleKind::Norm);
@@ -44,11 +62,32 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
 
         let ff = t.scope(block, "feed_forward", ModuleKind::Mlp);
         let mlp = format!("{p}.mlp");
-        let gate = t.linear(ff, h, &format!("{mlp}.gate_proj"), [c.ffn_dim, d], WeightLayout::OutIn, false)?;
-        let up = t.linear(ff, h, &format!("{mlp}.up_proj"), [c.ffn_dim, d], WeightLayout::OutIn, false)?;
+        let gate = t.linear(
+            ff,
+            h,
+            &format!("{mlp}.gate_proj"),
+            [c.ffn_dim, d],
+            WeightLayout::OutIn,
+            false,
+        )?;
+        let up = t.linear(
+            ff,
+            h,
+            &format!("{mlp}.up_proj"),
+            [c.ffn_dim, d],
+            WeightLayout::OutIn,
+            false,
+        )?;
         let gate = t.op(ff, Op::Silu, &[gate])?;
         let m = t.op(ff, Op::Mul, &[gate, up])?;
-        let down = t.linear(ff, m, &format!("{mlp}.down_proj"), [d, c.ffn_dim], WeightLayout::OutIn, false)?;
+        let down = t.linear(
+            ff,
+            m,
+            &format!("{mlp}.down_proj"),
+            [d, c.ffn_dim],
+            WeightLayout::OutIn,
+            false,
+        )?;
         x = t.op(block, Op::Add, &[x, down])?;
     }
 
@@ -58,7 +97,14 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
 
     let head = t.scope(root, "output", ModuleKind::Head);
     let logits = if c.tie_embeddings {
-        t.op(head, Op::Linear { bias: false, layout: WeightLayout::OutIn }, &[x, table])?
+        t.op(
+            head,
+            Op::Linear {
+                bias: false,
+                layout: WeightLayout::OutIn,
+            },
+            &[x, table],
+        )?
     } else {
         t.linear(head, x, "lm_head", [c.vocab_size, d], WeightLayout::OutIn, false)?
     };

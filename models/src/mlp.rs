@@ -12,9 +12,23 @@ pub(crate) fn build(t: &mut Tracer, c: &MlpConfig, batch: u64, seq: u64) -> Resu
     let mut x = x0;
     for i in 0..c.n_layers {
         let block = t.scope(root, &format!("layers.{i}"), ModuleKind::Block);
-        let h = t.linear(block, x, &format!("layers.{i}.fc1"), [c.ffn_dim, c.dim], WeightLayout::OutIn, true)?;
+        let h = t.linear(
+            block,
+            x,
+            &format!("layers.{i}.fc1"),
+            [c.ffn_dim, c.dim],
+            WeightLayout::OutIn,
+            true,
+        )?;
         let h = t.op(block, Op::Gelu, &[h])?;
-        let h = t.linear(block, h, &format!("layers.{i}.fc2"), [c.dim, c.ffn_dim], WeightLayout::OutIn, true)?;
+        let h = t.linear(
+            block,
+            h,
+            &format!("layers.{i}.fc2"),
+            [c.dim, c.ffn_dim],
+            WeightLayout::OutIn,
+            true,
+        )?;
         x = t.op(block, Op::Add, &[x, h])?;
     }
     let head = t.scope(root, "head", ModuleKind::Head);

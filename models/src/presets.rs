@@ -21,7 +21,17 @@ pub const PRESET_NAMES: &[&str] = &[
 ];
 
 #[allow(clippy::too_many_arguments)]
-fn llama(name: &str, vocab: u64, dim: u64, layers: u64, heads: u64, kv: u64, ffn: u64, theta: f64, max_seq: u64) -> LlamaConfig {
+fn llama(
+    name: &str,
+    vocab: u64,
+    dim: u64,
+    layers: u64,
+    heads: u64,
+    kv: u64,
+    ffn: u64,
+    theta: f64,
+    max_seq: u64,
+) -> LlamaConfig {
     LlamaConfig {
         name: name.to_string(),
         vocab_size: vocab,

@@ -49,7 +49,11 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
     let seq = opts.seq_len.unwrap_or_else(|| config.default_seq_len());
     if opts.batch == 0 || seq == 0 {
         return Err(TraceError::Shape {
-            field: if opts.batch == 0 { "batch.per_rank" } else { "batch.seq_len" },
+            field: if opts.batch == 0 {
+                "batch.per_rank"
+            } else {
+                "batch.seq_len"
+            },
             message: "batch size and sequence length must be at least 1".into(),
             help: "set batch.per_rank and batch.seq_len to positive integers".into(),
         });
@@ -107,7 +111,15 @@ impl Tracer {
     }
 
     /// `x @ w (+ b)`, with the weight named `{prefix}.weight` (and `{prefix}.bias`).
-    pub fn linear(&mut self, scope: ScopeId, x: NodeId, prefix: &str, shape: [u64; 2], layout: WeightLayout, bias: bool) -> Result<NodeId, IrError> {
+    pub fn linear(
+        &mut self,
+        scope: ScopeId,
+        x: NodeId,
+        prefix: &str,
+        shape: [u64; 2],
+        layout: WeightLayout,
+        bias: bool,
+    ) -> Result<NodeId, IrError> {
         let w = self.param(scope, &format!("{prefix}.weight"), &shape)?;
         let mut ins = vec![x, w];
         if bias {
@@ -121,7 +133,13 @@ impl Tracer {
     }
 
     pub fn reshape(&mut self, scope: ScopeId, x: NodeId, dims: &[u64]) -> Result<NodeId, IrError> {
-        self.op(scope, Op::Reshape { shape: Shape::new(dims) }, &[x])
+        self.op(
+            scope,
+            Op::Reshape {
+                shape: Shape::new(dims),
+            },
+            &[x],
+        )
     }
 
     /// Flattens logits to `[n, classes]`, casts them to f32 and takes the mean

@@ -5,7 +5,11 @@ use shardplan_ir::to_text;
 use shardplan_models::{preset, trace, TraceOptions};
 
 fn printed(name: &str) -> String {
-    let opts = TraceOptions { batch: 2, seq_len: Some(8), ..TraceOptions::default() };
+    let opts = TraceOptions {
+        batch: 2,
+        seq_len: Some(8),
+        ..TraceOptions::default()
+    };
     to_text(&trace(&preset(name).unwrap(), opts).unwrap())
 }
 

@@ -7,7 +7,14 @@ use shardplan_models::{preset, trace, TraceOptions, PRESET_NAMES};
 
 fn traced_total(name: &str) -> u64 {
     let cfg = preset(name).unwrap();
-    let g = trace(&cfg, TraceOptions { seq_len: Some(8), ..TraceOptions::default() }).unwrap();
+    let g = trace(
+        &cfg,
+        TraceOptions {
+            seq_len: Some(8),
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap();
     param_counts(&g).total
 }
 

@@ -25,7 +25,11 @@ fn llama_parameter_names_match_hf_checkpoints() {
         assert!(names.contains(&expected), "{expected} missing from {names:?}");
     }
     // GQA: k_proj is [n_kv_heads * head_dim, dim] = [2 * 16, 64].
-    let k = g.params().find(|(_, p)| p.name == "model.layers.0.self_attn.k_proj.weight").unwrap().1;
+    let k = g
+        .params()
+        .find(|(_, p)| p.name == "model.layers.0.self_attn.k_proj.weight")
+        .unwrap()
+        .1;
     assert_eq!(k.ty.shape.dims(), &[32, 64]);
     assert_eq!(g.scope(k.scope).path, "layers.0.attention");
     assert_eq!(g.scope(k.scope).kind, ModuleKind::Attention);
@@ -33,17 +37,47 @@ fn llama_parameter_names_match_hf_checkpoints() {
 
 #[test]
 fn gpt2_names_and_tied_head() {
-    let g = trace(&preset("gpt2").unwrap(), TraceOptions { seq_len: Some(16), ..TraceOptions::default() }).unwrap();
-    let c_attn = g.params().find(|(_, p)| p.name == "transformer.h.3.attn.c_attn.weight").unwrap().1;
+    let g = trace(
+        &preset("gpt2").unwrap(),
+        TraceOptions {
+            seq_len: Some(16),
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap();
+    let c_attn = g
+        .params()
+        .find(|(_, p)| p.name == "transformer.h.3.attn.c_attn.weight")
+        .unwrap()
+        .1;
     assert_eq!(c_attn.ty.shape.dims(), &[768, 2304], "Conv1D stores [in, out]");
-    assert!(g.params().all(|(_, p)| p.name != "lm_head.weight"), "GPT-2's head is tied");
-    let wte = g.params().find(|(_, p)| p.name == "transformer.wte.weight").unwrap().1.node;
-    assert_eq!(g.users(wte).len(), 2, "the token table feeds the embedding and the head");
+    assert!(
+        g.params().all(|(_, p)| p.name != "lm_head.weight"),
+        "GPT-2's head is tied"
+    );
+    let wte = g
+        .params()
+        .find(|(_, p)| p.name == "transformer.wte.weight")
+        .unwrap()
+        .1
+        .node;
+    assert_eq!(
+        g.users(wte).len(),
+        2,
+        "the token table feeds the embedding and the head"
+    );
 }
 
 #[test]
 fn qwen2_has_qkv_biases_and_ties() {
-    let g = trace(&preset("qwen2-0.5b").unwrap(), TraceOptions { seq_len: Some(4), ..TraceOptions::default() }).unwrap();
+    let g = trace(
+        &preset("qwen2-0.5b").unwrap(),
+        TraceOptions {
+            seq_len: Some(4),
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap();
     let names: Vec<&str> = g.params().map(|(_, p)| p.name.as_str()).collect();
     assert!(names.contains(&"model.layers.0.self_attn.q_proj.bias"));
     assert!(!names.contains(&"model.layers.0.self_attn.o_proj.bias"));
@@ -52,7 +86,11 @@ fn qwen2_has_qkv_biases_and_ties() {
 
 #[test]
 fn trace_options_set_shapes_and_dtype() {
-    let opts = TraceOptions { batch: 3, seq_len: Some(5), dtype: DType::BF16 };
+    let opts = TraceOptions {
+        batch: 3,
+        seq_len: Some(5),
+        dtype: DType::BF16,
+    };
     let g = trace(&preset("tiny-llama").unwrap(), opts).unwrap();
     assert_eq!(g.node(g.inputs()[0]).ty.to_string(), "u32[3,5]");
     assert!(g.params().all(|(_, p)| p.ty.dtype == DType::BF16));
@@ -67,23 +105,75 @@ fn trace_options_set_shapes_and_dtype() {
 #[test]
 fn bad_shapes_are_errors() {
     let gpt2 = preset("tiny-gpt2").unwrap();
-    let e = trace(&gpt2, TraceOptions { seq_len: Some(129), ..TraceOptions::default() }).unwrap_err();
-    assert!(matches!(e, TraceError::Shape { field: "batch.seq_len", .. }), "{e}");
-    let e = trace(&gpt2, TraceOptions { dtype: DType::U32, ..TraceOptions::default() }).unwrap_err();
+    let e = trace(
+        &gpt2,
+        TraceOptions {
+            seq_len: Some(129),
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TraceError::Shape {
+                field: "batch.seq_len",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = trace(
+        &gpt2,
+        TraceOptions {
+            dtype: DType::U32,
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("float dtype"), "{e}");
-    let e = trace(&gpt2, TraceOptions { batch: 0, ..TraceOptions::default() }).unwrap_err();
-    assert!(matches!(e, TraceError::Shape { field: "batch.per_rank", .. }), "{e}");
+    let e = trace(
+        &gpt2,
+        TraceOptions {
+            batch: 0,
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TraceError::Shape {
+                field: "batch.per_rank",
+                ..
+            }
+        ),
+        "{e}"
+    );
     // Activations too large for u64 bytes: caught by the IR, not a panic.
-    let ModelConfig::Llama(mut c) = preset("tiny-llama").unwrap() else { unreachable!() };
+    let ModelConfig::Llama(mut c) = preset("tiny-llama").unwrap() else {
+        unreachable!()
+    };
     c.max_seq_len = u64::MAX;
-    let e = trace(&ModelConfig::Llama(c), TraceOptions { batch: u64::MAX / 4, seq_len: Some(u64::MAX / 4), ..TraceOptions::default() }).unwrap_err();
+    let e = trace(
+        &ModelConfig::Llama(c),
+        TraceOptions {
+            batch: u64::MAX / 4,
+            seq_len: Some(u64::MAX / 4),
+            ..TraceOptions::default()
+        },
+    )
+    .unwrap_err();
     assert!(matches!(e, TraceError::Ir(_)), "{e}");
 }
 
 #[test]
 fn validation_names_the_field() {
-    let ModelConfig::Llama(base) = preset("tiny-llama").unwrap() else { unreachable!() };
-    let cases: Vec<(Box<dyn Fn(&mut shardplan_models::LlamaConfig)>, &str, &str)> = vec![
+    let ModelConfig::Llama(base) = preset("tiny-llama").unwrap() else {
+        unreachable!()
+    };
+    type Mutation = Box<dyn Fn(&mut shardplan_models::LlamaConfig)>;
+    let cases: Vec<(Mutation, &str, &str)> = vec![
         (Box::new(|c| c.dim = 0), "dim", "at least 1"),
         (Box::new(|c| c.n_heads = 5), "n_heads", "does not divide dim"),
         (Box::new(|c| c.n_kv_heads = 3), "n_kv_heads", "does not divide n_heads"),
