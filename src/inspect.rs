@@ -86,8 +86,7 @@ pub fn run(args: &InspectArgs) -> Result<(), CliError> {
         Format::Json => serde_json::to_string_pretty(&report).context("serialising the report")? + "\n",
         Format::Text => text(&report),
     };
-    print!("{out}");
-    Ok(())
+    crate::emit(&out)
 }
 
 fn build_report<'a>(model: &'a ModelConfig, parallel: Option<&'a ParallelConfig>, g: &Graph) -> Report<'a> {

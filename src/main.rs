@@ -40,6 +40,19 @@ impl From<anyhow::Error> for CliError {
     }
 }
 
+/// Writes a command's output to stdout. A reader that went away (`| head`) is not an
+/// error, as for other Unix tools.
+pub fn emit(text: &str) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError::Other(anyhow::Error::new(e).context("writing to stdout")))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {

@@ -158,3 +158,19 @@ fn unwritable_dot_path_is_an_error_not_a_panic() {
         stderr(&o)
     );
 }
+
+#[test]
+fn a_closed_pipe_is_not_a_panic() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_shardplan"))
+        .args(["inspect", "--model", "llama3-405b"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close our end before reading anything, as `| head -n 0` would.
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}
