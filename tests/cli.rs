@@ -174,3 +174,73 @@ fn a_closed_pipe_is_not_a_panic() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
+
+/// Each kind of bad model file, as a user would pass it: exit 2 and `file:line:col`.
+#[test]
+fn every_bad_model_file_exits_2_with_its_position() {
+    let dir = std::env::temp_dir().join(format!("shardplan-cli-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let llama = std::fs::read_to_string("examples/models/tiny-llama.yaml").unwrap();
+    let cases: Vec<(&str, String, &str)> = vec![
+        ("empty.yaml", String::new(), "empty.yaml: is empty"),
+        ("not-yaml.yaml", "<<<<\n\t- :\n".to_string(), "not-yaml.yaml:"),
+        (
+            "not-json.json",
+            "{ nope".to_string(),
+            "not-json.json:1:3: is not valid JSON",
+        ),
+        (
+            "unknown.yaml",
+            llama.replace("n_kv_heads", "kv_heads"),
+            "unknown.yaml:8:1: `kv_heads`: unknown field `kv_heads`",
+        ),
+        (
+            "type.yaml",
+            llama.replace("dim: 64", "dim: big"),
+            "type.yaml:5:6: `dim`: expected a whole number",
+        ),
+        (
+            "zero.yaml",
+            llama.replace("n_layers: 2", "n_layers: 0"),
+            "zero.yaml:6:11: `n_layers`: must be at least 1",
+        ),
+        (
+            "negative.yaml",
+            llama.replace("ffn_dim: 128", "ffn_dim: -1"),
+            "negative.yaml:9:10: `ffn_dim`",
+        ),
+        (
+            "heads.yaml",
+            llama.replace("n_heads: 4", "n_heads: 6"),
+            "heads.yaml:7:10: `n_heads`: n_heads = 6 does not divide dim = 64",
+        ),
+        (
+            "kv.yaml",
+            llama.replace("n_kv_heads: 2", "n_kv_heads: 3"),
+            "kv.yaml:8:13: `n_kv_heads`",
+        ),
+        (
+            "arch.json",
+            "{\"architectures\": [\"BertModel\"]}".to_string(),
+            "arch.json:1:2: `architectures`: unsupported architecture `BertModel`",
+        ),
+        (
+            "huge.yaml",
+            llama.replace("vocab_size: 256", "vocab_size: 4611686018427387904"),
+            "huge.yaml:4:13: `vocab_size`: the model is too large",
+        ),
+        (
+            "bomb.yaml",
+            format!("{llama}wrap: [&b x{}]\n", ", *b".repeat(300)),
+            "bomb.yaml:",
+        ),
+    ];
+    for (name, text, want) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        let shown = path.to_str().unwrap().to_string();
+        let want = want.replacen(name, &shown, 1);
+        bad(&["inspect", "--model", &shown], &want);
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
