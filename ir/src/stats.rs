@@ -45,8 +45,8 @@ pub struct ModuleStats {
     pub params: u64,
     #[serde(flatten)]
     pub cost: Cost,
-    /// Bytes of the values computed inside the module (an upper bound on what it saves
-    /// for backward without activation checkpointing).
+    /// Bytes of the values computed inside the module, views excluded (an upper bound on
+    /// what it saves for backward without activation checkpointing).
     pub activation_bytes: u64,
 }
 
@@ -72,6 +72,8 @@ pub fn module_stats(g: &Graph) -> Vec<ModuleStats> {
         match node.op {
             Op::Param { .. } => row.params = row.params.saturating_add(node.ty.numel().unwrap_or(u64::MAX)),
             Op::Input { .. } => {}
+            // A reshape is a view of its operand: no new bytes.
+            Op::Reshape { .. } => {}
             _ => {
                 row.cost += g.node_cost(id);
                 let bytes = node.ty.bytes().unwrap_or(u64::MAX);

@@ -277,3 +277,37 @@ fn costs_follow_the_documented_conventions() {
     let a = g.add_node(Op::Attention { causal: true }, &[q, kv, kv], root).unwrap();
     assert_eq!(g.node_cost(a).fwd_flops, 4 * 2 * 4 * 8 * 8 * 16);
 }
+
+#[test]
+fn module_stats_count_params_costs_and_non_view_bytes() {
+    let mut g = Graph::new("t");
+    let block = g.add_scope(g.root(), "layers.0", ModuleKind::Block);
+    let x = g.add_input("x", TensorType::new(F, [4, 8]), g.root()).unwrap();
+    let w = g.add_param("layers.0.w", TensorType::new(F, [8, 8]), block).unwrap();
+    let y = g
+        .add_node(
+            Op::Linear {
+                bias: false,
+                layout: WeightLayout::OutIn,
+            },
+            &[x, w],
+            block,
+        )
+        .unwrap();
+    g.add_node(
+        Op::Reshape {
+            shape: Shape::new([32]),
+        },
+        &[y],
+        block,
+    )
+    .unwrap();
+    let rows = shardplan_ir::stats::module_stats(&g);
+    let row = rows.iter().find(|r| r.path == "layers.0").unwrap();
+    assert_eq!(row.params, 64);
+    assert_eq!(row.cost.fwd_flops, 2 * 4 * 8 * 8);
+    assert_eq!(row.activation_bytes, 4 * 8 * 4, "the reshape view adds nothing");
+    let counts = shardplan_ir::stats::param_counts(&g);
+    assert_eq!((counts.total, counts.embedding), (64, 0));
+    assert_eq!(counts.by_kind.get(&ModuleKind::Block), Some(&64));
+}
