@@ -59,7 +59,7 @@ impl Graph {
         let ins: Vec<_> = node.inputs.iter().map(|&i| &self.node(i).ty).collect();
         let out_numel = node.ty.numel().unwrap_or(u64::MAX);
         let (fwd_flops, bwd_flops) = match &node.op {
-            Op::Input { .. } | Op::Param { .. } => (0, 0),
+            Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => (0, 0),
             Op::Embedding => (0, out_numel),
             Op::Linear { bias, .. } => {
                 let w = ins[1].shape.dims();
@@ -83,13 +83,61 @@ impl Graph {
                 let n = ins[0].numel().unwrap_or(u64::MAX);
                 (n.saturating_mul(5), n.saturating_mul(2))
             }
+            Op::Sum => (ins[0].numel().unwrap_or(u64::MAX), ins[0].numel().unwrap_or(u64::MAX)),
+            // Backward-only ops: their cost is all "forward" (they are never differentiated).
+            Op::WeightGrad { .. } => {
+                let x = ins[0].shape.dims();
+                let rows = mul(&x[..x.len() - 1]);
+                (mul(&[2, rows, out_numel]), 0)
+            }
+            Op::AttnProbs { .. } | Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
+                // Every part is one [s, t] x [t|s, d] matmul per head, plus softmax work on
+                // the [b, h, s, t] probabilities for the two that touch them.
+                let (bhst, d) = match &node.op {
+                    Op::AttnProbs { .. } => (
+                        mul(&[
+                            ins[0].shape.dims()[0],
+                            ins[0].shape.dims()[2],
+                            ins[0].shape.dims()[1],
+                            ins[1].shape.dims()[1],
+                        ]),
+                        ins[0].shape.dims()[3],
+                    ),
+                    Op::AttnGradV { .. } | Op::AttnGradScores => {
+                        (ins[0].numel().unwrap_or(u64::MAX), ins[1].shape.dims()[3])
+                    }
+                    _ => (ins[0].numel().unwrap_or(u64::MAX), ins[1].shape.dims()[3]),
+                };
+                let extra = if matches!(node.op, Op::AttnProbs { .. } | Op::AttnGradScores) {
+                    bhst.saturating_mul(5)
+                } else {
+                    0
+                };
+                (mul(&[2, bhst, d]).saturating_add(extra), 0)
+            }
+            Op::CrossEntropyGrad => (out_numel.saturating_mul(5), 0),
+            Op::SumTo { .. } | Op::BroadcastTo { .. } | Op::Pad { .. } | Op::EmbeddingGrad { .. } => {
+                (ins[0].numel().unwrap_or(u64::MAX).max(out_numel), 0)
+            }
+            Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } => {
+                let per = if matches!(node.op, Op::RmsNormGrad { .. }) {
+                    8
+                } else {
+                    14
+                };
+                (ins[0].numel().unwrap_or(u64::MAX).saturating_mul(per), 0)
+            }
+            Op::RopeGrad { .. } => (out_numel.saturating_mul(3), 0),
+            Op::SiluGrad => (out_numel.saturating_mul(8), 0),
+            Op::GeluGrad => (out_numel.saturating_mul(16), 0),
+            Op::SoftmaxGrad { .. } => (out_numel.saturating_mul(5), 0),
             op => {
                 let (f, b) = elementwise_flops(op);
                 (out_numel.saturating_mul(f), out_numel.saturating_mul(b))
             }
         };
         let fwd_bytes = match node.op {
-            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => 0,
+            Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } | Op::Reshape { .. } => 0,
             _ => ins
                 .iter()
                 .chain(std::iter::once(&&node.ty))

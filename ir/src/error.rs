@@ -20,6 +20,9 @@ pub enum IrError {
     /// Two parameters with the same name.
     #[error("parameter `{0}` is defined twice")]
     DuplicateParam(String),
+    /// A graph that cannot be differentiated.
+    #[error("cannot differentiate: {0}")]
+    Autodiff(String),
     /// An operand id that is not (yet) a node of the graph.
     #[error("operand {operand} of `{op}` at `{scope}` is not a node of this graph")]
     UnknownOperand {

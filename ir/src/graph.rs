@@ -13,8 +13,18 @@ pub struct Node {
     pub inputs: Vec<NodeId>,
     /// Type of the value the node produces.
     pub ty: TensorType,
-    /// Module the node was traced in.
+    /// Module the node was traced in; for a backward node, the module of the forward node
+    /// it differentiates.
     pub scope: ScopeId,
+    /// For a backward node: the forward node whose gradient rule created it.
+    pub grad_of: Option<NodeId>,
+}
+
+impl Node {
+    /// True for nodes of the backward pass.
+    pub fn is_backward(&self) -> bool {
+        self.grad_of.is_some()
+    }
 }
 
 /// A trainable parameter, named exactly as in Hugging Face checkpoints.
@@ -132,6 +142,24 @@ impl Graph {
         Ok(self.push(op, inputs.to_vec(), ty, scope))
     }
 
+    /// A backward node: `op` applied to `inputs`, part of the gradient rule of `grad_of`,
+    /// in that node's scope.
+    pub fn add_grad_node(&mut self, op: Op, inputs: &[NodeId], grad_of: NodeId) -> Result<NodeId, IrError> {
+        let scope = self.node(grad_of).scope;
+        let id = self.add_node(op, inputs, scope)?;
+        self.dag[NodeIndex::new(id.index())].grad_of = Some(grad_of);
+        Ok(id)
+    }
+
+    /// A constant tensor of `ty` filled with `value`, in the backward pass of `grad_of`.
+    pub fn add_fill(&mut self, value: f64, ty: TensorType, grad_of: NodeId) -> Result<NodeId, IrError> {
+        let scope = self.node(grad_of).scope;
+        self.check_size("fill", &ty, scope)?;
+        let id = self.push(Op::Fill { value }, Vec::new(), ty, scope);
+        self.dag[NodeIndex::new(id.index())].grad_of = Some(grad_of);
+        Ok(id)
+    }
+
     /// Marks a node as a graph output (the loss).
     pub fn add_output(&mut self, node: NodeId) {
         self.outputs.push(node);
@@ -150,7 +178,13 @@ impl Graph {
 
     fn push(&mut self, op: Op, inputs: Vec<NodeId>, ty: TensorType, scope: ScopeId) -> NodeId {
         let operands = inputs.clone();
-        let idx = self.dag.add_node(Node { op, inputs, ty, scope });
+        let idx = self.dag.add_node(Node {
+            op,
+            inputs,
+            ty,
+            scope,
+            grad_of: None,
+        });
         for (pos, src) in operands.iter().enumerate() {
             self.dag.add_edge(NodeIndex::new(src.index()), idx, pos as u32);
         }

@@ -3,6 +3,7 @@
 //!
 //! Architecture invariant: the IR knows nothing of devices, sharding or collectives.
 
+pub mod autodiff;
 mod cost;
 mod dot;
 mod dtype;
@@ -15,13 +16,14 @@ mod scope;
 mod shape;
 pub mod stats;
 
+pub use autodiff::{differentiate, JointGraph};
 pub use cost::{elementwise_flops, Cost};
 pub use dot::to_dot;
 pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{Graph, Node, Param};
 pub use ids::{NodeId, ParamId, ScopeId};
-pub use op::{Op, WeightLayout};
+pub use op::{NormWrt, Op, WeightLayout};
 pub use print::to_text;
 pub use scope::{ModuleKind, Scope};
 pub use shape::{Shape, TensorType};

@@ -62,6 +62,54 @@ pub enum Op {
     Concat { dim: usize },
     /// Change the element type.
     Cast { dtype: DType },
+    /// Sum of all elements: `(x) -> []`, same dtype.
+    Sum,
+
+    // ---- leaves and ops that only the backward pass (ir::autodiff) creates ----
+    /// A tensor filled with one value (the seed `dloss/dloss = 1`); type given when added.
+    Fill { value: f64 },
+    /// Sums a broadcast gradient back to an operand's shape: `(g) -> shape`.
+    SumTo { shape: Shape },
+    /// Broadcasts to a larger shape: `(g) -> shape`.
+    BroadcastTo { shape: Shape },
+    /// Weight gradient of `linear`: `(x [..., in], g [..., out]) -> w`'s shape.
+    WeightGrad { layout: WeightLayout },
+    /// Table gradient of `embedding` (scatter-add): `(ids [...], g [..., d]) -> [vocab, d]`.
+    EmbeddingGrad { vocab: u64 },
+    /// `rms_norm` gradient wrt its input or its weight: `(x, w, g) -> x or w`'s shape.
+    RmsNormGrad { eps: f64, wrt: NormWrt },
+    /// `layer_norm` gradient wrt its input or its weight: `(x, w, g) -> x or w`'s shape.
+    LayerNormGrad { eps: f64, wrt: NormWrt },
+    /// Inverse rotation of `rope`: `(g [b, s, h, d]) -> same`.
+    RopeGrad { theta: f64 },
+    /// Attention probabilities, recomputed in backward: `(q, k) -> [b, h, s, t]`.
+    AttnProbs { causal: bool },
+    /// `(p [b, h, s, t], g [b, s, h, d]) -> dv [b, t, kv, d]`.
+    AttnGradV { kv_heads: u64 },
+    /// Gradient of the (scaled) scores through the softmax: `(p, g, v) -> [b, h, s, t]`.
+    AttnGradScores,
+    /// `(ds [b, h, s, t], k [b, t, kv, d]) -> dq [b, s, h, d]`.
+    AttnGradQ,
+    /// `(ds [b, h, s, t], q [b, s, h, d]) -> dk [b, t, kv, d]`.
+    AttnGradK { kv_heads: u64 },
+    /// `(x, g) -> dx` of silu.
+    SiluGrad,
+    /// `(x, g) -> dx` of gelu (tanh approximation).
+    GeluGrad,
+    /// `(y, g) -> dx` of softmax, from its output `y`.
+    SoftmaxGrad { dim: usize },
+    /// `(logits [n, v], targets [n], g []) -> dlogits [n, v]` of mean cross-entropy.
+    CrossEntropyGrad,
+    /// Zero padding along `dim` (the gradient of `narrow`).
+    Pad { dim: usize, before: u64, after: u64 },
+}
+
+/// Which operand a normalisation gradient is taken with respect to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormWrt {
+    Input,
+    Weight,
 }
 
 impl Op {
@@ -88,12 +136,31 @@ impl Op {
             Op::Narrow { .. } => "narrow",
             Op::Concat { .. } => "concat",
             Op::Cast { .. } => "cast",
+            Op::Sum => "sum",
+            Op::Fill { .. } => "fill",
+            Op::SumTo { .. } => "sum_to",
+            Op::BroadcastTo { .. } => "broadcast_to",
+            Op::WeightGrad { .. } => "weight_grad",
+            Op::EmbeddingGrad { .. } => "embedding_grad",
+            Op::RmsNormGrad { .. } => "rms_norm_grad",
+            Op::LayerNormGrad { .. } => "layer_norm_grad",
+            Op::RopeGrad { .. } => "rope_grad",
+            Op::AttnProbs { .. } => "attn_probs",
+            Op::AttnGradV { .. } => "attn_grad_v",
+            Op::AttnGradScores => "attn_grad_scores",
+            Op::AttnGradQ => "attn_grad_q",
+            Op::AttnGradK { .. } => "attn_grad_k",
+            Op::SiluGrad => "silu_grad",
+            Op::GeluGrad => "gelu_grad",
+            Op::SoftmaxGrad { .. } => "softmax_grad",
+            Op::CrossEntropyGrad => "cross_entropy_grad",
+            Op::Pad { .. } => "pad",
         }
     }
 
-    /// True for ops without operands (inputs and parameters).
+    /// True for ops without operands (inputs, parameters, constants).
     pub fn is_leaf(&self) -> bool {
-        matches!(self, Op::Input { .. } | Op::Param { .. })
+        matches!(self, Op::Input { .. } | Op::Param { .. } | Op::Fill { .. })
     }
 
     /// Attributes for printing (`eps=1e-5`), empty when the op has none.
@@ -121,6 +188,23 @@ impl Op {
             Op::Narrow { dim, start, len } => format!("dim={dim} start={start} len={len}"),
             Op::Concat { dim } => format!("dim={dim}"),
             Op::Cast { dtype } => format!("to={dtype}"),
+            Op::Fill { value } => format!("value={value}"),
+            Op::SumTo { shape } | Op::BroadcastTo { shape } => format!("to={shape}"),
+            Op::WeightGrad {
+                layout: WeightLayout::InOut,
+            } => "w=[in,out]".to_string(),
+            Op::EmbeddingGrad { vocab } => format!("vocab={vocab}"),
+            Op::RmsNormGrad { eps, wrt } | Op::LayerNormGrad { eps, wrt } => {
+                format!(
+                    "eps={eps:e} wrt={}",
+                    if *wrt == NormWrt::Input { "input" } else { "weight" }
+                )
+            }
+            Op::RopeGrad { theta } => format!("theta={theta}"),
+            Op::AttnProbs { causal } => if *causal { "causal" } else { "full" }.to_string(),
+            Op::AttnGradV { kv_heads } | Op::AttnGradK { kv_heads } => format!("kv_heads={kv_heads}"),
+            Op::SoftmaxGrad { dim } => format!("dim={dim}"),
+            Op::Pad { dim, before, after } => format!("dim={dim} before={before} after={after}"),
             _ => String::new(),
         }
     }
@@ -128,8 +212,12 @@ impl Op {
     /// Number of operands the op takes, or `None` when variadic (concat).
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
-            Op::Input { .. } | Op::Param { .. } => 0,
+            Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => 0,
             Op::Embedding | Op::MatMul | Op::Add | Op::Mul | Op::RmsNorm { .. } => 2,
+            Op::Sum | Op::SumTo { .. } | Op::BroadcastTo { .. } | Op::RopeGrad { .. } | Op::Pad { .. } => 1,
+            Op::WeightGrad { .. } | Op::EmbeddingGrad { .. } | Op::AttnProbs { .. } | Op::AttnGradV { .. } => 2,
+            Op::AttnGradQ | Op::AttnGradK { .. } | Op::SiluGrad | Op::GeluGrad | Op::SoftmaxGrad { .. } => 2,
+            Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } | Op::AttnGradScores | Op::CrossEntropyGrad => 3,
             Op::CrossEntropy => 2,
             Op::Linear { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::Attention { .. } => 3,
@@ -149,7 +237,7 @@ impl Op {
             _ => {}
         }
         match self {
-            Op::Input { .. } | Op::Param { .. } => Err("leaf ops take their type as given".into()),
+            Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => Err("leaf ops take their type as given".into()),
             Op::Embedding => infer_embedding(ins[0], ins[1]),
             Op::Linear { layout, .. } => infer_linear(*layout, ins),
             Op::MatMul => infer_matmul(ins[0], ins[1]),
@@ -224,8 +312,193 @@ impl Op {
             }
             Op::Concat { dim } => infer_concat(*dim, ins),
             Op::Cast { dtype } => Ok(TensorType::new(*dtype, ins[0].shape.clone())),
+            Op::Sum => {
+                float(ins[0], "input")?;
+                Ok(TensorType::new(ins[0].dtype, Shape::scalar()))
+            }
+            Op::SumTo { shape } => {
+                if shape.broadcast(&ins[0].shape).as_ref() != Some(&ins[0].shape) {
+                    return Err(format!(
+                        "{} does not broadcast to {}, so {} cannot be summed to it",
+                        shape, ins[0].shape, ins[0].shape
+                    ));
+                }
+                Ok(TensorType::new(ins[0].dtype, shape.clone()))
+            }
+            Op::BroadcastTo { shape } => {
+                if ins[0].shape.broadcast(shape).as_ref() != Some(shape) {
+                    return Err(format!("{} does not broadcast to {shape}", ins[0].shape));
+                }
+                Ok(TensorType::new(ins[0].dtype, shape.clone()))
+            }
+            Op::WeightGrad { layout } => infer_weight_grad(*layout, ins[0], ins[1]),
+            Op::EmbeddingGrad { vocab } => {
+                if ins[0].dtype.is_float() {
+                    return Err(format!("ids must be an integer tensor, got {}", ins[0]));
+                }
+                float(ins[1], "gradient")?;
+                let (id, gd) = (ins[0].shape.dims(), ins[1].shape.dims());
+                if gd.len() != id.len() + 1 || &gd[..id.len()] != id {
+                    return Err(format!(
+                        "gradient {} must be ids {} plus a feature dim",
+                        ins[1].shape, ins[0].shape
+                    ));
+                }
+                Ok(TensorType::new(ins[1].dtype, [*vocab, gd[id.len()]]))
+            }
+            Op::RmsNormGrad { wrt, .. } | Op::LayerNormGrad { wrt, .. } => {
+                same_float_dtype(ins)?;
+                if ins[2].shape != ins[0].shape {
+                    return Err(format!("gradient {} must match input {}", ins[2].shape, ins[0].shape));
+                }
+                infer_norm(&ins[..2])?;
+                Ok(if *wrt == NormWrt::Input {
+                    ins[0].clone()
+                } else {
+                    ins[1].clone()
+                })
+            }
+            Op::RopeGrad { theta } => Op::Rope { theta: *theta }.infer(ins),
+            Op::AttnProbs { .. } => {
+                let out = infer_attention(ins[0], ins[1], ins[1])?;
+                let (q, k) = (out.shape.dims(), ins[1].shape.dims());
+                Ok(TensorType::new(ins[0].dtype, [q[0], q[2], q[1], k[1]]))
+            }
+            Op::AttnGradV { kv_heads } => {
+                same_float_dtype(ins)?;
+                let (p, g) = (ins[0].shape.dims(), ins[1].shape.dims());
+                if p.len() != 4
+                    || g.len() != 4
+                    || p[0] != g[0]
+                    || p[1] != g[2]
+                    || p[2] != g[1]
+                    || *kv_heads == 0
+                    || p[1] % kv_heads != 0
+                {
+                    return Err(format!(
+                        "probs {} and gradient {} do not match ({kv_heads} kv heads)",
+                        ins[0].shape, ins[1].shape
+                    ));
+                }
+                Ok(TensorType::new(ins[1].dtype, [g[0], p[3], *kv_heads, g[3]]))
+            }
+            Op::AttnGradScores => {
+                same_float_dtype(ins)?;
+                let (p, g, v) = (ins[0].shape.dims(), ins[1].shape.dims(), ins[2].shape.dims());
+                if p.len() != 4
+                    || g.len() != 4
+                    || v.len() != 4
+                    || p[2] != g[1]
+                    || p[1] != g[2]
+                    || p[3] != v[1]
+                    || g[3] != v[3]
+                {
+                    return Err(format!(
+                        "probs {}, gradient {} and v {} do not match",
+                        ins[0].shape, ins[1].shape, ins[2].shape
+                    ));
+                }
+                Ok(ins[0].clone())
+            }
+            Op::AttnGradQ => {
+                same_float_dtype(ins)?;
+                let (ds, k) = (ins[0].shape.dims(), ins[1].shape.dims());
+                if ds.len() != 4 || k.len() != 4 || ds[3] != k[1] || k[2] == 0 || ds[1] % k[2] != 0 {
+                    return Err(format!(
+                        "score gradient {} and k {} do not match",
+                        ins[0].shape, ins[1].shape
+                    ));
+                }
+                Ok(TensorType::new(ins[0].dtype, [ds[0], ds[2], ds[1], k[3]]))
+            }
+            Op::AttnGradK { kv_heads } => {
+                same_float_dtype(ins)?;
+                let (ds, q) = (ins[0].shape.dims(), ins[1].shape.dims());
+                if ds.len() != 4
+                    || q.len() != 4
+                    || ds[2] != q[1]
+                    || ds[1] != q[2]
+                    || *kv_heads == 0
+                    || ds[1] % kv_heads != 0
+                {
+                    return Err(format!(
+                        "score gradient {} and q {} do not match ({kv_heads} kv heads)",
+                        ins[0].shape, ins[1].shape
+                    ));
+                }
+                Ok(TensorType::new(ins[0].dtype, [ds[0], ds[3], *kv_heads, q[3]]))
+            }
+            Op::SiluGrad | Op::GeluGrad | Op::SoftmaxGrad { .. } => {
+                same_float_dtype(ins)?;
+                if ins[0].shape != ins[1].shape {
+                    return Err(format!("shapes {} and {} must be equal", ins[0].shape, ins[1].shape));
+                }
+                if let Op::SoftmaxGrad { dim } = self {
+                    check_dim(*dim, ins[0])?;
+                }
+                Ok(ins[0].clone())
+            }
+            Op::CrossEntropyGrad => {
+                infer_cross_entropy(ins[0], ins[1])?;
+                float(ins[2], "gradient")?;
+                if ins[2].shape.rank() != 0 {
+                    return Err(format!("gradient of the loss must be a scalar, got {}", ins[2].shape));
+                }
+                Ok(ins[0].clone())
+            }
+            Op::Pad { dim, before, after } => {
+                check_dim(*dim, ins[0])?;
+                let mut dims = ins[0].shape.dims().to_vec();
+                dims[*dim] = before
+                    .checked_add(*after)
+                    .and_then(|p| p.checked_add(dims[*dim]))
+                    .ok_or_else(|| "padded size overflows u64".to_string())?;
+                Ok(TensorType::new(ins[0].dtype, dims))
+            }
         }
     }
+
+    /// True for the ops that only a backward pass contains.
+    pub fn is_backward_only(&self) -> bool {
+        matches!(
+            self,
+            Op::Fill { .. }
+                | Op::SumTo { .. }
+                | Op::BroadcastTo { .. }
+                | Op::WeightGrad { .. }
+                | Op::EmbeddingGrad { .. }
+                | Op::RmsNormGrad { .. }
+                | Op::LayerNormGrad { .. }
+                | Op::RopeGrad { .. }
+                | Op::AttnProbs { .. }
+                | Op::AttnGradV { .. }
+                | Op::AttnGradScores
+                | Op::AttnGradQ
+                | Op::AttnGradK { .. }
+                | Op::SiluGrad
+                | Op::GeluGrad
+                | Op::SoftmaxGrad { .. }
+                | Op::CrossEntropyGrad
+                | Op::Pad { .. }
+        )
+    }
+}
+
+fn infer_weight_grad(layout: WeightLayout, x: &TensorType, g: &TensorType) -> Result<TensorType, String> {
+    same_float_dtype(&[x, g])?;
+    let (xd, gd) = (x.shape.dims(), g.shape.dims());
+    if xd.is_empty() || xd.len() != gd.len() || xd[..xd.len() - 1] != gd[..gd.len() - 1] {
+        return Err(format!(
+            "input {} and gradient {} must agree on all but the last dim",
+            x.shape, g.shape
+        ));
+    }
+    let (fin, fout) = (xd[xd.len() - 1], gd[gd.len() - 1]);
+    let dims = match layout {
+        WeightLayout::OutIn => [fout, fin],
+        WeightLayout::InOut => [fin, fout],
+    };
+    Ok(TensorType::new(x.dtype, dims))
 }
 
 impl fmt::Display for Op {

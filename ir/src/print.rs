@@ -22,7 +22,7 @@ fn call(g: &Graph, node: &Node) -> String {
 
 /// The graph as text: a header, then `id = call : type  @ scope` per node.
 pub fn to_text(g: &Graph) -> String {
-    let rows: Vec<(String, String, String, &str)> = g
+    let rows: Vec<(String, String, String, &str, String)> = g
         .nodes()
         .map(|(id, n)| {
             (
@@ -30,6 +30,7 @@ pub fn to_text(g: &Graph) -> String {
                 call(g, n),
                 n.ty.to_string(),
                 g.scope(n.scope).display_path(),
+                n.grad_of.map_or_else(String::new, |f| format!("  (grad of {f})")),
             )
         })
         .collect();
@@ -51,8 +52,8 @@ pub fn to_text(g: &Graph) -> String {
     );
     let outputs: Vec<String> = g.outputs().iter().map(|o| o.to_string()).collect();
     let _ = writeln!(out, "  outputs: {}", outputs.join(", "));
-    for (id, call, ty, scope) in &rows {
-        let _ = writeln!(out, "{id:<w_id$} = {call:<w_call$} : {ty:<w_ty$}  @ {scope}");
+    for (id, call, ty, scope, grad) in &rows {
+        let _ = writeln!(out, "{id:<w_id$} = {call:<w_call$} : {ty:<w_ty$}  @ {scope}{grad}");
     }
     out
 }

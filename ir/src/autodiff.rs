@@ -1,0 +1,345 @@
+//! Reverse-mode autodiff on the IR: a forward graph ending in a scalar loss becomes one
+//! joint graph, forward nodes then backward nodes.
+//!
+//! Every backward node carries `grad_of` (the forward node whose rule made it) and that
+//! node's scope, so the planner can cut the backward pass into per-module segments; the
+//! forward values a backward node reads are its operands that are not backward nodes.
+//!
+//! Architecture invariant: autodiff only appends nodes; forward node ids are unchanged, so a
+//! plan can refer to forward values of the joint graph by their forward ids.
+
+use crate::{DType, Graph, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, WeightLayout};
+
+/// A forward+backward graph and where its results are.
+#[derive(Clone, Debug)]
+pub struct JointGraph {
+    pub graph: Graph,
+    /// The scalar loss (a forward node).
+    pub loss: NodeId,
+    /// Gradient of each parameter, indexed by [`ParamId`]; `None` for a parameter the loss
+    /// does not depend on.
+    pub param_grads: Vec<Option<NodeId>>,
+    /// Number of forward nodes: ids below this are forward, from it on backward.
+    pub forward_len: usize,
+}
+
+impl JointGraph {
+    /// The gradient node of `p`, if the loss depends on it.
+    pub fn grad(&self, p: ParamId) -> Option<NodeId> {
+        self.param_grads[p.index()]
+    }
+
+    /// Forward values that backward nodes read: what must stay alive (or be recomputed)
+    /// between the two passes.
+    pub fn saved_for_backward(&self) -> Vec<NodeId> {
+        let mut saved: Vec<NodeId> = self
+            .graph
+            .nodes()
+            .filter(|(_, n)| n.is_backward())
+            .flat_map(|(_, n)| n.inputs.iter().copied())
+            .filter(|i| i.index() < self.forward_len)
+            .collect();
+        saved.sort_unstable();
+        saved.dedup();
+        saved
+    }
+}
+
+/// Builds the joint graph of `forward`, whose first output must be a scalar float loss.
+pub fn differentiate(forward: &Graph) -> Result<JointGraph, IrError> {
+    let loss = *forward
+        .outputs()
+        .first()
+        .ok_or_else(|| IrError::Autodiff("the graph has no output to differentiate".into()))?;
+    let loss_ty = forward.node(loss).ty.clone();
+    if loss_ty.shape.rank() != 0 || !loss_ty.dtype.is_float() {
+        return Err(IrError::Autodiff(format!(
+            "the loss must be a float scalar, got {loss_ty}"
+        )));
+    }
+    if let Some((id, n)) = forward
+        .nodes()
+        .find(|(_, n)| n.is_backward() || n.op.is_backward_only())
+    {
+        return Err(IrError::Autodiff(format!(
+            "{id} ({}) is already a backward node; differentiate a forward graph",
+            n.op.name()
+        )));
+    }
+    let forward_len = forward.node_count();
+
+    // A node needs a gradient when it depends on a parameter and the loss depends on it.
+    let mut depends_on_param = vec![false; forward_len];
+    for (id, n) in forward.nodes() {
+        depends_on_param[id.index()] =
+            matches!(n.op, Op::Param { .. }) || n.inputs.iter().any(|i| depends_on_param[i.index()]);
+    }
+    let mut reaches_loss = vec![false; forward_len];
+    reaches_loss[loss.index()] = true;
+    for (id, n) in forward.nodes().collect::<Vec<_>>().into_iter().rev() {
+        if reaches_loss[id.index()] {
+            for i in &n.inputs {
+                reaches_loss[i.index()] = true;
+            }
+        }
+    }
+    let wants = |id: NodeId| depends_on_param[id.index()] && reaches_loss[id.index()];
+
+    let mut g = forward.clone();
+    let mut contributions: Vec<Vec<NodeId>> = vec![Vec::new(); forward_len];
+    contributions[loss.index()].push(g.add_fill(1.0, loss_ty, loss)?);
+    let mut param_grads = vec![None; forward.params().len()];
+
+    for idx in (0..forward_len).rev() {
+        let id = NodeId(idx as u32);
+        let parts = std::mem::take(&mut contributions[idx]);
+        if parts.is_empty() {
+            continue;
+        }
+        let grad = sum_all(&mut g, &parts, id)?;
+        let node = g.node(id).clone();
+        if let Op::Param { param } = node.op {
+            param_grads[param.index()] = Some(grad);
+            continue;
+        }
+        let wanted: Vec<bool> = node.inputs.iter().map(|&i| wants(i)).collect();
+        for (operand, dx) in vjp(&mut g, id, grad, &wanted)? {
+            contributions[node.inputs[operand].index()].push(dx);
+        }
+    }
+    Ok(JointGraph {
+        graph: g,
+        loss,
+        param_grads,
+        forward_len,
+    })
+}
+
+/// Sums the gradient contributions of one value (several users, or a tied weight).
+fn sum_all(g: &mut Graph, parts: &[NodeId], of: NodeId) -> Result<NodeId, IrError> {
+    let mut acc = parts[0];
+    for &p in &parts[1..] {
+        acc = g.add_grad_node(Op::Add, &[acc, p], of)?;
+    }
+    Ok(acc)
+}
+
+/// `dx` summed to `shape` when the forward op broadcast it, else `dx` itself.
+fn unbroadcast(g: &mut Graph, dx: NodeId, shape: &Shape, of: NodeId) -> Result<NodeId, IrError> {
+    if &g.node(dx).ty.shape == shape {
+        Ok(dx)
+    } else {
+        g.add_grad_node(Op::SumTo { shape: shape.clone() }, &[dx], of)
+    }
+}
+
+/// The vector-Jacobian products of node `id` given its output gradient `dy`: one
+/// `(operand index, gradient)` per operand with `wanted[i]`.
+fn vjp(g: &mut Graph, id: NodeId, dy: NodeId, wanted: &[bool]) -> Result<Vec<(usize, NodeId)>, IrError> {
+    let node = g.node(id).clone();
+    let ins = node.inputs.clone();
+    let ty = |g: &Graph, i: usize| -> TensorType { g.node(ins[i]).ty.clone() };
+    let mut out = Vec::new();
+    let mut put = |i: usize, v: NodeId| out.push((i, v));
+    match &node.op {
+        Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => {}
+        Op::Add => {
+            for i in 0..2 {
+                if wanted[i] {
+                    let shape = ty(g, i).shape;
+                    put(i, unbroadcast(g, dy, &shape, id)?);
+                }
+            }
+        }
+        Op::Mul => {
+            for i in 0..2 {
+                if wanted[i] {
+                    let prod = g.add_grad_node(Op::Mul, &[dy, ins[1 - i]], id)?;
+                    let shape = ty(g, i).shape;
+                    put(i, unbroadcast(g, prod, &shape, id)?);
+                }
+            }
+        }
+        Op::Linear { bias, layout } => {
+            let flipped = match layout {
+                WeightLayout::OutIn => WeightLayout::InOut,
+                WeightLayout::InOut => WeightLayout::OutIn,
+            };
+            if wanted[0] {
+                put(
+                    0,
+                    g.add_grad_node(
+                        Op::Linear {
+                            bias: false,
+                            layout: flipped,
+                        },
+                        &[dy, ins[1]],
+                        id,
+                    )?,
+                );
+            }
+            if wanted[1] {
+                put(
+                    1,
+                    g.add_grad_node(Op::WeightGrad { layout: *layout }, &[ins[0], dy], id)?,
+                );
+            }
+            if *bias && wanted[2] {
+                let shape = ty(g, 2).shape;
+                put(2, g.add_grad_node(Op::SumTo { shape }, &[dy], id)?);
+            }
+        }
+        Op::MatMul => {
+            let last_two = |g: &mut Graph, x: NodeId| {
+                let r = g.node(x).ty.shape.rank();
+                g.add_grad_node(
+                    Op::Transpose {
+                        dim0: r - 2,
+                        dim1: r - 1,
+                    },
+                    &[x],
+                    id,
+                )
+            };
+            if wanted[0] {
+                let bt = last_two(g, ins[1])?;
+                let da = g.add_grad_node(Op::MatMul, &[dy, bt], id)?;
+                let shape = ty(g, 0).shape;
+                put(0, unbroadcast(g, da, &shape, id)?);
+            }
+            if wanted[1] {
+                let at = last_two(g, ins[0])?;
+                let db = g.add_grad_node(Op::MatMul, &[at, dy], id)?;
+                let shape = ty(g, 1).shape;
+                put(1, unbroadcast(g, db, &shape, id)?);
+            }
+        }
+        Op::RmsNorm { eps } => {
+            for (i, wrt) in [(0, NormWrt::Input), (1, NormWrt::Weight)] {
+                if wanted[i] {
+                    put(
+                        i,
+                        g.add_grad_node(Op::RmsNormGrad { eps: *eps, wrt }, &[ins[0], ins[1], dy], id)?,
+                    );
+                }
+            }
+        }
+        Op::LayerNorm { eps } => {
+            for (i, wrt) in [(0, NormWrt::Input), (1, NormWrt::Weight)] {
+                if wanted[i] {
+                    put(
+                        i,
+                        g.add_grad_node(Op::LayerNormGrad { eps: *eps, wrt }, &[ins[0], ins[1], dy], id)?,
+                    );
+                }
+            }
+            if wanted[2] {
+                let shape = ty(g, 2).shape;
+                put(2, g.add_grad_node(Op::SumTo { shape }, &[dy], id)?);
+            }
+        }
+        Op::Rope { theta } => {
+            if wanted[0] {
+                put(0, g.add_grad_node(Op::RopeGrad { theta: *theta }, &[dy], id)?);
+            }
+        }
+        Op::Attention { causal } => {
+            let kv_heads = ty(g, 1).shape.dims()[2];
+            let probs = g.add_grad_node(Op::AttnProbs { causal: *causal }, &[ins[0], ins[1]], id)?;
+            if wanted[2] {
+                put(2, g.add_grad_node(Op::AttnGradV { kv_heads }, &[probs, dy], id)?);
+            }
+            if wanted[0] || wanted[1] {
+                let ds = g.add_grad_node(Op::AttnGradScores, &[probs, dy, ins[2]], id)?;
+                if wanted[0] {
+                    put(0, g.add_grad_node(Op::AttnGradQ, &[ds, ins[1]], id)?);
+                }
+                if wanted[1] {
+                    put(1, g.add_grad_node(Op::AttnGradK { kv_heads }, &[ds, ins[0]], id)?);
+                }
+            }
+        }
+        Op::Silu | Op::Gelu => {
+            if wanted[0] {
+                let op = if node.op == Op::Silu {
+                    Op::SiluGrad
+                } else {
+                    Op::GeluGrad
+                };
+                put(0, g.add_grad_node(op, &[ins[0], dy], id)?);
+            }
+        }
+        Op::Softmax { dim } => {
+            if wanted[0] {
+                put(0, g.add_grad_node(Op::SoftmaxGrad { dim: *dim }, &[id, dy], id)?);
+            }
+        }
+        Op::CrossEntropy => {
+            if wanted[0] {
+                put(0, g.add_grad_node(Op::CrossEntropyGrad, &[ins[0], ins[1], dy], id)?);
+            }
+        }
+        Op::Embedding => {
+            if wanted[0] {
+                let vocab = ty(g, 0).shape.dims()[0];
+                put(0, g.add_grad_node(Op::EmbeddingGrad { vocab }, &[ins[1], dy], id)?);
+            }
+        }
+        Op::Reshape { .. } => {
+            if wanted[0] {
+                let shape = ty(g, 0).shape;
+                put(0, g.add_grad_node(Op::Reshape { shape }, &[dy], id)?);
+            }
+        }
+        Op::Transpose { dim0, dim1 } => {
+            if wanted[0] {
+                put(
+                    0,
+                    g.add_grad_node(
+                        Op::Transpose {
+                            dim0: *dim0,
+                            dim1: *dim1,
+                        },
+                        &[dy],
+                        id,
+                    )?,
+                );
+            }
+        }
+        Op::Narrow { dim, start, len } => {
+            if wanted[0] {
+                let size = ty(g, 0).shape.dims()[*dim];
+                let pad = Op::Pad {
+                    dim: *dim,
+                    before: *start,
+                    after: size - start - len,
+                };
+                put(0, g.add_grad_node(pad, &[dy], id)?);
+            }
+        }
+        Op::Concat { dim } => {
+            let mut start = 0;
+            for (i, &w) in wanted.iter().enumerate() {
+                let len = ty(g, i).shape.dims()[*dim];
+                if w {
+                    put(i, g.add_grad_node(Op::Narrow { dim: *dim, start, len }, &[dy], id)?);
+                }
+                start += len;
+            }
+        }
+        Op::Cast { .. } => {
+            if wanted[0] {
+                let dtype: DType = ty(g, 0).dtype;
+                put(0, g.add_grad_node(Op::Cast { dtype }, &[dy], id)?);
+            }
+        }
+        Op::Sum => {
+            if wanted[0] {
+                let shape = ty(g, 0).shape;
+                put(0, g.add_grad_node(Op::BroadcastTo { shape }, &[dy], id)?);
+            }
+        }
+        op => return Err(IrError::Autodiff(format!("{id} ({}) has no gradient rule", op.name()))),
+    }
+    Ok(out)
+}
