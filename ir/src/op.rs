@@ -50,7 +50,8 @@ pub enum Op {
     Gelu,
     /// Softmax over one dim.
     Softmax { dim: usize },
-    /// Mean token cross-entropy: `(logits [n, v] float, targets [n] int) -> f32 []`.
+    /// Mean token cross-entropy: `(logits [n, v] float, targets [n] int) -> f32 []`
+    /// (f64 for f64 logits).
     CrossEntropy,
     /// Same elements, new shape.
     Reshape { shape: Shape },
@@ -668,7 +669,12 @@ fn infer_cross_entropy(logits: &TensorType, targets: &TensorType) -> Result<Tens
             logits.shape, targets.shape
         ));
     }
-    Ok(TensorType::new(DType::F32, Shape::scalar()))
+    let dtype = if logits.dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    Ok(TensorType::new(dtype, Shape::scalar()))
 }
 
 fn infer_concat(dim: usize, ins: &[&TensorType]) -> Result<TensorType, String> {

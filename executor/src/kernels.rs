@@ -1,0 +1,358 @@
+//! One function per IR op, on candle tensors. Shapes were checked when the graph was
+//! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
+//! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
+
+use crate::ExecError;
+use candle_core::{DType as CDType, Device, Tensor, D};
+use shardplan_ir::{DType, NormWrt, Op, TensorType, WeightLayout};
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+type Result<T> = std::result::Result<T, ExecError>;
+
+/// candle's dtype for an IR dtype.
+pub fn cdtype(d: DType) -> CDType {
+    match d {
+        DType::F64 => CDType::F64,
+        DType::F32 => CDType::F32,
+        DType::BF16 => CDType::BF16,
+        DType::F16 => CDType::F16,
+        DType::I64 => CDType::I64,
+        DType::U32 => CDType::U32,
+    }
+}
+
+/// What kernels share: the device and cached rotary tables.
+pub struct Ctx {
+    pub device: Device,
+    rope: RefCell<HashMap<(u64, usize, usize, CDType), (Tensor, Tensor)>>,
+}
+
+impl Ctx {
+    pub fn new(device: Device) -> Self {
+        Ctx {
+            device,
+            rope: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// `cos`, `sin` of shape `[seq, head_dim / 2]` for positions `0..seq` (HF's
+    /// rotate-half convention: frequency `theta^(-2i / head_dim)`).
+    fn rope_tables(&self, theta: f64, seq: usize, head_dim: usize, dtype: CDType) -> Result<(Tensor, Tensor)> {
+        let key = (theta.to_bits(), seq, head_dim, dtype);
+        if let Some(t) = self.rope.borrow().get(&key) {
+            return Ok(t.clone());
+        }
+        let half = head_dim / 2;
+        let mut angles = Vec::with_capacity(seq * half);
+        for pos in 0..seq {
+            for i in 0..half {
+                let inv_freq = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+                angles.push(pos as f64 * inv_freq);
+            }
+        }
+        let a = Tensor::from_vec(angles, (seq, half), &self.device)?;
+        let t = (a.cos()?.to_dtype(dtype)?, a.sin()?.to_dtype(dtype)?);
+        self.rope.borrow_mut().insert(key, t.clone());
+        Ok(t)
+    }
+}
+
+/// The wide float type reductions run in: f64 stays f64, everything else uses f32.
+fn wide(t: &Tensor) -> Result<Tensor> {
+    Ok(if t.dtype() == CDType::F64 {
+        t.clone()
+    } else {
+        t.to_dtype(CDType::F32)?
+    })
+}
+
+fn dims(t: &TensorType) -> Vec<usize> {
+    t.shape.dims().iter().map(|&d| d as usize).collect()
+}
+
+/// Applies `op` to `ins`, producing a tensor of type `out`.
+pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    let odims = dims(out);
+    let t = match op {
+        Op::Input { .. } | Op::Param { .. } => {
+            return Err(ExecError::Internal(format!(
+                "{} values are fed, not computed",
+                op.name()
+            )))
+        }
+        Op::Fill { value } => Tensor::ones(odims.as_slice(), cdtype(out.dtype), &ctx.device)?.affine(*value, 0.0)?,
+        Op::Embedding => embedding(ins[0], ins[1], &odims)?,
+        Op::Linear { layout, .. } => {
+            let y = linear(ins[0], ins[1], *layout, &odims)?;
+            match ins.get(2) {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            }
+        }
+        Op::MatMul => ins[0].contiguous()?.broadcast_matmul(&ins[1].contiguous()?)?,
+        Op::Add => ins[0].broadcast_add(ins[1])?,
+        Op::Mul => ins[0].broadcast_mul(ins[1])?,
+        // The fused kernels have no f64 version; the composed ones (used for gradient checks) do.
+        Op::RmsNorm { eps } if ins[0].dtype() == CDType::F64 => {
+            candle_nn::ops::rms_norm_slow(ins[0], ins[1], *eps as f32)?
+        }
+        Op::RmsNorm { eps } => candle_nn::ops::rms_norm(&ins[0].contiguous()?, ins[1], *eps as f32)?,
+        Op::LayerNorm { eps } if ins[0].dtype() == CDType::F64 => {
+            candle_nn::ops::layer_norm_slow(ins[0], ins[1], ins[2], *eps as f32)?
+        }
+        Op::LayerNorm { eps } => candle_nn::ops::layer_norm(&ins[0].contiguous()?, ins[1], ins[2], *eps as f32)?,
+        Op::Rope { theta } | Op::RopeGrad { theta } => {
+            let (_, s, _, d) = ins[0].dims4()?;
+            let (cos, sin) = ctx.rope_tables(*theta, s, d, ins[0].dtype())?;
+            // The inverse rotation (the gradient) is the rotation by minus the angle.
+            let sin = if matches!(op, Op::RopeGrad { .. }) {
+                sin.neg()?
+            } else {
+                sin
+            };
+            candle_nn::rotary_emb::rope_thd(&ins[0].contiguous()?, &cos, &sin)?
+        }
+        Op::Attention { causal } => {
+            let p = attn_probs(ins[0], ins[1], *causal)?;
+            let kv = ins[1].dim(2)?;
+            // out[b, s, h, :] = sum_t p[b, h, s, t] v[b, t, kv(h), :]
+            let o = grouped(&p, kv)?.matmul(&heads_first(ins[2])?)?;
+            ungroup_heads(&o, ins[0].dim(2)?)?
+        }
+        Op::Silu => ins[0].silu()?,
+        Op::Gelu => ins[0].gelu()?,
+        Op::Softmax { dim } => softmax(ins[0], *dim)?,
+        Op::CrossEntropy => cross_entropy(ins[0], ins[1])?,
+        Op::Reshape { .. } => ins[0].reshape(odims.as_slice())?,
+        Op::Transpose { dim0, dim1 } => ins[0].transpose(*dim0, *dim1)?,
+        Op::Narrow { dim, start, len } => ins[0].narrow(*dim, *start as usize, *len as usize)?,
+        Op::Concat { dim } => Tensor::cat(ins, *dim)?,
+        Op::Cast { dtype } => ins[0].to_dtype(cdtype(*dtype))?,
+        Op::Sum => ins[0].sum_all()?,
+        Op::SumTo { .. } => sum_to(ins[0], &odims)?,
+        Op::BroadcastTo { .. } => ins[0].broadcast_as(odims.as_slice())?,
+        Op::WeightGrad { layout } => weight_grad(ins[0], ins[1], *layout)?,
+        Op::EmbeddingGrad { .. } => embedding_grad(ins[0], ins[1], &odims)?,
+        Op::RmsNormGrad { eps, wrt } => rms_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
+        Op::LayerNormGrad { eps, wrt } => layer_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
+        Op::AttnProbs { causal } => attn_probs(ins[0], ins[1], *causal)?,
+        Op::AttnGradV { kv_heads } => {
+            // dv[b, t, kv, :] = sum over the kv head's query heads and s of p * g
+            let p = grouped(ins[0], *kv_heads as usize)?;
+            let g = grouped(&heads_first(ins[1])?, *kv_heads as usize)?;
+            p.transpose(2, 3)?.contiguous()?.matmul(&g)?.transpose(1, 2)?
+        }
+        Op::AttnGradScores => {
+            let (p, g, v) = (ins[0], ins[1], ins[2]);
+            let kv = v.dim(2)?;
+            let h = p.dim(1)?;
+            let dp = grouped(&heads_first(g)?, kv)?.matmul(&heads_first(v)?.transpose(2, 3)?.contiguous()?)?;
+            let dp = ungroup(&dp, h)?;
+            let (pw, dpw) = (wide(p)?, wide(&dp)?);
+            let row = (&dpw * &pw)?.sum_keepdim(D::Minus1)?;
+            (pw * dpw.broadcast_sub(&row)?)?.to_dtype(p.dtype())?
+        }
+        Op::AttnGradQ => {
+            let (ds, k) = (ins[0], ins[1]);
+            let scale = 1.0 / (k.dim(3)? as f64).sqrt();
+            let dq = grouped(ds, k.dim(2)?)?.matmul(&heads_first(k)?)?;
+            ungroup_heads(&dq, ds.dim(1)?)?.affine(scale, 0.0)?
+        }
+        Op::AttnGradK { kv_heads } => {
+            let (ds, q) = (ins[0], ins[1]);
+            let scale = 1.0 / (q.dim(3)? as f64).sqrt();
+            let ds = grouped(ds, *kv_heads as usize)?;
+            let q = grouped(&heads_first(q)?, *kv_heads as usize)?;
+            ds.transpose(2, 3)?
+                .contiguous()?
+                .matmul(&q)?
+                .transpose(1, 2)?
+                .affine(scale, 0.0)?
+        }
+        Op::SiluGrad => {
+            let (x, g) = (wide(ins[0])?, wide(ins[1])?);
+            let s = candle_nn::ops::sigmoid(&x)?;
+            let d = (&s * ((x * (1.0 - &s)?)? + 1.0)?)?;
+            (g * d)?.to_dtype(ins[1].dtype())?
+        }
+        Op::GeluGrad => gelu_grad(ins[0], ins[1])?,
+        Op::SoftmaxGrad { dim } => {
+            let (y, g) = (wide(ins[0])?, wide(ins[1])?);
+            let dot = (&g * &y)?.sum_keepdim(*dim)?;
+            (y * g.broadcast_sub(&dot)?)?.to_dtype(ins[1].dtype())?
+        }
+        Op::CrossEntropyGrad => cross_entropy_grad(ins[0], ins[1], ins[2])?,
+        Op::Pad { dim, before, after } => ins[0].pad_with_zeros(*dim, *before as usize, *after as usize)?,
+    };
+    Ok(t)
+}
+
+fn embedding(table: &Tensor, ids: &Tensor, out: &[usize]) -> Result<Tensor> {
+    let flat = ids.flatten_all()?;
+    Ok(table.index_select(&flat, 0)?.reshape(out)?)
+}
+
+/// `[..., in] -> [rows, in]`.
+fn rows(x: &Tensor) -> Result<Tensor> {
+    let last = x.dim(D::Minus1)?;
+    Ok(x.reshape(((), last))?)
+}
+
+fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result<Tensor> {
+    let x2 = rows(&x.contiguous()?)?;
+    let y = match layout {
+        WeightLayout::OutIn => x2.matmul(&w.t()?)?,
+        WeightLayout::InOut => x2.matmul(w)?,
+    };
+    Ok(y.reshape(out)?)
+}
+
+fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+    let (x2, g2) = (rows(&x.contiguous()?)?, rows(&g.contiguous()?)?);
+    Ok(match layout {
+        WeightLayout::OutIn => g2.t()?.matmul(&x2)?,
+        WeightLayout::InOut => x2.t()?.matmul(&g2)?,
+    })
+}
+
+fn embedding_grad(ids: &Tensor, g: &Tensor, out: &[usize]) -> Result<Tensor> {
+    let flat = ids.flatten_all()?;
+    let g2 = wide(&rows(&g.contiguous()?)?)?;
+    let zeros = Tensor::zeros(out, g2.dtype(), g.device())?;
+    Ok(zeros.index_add(&flat, &g2, 0)?.to_dtype(g.dtype())?)
+}
+
+/// Sums `g` over the dims that broadcasting expanded, down to `out`.
+fn sum_to(g: &Tensor, out: &[usize]) -> Result<Tensor> {
+    let gd = g.dims().to_vec();
+    let lead = gd.len() - out.len();
+    let mut reduce: Vec<usize> = (0..lead).collect();
+    for (i, &o) in out.iter().enumerate() {
+        if o == 1 && gd[lead + i] != 1 {
+            reduce.push(lead + i);
+        }
+    }
+    let w = wide(g)?;
+    let s = if reduce.is_empty() { w } else { w.sum_keepdim(reduce)? };
+    Ok(s.reshape(out)?.to_dtype(g.dtype())?)
+}
+
+fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    let w = wide(x)?;
+    let y = if dim + 1 == x.rank() {
+        candle_nn::ops::softmax_last_dim(&w.contiguous()?)?
+    } else {
+        candle_nn::ops::softmax(&w, dim)?
+    };
+    Ok(y.to_dtype(x.dtype())?)
+}
+
+fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let n = logits.dim(0)?;
+    let logp = candle_nn::ops::log_softmax(&wide(logits)?, D::Minus1)?;
+    let picked = logp.gather(&targets.to_dtype(CDType::U32)?.reshape((n, 1))?, 1)?;
+    Ok((picked.sum_all()? * (-1.0 / n as f64))?)
+}
+
+fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (n, v) = logits.dims2()?;
+    let w = wide(logits)?;
+    let p = candle_nn::ops::softmax_last_dim(&w.contiguous()?)?;
+    let idx = targets.to_dtype(CDType::U32)?.reshape((n, 1))?;
+    let ones = Tensor::ones((n, 1), w.dtype(), w.device())?;
+    let onehot = Tensor::zeros((n, v), w.dtype(), w.device())?.scatter_add(&idx, &ones, 1)?;
+    let scale = g.to_dtype(w.dtype())?.affine(1.0 / n as f64, 0.0)?;
+    Ok((p - onehot)?.broadcast_mul(&scale)?.to_dtype(logits.dtype())?)
+}
+
+fn gelu_grad(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
+    const A: f64 = 0.044_715;
+    let xw = wide(x)?;
+    let x2 = xw.sqr()?;
+    let u = ((&xw * (x2.affine(A, 1.0))?)? * C)?;
+    let t = u.tanh()?;
+    let left = (t.affine(0.5, 0.5))?;
+    let sech2 = (1.0 - t.sqr()?)?;
+    let right = ((&xw * sech2)? * x2.affine(3.0 * A * C * 0.5, 0.5 * C)?)?;
+    Ok((wide(g)? * (left + right)?)?.to_dtype(g.dtype())?)
+}
+
+fn rms_norm_grad(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64, wrt: NormWrt) -> Result<Tensor> {
+    let (xw, ww, gw) = (wide(x)?, wide(w)?, wide(g)?);
+    let r = (xw.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let xhat = xw.broadcast_mul(&r)?;
+    let out = match wrt {
+        NormWrt::Weight => sum_to(&(&gw * &xhat)?, w.dims())?,
+        NormWrt::Input => {
+            let gwt = gw.broadcast_mul(&ww)?;
+            let m = (&gwt * &xhat)?.mean_keepdim(D::Minus1)?;
+            (gwt - xhat.broadcast_mul(&m)?)?.broadcast_mul(&r)?
+        }
+    };
+    Ok(out.to_dtype(g.dtype())?)
+}
+
+fn layer_norm_grad(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64, wrt: NormWrt) -> Result<Tensor> {
+    let (xw, ww, gw) = (wide(x)?, wide(w)?, wide(g)?);
+    let centered = xw.broadcast_sub(&xw.mean_keepdim(D::Minus1)?)?;
+    let r = (centered.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let xhat = centered.broadcast_mul(&r)?;
+    let out = match wrt {
+        NormWrt::Weight => sum_to(&(&gw * &xhat)?, w.dims())?,
+        NormWrt::Input => {
+            let gwt = gw.broadcast_mul(&ww)?;
+            let m1 = gwt.mean_keepdim(D::Minus1)?;
+            let m2 = (&gwt * &xhat)?.mean_keepdim(D::Minus1)?;
+            gwt.broadcast_sub(&m1)?
+                .sub(&xhat.broadcast_mul(&m2)?)?
+                .broadcast_mul(&r)?
+        }
+    };
+    Ok(out.to_dtype(g.dtype())?)
+}
+
+/// `[b, s, h, d] -> [b, h, s, d]`, contiguous.
+fn heads_first(x: &Tensor) -> Result<Tensor> {
+    Ok(x.transpose(1, 2)?.contiguous()?)
+}
+
+/// `[b, h, s, x] -> [b, kv, (h / kv) * s, x]`: the query heads sharing one k/v head,
+/// stacked, so grouped-query attention is one batched matmul per k/v head.
+fn grouped(t: &Tensor, kv: usize) -> Result<Tensor> {
+    let (b, h, s, x) = t.dims4()?;
+    Ok(t.contiguous()?.reshape((b, kv, (h / kv) * s, x))?)
+}
+
+/// Inverse of [`grouped`]: `[b, kv, g * s, x] -> [b, h, s, x]`.
+fn ungroup(t: &Tensor, h: usize) -> Result<Tensor> {
+    let (b, kv, gs, x) = t.dims4()?;
+    Ok(t.reshape((b, h, gs * kv / h, x))?)
+}
+
+/// `[b, kv, g * s, d] -> [b, s, h, d]`.
+fn ungroup_heads(t: &Tensor, h: usize) -> Result<Tensor> {
+    Ok(ungroup(t, h)?.transpose(1, 2)?)
+}
+
+/// Softmax of the scaled scores: `(q [b, s, h, d], k [b, t, kv, d]) -> [b, h, s, t]`.
+fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
+    let (_, s, h, d) = q.dims4()?;
+    let (_, t, kv, _) = k.dims4()?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let qg = grouped(&heads_first(q)?, kv)?;
+    let kt = heads_first(k)?.transpose(2, 3)?.contiguous()?;
+    let scores = ungroup(&qg.matmul(&kt)?, h)?;
+    let mut w = wide(&scores)?.affine(scale, 0.0)?;
+    if causal {
+        // Query i (of s, aligned to the end of t) sees keys 0..=i + t - s.
+        let offset = t as i64 - s as i64;
+        let mask: Vec<f32> = (0..s as i64)
+            .flat_map(|i| (0..t as i64).map(move |j| if j > i + offset { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (s, t), q.device())?.to_dtype(w.dtype())?;
+        w = w.broadcast_add(&mask)?;
+    }
+    Ok(candle_nn::ops::softmax_last_dim(&w.contiguous()?)?.to_dtype(q.dtype())?)
+}
