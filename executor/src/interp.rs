@@ -18,8 +18,8 @@ fn value_bytes(graph: &Graph, id: NodeId) -> u64 {
 }
 
 /// A graph prepared for repeated runs: last uses computed once.
-pub struct Interpreter<'g> {
-    graph: &'g Graph,
+pub struct Interpreter {
+    graph: Graph,
     /// Index of the last node that reads each value (`usize::MAX`: never freed).
     last_use: Vec<usize>,
 }
@@ -32,9 +32,9 @@ pub struct RunOutput {
     pub peak_bytes: u64,
 }
 
-impl<'g> Interpreter<'g> {
+impl Interpreter {
     /// Prepares `graph`; the values of `keep` survive the run.
-    pub fn new(graph: &'g Graph, keep: &[NodeId]) -> Self {
+    pub fn new(graph: Graph, keep: &[NodeId]) -> Self {
         let mut last_use = vec![0usize; graph.node_count()];
         for (id, n) in graph.nodes() {
             last_use[id.index()] = last_use[id.index()].max(id.index());
@@ -48,8 +48,8 @@ impl<'g> Interpreter<'g> {
         Interpreter { graph, last_use }
     }
 
-    pub fn graph(&self) -> &'g Graph {
-        self.graph
+    pub fn graph(&self) -> &Graph {
+        &self.graph
     }
 
     /// Runs every node. `feed(id)` supplies the value of each input and parameter node.
@@ -91,12 +91,12 @@ impl<'g> Interpreter<'g> {
                 )));
             }
             table[id.index()] = Some(value);
-            live += value_bytes(self.graph, id);
+            live += value_bytes(&self.graph, id);
             peak = peak.max(live);
             // Free what this node was the last to read (and itself, if nothing reads it).
             for v in node.inputs.iter().copied().chain(std::iter::once(id)) {
                 if self.last_use[v.index()] == id.index() && table[v.index()].take().is_some() {
-                    live -= value_bytes(self.graph, v);
+                    live -= value_bytes(&self.graph, v);
                 }
             }
         }

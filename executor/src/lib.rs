@@ -4,10 +4,15 @@
 //! loop built on it. Architecture invariant: the executor never makes a planning decision;
 //! it runs the graph (and later the Plan) it is given, in the order it is given.
 
+pub mod data;
 mod error;
+pub mod init;
 pub mod interp;
 pub mod kernels;
+pub mod optim;
+pub mod train;
 
 pub use error::ExecError;
 pub use interp::{Interpreter, RunOutput};
 pub use kernels::{cdtype, Ctx};
+pub use train::{StepMetrics, Trainer};

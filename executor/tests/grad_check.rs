@@ -109,11 +109,11 @@ impl Case {
             .collect();
         let mut keep = vec![joint.loss];
         keep.extend(params.iter().map(|(_, gr)| *gr));
-        let run = Interpreter::new(&joint.graph, &keep)
+        let run = Interpreter::new(joint.graph.clone(), &keep)
             .run(&ctx, &keep, &mut |id| Ok(values[&id].clone()))
             .unwrap();
 
-        let fwd = Interpreter::new(&self.g, &[loss]);
+        let fwd = Interpreter::new(self.g.clone(), &[loss]);
         let loss_at = |values: &HashMap<NodeId, Tensor>| -> f64 {
             fwd.run(&ctx, &[loss], &mut |id| Ok(values[&id].clone())).unwrap().kept[0]
                 .to_scalar::<f64>()

@@ -31,6 +31,23 @@ struct ParallelSpecFile {
     /// Present-but-null (`grad_clip: null`) must differ from absent (the default clip).
     #[serde(default, deserialize_with = "present")]
     grad_clip: Option<Spanned<Option<f64>>>,
+    seed: Option<Spanned<u64>>,
+    lr_schedule: Option<Spanned<LrScheduleFile>>,
+    data: Option<Spanned<NameOr<DataFile>>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LrScheduleFile {
+    warmup_steps: Option<Spanned<u64>>,
+    min_lr_ratio: Option<Spanned<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DataFile {
+    tokens: Spanned<String>,
+    dtype: Option<Spanned<TokenDType>>,
 }
 
 fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
@@ -210,6 +227,37 @@ impl Optimizer {
     }
 }
 
+/// Learning rate over a run: linear warmup from 0, then cosine decay to `min_lr_ratio * lr`
+/// at the last step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct LrSchedule {
+    pub warmup_steps: u64,
+    pub min_lr_ratio: f64,
+}
+
+/// Width of the token ids in a flat binary token file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDType {
+    /// 2 bytes per token, little-endian (nanoGPT's `train.bin`).
+    U16,
+    /// 4 bytes per token, little-endian.
+    U32,
+}
+
+/// Where training batches come from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSource {
+    /// A seeded synthetic task the model can learn (see the executor's `data` module).
+    Synthetic,
+    /// A flat file of token ids; the path is resolved against the spec's folder.
+    Tokens {
+        path: std::path::PathBuf,
+        dtype: TokenDType,
+    },
+}
+
 /// A validated parallel spec.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ParallelConfig {
@@ -227,6 +275,10 @@ pub struct ParallelConfig {
     pub optimizer: Optimizer,
     /// Global gradient-norm clip; `None`: no clipping.
     pub grad_clip: Option<f64>,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    pub lr_schedule: LrSchedule,
+    pub data: DataSource,
 }
 
 // ---- conversion ----
@@ -436,6 +488,58 @@ impl ParallelSpecFile {
             )?),
         };
 
+        record(&mut o, "seed", &self.seed);
+        let seed = self.seed.map_or(0, |s| s.value);
+
+        let mut lr_schedule = LrSchedule {
+            warmup_steps: 0,
+            min_lr_ratio: 0.1,
+        };
+        if let Some(ls) = self.lr_schedule {
+            o.insert("lr_schedule", pos(&ls));
+            if let Some(w) = &ls.value.warmup_steps {
+                o.insert("lr_schedule.warmup_steps", pos(w));
+                lr_schedule.warmup_steps = w.value;
+            }
+            if let Some(m) = &ls.value.min_lr_ratio {
+                o.insert("lr_schedule.min_lr_ratio", pos(m));
+                lr_schedule.min_lr_ratio = number(
+                    &o,
+                    "lr_schedule.min_lr_ratio",
+                    m.value,
+                    |v| (0.0..=1.0).contains(&v),
+                    "in [0, 1]",
+                )?;
+            }
+        }
+
+        let data = match self.data {
+            None => DataSource::Synthetic,
+            Some(d) => {
+                o.insert("data", pos(&d));
+                match d.value {
+                    NameOr::Name(n) if n == "synthetic" => DataSource::Synthetic,
+                    NameOr::Name(n) => {
+                        return Err(o.error(
+                            "data",
+                            format!("unknown data source `{n}`"),
+                            "use `synthetic` or `{tokens: path/to/train.bin, dtype: u16}`",
+                        ));
+                    }
+                    NameOr::Map(f) => {
+                        o.insert("data.tokens", pos(&f.tokens));
+                        let rel = std::path::PathBuf::from(&f.tokens.value);
+                        let base = src.path.parent().unwrap_or_else(|| std::path::Path::new(""));
+                        let path = if rel.is_absolute() { rel } else { base.join(rel) };
+                        DataSource::Tokens {
+                            path,
+                            dtype: f.dtype.map_or(TokenDType::U16, |d| d.value),
+                        }
+                    }
+                }
+            }
+        };
+
         let config = ParallelConfig {
             mesh,
             gpus_per_node,
@@ -449,6 +553,9 @@ impl ParallelSpecFile {
             batch,
             optimizer,
             grad_clip,
+            seed,
+            lr_schedule,
+            data,
         };
         Ok((config, o))
     }

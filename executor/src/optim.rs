@@ -1,0 +1,172 @@
+//! Optimizers on f32 master weights, and the learning-rate schedule.
+
+use crate::ExecError;
+use candle_core::Tensor;
+use shardplan_frontends::{LrSchedule, Optimizer};
+
+/// Learning rate at `step` (0-based) of `total` steps: linear warmup to `base`, then cosine
+/// decay to `min_lr_ratio * base` at the last step.
+pub fn lr_at(step: u64, total: u64, base: f64, s: &LrSchedule) -> f64 {
+    if step < s.warmup_steps {
+        return base * (step + 1) as f64 / s.warmup_steps as f64;
+    }
+    let span = total.saturating_sub(s.warmup_steps).saturating_sub(1).max(1);
+    let progress = ((step - s.warmup_steps) as f64 / span as f64).min(1.0);
+    let min = base * s.min_lr_ratio;
+    min + (base - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// The base learning rate of an optimizer.
+pub fn base_lr(o: &Optimizer) -> f64 {
+    match o {
+        Optimizer::AdamW { lr, .. } | Optimizer::Sgd { lr, .. } => *lr,
+    }
+}
+
+/// Optimizer state, one slot per parameter.
+pub struct OptState {
+    kind: Optimizer,
+    /// Adam's first moment, or SGD's momentum buffer.
+    m: Vec<Option<Tensor>>,
+    /// Adam's second moment.
+    v: Vec<Option<Tensor>>,
+    steps: u64,
+}
+
+impl OptState {
+    pub fn new(kind: Optimizer, params: usize) -> Self {
+        OptState {
+            kind,
+            m: vec![None; params],
+            v: vec![None; params],
+            steps: 0,
+        }
+    }
+
+    /// Bytes of optimizer state held (f32 moments).
+    pub fn bytes(&self) -> u64 {
+        self.m
+            .iter()
+            .chain(&self.v)
+            .flatten()
+            .map(|t| (t.elem_count() * 4) as u64)
+            .sum()
+    }
+
+    /// One update of every parameter from its gradient, at learning rate `lr`.
+    pub fn step(&mut self, params: &mut [Tensor], grads: &[Tensor], lr: f64) -> Result<(), ExecError> {
+        self.steps += 1;
+        let t = self.steps as i32;
+        for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
+            match self.kind {
+                Optimizer::AdamW {
+                    betas: [b1, b2],
+                    eps,
+                    weight_decay,
+                    ..
+                } => {
+                    let m = match &self.m[i] {
+                        Some(m) => ((m * b1)? + (g * (1.0 - b1))?)?,
+                        None => (g * (1.0 - b1))?,
+                    };
+                    let v = match &self.v[i] {
+                        Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
+                        None => (g.sqr()? * (1.0 - b2))?,
+                    };
+                    let m_hat = (&m * (1.0 / (1.0 - b1.powi(t))))?;
+                    let v_hat = (&v * (1.0 / (1.0 - b2.powi(t))))?;
+                    let update = (m_hat / (v_hat.sqrt()? + eps)?)?;
+                    // Decoupled weight decay (AdamW): shrink the weights, then step.
+                    *p = ((&*p * (1.0 - lr * weight_decay))? - (update * lr)?)?;
+                    self.m[i] = Some(m);
+                    self.v[i] = Some(v);
+                }
+                Optimizer::Sgd {
+                    momentum, weight_decay, ..
+                } => {
+                    let g = if weight_decay != 0.0 {
+                        (g + (&*p * weight_decay)?)?
+                    } else {
+                        g.clone()
+                    };
+                    let dir = if momentum != 0.0 {
+                        let b = match &self.m[i] {
+                            Some(b) => ((b * momentum)? + &g)?,
+                            None => g,
+                        };
+                        self.m[i] = Some(b.clone());
+                        b
+                    } else {
+                        g
+                    };
+                    *p = (&*p - (dir * lr)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_the_floor() {
+        let s = LrSchedule {
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+        };
+        assert!((lr_at(0, 100, 1.0, &s) - 0.1).abs() < 1e-12);
+        assert!((lr_at(9, 100, 1.0, &s) - 1.0).abs() < 1e-12);
+        assert!((lr_at(10, 100, 1.0, &s) - 1.0).abs() < 1e-12);
+        assert!((lr_at(99, 100, 1.0, &s) - 0.1).abs() < 1e-12);
+        let none = LrSchedule {
+            warmup_steps: 0,
+            min_lr_ratio: 1.0,
+        };
+        assert_eq!(lr_at(50, 100, 0.5, &none), 0.5);
+    }
+
+    #[test]
+    fn adamw_matches_the_reference_formula() {
+        // One parameter, two steps, against AdamW written out by hand.
+        let kind = Optimizer::AdamW {
+            lr: 0.1,
+            betas: [0.9, 0.99],
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let mut st = OptState::new(kind, 1);
+        let mut p = vec![Tensor::new(&[1.0f32], &Device::Cpu).unwrap()];
+        let (mut w, mut m, mut v) = (1.0f64, 0.0, 0.0);
+        for (t, g) in [(1, 0.5f64), (2, -0.25)] {
+            st.step(&mut p, &[Tensor::new(&[g as f32], &Device::Cpu).unwrap()], 0.1)
+                .unwrap();
+            m = 0.9 * m + 0.1 * g;
+            v = 0.99 * v + 0.01 * g * g;
+            let (mh, vh) = (m / (1.0 - 0.9f64.powi(t)), v / (1.0 - 0.99f64.powi(t)));
+            w = w * (1.0 - 0.1 * 0.01) - 0.1 * mh / (vh.sqrt() + 1e-8);
+        }
+        let got = p[0].to_vec1::<f32>().unwrap()[0] as f64;
+        assert!((got - w).abs() < 1e-6, "{got} vs {w}");
+    }
+
+    #[test]
+    fn sgd_momentum_matches_pytorch_semantics() {
+        let kind = Optimizer::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let mut st = OptState::new(kind, 1);
+        let mut p = vec![Tensor::new(&[1.0f32], &Device::Cpu).unwrap()];
+        for _ in 0..2 {
+            st.step(&mut p, &[Tensor::new(&[1.0f32], &Device::Cpu).unwrap()], 0.1)
+                .unwrap();
+        }
+        // buf1 = 1, p = 0.9; buf2 = 0.9 + 1 = 1.9, p = 0.9 - 0.19 = 0.71
+        assert!((p[0].to_vec1::<f32>().unwrap()[0] - 0.71).abs() < 1e-6);
+    }
+}
