@@ -2,6 +2,7 @@
 
 mod fmt;
 mod inspect;
+mod train;
 
 use clap::{Parser, Subcommand};
 use shardplan_frontends::SpecError;
@@ -19,6 +20,8 @@ struct Cli {
 enum Command {
     /// Trace a model and show what shardplan sees: parameters, FLOPs, per-layer table, graph.
     Inspect(inspect::InspectArgs),
+    /// Train a model on the CPU (one rank): progress bar, JSON-lines metrics, Ctrl-C stops after the current step.
+    Train(train::TrainArgs),
 }
 
 /// A failure of a command: bad user input (exit 2) or anything else (exit 1).
@@ -56,10 +59,12 @@ pub fn emit(text: &str) -> Result<(), CliError> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Inspect(args) => inspect::run(&args),
+        Command::Inspect(args) => inspect::run(&args).map(|()| None),
+        Command::Train(args) => train::run(&args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(code)) => ExitCode::from(code),
         Err(CliError::Input(e)) => {
             eprintln!("error: {e}");
             ExitCode::from(2)

@@ -82,7 +82,7 @@ fn inspect_text_with_parallel_spec_and_dot() {
     let out = stdout(&o);
     for want in [
         "model    tiny-llama (llama)",
-        "batch 2 x seq 16",
+        "batch 4 x seq 16",
         "parallel world 1",
         "layers.1  ",
         "params   106,816 total",
@@ -98,7 +98,11 @@ fn inspect_text_with_parallel_spec_and_dot() {
 #[test]
 fn help_explains_every_flag() {
     let o = shardplan(&["--help"]);
-    assert!(stdout(&o).contains("inspect"));
+    assert!(stdout(&o).contains("inspect") && stdout(&o).contains("train"));
+    let help = stdout(&shardplan(&["train", "--help"]));
+    for flag in ["--model", "--parallel", "--steps", "--log"] {
+        assert!(help.contains(flag), "{flag} missing from:\n{help}");
+    }
     let o = shardplan(&["inspect", "--help"]);
     let help = stdout(&o);
     for flag in ["--model", "--parallel", "--format", "--dot"] {
@@ -243,4 +247,150 @@ fn every_bad_model_file_exits_2_with_its_position() {
         bad(&["inspect", "--model", &shown], &want);
     }
     std::fs::remove_dir_all(dir).ok();
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardplan-cli-train-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn train_logs_json_lines_and_the_loss_falls() {
+    let log = temp("metrics.jsonl");
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--steps",
+        "60",
+        "--log",
+        log.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with("trained 60 steps of tiny-llama: loss "),
+        "{}",
+        stdout(&o)
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 60);
+    assert_eq!(lines[59]["step"], 60);
+    for key in [
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_second",
+        "step_seconds",
+        "peak_value_bytes",
+    ] {
+        assert!(lines[0].get(key).is_some(), "{key} missing from {}", lines[0]);
+    }
+    let (first, last) = (lines[0]["loss"].as_f64().unwrap(), lines[59]["loss"].as_f64().unwrap());
+    assert!(last < 0.6 * first, "{first} -> {last}");
+}
+
+#[test]
+fn train_refuses_a_multi_rank_mesh_at_its_line() {
+    bad(
+        &[
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/parallel/fsdp-1x4-cpu.yaml",
+        ],
+        "examples/parallel/fsdp-1x4-cpu.yaml:2:7: `mesh`: the mesh has 4 ranks",
+    );
+    bad(
+        &[
+            "train",
+            "--model",
+            "tiny-gpt2",
+            "--parallel",
+            "examples/parallel/fsdp-8.yaml",
+        ],
+        "fsdp-8.yaml:",
+    );
+}
+
+#[test]
+fn train_names_a_bad_token_file_and_offset() {
+    let tokens = temp("tokens.bin");
+    let mut bytes: Vec<u8> = (0..2000u16).flat_map(|i| (i % 256).to_le_bytes()).collect();
+    bytes[2 * 7..2 * 8].copy_from_slice(&999u16.to_le_bytes());
+    // Corrupt every window's reach: put the bad id early and make the file short.
+    bytes.truncate(2 * 40);
+    std::fs::write(&tokens, &bytes).unwrap();
+    let spec = temp("p.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "mesh: {{shard: 1}}\ngpus_per_node: 1\nbatch: {{per_rank: 4, seq_len: 30}}\ndata: {{tokens: {}}}\n",
+            tokens.display()
+        ),
+    )
+    .unwrap();
+    bad(
+        &[
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            spec.to_str().unwrap(),
+            "--steps",
+            "5",
+        ],
+        "token id 999 at byte offset 14 (token 7)",
+    );
+}
+
+#[test]
+fn ctrl_c_stops_after_the_current_step_with_a_complete_log() {
+    let log = temp("interrupted.jsonl");
+    let child = Command::new(env!("CARGO_BIN_EXE_shardplan"))
+        .args([
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/parallel/cpu-1.yaml",
+            "--steps",
+            "1000000",
+            "--log",
+            log.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until a few steps are logged, then send SIGINT as a terminal would.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::read_to_string(&log).map_or(0, |s| s.lines().count()) < 3 {
+        assert!(std::time::Instant::now() < deadline, "no steps logged");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("interrupted: stopped cleanly after step"),
+        "{}",
+        stderr(&o)
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.ends_with('\n'));
+    for line in text.lines() {
+        serde_json::from_str::<serde_json::Value>(line).expect("every logged line is complete JSON");
+    }
 }
