@@ -59,10 +59,23 @@ impl Interpreter {
         keep: &[NodeId],
         feed: &mut dyn FnMut(NodeId) -> Result<Tensor, ExecError>,
     ) -> Result<RunOutput, ExecError> {
+        self.run_timed(ctx, keep, feed, None)
+    }
+
+    /// As [`Interpreter::run`], adding each node's wall time to `times[node]` when given
+    /// (for profiles).
+    pub fn run_timed(
+        &self,
+        ctx: &Ctx,
+        keep: &[NodeId],
+        feed: &mut dyn FnMut(NodeId) -> Result<Tensor, ExecError>,
+        mut times: Option<&mut Vec<std::time::Duration>>,
+    ) -> Result<RunOutput, ExecError> {
         let n = self.graph.node_count();
         let mut table: Vec<Option<Tensor>> = vec![None; n];
         let (mut live, mut peak) = (0u64, 0u64);
         for (id, node) in self.graph.nodes() {
+            let start = std::time::Instant::now();
             let value = if matches!(node.op, Op::Input { .. } | Op::Param { .. }) {
                 feed(id)?
             } else {
@@ -77,6 +90,9 @@ impl Interpreter {
                     .collect::<Result<_, _>>()?;
                 kernels::apply(ctx, &node.op, &ins, &node.ty)?
             };
+            if let Some(t) = times.as_deref_mut() {
+                t[id.index()] += start.elapsed();
+            }
             if value
                 .dims()
                 .iter()

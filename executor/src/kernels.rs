@@ -22,10 +22,13 @@ pub fn cdtype(d: DType) -> CDType {
     }
 }
 
+/// `(theta bits, seq, head_dim, dtype)` of a rotary table.
+type RopeKey = (u64, usize, usize, CDType);
+
 /// What kernels share: the device and cached rotary tables.
 pub struct Ctx {
     pub device: Device,
-    rope: RefCell<HashMap<(u64, usize, usize, CDType), (Tensor, Tensor)>>,
+    rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
 }
 
 impl Ctx {

@@ -186,7 +186,7 @@ fn gpt2_forward(c: &Gpt2Config, w: &HashMap<String, Var>, tokens: &Tensor, targe
     };
     let gelu = |x: &Tensor| -> R<Tensor> {
         let inner = ((x + (x.powf(3.0)? * 0.044715)?)? * (2.0 / std::f64::consts::PI).sqrt())?;
-        (x * ((inner.tanh()? + 1.0)? * 0.5)?)
+        x * ((inner.tanh()? + 1.0)? * 0.5)?
     };
     let wte = p("transformer.wte.weight");
     let mut x = wte

@@ -144,16 +144,16 @@ fn vjp(g: &mut Graph, id: NodeId, dy: NodeId, wanted: &[bool]) -> Result<Vec<(us
     match &node.op {
         Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => {}
         Op::Add => {
-            for i in 0..2 {
-                if wanted[i] {
+            for (i, _) in wanted.iter().enumerate().filter(|(_, w)| **w) {
+                {
                     let shape = ty(g, i).shape;
                     put(i, unbroadcast(g, dy, &shape, id)?);
                 }
             }
         }
         Op::Mul => {
-            for i in 0..2 {
-                if wanted[i] {
+            for (i, _) in wanted.iter().enumerate().filter(|(_, w)| **w) {
+                {
                     let prod = g.add_grad_node(Op::Mul, &[dy, ins[1 - i]], id)?;
                     let shape = ty(g, i).shape;
                     put(i, unbroadcast(g, prod, &shape, id)?);

@@ -1,0 +1,64 @@
+//! Where a training step's time goes, by op kind: `cargo run --release -p
+//! shardplan-executor --example profile_step -- MODEL.yaml PARALLEL.yaml`.
+
+use shardplan_executor::{Ctx, Interpreter};
+use shardplan_frontends::{load_model, load_parallel, trace_options};
+use shardplan_ir::{differentiate, Op};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let model = load_model(Path::new(args.get(1).map_or("examples/models/llama-10m.yaml", |s| s))).unwrap();
+    let par = load_parallel(Path::new(
+        args.get(2).map_or("examples/parallel/cpu-b4-s256.yaml", |s| s),
+    ))
+    .unwrap();
+    let g = shardplan_models::trace(&model.config, trace_options(Some(&par))).unwrap();
+    let joint = differentiate(&g).unwrap();
+    let mut keep = vec![joint.loss];
+    keep.extend(joint.graph.params().map(|(p, _)| joint.grad(p).unwrap()));
+    let interp = Interpreter::new(joint.graph.clone(), &keep);
+    let dev = candle_core::Device::Cpu;
+    let ctx = Ctx::new(dev.clone());
+    let mut feeds = std::collections::HashMap::new();
+    for (id, n) in joint.graph.nodes() {
+        let dims: Vec<usize> = n.ty.shape.dims().iter().map(|&d| d as usize).collect();
+        let t = match &n.op {
+            Op::Param { .. } => candle_core::Tensor::randn(0f32, 0.02, dims.as_slice(), &dev).unwrap(),
+            Op::Input { .. } => candle_core::Tensor::zeros(dims.as_slice(), candle_core::DType::U32, &dev).unwrap(),
+            _ => continue,
+        };
+        feeds.insert(id, t);
+    }
+    let mut times = vec![Duration::ZERO; joint.graph.node_count()];
+    for _ in 0..3 {
+        interp
+            .run_timed(&ctx, &keep, &mut |id| Ok(feeds[&id].clone()), Some(&mut times))
+            .unwrap();
+    }
+    let mut by_op: BTreeMap<&str, (Duration, u64)> = BTreeMap::new();
+    for (id, n) in joint.graph.nodes() {
+        let e = by_op.entry(n.op.name()).or_default();
+        e.0 += times[id.index()] / 3;
+        e.1 += joint.graph.node_cost(id).fwd_flops;
+    }
+    let total: Duration = by_op.values().map(|v| v.0).sum();
+    let mut rows: Vec<_> = by_op.into_iter().collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1 .0));
+    println!("{:<20} {:>10} {:>6} {:>10}", "op", "ms/step", "share", "GFLOP/s");
+    for (op, (t, flops)) in rows {
+        let gf = if t.as_secs_f64() > 0.0 {
+            flops as f64 / t.as_secs_f64() / 1e9
+        } else {
+            0.0
+        };
+        println!(
+            "{op:<20} {:>10.1} {:>5.1}% {gf:>10.1}",
+            t.as_secs_f64() * 1e3,
+            100.0 * t.as_secs_f64() / total.as_secs_f64()
+        );
+    }
+    println!("total {:.1} ms", total.as_secs_f64() * 1e3);
+}
