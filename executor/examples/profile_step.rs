@@ -61,4 +61,24 @@ fn main() {
         );
     }
     println!("total {:.1} ms", total.as_secs_f64() * 1e3);
+    if std::env::var_os("NODES").is_some() {
+        let mut nodes: Vec<_> = joint
+            .graph
+            .nodes()
+            .map(|(id, n)| (times[id.index()] / 3, id, n))
+            .collect();
+        nodes.sort_by_key(|r| std::cmp::Reverse(r.0));
+        for (t, id, n) in nodes.into_iter().take(25) {
+            let ins: Vec<String> = n.inputs.iter().map(|i| joint.graph.node(*i).ty.to_string()).collect();
+            let gf = joint.graph.node_cost(id).fwd_flops as f64 / t.as_secs_f64() / 1e9;
+            println!(
+                "{:>7.2} ms {:>6.1} GFLOP/s {id} {} {} <- {}",
+                t.as_secs_f64() * 1e3,
+                gf,
+                n.op.name(),
+                n.op.attrs(),
+                ins.join(", ")
+            );
+        }
+    }
 }

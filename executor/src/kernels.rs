@@ -2,7 +2,7 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
-use crate::ExecError;
+use crate::{fused, ExecError};
 use candle_core::{DType as CDType, Device, Tensor, D};
 use shardplan_ir::{DType, NormWrt, Op, TensorType, WeightLayout};
 use std::cell::RefCell;
@@ -126,6 +126,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::Silu => ins[0].silu()?,
         Op::Gelu => ins[0].gelu()?,
         Op::Softmax { dim } => softmax(ins[0], *dim)?,
+        Op::CrossEntropy if fused::applies(&[ins[0]]) => fused::cross_entropy(ins[0], ins[1])?,
         Op::CrossEntropy => cross_entropy(ins[0], ins[1])?,
         Op::Reshape { .. } => ins[0].reshape(odims.as_slice())?,
         Op::Transpose { dim0, dim1 } => ins[0].transpose(*dim0, *dim1)?,
@@ -137,6 +138,10 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::BroadcastTo { .. } => ins[0].broadcast_as(odims.as_slice())?,
         Op::WeightGrad { layout } => weight_grad(ins[0], ins[1], *layout)?,
         Op::EmbeddingGrad { .. } => embedding_grad(ins[0], ins[1], &odims)?,
+        Op::RmsNormGrad { eps, wrt } if fused::applies(&[ins[0], ins[1], ins[2]]) => match wrt {
+            NormWrt::Input => fused::rms_norm_grad_input(ins[0], ins[1], ins[2], *eps)?,
+            NormWrt::Weight => fused::rms_norm_grad_weight(ins[0], ins[2], *eps)?,
+        },
         Op::RmsNormGrad { eps, wrt } => rms_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
         Op::LayerNormGrad { eps, wrt } => layer_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
         Op::AttnProbs { causal } => attn_probs(ins[0], ins[1], *causal)?,
@@ -144,14 +149,17 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             // dv[b, t, kv, :] = sum over the kv head's query heads and s of p * g
             let p = grouped(ins[0], *kv_heads as usize)?;
             let g = grouped(&heads_first(ins[1])?, *kv_heads as usize)?;
-            p.transpose(2, 3)?.contiguous()?.matmul(&g)?.transpose(1, 2)?
+            p.transpose(2, 3)?.matmul(&g)?.transpose(1, 2)?
         }
         Op::AttnGradScores => {
             let (p, g, v) = (ins[0], ins[1], ins[2]);
             let kv = v.dim(2)?;
             let h = p.dim(1)?;
-            let dp = grouped(&heads_first(g)?, kv)?.matmul(&heads_first(v)?.transpose(2, 3)?.contiguous()?)?;
+            let dp = grouped(&heads_first(g)?, kv)?.matmul(&heads_first(v)?.transpose(2, 3)?)?;
             let dp = ungroup(&dp, h)?;
+            if fused::applies(&[p, &dp]) {
+                return fused::softmax_backward(p, &dp);
+            }
             let (pw, dpw) = (wide(p)?, wide(&dp)?);
             let row = (&dpw * &pw)?.sum_keepdim(D::Minus1)?;
             (pw * dpw.broadcast_sub(&row)?)?.to_dtype(p.dtype())?
@@ -173,6 +181,9 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
                 .transpose(1, 2)?
                 .affine(scale, 0.0)?
         }
+        Op::SiluGrad | Op::GeluGrad if fused::applies(&[ins[0], ins[1]]) => {
+            fused::activation_grad(ins[0], ins[1], matches!(op, Op::GeluGrad))?
+        }
         Op::SiluGrad => {
             let (x, g) = (wide(ins[0])?, wide(ins[1])?);
             let s = candle_nn::ops::sigmoid(&x)?;
@@ -180,11 +191,15 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             (g * d)?.to_dtype(ins[1].dtype())?
         }
         Op::GeluGrad => gelu_grad(ins[0], ins[1])?,
+        Op::SoftmaxGrad { dim } if *dim + 1 == ins[0].rank() && fused::applies(&[ins[0], ins[1]]) => {
+            fused::softmax_backward(ins[0], ins[1])?
+        }
         Op::SoftmaxGrad { dim } => {
             let (y, g) = (wide(ins[0])?, wide(ins[1])?);
             let dot = (&g * &y)?.sum_keepdim(*dim)?;
             (y * g.broadcast_sub(&dot)?)?.to_dtype(ins[1].dtype())?
         }
+        Op::CrossEntropyGrad if fused::applies(&[ins[0]]) => fused::cross_entropy_grad(ins[0], ins[1], ins[2])?,
         Op::CrossEntropyGrad => cross_entropy_grad(ins[0], ins[1], ins[2])?,
         Op::Pad { dim, before, after } => ins[0].pad_with_zeros(*dim, *before as usize, *after as usize)?,
     };
@@ -345,8 +360,12 @@ fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
     let (_, t, kv, _) = k.dims4()?;
     let scale = 1.0 / (d as f64).sqrt();
     let qg = grouped(&heads_first(q)?, kv)?;
-    let kt = heads_first(k)?.transpose(2, 3)?.contiguous()?;
+    // A transposed operand is passed to the matmul as strides, not copied.
+    let kt = heads_first(k)?.transpose(2, 3)?;
     let scores = ungroup(&qg.matmul(&kt)?, h)?;
+    if fused::applies(&[&scores]) {
+        return fused::masked_softmax(&scores, scale, causal);
+    }
     let mut w = wide(&scores)?.affine(scale, 0.0)?;
     if causal {
         // Query i (of s, aligned to the end of t) sees keys 0..=i + t - s.

@@ -6,6 +6,7 @@
 
 pub mod data;
 mod error;
+mod fused;
 pub mod init;
 pub mod interp;
 pub mod kernels;

@@ -1,0 +1,373 @@
+//! Fused f32 CPU kernels for the row-wise parts of the step that candle would run as
+//! several passes (each with its own broadcast): masked softmax, softmax backward,
+//! cross-entropy and its gradient, the rms_norm gradients, silu/gelu gradients.
+//!
+//! Each works on contiguous rows in parallel (rayon). `kernels` calls them for f32 tensors
+//! on the CPU and keeps its composed candle versions for every other case; the tests in
+//! this file check that both agree.
+
+use crate::ExecError;
+use candle_core::{CpuStorage, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+type Result<T> = std::result::Result<T, ExecError>;
+
+/// Rows below this many elements in total are not worth spreading over threads.
+const PAR_MIN: usize = 1 << 14;
+
+/// True when the fused kernels can take these tensors.
+pub fn applies(ts: &[&Tensor]) -> bool {
+    ts.iter()
+        .all(|t| t.dtype() == candle_core::DType::F32 && matches!(t.device(), Device::Cpu))
+}
+
+/// Runs `f` on the tensor's elements as one contiguous f32 slice.
+fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        return Err(ExecError::Internal("fused kernels take f32 CPU tensors".into()));
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| ExecError::Internal("not contiguous".into()))?;
+    Ok(f(&data[start..end]))
+}
+
+fn out(v: Vec<f32>, like: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::from_vec(v, like.dims(), like.device())?)
+}
+
+/// `rows x width` output, each row computed by `f(row index, row out)`.
+fn rows_par(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut v = vec![0f32; rows * width];
+    if rows * width >= PAR_MIN && width > 0 {
+        v.par_chunks_mut(width).enumerate().for_each(|(r, o)| f(r, o));
+    } else if width > 0 {
+        v.chunks_mut(width).enumerate().for_each(|(r, o)| f(r, o));
+    }
+    v
+}
+
+/// Softmax over the last dim of `scale * x`, with a causal mask when asked: `x` is
+/// `[..., s, t]`; query row `i` sees keys `0..=i + t - s`.
+pub fn masked_softmax(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (s, t) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let rows = x.elem_count() / t.max(1);
+    let scale = scale as f32;
+    let v = with_slice(x, |xs| {
+        rows_par(rows, t, |r, o| {
+            let row = &xs[r * t..(r + 1) * t];
+            let visible = if causal { ((r % s) + t - s + 1).min(t) } else { t };
+            let m = row[..visible].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b * scale));
+            let mut sum = 0f32;
+            for j in 0..visible {
+                let e = (row[j] * scale - m).exp();
+                o[j] = e;
+                sum += e;
+            }
+            let inv = 1.0 / sum;
+            o[..visible].iter_mut().for_each(|e| *e *= inv);
+        })
+    })?;
+    out(v, x)
+}
+
+/// Gradient of a last-dim softmax from its output `p` and the output gradient `g`:
+/// `p * (g - sum(g * p))` per row.
+pub fn softmax_backward(p: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let t = *p.dims().last().unwrap_or(&1);
+    let rows = p.elem_count() / t.max(1);
+    let v = with_slice(p, |ps| {
+        with_slice(g, |gs| {
+            rows_par(rows, t, |r, o| {
+                let (pr, gr) = (&ps[r * t..(r + 1) * t], &gs[r * t..(r + 1) * t]);
+                let dot: f32 = pr.iter().zip(gr).map(|(a, b)| a * b).sum();
+                for j in 0..t {
+                    o[j] = pr[j] * (gr[j] - dot);
+                }
+            })
+        })
+    })??;
+    out(v, p)
+}
+
+/// Target ids as usize, checked against the number of classes.
+fn targets_of(targets: &Tensor, classes: usize) -> Result<Vec<usize>> {
+    let ids = targets
+        .to_dtype(candle_core::DType::U32)?
+        .flatten_all()?
+        .to_vec1::<u32>()?;
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= classes) {
+        return Err(ExecError::Internal(format!(
+            "target {bad} is outside {classes} classes"
+        )));
+    }
+    Ok(ids.into_iter().map(|i| i as usize).collect())
+}
+
+/// Per row: `(max, log-sum-exp)` of the logits.
+fn lse(row: &[f32]) -> (f32, f32) {
+    let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let s: f32 = row.iter().map(|&x| (x - m).exp()).sum();
+    (m, m + s.ln())
+}
+
+/// Mean cross-entropy of `logits [n, v]` against `targets [n]`, as an f32 scalar.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (n, v) = logits.dims2()?;
+    let ids = targets_of(targets, v)?;
+    let total: f64 = with_slice(logits, |ls| {
+        let per_row = |r: usize| -> f64 {
+            let row = &ls[r * v..(r + 1) * v];
+            f64::from(lse(row).1 - row[ids[r]])
+        };
+        // Rows in parallel, summed in row order: rayon's own `sum` may regroup the additions
+        // from run to run, and the loss must repeat bit for bit.
+        let losses: Vec<f64> = if n * v >= PAR_MIN {
+            (0..n).into_par_iter().map(per_row).collect()
+        } else {
+            (0..n).map(per_row).collect()
+        };
+        losses.iter().sum()
+    })?;
+    Ok(Tensor::new((total / n as f64) as f32, logits.device())?)
+}
+
+/// `dlogits = (softmax(logits) - onehot(targets)) * g / n`.
+pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (n, v) = logits.dims2()?;
+    let ids = targets_of(targets, v)?;
+    let scale = g.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? / n as f32;
+    let out_v = with_slice(logits, |ls| {
+        rows_par(n, v, |r, o| {
+            let row = &ls[r * v..(r + 1) * v];
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut sum = 0f32;
+            for j in 0..v {
+                let e = (row[j] - m).exp();
+                o[j] = e;
+                sum += e;
+            }
+            let k = scale / sum;
+            o.iter_mut().for_each(|e| *e *= k);
+            o[ids[r]] -= scale;
+        })
+    })?;
+    out(out_v, logits)
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of one row.
+fn rms_inv(row: &[f32], eps: f64) -> f32 {
+    let ms: f64 = row.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() / row.len() as f64;
+    (1.0 / (ms + eps).sqrt()) as f32
+}
+
+/// Input gradient of `rms_norm(x, w)`: `r * (g*w - xhat * mean(g*w*xhat))` per row.
+pub fn rms_norm_grad_input(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = *x.dims().last().unwrap_or(&1);
+    let rows = x.elem_count() / d.max(1);
+    let v = with_slice(x, |xs| {
+        with_slice(w, |ws| {
+            with_slice(g, |gs| {
+                rows_par(rows, d, |r, o| {
+                    let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                    let inv = rms_inv(xr, eps);
+                    let dot: f32 = (0..d).map(|j| gr[j] * ws[j] * xr[j] * inv).sum::<f32>() / d as f32;
+                    for j in 0..d {
+                        o[j] = inv * (gr[j] * ws[j] - xr[j] * inv * dot);
+                    }
+                })
+            })
+        })
+    })???;
+    out(v, x)
+}
+
+/// Weight gradient of `rms_norm(x, w)`: `sum over rows of g * xhat`.
+pub fn rms_norm_grad_weight(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> {
+    let d = *x.dims().last().unwrap_or(&1);
+    let rows = x.elem_count() / d.max(1);
+    let v = with_slice(x, |xs| {
+        with_slice(g, |gs| {
+            let partial = |range: std::ops::Range<usize>| -> Vec<f32> {
+                let mut acc = vec![0f32; d];
+                for r in range {
+                    let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
+                    let inv = rms_inv(xr, eps);
+                    for j in 0..d {
+                        acc[j] += gr[j] * xr[j] * inv;
+                    }
+                }
+                acc
+            };
+            // Fixed chunks summed in a fixed order: the result does not depend on threads.
+            let chunk = rows.div_ceil(8).max(1);
+            let parts: Vec<Vec<f32>> = (0..rows.div_ceil(chunk))
+                .into_par_iter()
+                .map(|c| partial(c * chunk..((c + 1) * chunk).min(rows)))
+                .collect();
+            parts.into_iter().fold(vec![0f32; d], |mut a, p| {
+                a.iter_mut().zip(p).for_each(|(x, y)| *x += y);
+                a
+            })
+        })
+    })??;
+    Ok(Tensor::from_vec(v, d, x.device())?)
+}
+
+/// `g * silu'(x)` and `g * gelu'(x)` (tanh approximation), elementwise.
+pub fn activation_grad(x: &Tensor, g: &Tensor, gelu: bool) -> Result<Tensor> {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    const A: f32 = 0.044_715;
+    let n = x.elem_count();
+    let width = 4096.min(n.max(1));
+    let v = with_slice(x, |xs| {
+        with_slice(g, |gs| {
+            let mut v = vec![0f32; n];
+            let body = |(c, o): (usize, &mut [f32])| {
+                for (k, slot) in o.iter_mut().enumerate() {
+                    let i = c * width + k;
+                    let x = xs[i];
+                    let d = if gelu {
+                        let t = (C * (x + A * x * x * x)).tanh();
+                        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
+                    } else {
+                        let s = 1.0 / (1.0 + (-x).exp());
+                        s * (1.0 + x * (1.0 - s))
+                    };
+                    *slot = gs[i] * d;
+                }
+            };
+            if n >= PAR_MIN {
+                v.par_chunks_mut(width).enumerate().for_each(body);
+            } else {
+                v.chunks_mut(width).enumerate().for_each(body);
+            }
+            v
+        })
+    })??;
+    out(v, x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::D;
+
+    fn close(a: &Tensor, b: &Tensor, tol: f32) {
+        assert_eq!(a.dims(), b.dims());
+        let d = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let s = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
+        assert!(d <= tol * s, "max difference {d} (scale {s})");
+    }
+
+    fn randn(dims: &[usize]) -> Tensor {
+        Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn masked_softmax_matches_composed() {
+        for (s, t) in [(5, 5), (3, 7), (64, 64)] {
+            let x = randn(&[2, 3, s, t]);
+            let mask: Vec<f32> = (0..s)
+                .flat_map(|i| (0..t).map(move |j| if j > i + t - s { f32::NEG_INFINITY } else { 0.0 }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (s, t), &Device::Cpu).unwrap();
+            let want =
+                candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap().broadcast_add(&mask).unwrap()).unwrap();
+            close(&masked_softmax(&x, 0.5, true).unwrap(), &want, 1e-6);
+            let want = candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap()).unwrap();
+            close(&masked_softmax(&x, 0.5, false).unwrap(), &want, 1e-6);
+        }
+    }
+
+    #[test]
+    fn softmax_backward_matches_composed() {
+        let p = candle_nn::ops::softmax_last_dim(&randn(&[4, 9, 33])).unwrap();
+        let g = randn(&[4, 9, 33]);
+        let want = (&p
+            * g.broadcast_sub(&(&g * &p).unwrap().sum_keepdim(D::Minus1).unwrap())
+                .unwrap())
+        .unwrap();
+        close(&softmax_backward(&p, &g).unwrap(), &want, 1e-6);
+    }
+
+    #[test]
+    fn cross_entropy_and_grad_match_composed() {
+        let (n, v) = (300, 77);
+        let logits = randn(&[n, v]);
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31) % v as u32).collect();
+        let targets = Tensor::from_vec(ids, n, &Device::Cpu).unwrap();
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
+        let want = (logp
+            .gather(&targets.reshape((n, 1)).unwrap(), 1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            * (-1.0 / n as f64))
+            .unwrap();
+        close(&cross_entropy(&logits, &targets).unwrap(), &want, 1e-5);
+        let g = Tensor::new(2.0f32, &Device::Cpu).unwrap();
+        let onehot = Tensor::zeros((n, v), candle_core::DType::F32, &Device::Cpu)
+            .unwrap()
+            .scatter_add(
+                &targets.reshape((n, 1)).unwrap(),
+                &Tensor::ones((n, 1), candle_core::DType::F32, &Device::Cpu).unwrap(),
+                1,
+            )
+            .unwrap();
+        let want = ((candle_nn::ops::softmax_last_dim(&logits).unwrap() - onehot).unwrap() * (2.0 / n as f64)).unwrap();
+        close(&cross_entropy_grad(&logits, &targets, &g).unwrap(), &want, 1e-6);
+    }
+
+    #[test]
+    fn rms_norm_grads_match_composed() {
+        let (x, w, g) = (randn(&[3, 50, 64]), randn(&[64]), randn(&[3, 50, 64]));
+        let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-5)
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .recip()
+            .unwrap();
+        let xhat = x.broadcast_mul(&r).unwrap();
+        let gw = g.broadcast_mul(&w).unwrap();
+        let m = (&gw * &xhat).unwrap().mean_keepdim(D::Minus1).unwrap();
+        let want = (gw - xhat.broadcast_mul(&m).unwrap())
+            .unwrap()
+            .broadcast_mul(&r)
+            .unwrap();
+        close(&rms_norm_grad_input(&x, &w, &g, 1e-5).unwrap(), &want, 1e-5);
+        let want = (&g * &xhat)
+            .unwrap()
+            .sum_keepdim(0)
+            .unwrap()
+            .sum_keepdim(1)
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        close(&rms_norm_grad_weight(&x, &g, 1e-5).unwrap(), &want, 1e-5);
+    }
+
+    #[test]
+    fn activation_grads_match_composed() {
+        let (x, g) = (randn(&[7, 1000]), randn(&[7, 1000]));
+        let s = candle_nn::ops::sigmoid(&x).unwrap();
+        let want = (&g * (&s * ((&x * (1.0 - &s).unwrap()).unwrap() + 1.0).unwrap()).unwrap()).unwrap();
+        close(&activation_grad(&x, &g, false).unwrap(), &want, 1e-5);
+        // gelu: check against a central difference of candle's own gelu.
+        let h = 1e-2;
+        let num = ((x.affine(1.0, h).unwrap().gelu().unwrap() - x.affine(1.0, -h).unwrap().gelu().unwrap()).unwrap()
+            * (1.0 / (2.0 * h)))
+            .unwrap();
+        close(&activation_grad(&x, &g, true).unwrap(), &(&g * num).unwrap(), 1e-3);
+    }
+}
