@@ -330,6 +330,23 @@ mod tests {
     }
 
     #[test]
+    fn swap_dims_1_2_matches_transpose() {
+        let x = randn(&[2, 5, 3, 7]);
+        let want = x.transpose(1, 2).unwrap().contiguous().unwrap();
+        let got = swap_dims_1_2(&x).unwrap();
+        assert!(got.is_contiguous());
+        close(&got, &want, 0.0);
+    }
+
+    #[test]
+    fn transpose_2d_matches_candle() {
+        for (r, c) in [(1, 1), (33, 70), (64, 32), (5, 1000)] {
+            let x = randn(&[r, c]);
+            close(&transpose_2d(&x).unwrap(), &x.t().unwrap().contiguous().unwrap(), 0.0);
+        }
+    }
+
+    #[test]
     fn rms_norm_grads_match_composed() {
         let (x, w, g) = (randn(&[3, 50, 64]), randn(&[64]), randn(&[3, 50, 64]));
         let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-5)
@@ -370,4 +387,124 @@ mod tests {
             .unwrap();
         close(&activation_grad(&x, &g, true).unwrap(), &(&g * num).unwrap(), 1e-3);
     }
+}
+
+/// Sum of squares of all elements, in f64 (for the global gradient norm). Chunks are summed
+/// in a fixed order so the result does not depend on thread timing.
+pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    with_slice(t, |xs| {
+        let parts: Vec<f64> = xs
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+            .collect();
+        parts.iter().sum()
+    })
+}
+
+/// AdamW hyper-parameters of one update, bias corrections included.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// `1 - beta1^t` and `1 - beta2^t`.
+    pub bias1: f32,
+    pub bias2: f32,
+    /// Factor applied to the gradient first (global-norm clipping).
+    pub grad_scale: f32,
+}
+
+/// One AdamW update in a single pass: returns the new `(param, m, v)`.
+pub fn adamw(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: AdamW,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let n = p.elem_count();
+    let zeros;
+    let (m, v) = match (m, v) {
+        (Some(m), Some(v)) => (m.clone(), v.clone()),
+        _ => {
+            zeros = Tensor::zeros(p.dims(), candle_core::DType::F32, p.device())?;
+            (zeros.clone(), zeros)
+        }
+    };
+    let (mut np, mut nm, mut nv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    with_slice(p, |ps| {
+        with_slice(g, |gs| {
+            with_slice(&m, |ms| {
+                with_slice(&v, |vs| {
+                    const CHUNK: usize = 1 << 14;
+                    np.par_chunks_mut(CHUNK)
+                        .zip(nm.par_chunks_mut(CHUNK))
+                        .zip(nv.par_chunks_mut(CHUNK))
+                        .enumerate()
+                        .for_each(|(c, ((op, om), ov))| {
+                            let base = c * CHUNK;
+                            for k in 0..op.len() {
+                                let i = base + k;
+                                let grad = gs[i] * h.grad_scale;
+                                let mi = h.beta1 * ms[i] + (1.0 - h.beta1) * grad;
+                                let vi = h.beta2 * vs[i] + (1.0 - h.beta2) * grad * grad;
+                                let update = (mi / h.bias1) / ((vi / h.bias2).sqrt() + h.eps);
+                                op[k] = ps[i] * (1.0 - h.lr * h.weight_decay) - h.lr * update;
+                                om[k] = mi;
+                                ov[k] = vi;
+                            }
+                        });
+                })
+            })
+        })
+    })????;
+    Ok((out(np, p)?, out(nm, p)?, out(nv, p)?))
+}
+
+/// `[a, b, c, d] -> [a, c, b, d]` as a new contiguous tensor, copying runs of `d` elements
+/// (candle's general strided copy moves one element at a time).
+pub fn swap_dims_1_2(x: &Tensor) -> Result<Tensor> {
+    let (a, b, c, d) = x.dims4()?;
+    let v = with_slice(x, |xs| {
+        let mut o = vec![0f32; a * b * c * d];
+        if d > 0 && b > 0 {
+            o.par_chunks_mut(b * d).enumerate().for_each(|(ac, chunk)| {
+                let (ai, ci) = (ac / c, ac % c);
+                for bi in 0..b {
+                    let src = ((ai * b + bi) * c + ci) * d;
+                    chunk[bi * d..(bi + 1) * d].copy_from_slice(&xs[src..src + d]);
+                }
+            });
+        }
+        o
+    })?;
+    Ok(Tensor::from_vec(v, (a, c, b, d), x.device())?)
+}
+
+/// `[r, c] -> [c, r]` as a new contiguous tensor, in 32 x 32 tiles so both sides stay in
+/// cache.
+pub fn transpose_2d(x: &Tensor) -> Result<Tensor> {
+    let (r, c) = x.dims2()?;
+    const T: usize = 32;
+    let v = with_slice(x, |xs| {
+        let mut o = vec![0f32; r * c];
+        // Each task owns T output rows (T input columns).
+        o.par_chunks_mut(T * r.max(1))
+            .enumerate()
+            .for_each(|(tile_col, chunk)| {
+                let c0 = tile_col * T;
+                let cols = chunk.len() / r.max(1);
+                for r0 in (0..r).step_by(T) {
+                    for i in r0..(r0 + T).min(r) {
+                        for j in 0..cols {
+                            chunk[j * r + i] = xs[i * c + c0 + j];
+                        }
+                    }
+                }
+            });
+        o
+    })?;
+    Ok(Tensor::from_vec(v, (c, r), x.device())?)
 }

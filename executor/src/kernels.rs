@@ -149,7 +149,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             // dv[b, t, kv, :] = sum over the kv head's query heads and s of p * g
             let p = grouped(ins[0], *kv_heads as usize)?;
             let g = grouped(&heads_first(ins[1])?, *kv_heads as usize)?;
-            p.transpose(2, 3)?.matmul(&g)?.transpose(1, 2)?
+            heads_first(&p.transpose(2, 3)?.matmul(&g)?)?
         }
         Op::AttnGradScores => {
             let (p, g, v) = (ins[0], ins[1], ins[2]);
@@ -175,11 +175,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             let scale = 1.0 / (q.dim(3)? as f64).sqrt();
             let ds = grouped(ds, *kv_heads as usize)?;
             let q = grouped(&heads_first(q)?, *kv_heads as usize)?;
-            ds.transpose(2, 3)?
-                .contiguous()?
-                .matmul(&q)?
-                .transpose(1, 2)?
-                .affine(scale, 0.0)?
+            heads_first(&ds.transpose(2, 3)?.matmul(&q)?)?.affine(scale, 0.0)?
         }
         Op::SiluGrad | Op::GeluGrad if fused::applies(&[ins[0], ins[1]]) => {
             fused::activation_grad(ins[0], ins[1], matches!(op, Op::GeluGrad))?
@@ -229,6 +225,9 @@ fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result
 fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
     let (x2, g2) = (rows(&x.contiguous()?)?, rows(&g.contiguous()?)?);
     Ok(match layout {
+        // dW = g^T x. gemm runs x^T g (both operands read along rows) markedly faster than
+        // g^T x here, so compute dW^T and transpose the (smaller) result.
+        WeightLayout::OutIn if fused::applies(&[&x2, &g2]) => fused::transpose_2d(&x2.t()?.matmul(&g2)?)?,
         WeightLayout::OutIn => g2.t()?.matmul(&x2)?,
         WeightLayout::InOut => x2.t()?.matmul(&g2)?,
     })
@@ -331,8 +330,11 @@ fn layer_norm_grad(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64, wrt: NormWrt) -
     Ok(out.to_dtype(g.dtype())?)
 }
 
-/// `[b, s, h, d] -> [b, h, s, d]`, contiguous.
+/// `[b, s, h, d] -> [b, h, s, d]`, contiguous (and back: the same swap).
 fn heads_first(x: &Tensor) -> Result<Tensor> {
+    if fused::applies(&[x]) {
+        return fused::swap_dims_1_2(x);
+    }
     Ok(x.transpose(1, 2)?.contiguous()?)
 }
 
@@ -351,7 +353,7 @@ fn ungroup(t: &Tensor, h: usize) -> Result<Tensor> {
 
 /// `[b, kv, g * s, d] -> [b, s, h, d]`.
 fn ungroup_heads(t: &Tensor, h: usize) -> Result<Tensor> {
-    Ok(ungroup(t, h)?.transpose(1, 2)?)
+    heads_first(&ungroup(t, h)?)
 }
 
 /// Softmax of the scaled scores: `(q [b, s, h, d], k [b, t, kv, d]) -> [b, h, s, t]`.

@@ -283,7 +283,11 @@ impl Trainer {
         }
         let mut sq = 0f64;
         for g in &grads {
-            sq += g.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?;
+            sq += if crate::fused::applies(&[g]) {
+                crate::fused::sum_squares(g)?
+            } else {
+                g.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
+            };
         }
         let grad_norm = sq.sqrt();
         if !grad_norm.is_finite() {
