@@ -16,6 +16,23 @@ pub struct Batch {
     pub tokens: u64,
 }
 
+/// The batch of a language model: `tokens [batch, seq]` and `targets [batch * seq]`.
+fn token_batch(
+    tokens: Vec<u32>,
+    targets: Vec<u32>,
+    batch: usize,
+    seq: usize,
+    device: &Device,
+) -> Result<Batch, ExecError> {
+    Ok(Batch {
+        inputs: vec![
+            ("tokens".into(), Tensor::from_vec(tokens, (batch, seq), device)?),
+            ("targets".into(), Tensor::from_vec(targets, batch * seq, device)?),
+        ],
+        tokens: (batch * seq) as u64,
+    })
+}
+
 /// A stream of micro-batches.
 pub trait DataSource: Send {
     fn next_batch(&mut self, device: &Device) -> Result<Batch, ExecError>;
@@ -69,19 +86,7 @@ impl DataSource for SyntheticTokens {
             }
         }
         self.position += 1;
-        Ok(Batch {
-            inputs: vec![
-                (
-                    "tokens".into(),
-                    Tensor::from_vec(tokens, (self.batch, self.seq), device)?,
-                ),
-                (
-                    "targets".into(),
-                    Tensor::from_vec(targets, self.batch * self.seq, device)?,
-                ),
-            ],
-            tokens: (self.batch * self.seq) as u64,
-        })
+        token_batch(tokens, targets, self.batch, self.seq, device)
     }
 
     fn position(&self) -> u64 {
@@ -258,19 +263,7 @@ impl DataSource for TokenFile {
             }
         }
         self.position += 1;
-        Ok(Batch {
-            inputs: vec![
-                (
-                    "tokens".into(),
-                    Tensor::from_vec(tokens, (self.batch, self.seq), device)?,
-                ),
-                (
-                    "targets".into(),
-                    Tensor::from_vec(targets, self.batch * self.seq, device)?,
-                ),
-            ],
-            tokens: (self.batch * self.seq) as u64,
-        })
+        token_batch(tokens, targets, self.batch, self.seq, device)
     }
 
     fn position(&self) -> u64 {

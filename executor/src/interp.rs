@@ -76,20 +76,7 @@ impl Interpreter {
         let (mut live, mut peak) = (0u64, 0u64);
         for (id, node) in self.graph.nodes() {
             let start = std::time::Instant::now();
-            let value = if matches!(node.op, Op::Input { .. } | Op::Param { .. }) {
-                feed(id)?
-            } else {
-                let ins: Vec<&Tensor> = node
-                    .inputs
-                    .iter()
-                    .map(|i| {
-                        table[i.index()]
-                            .as_ref()
-                            .ok_or_else(|| ExecError::Internal(format!("{i} read after it was freed")))
-                    })
-                    .collect::<Result<_, _>>()?;
-                kernels::apply(ctx, &node.op, &ins, &node.ty)?
-            };
+            let value = eval(ctx, id, node, &table, feed)?;
             if let Some(t) = times.as_deref_mut() {
                 t[id.index()] += start.elapsed();
             }
@@ -137,16 +124,7 @@ impl Interpreter {
     ) -> Result<Option<NodeId>, ExecError> {
         let mut table: Vec<Option<Tensor>> = vec![None; self.graph.node_count()];
         for (id, node) in self.graph.nodes().take(until) {
-            let value = if matches!(node.op, Op::Input { .. } | Op::Param { .. }) {
-                feed(id)?
-            } else {
-                let ins: Vec<&Tensor> = node
-                    .inputs
-                    .iter()
-                    .map(|i| table[i.index()].as_ref().expect("kept for the scan"))
-                    .collect();
-                kernels::apply(ctx, &node.op, &ins, &node.ty)?
-            };
+            let value = eval(ctx, id, node, &table, feed)?;
             if node.ty.dtype.is_float() && !all_finite(&value)? {
                 return Ok(Some(id));
             }
@@ -154,6 +132,29 @@ impl Interpreter {
         }
         Ok(None)
     }
+}
+
+/// The value of one node: fed for inputs and parameters, computed from the table otherwise.
+fn eval(
+    ctx: &Ctx,
+    id: NodeId,
+    node: &shardplan_ir::Node,
+    table: &[Option<Tensor>],
+    feed: &mut dyn FnMut(NodeId) -> Result<Tensor, ExecError>,
+) -> Result<Tensor, ExecError> {
+    if matches!(node.op, Op::Input { .. } | Op::Param { .. }) {
+        return feed(id);
+    }
+    let ins: Vec<&Tensor> = node
+        .inputs
+        .iter()
+        .map(|i| {
+            table[i.index()]
+                .as_ref()
+                .ok_or_else(|| ExecError::Internal(format!("{i} read after it was freed")))
+        })
+        .collect::<Result<_, _>>()?;
+    kernels::apply(ctx, &node.op, &ins, &node.ty)
 }
 
 /// True when every element is finite.
