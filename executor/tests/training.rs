@@ -192,20 +192,3 @@ fn token_files_train_and_bad_ones_are_named() {
         "{e}"
     );
 }
-
-#[test]
-#[ignore = "prints the divergence message for the docs"]
-fn show_divergence() {
-    let mut t = trainer(
-        "tiny-llama",
-        "grad_clip: null\noptimizer: {sgd: {lr: 1.0e30}}\nlr_schedule: {warmup_steps: 0}\n",
-        5,
-    )
-    .unwrap();
-    for _ in 0..5 {
-        if let Err(e) = t.step() {
-            println!("{e}");
-            break;
-        }
-    }
-}
