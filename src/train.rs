@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use shardplan_executor::{ExecError, Trainer};
-use shardplan_frontends::{load_model, load_parallel, trace_error, trace_options, SpecError};
+use shardplan_frontends::{load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, SpecError};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,11 +49,8 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
-    // Shape errors (sequence longer than the model's context...) point into the specs.
-    shardplan_models::trace(&model.config, trace_options(Some(&parallel)))
-        .map_err(|e| trace_error(e, &model, Some(&parallel)))?;
     let mut trainer = Trainer::new(&model.config, &parallel.config, args.steps, candle_core::Device::Cpu)
-        .map_err(|e| exec_error(e, &args.parallel))?;
+        .map_err(|e| exec_error(e, &model, &parallel))?;
 
     let mut log = match &args.log {
         Some(p) => Some(std::io::BufWriter::new(
@@ -79,7 +76,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
 
     let (mut first, mut last, mut tokens, mut secs) = (None, 0f32, 0u64, 0f64);
     for _ in 0..args.steps {
-        let m = trainer.step().map_err(|e| exec_error(e, &args.parallel))?;
+        let m = trainer.step().map_err(|e| exec_error(e, &model, &parallel))?;
         first.get_or_insert(m.loss);
         last = m.loss;
         tokens += m.tokens;
@@ -119,13 +116,16 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
 }
 
 /// Bad data files are bad input (exit 2); divergence and internal errors are failures.
-fn exec_error(e: ExecError, parallel: &std::path::Path) -> CliError {
+fn exec_error(e: ExecError, model: &LoadedModel, parallel: &LoadedParallel) -> CliError {
+    let file = &parallel.origin.file;
     match e {
+        // Shape errors (a sequence longer than the model's context...) point into the specs.
+        ExecError::Trace(t) => CliError::Input(trace_error(t, model, Some(parallel))),
         ExecError::Data(msg) => CliError::Input(
-            SpecError::file(parallel, format!("data: {msg}"))
+            SpecError::file(file, format!("data: {msg}"))
                 .help("fix the token file, or its `dtype`, in the spec's `data` section"),
         ),
-        ExecError::Unsupported(msg) => CliError::Input(SpecError::file(parallel, msg)),
+        ExecError::Unsupported(msg) => CliError::Input(SpecError::file(file, msg)),
         other => CliError::Other(anyhow::Error::new(other)),
     }
 }

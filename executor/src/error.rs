@@ -7,6 +7,10 @@ use thiserror::Error;
 pub enum ExecError {
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The model cannot be traced at the spec's shape (kept whole, so callers can place it in
+    /// the spec that caused it).
+    #[error(transparent)]
+    Trace(#[from] shardplan_models::TraceError),
     /// A data file that cannot be used (names the file and, where it applies, the offset).
     #[error("{0}")]
     Data(String),

@@ -48,10 +48,6 @@ impl Interpreter {
         Interpreter { graph, last_use }
     }
 
-    pub fn graph(&self) -> &Graph {
-        &self.graph
-    }
-
     /// Runs every node. `feed(id)` supplies the value of each input and parameter node.
     pub fn run(
         &self,

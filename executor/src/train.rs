@@ -40,7 +40,6 @@ pub struct StepMetrics {
 pub struct Trainer {
     interp: Interpreter,
     joint: JointGraph,
-    forward_len: usize,
     ctx: Ctx,
     /// f32 master weights, by parameter id.
     master: Vec<Tensor>,
@@ -75,7 +74,7 @@ impl Trainer {
             seq_len: config.batch.seq_len,
             dtype: config.mixed_precision.param,
         };
-        let graph = trace(model, opts).map_err(|e| ExecError::Unsupported(e.to_string()))?;
+        let graph = trace(model, opts)?;
         let joint = differentiate(&graph).map_err(|e| ExecError::Internal(e.to_string()))?;
         let mut keep = vec![joint.loss];
         for (p, param) in joint.graph.params() {
@@ -135,12 +134,10 @@ impl Trainer {
                 Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
             }
         };
-        let forward_len = joint.forward_len;
         let n_params = master.len();
         Ok(Trainer {
             interp: Interpreter::new(joint.graph.clone(), &keep),
             joint,
-            forward_len,
             ctx: Ctx::new(device),
             master,
             opt: OptState::new(config.optimizer, n_params),
@@ -154,39 +151,15 @@ impl Trainer {
         })
     }
 
-    /// The f32 master weights, by parameter id.
-    pub fn master_weights(&self) -> &[Tensor] {
-        &self.master
-    }
-
-    pub fn joint(&self) -> &JointGraph {
-        &self.joint
-    }
-
     /// Steps taken so far.
     pub fn steps_done(&self) -> u64 {
         self.step
     }
 
-    /// Loss and gradients (f32, by parameter id) of one micro-batch at the current weights,
-    /// without updating anything.
-    pub fn loss_and_grads(&mut self) -> Result<(f32, Vec<Tensor>, u64, u64), ExecError> {
-        let params = self.cast_params()?;
-        self.micro_batch(&params)
-    }
-
+    /// The parameters in the compute dtype (a cheap clone when that is f32 already).
     fn cast_params(&self) -> Result<Vec<Tensor>, ExecError> {
         let dt = cdtype(self.param_dtype);
-        self.master
-            .iter()
-            .map(|m| {
-                if m.dtype() == dt {
-                    Ok(m.clone())
-                } else {
-                    Ok(m.to_dtype(dt)?)
-                }
-            })
-            .collect()
+        Ok(self.master.iter().map(|m| m.to_dtype(dt)).collect::<Result<_, _>>()?)
     }
 
     fn feed(&self, params: &[Tensor], batch: &HashMap<String, Tensor>, id: NodeId) -> Result<Tensor, ExecError> {
@@ -234,7 +207,9 @@ impl Trainer {
         let g = &self.joint.graph;
         let found = self
             .interp
-            .first_non_finite(&self.ctx, self.forward_len, &mut |id| self.feed(params, batch, id));
+            .first_non_finite(&self.ctx, self.joint.forward_len, &mut |id| {
+                self.feed(params, batch, id)
+            });
         let (module, node, op) = match found {
             Ok(Some(id)) => (
                 g.scope(g.node(id).scope).display_path().to_string(),

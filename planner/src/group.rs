@@ -8,7 +8,7 @@
 
 use crate::PlanError;
 use serde::{Deserialize, Serialize};
-use shardplan_ir::{Graph, ModuleKind, NodeId, Op, ParamId, ScopeId};
+use shardplan_ir::{Graph, ModuleKind, NodeId, ParamId, ScopeId};
 use std::fmt;
 
 /// An FSDP unit (printed `g3`).
@@ -103,17 +103,4 @@ pub fn group(g: &Graph, wrap: &[ModuleKind]) -> Result<Vec<FsdpGroup>, PlanError
         });
     }
     Ok(groups)
-}
-
-/// The forward nodes that read each group's parameters, for tests and printers.
-pub fn readers(g: &Graph, group: &FsdpGroup) -> Vec<NodeId> {
-    let mut v: Vec<NodeId> = group
-        .params
-        .iter()
-        .flat_map(|&p| g.users(g.param(p).node))
-        .filter(|n| !matches!(g.node(*n).op, Op::Param { .. }))
-        .collect();
-    v.sort_unstable();
-    v.dedup();
-    v
 }
