@@ -2,6 +2,7 @@
 
 mod fmt;
 mod inspect;
+mod plan;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +21,8 @@ struct Cli {
 enum Command {
     /// Trace a model and show what shardplan sees: parameters, FLOPs, per-layer table, graph.
     Inspect(inspect::InspectArgs),
+    /// Plan sharded training: groups, shard layout, per-stream schedule, memory, step time; verified.
+    Plan(plan::PlanArgs),
     /// Train a model on the CPU (one rank): progress bar, JSON-lines metrics, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
 }
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args).map(|()| None),
+        Command::Plan(args) => plan::run(&args).map(|()| None),
         Command::Train(args) => train::run(&args),
     };
     match result {

@@ -21,6 +21,8 @@ struct ParallelSpecFile {
     gpus_per_node: Option<Spanned<u64>>,
     hardware: Option<Spanned<NameOr<HardwareFile>>>,
     wrap: Option<Spanned<Vec<Spanned<ModuleKind>>>>,
+    wrap_modules: Option<Spanned<Vec<Spanned<String>>>>,
+    bucket_mib: Option<Spanned<u64>>,
     reshard_after_forward: Option<Spanned<BoolOrInt>>,
     prefetch: Option<Spanned<PrefetchFile>>,
     mixed_precision: Option<Spanned<MixedPrecisionFile>>,
@@ -75,6 +77,8 @@ struct HardwareFile {
     intra_node_latency_us: Option<Spanned<f64>>,
     inter_node_latency_us: Option<Spanned<f64>>,
     compute_efficiency: Option<Spanned<f64>>,
+    host_link_gbps: Option<Spanned<f64>>,
+    host_mem_gbps: Option<Spanned<f64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -103,6 +107,7 @@ struct BatchFile {
     per_rank: Option<Spanned<u64>>,
     seq_len: Option<Spanned<u64>>,
     grad_accum: Option<Spanned<u64>>,
+    grad_sync: Option<Spanned<GradSync>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -188,6 +193,19 @@ pub enum ActivationCheckpointing {
     Every(u64),
 }
 
+/// When gradients are reduced under gradient accumulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradSync {
+    /// Reduce-scatter after every micro-batch and accumulate sharded gradients (FSDP2's
+    /// default); the HSDP all-reduce still runs once per step.
+    EveryMicroBatch,
+    /// Accumulate unsharded gradients and reduce-scatter only after the last micro-batch
+    /// (FSDP2's `set_requires_gradient_sync(False)` on the others): less communication,
+    /// unsharded gradients held across micro-batches.
+    FinalMicroBatch,
+}
+
 /// Batch shape per rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Batch {
@@ -197,6 +215,8 @@ pub struct Batch {
     pub seq_len: Option<u64>,
     /// Micro-batches per optimizer step.
     pub grad_accum: u64,
+    /// When gradients are reduced across micro-batches.
+    pub grad_sync: GradSync,
 }
 
 /// The optimizer and its hyper-parameters.
@@ -266,6 +286,10 @@ pub struct ParallelConfig {
     pub hardware: HardwareProfile,
     /// Module kinds that become FSDP units; the root group (everything else) is always last.
     pub wrap: Vec<ModuleKind>,
+    /// Module paths (`layers.0.feed_forward`, `output`) that become FSDP units as well.
+    pub wrap_modules: Vec<String>,
+    /// Merge consecutive units into one while their parameters fit in this many MiB.
+    pub bucket_mib: Option<u64>,
     pub reshard_after_forward: Reshard,
     pub prefetch: Prefetch,
     pub mixed_precision: MixedPrecision,
@@ -367,6 +391,21 @@ impl ParallelSpecFile {
             }
         };
 
+        let mut wrap_modules = Vec::new();
+        if let Some(list) = self.wrap_modules {
+            o.insert("wrap_modules", pos(&list));
+            for m in list.value {
+                if !wrap_modules.contains(&m.value) {
+                    wrap_modules.push(m.value);
+                }
+            }
+        }
+        record(&mut o, "bucket_mib", &self.bucket_mib);
+        let bucket_mib = self
+            .bucket_mib
+            .map(|s| at_least_1(&o, "bucket_mib", s.value))
+            .transpose()?;
+
         record(&mut o, "reshard_after_forward", &self.reshard_after_forward);
         let reshard_after_forward = match self.reshard_after_forward.map(|s| s.value) {
             None | Some(BoolOrInt::Bool(true)) => Reshard::AfterForward,
@@ -458,6 +497,7 @@ impl ParallelSpecFile {
             per_rank: 1,
             seq_len: None,
             grad_accum: 1,
+            grad_sync: GradSync::EveryMicroBatch,
         };
         if let Some(b) = self.batch {
             o.insert("batch", pos(&b));
@@ -471,6 +511,8 @@ impl ParallelSpecFile {
                 .map(|s| at_least_1(&o, "batch.seq_len", s.value))
                 .transpose()?;
             batch.grad_accum = at_least_1(&o, "batch.grad_accum", b.grad_accum.map_or(1, |s| s.value))?;
+            record(&mut o, "batch.grad_sync", &b.grad_sync);
+            batch.grad_sync = b.grad_sync.map_or(GradSync::EveryMicroBatch, |s| s.value);
         }
 
         let optimizer = optimizer(&mut o, self.optimizer)?;
@@ -545,6 +587,8 @@ impl ParallelSpecFile {
             gpus_per_node,
             hardware,
             wrap,
+            wrap_modules,
+            bucket_mib,
             reshard_after_forward,
             prefetch,
             mixed_precision,
@@ -595,6 +639,8 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     intra_node_latency_us: f64::NAN,
                     inter_node_latency_us: f64::NAN,
                     compute_efficiency: f64::NAN,
+                    host_link_gbps: f64::NAN,
+                    host_mem_gbps: f64::NAN,
                 },
             };
             if let Some(n) = h.name {
@@ -624,6 +670,8 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     h.compute_efficiency,
                     &mut profile.compute_efficiency,
                 ),
+                ("host_link_gbps", h.host_link_gbps, &mut profile.host_link_gbps),
+                ("host_mem_gbps", h.host_mem_gbps, &mut profile.host_mem_gbps),
             ];
             let mut missing = Vec::new();
             for (name, value, slot) in fields {

@@ -19,4 +19,45 @@ pub enum PlanError {
     /// A wrap policy kind that matches no module of the model.
     #[error("wrap policy `{kind}` matches no module of this model (its module kinds: {present})")]
     WrapMatchesNothing { kind: String, present: String },
+    /// `wrap_modules` names a module the model does not have.
+    #[error("wrap_modules names `{module}`, which is not a module of this model{}", suggestion.as_ref().map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default())]
+    NoSuchModule { module: String, suggestion: Option<String> },
+    /// `reshard_after_forward: N` with N not dividing the shard axis.
+    #[error("reshard_after_forward {n} does not divide the shard axis ({shard})")]
+    ReshardDoesNotDivide { n: u64, shard: u64 },
+    /// The model's graph cannot be differentiated or planned.
+    #[error("{0}")]
+    Graph(String),
+    /// The verifier rejected a plan the planner made: a bug in shardplan.
+    #[error("internal error, the verifier rejected the plan: {0}")]
+    Bug(String),
+}
+
+impl PlanError {
+    /// The parallel-spec field the error is about, for locating it in the file.
+    pub fn field(&self) -> &'static str {
+        match self {
+            PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => "mesh",
+            PlanError::WrapMatchesNothing { .. } => "wrap",
+            PlanError::NoSuchModule { .. } => "wrap_modules",
+            PlanError::ReshardDoesNotDivide { .. } => "reshard_after_forward",
+            PlanError::Graph(_) | PlanError::Bug(_) => "batch",
+        }
+    }
+
+    /// How to fix it.
+    pub fn help(&self) -> String {
+        match self {
+            PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => {
+                "make replicate x shard equal the number of ranks".into()
+            }
+            PlanError::WrapMatchesNothing { present, .. } => format!("wrap one of: {present}"),
+            PlanError::NoSuchModule { .. } => "use a dotted module path as `shardplan inspect` prints it".into(),
+            PlanError::ReshardDoesNotDivide { shard, .. } => {
+                format!("use true, false, or a divisor of {shard} (usually gpus_per_node)")
+            }
+            PlanError::Graph(_) => "use smaller sizes in the model or the batch".into(),
+            PlanError::Bug(_) => "please report this with the model and parallel spec".into(),
+        }
+    }
 }

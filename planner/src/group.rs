@@ -1,20 +1,27 @@
 //! FSDP parameter groups: FSDP2's bottom-up `fully_shard` on every module of a wrapped
-//! kind, and on the root last.
+//! kind (and every module named explicitly), and on the root last.
 //!
 //! A parameter belongs to the innermost wrapped module containing its owner scope; what no
 //! unit takes (embeddings, final norm, output head for `wrap: [block]`) forms the root group,
 //! as torchtitan does. Units are ordered by their first use in the forward pass; the root
-//! group is always last.
+//! group is always last. Bucketing merges runs of consecutive units while their parameters
+//! fit a byte budget (fewer, larger collectives).
 
 use crate::PlanError;
 use serde::{Deserialize, Serialize};
-use shardplan_ir::{Graph, ModuleKind, NodeId, ParamId, ScopeId};
+use shardplan_ir::{DType, Graph, ModuleKind, NodeId, ParamId, ScopeId};
 use std::fmt;
 
 /// An FSDP unit (printed `g3`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct GroupId(pub u32);
+
+impl GroupId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
 
 impl fmt::Display for GroupId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -26,23 +33,47 @@ impl fmt::Display for GroupId {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FsdpGroup {
     pub id: GroupId,
-    /// The wrapped module's path, or `<root>`.
+    /// The wrapped modules' paths joined by `+` (bucketed units), or `<root>`.
     pub module: String,
-    /// The wrapped module (`None` for the root group).
-    pub scope: Option<ScopeId>,
+    /// The wrapped modules (empty for the root group).
+    pub scopes: Vec<ScopeId>,
     /// In parameter-id order.
     pub params: Vec<ParamId>,
 }
 
 impl FsdpGroup {
     pub fn is_root(&self) -> bool {
-        self.scope.is_none()
+        self.scopes.is_empty()
     }
 }
 
-/// Groups the parameters of `g` for the wrap policy `wrap`.
-pub fn group(g: &Graph, wrap: &[ModuleKind]) -> Result<Vec<FsdpGroup>, PlanError> {
-    for kind in wrap {
+/// Which modules become FSDP units.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WrapPolicy {
+    /// Module kinds wrapped wherever they occur.
+    pub kinds: Vec<ModuleKind>,
+    /// Module paths wrapped explicitly (`layers.0.feed_forward`, `output`).
+    pub modules: Vec<String>,
+    /// Merge consecutive units while their parameters (in `bucket_dtype`) fit this many bytes.
+    pub bucket_bytes: Option<u64>,
+    pub bucket_dtype: DType,
+}
+
+impl WrapPolicy {
+    /// Wrap every module of these kinds, nothing else.
+    pub fn kinds(kinds: &[ModuleKind]) -> Self {
+        WrapPolicy {
+            kinds: kinds.to_vec(),
+            modules: Vec::new(),
+            bucket_bytes: None,
+            bucket_dtype: DType::F32,
+        }
+    }
+}
+
+/// Groups the parameters of `g` by `policy`.
+pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError> {
+    for kind in &policy.kinds {
         if !g.scopes().any(|(_, s)| s.kind == *kind) {
             let mut present: Vec<&str> = g
                 .scopes()
@@ -57,10 +88,24 @@ pub fn group(g: &Graph, wrap: &[ModuleKind]) -> Result<Vec<FsdpGroup>, PlanError
             });
         }
     }
+    let mut explicit = Vec::new();
+    for m in &policy.modules {
+        match g.scopes().find(|(_, s)| s.display_path() == m && s.parent.is_some()) {
+            Some((id, _)) => explicit.push(id),
+            None => {
+                let paths: Vec<&str> = g.scopes().skip(1).map(|(_, s)| s.display_path()).collect();
+                return Err(PlanError::NoSuchModule {
+                    module: m.clone(),
+                    suggestion: shardplan_frontends::did_you_mean(m, paths.iter().copied()).map(str::to_string),
+                });
+            }
+        }
+    }
+    let wrapped = |s: ScopeId| policy.kinds.contains(&g.scope(s).kind) || explicit.contains(&s);
     // The innermost wrapped ancestor (or self) of each scope.
     let unit_of = |mut s: ScopeId| -> Option<ScopeId> {
         loop {
-            if wrap.contains(&g.scope(s).kind) {
+            if wrapped(s) {
                 return Some(s);
             }
             s = g.scope(s).parent?;
@@ -84,13 +129,34 @@ pub fn group(g: &Graph, wrap: &[ModuleKind]) -> Result<Vec<FsdpGroup>, PlanError
         }
     }
     units.sort_by_key(|u| (u.0, u.1));
-    let mut groups: Vec<FsdpGroup> = units
+
+    let bytes = |ps: &[ParamId]| -> u64 {
+        ps.iter()
+            .map(|&p| g.param(p).ty.numel().unwrap_or(u64::MAX))
+            .fold(0u64, |a, n| a.saturating_add(n.saturating_mul(policy.bucket_dtype.size_bytes())))
+    };
+    let mut merged: Vec<(Vec<ScopeId>, Vec<ParamId>)> = Vec::new();
+    for (_, scope, params) in units {
+        match (merged.last_mut(), policy.bucket_bytes) {
+            (Some(last), Some(budget)) if bytes(&last.1).saturating_add(bytes(&params)) <= budget => {
+                last.0.push(scope);
+                last.1.extend(params);
+                last.1.sort_unstable();
+            }
+            _ => merged.push((vec![scope], params)),
+        }
+    }
+    let mut groups: Vec<FsdpGroup> = merged
         .into_iter()
         .enumerate()
-        .map(|(i, (_, scope, params))| FsdpGroup {
+        .map(|(i, (scopes, params))| FsdpGroup {
             id: GroupId(i as u32),
-            module: g.scope(scope).display_path().to_string(),
-            scope: Some(scope),
+            module: scopes
+                .iter()
+                .map(|&s| g.scope(s).display_path())
+                .collect::<Vec<_>>()
+                .join("+"),
+            scopes,
             params,
         })
         .collect();
@@ -98,9 +164,29 @@ pub fn group(g: &Graph, wrap: &[ModuleKind]) -> Result<Vec<FsdpGroup>, PlanError
         groups.push(FsdpGroup {
             id: GroupId(groups.len() as u32),
             module: "<root>".into(),
-            scope: None,
+            scopes: Vec::new(),
             params: root,
         });
     }
     Ok(groups)
+}
+
+/// The group whose parameters a node of each scope belongs to, indexed by `ScopeId`: the
+/// group of its innermost wrapped ancestor, else the root group (the last).
+pub fn scope_groups(g: &Graph, groups: &[FsdpGroup]) -> Vec<GroupId> {
+    let root = groups.last().map_or(GroupId(0), |r| r.id);
+    let mut unit = vec![None; g.scopes().len()];
+    for grp in groups {
+        for s in &grp.scopes {
+            unit[s.index()] = Some(grp.id);
+        }
+    }
+    // Scopes are created after their parents, so one pass in id order resolves ancestors.
+    let mut out = Vec::with_capacity(unit.len());
+    for (id, s) in g.scopes() {
+        let own = unit[id.index()];
+        let inherited = s.parent.map(|p| out[p.index()]);
+        out.push(own.or(inherited.filter(|&p: &GroupId| p != root)).unwrap_or(root));
+    }
+    out
 }

@@ -1,15 +1,165 @@
 //! The planner: everything FSDP2 decides at run time, decided ahead of time.
 //!
-//! Built so far: the mesh, FSDP grouping and the shard layout. The schedule, memory
-//! simulation, cost model, verifier and the Plan type come with the planner issue.
+//! [`plan`] reads as the pipeline: group → layout → steps → schedule → simulate → estimate
+//! → verify, each pass a free function in its own module.
 //! Architecture invariant: the planner holds no tensors.
 
+mod cost;
 mod error;
 pub mod group;
 pub mod layout;
 pub mod mesh;
+pub mod plan;
+pub mod print;
+pub mod schedule;
+pub mod simulate;
+pub mod steps;
+pub mod trace;
+pub mod verify;
 
+pub use cost::{intra_node, ring_seconds};
 pub use error::PlanError;
-pub use group::{group, FsdpGroup, GroupId};
+pub use group::{group, scope_groups, FsdpGroup, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout, ParamLayout};
 pub use mesh::{Coords, Mesh};
+pub use plan::*;
+pub use steps::{Phase, Step, StepId};
+pub use verify::{verify, VerifyError};
+
+use shardplan_frontends::{ParallelConfig, Reshard};
+use shardplan_ir::{DType, JointGraph};
+
+/// Plans one optimizer step of `joint` (traced at the per-rank micro-batch shape, in the
+/// mixed-precision param dtype) for `config`, and verifies the result.
+pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanError> {
+    let g = &joint.graph;
+    let mesh = Mesh::new(
+        config.mesh.replicate,
+        config.mesh.shard,
+        config.mesh.world(),
+        config.gpus_per_node,
+    )?;
+    let reshard = match config.reshard_after_forward {
+        Reshard::AfterForward => GroupReshard::Free,
+        Reshard::Keep => GroupReshard::Keep,
+        Reshard::ToGroupOf(n) if n == 0 || !mesh.shard().is_multiple_of(n) => {
+            return Err(PlanError::ReshardDoesNotDivide { n, shard: mesh.shard() })
+        }
+        // Keeping a 1/shard slice is the sharded state itself; keeping 1/1 is `false`.
+        Reshard::ToGroupOf(n) if n == mesh.shard() => GroupReshard::Free,
+        Reshard::ToGroupOf(1) => GroupReshard::Keep,
+        Reshard::ToGroupOf(n) => GroupReshard::ToGroupOf(n),
+    };
+    let policy = Policy {
+        wrap: config.wrap.iter().map(|k| k.name().to_string()).collect(),
+        wrap_modules: config.wrap_modules.clone(),
+        bucket_mib: config.bucket_mib,
+        reshard_after_forward: reshard,
+        prefetch: config.prefetch.into(),
+        mixed_precision: config.mixed_precision.into(),
+        offload: config.offload,
+        activation_checkpointing: config.activation_checkpointing.into(),
+        batch_per_rank: config.batch.per_rank,
+        seq_len: g
+            .inputs()
+            .first()
+            .and_then(|&i| g.node(i).ty.shape.dims().get(1).copied())
+            .unwrap_or(1),
+        grad_accum: config.batch.grad_accum,
+        grad_sync: config.batch.grad_sync,
+        optimizer_state_per_param: config.optimizer.state_per_param(),
+        optimizer: match config.optimizer {
+            shardplan_frontends::Optimizer::AdamW { .. } => "adamw".into(),
+            shardplan_frontends::Optimizer::Sgd { .. } => "sgd".into(),
+        },
+        grad_clip: config.grad_clip,
+    };
+
+    // 1. Groups and their layouts.
+    let wrap = WrapPolicy {
+        kinds: config.wrap.clone(),
+        modules: config.wrap_modules.clone(),
+        bucket_bytes: config.bucket_mib.map(|m| m.saturating_mul(1 << 20)),
+        bucket_dtype: policy.mixed_precision.param,
+    };
+    let groups: Vec<PlannedGroup> = group(g, &wrap)?
+        .into_iter()
+        .map(|grp| {
+            let layout = layout(g, &grp, mesh.shard());
+            let reshard = if grp.is_root() { GroupReshard::Keep } else { reshard };
+            PlannedGroup {
+                param_names: grp.params.iter().map(|&p| g.param(p).name.clone()).collect(),
+                group: grp,
+                layout,
+                reshard,
+            }
+        })
+        .collect();
+    let fsdp: Vec<FsdpGroup> = groups.iter().map(|p| p.group.clone()).collect();
+
+    // 2. Compute steps with activation memory.
+    let steps = steps::steps(joint, &fsdp, config.activation_checkpointing);
+
+    // 3. The schedule of one rank (every rank runs the same program: shards are padded).
+    let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
+
+    // 4. Timeline, memory, estimate.
+    let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
+    let (timing, stall) = simulate::timeline(
+        &sched.program,
+        &sched.buffers,
+        &step_s,
+        sched.events,
+        &mesh,
+        &config.hardware,
+        policy.optimizer_state_per_param,
+    );
+    let memory = simulate::memory(&sched.program, &sched.buffers, &steps, &timing);
+    let forward_flops: f64 = (0..joint.forward_len)
+        .map(|i| {
+            let c = g.node_cost(shardplan_ir::NodeId(i as u32));
+            c.fwd_flops as f64 + c.bwd_flops as f64
+        })
+        .sum::<f64>()
+        * policy.grad_accum as f64;
+    let peak_flops = if matches!(policy.mixed_precision.param, DType::F32 | DType::F64) {
+        config.hardware.f32_tflops
+    } else {
+        config.hardware.bf16_tflops
+    } * 1e12;
+    let tokens = (mesh.world() * policy.batch_per_rank * policy.seq_len * policy.grad_accum) as f64;
+    let estimate = simulate::estimate(
+        &sched.program,
+        &sched.buffers,
+        &timing,
+        &stall,
+        forward_flops,
+        peak_flops,
+        tokens,
+    );
+
+    let plan = Plan {
+        version: PLAN_VERSION,
+        model: g.name().to_string(),
+        params: g.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum(),
+        mesh,
+        hardware: config.hardware.clone(),
+        policy,
+        groups,
+        steps,
+        buffers: sched.buffers,
+        events: sched.events,
+        programs: vec![sched.program],
+        ranks: vec![RankSpan {
+            first: 0,
+            count: mesh.world(),
+            program: 0,
+        }],
+        timing,
+        memory,
+        estimate,
+    };
+    // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
+    verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
+    Ok(plan)
+}

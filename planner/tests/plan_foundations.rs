@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use shardplan_ir::{DType, ModuleKind};
 use shardplan_models::{preset, trace, TraceOptions};
-use shardplan_planner::{chunk_rows, group, layout, Coords, Mesh, PlanError};
+use shardplan_planner::{chunk_rows, group, layout, Coords, Mesh, PlanError, WrapPolicy};
 
 /// `[c.numel() for c in torch.chunk(torch.arange(n), k)]`, padded with 0 for the ranks that
 /// get no chunk, as printed by PyTorch 2.15.
@@ -83,7 +83,7 @@ fn tiny(name: &str) -> shardplan_ir::Graph {
 #[test]
 fn block_wrap_puts_embeddings_norm_and_head_in_the_root_group_last() {
     let g = tiny("tiny-llama");
-    let groups = group(&g, &[ModuleKind::Block]).unwrap();
+    let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
     let names: Vec<&str> = groups.iter().map(|gr| gr.module.as_str()).collect();
     assert_eq!(names, ["layers.0", "layers.1", "<root>"]);
     let root: Vec<&str> = groups[2].params.iter().map(|&p| g.param(p).name.as_str()).collect();
@@ -100,7 +100,7 @@ fn block_wrap_puts_embeddings_norm_and_head_in_the_root_group_last() {
 #[test]
 fn nested_wrap_is_bottom_up() {
     let g = tiny("tiny-llama");
-    let groups = group(&g, &[ModuleKind::Attention, ModuleKind::Block]).unwrap();
+    let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Attention, ModuleKind::Block])).unwrap();
     let names: Vec<&str> = groups.iter().map(|gr| gr.module.as_str()).collect();
     // Forward order, as FSDP2's hooks fire: the block (its attention_norm is read first),
     // then its attention unit.
@@ -120,7 +120,7 @@ fn nested_wrap_is_bottom_up() {
     assert_eq!(groups[1].params.len(), 4);
     // Tied GPT-2: the shared table stays in the root group.
     let g = tiny("tiny-gpt2");
-    let groups = group(&g, &[ModuleKind::Block]).unwrap();
+    let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
     let root = groups.last().unwrap();
     assert!(root.is_root());
     assert!(root.params.iter().any(|&p| g.param(p).name == "transformer.wte.weight"));
@@ -128,7 +128,7 @@ fn nested_wrap_is_bottom_up() {
 
 #[test]
 fn a_wrap_kind_the_model_lacks_is_an_error() {
-    let e = group(&tiny("tiny-mlp"), &[ModuleKind::Attention]).unwrap_err();
+    let e = group(&tiny("tiny-mlp"), &WrapPolicy::kinds(&[ModuleKind::Attention])).unwrap_err();
     assert!(matches!(e, PlanError::WrapMatchesNothing { .. }));
     assert_eq!(
         e.to_string(),
@@ -136,7 +136,7 @@ fn a_wrap_kind_the_model_lacks_is_an_error() {
     );
     // No wrap at all: one root group holding everything (fully_shard on the root only).
     let g = tiny("tiny-mlp");
-    let groups = group(&g, &[]).unwrap();
+    let groups = group(&g, &WrapPolicy::kinds(&[])).unwrap();
     assert_eq!(groups.len(), 1);
     assert_eq!(groups[0].params.len(), g.params().len());
 }
@@ -165,7 +165,7 @@ fn mesh_coordinates_groups_and_nodes() {
 #[test]
 fn layout_packs_padded_shards_back_to_back() {
     let g = tiny("tiny-llama");
-    let groups = group(&g, &[ModuleKind::Block]).unwrap();
+    let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
     let root = layout(&g, groups.last().unwrap(), 3);
     // embed [256, 64]: 86 rows per rank (258 padded); norm [64]: 22 (66); head [256, 64]: 86.
     let chunks: Vec<u64> = root.params.iter().map(|p| p.chunk_rows).collect();
@@ -187,7 +187,7 @@ proptest! {
         for (i, (d0, d1)) in dims.iter().enumerate() {
             g.add_param(&format!("w{i}"), shardplan_ir::TensorType::new(DType::F32, [*d0, *d1]), scope).unwrap();
         }
-        let groups = group(&g, &[ModuleKind::Block]).unwrap();
+        let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
         let l = layout(&g, &groups[0], shard);
         let model: u64 = dims.iter().map(|(a, b)| a * b).sum();
         prop_assert_eq!(l.numel, model);

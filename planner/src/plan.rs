@@ -1,0 +1,603 @@
+//! The Plan: the contract between planner and executor, as plain serde data.
+//!
+//! A rank runs a [`Program`]: one list of instructions in host issue order, each tagged with
+//! the stream it runs on. The per-stream lists are that list filtered by stream; events
+//! order streams against each other, and every wait names an event recorded earlier in issue
+//! order. Buffers have explicit `alloc` / `free` instructions; compute and collectives name
+//! the buffers they read and write, so the verifier can prove the schedule safe and the
+//! executor never decides anything.
+
+use crate::group::{FsdpGroup, GroupId};
+use crate::layout::GroupLayout;
+use crate::mesh::Mesh;
+use crate::steps::{Step, StepId};
+use serde::{Deserialize, Serialize};
+use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload, Prefetch};
+use shardplan_ir::DType;
+use std::fmt;
+
+/// Format version of [`Plan`]; bumped on every incompatible change.
+pub const PLAN_VERSION: u32 = 1;
+
+macro_rules! id {
+    ($name:ident, $prefix:literal, $doc:literal) => {
+        #[doc = $doc]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub u32);
+
+        impl $name {
+            pub fn index(self) -> usize {
+                self.0 as usize
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+    };
+}
+
+id!(BufId, "b", "A buffer (printed `b7`).");
+id!(EventId, "e", "An event between streams (printed `e3`).");
+
+/// The streams of one rank. Collectives of each kind have their own, as FSDP2 does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    Compute,
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    /// Host <-> device copies (CPU offload).
+    Copy,
+    /// Work on the CPU (the optimizer step under CPU offload).
+    Host,
+}
+
+impl Stream {
+    pub const ALL: [Stream; 6] = [
+        Stream::Compute,
+        Stream::AllGather,
+        Stream::ReduceScatter,
+        Stream::AllReduce,
+        Stream::Copy,
+        Stream::Host,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Compute => "compute",
+            Stream::AllGather => "all-gather",
+            Stream::ReduceScatter => "reduce-scatter",
+            Stream::AllReduce => "all-reduce",
+            Stream::Copy => "copy",
+            Stream::Host => "host",
+        }
+    }
+}
+
+/// The process group a collective runs on, relative to the issuing rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Comm {
+    /// The rank's shard group (same replicate index).
+    Shard,
+    /// The rank's replicate group (same shard index): HSDP's gradient all-reduce.
+    Replicate,
+    /// The `n` consecutive ranks of its shard group that hold a post-forward shard.
+    Reshard(u64),
+}
+
+impl Comm {
+    /// Ranks in the group.
+    pub fn size(self, mesh: &Mesh) -> u64 {
+        match self {
+            Comm::Shard => mesh.shard(),
+            Comm::Replicate => mesh.replicate(),
+            Comm::Reshard(n) => n,
+        }
+    }
+
+    /// The members of `rank`'s group.
+    pub fn members(self, mesh: &Mesh, rank: u64) -> Vec<u64> {
+        match self {
+            Comm::Shard => mesh.shard_group(rank),
+            Comm::Replicate => mesh.replicate_group(rank),
+            Comm::Reshard(n) => mesh.reshard_group(rank, n),
+        }
+    }
+}
+
+impl fmt::Display for Comm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Comm::Shard => write!(f, "shard"),
+            Comm::Replicate => write!(f, "replicate"),
+            Comm::Reshard(n) => write!(f, "reshard{n}"),
+        }
+    }
+}
+
+/// Memory categories, as the issue of FSDP memory is usually told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Category {
+    ShardedParams,
+    UnshardedParams,
+    ShardedGrads,
+    UnshardedGrads,
+    OptimizerState,
+    Activations,
+    CommBuffers,
+}
+
+impl Category {
+    pub const ALL: [Category; 7] = [
+        Category::ShardedParams,
+        Category::UnshardedParams,
+        Category::ShardedGrads,
+        Category::UnshardedGrads,
+        Category::OptimizerState,
+        Category::Activations,
+        Category::CommBuffers,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::ShardedParams => "sharded params",
+            Category::UnshardedParams => "unsharded params",
+            Category::ShardedGrads => "sharded grads",
+            Category::UnshardedGrads => "unsharded grads",
+            Category::OptimizerState => "optimizer state",
+            Category::Activations => "activations",
+            Category::CommBuffers => "all-gather/reduce-scatter buffers",
+        }
+    }
+}
+
+/// Device memory or host (CPU) memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pool {
+    Device,
+    Host,
+}
+
+/// A buffer one rank allocates. Sizes are per rank and include padding.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: BufId,
+    /// `g3.unsharded.fwd.mb0`-style name for printing.
+    pub name: String,
+    pub category: Category,
+    pub group: Option<GroupId>,
+    pub dtype: DType,
+    pub numel: u64,
+    pub pool: Pool,
+    /// Lives across steps: allocated before the first instruction, never freed (sharded
+    /// parameters, optimizer state). Its contents are written before the step and read after.
+    pub persistent: bool,
+}
+
+impl Buffer {
+    pub fn bytes(&self) -> u64 {
+        self.numel.saturating_mul(self.dtype.size_bytes())
+    }
+}
+
+/// How a reduction combines ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size.
+    Avg,
+}
+
+/// One instruction. Each kind is one small function in the executor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Instr {
+    /// Run a segment of the joint graph on micro-batch `micro`: reads the unsharded
+    /// parameters in `reads`, accumulates parameter gradients into `writes`.
+    Compute {
+        step: StepId,
+        micro: u32,
+        reads: Vec<BufId>,
+        writes: Vec<BufId>,
+    },
+    Alloc {
+        buf: BufId,
+    },
+    Free {
+        buf: BufId,
+    },
+    /// Mark this point of the stream.
+    Record {
+        event: EventId,
+    },
+    /// Block the stream until the event's point is passed.
+    Wait {
+        event: EventId,
+    },
+    /// Copy-in `src` (cast to `dst`'s dtype) into `staging`, all-gather `staging` over
+    /// `comm` into `dst` (the group's flat unsharded buffer).
+    AllGather {
+        group: GroupId,
+        comm: Comm,
+        src: BufId,
+        /// `None` when `src` already is the all-gather input (a post-forward shard).
+        staging: Option<BufId>,
+        dst: BufId,
+    },
+    /// Copy-in `src` (unsharded gradients, cast to the reduce dtype) into `staging`,
+    /// reduce-scatter it over `comm` and add this rank's shard into `dst`.
+    ReduceScatter {
+        group: GroupId,
+        comm: Comm,
+        op: ReduceOp,
+        src: BufId,
+        staging: BufId,
+        dst: BufId,
+    },
+    /// All-reduce `buf` in place over `comm`.
+    AllReduce {
+        group: Option<GroupId>,
+        comm: Comm,
+        op: ReduceOp,
+        buf: BufId,
+    },
+    /// Copy `src` into `dst` (host <-> device, or the post-forward slice of an unsharded
+    /// buffer); `accumulate` adds instead of overwriting.
+    Copy {
+        src: BufId,
+        dst: BufId,
+        accumulate: bool,
+    },
+    /// Sum of squares of the sharded gradients in `grads` into `dst` (a partial norm).
+    GradNorm {
+        grads: Vec<BufId>,
+        dst: BufId,
+    },
+    /// Optimizer step of one group on its shards: clip by `norm` (if any), update `params`
+    /// and `state` from `grads`.
+    OptimizerStep {
+        group: GroupId,
+        params: BufId,
+        state: Option<BufId>,
+        grads: BufId,
+        norm: Option<BufId>,
+    },
+}
+
+/// How an instruction touches a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+    /// Written and read inside the one instruction (collective staging).
+    Scratch,
+}
+
+impl Instr {
+    /// The buffers it reads and writes, reads first.
+    pub fn accesses(&self) -> Vec<(BufId, Access)> {
+        use Access::*;
+        match self {
+            Instr::Compute { reads, writes, .. } => reads
+                .iter()
+                .map(|&b| (b, Read))
+                .chain(writes.iter().map(|&b| (b, Write)))
+                .collect(),
+            Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. } => Vec::new(),
+            Instr::AllGather { src, staging, dst, .. } => {
+                let mut v = vec![(*src, Read)];
+                v.extend(staging.map(|s| (s, Scratch)));
+                v.push((*dst, Write));
+                v
+            }
+            Instr::ReduceScatter { src, staging, dst, .. } => vec![(*src, Read), (*staging, Scratch), (*dst, Write)],
+            Instr::AllReduce { buf, .. } => vec![(*buf, Read), (*buf, Write)],
+            Instr::Copy { src, dst, .. } => vec![(*src, Read), (*dst, Write)],
+            Instr::GradNorm { grads, dst } => grads
+                .iter()
+                .map(|&b| (b, Read))
+                .chain(std::iter::once((*dst, Write)))
+                .collect(),
+            Instr::OptimizerStep {
+                params,
+                state,
+                grads,
+                norm,
+                ..
+            } => {
+                let mut v = vec![(*grads, Read), (*params, Read)];
+                v.extend(norm.map(|n| (n, Read)));
+                v.extend(state.map(|s| (s, Read)));
+                v.push((*params, Write));
+                v.extend(state.map(|s| (s, Write)));
+                v
+            }
+        }
+    }
+
+    /// True for instructions that talk to other ranks.
+    pub fn collective(&self) -> Option<(Comm, &'static str, Option<GroupId>)> {
+        match self {
+            Instr::AllGather { comm, group, .. } => Some((*comm, "all-gather", Some(*group))),
+            Instr::ReduceScatter { comm, group, .. } => Some((*comm, "reduce-scatter", Some(*group))),
+            Instr::AllReduce { comm, group, .. } => Some((*comm, "all-reduce", *group)),
+            _ => None,
+        }
+    }
+}
+
+/// An instruction in issue order, with its stream.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Issued {
+    pub stream: Stream,
+    #[serde(flatten)]
+    pub instr: Instr,
+}
+
+/// What one rank runs per optimizer step.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Program {
+    pub instrs: Vec<Issued>,
+}
+
+/// Ranks `first .. first + count` run `programs[program]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankSpan {
+    pub first: u64,
+    pub count: u64,
+    pub program: u32,
+}
+
+/// A group, its layout and where its state lives.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlannedGroup {
+    #[serde(flatten)]
+    pub group: FsdpGroup,
+    /// HF names of its parameters, in `group.params` order.
+    pub param_names: Vec<String>,
+    pub layout: GroupLayout,
+    /// What happens to its unsharded parameters after forward.
+    pub reshard: GroupReshard,
+}
+
+/// FSDP2's `reshard_after_forward`, per group (the root group keeps its parameters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupReshard {
+    Free,
+    Keep,
+    /// Keep a 1/n slice; all-gather over `n` ranks in backward.
+    ToGroupOf(u64),
+}
+
+/// The knobs a plan was made with.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    pub wrap: Vec<String>,
+    pub wrap_modules: Vec<String>,
+    pub bucket_mib: Option<u64>,
+    pub reshard_after_forward: GroupReshard,
+    pub prefetch: PrefetchDepth,
+    pub mixed_precision: Precision,
+    pub offload: Offload,
+    pub activation_checkpointing: Checkpointing,
+    pub batch_per_rank: u64,
+    pub seq_len: u64,
+    pub grad_accum: u64,
+    pub grad_sync: GradSync,
+    /// Optimizer state elements (f32) per parameter element.
+    pub optimizer_state_per_param: u64,
+    pub optimizer: String,
+    pub grad_clip: Option<f64>,
+}
+
+/// Prefetch depths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefetchDepth {
+    pub forward: u32,
+    pub backward: u32,
+}
+
+impl From<Prefetch> for PrefetchDepth {
+    fn from(p: Prefetch) -> Self {
+        PrefetchDepth {
+            forward: p.forward,
+            backward: p.backward,
+        }
+    }
+}
+
+/// Dtypes: unsharded parameters and compute, gradient reduction, sharded master copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Precision {
+    pub param: DType,
+    pub reduce: DType,
+    pub master: DType,
+}
+
+impl From<MixedPrecision> for Precision {
+    fn from(m: MixedPrecision) -> Self {
+        Precision {
+            param: m.param,
+            reduce: m.reduce,
+            master: DType::F32,
+        }
+    }
+}
+
+/// Activation checkpointing as planned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Checkpointing {
+    None,
+    Full,
+    Every(u64),
+}
+
+impl From<ActivationCheckpointing> for Checkpointing {
+    fn from(a: ActivationCheckpointing) -> Self {
+        match a {
+            ActivationCheckpointing::None => Checkpointing::None,
+            ActivationCheckpointing::Full => Checkpointing::Full,
+            ActivationCheckpointing::Every(n) => Checkpointing::Every(n),
+        }
+    }
+}
+
+impl From<Checkpointing> for ActivationCheckpointing {
+    fn from(a: Checkpointing) -> Self {
+        match a {
+            Checkpointing::None => ActivationCheckpointing::None,
+            Checkpointing::Full => ActivationCheckpointing::Full,
+            Checkpointing::Every(n) => ActivationCheckpointing::Every(n),
+        }
+    }
+}
+
+/// Per-category bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ByCategory {
+    pub sharded_params: u64,
+    pub unsharded_params: u64,
+    pub sharded_grads: u64,
+    pub unsharded_grads: u64,
+    pub optimizer_state: u64,
+    pub activations: u64,
+    pub comm_buffers: u64,
+}
+
+impl ByCategory {
+    pub fn get(&self, c: Category) -> u64 {
+        match c {
+            Category::ShardedParams => self.sharded_params,
+            Category::UnshardedParams => self.unsharded_params,
+            Category::ShardedGrads => self.sharded_grads,
+            Category::UnshardedGrads => self.unsharded_grads,
+            Category::OptimizerState => self.optimizer_state,
+            Category::Activations => self.activations,
+            Category::CommBuffers => self.comm_buffers,
+        }
+    }
+
+    pub fn slot(&mut self, c: Category) -> &mut u64 {
+        match c {
+            Category::ShardedParams => &mut self.sharded_params,
+            Category::UnshardedParams => &mut self.unsharded_params,
+            Category::ShardedGrads => &mut self.sharded_grads,
+            Category::UnshardedGrads => &mut self.unsharded_grads,
+            Category::OptimizerState => &mut self.optimizer_state,
+            Category::Activations => &mut self.activations,
+            Category::CommBuffers => &mut self.comm_buffers,
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        Category::ALL.iter().map(|&c| self.get(c)).fold(0, u64::saturating_add)
+    }
+}
+
+/// One point of the memory timeline (device pool).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemorySample {
+    /// Simulated time, seconds from the start of the step.
+    pub t: f64,
+    /// Instruction (issue index) that changed the level.
+    pub instr: u32,
+    pub total: u64,
+}
+
+/// Simulated memory of one rank (every rank of a plan is alike: shards are padded).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MemoryReport {
+    /// Device bytes at the peak, by category.
+    pub at_peak: ByCategory,
+    pub peak: u64,
+    /// Issue index of the instruction at which the peak is reached.
+    pub peak_instr: u32,
+    /// Highest bytes each category reaches on its own.
+    pub max_by_category: ByCategory,
+    /// Host bytes (CPU offload), by category, at their peak.
+    pub host: ByCategory,
+    pub timeline: Vec<MemorySample>,
+}
+
+/// Start and end of each instruction in the simulated timeline, seconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    pub start: Vec<f64>,
+    pub end: Vec<f64>,
+}
+
+/// Predicted speed of one optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    pub step_s: f64,
+    /// Time the compute stream spends computing.
+    pub compute_s: f64,
+    /// Time the compute stream waits on other streams.
+    pub exposed_comm_s: f64,
+    /// Model FLOPs per step per rank (6N-style, recompute not counted) over peak x time.
+    pub mfu: f64,
+    pub model_flops_per_rank: f64,
+    pub tokens_per_s: f64,
+    /// Bytes each rank sends/receives through collectives per step, by kind.
+    pub all_gather_bytes: u64,
+    pub reduce_scatter_bytes: u64,
+    pub all_reduce_bytes: u64,
+    pub collectives: u64,
+}
+
+/// A complete plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub version: u32,
+    pub model: String,
+    pub params: u64,
+    pub mesh: Mesh,
+    pub hardware: HardwareProfile,
+    pub policy: Policy,
+    pub groups: Vec<PlannedGroup>,
+    pub steps: Vec<Step>,
+    pub buffers: Vec<Buffer>,
+    pub events: u32,
+    pub programs: Vec<Program>,
+    pub ranks: Vec<RankSpan>,
+    pub timing: Timing,
+    pub memory: MemoryReport,
+    pub estimate: Estimate,
+}
+
+impl Plan {
+    /// The program rank `rank` runs.
+    pub fn program_of(&self, rank: u64) -> Option<&Program> {
+        self.ranks
+            .iter()
+            .find(|s| rank >= s.first && rank - s.first < s.count)
+            .and_then(|s| self.programs.get(s.program as usize))
+    }
+
+    pub fn buffer(&self, b: BufId) -> &Buffer {
+        &self.buffers[b.index()]
+    }
+
+    pub fn step(&self, s: StepId) -> &Step {
+        &self.steps[s.index()]
+    }
+}

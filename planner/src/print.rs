@@ -1,0 +1,342 @@
+//! The text form of a plan: a summary, the groups table, and one rank's schedule as aligned
+//! columns per stream, in the module names of the user's model.
+
+use crate::cost::pool_name;
+use crate::plan::{Category, Comm, GroupReshard, Instr, Issued, Plan, Stream};
+use shardplan_frontends::{GradSync, Offload};
+use std::fmt::Write;
+
+/// `1.50 GiB`-style sizes (powers of 1024).
+pub fn bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+/// Seconds as `12.345 ms`.
+pub fn ms(s: f64) -> String {
+    format!("{:.3} ms", s * 1e3)
+}
+
+fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn group_name(plan: &Plan, g: crate::GroupId) -> String {
+    match plan.groups.get(g.index()) {
+        Some(grp) => format!("{g} {}", grp.group.module),
+        None => g.to_string(),
+    }
+}
+
+/// Ranks of a group, compactly: `0-7`, or `3,11,..,16379 (2048 ranks)`.
+pub fn ranks(members: &[u64]) -> String {
+    match members {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [a, b, ..] => {
+            let step = b - a;
+            let last = members[members.len() - 1];
+            if step == 1 {
+                format!("{a}-{last}")
+            } else if members.len() <= 4 {
+                members.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+            } else {
+                format!("{a},{b},..,{last} ({} ranks)", members.len())
+            }
+        }
+    }
+}
+
+/// One instruction in words (no rank-specific detail).
+pub fn describe(plan: &Plan, issued: &Issued) -> String {
+    describe_for(plan, issued, None)
+}
+
+fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
+    let buf = |b: crate::BufId| match plan.buffers.get(b.index()) {
+        Some(x) => x.name.clone(),
+        None => b.to_string(),
+    };
+    let over = |c: Comm| match rank {
+        Some(r) => format!("{c} {}", ranks(&c.members(&plan.mesh, r))),
+        None => c.to_string(),
+    };
+    match &issued.instr {
+        Instr::Compute { step, micro, .. } => match plan.steps.get(step.index()) {
+            Some(s) => {
+                let mb = if plan.policy.grad_accum > 1 {
+                    format!(" mb{micro}")
+                } else {
+                    String::new()
+                };
+                format!("{} {}{mb} [{step}]", s.phase.name(), s.label)
+            }
+            None => format!("compute {step}"),
+        },
+        Instr::Alloc { buf: b } => match plan.buffers.get(b.index()) {
+            Some(x) => format!("alloc {} {}", x.name, bytes(x.bytes())),
+            None => format!("alloc {b}"),
+        },
+        Instr::Free { buf: b } => format!("free {}", buf(*b)),
+        Instr::Record { event } => format!("record {event}"),
+        Instr::Wait { event } => format!("wait {event}"),
+        Instr::AllGather { group, comm, .. } => {
+            format!("all-gather {} over {}", group_name(plan, *group), over(*comm))
+        }
+        Instr::ReduceScatter { group, comm, op, .. } => format!(
+            "reduce-scatter {} {op:?} over {}",
+            group_name(plan, *group),
+            over(*comm)
+        )
+        .replace("Avg", "avg")
+        .replace("Sum", "sum"),
+        Instr::AllReduce { comm, op, buf: b, .. } => format!("all-reduce {} {op:?} over {}", buf(*b), over(*comm))
+            .replace("Avg", "avg")
+            .replace("Sum", "sum"),
+        Instr::Copy { src, dst, .. } => format!("copy {} -> {}", buf(*src), buf(*dst)),
+        Instr::GradNorm { dst, grads } => format!("grad norm of {} shards -> {}", grads.len(), buf(*dst)),
+        Instr::OptimizerStep { group, .. } => format!("{} step {}", plan.policy.optimizer, group_name(plan, *group)),
+    }
+}
+
+/// Summary, groups table and the schedule of `rank`.
+pub fn text(plan: &Plan, rank: u64) -> String {
+    let mut o = String::new();
+    summary(&mut o, plan);
+    o.push('\n');
+    groups_table(&mut o, plan);
+    o.push('\n');
+    schedule_table(&mut o, plan, rank);
+    o
+}
+
+/// The summary block alone.
+pub fn summary(o: &mut String, plan: &Plan) {
+    let m = &plan.mesh;
+    let p = &plan.policy;
+    let nodes = m.world().div_ceil(m.gpus_per_node());
+    let _ = writeln!(
+        o,
+        "plan: {} ({} params) on {} ranks: mesh {} replicate x {} shard{}, {} node{} of {} GPUs, {}",
+        plan.model,
+        thousands(plan.params),
+        m.world(),
+        m.replicate(),
+        m.shard(),
+        if m.replicate() > 1 { " (HSDP)" } else { "" },
+        nodes,
+        if nodes == 1 { "" } else { "s" },
+        m.gpus_per_node(),
+        plan.hardware.name
+    );
+    let reshard = match p.reshard_after_forward {
+        GroupReshard::Free => "true".to_string(),
+        GroupReshard::Keep => "false".to_string(),
+        GroupReshard::ToGroupOf(n) => n.to_string(),
+    };
+    let mut wrap = p.wrap.join(", ");
+    if !p.wrap_modules.is_empty() {
+        wrap.push_str(&format!(" + modules {}", p.wrap_modules.join(", ")));
+    }
+    if let Some(b) = p.bucket_mib {
+        wrap.push_str(&format!(", buckets up to {b} MiB"));
+    }
+    let _ = writeln!(
+        o,
+        "policy: wrap [{wrap}], reshard_after_forward {reshard} (root keeps), prefetch forward {} / backward {}",
+        p.prefetch.forward, p.prefetch.backward
+    );
+    let ac = match p.activation_checkpointing {
+        crate::Checkpointing::None => "none".to_string(),
+        crate::Checkpointing::Full => "full".to_string(),
+        crate::Checkpointing::Every(n) => format!("every {n} blocks"),
+    };
+    let _ = writeln!(
+        o,
+        "        params {} / reduce {} / master {}, offload {}, activation checkpointing {ac}",
+        p.mixed_precision.param,
+        p.mixed_precision.reduce,
+        p.mixed_precision.master,
+        if p.offload == Offload::Cpu { "cpu" } else { "none" },
+    );
+    let sync = match p.grad_sync {
+        GradSync::EveryMicroBatch => "reduce-scatter every micro-batch",
+        GradSync::FinalMicroBatch => "reduce-scatter on the final micro-batch",
+    };
+    let tokens = m.world() * p.batch_per_rank * p.seq_len * p.grad_accum;
+    let _ = writeln!(
+        o,
+        "batch: {} x {} tokens per rank, grad_accum {} ({sync}); {} tokens per step; {}{}",
+        p.batch_per_rank,
+        p.seq_len,
+        p.grad_accum,
+        thousands(tokens),
+        p.optimizer,
+        p.grad_clip.map(|c| format!(", grad_clip {c}")).unwrap_or_default()
+    );
+    o.push('\n');
+    let mem = &plan.memory;
+    let peak_at = plan
+        .programs
+        .first()
+        .and_then(|pr| pr.instrs.get(mem.peak_instr as usize))
+        .map(|i| describe(plan, i))
+        .unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "memory per rank (device): peak {} at #{} ({peak_at}); every rank alike",
+        bytes(mem.peak),
+        mem.peak_instr
+    );
+    let _ = writeln!(o, "  {:<36} {:>12} {:>12}", "category", "at peak", "max");
+    for c in Category::ALL {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>12} {:>12}",
+            c.name(),
+            bytes(mem.at_peak.get(c)),
+            bytes(mem.max_by_category.get(c))
+        );
+    }
+    let _ = writeln!(o, "  {:<36} {:>12}", "total", bytes(mem.at_peak.total()));
+    if mem.host.total() > 0 {
+        let parts: Vec<String> = Category::ALL
+            .iter()
+            .filter(|&&c| mem.host.get(c) > 0)
+            .map(|&c| format!("{} {}", c.name(), bytes(mem.host.get(c))))
+            .collect();
+        let _ = writeln!(
+            o,
+            "memory per rank ({}): {} ({})",
+            pool_name(crate::Pool::Host),
+            bytes(mem.host.total()),
+            parts.join(", ")
+        );
+    }
+    let e = &plan.estimate;
+    let _ = writeln!(
+        o,
+        "communication per rank per step: all-gather {}, reduce-scatter {}, all-reduce {} ({} collectives)",
+        bytes(e.all_gather_bytes),
+        bytes(e.reduce_scatter_bytes),
+        bytes(e.all_reduce_bytes),
+        e.collectives
+    );
+    let _ = writeln!(
+        o,
+        "predicted step: {} (compute {}, exposed communication {}), MFU {:.1}%, {} tokens/s",
+        ms(e.step_s),
+        ms(e.compute_s),
+        ms(e.exposed_comm_s),
+        e.mfu * 100.0,
+        thousands(e.tokens_per_s.round() as u64)
+    );
+}
+
+/// The groups table.
+pub fn groups_table(o: &mut String, plan: &Plan) {
+    let p = &plan.policy.mixed_precision;
+    let _ = writeln!(
+        o,
+        "groups ({}):\n  {:<5} {:<28} {:>14} {:>16} {:>16} {:>10}  after forward",
+        plan.groups.len(),
+        "group",
+        "module",
+        "params",
+        format!("unsharded {}", p.param),
+        format!("shard/rank {}", p.master),
+        "padding"
+    );
+    for grp in &plan.groups {
+        let l = &grp.layout;
+        let after = match grp.reshard {
+            GroupReshard::Free => "free".to_string(),
+            GroupReshard::Keep => "keep".to_string(),
+            GroupReshard::ToGroupOf(n) => format!("keep 1/{n}"),
+        };
+        let mut module = grp.group.module.clone();
+        if module.len() > 28 {
+            module.truncate(25);
+            module.push_str("...");
+        }
+        let _ = writeln!(
+            o,
+            "  {:<5} {:<28} {:>14} {:>16} {:>16} {:>10}  {after}",
+            grp.group.id.to_string(),
+            module,
+            thousands(l.numel),
+            bytes(l.gathered_bytes(p.param)),
+            bytes(l.shard_bytes(p.master)),
+            thousands(l.padding())
+        );
+    }
+}
+
+/// One rank's schedule: a row per instruction in issue order, in its stream's column.
+pub fn schedule_table(o: &mut String, plan: &Plan, rank: u64) {
+    let Some(program) = plan.program_of(rank) else {
+        let _ = writeln!(o, "rank {rank} is not in the mesh");
+        return;
+    };
+    let used: Vec<Stream> = Stream::ALL
+        .iter()
+        .copied()
+        .filter(|s| program.instrs.iter().any(|i| i.stream == *s))
+        .collect();
+    let coords = plan.mesh.coords(rank);
+    let _ = writeln!(
+        o,
+        "schedule of rank {rank} (replicate {}, shard {}), start times in ms:",
+        coords.replicate, coords.shard
+    );
+    let cells: Vec<String> = program
+        .instrs
+        .iter()
+        .map(|i| describe_for(plan, i, Some(rank)))
+        .collect();
+    let width: Vec<usize> = used
+        .iter()
+        .map(|s| {
+            program
+                .instrs
+                .iter()
+                .zip(&cells)
+                .filter(|(i, _)| i.stream == *s)
+                .map(|(_, c)| c.len())
+                .max()
+                .unwrap_or(0)
+                .max(s.name().len())
+        })
+        .collect();
+    let mut head = format!("  {:>5} {:>9}", "#", "t");
+    for (s, w) in used.iter().zip(&width) {
+        head.push_str(&format!("  {:<w$}", s.name(), w = *w));
+    }
+    let _ = writeln!(o, "{}", head.trim_end());
+    for (i, (issued, cell)) in program.instrs.iter().zip(&cells).enumerate() {
+        let mut row = format!("  {:>5} {:>9.3}", i, plan.timing.start.get(i).copied().unwrap_or(0.0) * 1e3);
+        for (s, w) in used.iter().zip(&width) {
+            let c = if *s == issued.stream { cell.as_str() } else { "" };
+            row.push_str(&format!("  {c:<w$}", w = *w));
+        }
+        let _ = writeln!(o, "{}", row.trim_end());
+    }
+}

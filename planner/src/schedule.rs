@@ -1,0 +1,554 @@
+//! The schedule: one rank's instructions for one optimizer step, in issue order.
+//!
+//! Per micro-batch, walking the compute steps in order:
+//! - a group is all-gathered before the first step that reads it while it is sharded; the
+//!   all-gather is issued when the compute stream starts the step that needs the group
+//!   `depth` gathers earlier (FSDP2's prefetch; depth 0 waits for the step itself);
+//! - after its last forward read a group is freed (`reshard_after_forward: true`), kept
+//!   (`false`; the root group always), or sliced to a post-forward shard (`N`); after its
+//!   last read it is freed;
+//! - after the step that last writes a group's gradients it is reduce-scattered (every
+//!   micro-batch, or only the last, by `grad_sync`), all-reduced over replicas once per step
+//!   (HSDP), and under CPU offload copied to the host;
+//! - at the end: the gradient norm (partial sums all-reduced over the shard group) and the
+//!   optimizer step of each group on its shards.
+
+use crate::group::GroupId;
+use crate::mesh::Mesh;
+use crate::plan::{
+    Buffer, BufId, Category, Comm, EventId, GroupReshard, Instr, Issued, PlannedGroup, Policy, Pool, Program,
+    ReduceOp, Stream,
+};
+use crate::steps::{Phase, Step, StepId};
+use shardplan_frontends::{GradSync, Offload};
+use shardplan_ir::DType;
+
+/// Buffers, event count and program of one rank.
+pub struct Schedule {
+    pub buffers: Vec<Buffer>,
+    pub events: u32,
+    pub program: Program,
+}
+
+struct Builder<'a> {
+    groups: &'a [PlannedGroup],
+    policy: &'a Policy,
+    mesh: &'a Mesh,
+    buffers: Vec<Buffer>,
+    events: u32,
+    instrs: Vec<Issued>,
+    last_wait: [Option<EventId>; Stream::ALL.len()],
+    // Per group:
+    sharded: Vec<BufId>,
+    optim: Vec<Option<BufId>>,
+    gathered: Vec<Option<(BufId, EventId, bool)>>,
+    post_forward: Vec<Option<BufId>>,
+    unsharded_grads: Vec<Option<BufId>>,
+    sharded_grads: Vec<Option<BufId>>,
+    grads_done: Vec<Option<(BufId, EventId)>>,
+}
+
+impl Builder<'_> {
+    fn buf(&mut self, name: String, category: Category, group: GroupId, dtype: DType, numel: u64, pool: Pool) -> BufId {
+        let id = BufId(self.buffers.len() as u32);
+        self.buffers.push(Buffer {
+            id,
+            name,
+            category,
+            group: Some(group),
+            dtype,
+            numel,
+            pool,
+            persistent: false,
+        });
+        id
+    }
+
+    fn event(&mut self) -> EventId {
+        self.events += 1;
+        EventId(self.events - 1)
+    }
+
+    fn emit(&mut self, stream: Stream, instr: Instr) {
+        if let Instr::Wait { event } = instr {
+            // A stream that already waited on this event is past it.
+            if self.last_wait[stream.index()] == Some(event) {
+                return;
+            }
+            self.last_wait[stream.index()] = Some(event);
+        }
+        self.instrs.push(Issued { stream, instr });
+    }
+
+    fn record(&mut self, stream: Stream) -> EventId {
+        let e = self.event();
+        self.emit(stream, Instr::Record { event: e });
+        e
+    }
+
+    fn offload(&self) -> bool {
+        self.policy.offload == Offload::Cpu
+    }
+
+    fn gathered_numel(&self, g: GroupId) -> u64 {
+        self.groups[g.index()].layout.gathered_numel()
+    }
+
+    fn shard_numel(&self, g: GroupId) -> u64 {
+        self.groups[g.index()].layout.shard_numel
+    }
+
+    fn suffix(&self, micro: u32, phase: &str) -> String {
+        if self.policy.grad_accum > 1 {
+            format!("{phase}{micro}")
+        } else {
+            phase.to_string()
+        }
+    }
+
+    /// All-gathers group `g` on the all-gather stream once `gate` (a compute event) passes.
+    fn gather(&mut self, g: GroupId, gate: EventId, micro: u32, phase: Phase) {
+        let p = self.policy.mixed_precision.param;
+        let full = self.gathered_numel(g);
+        let tag = self.suffix(micro, if phase == Phase::Forward { "fwd" } else { "bwd" });
+        let dst = self.buf(format!("{g}.unsharded.{tag}"), Category::UnshardedParams, g, p, full, Pool::Device);
+        let (src, comm, staging, drop_src) = match self.post_forward[g.index()].take() {
+            Some(pf) => {
+                let n = match self.groups[g.index()].reshard {
+                    GroupReshard::ToGroupOf(n) => n,
+                    _ => self.mesh.shard(),
+                };
+                self.emit(Stream::AllGather, Instr::Wait { event: gate });
+                (pf, Comm::Reshard(n), None, true)
+            }
+            None => {
+                let shard = self.shard_numel(g);
+                let src = if self.offload() {
+                    let dev = self.buf(
+                        format!("{g}.params.device"),
+                        Category::ShardedParams,
+                        g,
+                        self.policy.mixed_precision.master,
+                        shard,
+                        Pool::Device,
+                    );
+                    self.emit(Stream::Copy, Instr::Wait { event: gate });
+                    self.emit(Stream::Copy, Instr::Alloc { buf: dev });
+                    self.emit(
+                        Stream::Copy,
+                        Instr::Copy {
+                            src: self.sharded[g.index()],
+                            dst: dev,
+                            accumulate: false,
+                        },
+                    );
+                    let copied = self.record(Stream::Copy);
+                    self.emit(Stream::AllGather, Instr::Wait { event: copied });
+                    dev
+                } else {
+                    self.emit(Stream::AllGather, Instr::Wait { event: gate });
+                    self.sharded[g.index()]
+                };
+                let staging = self.buf(format!("{g}.all_gather_in"), Category::CommBuffers, g, p, shard, Pool::Device);
+                (src, Comm::Shard, Some(staging), self.offload())
+            }
+        };
+        if let Some(s) = staging {
+            self.emit(Stream::AllGather, Instr::Alloc { buf: s });
+        }
+        self.emit(Stream::AllGather, Instr::Alloc { buf: dst });
+        self.emit(
+            Stream::AllGather,
+            Instr::AllGather {
+                group: g,
+                comm,
+                src,
+                staging,
+                dst,
+            },
+        );
+        if let Some(s) = staging {
+            self.emit(Stream::AllGather, Instr::Free { buf: s });
+        }
+        if drop_src {
+            self.emit(Stream::AllGather, Instr::Free { buf: src });
+        }
+        let done = self.record(Stream::AllGather);
+        self.gathered[g.index()] = Some((dst, done, false));
+    }
+
+    /// Reduce-scatters group `g`'s unsharded gradients; on the final micro-batch also the
+    /// replica all-reduce and the host copy.
+    fn reduce(&mut self, g: GroupId, micro: u32, last_micro: bool) {
+        let Some(grads) = self.unsharded_grads[g.index()].take() else {
+            return;
+        };
+        let ready = self.record(Stream::Compute);
+        let master = self.policy.mixed_precision.master;
+        let reduce = self.policy.mixed_precision.reduce;
+        self.emit(Stream::ReduceScatter, Instr::Wait { event: ready });
+        let acc = match self.sharded_grads[g.index()] {
+            Some(b) => b,
+            None => {
+                let b = self.buf(
+                    format!("{g}.grads"),
+                    Category::ShardedGrads,
+                    g,
+                    master,
+                    self.shard_numel(g),
+                    Pool::Device,
+                );
+                self.emit(Stream::ReduceScatter, Instr::Alloc { buf: b });
+                self.sharded_grads[g.index()] = Some(b);
+                b
+            }
+        };
+        let tag = self.suffix(micro, "rs");
+        let staging = self.buf(
+            format!("{g}.{tag}_in"),
+            Category::CommBuffers,
+            g,
+            reduce,
+            self.gathered_numel(g),
+            Pool::Device,
+        );
+        self.emit(Stream::ReduceScatter, Instr::Alloc { buf: staging });
+        self.emit(
+            Stream::ReduceScatter,
+            Instr::ReduceScatter {
+                group: g,
+                comm: Comm::Shard,
+                op: ReduceOp::Avg,
+                src: grads,
+                staging,
+                dst: acc,
+            },
+        );
+        self.emit(Stream::ReduceScatter, Instr::Free { buf: staging });
+        self.emit(Stream::ReduceScatter, Instr::Free { buf: grads });
+        let mut done = self.record(Stream::ReduceScatter);
+        if !last_micro {
+            return;
+        }
+        if self.mesh.replicate() > 1 {
+            self.emit(Stream::AllReduce, Instr::Wait { event: done });
+            self.emit(
+                Stream::AllReduce,
+                Instr::AllReduce {
+                    group: Some(g),
+                    comm: Comm::Replicate,
+                    op: ReduceOp::Avg,
+                    buf: acc,
+                },
+            );
+            done = self.record(Stream::AllReduce);
+        }
+        let mut final_buf = acc;
+        if self.offload() {
+            let host = self.buf(
+                format!("{g}.grads.host"),
+                Category::ShardedGrads,
+                g,
+                master,
+                self.shard_numel(g),
+                Pool::Host,
+            );
+            self.emit(Stream::Copy, Instr::Wait { event: done });
+            self.emit(Stream::Copy, Instr::Alloc { buf: host });
+            self.emit(
+                Stream::Copy,
+                Instr::Copy {
+                    src: acc,
+                    dst: host,
+                    accumulate: false,
+                },
+            );
+            self.emit(Stream::Copy, Instr::Free { buf: acc });
+            done = self.record(Stream::Copy);
+            final_buf = host;
+        }
+        self.sharded_grads[g.index()] = None;
+        self.grads_done[g.index()] = Some((final_buf, done));
+    }
+}
+
+/// Where each group is used within one micro-batch.
+struct Uses {
+    last_forward: Vec<Option<usize>>,
+    last: Vec<Option<usize>>,
+    last_grad: Vec<Option<usize>>,
+}
+
+fn uses(steps: &[Step], n_groups: usize) -> Uses {
+    let mut u = Uses {
+        last_forward: vec![None; n_groups],
+        last: vec![None; n_groups],
+        last_grad: vec![None; n_groups],
+    };
+    for (pos, s) in steps.iter().enumerate() {
+        for g in &s.reads {
+            if s.phase == Phase::Forward {
+                u.last_forward[g.index()] = Some(pos);
+            }
+            u.last[g.index()] = Some(pos);
+        }
+        for g in &s.grads {
+            u.last_grad[g.index()] = Some(pos);
+        }
+    }
+    u
+}
+
+/// Gathers one micro-batch needs, in order: (step position, group).
+fn needs(steps: &[Step], groups: &[PlannedGroup], u: &Uses) -> Vec<(usize, GroupId)> {
+    let mut gathered = vec![false; groups.len()];
+    let mut out = Vec::new();
+    for (pos, s) in steps.iter().enumerate() {
+        for &g in &s.reads {
+            if !gathered[g.index()] {
+                gathered[g.index()] = true;
+                out.push((pos, g));
+            }
+        }
+        for &g in &s.reads {
+            let gi = g.index();
+            if u.last[gi] == Some(pos)
+                || (u.last_forward[gi] == Some(pos) && groups[gi].reshard != GroupReshard::Keep)
+            {
+                gathered[gi] = false;
+            }
+        }
+    }
+    out
+}
+
+/// The schedule of one rank.
+pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: &Mesh) -> Schedule {
+    let n = groups.len();
+    let pool = if policy.offload == Offload::Cpu {
+        Pool::Host
+    } else {
+        Pool::Device
+    };
+    let master = policy.mixed_precision.master;
+    let mut b = Builder {
+        groups,
+        policy,
+        mesh,
+        buffers: Vec::new(),
+        events: 0,
+        instrs: Vec::new(),
+        last_wait: [None; Stream::ALL.len()],
+        sharded: Vec::with_capacity(n),
+        optim: Vec::with_capacity(n),
+        gathered: vec![None; n],
+        post_forward: vec![None; n],
+        unsharded_grads: vec![None; n],
+        sharded_grads: vec![None; n],
+        grads_done: vec![None; n],
+    };
+    for grp in groups {
+        let g = grp.group.id;
+        let shard = grp.layout.shard_numel;
+        let p = b.buf(format!("{g}.params"), Category::ShardedParams, g, master, shard, pool);
+        b.buffers[p.index()].persistent = true;
+        b.sharded.push(p);
+        let k = policy.optimizer_state_per_param;
+        let o = (k > 0).then(|| {
+            let o = b.buf(format!("{g}.optim"), Category::OptimizerState, g, master, shard * k, pool);
+            b.buffers[o.index()].persistent = true;
+            o
+        });
+        b.optim.push(o);
+    }
+
+    let u = uses(steps, n);
+    let need = needs(steps, groups, &u);
+    let first_backward = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(0);
+    // The step at which each gather is issued.
+    let mut gate_at: Vec<Vec<(GroupId, Phase)>> = vec![Vec::new(); steps.len()];
+    let (fwd, bwd): (Vec<_>, Vec<_>) = need.iter().partition(|(pos, _)| steps[*pos].phase == Phase::Forward);
+    for (list, depth, start) in [
+        (&fwd, policy.prefetch.forward as usize, 0),
+        (&bwd, policy.prefetch.backward as usize, first_backward),
+    ] {
+        for (i, &(pos, g)) in list.iter().enumerate() {
+            let at = if i >= depth { list[i - depth].0 } else { start.min(pos) };
+            gate_at[at].push((g, steps[pos].phase));
+        }
+    }
+
+    let micros = policy.grad_accum as u32;
+    for micro in 0..micros {
+        let last_micro = micro + 1 == micros;
+        let sync = last_micro || policy.grad_sync == GradSync::EveryMicroBatch;
+        for (pos, s) in steps.iter().enumerate() {
+            if !gate_at[pos].is_empty() {
+                let gate = b.record(Stream::Compute);
+                for &(g, phase) in &gate_at[pos] {
+                    b.gather(g, gate, micro, phase);
+                }
+            }
+            let mut reads = Vec::with_capacity(s.reads.len());
+            for &g in &s.reads {
+                let (buf, event, waited) = b.gathered[g.index()].expect("every read group is gathered by its need");
+                if !waited {
+                    b.emit(Stream::Compute, Instr::Wait { event });
+                    b.gathered[g.index()] = Some((buf, event, true));
+                }
+                reads.push(buf);
+            }
+            let mut writes = Vec::with_capacity(s.grads.len());
+            for &g in &s.grads {
+                let buf = match b.unsharded_grads[g.index()] {
+                    Some(buf) => buf,
+                    None => {
+                        let tag = if policy.grad_accum > 1 && policy.grad_sync == GradSync::EveryMicroBatch {
+                            format!("{micro}")
+                        } else {
+                            String::new()
+                        };
+                        let buf = b.buf(
+                            format!("{g}.unsharded_grads{tag}"),
+                            Category::UnshardedGrads,
+                            g,
+                            policy.mixed_precision.param,
+                            b.gathered_numel(g),
+                            Pool::Device,
+                        );
+                        b.emit(Stream::Compute, Instr::Alloc { buf });
+                        b.unsharded_grads[g.index()] = Some(buf);
+                        buf
+                    }
+                };
+                writes.push(buf);
+            }
+            b.emit(
+                Stream::Compute,
+                Instr::Compute {
+                    step: StepId(pos as u32),
+                    micro,
+                    reads,
+                    writes,
+                },
+            );
+            for &g in &s.reads {
+                let gi = g.index();
+                let (buf, _, _) = b.gathered[gi].expect("read groups are gathered");
+                if u.last[gi] == Some(pos) {
+                    b.emit(Stream::Compute, Instr::Free { buf });
+                    b.gathered[gi] = None;
+                } else if u.last_forward[gi] == Some(pos) {
+                    match groups[gi].reshard {
+                        GroupReshard::Keep => {}
+                        GroupReshard::Free => {
+                            b.emit(Stream::Compute, Instr::Free { buf });
+                            b.gathered[gi] = None;
+                        }
+                        GroupReshard::ToGroupOf(k) => {
+                            let numel = b.gathered_numel(g) / k;
+                            let tag = b.suffix(micro, "pf");
+                            let pf = b.buf(
+                                format!("{g}.{tag}_shard"),
+                                Category::UnshardedParams,
+                                g,
+                                policy.mixed_precision.param,
+                                numel,
+                                Pool::Device,
+                            );
+                            b.emit(Stream::Compute, Instr::Alloc { buf: pf });
+                            b.emit(
+                                Stream::Compute,
+                                Instr::Copy {
+                                    src: buf,
+                                    dst: pf,
+                                    accumulate: false,
+                                },
+                            );
+                            b.emit(Stream::Compute, Instr::Free { buf });
+                            b.gathered[gi] = None;
+                            b.post_forward[gi] = Some(pf);
+                        }
+                    }
+                }
+            }
+            if sync {
+                for &g in &s.grads {
+                    if u.last_grad[g.index()] == Some(pos) {
+                        b.reduce(g, micro, last_micro);
+                    }
+                }
+            }
+        }
+    }
+
+    // Gradient norm and the optimizer step, on the device or (offload) on the host.
+    let opt = if policy.offload == Offload::Cpu {
+        Stream::Host
+    } else {
+        Stream::Compute
+    };
+    let finals: Vec<(GroupId, BufId, EventId)> = groups
+        .iter()
+        .filter_map(|grp| b.grads_done[grp.group.id.index()].map(|(buf, e)| (grp.group.id, buf, e)))
+        .collect();
+    for &(_, _, e) in &finals {
+        b.emit(opt, Instr::Wait { event: e });
+    }
+    let norm = policy.grad_clip.map(|_| {
+        let id = BufId(b.buffers.len() as u32);
+        b.buffers.push(Buffer {
+            id,
+            name: "grad_norm".into(),
+            category: Category::CommBuffers,
+            group: None,
+            dtype: DType::F32,
+            numel: 1,
+            pool: Pool::Device,
+            persistent: false,
+        });
+        b.emit(opt, Instr::Alloc { buf: id });
+        b.emit(
+            opt,
+            Instr::GradNorm {
+                grads: finals.iter().map(|f| f.1).collect(),
+                dst: id,
+            },
+        );
+        let partial = b.record(opt);
+        b.emit(Stream::AllReduce, Instr::Wait { event: partial });
+        b.emit(
+            Stream::AllReduce,
+            Instr::AllReduce {
+                group: None,
+                comm: Comm::Shard,
+                op: ReduceOp::Sum,
+                buf: id,
+            },
+        );
+        let reduced = b.record(Stream::AllReduce);
+        b.emit(opt, Instr::Wait { event: reduced });
+        id
+    });
+    for &(g, grads, _) in &finals {
+        b.emit(
+            opt,
+            Instr::OptimizerStep {
+                group: g,
+                params: b.sharded[g.index()],
+                state: b.optim[g.index()],
+                grads,
+                norm,
+            },
+        );
+        b.emit(opt, Instr::Free { buf: grads });
+    }
+    if let Some(n) = norm {
+        b.emit(opt, Instr::Free { buf: n });
+    }
+    Schedule {
+        buffers: b.buffers,
+        events: b.events,
+        program: Program { instrs: b.instrs },
+    }
+}

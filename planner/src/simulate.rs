@@ -1,0 +1,216 @@
+//! Simulation of one rank's program: a multi-stream timeline, the memory it holds, and the
+//! step-time estimate.
+//!
+//! Timing: every stream runs its instructions in order; an instruction starts when its
+//! stream is free and, for a wait, when the awaited event has been recorded. Since every
+//! wait follows its record in issue order, one pass in issue order computes all times.
+//!
+//! Memory is counted the way PyTorch's caching allocator counts `memory_allocated`: a buffer
+//! counts from its `alloc` to its `free`, in issue order (the host's order); activations
+//! rise to a compute step's peak while it runs and fall to its end level after. Every rank
+//! of a plan holds the same bytes (shards are padded to equal size), so one rank stands for
+//! all. Samples carry the simulated time of the instruction for the trace's counter track.
+
+use crate::cost::instr_seconds;
+use crate::mesh::Mesh;
+use crate::plan::{
+    Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Pool, Program, Stream, Timing,
+};
+use crate::steps::Step;
+use shardplan_frontends::HardwareProfile;
+
+/// The timeline of `program`, and how long the compute stream waited before each
+/// instruction (non-zero only for waits).
+pub fn timeline(
+    program: &Program,
+    buffers: &[Buffer],
+    step_s: &[f64],
+    events: u32,
+    mesh: &Mesh,
+    hw: &HardwareProfile,
+    state_per_param: u64,
+) -> (Timing, Vec<f64>) {
+    let n = program.instrs.len();
+    let mut start = Vec::with_capacity(n);
+    let mut end = Vec::with_capacity(n);
+    let mut stall = Vec::with_capacity(n);
+    let mut free_at = [0.0f64; Stream::ALL.len()];
+    let mut recorded = vec![0.0f64; events as usize];
+    for issued in &program.instrs {
+        let s = issued.stream.index();
+        let mut t = free_at[s];
+        if let Instr::Wait { event } = issued.instr {
+            t = t.max(recorded.get(event.index()).copied().unwrap_or(0.0));
+        }
+        stall.push(t - free_at[s]);
+        let d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, state_per_param);
+        if let Instr::Record { event } = issued.instr {
+            if let Some(slot) = recorded.get_mut(event.index()) {
+                *slot = t;
+            }
+        }
+        start.push(t);
+        end.push(t + d);
+        free_at[s] = t + d;
+    }
+    (Timing { start, end }, stall)
+}
+
+/// Device and host memory over `program`.
+pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Timing) -> MemoryReport {
+    let mut device = ByCategory::default();
+    let mut host = ByCategory::default();
+    let mut host_max = ByCategory::default();
+    for b in buffers.iter().filter(|b| b.persistent) {
+        let level = if b.pool == Pool::Device {
+            &mut device
+        } else {
+            &mut host
+        };
+        *level.slot(b.category) += b.bytes();
+    }
+    host_max = max_each(host_max, host);
+    let mut peak = device.total();
+    let mut at_peak = device;
+    let mut peak_instr = 0u32;
+    let mut max_by_category = device;
+    let mut timeline = vec![MemorySample {
+        t: 0.0,
+        instr: 0,
+        total: peak,
+    }];
+    for (i, issued) in program.instrs.iter().enumerate() {
+        let t = timing.start[i];
+        let changed = match &issued.instr {
+            Instr::Alloc { buf } | Instr::Free { buf } => {
+                let b = &buffers[buf.index()];
+                let level = if b.pool == Pool::Device {
+                    &mut device
+                } else {
+                    &mut host
+                };
+                let slot = level.slot(b.category);
+                if matches!(issued.instr, Instr::Alloc { .. }) {
+                    *slot = slot.saturating_add(b.bytes());
+                } else {
+                    *slot = slot.saturating_sub(b.bytes());
+                }
+                host_max = max_each(host_max, host);
+                b.pool == Pool::Device
+            }
+            Instr::Compute { step, .. } => {
+                let s = &steps[step.index()];
+                device.activations = s.act_peak;
+                observe(&device, i, &mut peak, &mut at_peak, &mut peak_instr, &mut max_by_category);
+                timeline.push(MemorySample {
+                    t,
+                    instr: i as u32,
+                    total: device.total(),
+                });
+                device.activations = s.act_end;
+                true
+            }
+            _ => false,
+        };
+        if changed {
+            observe(&device, i, &mut peak, &mut at_peak, &mut peak_instr, &mut max_by_category);
+            let t = if matches!(issued.instr, Instr::Compute { .. }) {
+                timing.end[i]
+            } else {
+                t
+            };
+            timeline.push(MemorySample {
+                t,
+                instr: i as u32,
+                total: device.total(),
+            });
+        }
+    }
+    MemoryReport {
+        at_peak,
+        peak,
+        peak_instr,
+        max_by_category,
+        host: host_max,
+        timeline,
+    }
+}
+
+fn observe(
+    level: &ByCategory,
+    i: usize,
+    peak: &mut u64,
+    at_peak: &mut ByCategory,
+    peak_instr: &mut u32,
+    max: &mut ByCategory,
+) {
+    let total = level.total();
+    if total > *peak {
+        *peak = total;
+        *at_peak = *level;
+        *peak_instr = i as u32;
+    }
+    *max = max_each(*max, *level);
+}
+
+fn max_each(a: ByCategory, b: ByCategory) -> ByCategory {
+    let mut out = a;
+    for c in Category::ALL {
+        *out.slot(c) = a.get(c).max(b.get(c));
+    }
+    out
+}
+
+/// Step time, exposed communication, MFU and communication volume.
+pub fn estimate(
+    program: &Program,
+    buffers: &[Buffer],
+    timing: &Timing,
+    stall: &[f64],
+    model_flops_per_rank: f64,
+    peak_flops: f64,
+    tokens_per_step: f64,
+) -> Estimate {
+    let step_s = timing.end.iter().copied().fold(0.0, f64::max);
+    let mut compute_s = 0.0;
+    let mut exposed = 0.0;
+    let (mut ag, mut rs, mut ar, mut n) = (0u64, 0u64, 0u64, 0u64);
+    for (i, issued) in program.instrs.iter().enumerate() {
+        if issued.stream == Stream::Compute {
+            compute_s += timing.end[i] - timing.start[i];
+            exposed += stall[i];
+        }
+        match &issued.instr {
+            Instr::AllGather { dst, .. } => {
+                ag += buffers[dst.index()].bytes();
+                n += 1;
+            }
+            Instr::ReduceScatter { staging, .. } => {
+                rs += buffers[staging.index()].bytes();
+                n += 1;
+            }
+            Instr::AllReduce { buf, .. } => {
+                ar += buffers[buf.index()].bytes();
+                n += 1;
+            }
+            _ => {}
+        }
+    }
+    let tail = (step_s - timing.end.iter().zip(&program.instrs).filter(|(_, i)| i.stream == Stream::Compute).map(|(e, _)| *e).fold(0.0, f64::max)).max(0.0);
+    Estimate {
+        step_s,
+        compute_s,
+        exposed_comm_s: exposed + tail,
+        mfu: if step_s > 0.0 {
+            model_flops_per_rank / (step_s * peak_flops)
+        } else {
+            0.0
+        },
+        model_flops_per_rank,
+        tokens_per_s: if step_s > 0.0 { tokens_per_step / step_s } else { 0.0 },
+        all_gather_bytes: ag,
+        reduce_scatter_bytes: rs,
+        all_reduce_bytes: ar,
+        collectives: n,
+    }
+}

@@ -1,0 +1,269 @@
+//! Compute steps: the joint graph cut into per-group segments, in execution order, with
+//! activation checkpointing's recompute segments inserted, and the activation memory of
+//! each from liveness.
+//!
+//! The execution order is the joint graph's node order (forward, then backward), except that
+//! a checkpointed block's forward nodes run again just before its first backward node. A
+//! segment is a maximal run of that order whose nodes belong to one group and one phase.
+//!
+//! Activation memory is exact for an executor that holds every value from the node that
+//! makes it to its last reader: parameters are not activations (they live in the groups'
+//! unsharded buffers), nor are final parameter gradients (they live in the unsharded
+//! gradient buffers). A backward node of a checkpointed block reads the recomputed copy of
+//! that block's forward values, so the originals die at their last forward use.
+
+use crate::group::{scope_groups, FsdpGroup, GroupId};
+use serde::{Deserialize, Serialize};
+use shardplan_frontends::ActivationCheckpointing;
+use shardplan_ir::{JointGraph, ModuleKind, NodeId, ScopeId};
+use std::fmt;
+use std::ops::Range;
+
+/// A compute segment (printed `s4`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct StepId(pub u32);
+
+impl StepId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for StepId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "s{}", self.0)
+    }
+}
+
+/// Which pass a segment belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Forward,
+    /// Activation checkpointing: a block's forward run again inside the backward pass.
+    Recompute,
+    Backward,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Recompute => "recompute",
+            Phase::Backward => "backward",
+        }
+    }
+}
+
+/// One segment of the joint graph run as a single compute instruction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    pub id: StepId,
+    pub phase: Phase,
+    /// The group its nodes belong to.
+    pub group: GroupId,
+    /// The modules it runs, as the user's model names them.
+    pub label: String,
+    /// Joint-graph node ids, as runs of consecutive ids, in execution order.
+    pub nodes: Vec<Range<u32>>,
+    /// Groups whose unsharded parameters it reads.
+    pub reads: Vec<GroupId>,
+    /// Groups whose parameter gradients it produces.
+    pub grads: Vec<GroupId>,
+    /// Most activation bytes held while it runs.
+    pub act_peak: u64,
+    /// Activation bytes held when it ends.
+    pub act_end: u64,
+}
+
+/// Segments `joint` for `groups` and the checkpointing policy.
+pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointing) -> Vec<Step> {
+    let g = &joint.graph;
+    let n = g.node_count();
+    let group_of_scope = scope_groups(g, groups);
+    let mut group_of_param = vec![GroupId(0); g.params().len()];
+    for grp in groups {
+        for p in &grp.params {
+            group_of_param[p.index()] = grp.id;
+        }
+    }
+
+    // Checkpointed block of each scope (the nearest block ancestor, if it is checkpointed).
+    let mut block_index = 0u64;
+    let mut ckpt_of_scope: Vec<Option<ScopeId>> = Vec::with_capacity(g.scopes().len());
+    for (id, s) in g.scopes() {
+        let inherited = s.parent.and_then(|p| ckpt_of_scope[p.index()]);
+        let own = if s.kind == ModuleKind::Block {
+            let chosen = match ac {
+                ActivationCheckpointing::None => false,
+                ActivationCheckpointing::Full => true,
+                ActivationCheckpointing::Every(k) => block_index.is_multiple_of(k),
+            };
+            block_index += 1;
+            chosen.then_some(id)
+        } else {
+            None
+        };
+        ckpt_of_scope.push(own.or(inherited));
+    }
+    let ckpt = |id: NodeId| -> Option<ScopeId> { ckpt_of_scope[g.node(id).scope.index()] };
+
+    let mut param_of_node: Vec<Option<u32>> = vec![None; n];
+    for (p, param) in g.params() {
+        param_of_node[param.node.index()] = Some(p.0);
+    }
+    let mut is_param_grad = vec![false; n];
+    for grad in joint.param_grads.iter().flatten() {
+        is_param_grad[grad.index()] = true;
+    }
+    let mut grad_group: Vec<Option<GroupId>> = vec![None; n];
+    for (p, grad) in joint.param_grads.iter().enumerate() {
+        if let Some(grad) = grad {
+            grad_group[grad.index()] = Some(group_of_param[p]);
+        }
+    }
+
+    // The execution order: (node, recomputed copy?).
+    let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
+    let mut recomputed: Vec<Option<ScopeId>> = Vec::new();
+    for i in 0..n {
+        let id = NodeId(i as u32);
+        let node = g.node(id);
+        if param_of_node[i].is_some() {
+            continue;
+        }
+        if i >= joint.forward_len {
+            if let Some(block) = ckpt(id) {
+                if !recomputed.contains(&Some(block)) {
+                    recomputed.push(Some(block));
+                    for j in 0..joint.forward_len {
+                        let f = NodeId(j as u32);
+                        if param_of_node[j].is_none() && ckpt(f) == Some(block) && !g.node(f).op.is_leaf() {
+                            order.push((f, true));
+                        }
+                    }
+                }
+            }
+        }
+        let _ = node;
+        order.push((id, false));
+    }
+
+    // Liveness over `order`. A value is (node, copy); copy values only exist for checkpointed
+    // forward nodes. `slot` maps a value to its index in `last_use`.
+    let slot = |id: NodeId, copy: bool| id.index() * 2 + usize::from(copy);
+    let mut last_use = vec![usize::MAX; n * 2];
+    let reads_copy = |reader: NodeId, reader_copy: bool, input: NodeId| -> bool {
+        match ckpt(input) {
+            Some(block) if input.index() < joint.forward_len => {
+                let reader_block = ckpt(reader);
+                (reader_copy || reader.index() >= joint.forward_len) && reader_block == Some(block)
+            }
+            _ => false,
+        }
+    };
+    for (pos, &(id, copy)) in order.iter().enumerate() {
+        for &input in &g.node(id).inputs {
+            if param_of_node[input.index()].is_none() {
+                last_use[slot(input, reads_copy(id, copy, input))] = pos;
+            }
+        }
+    }
+    let bytes = |id: NodeId| -> u64 {
+        if param_of_node[id.index()].is_some() || is_param_grad[id.index()] {
+            0
+        } else {
+            g.node(id).ty.bytes().unwrap_or(u64::MAX)
+        }
+    };
+
+    let label_of = |grp: GroupId, id: NodeId| -> String {
+        let group = &groups[grp.index()];
+        if group.is_root() {
+            g.scope(g.top_level(g.node(id).scope)).display_path().to_string()
+        } else {
+            group.module.clone()
+        }
+    };
+
+    let mut out: Vec<Step> = Vec::new();
+    let mut live: u64 = 0;
+    for (pos, &(id, copy)) in order.iter().enumerate() {
+        let node = g.node(id);
+        let phase = if copy {
+            Phase::Recompute
+        } else if id.index() >= joint.forward_len {
+            Phase::Backward
+        } else {
+            Phase::Forward
+        };
+        let grp = group_of_scope[node.scope.index()];
+        let start_new = match out.last() {
+            Some(s) => s.phase != phase || s.group != grp,
+            None => true,
+        };
+        if start_new {
+            out.push(Step {
+                id: StepId(out.len() as u32),
+                phase,
+                group: grp,
+                label: String::new(),
+                nodes: Vec::new(),
+                reads: Vec::new(),
+                grads: Vec::new(),
+                act_peak: live,
+                act_end: live,
+            });
+        }
+        let step = out.last_mut().expect("a step was just pushed");
+        let label = label_of(grp, id);
+        if !node.op.is_leaf() {
+            if step.label.is_empty() {
+                step.label = label;
+            } else if !step.label.split(", ").any(|l| l == label) {
+                step.label.push_str(", ");
+                step.label.push_str(&label);
+            }
+        }
+        match step.nodes.last_mut() {
+            Some(r) if r.end == id.0 => r.end += 1,
+            _ => step.nodes.push(id.0..id.0 + 1),
+        }
+        for &input in &node.inputs {
+            if let Some(p) = param_of_node[input.index()] {
+                let pg = group_of_param[p as usize];
+                if !step.reads.contains(&pg) {
+                    step.reads.push(pg);
+                }
+            }
+        }
+        if let Some(gg) = grad_group[id.index()] {
+            if !step.grads.contains(&gg) {
+                step.grads.push(gg);
+            }
+        }
+        live = live.saturating_add(bytes(id));
+        step.act_peak = step.act_peak.max(live);
+        let mut freed: Vec<usize> = Vec::new();
+        for &input in &node.inputs {
+            if param_of_node[input.index()].is_some() {
+                continue;
+            }
+            let s = slot(input, reads_copy(id, copy, input));
+            if last_use[s] == pos && !freed.contains(&s) {
+                freed.push(s);
+                live = live.saturating_sub(bytes(input));
+            }
+        }
+        if last_use[slot(id, copy)] == usize::MAX {
+            live = live.saturating_sub(bytes(id));
+        }
+        step.act_end = live;
+    }
+    for s in &mut out {
+        s.reads.sort_unstable();
+        s.grads.sort_unstable();
+    }
+    out
+}

@@ -1,0 +1,53 @@
+//! The simulated timeline as a Chrome / Perfetto trace (the JSON "trace event" format):
+//! one track per stream, one slice per instruction that takes time, and a counter track of
+//! device memory.
+
+use crate::plan::{Instr, Plan, Stream};
+use crate::print::describe;
+use serde_json::{json, Value};
+
+/// The trace of `rank`'s program.
+pub fn chrome_trace(plan: &Plan, rank: u64) -> Value {
+    let mut events = Vec::new();
+    let Some(program) = plan.program_of(rank) else {
+        return json!({ "traceEvents": events });
+    };
+    let pid = rank;
+    events.push(json!({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": format!("rank {rank}")}}));
+    for s in Stream::ALL {
+        if program.instrs.iter().any(|i| i.stream == s) {
+            events.push(json!({
+                "ph": "M", "pid": pid, "tid": s.index(), "name": "thread_name",
+                "args": {"name": s.name()}
+            }));
+        }
+    }
+    for (i, issued) in program.instrs.iter().enumerate() {
+        if matches!(
+            issued.instr,
+            Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. }
+        ) {
+            continue;
+        }
+        let (start, end) = (plan.timing.start[i], plan.timing.end[i]);
+        events.push(json!({
+            "ph": "X",
+            "pid": pid,
+            "tid": issued.stream.index(),
+            "name": describe(plan, issued),
+            "ts": start * 1e6,
+            "dur": (end - start) * 1e6,
+            "args": {"instr": i},
+        }));
+    }
+    for s in &plan.memory.timeline {
+        events.push(json!({
+            "ph": "C",
+            "pid": pid,
+            "name": "device memory",
+            "ts": s.t * 1e6,
+            "args": {"bytes": s.total},
+        }));
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}

@@ -1,0 +1,409 @@
+//! The verifier: proves the invariants of a Plan, or names the instruction that breaks one.
+//!
+//! Happens-before is computed with vector clocks over the streams: an instruction follows
+//! everything earlier on its stream and, through a wait, everything up to the awaited
+//! record. On that order, for every rank's program:
+//! - events: every event is recorded once, and every wait names an event recorded earlier in
+//!   issue order (a wait issued before its record does not wait; a cycle cannot form);
+//! - buffers: a non-persistent buffer is allocated once and freed once; every access happens
+//!   after its allocation and before its free (no use after free);
+//! - data: every read follows some write (no use before gather); two accesses of which one
+//!   writes are ordered (no race); every write is read before the buffer dies (gradients
+//!   are reduce-scattered after their last contribution, and the optimizer reads them after
+//!   the reduction);
+//! - collectives: every rank of a process group issues that group's collectives in the same
+//!   order with the same sizes (a mismatch hangs NCCL);
+//! - memory: the simulated peak fits the budget, when one is given.
+
+use crate::plan::{Access, BufId, Comm, Instr, Plan, Program, Stream};
+use crate::print::describe;
+use std::fmt;
+
+/// A broken invariant, naming the instruction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyError {
+    pub rule: &'static str,
+    pub program: usize,
+    /// Issue index of the offending instruction.
+    pub instr: Option<usize>,
+    pub message: String,
+}
+
+impl fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.instr {
+            Some(i) => write!(f, "{}: program {} instruction #{}: {}", self.rule, self.program, i, self.message),
+            None => write!(f, "{}: {}", self.rule, self.message),
+        }
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
+const STREAMS: usize = Stream::ALL.len();
+
+/// Checks every invariant of `plan`; `budget` is a per-rank device memory limit in bytes.
+pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
+    let err = |rule, program, instr, message: String| VerifyError {
+        rule,
+        program,
+        instr,
+        message,
+    };
+    // Ranks: spans cover 0..world once, each naming a program.
+    let world = plan.mesh.world();
+    let mut next = 0u64;
+    for s in &plan.ranks {
+        if s.first != next || s.count == 0 || s.program as usize >= plan.programs.len() {
+            return Err(err(
+                "ranks",
+                0,
+                None,
+                format!(
+                    "rank span {}..{} -> program {} does not continue the cover at rank {next}",
+                    s.first,
+                    s.first.saturating_add(s.count),
+                    s.program
+                ),
+            ));
+        }
+        next = s.first + s.count;
+    }
+    if next != world {
+        return Err(err(
+            "ranks",
+            0,
+            None,
+            format!("rank spans cover {next} ranks, the mesh has {world}"),
+        ));
+    }
+    for (p, program) in plan.programs.iter().enumerate() {
+        verify_program(plan, p, program)?;
+    }
+    verify_collective_order(plan)?;
+    if let Some(b) = budget {
+        if plan.memory.peak > b {
+            return Err(err(
+                "budget",
+                0,
+                Some(plan.memory.peak_instr as usize),
+                format!(
+                    "peak memory {} per rank exceeds the budget {} by {}",
+                    crate::print::bytes(plan.memory.peak),
+                    crate::print::bytes(b),
+                    crate::print::bytes(plan.memory.peak - b)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Vector clocks: `clock[i][s]` = how many instructions of stream `s` happen before or at `i`.
+fn clocks(plan: &Plan, p: usize, program: &Program) -> Result<(Vec<[u32; STREAMS]>, Vec<u32>), VerifyError> {
+    let n = program.instrs.len();
+    let mut clock = Vec::with_capacity(n);
+    let mut pos = Vec::with_capacity(n);
+    let mut stream_clock = [[0u32; STREAMS]; STREAMS];
+    let mut recorded: Vec<Option<[u32; STREAMS]>> = vec![None; plan.events as usize];
+    for (i, issued) in program.instrs.iter().enumerate() {
+        let s = issued.stream.index();
+        let mut c = stream_clock[s];
+        c[s] += 1;
+        match issued.instr {
+            Instr::Wait { event } => match recorded.get(event.index()) {
+                Some(Some(r)) => {
+                    for k in 0..STREAMS {
+                        c[k] = c[k].max(r[k]);
+                    }
+                }
+                Some(None) => {
+                    return Err(VerifyError {
+                        rule: "events",
+                        program: p,
+                        instr: Some(i),
+                        message: format!(
+                            "`{}` waits on {event}, which is not recorded before it in issue order: the wait would not order anything",
+                            describe(plan, issued)
+                        ),
+                    })
+                }
+                None => {
+                    return Err(VerifyError {
+                        rule: "events",
+                        program: p,
+                        instr: Some(i),
+                        message: format!("`{}` names {event}, but the plan has {} events", describe(plan, issued), plan.events),
+                    })
+                }
+            },
+            Instr::Record { event } => match recorded.get_mut(event.index()) {
+                Some(slot @ None) => *slot = Some(c),
+                Some(Some(_)) => {
+                    return Err(VerifyError {
+                        rule: "events",
+                        program: p,
+                        instr: Some(i),
+                        message: format!("{event} is recorded twice"),
+                    })
+                }
+                None => {
+                    return Err(VerifyError {
+                        rule: "events",
+                        program: p,
+                        instr: Some(i),
+                        message: format!("`{}` names {event}, but the plan has {} events", describe(plan, issued), plan.events),
+                    })
+                }
+            },
+            _ => {}
+        }
+        stream_clock[s] = c;
+        pos.push(c[s] - 1);
+        clock.push(c);
+    }
+    Ok((clock, pos))
+}
+
+fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), VerifyError> {
+    let n_buf = plan.buffers.len();
+    let fail = |i: usize, rule: &'static str, message: String| VerifyError {
+        rule,
+        program: p,
+        instr: Some(i),
+        message,
+    };
+    // References in range.
+    for (i, issued) in program.instrs.iter().enumerate() {
+        let bufs: Vec<BufId> = match &issued.instr {
+            Instr::Alloc { buf } | Instr::Free { buf } => vec![*buf],
+            other => other.accesses().into_iter().map(|(b, _)| b).collect(),
+        };
+        if let Some(b) = bufs.iter().find(|b| b.index() >= n_buf) {
+            return Err(fail(i, "references", format!("names {b}, but the plan has {n_buf} buffers")));
+        }
+        if let Instr::Compute { step, .. } = issued.instr {
+            if step.index() >= plan.steps.len() {
+                return Err(fail(i, "references", format!("names {step}, but the plan has {} steps", plan.steps.len())));
+            }
+        }
+    }
+    let (clock, pos) = clocks(plan, p, program)?;
+    let hb = |a: usize, b: usize| -> bool {
+        a != b && clock[b][program.instrs[a].stream.index()] > pos[a]
+    };
+
+    let mut alloc: Vec<Option<usize>> = vec![None; n_buf];
+    let mut free: Vec<Option<usize>> = vec![None; n_buf];
+    let mut accesses: Vec<Vec<(usize, Access)>> = vec![Vec::new(); n_buf];
+    for (i, issued) in program.instrs.iter().enumerate() {
+        match issued.instr {
+            Instr::Alloc { buf } | Instr::Free { buf } => {
+                let b = &plan.buffers[buf.index()];
+                let is_alloc = matches!(issued.instr, Instr::Alloc { .. });
+                if b.persistent {
+                    return Err(fail(
+                        i,
+                        "buffers",
+                        format!("`{}`: {} is persistent and must not be allocated or freed", describe(plan, issued), b.name),
+                    ));
+                }
+                let slot = if is_alloc { &mut alloc } else { &mut free };
+                if slot[buf.index()].is_some() {
+                    return Err(fail(
+                        i,
+                        "buffers",
+                        format!(
+                            "`{}`: {buf} ({}) is {} twice",
+                            describe(plan, issued),
+                            b.name,
+                            if is_alloc { "allocated" } else { "freed" }
+                        ),
+                    ));
+                }
+                slot[buf.index()] = Some(i);
+            }
+            ref other => {
+                for (b, a) in other.accesses() {
+                    accesses[b.index()].push((i, a));
+                }
+            }
+        }
+    }
+    for (bi, buf) in plan.buffers.iter().enumerate() {
+        let acc = &accesses[bi];
+        if buf.persistent {
+            continue;
+        }
+        if acc.is_empty() && alloc[bi].is_none() {
+            continue; // another program's buffer
+        }
+        let (Some(a), Some(f)) = (alloc[bi], free[bi]) else {
+            let at = alloc[bi].or(free[bi]).or(acc.first().map(|x| x.0)).unwrap_or(0);
+            return Err(fail(
+                at,
+                "buffers",
+                format!(
+                    "{} ({}) is {}",
+                    buf.id,
+                    buf.name,
+                    if alloc[bi].is_none() { "used without being allocated" } else { "never freed" }
+                ),
+            ));
+        };
+        if !hb(a, f) {
+            return Err(fail(f, "buffers", format!("`{}` is not ordered after the allocation of {}", describe(plan, &program.instrs[f]), buf.name)));
+        }
+        for &(i, _) in acc {
+            if !hb(a, i) {
+                return Err(fail(
+                    i,
+                    "use before alloc",
+                    format!("`{}` uses {} ({}) before it is allocated", describe(plan, &program.instrs[i]), buf.id, buf.name),
+                ));
+            }
+            if !hb(i, f) {
+                return Err(fail(
+                    i,
+                    "use after free",
+                    format!(
+                        "`{}` uses {} ({}) but is not ordered before its free (#{f} `{}`)",
+                        describe(plan, &program.instrs[i]),
+                        buf.id,
+                        buf.name,
+                        describe(plan, &program.instrs[f])
+                    ),
+                ));
+            }
+        }
+    }
+    for (bi, buf) in plan.buffers.iter().enumerate() {
+        let acc = &accesses[bi];
+        for (x, &(i, ai)) in acc.iter().enumerate() {
+            for &(j, aj) in &acc[x + 1..] {
+                if i == j {
+                    continue;
+                }
+                let writes = ai == Access::Write || aj == Access::Write || ai == Access::Scratch || aj == Access::Scratch;
+                if writes && !hb(i, j) && !hb(j, i) {
+                    return Err(fail(
+                        j,
+                        "race",
+                        format!(
+                            "`{}` and #{i} `{}` both touch {} ({}), one writes, and no event orders them",
+                            describe(plan, &program.instrs[j]),
+                            describe(plan, &program.instrs[i]),
+                            buf.id,
+                            buf.name
+                        ),
+                    ));
+                }
+            }
+            if ai == Access::Read && !buf.persistent && !acc.iter().any(|&(w, aw)| aw == Access::Write && hb(w, i)) {
+                let what = if matches!(program.instrs[i].instr, Instr::Compute { .. }) {
+                    "no all-gather writes it before this read"
+                } else {
+                    "nothing writes it before this read"
+                };
+                return Err(fail(
+                    i,
+                    "use before write",
+                    format!("`{}` reads {} ({}): {what}", describe(plan, &program.instrs[i]), buf.id, buf.name),
+                ));
+            }
+            if ai == Access::Write
+                && !buf.persistent
+                && !acc.iter().any(|&(r, ar)| ar == Access::Read && hb(i, r))
+            {
+                return Err(fail(
+                    i,
+                    "lost write",
+                    format!(
+                        "`{}` writes {} ({}) but nothing reads it afterwards (a contribution after the last reduction?)",
+                        describe(plan, &program.instrs[i]),
+                        buf.id,
+                        buf.name
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One collective as the other ranks of its group must see it.
+fn collectives(plan: &Plan, program: &Program, comm: Comm) -> Vec<(&'static str, Option<u32>, u64, usize)> {
+    program
+        .instrs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, issued)| {
+            let (c, kind, group) = issued.instr.collective()?;
+            if c != comm {
+                return None;
+            }
+            let bytes = issued
+                .instr
+                .accesses()
+                .iter()
+                .find(|(_, a)| *a == Access::Write)
+                .map_or(0, |(b, _)| plan.buffers[b.index()].bytes());
+            Some((kind, group.map(|g| g.0), bytes, i))
+        })
+        .collect()
+}
+
+fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
+    if plan.programs.len() < 2 {
+        return Ok(()); // every rank runs the same program: orders agree by construction
+    }
+    let mut comms: Vec<Comm> = vec![Comm::Shard, Comm::Replicate];
+    for program in &plan.programs {
+        for issued in &program.instrs {
+            if let Some((c @ Comm::Reshard(_), _, _)) = issued.instr.collective() {
+                if !comms.contains(&c) {
+                    comms.push(c);
+                }
+            }
+        }
+    }
+    let program_index = |rank: u64| -> usize {
+        plan.ranks
+            .iter()
+            .find(|s| rank >= s.first && rank - s.first < s.count)
+            .map_or(0, |s| s.program as usize)
+    };
+    for comm in comms {
+        let seqs: Vec<_> = plan.programs.iter().map(|p| collectives(plan, p, comm)).collect();
+        for rank in 0..plan.mesh.world() {
+            let members = comm.members(&plan.mesh, rank);
+            let (a, b) = (program_index(members[0]), program_index(rank));
+            if a == b {
+                continue;
+            }
+            let (sa, sb) = (&seqs[a], &seqs[b]);
+            for k in 0..sa.len().max(sb.len()) {
+                let (x, y) = (sa.get(k), sb.get(k));
+                let same = matches!((x, y), (Some(x), Some(y)) if (x.0, x.1, x.2) == (y.0, y.1, y.2));
+                if !same {
+                    let show = |s: Option<&(&str, Option<u32>, u64, usize)>, p: usize| match s {
+                        Some(&(_, _, _, i)) => format!("#{i} `{}`", describe(plan, &plan.programs[p].instrs[i])),
+                        None => "nothing".into(),
+                    };
+                    return Err(VerifyError {
+                        rule: "collective order",
+                        program: b,
+                        instr: y.map(|y| y.3),
+                        message: format!(
+                            "on the {comm} group of rank {rank}, collective {k} is {} on rank {rank} but {} on rank {} (program {a}): NCCL would hang",
+                            show(y, b),
+                            show(x, a),
+                            members[0]
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,213 @@
+//! `shardplan plan`: the whole sharded training step, decided, costed and verified.
+
+use crate::CliError;
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use shardplan_frontends::{
+    load_model, load_parallel, trace_error, trace_options, ActivationCheckpointing, GradSync, LoadedModel,
+    LoadedParallel, Offload, ParallelConfig, Prefetch, Reshard, SpecError,
+};
+use shardplan_ir::differentiate;
+use shardplan_models::trace;
+use shardplan_planner::print::bytes;
+use shardplan_planner::{plan, verify, Plan};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Model: a YAML model spec, a Hugging Face config.json, or a preset name.
+    #[arg(long, value_name = "FILE")]
+    pub model: PathBuf,
+    /// Parallel spec (YAML): mesh, wrap policy, resharding, prefetch, precision, batch, hardware.
+    #[arg(long, value_name = "FILE")]
+    pub parallel: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Write the output to this file instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// The rank whose schedule (text) or timeline (trace) is shown.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub rank: u64,
+    /// Per-rank device memory limit (`80GiB`, `79.6GB`, `1024MiB`, bytes); the plan must fit.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub memory_budget: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Format {
+    /// Summary, groups table and one rank's schedule.
+    Text,
+    /// The Plan as JSON (versioned; `shardplan train --plan` reads it).
+    Json,
+    /// A Chrome / Perfetto trace of the simulated timeline.
+    Trace,
+}
+
+/// `80GiB`, `1.5 TB`, `512MiB`, `1000` (bytes).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size; write it like 80GiB, 79.6GB or 1024MiB"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0f64.powi(3),
+        "tib" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => return Err(format!("unknown unit `{other}` in `{s}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")),
+    };
+    let bytes = v * mult;
+    if !bytes.is_finite() || bytes <= 0.0 || bytes >= u64::MAX as f64 {
+        return Err(format!("`{s}` is not a positive size"));
+    }
+    Ok(bytes as u64)
+}
+
+/// Traces, differentiates and plans `model` under `config`.
+pub fn make_plan(model: &LoadedModel, parallel: &LoadedParallel, config: &ParallelConfig) -> Result<Plan, CliError> {
+    let p = LoadedParallel {
+        config: config.clone(),
+        origin: parallel.origin.clone(),
+    };
+    let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
+    let joint = differentiate(&graph).map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
+    plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))
+}
+
+/// Single changes to the spec that lower memory, each described as the user would write it.
+fn alternatives(c: &ParallelConfig) -> Vec<(String, ParallelConfig)> {
+    let mut out = Vec::new();
+    let mut push = |what: String, f: &dyn Fn(&mut ParallelConfig)| {
+        let mut n = c.clone();
+        f(&mut n);
+        if n != *c {
+            out.push((what, n));
+        }
+    };
+    push("activation_checkpointing: full".into(), &|n| {
+        n.activation_checkpointing = ActivationCheckpointing::Full
+    });
+    push("reshard_after_forward: true".into(), &|n| {
+        n.reshard_after_forward = Reshard::AfterForward
+    });
+    push("prefetch: {forward: 1, backward: 1}".into(), &|n| {
+        n.prefetch = Prefetch {
+            forward: n.prefetch.forward.min(1),
+            backward: n.prefetch.backward.min(1),
+        }
+    });
+    push("batch.grad_sync: every_micro_batch".into(), &|n| {
+        n.batch.grad_sync = GradSync::EveryMicroBatch
+    });
+    if c.batch.per_rank > 1 {
+        push(
+            format!(
+                "batch: {{per_rank: {}, grad_accum: {}}} (same global batch)",
+                c.batch.per_rank / 2,
+                c.batch.grad_accum * 2
+            ),
+            &|n| {
+                n.batch.per_rank /= 2;
+                n.batch.grad_accum *= 2;
+            },
+        );
+    }
+    push(
+        format!(
+            "mesh: {{replicate: {}, shard: {}}} (twice the ranks)",
+            c.mesh.replicate,
+            c.mesh.shard * 2
+        ),
+        &|n| n.mesh.shard *= 2,
+    );
+    push("offload: cpu".into(), &|n| n.offload = Offload::Cpu);
+    out
+}
+
+fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget: u64) -> CliError {
+    let peak_at = p
+        .programs
+        .first()
+        .and_then(|pr| pr.instrs.get(p.memory.peak_instr as usize))
+        .map(|i| shardplan_planner::print::describe(p, i))
+        .unwrap_or_default();
+    let mut tried = Vec::new();
+    for (what, config) in alternatives(&parallel.config) {
+        if let Ok(alt) = make_plan(model, parallel, &config) {
+            tried.push((alt.memory.peak <= budget, alt.memory.peak, what));
+        }
+    }
+    tried.sort_by_key(|t| (!t.0, t.1));
+    let fits: Vec<String> = tried
+        .iter()
+        .filter(|t| t.0)
+        .map(|t| format!("`{}` fits ({})", t.2, bytes(t.1)))
+        .collect();
+    let help = if fits.is_empty() {
+        match tried.first() {
+            Some(best) => format!(
+                "no single change fits; the closest is `{}` at {}; combine changes or add ranks",
+                best.2,
+                bytes(best.1)
+            ),
+            None => "add ranks, shorten the sequence or lower the batch".into(),
+        }
+    } else {
+        format!("try {}", fits.join("; or "))
+    };
+    CliError::Input(
+        SpecError::file(
+            &parallel.origin.file,
+            format!(
+                "the plan needs {} per rank at its peak (#{} {peak_at}), {} over the memory budget of {}",
+                bytes(p.memory.peak),
+                p.memory.peak_instr,
+                bytes(p.memory.peak - budget),
+                bytes(budget)
+            ),
+        )
+        .help(help),
+    )
+}
+
+pub fn run(args: &PlanArgs) -> Result<(), CliError> {
+    let model = load_model(&args.model)?;
+    let parallel = load_parallel(&args.parallel)?;
+    let world = parallel.config.mesh.world();
+    if args.rank >= world {
+        return Err(CliError::Input(parallel.origin.error(
+            "mesh",
+            format!("--rank {} is not a rank of this {world}-rank mesh", args.rank),
+            format!("use --rank between 0 and {}", world - 1),
+        )));
+    }
+    let p = make_plan(&model, &parallel, &parallel.config)?;
+    if let Some(budget) = args.memory_budget {
+        if verify(&p, Some(budget)).is_err() {
+            return Err(over_budget(&model, &parallel, &p, budget));
+        }
+    }
+    let text = match args.format {
+        Format::Text => shardplan_planner::print::text(&p, args.rank),
+        Format::Json => serde_json::to_string(&p).context("serialising the plan")? + "\n",
+        Format::Trace => {
+            serde_json::to_string(&shardplan_planner::trace::chrome_trace(&p, args.rank)).context("serialising the trace")?
+                + "\n"
+        }
+    };
+    match &args.out {
+        Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,
+        None => crate::emit(&text)?,
+    }
+    Ok(())
+}
