@@ -64,7 +64,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        other => return Err(format!("unknown unit `{other}` in `{s}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB")),
+        other => {
+            return Err(format!(
+                "unknown unit `{other}` in `{s}`; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+            ))
+        }
     };
     let bytes = v * mult;
     if !bytes.is_finite() || bytes <= 0.0 || bytes >= u64::MAX as f64 {
@@ -201,7 +205,8 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
         Format::Text => shardplan_planner::print::text(&p, args.rank),
         Format::Json => serde_json::to_string(&p).context("serialising the plan")? + "\n",
         Format::Trace => {
-            serde_json::to_string(&shardplan_planner::trace::chrome_trace(&p, args.rank)).context("serialising the trace")?
+            serde_json::to_string(&shardplan_planner::trace::chrome_trace(&p, args.rank))
+                .context("serialising the trace")?
                 + "\n"
         }
     };

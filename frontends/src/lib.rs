@@ -20,8 +20,7 @@ pub use load::{load_model, load_parallel, trace_error, trace_options, LoadedMode
 pub use model_spec::{parse_model_spec, Family, ModelSpecFile};
 pub use origin::Origin;
 pub use parallel::{
-    GradSync,
-    parse_parallel_spec, ActivationCheckpointing, Batch, DataSource, LrSchedule, MeshShape, MixedPrecision, Offload,
-    Optimizer, ParallelConfig, Prefetch, Reshard, TokenDType, MAX_WORLD,
+    parse_parallel_spec, ActivationCheckpointing, Batch, DataSource, GradSync, LrSchedule, MeshShape, MixedPrecision,
+    Offload, Optimizer, ParallelConfig, Prefetch, Reshard, TokenDType, MAX_WORLD,
 };
 pub use source::{Source, MAX_SPEC_BYTES};

@@ -105,9 +105,7 @@ pub fn instr_seconds(
     match instr {
         Instr::Compute { step, .. } => step_s[step.index()],
         Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. } => 0.0,
-        Instr::AllGather { comm, dst, .. } => {
-            ring_seconds(comm.size(mesh), bytes(*dst), link(mesh, *comm, hw), false)
-        }
+        Instr::AllGather { comm, dst, .. } => ring_seconds(comm.size(mesh), bytes(*dst), link(mesh, *comm, hw), false),
         Instr::ReduceScatter { comm, staging, .. } => {
             ring_seconds(comm.size(mesh), bytes(*staging), link(mesh, *comm, hw), false)
         }

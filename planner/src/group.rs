@@ -133,7 +133,9 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
     let bytes = |ps: &[ParamId]| -> u64 {
         ps.iter()
             .map(|&p| g.param(p).ty.numel().unwrap_or(u64::MAX))
-            .fold(0u64, |a, n| a.saturating_add(n.saturating_mul(policy.bucket_dtype.size_bytes())))
+            .fold(0u64, |a, n| {
+                a.saturating_add(n.saturating_mul(policy.bucket_dtype.size_bytes()))
+            })
     };
     let mut merged: Vec<(Vec<ScopeId>, Vec<ParamId>)> = Vec::new();
     for (_, scope, params) in units {

@@ -332,7 +332,11 @@ pub fn schedule_table(o: &mut String, plan: &Plan, rank: u64) {
     }
     let _ = writeln!(o, "{}", head.trim_end());
     for (i, (issued, cell)) in program.instrs.iter().zip(&cells).enumerate() {
-        let mut row = format!("  {:>5} {:>9.3}", i, plan.timing.start.get(i).copied().unwrap_or(0.0) * 1e3);
+        let mut row = format!(
+            "  {:>5} {:>9.3}",
+            i,
+            plan.timing.start.get(i).copied().unwrap_or(0.0) * 1e3
+        );
         for (s, w) in used.iter().zip(&width) {
             let c = if *s == issued.stream { cell.as_str() } else { "" };
             row.push_str(&format!("  {c:<w$}", w = *w));

@@ -16,8 +16,8 @@
 use crate::group::GroupId;
 use crate::mesh::Mesh;
 use crate::plan::{
-    Buffer, BufId, Category, Comm, EventId, GroupReshard, Instr, Issued, PlannedGroup, Policy, Pool, Program,
-    ReduceOp, Stream,
+    BufId, Buffer, Category, Comm, EventId, GroupReshard, Instr, Issued, PlannedGroup, Policy, Pool, Program, ReduceOp,
+    Stream,
 };
 use crate::steps::{Phase, Step, StepId};
 use shardplan_frontends::{GradSync, Offload};
@@ -111,7 +111,14 @@ impl Builder<'_> {
         let p = self.policy.mixed_precision.param;
         let full = self.gathered_numel(g);
         let tag = self.suffix(micro, if phase == Phase::Forward { "fwd" } else { "bwd" });
-        let dst = self.buf(format!("{g}.unsharded.{tag}"), Category::UnshardedParams, g, p, full, Pool::Device);
+        let dst = self.buf(
+            format!("{g}.unsharded.{tag}"),
+            Category::UnshardedParams,
+            g,
+            p,
+            full,
+            Pool::Device,
+        );
         let (src, comm, staging, drop_src) = match self.post_forward[g.index()].take() {
             Some(pf) => {
                 let n = match self.groups[g.index()].reshard {
@@ -149,7 +156,14 @@ impl Builder<'_> {
                     self.emit(Stream::AllGather, Instr::Wait { event: gate });
                     self.sharded[g.index()]
                 };
-                let staging = self.buf(format!("{g}.all_gather_in"), Category::CommBuffers, g, p, shard, Pool::Device);
+                let staging = self.buf(
+                    format!("{g}.all_gather_in"),
+                    Category::CommBuffers,
+                    g,
+                    p,
+                    shard,
+                    Pool::Device,
+                );
                 (src, Comm::Shard, Some(staging), self.offload())
             }
         };
@@ -312,8 +326,7 @@ fn needs(steps: &[Step], groups: &[PlannedGroup], u: &Uses) -> Vec<(usize, Group
         }
         for &g in &s.reads {
             let gi = g.index();
-            if u.last[gi] == Some(pos)
-                || (u.last_forward[gi] == Some(pos) && groups[gi].reshard != GroupReshard::Keep)
+            if u.last[gi] == Some(pos) || (u.last_forward[gi] == Some(pos) && groups[gi].reshard != GroupReshard::Keep)
             {
                 gathered[gi] = false;
             }
@@ -355,7 +368,14 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
         b.sharded.push(p);
         let k = policy.optimizer_state_per_param;
         let o = (k > 0).then(|| {
-            let o = b.buf(format!("{g}.optim"), Category::OptimizerState, g, master, shard * k, pool);
+            let o = b.buf(
+                format!("{g}.optim"),
+                Category::OptimizerState,
+                g,
+                master,
+                shard * k,
+                pool,
+            );
             b.buffers[o.index()].persistent = true;
             o
         });

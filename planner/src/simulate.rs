@@ -62,11 +62,7 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
     let mut host = ByCategory::default();
     let mut host_max = ByCategory::default();
     for b in buffers.iter().filter(|b| b.persistent) {
-        let level = if b.pool == Pool::Device {
-            &mut device
-        } else {
-            &mut host
-        };
+        let level = if b.pool == Pool::Device { &mut device } else { &mut host };
         *level.slot(b.category) += b.bytes();
     }
     host_max = max_each(host_max, host);
@@ -84,11 +80,7 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
         let changed = match &issued.instr {
             Instr::Alloc { buf } | Instr::Free { buf } => {
                 let b = &buffers[buf.index()];
-                let level = if b.pool == Pool::Device {
-                    &mut device
-                } else {
-                    &mut host
-                };
+                let level = if b.pool == Pool::Device { &mut device } else { &mut host };
                 let slot = level.slot(b.category);
                 if matches!(issued.instr, Instr::Alloc { .. }) {
                     *slot = slot.saturating_add(b.bytes());
@@ -101,7 +93,14 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
             Instr::Compute { step, .. } => {
                 let s = &steps[step.index()];
                 device.activations = s.act_peak;
-                observe(&device, i, &mut peak, &mut at_peak, &mut peak_instr, &mut max_by_category);
+                observe(
+                    &device,
+                    i,
+                    &mut peak,
+                    &mut at_peak,
+                    &mut peak_instr,
+                    &mut max_by_category,
+                );
                 timeline.push(MemorySample {
                     t,
                     instr: i as u32,
@@ -113,7 +112,14 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
             _ => false,
         };
         if changed {
-            observe(&device, i, &mut peak, &mut at_peak, &mut peak_instr, &mut max_by_category);
+            observe(
+                &device,
+                i,
+                &mut peak,
+                &mut at_peak,
+                &mut peak_instr,
+                &mut max_by_category,
+            );
             let t = if matches!(issued.instr, Instr::Compute { .. }) {
                 timing.end[i]
             } else {
@@ -196,7 +202,15 @@ pub fn estimate(
             _ => {}
         }
     }
-    let tail = (step_s - timing.end.iter().zip(&program.instrs).filter(|(_, i)| i.stream == Stream::Compute).map(|(e, _)| *e).fold(0.0, f64::max)).max(0.0);
+    let tail = (step_s
+        - timing
+            .end
+            .iter()
+            .zip(&program.instrs)
+            .filter(|(_, i)| i.stream == Stream::Compute)
+            .map(|(e, _)| *e)
+            .fold(0.0, f64::max))
+    .max(0.0);
     Estimate {
         step_s,
         compute_s,

@@ -32,7 +32,11 @@ pub struct VerifyError {
 impl fmt::Display for VerifyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.instr {
-            Some(i) => write!(f, "{}: program {} instruction #{}: {}", self.rule, self.program, i, self.message),
+            Some(i) => write!(
+                f,
+                "{}: program {} instruction #{}: {}",
+                self.rule, self.program, i, self.message
+            ),
             None => write!(f, "{}: {}", self.rule, self.message),
         }
     }
@@ -180,18 +184,24 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
             other => other.accesses().into_iter().map(|(b, _)| b).collect(),
         };
         if let Some(b) = bufs.iter().find(|b| b.index() >= n_buf) {
-            return Err(fail(i, "references", format!("names {b}, but the plan has {n_buf} buffers")));
+            return Err(fail(
+                i,
+                "references",
+                format!("names {b}, but the plan has {n_buf} buffers"),
+            ));
         }
         if let Instr::Compute { step, .. } = issued.instr {
             if step.index() >= plan.steps.len() {
-                return Err(fail(i, "references", format!("names {step}, but the plan has {} steps", plan.steps.len())));
+                return Err(fail(
+                    i,
+                    "references",
+                    format!("names {step}, but the plan has {} steps", plan.steps.len()),
+                ));
             }
         }
     }
     let (clock, pos) = clocks(plan, p, program)?;
-    let hb = |a: usize, b: usize| -> bool {
-        a != b && clock[b][program.instrs[a].stream.index()] > pos[a]
-    };
+    let hb = |a: usize, b: usize| -> bool { a != b && clock[b][program.instrs[a].stream.index()] > pos[a] };
 
     let mut alloc: Vec<Option<usize>> = vec![None; n_buf];
     let mut free: Vec<Option<usize>> = vec![None; n_buf];
@@ -205,7 +215,11 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                     return Err(fail(
                         i,
                         "buffers",
-                        format!("`{}`: {} is persistent and must not be allocated or freed", describe(plan, issued), b.name),
+                        format!(
+                            "`{}`: {} is persistent and must not be allocated or freed",
+                            describe(plan, issued),
+                            b.name
+                        ),
                     ));
                 }
                 let slot = if is_alloc { &mut alloc } else { &mut free };
@@ -247,19 +261,36 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                     "{} ({}) is {}",
                     buf.id,
                     buf.name,
-                    if alloc[bi].is_none() { "used without being allocated" } else { "never freed" }
+                    if alloc[bi].is_none() {
+                        "used without being allocated"
+                    } else {
+                        "never freed"
+                    }
                 ),
             ));
         };
         if !hb(a, f) {
-            return Err(fail(f, "buffers", format!("`{}` is not ordered after the allocation of {}", describe(plan, &program.instrs[f]), buf.name)));
+            return Err(fail(
+                f,
+                "buffers",
+                format!(
+                    "`{}` is not ordered after the allocation of {}",
+                    describe(plan, &program.instrs[f]),
+                    buf.name
+                ),
+            ));
         }
         for &(i, _) in acc {
             if !hb(a, i) {
                 return Err(fail(
                     i,
                     "use before alloc",
-                    format!("`{}` uses {} ({}) before it is allocated", describe(plan, &program.instrs[i]), buf.id, buf.name),
+                    format!(
+                        "`{}` uses {} ({}) before it is allocated",
+                        describe(plan, &program.instrs[i]),
+                        buf.id,
+                        buf.name
+                    ),
                 ));
             }
             if !hb(i, f) {
@@ -284,7 +315,8 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                 if i == j {
                     continue;
                 }
-                let writes = ai == Access::Write || aj == Access::Write || ai == Access::Scratch || aj == Access::Scratch;
+                let writes =
+                    ai == Access::Write || aj == Access::Write || ai == Access::Scratch || aj == Access::Scratch;
                 if writes && !hb(i, j) && !hb(j, i) {
                     return Err(fail(
                         j,
@@ -308,13 +340,15 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                 return Err(fail(
                     i,
                     "use before write",
-                    format!("`{}` reads {} ({}): {what}", describe(plan, &program.instrs[i]), buf.id, buf.name),
+                    format!(
+                        "`{}` reads {} ({}): {what}",
+                        describe(plan, &program.instrs[i]),
+                        buf.id,
+                        buf.name
+                    ),
                 ));
             }
-            if ai == Access::Write
-                && !buf.persistent
-                && !acc.iter().any(|&(r, ar)| ar == Access::Read && hb(i, r))
-            {
+            if ai == Access::Write && !buf.persistent && !acc.iter().any(|&(r, ar)| ar == Access::Read && hb(i, r)) {
                 return Err(fail(
                     i,
                     "lost write",

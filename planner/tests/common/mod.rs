@@ -1,0 +1,36 @@
+//! Helpers shared by the planner's tests: plans from YAML text.
+
+#![allow(dead_code)]
+
+use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
+use shardplan_ir::differentiate;
+use shardplan_models::{preset, trace, ModelConfig, TraceOptions};
+use shardplan_planner::{plan, Plan};
+
+/// A validated parallel config from YAML text.
+pub fn parallel(yaml: &str) -> ParallelConfig {
+    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .0
+}
+
+/// Plans `model` under the YAML parallel spec.
+pub fn plan_model(model: &ModelConfig, yaml: &str) -> Plan {
+    let config = parallel(yaml);
+    let g = trace(
+        model,
+        TraceOptions {
+            batch: config.batch.per_rank,
+            seq_len: config.batch.seq_len,
+            dtype: config.mixed_precision.param,
+        },
+    )
+    .unwrap();
+    let joint = differentiate(&g).unwrap();
+    plan(&joint, &config).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Plans a preset.
+pub fn plan_preset(name: &str, yaml: &str) -> Plan {
+    plan_model(&preset(name).unwrap(), yaml)
+}
