@@ -81,10 +81,10 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
             format!("rank spans cover {next} ranks, the mesh has {world}"),
         ));
     }
+    verify_collective_order(plan)?;
     for (p, program) in plan.programs.iter().enumerate() {
         verify_program(plan, p, program)?;
     }
-    verify_collective_order(plan)?;
     if let Some(b) = budget {
         if plan.memory.peak > b {
             return Err(err(
@@ -269,17 +269,6 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                 ),
             ));
         };
-        if !hb(a, f) {
-            return Err(fail(
-                f,
-                "buffers",
-                format!(
-                    "`{}` is not ordered after the allocation of {}",
-                    describe(plan, &program.instrs[f]),
-                    buf.name
-                ),
-            ));
-        }
         for &(i, _) in acc {
             if !hb(a, i) {
                 return Err(fail(
@@ -306,6 +295,17 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                     ),
                 ));
             }
+        }
+        if !hb(a, f) {
+            return Err(fail(
+                f,
+                "buffers",
+                format!(
+                    "`{}` is not ordered after the allocation of {}",
+                    describe(plan, &program.instrs[f]),
+                    buf.name
+                ),
+            ));
         }
     }
     for (bi, buf) in plan.buffers.iter().enumerate() {

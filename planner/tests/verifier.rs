@@ -1,0 +1,215 @@
+//! The verifier accepts the planner's plans and rejects broken ones, naming the instruction.
+
+mod common;
+
+use common::plan_preset;
+use shardplan_planner::{verify, Instr, Plan, RankSpan, Stream};
+
+fn tiny() -> Plan {
+    plan_preset(
+        "tiny-llama",
+        "mesh: {shard: 4}\ngpus_per_node: 4\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 2, seq_len: 16}\n",
+    )
+}
+
+#[test]
+fn planned_schedules_verify() {
+    verify(&tiny(), None).unwrap();
+}
+
+#[test]
+fn deleting_an_all_gather_is_a_use_before_write() {
+    let mut plan = tiny();
+    let instrs = &mut plan.programs[0].instrs;
+    // The all-gather of the first block (g0).
+    let at = instrs
+        .iter()
+        .position(|i| matches!(i.instr, Instr::AllGather { group, .. } if group.0 == 0))
+        .unwrap();
+    instrs.remove(at);
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "use before write", "{e}");
+    assert!(e.message.contains("forward layers.0"), "{e}");
+    assert!(e.message.contains("g0.unsharded.fwd"), "{e}");
+    assert!(e.message.contains("no all-gather writes it"), "{e}");
+}
+
+#[test]
+fn a_free_moved_before_a_use_is_a_use_after_free() {
+    let mut plan = tiny();
+    let instrs = &mut plan.programs[0].instrs;
+    let compute = instrs
+        .iter()
+        .position(|i| {
+            matches!(&i.instr, Instr::Compute { reads, .. } if !reads.is_empty()) && i.stream == Stream::Compute
+        })
+        .map(|p| p + 1)
+        .unwrap();
+    // The first compute that reads a gathered group is followed by the free of a buffer it read?
+    let (free_at, buf) = instrs
+        .iter()
+        .enumerate()
+        .skip(compute)
+        .find_map(|(i, x)| match x.instr {
+            Instr::Free { buf } if x.stream == Stream::Compute => Some((i, buf)),
+            _ => None,
+        })
+        .unwrap();
+    let user = instrs[..free_at]
+        .iter()
+        .rposition(|x| matches!(&x.instr, Instr::Compute { reads, .. } if reads.contains(&buf)))
+        .unwrap();
+    let free = instrs.remove(free_at);
+    instrs.insert(user, free);
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "use after free", "{e}");
+    assert_eq!(e.instr, Some(user + 1), "{e}");
+    assert!(e.message.contains("forward"), "{e}");
+}
+
+#[test]
+fn swapping_two_collectives_on_one_rank_breaks_the_group_order() {
+    let mut plan = tiny();
+    let mut other = plan.programs[0].clone();
+    let ags: Vec<usize> = other
+        .instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| matches!(i.instr, Instr::AllGather { .. }))
+        .map(|(k, _)| k)
+        .take(2)
+        .collect();
+    let (a, b) = (ags[0], ags[1]);
+    let (x, y) = (other.instrs[a].clone(), other.instrs[b].clone());
+    other.instrs[a] = y;
+    other.instrs[b] = x;
+    plan.programs.push(other);
+    plan.ranks = vec![
+        RankSpan {
+            first: 0,
+            count: 2,
+            program: 0,
+        },
+        RankSpan {
+            first: 2,
+            count: 1,
+            program: 1,
+        },
+        RankSpan {
+            first: 3,
+            count: 1,
+            program: 0,
+        },
+    ];
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "collective order", "{e}");
+    assert_eq!(e.instr, Some(a), "{e}");
+    assert!(e.message.contains("rank 2"), "{e}");
+    assert!(
+        e.message.contains("all-gather g0 layers.0") || e.message.contains("all-gather g2 <root>"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_wait_before_its_record_is_rejected() {
+    let mut plan = tiny();
+    let instrs = &mut plan.programs[0].instrs;
+    let rec = instrs
+        .iter()
+        .position(|i| matches!(i.instr, Instr::Record { .. }))
+        .unwrap();
+    let Instr::Record { event } = instrs[rec].instr else {
+        unreachable!()
+    };
+    let wait = instrs.iter().position(|i| i.instr == Instr::Wait { event }).unwrap();
+    let w = instrs.remove(wait);
+    instrs.insert(rec, w);
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "events", "{e}");
+    assert!(e.message.contains("not recorded before it"), "{e}");
+}
+
+#[test]
+fn a_missing_wait_is_a_race() {
+    let mut plan = tiny();
+    // Drop the compute stream's wait for the first block's all-gather.
+    let instrs = &mut plan.programs[0].instrs;
+    let compute = instrs
+        .iter()
+        .position(|i| matches!(&i.instr, Instr::Compute { step, .. } if step.0 == 1))
+        .unwrap();
+    let wait = instrs[..compute]
+        .iter()
+        .rposition(|i| i.stream == Stream::Compute && matches!(i.instr, Instr::Wait { .. }))
+        .unwrap();
+    instrs.remove(wait);
+    let e = verify(&plan, None).unwrap_err();
+    assert!(["race", "use after free", "use before write"].contains(&e.rule), "{e}");
+    assert!(e.message.contains("g0.unsharded.fwd"), "{e}");
+}
+
+#[test]
+fn a_reduce_scatter_not_ordered_after_the_last_contribution_is_rejected() {
+    let mut plan = tiny();
+    let instrs = &mut plan.programs[0].instrs;
+    // Move the first reduce-scatter's wait (and so the reduce-scatter) ahead of the backward
+    // step that produced the gradients: issue the backward compute after its reduction.
+    let rs = instrs
+        .iter()
+        .position(|i| matches!(i.instr, Instr::ReduceScatter { .. }))
+        .unwrap();
+    let Instr::ReduceScatter { src, .. } = instrs[rs].instr.clone() else {
+        unreachable!()
+    };
+    let producer = instrs
+        .iter()
+        .position(|i| matches!(&i.instr, Instr::Compute { writes, .. } if writes.contains(&src)))
+        .unwrap();
+    // Record an event before the producer and make the RS stream wait on that instead.
+    let rs_wait = instrs[..rs]
+        .iter()
+        .rposition(|i| i.stream == Stream::ReduceScatter && matches!(i.instr, Instr::Wait { .. }))
+        .unwrap();
+    let Instr::Wait { event } = instrs[rs_wait].instr else {
+        unreachable!()
+    };
+    let rec = instrs.iter().position(|i| i.instr == Instr::Record { event }).unwrap();
+    let r = instrs.remove(rec);
+    instrs.insert(producer, r);
+    let e = verify(&plan, None).unwrap_err();
+    assert!(["race", "lost write", "use after free"].contains(&e.rule), "{e}");
+    assert!(e.message.contains("g1.unsharded_grads"), "{e}");
+}
+
+#[test]
+fn the_budget_is_checked() {
+    let plan = tiny();
+    verify(&plan, Some(plan.memory.peak)).unwrap();
+    let e = verify(&plan, Some(plan.memory.peak - 1024)).unwrap_err();
+    assert_eq!(e.rule, "budget");
+    assert!(e.message.contains("exceeds the budget"), "{e}");
+    assert!(e.message.contains("by 1.00 KiB"), "{e}");
+}
+
+#[test]
+fn rank_spans_must_cover_the_mesh() {
+    let mut plan = tiny();
+    plan.ranks[0].count = 3;
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "ranks");
+    assert!(e.message.contains("the mesh has 4"), "{e}");
+}
+
+#[test]
+fn out_of_range_references_do_not_panic() {
+    let mut plan = tiny();
+    plan.programs[0].instrs.push(shardplan_planner::Issued {
+        stream: Stream::Compute,
+        instr: Instr::Free {
+            buf: shardplan_planner::BufId(1_000_000),
+        },
+    });
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "references");
+}
