@@ -155,7 +155,7 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
     let fits: Vec<String> = tried
         .iter()
         .filter(|t| t.0)
-        .map(|t| format!("`{}` fits ({})", t.2, bytes(t.1)))
+        .map(|t| format!("`{}` ({})", t.2, bytes(t.1)))
         .collect();
     let help = if fits.is_empty() {
         match tried.first() {
@@ -167,7 +167,7 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
             None => "add ranks, shorten the sequence or lower the batch".into(),
         }
     } else {
-        format!("try {}", fits.join("; or "))
+        format!("each of these single changes fits: {}", fits.join("; "))
     };
     CliError::Input(
         SpecError::file(

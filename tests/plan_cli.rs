@@ -1,0 +1,259 @@
+//! `shardplan plan` as a user runs it: the three formats, a rank's view, budgets and bad input.
+
+use std::process::{Command, Output};
+
+fn shardplan(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardplan"))
+        .args(args)
+        .output()
+        .expect("run shardplan")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn bad(args: &[&str], want: &[&str]) {
+    let o = shardplan(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "args {args:?}, stderr: {err}");
+    for w in want {
+        assert!(err.contains(w), "`{w}` not in stderr for {args:?}: {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+fn temp(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("shardplan-plan-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+const LLAMA8B: &str = "examples/models/llama3-8b.yaml";
+
+#[test]
+fn text_plan_of_the_bundled_example() {
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        LLAMA8B,
+        "--parallel",
+        "examples/parallel/fsdp-8.yaml",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for want in [
+        "plan: llama3-8b (8,030,261,248 params) on 8 ranks: mesh 1 replicate x 8 shard",
+        "memory per rank (device): peak",
+        "optimizer state",
+        "predicted step:",
+        "MFU",
+        "g31   layers.31",
+        "g32   <root>",
+        "schedule of rank 0",
+        "all-gather g1 layers.1 over shard 0-7",
+        "reduce-scatter g31 layers.31 avg over shard 0-7",
+        "adamw step g32 <root>",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+}
+
+#[test]
+fn json_plan_reads_back_and_trace_is_chrome_json() {
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: shardplan_planner::Plan = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(plan.version, shardplan_planner::PLAN_VERSION);
+    assert_eq!(plan.mesh.world(), 4);
+    shardplan_planner::verify(&plan, None).unwrap();
+    assert_eq!(
+        serde_json::to_string(&plan).unwrap() + "\n",
+        stdout(&o),
+        "JSON -> Plan -> JSON is the identity"
+    );
+
+    let out = temp("trace.json", "");
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--format",
+        "trace",
+        "--rank",
+        "3",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).is_empty());
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let names: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"rank 3") && names.contains(&"compute") && names.contains(&"all-gather"),
+        "{names:?}"
+    );
+    assert!(
+        events.iter().any(|e| e["ph"] == "X" && e["tid"] == 2),
+        "reduce-scatter slices"
+    );
+    assert!(events.iter().any(|e| e["ph"] == "C" && e["name"] == "device memory"));
+}
+
+#[test]
+fn rank_view_names_that_ranks_groups() {
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        LLAMA8B,
+        "--parallel",
+        "examples/parallel/hsdp-2x8.yaml",
+        "--rank",
+        "11",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("schedule of rank 11 (replicate 1, shard 3)"), "{out}");
+    assert!(out.contains("over shard 8-15"), "{out}");
+    assert!(out.contains("over replicate 3,11"), "{out}");
+}
+
+#[test]
+fn a_budget_the_plan_misses_says_by_how_much_and_what_helps() {
+    bad(
+        &[
+            "plan",
+            "--model",
+            LLAMA8B,
+            "--parallel",
+            "examples/parallel/fsdp-8.yaml",
+            "--memory-budget",
+            "40GiB",
+        ],
+        &[
+            "over the memory budget of 40.00 GiB",
+            "help: each of these single changes fits: `activation_checkpointing: full` (",
+        ],
+    );
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        LLAMA8B,
+        "--parallel",
+        "examples/parallel/fsdp-8.yaml",
+        "--memory-budget",
+        "80GiB",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    bad(
+        &[
+            "plan",
+            "--model",
+            LLAMA8B,
+            "--parallel",
+            "examples/parallel/fsdp-8.yaml",
+            "--memory-budget",
+            "lots",
+        ],
+        &["`lots` is not a size"],
+    );
+    bad(
+        &[
+            "plan",
+            "--model",
+            LLAMA8B,
+            "--parallel",
+            "examples/parallel/fsdp-8.yaml",
+            "--memory-budget",
+            "3parsecs",
+        ],
+        &["unknown unit `parsecs`"],
+    );
+}
+
+#[test]
+fn bad_plan_input_is_located() {
+    let wrap = temp("wrap.yaml", "mesh: {shard: 4}\ngpus_per_node: 4\nwrap: [attention]\n");
+    bad(
+        &["plan", "--model", "tiny-mlp", "--parallel", wrap.to_str().unwrap()],
+        &[
+            "wrap.yaml:3:7",
+            "wrap policy `attention` matches no module",
+            "help: wrap one of: block",
+        ],
+    );
+    let module = temp(
+        "module.yaml",
+        "mesh: {shard: 4}\ngpus_per_node: 4\nwrap_modules: [layers.0.feed_fwd]\n",
+    );
+    bad(
+        &["plan", "--model", "tiny-llama", "--parallel", module.to_str().unwrap()],
+        &[
+            "module.yaml:3:15",
+            "`layers.0.feed_fwd`",
+            "did you mean `layers.0.feed_forward`",
+        ],
+    );
+    let reshard = temp("reshard.yaml", "mesh: {shard: 8}\nreshard_after_forward: 3\n");
+    bad(
+        &["plan", "--model", "tiny-llama", "--parallel", reshard.to_str().unwrap()],
+        &["reshard.yaml:2:24", "3 does not divide the shard axis (8)"],
+    );
+    bad(
+        &[
+            "plan",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/parallel/fsdp-1x4-cpu.yaml",
+            "--rank",
+            "4",
+        ],
+        &[
+            "--rank 4 is not a rank of this 4-rank mesh",
+            "use --rank between 0 and 3",
+        ],
+    );
+}
+
+#[test]
+fn wrap_modules_and_buckets_shape_the_groups() {
+    let spec = temp(
+        "buckets.yaml",
+        "mesh: {shard: 4}\ngpus_per_node: 4\nwrap_modules: [output]\nbucket_mib: 1\nbatch: {per_rank: 1, seq_len: 8}\n",
+    );
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: shardplan_planner::Plan = serde_json::from_str(&stdout(&o)).unwrap();
+    let modules: Vec<&str> = plan.groups.iter().map(|g| g.group.module.as_str()).collect();
+    assert_eq!(modules, ["layers.0+layers.1+output", "<root>"]);
+}
