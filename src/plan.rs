@@ -108,6 +108,8 @@ fn alternatives(c: &ParallelConfig) -> Vec<(String, ParallelConfig)> {
         n.prefetch = Prefetch {
             forward: n.prefetch.forward.min(1),
             backward: n.prefetch.backward.min(1),
+            explicit_forward: Default::default(),
+            explicit_backward: Default::default(),
         }
     });
     push("batch.grad_sync: every_micro_batch".into(), &|n| {

@@ -8,6 +8,7 @@ use crate::{did_you_mean, Origin, Source, SpecError};
 use serde::{Deserialize, Serialize};
 use serde_saphyr::Spanned;
 use shardplan_ir::{DType, ModuleKind};
+use std::collections::BTreeMap;
 
 /// Most ranks a mesh may have (2^20): beyond any cluster, small enough to plan.
 pub const MAX_WORLD: u64 = 1 << 20;
@@ -86,6 +87,16 @@ struct HardwareFile {
 struct PrefetchFile {
     forward: Option<Spanned<u32>>,
     backward: Option<Spanned<u32>>,
+    explicit: Option<Spanned<ExplicitPrefetchFile>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExplicitPrefetchFile {
+    #[serde(default)]
+    forward: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    backward: BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -162,10 +173,15 @@ pub enum Reshard {
 }
 
 /// All-gathers issued ahead of need, as FSDP2's prefetch depth.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Prefetch {
     pub forward: u32,
     pub backward: u32,
+    /// FSDP2's `set_modules_to_forward_prefetch`: when the key module's forward starts,
+    /// all-gather the listed modules' groups (overrides the depth for them).
+    pub explicit_forward: BTreeMap<String, Vec<String>>,
+    /// FSDP2's `set_modules_to_backward_prefetch`, for the backward pass.
+    pub explicit_backward: BTreeMap<String, Vec<String>>,
 }
 
 /// Dtypes of the unsharded parameters (and compute) and of gradient reduction.
@@ -425,6 +441,8 @@ impl ParallelSpecFile {
         let mut prefetch = Prefetch {
             forward: 1,
             backward: 1,
+            explicit_forward: BTreeMap::new(),
+            explicit_backward: BTreeMap::new(),
         };
         if let Some(p) = self.prefetch {
             o.insert("prefetch", pos(&p));
@@ -432,6 +450,11 @@ impl ParallelSpecFile {
             record(&mut o, "prefetch.backward", &p.value.backward);
             prefetch.forward = p.value.forward.map_or(1, |s| s.value);
             prefetch.backward = p.value.backward.map_or(1, |s| s.value);
+            if let Some(e) = p.value.explicit {
+                o.insert("prefetch.explicit", pos(&e));
+                prefetch.explicit_forward = e.value.forward;
+                prefetch.explicit_backward = e.value.backward;
+            }
             for (field, v) in [
                 ("prefetch.forward", prefetch.forward),
                 ("prefetch.backward", prefetch.backward),

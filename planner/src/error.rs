@@ -22,6 +22,9 @@ pub enum PlanError {
     /// `wrap_modules` names a module the model does not have.
     #[error("wrap_modules names `{module}`, which is not a module of this model{}", suggestion.as_ref().map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default())]
     NoSuchModule { module: String, suggestion: Option<String> },
+    /// An explicit prefetch list names a module that is not an FSDP unit.
+    #[error("prefetch.explicit names `{module}`, which is not a wrapped module (an FSDP unit){}", suggestion.as_ref().map(|s| format!(" (did you mean `{s}`?)")).unwrap_or_default())]
+    PrefetchModule { module: String, suggestion: Option<String> },
     /// `reshard_after_forward: N` with N not dividing the shard axis.
     #[error("reshard_after_forward {n} does not divide the shard axis ({shard})")]
     ReshardDoesNotDivide { n: u64, shard: u64 },
@@ -40,6 +43,7 @@ impl PlanError {
             PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => "mesh",
             PlanError::WrapMatchesNothing { .. } => "wrap",
             PlanError::NoSuchModule { .. } => "wrap_modules",
+            PlanError::PrefetchModule { .. } => "prefetch.explicit",
             PlanError::ReshardDoesNotDivide { .. } => "reshard_after_forward",
             PlanError::Graph(_) | PlanError::Bug(_) => "batch",
         }
@@ -53,6 +57,9 @@ impl PlanError {
             }
             PlanError::WrapMatchesNothing { present, .. } => format!("wrap one of: {present}"),
             PlanError::NoSuchModule { .. } => "use a dotted module path as `shardplan inspect` prints it".into(),
+            PlanError::PrefetchModule { .. } => {
+                "name modules that `wrap` or `wrap_modules` makes units, as the plan's groups table lists them".into()
+            }
             PlanError::ReshardDoesNotDivide { shard, .. } => {
                 format!("use true, false, or a divisor of {shard} (usually gpus_per_node)")
             }

@@ -55,7 +55,12 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
         wrap_modules: config.wrap_modules.clone(),
         bucket_mib: config.bucket_mib,
         reshard_after_forward: reshard,
-        prefetch: config.prefetch.into(),
+        prefetch: PrefetchDepth {
+            forward: config.prefetch.forward,
+            backward: config.prefetch.backward,
+            explicit_forward: Vec::new(),
+            explicit_backward: Vec::new(),
+        },
         mixed_precision: config.mixed_precision.into(),
         offload: config.offload,
         activation_checkpointing: config.activation_checkpointing.into(),
@@ -96,6 +101,9 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
         })
         .collect();
     let fsdp: Vec<FsdpGroup> = groups.iter().map(|p| p.group.clone()).collect();
+    let mut policy = policy;
+    policy.prefetch.explicit_forward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_forward)?;
+    policy.prefetch.explicit_backward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_backward)?;
 
     // 2. Compute steps with activation memory.
     let steps = steps::steps(joint, &fsdp, config.activation_checkpointing);
@@ -162,4 +170,33 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
     verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
     Ok(plan)
+}
+
+/// Resolves `{module: [modules]}` explicit prefetch lists to groups; every name must be a
+/// wrapped module (the unit of a group).
+fn explicit_prefetch(
+    g: &shardplan_ir::Graph,
+    groups: &[FsdpGroup],
+    lists: &std::collections::BTreeMap<String, Vec<String>>,
+) -> Result<Vec<(GroupId, Vec<GroupId>)>, PlanError> {
+    let find = |m: &str| -> Result<GroupId, PlanError> {
+        groups
+            .iter()
+            .find(|grp| grp.scopes.iter().any(|&s| g.scope(s).display_path() == m))
+            .map(|grp| grp.id)
+            .ok_or_else(|| {
+                let units: Vec<&str> = groups
+                    .iter()
+                    .flat_map(|grp| grp.scopes.iter().map(|&s| g.scope(s).display_path()))
+                    .collect();
+                PlanError::PrefetchModule {
+                    module: m.to_string(),
+                    suggestion: shardplan_frontends::did_you_mean(m, units.iter().copied()).map(str::to_string),
+                }
+            })
+    };
+    lists
+        .iter()
+        .map(|(k, vs)| Ok((find(k)?, vs.iter().map(|v| find(v)).collect::<Result<Vec<_>, _>>()?)))
+        .collect()
 }

@@ -12,7 +12,7 @@ use crate::layout::GroupLayout;
 use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
-use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload, Prefetch};
+use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload};
 use shardplan_ir::DType;
 use std::fmt;
 
@@ -408,20 +408,15 @@ pub struct Policy {
     pub grad_clip: Option<f64>,
 }
 
-/// Prefetch depths.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Prefetch depths, and FSDP2-style explicit prefetch lists by group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefetchDepth {
     pub forward: u32,
     pub backward: u32,
-}
-
-impl From<Prefetch> for PrefetchDepth {
-    fn from(p: Prefetch) -> Self {
-        PrefetchDepth {
-            forward: p.forward,
-            backward: p.backward,
-        }
-    }
+    /// When the first group's forward starts, gather the others.
+    pub explicit_forward: Vec<(GroupId, Vec<GroupId>)>,
+    /// When the first group's backward starts, gather the others.
+    pub explicit_backward: Vec<(GroupId, Vec<GroupId>)>,
 }
 
 /// Dtypes: unsharded parameters and compute, gradient reduction, sharded master copy.

@@ -159,10 +159,22 @@ pub fn summary(o: &mut String, plan: &Plan) {
     if let Some(b) = p.bucket_mib {
         wrap.push_str(&format!(", buckets up to {b} MiB"));
     }
+    let mut prefetch = format!(
+        "prefetch forward {} / backward {}",
+        p.prefetch.forward, p.prefetch.backward
+    );
+    for (pass, list) in [
+        ("forward", &p.prefetch.explicit_forward),
+        ("backward", &p.prefetch.explicit_backward),
+    ] {
+        for (t, gs) in list {
+            let gs: Vec<String> = gs.iter().map(|g| g.to_string()).collect();
+            prefetch.push_str(&format!(", {pass} of {t} gathers {}", gs.join(" ")));
+        }
+    }
     let _ = writeln!(
         o,
-        "policy: wrap [{wrap}], reshard_after_forward {reshard} (root keeps), prefetch forward {} / backward {}",
-        p.prefetch.forward, p.prefetch.backward
+        "policy: wrap [{wrap}], reshard_after_forward {reshard} (root keeps), {prefetch}"
     );
     let ac = match p.activation_checkpointing {
         crate::Checkpointing::None => "none".to_string(),

@@ -388,12 +388,35 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
     // The step at which each gather is issued.
     let mut gate_at: Vec<Vec<(GroupId, Phase)>> = vec![Vec::new(); steps.len()];
     let (fwd, bwd): (Vec<_>, Vec<_>) = need.iter().partition(|(pos, _)| steps[*pos].phase == Phase::Forward);
-    for (list, depth, start) in [
-        (&fwd, policy.prefetch.forward as usize, 0),
-        (&bwd, policy.prefetch.backward as usize, first_backward),
+    for (list, depth, start, explicit) in [
+        (
+            &fwd,
+            policy.prefetch.forward as usize,
+            0,
+            &policy.prefetch.explicit_forward,
+        ),
+        (
+            &bwd,
+            policy.prefetch.backward as usize,
+            first_backward,
+            &policy.prefetch.explicit_backward,
+        ),
     ] {
         for (i, &(pos, g)) in list.iter().enumerate() {
-            let at = if i >= depth { list[i - depth].0 } else { start.min(pos) };
+            // An explicit list: gather when the trigger group's first step of this pass starts.
+            let trigger = explicit
+                .iter()
+                .filter(|(_, targets)| targets.contains(&g))
+                .filter_map(|(t, _)| {
+                    (start..steps.len())
+                        .find(|&k| steps[k].group == *t && (steps[k].phase == Phase::Forward) == (start == 0))
+                })
+                .min();
+            let at = match trigger {
+                Some(k) => k.min(pos),
+                None if i >= depth => list[i - depth].0,
+                None => start.min(pos),
+            };
             gate_at[at].push((g, steps[pos].phase));
         }
     }

@@ -1,0 +1,168 @@
+//! What each knob does to the schedule, counted instruction by instruction.
+
+mod common;
+
+use common::plan_preset;
+use shardplan_planner::{Comm, Instr, Plan, Stream};
+
+fn spec(extra: &str) -> String {
+    let batch = if extra.contains("batch:") {
+        ""
+    } else {
+        "batch: {per_rank: 1, seq_len: 8}\n"
+    };
+    format!("gpus_per_node: 4\nmixed_precision: {{param: bf16, reduce: f32}}\n{batch}{extra}")
+}
+
+fn count(plan: &Plan, f: impl Fn(&Instr) -> bool) -> usize {
+    plan.programs[0].instrs.iter().filter(|i| f(&i.instr)).count()
+}
+
+/// Issue index of the all-gather of group `g` (the `nth` one) and of the first compute
+/// step that reads group `reader`.
+fn all_gather_at(plan: &Plan, g: u32, nth: usize) -> usize {
+    plan.programs[0]
+        .instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| matches!(i.instr, Instr::AllGather { group, .. } if group.0 == g))
+        .nth(nth)
+        .unwrap()
+        .0
+}
+
+fn compute_of(plan: &Plan, label: &str, phase: &str) -> usize {
+    plan.programs[0]
+        .instrs
+        .iter()
+        .position(|i| match &i.instr {
+            Instr::Compute { step, .. } => {
+                let s = plan.step(*step);
+                s.label == label && s.phase.name() == phase
+            }
+            _ => false,
+        })
+        .unwrap()
+}
+
+#[test]
+fn prefetch_depth_moves_the_all_gather_ahead_of_its_use() {
+    // tiny-llama: g0 layers.0, g1 layers.1, g2 root.
+    let none = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {shard: 4}\nprefetch: {forward: 0, backward: 0}\n"),
+    );
+    let one = plan_preset("tiny-llama", &spec("mesh: {shard: 4}\n"));
+    // Depth 0: layers.1 is gathered after layers.0's forward was issued; depth 1: before.
+    assert!(all_gather_at(&none, 1, 0) > compute_of(&none, "layers.0", "forward"));
+    assert!(all_gather_at(&one, 1, 0) < compute_of(&one, "layers.0", "forward"));
+    assert!(none.estimate.exposed_comm_s > one.estimate.exposed_comm_s);
+    // Two groups gathered at once cost memory.
+    assert!(none.memory.max_by_category.unsharded_params <= one.memory.max_by_category.unsharded_params);
+}
+
+#[test]
+fn explicit_prefetch_overrides_the_depth() {
+    let plan = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {shard: 4}\nprefetch: {forward: 0, backward: 0, explicit: {forward: {layers.0: [layers.1]}}}\n"),
+    );
+    assert!(all_gather_at(&plan, 1, 0) < compute_of(&plan, "layers.0", "forward"));
+    // Backward has no explicit list: depth 0 there.
+    assert!(all_gather_at(&plan, 0, 1) > compute_of(&plan, "layers.1", "backward"));
+}
+
+#[test]
+fn reshard_false_gathers_once_and_true_twice() {
+    let keep = plan_preset("tiny-llama", &spec("mesh: {shard: 4}\nreshard_after_forward: false\n"));
+    let free = plan_preset("tiny-llama", &spec("mesh: {shard: 4}\n"));
+    let ags = |p: &Plan| count(p, |i| matches!(i, Instr::AllGather { .. }));
+    assert_eq!(ags(&keep), 3);
+    assert_eq!(
+        ags(&free),
+        5,
+        "the root keeps its parameters; blocks gather again for backward"
+    );
+    assert!(keep.memory.max_by_category.unsharded_params >= free.memory.max_by_category.unsharded_params);
+}
+
+#[test]
+fn int_reshard_gathers_backward_over_the_smaller_group() {
+    let plan = plan_preset("tiny-llama", &spec("mesh: {shard: 4}\nreshard_after_forward: 2\n"));
+    let over = |c: Comm| count(&plan, |i| matches!(i, Instr::AllGather { comm, .. } if *comm == c));
+    assert_eq!(over(Comm::Shard), 3);
+    assert_eq!(over(Comm::Reshard(2)), 2);
+}
+
+#[test]
+fn grad_accumulation_reduces_every_micro_batch_or_once() {
+    let every = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {replicate: 2, shard: 2}\nbatch: {per_rank: 1, seq_len: 8, grad_accum: 4}\n"),
+    );
+    let once = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {replicate: 2, shard: 2}\nbatch: {per_rank: 1, seq_len: 8, grad_accum: 4, grad_sync: final_micro_batch}\n"),
+    );
+    let rs = |p: &Plan| count(p, |i| matches!(i, Instr::ReduceScatter { .. }));
+    let ar = |p: &Plan| {
+        count(p, |i| {
+            matches!(
+                i,
+                Instr::AllReduce {
+                    comm: Comm::Replicate,
+                    ..
+                }
+            )
+        })
+    };
+    assert_eq!((rs(&every), ar(&every)), (12, 3));
+    assert_eq!(
+        (rs(&once), ar(&once)),
+        (3, 3),
+        "HSDP all-reduce once per step either way"
+    );
+    assert!(once.memory.max_by_category.unsharded_grads > every.memory.max_by_category.unsharded_grads);
+    assert!(once.estimate.reduce_scatter_bytes * 4 == every.estimate.reduce_scatter_bytes);
+}
+
+#[test]
+fn offload_moves_state_to_the_host_and_steps_there() {
+    let plan = plan_preset("tiny-llama", &spec("mesh: {shard: 4}\noffload: cpu\n"));
+    assert_eq!(plan.memory.max_by_category.optimizer_state, 0);
+    assert!(plan.memory.host.optimizer_state > 0 && plan.memory.host.sharded_params > 0);
+    let on = |s: Stream, f: &dyn Fn(&Instr) -> bool| {
+        plan.programs[0]
+            .instrs
+            .iter()
+            .filter(|i| i.stream == s && f(&i.instr))
+            .count()
+    };
+    assert_eq!(on(Stream::Host, &|i| matches!(i, Instr::OptimizerStep { .. })), 3);
+    // Host -> device before every gather from the sharded state, device -> host per group.
+    assert_eq!(on(Stream::Copy, &|i| matches!(i, Instr::Copy { .. })), 5 + 3);
+}
+
+#[test]
+fn activation_checkpointing_recomputes_and_saves_memory() {
+    let none = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {shard: 4}\nbatch: {per_rank: 2, seq_len: 32}\n"),
+    );
+    let full = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {shard: 4}\nactivation_checkpointing: full\nbatch: {per_rank: 2, seq_len: 32}\n"),
+    );
+    let every2 = plan_preset(
+        "tiny-llama",
+        &spec("mesh: {shard: 4}\nactivation_checkpointing: {every: 2}\nbatch: {per_rank: 2, seq_len: 32}\n"),
+    );
+    let recomputes = |p: &Plan| p.steps.iter().filter(|s| s.phase.name() == "recompute").count();
+    assert_eq!((recomputes(&none), recomputes(&every2), recomputes(&full)), (0, 1, 2));
+    assert!(full.memory.max_by_category.activations < every2.memory.max_by_category.activations);
+    assert!(every2.memory.max_by_category.activations < none.memory.max_by_category.activations);
+    assert!(
+        full.estimate.compute_s > none.estimate.compute_s,
+        "recompute costs time"
+    );
+}
