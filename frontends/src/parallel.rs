@@ -19,6 +19,7 @@ pub const MAX_WORLD: u64 = 1 << 20;
 #[serde(deny_unknown_fields)]
 struct ParallelSpecFile {
     mesh: Spanned<MeshFile>,
+    world: Option<Spanned<u64>>,
     gpus_per_node: Option<Spanned<u64>>,
     hardware: Option<Spanned<NameOr<HardwareFile>>>,
     wrap: Option<Spanned<Vec<Spanned<ModuleKind>>>>,
@@ -376,6 +377,19 @@ impl ParallelSpecFile {
             }
         }
         let world = mesh.world();
+        if let Some(w) = &self.world {
+            o.insert("world", pos(w));
+            if w.value != world {
+                return Err(o.error(
+                    "world",
+                    format!(
+                        "the mesh has replicate x shard = {replicate} x {shard} = {world} ranks, but world is {}",
+                        w.value
+                    ),
+                    format!("make replicate x shard equal {}, or set world to {world}", w.value),
+                ));
+            }
+        }
 
         record(&mut o, "gpus_per_node", &self.gpus_per_node);
         let gpus_per_node = at_least_1(&o, "gpus_per_node", self.gpus_per_node.map_or(8, |s| s.value))?;

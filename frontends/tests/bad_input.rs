@@ -228,6 +228,25 @@ fn absurd_sizes_do_not_overflow() {
 fn parallel_spec_rules() {
     let cases: &[(&str, u64, u64, &str)] = &[
         (
+            "mesh: {replicate: 2, shard: 4}\nworld: 16\n",
+            2,
+            8,
+            "the mesh has replicate x shard = 2 x 4 = 8 ranks, but world is 16",
+        ),
+        (
+            "mesh: {shard: 4}\nprefetch: {explicit: {sideways: {}}}\n",
+            2,
+            23,
+            "unknown field",
+        ),
+        (
+            "mesh: {shard: 4}\nbatch: {grad_sync: sometimes}\n",
+            2,
+            20,
+            "unknown variant",
+        ),
+        ("mesh: {shard: 4}\nbucket_mib: 0\n", 2, 13, "must be at least 1"),
+        (
             "mesh: {replicate: 3, shard: 4}\ngpus_per_node: 8\n",
             2,
             16,

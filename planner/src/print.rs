@@ -229,6 +229,26 @@ pub fn summary(o: &mut String, plan: &Plan) {
         );
     }
     let _ = writeln!(o, "  {:<36} {:>12}", "total", bytes(mem.at_peak.total()));
+    let hbm = (plan.hardware.hbm_gib * (1u64 << 30) as f64) as u64;
+    let _ = writeln!(
+        o,
+        "  {}",
+        if mem.peak <= hbm {
+            format!(
+                "fits {}'s {} ({} spare)",
+                plan.hardware.name,
+                bytes(hbm),
+                bytes(hbm - mem.peak)
+            )
+        } else {
+            format!(
+                "DOES NOT FIT {}'s {}: {} over",
+                plan.hardware.name,
+                bytes(hbm),
+                bytes(mem.peak - hbm)
+            )
+        }
+    );
     if mem.host.total() > 0 {
         let parts: Vec<String> = Category::ALL
             .iter()

@@ -124,29 +124,40 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
         }
     }
 
-    // The execution order: (node, recomputed copy?).
+    // The forward nodes each checkpointed block recomputes, in order.
+    let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
+    for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
+        let f = NodeId(j as u32);
+        if param.is_some() || g.node(f).op.is_leaf() {
+            continue;
+        }
+        if let Some(block) = ckpt(f) {
+            match block_nodes.iter_mut().find(|(b, _)| *b == block) {
+                Some((_, v)) => v.push(f),
+                None => block_nodes.push((block, vec![f])),
+            }
+        }
+    }
+
+    // The execution order: (node, recomputed copy?). A checkpointed block's forward runs
+    // again just before its first backward node.
     let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
-    let mut recomputed: Vec<Option<ScopeId>> = Vec::new();
-    for i in 0..n {
+    let mut recomputed: Vec<ScopeId> = Vec::new();
+    for (i, param) in param_of_node.iter().enumerate() {
         let id = NodeId(i as u32);
-        let node = g.node(id);
-        if param_of_node[i].is_some() {
+        if param.is_some() {
             continue;
         }
         if i >= joint.forward_len {
             if let Some(block) = ckpt(id) {
-                if !recomputed.contains(&Some(block)) {
-                    recomputed.push(Some(block));
-                    for j in 0..joint.forward_len {
-                        let f = NodeId(j as u32);
-                        if param_of_node[j].is_none() && ckpt(f) == Some(block) && !g.node(f).op.is_leaf() {
-                            order.push((f, true));
-                        }
+                if !recomputed.contains(&block) {
+                    recomputed.push(block);
+                    if let Some((_, nodes)) = block_nodes.iter().find(|(b, _)| *b == block) {
+                        order.extend(nodes.iter().map(|&f| (f, true)));
                     }
                 }
             }
         }
-        let _ = node;
         order.push((id, false));
     }
 

@@ -67,7 +67,7 @@ fn policy() -> impl Strategy<Value = Policy> {
 }
 
 fn spec(replicate: u64, shard: u64, p: &Policy) -> String {
-    let reshard = if p.reshard == "2" && shard % 2 != 0 {
+    let reshard = if p.reshard == "2" && !shard.is_multiple_of(2) {
         "true"
     } else {
         p.reshard
