@@ -54,8 +54,38 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
         instr,
         message,
     };
+    // The mesh and the layouts agree (a Plan read from a file may say anything).
+    let m = &plan.mesh;
+    let world = match m.replicate().checked_mul(m.shard()) {
+        Some(w) if m.replicate() > 0 && m.shard() > 0 && m.gpus_per_node() > 0 => w,
+        _ => {
+            return Err(err(
+                "mesh",
+                0,
+                None,
+                format!(
+                    "mesh replicate {} x shard {} on nodes of {} is not a valid mesh",
+                    m.replicate(),
+                    m.shard(),
+                    m.gpus_per_node()
+                ),
+            ))
+        }
+    };
+    if let Some(g) = plan.groups.iter().find(|g| g.layout.shard != m.shard()) {
+        return Err(err(
+            "mesh",
+            0,
+            None,
+            format!(
+                "group {} is laid out over {} ranks, the mesh's shard axis has {}",
+                g.group.id,
+                g.layout.shard,
+                m.shard()
+            ),
+        ));
+    }
     // Ranks: spans cover 0..world once, each naming a program.
-    let world = plan.mesh.world();
     let mut next = 0u64;
     for s in &plan.ranks {
         if s.first != next || s.count == 0 || s.program as usize >= plan.programs.len() {

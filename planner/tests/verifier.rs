@@ -213,3 +213,18 @@ fn out_of_range_references_do_not_panic() {
     let e = verify(&plan, None).unwrap_err();
     assert_eq!(e.rule, "references");
 }
+
+#[test]
+fn a_plan_file_with_a_broken_mesh_is_rejected() {
+    let plan = tiny();
+    let mut json: serde_json::Value = serde_json::to_value(&plan).unwrap();
+    json["mesh"]["shard"] = serde_json::json!(0);
+    let broken: Plan = serde_json::from_value(json.clone()).unwrap();
+    let e = verify(&broken, None).unwrap_err();
+    assert_eq!(e.rule, "mesh", "{e}");
+    json["mesh"]["shard"] = serde_json::json!(2);
+    json["mesh"]["replicate"] = serde_json::json!(2);
+    let relaid: Plan = serde_json::from_value(json).unwrap();
+    let e = verify(&relaid, None).unwrap_err();
+    assert!(e.message.contains("laid out over 4 ranks"), "{e}");
+}
