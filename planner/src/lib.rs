@@ -23,7 +23,7 @@ pub use group::{group, scope_groups, FsdpGroup, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout, ParamLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::*;
-pub use steps::{Phase, Step, StepId};
+pub use steps::{ExecOrder, Phase, Step, StepId};
 pub use verify::{verify, VerifyError};
 
 use shardplan_frontends::{ParallelConfig, Reshard};

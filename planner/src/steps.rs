@@ -82,40 +82,12 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
     let g = &joint.graph;
     let n = g.node_count();
     let group_of_scope = scope_groups(g, groups);
+
     let mut group_of_param = vec![GroupId(0); g.params().len()];
     for grp in groups {
         for p in &grp.params {
             group_of_param[p.index()] = grp.id;
         }
-    }
-
-    // Checkpointed block of each scope (the nearest block ancestor, if it is checkpointed).
-    let mut block_index = 0u64;
-    let mut ckpt_of_scope: Vec<Option<ScopeId>> = Vec::with_capacity(g.scopes().len());
-    for (id, s) in g.scopes() {
-        let inherited = s.parent.and_then(|p| ckpt_of_scope[p.index()]);
-        let own = if s.kind == ModuleKind::Block {
-            let chosen = match ac {
-                ActivationCheckpointing::None => false,
-                ActivationCheckpointing::Full => true,
-                ActivationCheckpointing::Every(k) => block_index.is_multiple_of(k),
-            };
-            block_index += 1;
-            chosen.then_some(id)
-        } else {
-            None
-        };
-        ckpt_of_scope.push(own.or(inherited));
-    }
-    let ckpt = |id: NodeId| -> Option<ScopeId> { ckpt_of_scope[g.node(id).scope.index()] };
-
-    let mut param_of_node: Vec<Option<u32>> = vec![None; n];
-    for (p, param) in g.params() {
-        param_of_node[param.node.index()] = Some(p.0);
-    }
-    let mut is_param_grad = vec![false; n];
-    for grad in joint.param_grads.iter().flatten() {
-        is_param_grad[grad.index()] = true;
     }
     let mut grad_group: Vec<Option<GroupId>> = vec![None; n];
     for (p, grad) in joint.param_grads.iter().enumerate() {
@@ -123,71 +95,10 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
             grad_group[grad.index()] = Some(group_of_param[p]);
         }
     }
-
-    // The forward nodes each checkpointed block recomputes, in order.
-    let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
-    for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
-        let f = NodeId(j as u32);
-        if param.is_some() || g.node(f).op.is_leaf() {
-            continue;
-        }
-        if let Some(block) = ckpt(f) {
-            match block_nodes.iter_mut().find(|(b, _)| *b == block) {
-                Some((_, v)) => v.push(f),
-                None => block_nodes.push((block, vec![f])),
-            }
-        }
-    }
-
-    // The execution order: (node, recomputed copy?). A checkpointed block's forward runs
-    // again just before its first backward node.
-    let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
-    let mut recomputed: Vec<ScopeId> = Vec::new();
-    for (i, param) in param_of_node.iter().enumerate() {
-        let id = NodeId(i as u32);
-        if param.is_some() {
-            continue;
-        }
-        if i >= joint.forward_len {
-            if let Some(block) = ckpt(id) {
-                if !recomputed.contains(&block) {
-                    recomputed.push(block);
-                    if let Some((_, nodes)) = block_nodes.iter().find(|(b, _)| *b == block) {
-                        order.extend(nodes.iter().map(|&f| (f, true)));
-                    }
-                }
-            }
-        }
-        order.push((id, false));
-    }
-
-    // Liveness over `order`. A value is (node, copy); copy values only exist for checkpointed
-    // forward nodes. `slot` maps a value to its index in `last_use`.
-    let slot = |id: NodeId, copy: bool| id.index() * 2 + usize::from(copy);
-    let mut last_use = vec![usize::MAX; n * 2];
-    let reads_copy = |reader: NodeId, reader_copy: bool, input: NodeId| -> bool {
-        match ckpt(input) {
-            Some(block) if input.index() < joint.forward_len => {
-                let reader_block = ckpt(reader);
-                (reader_copy || reader.index() >= joint.forward_len) && reader_block == Some(block)
-            }
-            _ => false,
-        }
-    };
-    for (pos, &(id, copy)) in order.iter().enumerate() {
-        for &input in &g.node(id).inputs {
-            if param_of_node[input.index()].is_none() {
-                last_use[slot(input, reads_copy(id, copy, input))] = pos;
-            }
-        }
-    }
-    let bytes = |id: NodeId| -> u64 {
-        if param_of_node[id.index()].is_some() || is_param_grad[id.index()] {
-            0
-        } else {
-            g.node(id).ty.bytes().unwrap_or(u64::MAX)
-        }
-    };
+    let exec = ExecOrder::new(joint, ac);
+    let order = &exec.order;
+    let param_of_node = &exec.param_of_node;
+    let bytes = |id: NodeId| exec.value_bytes(g, id);
 
     let label_of = |grp: GroupId, id: NodeId| -> String {
         let group = &groups[grp.index()];
@@ -261,13 +172,13 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
             if param_of_node[input.index()].is_some() {
                 continue;
             }
-            let s = slot(input, reads_copy(id, copy, input));
-            if last_use[s] == pos && !freed.contains(&s) {
+            let s = ExecOrder::slot(input, exec.reads_copy(id, copy, input));
+            if exec.last_use[s] == pos && !freed.contains(&s) {
                 freed.push(s);
                 live = live.saturating_sub(bytes(input));
             }
         }
-        if last_use[slot(id, copy)] == usize::MAX {
+        if exec.last_use[ExecOrder::slot(id, copy)] == usize::MAX {
             live = live.saturating_sub(bytes(id));
         }
         step.act_end = live;
@@ -277,4 +188,136 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
         s.grads.sort_unstable();
     }
     out
+}
+
+/// The order a rank runs the joint graph's nodes in, and when each value dies: shared by
+/// the planner's activation model and the executor, so both free at the same points.
+pub struct ExecOrder {
+    /// `(node, recomputed copy?)` in execution order; parameters are not executed.
+    pub order: Vec<(NodeId, bool)>,
+    /// The parameter a `param` node yields.
+    pub param_of_node: Vec<Option<u32>>,
+    /// True for the nodes that are final parameter gradients.
+    pub is_param_grad: Vec<bool>,
+    /// Position in `order` of the last reader of each value (`slot(node, copy)`);
+    /// `usize::MAX` for values nothing reads.
+    pub last_use: Vec<usize>,
+    /// The checkpointed block each node belongs to, if any.
+    ckpt: Vec<Option<ScopeId>>,
+    forward_len: usize,
+}
+
+impl ExecOrder {
+    /// The execution order of `joint` under the checkpointing policy `ac`: node order,
+    /// except that a checkpointed block's forward runs again just before its first
+    /// backward node.
+    pub fn new(joint: &JointGraph, ac: ActivationCheckpointing) -> Self {
+        let g = &joint.graph;
+        let n = g.node_count();
+        // Checkpointed block of each scope (the nearest block ancestor, if checkpointed).
+        let mut block_index = 0u64;
+        let mut ckpt_of_scope: Vec<Option<ScopeId>> = Vec::with_capacity(g.scopes().len());
+        for (id, s) in g.scopes() {
+            let inherited = s.parent.and_then(|p| ckpt_of_scope[p.index()]);
+            let own = if s.kind == ModuleKind::Block {
+                let chosen = match ac {
+                    ActivationCheckpointing::None => false,
+                    ActivationCheckpointing::Full => true,
+                    ActivationCheckpointing::Every(k) => block_index.is_multiple_of(k),
+                };
+                block_index += 1;
+                chosen.then_some(id)
+            } else {
+                None
+            };
+            ckpt_of_scope.push(own.or(inherited));
+        }
+        let ckpt: Vec<Option<ScopeId>> = (0..n)
+            .map(|i| ckpt_of_scope[g.node(NodeId(i as u32)).scope.index()])
+            .collect();
+        let mut param_of_node: Vec<Option<u32>> = vec![None; n];
+        for (p, param) in g.params() {
+            param_of_node[param.node.index()] = Some(p.0);
+        }
+        let mut is_param_grad = vec![false; n];
+        for grad in joint.param_grads.iter().flatten() {
+            is_param_grad[grad.index()] = true;
+        }
+        // The forward nodes each checkpointed block recomputes, in order.
+        let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
+        for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
+            let f = NodeId(j as u32);
+            if param.is_some() || g.node(f).op.is_leaf() {
+                continue;
+            }
+            if let Some(block) = ckpt[j] {
+                match block_nodes.iter_mut().find(|(b, _)| *b == block) {
+                    Some((_, v)) => v.push(f),
+                    None => block_nodes.push((block, vec![f])),
+                }
+            }
+        }
+        let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
+        let mut recomputed: Vec<ScopeId> = Vec::new();
+        for (i, param) in param_of_node.iter().enumerate() {
+            if param.is_some() {
+                continue;
+            }
+            if i >= joint.forward_len {
+                if let Some(block) = ckpt[i] {
+                    if !recomputed.contains(&block) {
+                        recomputed.push(block);
+                        if let Some((_, nodes)) = block_nodes.iter().find(|(b, _)| *b == block) {
+                            order.extend(nodes.iter().map(|&f| (f, true)));
+                        }
+                    }
+                }
+            }
+            order.push((NodeId(i as u32), false));
+        }
+        let mut exec = ExecOrder {
+            order,
+            param_of_node,
+            is_param_grad,
+            last_use: vec![usize::MAX; n * 2],
+            ckpt,
+            forward_len: joint.forward_len,
+        };
+        for pos in 0..exec.order.len() {
+            let (id, copy) = exec.order[pos];
+            for &input in &g.node(id).inputs {
+                if exec.param_of_node[input.index()].is_none() {
+                    let s = Self::slot(input, exec.reads_copy(id, copy, input));
+                    exec.last_use[s] = pos;
+                }
+            }
+        }
+        exec
+    }
+
+    /// Index of a value (a node's original or its recomputed copy).
+    pub fn slot(id: NodeId, copy: bool) -> usize {
+        id.index() * 2 + usize::from(copy)
+    }
+
+    /// Whether `reader` (itself a copy or not) reads the recomputed copy of `input`: inside
+    /// a checkpointed block, its recompute and backward read the block's recomputed values.
+    pub fn reads_copy(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> bool {
+        match self.ckpt[input.index()] {
+            Some(block) if input.index() < self.forward_len => {
+                (reader_copy || reader.index() >= self.forward_len) && self.ckpt[reader.index()] == Some(block)
+            }
+            _ => false,
+        }
+    }
+
+    /// Bytes a value holds as an activation: 0 for parameters and final parameter
+    /// gradients (they live in group buffers).
+    pub fn value_bytes(&self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
+        if self.param_of_node[id.index()].is_some() || self.is_param_grad[id.index()] {
+            0
+        } else {
+            g.node(id).ty.bytes().unwrap_or(u64::MAX)
+        }
+    }
 }
