@@ -108,32 +108,7 @@ impl Trainer {
             .collect();
         let first = joint.graph.node(joint.graph.inputs()[0]).ty.shape.dims().to_vec();
         let (batch, seq) = (first[0] as usize, first[1] as usize);
-        let data: Box<dyn DataSource> = match (&config.data, model) {
-            (DataSpec::Synthetic, ModelConfig::Mlp(m)) => Box::new(SyntheticFeatures::new(
-                m.dim as usize,
-                m.n_classes as usize,
-                batch,
-                seq,
-                config.seed,
-            )),
-            (DataSpec::Synthetic, ModelConfig::Llama(c)) => {
-                Box::new(SyntheticTokens::new(c.vocab_size, batch, seq, config.seed))
-            }
-            (DataSpec::Synthetic, ModelConfig::Gpt2(c)) => {
-                Box::new(SyntheticTokens::new(c.vocab_size, batch, seq, config.seed))
-            }
-            (DataSpec::Tokens { .. }, ModelConfig::Mlp(_)) => {
-                return Err(ExecError::Unsupported(
-                    "token files feed language models; the mlp family trains on `data: synthetic`".into(),
-                ))
-            }
-            (DataSpec::Tokens { path, dtype }, ModelConfig::Llama(c)) => {
-                Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
-            }
-            (DataSpec::Tokens { path, dtype }, ModelConfig::Gpt2(c)) => {
-                Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
-            }
-        };
+        let data = data_source(model, config, batch, seq)?;
         let n_params = master.len();
         Ok(Trainer {
             interp: Interpreter::new(joint.graph.clone(), &keep),
@@ -305,4 +280,39 @@ impl Trainer {
             optimizer_bytes: self.opt.bytes(),
         })
     }
+}
+
+/// The data source of `config` for `model`, yielding batches of `batch` sequences of `seq`.
+pub fn data_source(
+    model: &ModelConfig,
+    config: &ParallelConfig,
+    batch: usize,
+    seq: usize,
+) -> Result<Box<dyn DataSource>, ExecError> {
+    Ok(match (&config.data, model) {
+        (DataSpec::Synthetic, ModelConfig::Mlp(m)) => Box::new(SyntheticFeatures::new(
+            m.dim as usize,
+            m.n_classes as usize,
+            batch,
+            seq,
+            config.seed,
+        )),
+        (DataSpec::Synthetic, ModelConfig::Llama(c)) => {
+            Box::new(SyntheticTokens::new(c.vocab_size, batch, seq, config.seed))
+        }
+        (DataSpec::Synthetic, ModelConfig::Gpt2(c)) => {
+            Box::new(SyntheticTokens::new(c.vocab_size, batch, seq, config.seed))
+        }
+        (DataSpec::Tokens { .. }, ModelConfig::Mlp(_)) => {
+            return Err(ExecError::Unsupported(
+                "token files feed language models; the mlp family trains on `data: synthetic`".into(),
+            ))
+        }
+        (DataSpec::Tokens { path, dtype }, ModelConfig::Llama(c)) => {
+            Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
+        }
+        (DataSpec::Tokens { path, dtype }, ModelConfig::Gpt2(c)) => {
+            Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
+        }
+    })
 }

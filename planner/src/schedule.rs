@@ -38,6 +38,10 @@ struct Builder<'a> {
     events: u32,
     instrs: Vec<Issued>,
     last_wait: [Option<EventId>; Stream::ALL.len()],
+    /// While set, `emit` collects into `deferred` (a reduction's tail, issued one compute
+    /// step later so the next step's allocations do not wait on it).
+    deferring: bool,
+    deferred: Vec<(Stream, Instr)>,
     // Per group:
     sharded: Vec<BufId>,
     optim: Vec<Option<BufId>>,
@@ -70,6 +74,10 @@ impl Builder<'_> {
     }
 
     fn emit(&mut self, stream: Stream, instr: Instr) {
+        if self.deferring {
+            self.deferred.push((stream, instr));
+            return;
+        }
         if let Instr::Wait { event } = instr {
             // A stream that already waited on this event is past it.
             if self.last_wait[stream.index()] == Some(event) {
@@ -181,13 +189,17 @@ impl Builder<'_> {
                 dst,
             },
         );
+        let done = self.record(Stream::AllGather);
+        // Frees after a collective are issued one compute step later, so the allocations
+        // issued meanwhile do not wait for the collective to finish.
+        self.deferring = true;
         if let Some(s) = staging {
             self.emit(Stream::AllGather, Instr::Free { buf: s });
         }
         if drop_src {
             self.emit(Stream::AllGather, Instr::Free { buf: src });
         }
-        let done = self.record(Stream::AllGather);
+        self.deferring = false;
         self.gathered[g.index()] = Some((dst, done, false));
     }
 
@@ -238,10 +250,14 @@ impl Builder<'_> {
                 dst: acc,
             },
         );
+        // The tail (frees, replica all-reduce, host copy) is issued after the next compute
+        // step: the allocations that step makes must not wait for this reduction to finish.
+        self.deferring = true;
         self.emit(Stream::ReduceScatter, Instr::Free { buf: staging });
         self.emit(Stream::ReduceScatter, Instr::Free { buf: grads });
         let mut done = self.record(Stream::ReduceScatter);
         if !last_micro {
+            self.deferring = false;
             return;
         }
         if self.mesh.replicate() > 1 {
@@ -283,6 +299,14 @@ impl Builder<'_> {
         }
         self.sharded_grads[g.index()] = None;
         self.grads_done[g.index()] = Some((final_buf, done));
+        self.deferring = false;
+    }
+
+    /// Issues the deferred reduction tails.
+    fn flush(&mut self) {
+        for (stream, instr) in std::mem::take(&mut self.deferred) {
+            self.emit(stream, instr);
+        }
     }
 }
 
@@ -352,6 +376,8 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
         events: 0,
         instrs: Vec::new(),
         last_wait: [None; Stream::ALL.len()],
+        deferring: false,
+        deferred: Vec::new(),
         sharded: Vec::with_capacity(n),
         optim: Vec::with_capacity(n),
         gathered: vec![None; n],
@@ -475,6 +501,7 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
                     writes,
                 },
             );
+            b.flush();
             for &g in &s.reads {
                 let gi = g.index();
                 let (buf, _, _) = b.gathered[gi].expect("read groups are gathered");
@@ -525,6 +552,7 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
         }
     }
 
+    b.flush();
     // Gradient norm and the optimizer step, on the device or (offload) on the host.
     let opt = if policy.offload == Offload::Cpu {
         Stream::Host

@@ -5,9 +5,12 @@
 //! stream is free and, for a wait, when the awaited event has been recorded. Since every
 //! wait follows its record in issue order, one pass in issue order computes all times.
 //!
-//! Memory is counted the way PyTorch's caching allocator counts `memory_allocated`: a buffer
-//! counts from its `alloc` to its `free`, in issue order (the host's order); activations
-//! rise to a compute step's peak while it runs and fall to its end level after. Every rank
+//! Allocations and frees are sequenced in issue order across the streams (an `alloc` waits
+//! until every earlier-issued `free` has happened on its stream; the executor enforces the
+//! same), so memory over stream time passes through exactly the levels of issue order: a
+//! buffer counts from its `alloc` to its `free`; activations rise to a compute step's peak
+//! while it runs and fall to its end level after. The price is a possible stall of an
+//! allocating stream on a slower stream's free, which the timeline includes. Every rank
 //! of a plan holds the same bytes (shards are padded to equal size), so one rank stands for
 //! all. Samples carry the simulated time of the instruction for the trace's counter track.
 
@@ -36,11 +39,19 @@ pub fn timeline(
     let mut stall = Vec::with_capacity(n);
     let mut free_at = [0.0f64; Stream::ALL.len()];
     let mut recorded = vec![0.0f64; events as usize];
+    // Allocations and frees happen in issue order on every stream (the executor sequences
+    // them), so memory over time follows issue order exactly.
+    let mut last_mem_op = 0.0f64;
     for issued in &program.instrs {
         let s = issued.stream.index();
         let mut t = free_at[s];
-        if let Instr::Wait { event } = issued.instr {
-            t = t.max(recorded.get(event.index()).copied().unwrap_or(0.0));
+        match issued.instr {
+            Instr::Wait { event } => t = t.max(recorded.get(event.index()).copied().unwrap_or(0.0)),
+            Instr::Alloc { .. } | Instr::Free { .. } => {
+                t = t.max(last_mem_op);
+                last_mem_op = t;
+            }
+            _ => {}
         }
         stall.push(t - free_at[s]);
         let d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, state_per_param);
