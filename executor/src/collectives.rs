@@ -7,7 +7,7 @@
 //! return the abort's message instead of hanging.
 
 use crate::ExecError;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -20,33 +20,59 @@ pub enum Reduce {
     Avg,
 }
 
-/// A process group as one rank sees it.
+/// A process group as one rank sees it. `tag` is the collective's position in this
+/// group's issue order: every member calls it with the same tag (Local matches the
+/// contributions by it, so collectives issued from different streams cannot pair up
+/// wrongly; NCCL orders by issue).
 pub trait Collectives: Send + Sync {
     /// Ranks in the group.
     fn size(&self) -> usize;
     /// This rank's index in the group.
     fn index(&self) -> usize;
     /// Concatenates every rank's `input` (equal sizes) in group order.
-    fn all_gather(&self, input: &Tensor) -> Result<Tensor, ExecError>;
+    fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
     /// Reduces every rank's `input` (its length a multiple of the group size) and returns
     /// this rank's chunk of the result; computed in `input`'s dtype.
-    fn reduce_scatter(&self, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
+    fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
     /// Reduces every rank's `input` and returns the result to all.
-    fn all_reduce(&self, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
+    fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
     /// Group member 0's `input`, to all.
-    fn broadcast(&self, input: &Tensor) -> Result<Tensor, ExecError>;
+    fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
     /// Returns when every member has arrived.
-    fn barrier(&self) -> Result<(), ExecError>;
+    fn barrier(&self, tag: u64) -> Result<(), ExecError>;
 }
 
-/// Why the world stopped: the first failure any rank reported.
-#[derive(Default)]
+/// Why the world stopped (the first failure any rank reported), and how long any wait may
+/// take before it is a failure.
 pub struct Abort {
     reason: Mutex<Option<String>>,
     watchers: Mutex<Vec<Arc<Shared>>>,
+    timeout_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Abort {
+    fn default() -> Self {
+        Abort {
+            reason: Mutex::new(None),
+            watchers: Mutex::new(Vec::new()),
+            timeout_ms: std::sync::atomic::AtomicU64::new(300_000),
+        }
+    }
 }
 
 impl Abort {
+    /// How long a collective or an event may wait.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    pub fn set_timeout(&self, t: Duration) {
+        self.timeout_ms.store(
+            t.as_millis().min(u128::from(u64::MAX)) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
     /// Records `reason` (the first one wins) and wakes every waiting rank.
     pub fn abort(&self, reason: String) {
         {
@@ -76,14 +102,17 @@ enum Kind {
     Barrier,
 }
 
-struct State {
-    /// Incremented each time a collective completes.
-    generation: u64,
-    /// Contributions of the collective being gathered, by group index.
+/// One collective being assembled.
+struct Entry {
     inputs: Vec<Option<(Kind, Option<Tensor>)>>,
-    /// Results of the last completed collective, by group index, and how many remain.
     outputs: Vec<Option<Tensor>>,
-    pending_outputs: usize,
+    done: bool,
+    taken: usize,
+}
+
+struct State {
+    /// Collectives in flight, by tag.
+    entries: HashMap<u64, Entry>,
 }
 
 struct Shared {
@@ -96,21 +125,17 @@ struct Shared {
 pub struct LocalGroup {
     shared: Arc<Shared>,
     index: usize,
-    timeout: Duration,
     abort: Arc<Abort>,
     /// Printed in errors (`shard group of ranks 0-3`).
     name: String,
 }
 
 /// Creates the handles of one group of `size` ranks (index i for member i).
-pub fn local_group(size: usize, name: &str, timeout: Duration, abort: &Arc<Abort>) -> Vec<LocalGroup> {
+pub fn local_group(size: usize, name: &str, abort: &Arc<Abort>) -> Vec<LocalGroup> {
     let shared = Arc::new(Shared {
         size,
         state: Mutex::new(State {
-            generation: 0,
-            inputs: vec![None; size],
-            outputs: vec![None; size],
-            pending_outputs: 0,
+            entries: HashMap::new(),
         }),
         cv: Condvar::new(),
     });
@@ -123,7 +148,6 @@ pub fn local_group(size: usize, name: &str, timeout: Duration, abort: &Arc<Abort
         .map(|index| LocalGroup {
             shared: shared.clone(),
             index,
-            timeout,
             abort: abort.clone(),
             name: name.to_string(),
         })
@@ -132,7 +156,10 @@ pub fn local_group(size: usize, name: &str, timeout: Duration, abort: &Arc<Abort
 
 fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecError> {
     let n = inputs.len();
-    let ins: Vec<Tensor> = inputs.into_iter().map(|t| t.expect("every data collective has inputs")).collect();
+    let ins: Vec<Tensor> = inputs
+        .into_iter()
+        .map(|t| t.expect("every data collective has inputs"))
+        .collect();
     let reduce = |op: Reduce| -> Result<Tensor, ExecError> {
         // Sum in rank order, in f64 for f32 data would change results across meshes; keep
         // the contributions' dtype, as NCCL does.
@@ -153,7 +180,9 @@ fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecE
         Kind::ReduceScatter(op) => {
             let r = reduce(op)?;
             let chunk = r.dim(0)? / n;
-            (0..n).map(|i| r.narrow(0, i * chunk, chunk)).collect::<Result<_, _>>()?
+            (0..n)
+                .map(|i| r.narrow(0, i * chunk, chunk))
+                .collect::<Result<_, _>>()?
         }
         Kind::AllReduce(op) => vec![reduce(op)?; n],
         Kind::Broadcast => vec![ins[0].clone(); n],
@@ -169,42 +198,58 @@ impl LocalGroup {
         }
     }
 
-    fn run(&self, kind: Kind, input: Option<&Tensor>) -> Result<Option<Tensor>, ExecError> {
+    fn run(&self, tag: u64, kind: Kind, input: Option<&Tensor>) -> Result<Option<Tensor>, ExecError> {
         let s = &self.shared;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.abort.timeout();
         let mut st = s.state.lock().unwrap_or_else(|e| e.into_inner());
-        // Wait until the previous collective's results are all taken and our slot is free.
-        while st.pending_outputs > 0 || st.inputs[self.index].is_some() {
-            st = self.wait(st, deadline, kind)?;
+        let size = s.size;
+        let entry = st.entries.entry(tag).or_insert_with(|| Entry {
+            inputs: vec![None; size],
+            outputs: vec![None; size],
+            done: false,
+            taken: 0,
+        });
+        if entry.inputs[self.index].is_some() || entry.done {
+            return Err(ExecError::Internal(format!(
+                "{}: collective {tag} issued twice by member {}",
+                self.name, self.index
+            )));
         }
-        st.inputs[self.index] = Some((kind, input.cloned()));
-        let my_generation = st.generation;
-        if st.inputs.iter().all(Option::is_some) {
-            let taken: Vec<(Kind, Option<Tensor>)> = st.inputs.iter_mut().map(|x| x.take().expect("all arrived")).collect();
+        entry.inputs[self.index] = Some((kind, input.cloned()));
+        if entry.inputs.iter().all(Option::is_some) {
+            let taken: Vec<(Kind, Option<Tensor>)> = entry
+                .inputs
+                .iter_mut()
+                .map(|x| x.take().expect("all arrived"))
+                .collect();
             if let Some((i, (k, _))) = taken.iter().enumerate().find(|(_, (k, _))| *k != kind) {
                 let msg = format!(
-                    "{}: member {} issued {k:?} while member {} issued {kind:?}: the ranks' schedules disagree",
+                    "{}: collective {tag}: member {} issued {k:?} while member {} issued {kind:?}: the ranks' schedules disagree",
                     self.name, i, self.index
                 );
+                drop(st);
                 self.abort.abort(msg.clone());
                 return Err(ExecError::Aborted(msg));
             }
             if kind != Kind::Barrier {
                 let outs = combine(kind, taken.into_iter().map(|(_, t)| t).collect())?;
-                st.outputs = outs.into_iter().map(Some).collect();
+                entry.outputs = outs.into_iter().map(Some).collect();
             }
-            st.pending_outputs = s.size;
-            st.generation += 1;
+            entry.done = true;
             s.cv.notify_all();
         } else {
-            while st.generation == my_generation {
-                st = self.wait(st, deadline, kind)?;
+            while !st.entries.get(&tag).is_some_and(|e| e.done) {
+                st = self.wait(st, deadline, kind, tag)?;
             }
         }
-        let out = st.outputs[self.index].take();
-        st.pending_outputs -= 1;
-        if st.pending_outputs == 0 {
-            s.cv.notify_all();
+        let entry = st
+            .entries
+            .get_mut(&tag)
+            .expect("the entry lives until every member took its result");
+        let out = entry.outputs[self.index].take();
+        entry.taken += 1;
+        if entry.taken == size {
+            st.entries.remove(&tag);
         }
         Ok(out)
     }
@@ -214,23 +259,26 @@ impl LocalGroup {
         st: std::sync::MutexGuard<'a, State>,
         deadline: Instant,
         kind: Kind,
+        tag: u64,
     ) -> Result<std::sync::MutexGuard<'a, State>, ExecError> {
         self.check_abort()?;
         let now = Instant::now();
         if now >= deadline {
-            let arrived: Vec<usize> = st
-                .inputs
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| x.is_some())
-                .map(|(i, _)| i)
-                .collect();
+            let arrived: Vec<usize> = st.entries.get(&tag).map_or(Vec::new(), |e| {
+                e.inputs
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, x)| x.is_some())
+                    .map(|(i, _)| i)
+                    .collect()
+            });
             let msg = format!(
-                "{}: {kind:?} timed out after {:.1} s (members arrived: {arrived:?} of {})",
+                "{}: {kind:?} {tag} timed out after {:.1} s (members arrived: {arrived:?} of {})",
                 self.name,
-                self.timeout.as_secs_f64(),
+                self.abort.timeout().as_secs_f64(),
                 self.shared.size
             );
+            drop(st);
             self.abort.abort(msg.clone());
             return Err(ExecError::Aborted(msg));
         }
@@ -253,12 +301,12 @@ impl Collectives for LocalGroup {
         self.index
     }
 
-    fn all_gather(&self, input: &Tensor) -> Result<Tensor, ExecError> {
-        self.run(Kind::AllGather, Some(input))?
+    fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        self.run(tag, Kind::AllGather, Some(input))?
             .ok_or_else(|| ExecError::Internal("all-gather without a result".into()))
     }
 
-    fn reduce_scatter(&self, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+    fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
         if input.dim(0)? % self.size() != 0 {
             return Err(ExecError::Internal(format!(
                 "{}: reduce-scatter of {} elements over {} ranks",
@@ -267,28 +315,23 @@ impl Collectives for LocalGroup {
                 self.size()
             )));
         }
-        self.run(Kind::ReduceScatter(op), Some(input))?
+        self.run(tag, Kind::ReduceScatter(op), Some(input))?
             .ok_or_else(|| ExecError::Internal("reduce-scatter without a result".into()))
     }
 
-    fn all_reduce(&self, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
-        self.run(Kind::AllReduce(op), Some(input))?
+    fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+        self.run(tag, Kind::AllReduce(op), Some(input))?
             .ok_or_else(|| ExecError::Internal("all-reduce without a result".into()))
     }
 
-    fn broadcast(&self, input: &Tensor) -> Result<Tensor, ExecError> {
-        self.run(Kind::Broadcast, Some(input))?
+    fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        self.run(tag, Kind::Broadcast, Some(input))?
             .ok_or_else(|| ExecError::Internal("broadcast without a result".into()))
     }
 
-    fn barrier(&self) -> Result<(), ExecError> {
-        self.run(Kind::Barrier, None).map(|_| ())
+    fn barrier(&self, tag: u64) -> Result<(), ExecError> {
+        self.run(tag, Kind::Barrier, None).map(|_| ())
     }
-}
-
-/// Every Local group of a mesh, by (kind name, first member), for each rank.
-pub struct LocalWorld {
-    pub groups: HashMap<(String, u64), Vec<Option<LocalGroup>>>,
 }
 
 /// Builds the Local groups of `groups_of` (for each rank, the members of its group) under
@@ -297,7 +340,6 @@ pub fn local_groups(
     world: u64,
     kind: &str,
     members_of: impl Fn(u64) -> Vec<u64>,
-    timeout: Duration,
     abort: &Arc<Abort>,
 ) -> HashMap<u64, LocalGroup> {
     let mut out = HashMap::new();
@@ -307,7 +349,7 @@ pub fn local_groups(
         }
         let members = members_of(rank);
         let name = format!("{kind} group of ranks {members:?}");
-        for (m, h) in members.iter().zip(local_group(members.len(), &name, timeout, abort)) {
+        for (m, h) in members.iter().zip(local_group(members.len(), &name, abort)) {
             out.insert(*m, h);
         }
     }
@@ -317,9 +359,4 @@ pub fn local_groups(
 /// Bytes of a tensor.
 pub fn tensor_bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
-}
-
-/// The dtype collectives reduce in when a caller asks for `d`.
-pub fn reduce_dtype(d: DType) -> DType {
-    d
 }

@@ -26,6 +26,10 @@ pub enum ExecError {
     /// A configuration the executor cannot run (yet).
     #[error("{0}")]
     Unsupported(String),
+    /// A sharded run stopped: the first failure any rank reported (rank, instruction,
+    /// cause), or a collective that timed out.
+    #[error("{0}")]
+    Aborted(String),
     /// A bug: the graph or the feeds broke an invariant the executor relies on.
     #[error("internal error: {0}")]
     Internal(String),

@@ -4,6 +4,7 @@
 //! loop built on it. Architecture invariant: the executor never makes a planning decision;
 //! it runs the graph (and later the Plan) it is given, in the order it is given.
 
+pub mod collectives;
 pub mod data;
 mod error;
 mod fused;
@@ -11,9 +12,12 @@ pub mod init;
 pub mod interp;
 pub mod kernels;
 pub mod optim;
+mod rank;
+pub mod sharded;
 pub mod train;
 
 pub use error::ExecError;
 pub use interp::{Interpreter, RunOutput};
 pub use kernels::{cdtype, Ctx};
+pub use sharded::{ShardedMetrics, ShardedTrainer};
 pub use train::{StepMetrics, Trainer};

@@ -43,6 +43,24 @@ impl OptState {
         }
     }
 
+    /// Creates the state of `params` now (zero moments), as PyTorch does at the first step;
+    /// updates are the same as when the state is created lazily.
+    pub fn materialize(&mut self, params: &[Tensor]) -> Result<(), ExecError> {
+        let (adam, momentum) = match self.kind {
+            Optimizer::AdamW { .. } => (true, true),
+            Optimizer::Sgd { momentum, .. } => (false, momentum != 0.0),
+        };
+        for (i, p) in params.iter().enumerate() {
+            if momentum && self.m[i].is_none() {
+                self.m[i] = Some(p.zeros_like()?);
+            }
+            if adam && self.v[i].is_none() {
+                self.v[i] = Some(p.zeros_like()?);
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of optimizer state held (f32 moments).
     pub fn bytes(&self) -> u64 {
         self.m

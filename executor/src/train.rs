@@ -131,6 +131,11 @@ impl Trainer {
         self.step
     }
 
+    /// The f32 master weights, by parameter id.
+    pub fn master(&self) -> &[Tensor] {
+        &self.master
+    }
+
     /// The parameters in the compute dtype (a cheap clone when that is f32 already).
     fn cast_params(&self) -> Result<Vec<Tensor>, ExecError> {
         let dt = cdtype(self.param_dtype);

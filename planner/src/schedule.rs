@@ -573,7 +573,8 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             name: "grad_norm".into(),
             category: Category::CommBuffers,
             group: None,
-            dtype: DType::F32,
+            // f64: the clipping factor must not depend on how the sum was split.
+            dtype: DType::F64,
             numel: 1,
             pool: Pool::Device,
             persistent: false,

@@ -1,0 +1,714 @@
+//! One rank running one optimizer step of a Plan: a worker thread per stream, each running
+//! its stream's instructions in order, synchronised only by the Plan's events.
+//!
+//! - `alloc` / `free` are sequenced in issue order across the rank's streams (an allocation
+//!   waits until every earlier-issued free has happened), so the bytes held follow the
+//!   plan's memory levels exactly; they are measured from the tensors themselves.
+//! - Unsharded parameters are views into the flat all-gather output; gradients are written
+//!   into the flat unsharded-gradient buffer in the same (padded, rank-major) layout, which
+//!   the reduce-scatter reduces.
+//! - The compute stream runs each step's nodes in the planner's execution order and frees a
+//!   value after its last reader (`ExecOrder`), recompute copies included.
+
+use crate::collectives::{tensor_bytes, Abort, Collectives, LocalGroup, Reduce};
+use crate::kernels::{apply, cdtype, Ctx};
+use crate::optim::OptState;
+use crate::{fused, ExecError};
+use candle_core::{DType as CDType, Tensor};
+use shardplan_ir::{JointGraph, NodeId, Op};
+use shardplan_planner::{
+    chunk_rows, BufId, ByCategory, Category, Comm, ExecOrder, GroupLayout, Instr, Plan, Pool, ReduceOp, Stream,
+};
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// What every rank shares, read-only.
+pub struct Shared {
+    pub plan: Plan,
+    pub joint: JointGraph,
+    pub exec: ExecOrder,
+    /// Position in `exec.order` where each step starts.
+    pub step_start: Vec<usize>,
+    pub clip: Option<f64>,
+}
+
+/// The process groups of one rank.
+pub struct Comms {
+    pub shard: LocalGroup,
+    pub replicate: LocalGroup,
+    pub reshard: Option<LocalGroup>,
+}
+
+impl Comms {
+    fn get(&self, c: Comm) -> Result<&dyn Collectives, ExecError> {
+        Ok(match c {
+            Comm::Shard => &self.shard,
+            Comm::Replicate => &self.replicate,
+            Comm::Reshard(_) => self.reshard.as_ref().ok_or_else(|| {
+                ExecError::Internal("the plan reshards to a group this rank has no handle for".into())
+            })?,
+        })
+    }
+}
+
+/// What a rank keeps between steps.
+pub struct RankState {
+    pub rank: u64,
+    pub comms: Comms,
+    /// Flat f32 shard of each group's parameters (padded).
+    pub params: Vec<Tensor>,
+    pub opt: Vec<OptState>,
+    pub ctx: Ctx,
+}
+
+/// What one step measured on one rank.
+#[derive(Clone, Debug, Default)]
+pub struct RankStepOut {
+    /// Loss of each micro-batch on this rank's rows.
+    pub losses: Vec<f32>,
+    /// Global gradient norm (after reduction), when the plan computes it.
+    pub grad_norm: Option<f64>,
+    /// Most bytes per category held at once (device), activations from the value table.
+    pub max_by_category: ByCategory,
+    /// Most bytes held at once (device), all categories.
+    pub peak: u64,
+    /// Most host bytes per category (CPU offload).
+    pub host: ByCategory,
+}
+
+struct Event {
+    set: Mutex<bool>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct Memory {
+    device: ByCategory,
+    host: ByCategory,
+    max: ByCategory,
+    host_max: ByCategory,
+    peak: u64,
+    activations: u64,
+}
+
+impl Memory {
+    fn observe(&mut self) {
+        let mut level = self.device;
+        level.activations = self.activations;
+        for c in Category::ALL {
+            *self.max.slot(c) = self.max.get(c).max(level.get(c));
+            *self.host_max.slot(c) = self.host_max.get(c).max(self.host.get(c));
+        }
+        self.peak = self.peak.max(level.total());
+    }
+}
+
+/// One step's state on one rank, shared by its stream threads.
+struct StepCtx<'a> {
+    shared: &'a Shared,
+    rank: u64,
+    comms: &'a Comms,
+    abort: &'a Abort,
+    bufs: Vec<Mutex<Option<Tensor>>>,
+    events: Vec<Event>,
+    /// Issue-order sequence number of each alloc/free, and the next one allowed to run.
+    mem_seq: Vec<usize>,
+    /// Each collective's position in its group's issue order (within the run).
+    tags: Vec<u64>,
+    mem_turn: Mutex<usize>,
+    mem_cv: Condvar,
+    memory: Mutex<Memory>,
+    opt: Mutex<&'a mut Vec<OptState>>,
+    batches: &'a [HashMap<String, Tensor>],
+    lr: f64,
+    out: Mutex<RankStepOut>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StepCtx<'_> {
+    fn get(&self, b: BufId) -> Result<Tensor, ExecError> {
+        lock(&self.bufs[b.index()])
+            .clone()
+            .ok_or_else(|| ExecError::Internal(format!("{} ({}) is not allocated", b, self.shared.plan.buffer(b).name)))
+    }
+
+    fn set(&self, b: BufId, t: Tensor) -> Result<(), ExecError> {
+        let want = self.shared.plan.buffer(b).numel as usize;
+        if t.elem_count() != want {
+            return Err(ExecError::Internal(format!(
+                "{} ({}) holds {} elements, the plan says {want}",
+                b,
+                self.shared.plan.buffer(b).name,
+                t.elem_count()
+            )));
+        }
+        *lock(&self.bufs[b.index()]) = Some(t);
+        Ok(())
+    }
+
+    fn wait_until(&self, deadline: Instant, what: &str) -> Result<(), ExecError> {
+        if let Some(r) = self.abort.reason() {
+            return Err(ExecError::Aborted(r));
+        }
+        if Instant::now() >= deadline {
+            return Err(ExecError::Internal(format!(
+                "{what} timed out after {:.1} s",
+                self.abort.timeout().as_secs_f64()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` when every earlier-issued alloc/free of this rank has run.
+    fn sequenced(&self, i: usize, f: impl FnOnce(&mut Memory)) -> Result<(), ExecError> {
+        let q = self.mem_seq[i];
+        let deadline = Instant::now() + self.abort.timeout();
+        let mut turn = lock(&self.mem_turn);
+        while *turn != q {
+            self.wait_until(deadline, "waiting for an earlier free")?;
+            turn = self
+                .mem_cv
+                .wait_timeout(turn, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        f(&mut lock(&self.memory));
+        *turn += 1;
+        self.mem_cv.notify_all();
+        Ok(())
+    }
+
+    fn record(&self, e: usize) {
+        let ev = &self.events[e];
+        *lock(&ev.set) = true;
+        ev.cv.notify_all();
+    }
+
+    fn wait(&self, e: usize) -> Result<(), ExecError> {
+        let ev = &self.events[e];
+        let deadline = Instant::now() + self.abort.timeout();
+        let mut set = lock(&ev.set);
+        while !*set {
+            self.wait_until(deadline, &format!("waiting on e{e}"))?;
+            set = ev
+                .cv
+                .wait_timeout(set, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+}
+
+/// The rows of `layout`'s parameter `i` that shard rank `s` holds, as (offset in its flat
+/// shard, elements).
+fn valid(layout: &GroupLayout, i: usize, s: u64) -> (usize, usize) {
+    let p = &layout.params[i];
+    let r = chunk_rows(p.dims.first().copied().unwrap_or(1), layout.shard, s);
+    (p.shard_offset as usize, ((r.end - r.start) * p.row_elems) as usize)
+}
+
+/// The full parameters of a group from its flat all-gather output.
+fn unflatten(layout: &GroupLayout, gathered: &Tensor) -> Result<Vec<Tensor>, ExecError> {
+    let mut out = Vec::with_capacity(layout.params.len());
+    for (i, p) in layout.params.iter().enumerate() {
+        let mut pieces = Vec::new();
+        for s in 0..layout.shard {
+            let (off, n) = valid(layout, i, s);
+            if n > 0 {
+                pieces.push(gathered.narrow(0, s as usize * layout.shard_numel as usize + off, n)?);
+            }
+        }
+        let dims: Vec<usize> = p.dims.iter().map(|&d| d as usize).collect();
+        out.push(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
+    }
+    Ok(out)
+}
+
+/// Gradients (full shapes, by position in the layout; `None` = zero) laid out as a flat
+/// all-gather-shaped buffer: rank-major padded shards.
+fn flatten(
+    layout: &GroupLayout,
+    grads: &[Option<Tensor>],
+    dtype: CDType,
+    device: &candle_core::Device,
+) -> Result<Tensor, ExecError> {
+    let mut pieces = Vec::new();
+    let flat: Vec<Option<Tensor>> = grads
+        .iter()
+        .map(|g| g.as_ref().map(|g| g.flatten_all()).transpose())
+        .collect::<Result<_, _>>()?;
+    for s in 0..layout.shard {
+        for (i, p) in layout.params.iter().enumerate() {
+            let rows = chunk_rows(p.dims.first().copied().unwrap_or(1), layout.shard, s);
+            let n = ((rows.end - rows.start) * p.row_elems) as usize;
+            let pad = p.shard_numel() as usize - n;
+            match &flat[i] {
+                Some(g) if n > 0 => pieces.push(g.narrow(0, (rows.start * p.row_elems) as usize, n)?.to_dtype(dtype)?),
+                _ if n > 0 => pieces.push(Tensor::zeros(n, dtype, device)?),
+                _ => {}
+            }
+            if pad > 0 {
+                pieces.push(Tensor::zeros(pad, dtype, device)?);
+            }
+        }
+    }
+    Ok(Tensor::cat(&pieces, 0)?)
+}
+
+/// The compute stream's own state: activations and parameter views.
+struct Compute<'c> {
+    ctx: &'c mut Ctx,
+    values: Vec<Option<Tensor>>,
+    live: u64,
+    micro: Option<u32>,
+    params: HashMap<BufId, Vec<Tensor>>,
+}
+
+impl StepCtx<'_> {
+    fn compute(
+        &self,
+        c: &mut Compute,
+        step: usize,
+        micro: u32,
+        reads: &[BufId],
+        writes: &[BufId],
+    ) -> Result<(), ExecError> {
+        let sh = self.shared;
+        let plan = &sh.plan;
+        let g = &sh.joint.graph;
+        let s = plan
+            .steps
+            .get(step)
+            .ok_or_else(|| ExecError::Internal(format!("no step s{step}")))?;
+        if c.micro != Some(micro) {
+            c.values.iter_mut().for_each(|v| *v = None);
+            c.live = 0;
+            c.micro = Some(micro);
+        }
+        // Parameter views of the groups this step reads.
+        let mut param_of: HashMap<u32, Tensor> = HashMap::new();
+        for (k, &b) in reads.iter().enumerate() {
+            let group = s.reads[k];
+            let views = match c.params.entry(b) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(unflatten(&plan.groups[group.index()].layout, &self.get(b)?)?)
+                }
+            };
+            for (i, p) in plan.groups[group.index()].group.params.iter().enumerate() {
+                param_of.insert(p.0, views[i].clone());
+            }
+        }
+        let batch = &self.batches[micro as usize];
+        let mut grads: HashMap<u32, Tensor> = HashMap::new();
+        let copy = s.phase == shardplan_planner::Phase::Recompute;
+        let mut pos = sh.step_start[step];
+        for r in &s.nodes {
+            for i in r.clone() {
+                let id = NodeId(i);
+                let node = g.node(id);
+                let value = match &node.op {
+                    Op::Input { name } => batch
+                        .get(name)
+                        .cloned()
+                        .ok_or_else(|| ExecError::Internal(format!("no data for input `{name}`")))?,
+                    _ => {
+                        let mut ins = Vec::with_capacity(node.inputs.len());
+                        for &input in &node.inputs {
+                            let t = match sh.exec.param_of_node[input.index()] {
+                                Some(p) => param_of.get(&p).cloned().ok_or_else(|| {
+                                    ExecError::Internal(format!(
+                                        "{id} reads parameter p{p}, not gathered for this step"
+                                    ))
+                                })?,
+                                None => {
+                                    let slot = ExecOrder::slot(input, sh.exec.reads_copy(id, copy, input));
+                                    c.values[slot].clone().ok_or_else(|| {
+                                        ExecError::Internal(format!("{id} reads {input} after it was freed"))
+                                    })?
+                                }
+                            };
+                            ins.push(t);
+                        }
+                        let refs: Vec<&Tensor> = ins.iter().collect();
+                        apply(c.ctx, &node.op, &refs, &node.ty)?
+                    }
+                };
+                if !copy && id == sh.joint.loss {
+                    let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
+                    if !loss.is_finite() {
+                        return Err(ExecError::NonFinite {
+                            step: 0,
+                            loss,
+                            module: g.scope(node.scope).display_path().to_string(),
+                            node: id.to_string(),
+                            op: node.op.name().to_string(),
+                        });
+                    }
+                    lock(&self.out).losses.push(loss);
+                }
+                if !copy && sh.exec.is_param_grad[id.index()] {
+                    if let Some(p) = sh.joint.param_grads.iter().position(|x| *x == Some(id)) {
+                        grads.insert(p as u32, value.clone());
+                    }
+                }
+                c.live += sh.exec.value_bytes(g, id);
+                c.values[ExecOrder::slot(id, copy)] = Some(value);
+                {
+                    let mut m = lock(&self.memory);
+                    m.activations = c.live;
+                    m.observe();
+                }
+                for &input in &node.inputs {
+                    if sh.exec.param_of_node[input.index()].is_some() {
+                        continue;
+                    }
+                    let slot = ExecOrder::slot(input, sh.exec.reads_copy(id, copy, input));
+                    if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
+                        c.live -= sh.exec.value_bytes(g, input);
+                    }
+                }
+                let own = ExecOrder::slot(id, copy);
+                if sh.exec.last_use[own] == usize::MAX && c.values[own].take().is_some() {
+                    c.live -= sh.exec.value_bytes(g, id);
+                }
+                pos += 1;
+            }
+        }
+        lock(&self.memory).activations = c.live;
+        // Gradients into the unsharded gradient buffers, in the all-gather layout.
+        for (k, &b) in writes.iter().enumerate() {
+            let group = &plan.groups[s.grads[k].index()];
+            let per_param: Vec<Option<Tensor>> = group.group.params.iter().map(|p| grads.remove(&p.0)).collect();
+            let acc = self.get(b)?;
+            let update = flatten(&group.layout, &per_param, acc.dtype(), &c.ctx.device)?;
+            self.set(b, (acc + update)?)?;
+        }
+        Ok(())
+    }
+
+    fn execute(&self, i: usize, c: &mut Option<Compute>) -> Result<(), ExecError> {
+        let plan = &self.shared.plan;
+        let issued = &plan.programs[0].instrs[i];
+        // Both pools are host memory on the CPU backend (accounted apart all the same).
+        let device = c.as_ref().map_or(candle_core::Device::Cpu, |c| c.ctx.device.clone());
+        match &issued.instr {
+            Instr::Alloc { buf } => {
+                let b = plan.buffer(*buf);
+                let t = Tensor::zeros(b.numel as usize, cdtype(b.dtype), &device)?;
+                let bytes = tensor_bytes(&t);
+                *lock(&self.bufs[buf.index()]) = Some(t);
+                self.sequenced(i, |m| {
+                    let level = if b.pool == Pool::Host {
+                        &mut m.host
+                    } else {
+                        &mut m.device
+                    };
+                    *level.slot(b.category) += bytes;
+                    m.observe();
+                })?;
+            }
+            Instr::Free { buf } => {
+                let b = plan.buffer(*buf);
+                let t = lock(&self.bufs[buf.index()]).take();
+                let bytes = t.as_ref().map_or(0, tensor_bytes);
+                if let Some(c) = c.as_mut() {
+                    c.params.remove(buf);
+                }
+                self.sequenced(i, |m| {
+                    let level = if b.pool == Pool::Host {
+                        &mut m.host
+                    } else {
+                        &mut m.device
+                    };
+                    *level.slot(b.category) = level.get(b.category).saturating_sub(bytes);
+                })?;
+            }
+            Instr::Record { event } => self.record(event.index()),
+            Instr::Wait { event } => self.wait(event.index())?,
+            Instr::Compute {
+                step,
+                micro,
+                reads,
+                writes,
+            } => {
+                let c = c
+                    .as_mut()
+                    .ok_or_else(|| ExecError::Internal("compute outside the compute stream".into()))?;
+                self.compute(c, step.index(), *micro, reads, writes)?;
+            }
+            Instr::AllGather {
+                comm,
+                src,
+                staging,
+                dst,
+                ..
+            } => {
+                let dtype = cdtype(plan.buffer(*dst).dtype);
+                let input = self.get(*src)?.to_dtype(dtype)?;
+                if let Some(s) = staging {
+                    self.set(*s, input.clone())?;
+                }
+                let out = self.comms.get(*comm)?.all_gather(self.tags[i], &input)?;
+                self.set(*dst, out)?;
+            }
+            Instr::ReduceScatter {
+                comm,
+                op,
+                src,
+                staging,
+                dst,
+                ..
+            } => {
+                let input = self.get(*src)?.to_dtype(cdtype(plan.buffer(*staging).dtype))?;
+                self.set(*staging, input.clone())?;
+                let part = self
+                    .comms
+                    .get(*comm)?
+                    .reduce_scatter(self.tags[i], &input, reduce(*op))?;
+                let acc = self.get(*dst)?;
+                let part = part.to_dtype(acc.dtype())?;
+                self.set(*dst, (acc + part)?)?;
+            }
+            Instr::AllReduce { comm, op, buf, .. } => {
+                let t = self.get(*buf)?;
+                let r = self.comms.get(*comm)?.all_reduce(self.tags[i], &t, reduce(*op))?;
+                self.set(*buf, r)?;
+            }
+            Instr::Copy { src, dst, accumulate } => {
+                let s = self.get(*src)?;
+                let d = plan.buffer(*dst);
+                let value = if (d.numel as usize) < s.elem_count() {
+                    // A post-forward shard: this rank's slice of its reshard group.
+                    let n = d.numel as usize;
+                    let k = s.elem_count() / n;
+                    let j = (self.rank % plan.mesh.shard()) as usize % k;
+                    s.narrow(0, j * n, n)?.copy()?
+                } else {
+                    s.to_dtype(cdtype(d.dtype))?.copy()?
+                };
+                let value = if *accumulate { (self.get(*dst)? + value)? } else { value };
+                self.set(*dst, value)?;
+            }
+            Instr::GradNorm { grads, dst } => {
+                let scale = 1.0 / plan.policy.grad_accum as f64;
+                let mut sq = 0f64;
+                for g in grads {
+                    let t = self.get(*g)?;
+                    sq += if fused::applies(&[&t]) {
+                        fused::sum_squares(&t)?
+                    } else {
+                        t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
+                    };
+                }
+                self.set(*dst, Tensor::new(&[sq * scale * scale], &candle_core::Device::Cpu)?)?;
+            }
+            Instr::OptimizerStep {
+                group,
+                params,
+                grads,
+                norm,
+                ..
+            } => {
+                let mut scale = 1.0 / plan.policy.grad_accum as f64;
+                if let Some(n) = norm {
+                    let sq = self.get(*n)?.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()?[0];
+                    let total = sq.sqrt();
+                    lock(&self.out).grad_norm = Some(total);
+                    if !total.is_finite() {
+                        return Err(ExecError::Internal(format!("the global gradient norm is {total}")));
+                    }
+                    if let Some(clip) = self.shared.clip {
+                        if total > clip {
+                            scale *= clip / (total + 1e-6);
+                        }
+                    }
+                }
+                let g = self.get(*grads)?;
+                let mut p = [self.get(*params)?];
+                lock(&self.opt)[group.index()].step_scaled(&mut p, &[g], self.lr, scale)?;
+                let [p] = p;
+                self.set(*params, p)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn reduce(op: ReduceOp) -> Reduce {
+    match op {
+        ReduceOp::Sum => Reduce::Sum,
+        ReduceOp::Avg => Reduce::Avg,
+    }
+}
+
+/// Runs one step of `shared.plan` on `state`, with the micro-batches of this rank.
+pub fn run_step(
+    shared: &Shared,
+    state: &mut RankState,
+    abort: &Abort,
+    batches: &[HashMap<String, Tensor>],
+    lr: f64,
+    step_no: u64,
+) -> Result<RankStepOut, ExecError> {
+    let plan = &shared.plan;
+    let program = &plan.programs[0];
+    let mut mem_seq = vec![usize::MAX; program.instrs.len()];
+    let mut tags = vec![0u64; program.instrs.len()];
+    let mut q = 0;
+    let mut per_comm: HashMap<Comm, u64> = HashMap::new();
+    for (i, x) in program.instrs.iter().enumerate() {
+        if matches!(x.instr, Instr::Alloc { .. } | Instr::Free { .. }) {
+            mem_seq[i] = q;
+            q += 1;
+        }
+        if let Some((comm, _, _)) = x.instr.collective() {
+            let n = per_comm.entry(comm).or_insert(0);
+            tags[i] = (step_no << 32) | *n;
+            *n += 1;
+        }
+    }
+    let RankState {
+        rank,
+        comms,
+        params,
+        opt,
+        ctx,
+    } = state;
+    let bufs: Vec<Mutex<Option<Tensor>>> = (0..plan.buffers.len()).map(|_| Mutex::new(None)).collect();
+    let mut memory = Memory::default();
+    for g in 0..plan.groups.len() {
+        let b = plan
+            .buffers
+            .iter()
+            .find(|b| b.persistent && b.category == Category::ShardedParams && b.group.map(|x| x.index()) == Some(g))
+            .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
+        *lock(&bufs[b.id.index()]) = Some(params[g].clone());
+        let level = if b.pool == Pool::Host {
+            &mut memory.host
+        } else {
+            &mut memory.device
+        };
+        *level.slot(Category::ShardedParams) += tensor_bytes(&params[g]);
+        if let Some(ob) = plan
+            .buffers
+            .iter()
+            .find(|x| x.persistent && x.category == Category::OptimizerState && x.group.map(|y| y.index()) == Some(g))
+        {
+            let level = if ob.pool == Pool::Host {
+                &mut memory.host
+            } else {
+                &mut memory.device
+            };
+            *level.slot(Category::OptimizerState) += opt[g].bytes();
+        }
+    }
+    memory.observe();
+    let cx = StepCtx {
+        shared,
+        rank: *rank,
+        comms,
+        abort,
+        bufs,
+        events: (0..plan.events)
+            .map(|_| Event {
+                set: Mutex::new(false),
+                cv: Condvar::new(),
+            })
+            .collect(),
+        mem_seq,
+        tags,
+        mem_turn: Mutex::new(0),
+        mem_cv: Condvar::new(),
+        memory: Mutex::new(memory),
+        opt: Mutex::new(opt),
+        batches,
+        lr,
+        out: Mutex::new(RankStepOut::default()),
+    };
+    let n_values = shared.joint.graph.node_count() * 2;
+    let result: Result<(), ExecError> = std::thread::scope(|scope| {
+        let mut handles = Vec::new();
+        let mut compute_ctx = Some(ctx);
+        for stream in Stream::ALL {
+            let list: Vec<usize> = program
+                .instrs
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| x.stream == stream)
+                .map(|(i, _)| i)
+                .collect();
+            if list.is_empty() {
+                continue;
+            }
+            let cx = &cx;
+            let mine = if stream == Stream::Compute {
+                compute_ctx.take()
+            } else {
+                None
+            };
+            handles.push(scope.spawn(move || -> Result<(), ExecError> {
+                let mut compute = mine.map(|ctx| Compute {
+                    ctx,
+                    values: vec![None; n_values],
+                    live: 0,
+                    micro: None,
+                    params: HashMap::new(),
+                });
+                for i in list {
+                    if let Some(r) = cx.abort.reason() {
+                        return Err(ExecError::Aborted(r));
+                    }
+                    if let Err(e) = cx.execute(i, &mut compute) {
+                        if !matches!(e, ExecError::Aborted(_)) {
+                            let what = shardplan_planner::print::describe(
+                                &cx.shared.plan,
+                                &cx.shared.plan.programs[0].instrs[i],
+                            );
+                            cx.abort
+                                .abort(format!("rank {}: instruction #{i} `{what}` failed: {e}", cx.rank));
+                        }
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            }));
+        }
+        let mut first = Ok(());
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(ExecError::Internal("a stream thread panicked".into())));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    });
+    if let Err(e) = result {
+        return Err(match abort.reason() {
+            Some(r) => ExecError::Aborted(r),
+            None => e,
+        });
+    }
+    // The updated shards.
+    for (g, p) in params.iter_mut().enumerate() {
+        let b = plan
+            .buffers
+            .iter()
+            .find(|b| b.persistent && b.category == Category::ShardedParams && b.group.map(|x| x.index()) == Some(g))
+            .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
+        *p = cx.get(b.id)?;
+    }
+    let memory = cx.memory.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut out = cx.out.into_inner().unwrap_or_else(|e| e.into_inner());
+    out.max_by_category = memory.max;
+    out.peak = memory.peak;
+    out.host = memory.host_max;
+    Ok(out)
+}
