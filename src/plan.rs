@@ -79,13 +79,28 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 /// Traces, differentiates and plans `model` under `config`.
 pub fn make_plan(model: &LoadedModel, parallel: &LoadedParallel, config: &ParallelConfig) -> Result<Plan, CliError> {
+    make_plan_and_graph(model, parallel, config).map(|(p, _)| p)
+}
+
+/// As [`make_plan`], also returning the joint graph the plan was made for.
+pub fn make_plan_and_graph(
+    model: &LoadedModel,
+    parallel: &LoadedParallel,
+    config: &ParallelConfig,
+) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
     let p = LoadedParallel {
         config: config.clone(),
         origin: parallel.origin.clone(),
     };
     let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
     let joint = differentiate(&graph).map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
-    plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))
+    let mut p =
+        plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    p.source = Some(shardplan_planner::PlanSource {
+        model: model.config.clone(),
+        parallel: config.clone(),
+    });
+    Ok((p, joint))
 }
 
 /// Single changes to the spec that lower memory, each described as the user would write it.

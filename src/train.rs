@@ -6,8 +6,11 @@ use crate::CliError;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use shardplan_executor::{ExecError, Trainer};
-use shardplan_frontends::{load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, SpecError};
+use shardplan_executor::{ExecError, ShardedTrainer};
+use shardplan_frontends::{
+    load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, ParallelConfig, Source, SpecError,
+};
+use shardplan_models::ModelConfig;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,11 +19,14 @@ use std::sync::Arc;
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// Model: a YAML model spec, a Hugging Face config.json, or a preset name.
-    #[arg(long, value_name = "FILE")]
-    pub model: PathBuf,
-    /// Parallel spec (YAML): batch, optimizer, schedule, data, seed. Its mesh must be 1 x 1 for now.
-    #[arg(long, value_name = "FILE")]
-    pub parallel: PathBuf,
+    #[arg(long, value_name = "FILE", required_unless_present = "plan")]
+    pub model: Option<PathBuf>,
+    /// Parallel spec (YAML): mesh, sharding policy, batch, optimizer, schedule, data, seed.
+    #[arg(long, value_name = "FILE", required_unless_present = "plan")]
+    pub parallel: Option<PathBuf>,
+    /// Run a plan written by `shardplan plan --format json` (it carries its model and specs).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "parallel"])]
+    pub plan: Option<PathBuf>,
     /// Optimizer steps to run (the learning-rate schedule spans exactly these).
     #[arg(long, default_value_t = 100, value_name = "N")]
     pub steps: u64,
@@ -32,26 +38,95 @@ pub struct TrainArgs {
 /// Exit code of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 pub const INTERRUPTED: u8 = 130;
 
-pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
-    let model = load_model(&args.model)?;
-    let parallel = load_parallel(&args.parallel)?;
-    let world = parallel.config.mesh.world();
-    if world != 1 {
-        return Err(parallel
-            .origin
-            .error(
-                "mesh",
-                format!("the mesh has {world} ranks; `train` runs one rank until the sharded executor lands"),
-                "use `mesh: {replicate: 1, shard: 1}` (see examples/parallel/cpu-1.yaml)",
-            )
+/// Where the specs of a run came from, for placing its errors.
+enum Specs {
+    Files(Box<(LoadedModel, LoadedParallel)>),
+    Plan(PathBuf),
+}
+
+impl Specs {
+    fn file(&self) -> &std::path::Path {
+        match self {
+            Specs::Files(b) => &b.1.origin.file,
+            Specs::Plan(p) => p,
+        }
+    }
+}
+
+/// Reads a plan file: JSON errors name the line and column; a plan without its specs, of
+/// another format version, or failing the verifier is refused.
+fn read_plan(path: &std::path::Path) -> Result<(shardplan_planner::Plan, ModelConfig, ParallelConfig), CliError> {
+    let src = Source::read(path)?;
+    let plan: shardplan_planner::Plan = serde_json::from_str(&src.text).map_err(|e| {
+        SpecError::file(path, format!("not a shardplan plan: {e}"))
+            .at(Some(shardplan_frontends::Pos {
+                line: e.line() as u64,
+                column: e.column() as u64,
+            }))
+            .help("write one with `shardplan plan --model ... --parallel ... --format json --out plan.json`")
+    })?;
+    if plan.version != shardplan_planner::PLAN_VERSION {
+        return Err(SpecError::file(
+            path,
+            format!(
+                "plan format version {} (this shardplan reads version {})",
+                plan.version,
+                shardplan_planner::PLAN_VERSION
+            ),
+        )
+        .help("re-run `shardplan plan` with this version")
+        .into());
+    }
+    let Some(source) = plan.source.clone() else {
+        return Err(SpecError::file(
+            path,
+            "the plan does not record the model and parallel specs it was made from",
+        )
+        .help("write it with `shardplan plan --format json`, which records them")
+        .into());
+    };
+    if let Err(e) = shardplan_planner::verify(&plan, None) {
+        return Err(SpecError::file(path, format!("the plan fails verification: {e}"))
+            .help("the file was edited or damaged; write it again with `shardplan plan`")
             .into());
     }
+    Ok((plan, source.model, source.parallel))
+}
+
+pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
-    let mut trainer = Trainer::new(&model.config, &parallel.config, args.steps, candle_core::Device::Cpu)
-        .map_err(|e| exec_error(e, &model, &parallel))?;
-
+    let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
+        (Some(p), _, _) => {
+            let (plan, model, parallel) = read_plan(p)?;
+            let specs = Specs::Plan(p.clone());
+            let graph = shardplan_models::trace(&model, shardplan_executor::sharded::trace_options(&parallel))
+                .map_err(|e| exec_error(ExecError::Trace(e), &specs))?;
+            let joint = shardplan_ir::differentiate(&graph).map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
+            let t = ShardedTrainer::from_plan(&model, &parallel, plan, joint, args.steps)
+                .map_err(|e| exec_error(e, &specs))?;
+            (specs, t, model)
+        }
+        (None, Some(m), Some(par)) => {
+            let model = load_model(m)?;
+            let parallel = load_parallel(par)?;
+            let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &parallel.config)?;
+            let config = model.config.clone();
+            let specs = Specs::Files(Box::new((model, parallel)));
+            let t = match &specs {
+                Specs::Files(b) => ShardedTrainer::from_plan(&b.0.config, &b.1.config, plan, joint, args.steps),
+                Specs::Plan(_) => unreachable!("built from files just above"),
+            }
+            .map_err(|e| exec_error(e, &specs))?;
+            (specs, t, config)
+        }
+        _ => {
+            return Err(CliError::Other(anyhow::anyhow!(
+                "give --model and --parallel, or --plan"
+            )))
+        }
+    };
     let mut log = match &args.log {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
@@ -76,17 +151,19 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
 
     let (mut first, mut last, mut tokens, mut secs) = (None, 0f32, 0u64, 0f64);
     for _ in 0..args.steps {
-        let m = trainer.step().map_err(|e| exec_error(e, &model, &parallel))?;
+        let m = trainer.step().map_err(|e| exec_error(e, &specs))?;
         first.get_or_insert(m.loss);
         last = m.loss;
         tokens += m.tokens;
         secs += m.step_seconds;
+        let measured = m.measured_peak.iter().copied().max().unwrap_or(0);
         bar.set_message(format!(
-            "loss {:.4} | {:.0} tok/s | {:.1} ms/step | peak {}",
-            m.loss,
+            "rank-0 loss {:.4} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned",
+            m.rank0_loss,
             m.tokens_per_second,
             m.step_seconds * 1e3,
-            bytes(m.peak_value_bytes)
+            bytes(measured),
+            bytes(m.planned_peak)
         ));
         bar.inc(1);
         if let Some(w) = log.as_mut() {
@@ -106,7 +183,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     let summary = format!(
         "trained {} steps of {}: loss {:.4} -> {:.4}, {:.0} tokens/s\n",
         trainer.steps_done(),
-        model.config.name(),
+        model_config.name(),
         first.unwrap_or(last),
         last,
         tokens as f64 / secs.max(1e-9)
@@ -116,11 +193,14 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
 }
 
 /// Bad data files are bad input (exit 2); divergence and internal errors are failures.
-fn exec_error(e: ExecError, model: &LoadedModel, parallel: &LoadedParallel) -> CliError {
-    let file = &parallel.origin.file;
+fn exec_error(e: ExecError, specs: &Specs) -> CliError {
+    let file = specs.file();
     match e {
         // Shape errors (a sequence longer than the model's context...) point into the specs.
-        ExecError::Trace(t) => CliError::Input(trace_error(t, model, Some(parallel))),
+        ExecError::Trace(t) => match specs {
+            Specs::Files(b) => CliError::Input(trace_error(t, &b.0, Some(&b.1))),
+            Specs::Plan(p) => CliError::Input(SpecError::file(p, t.to_string())),
+        },
         ExecError::Data(msg) => CliError::Input(
             SpecError::file(file, format!("data: {msg}"))
                 .help("fix the token file, or its `dtype`, in the spec's `data` section"),

@@ -288,7 +288,9 @@ fn train_logs_json_lines_and_the_loss_falls() {
         "grad_norm",
         "tokens_per_second",
         "step_seconds",
-        "peak_value_bytes",
+        "measured",
+        "planned",
+        "planned_peak",
     ] {
         assert!(lines[0].get(key).is_some(), "{key} missing from {}", lines[0]);
     }
@@ -297,17 +299,67 @@ fn train_logs_json_lines_and_the_loss_falls() {
 }
 
 #[test]
-fn train_refuses_a_multi_rank_mesh_at_its_line() {
-    bad(
-        &[
-            "train",
-            "--model",
-            "tiny-llama",
-            "--parallel",
-            "examples/parallel/fsdp-1x4-cpu.yaml",
-        ],
-        "examples/parallel/fsdp-1x4-cpu.yaml:2:7: `mesh`: the mesh has 4 ranks",
+fn train_runs_a_sharded_mesh_and_a_saved_plan() {
+    let log = temp("sharded.jsonl");
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--steps",
+        "3",
+        "--log",
+        log.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let direct: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        direct[0]["measured"].as_array().unwrap().len(),
+        4,
+        "one memory report per rank"
     );
+
+    let plan = temp("plan.json");
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--format",
+        "json",
+        "--out",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let log2 = temp("from-plan.jsonl");
+    let o = shardplan(&[
+        "train",
+        "--plan",
+        plan.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--log",
+        log2.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let from_plan: Vec<serde_json::Value> = std::fs::read_to_string(&log2)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (a, b) in direct.iter().zip(&from_plan) {
+        assert_eq!(a["loss"], b["loss"], "the saved plan runs the same training");
+    }
+}
+
+#[test]
+fn train_refuses_bad_plans_and_specs_at_their_line() {
     bad(
         &[
             "train",
@@ -317,6 +369,31 @@ fn train_refuses_a_multi_rank_mesh_at_its_line() {
             "examples/parallel/fsdp-8.yaml",
         ],
         "fsdp-8.yaml:",
+    );
+    let broken = temp("broken-plan.json");
+    std::fs::write(&broken, "{\"version\": 1,\n \"model\": oops}\n").unwrap();
+    bad(&["train", "--plan", broken.to_str().unwrap()], "broken-plan.json:2:");
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--format",
+        "json",
+    ]);
+    let mut v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["version"] = serde_json::json!(99);
+    let old = temp("old-plan.json");
+    std::fs::write(&old, v.to_string()).unwrap();
+    bad(&["train", "--plan", old.to_str().unwrap()], "plan format version 99");
+    v["version"] = serde_json::json!(1);
+    v["programs"][0]["instrs"].as_array_mut().unwrap().remove(3);
+    let edited = temp("edited-plan.json");
+    std::fs::write(&edited, v.to_string()).unwrap();
+    bad(
+        &["train", "--plan", edited.to_str().unwrap()],
+        "the plan fails verification",
     );
 }
 

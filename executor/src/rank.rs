@@ -31,6 +31,17 @@ pub struct Shared {
     /// Position in `exec.order` where each step starts.
     pub step_start: Vec<usize>,
     pub clip: Option<f64>,
+    /// Failures injected by tests: (rank, instruction, what).
+    pub faults: Vec<(u64, usize, Fault)>,
+}
+
+/// A failure a test injects at one instruction of one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The rank stops making progress (a hung or dead process).
+    Stall,
+    /// The instruction fails.
+    Fail,
 }
 
 /// The process groups of one rank.
@@ -664,7 +675,23 @@ pub fn run_step(
                     if let Some(r) = cx.abort.reason() {
                         return Err(ExecError::Aborted(r));
                     }
-                    if let Err(e) = cx.execute(i, &mut compute) {
+                    let fault = cx
+                        .shared
+                        .faults
+                        .iter()
+                        .find(|f| f.0 == cx.rank && f.1 == i)
+                        .map(|f| f.2);
+                    let result = match fault {
+                        Some(Fault::Stall) => loop {
+                            if let Some(r) = cx.abort.reason() {
+                                break Err(ExecError::Aborted(r));
+                            }
+                            std::thread::sleep(Duration::from_millis(10));
+                        },
+                        Some(Fault::Fail) => Err(ExecError::Internal("injected failure".into())),
+                        None => cx.execute(i, &mut compute),
+                    };
+                    if let Err(e) = result {
                         if !matches!(e, ExecError::Aborted(_)) {
                             let what = shardplan_planner::print::describe(
                                 &cx.shared.plan,

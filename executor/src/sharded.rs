@@ -11,6 +11,7 @@ use crate::data::DataSource;
 use crate::init::init_elements;
 use crate::kernels::Ctx;
 use crate::optim::{base_lr, lr_at, OptState};
+pub use crate::rank::Fault;
 use crate::rank::{run_step, Comms, RankState, Shared};
 use crate::train::data_source;
 use crate::ExecError;
@@ -174,6 +175,7 @@ impl ShardedTrainer {
                 exec,
                 step_start,
                 clip: config.grad_clip,
+                faults: Vec::new(),
             },
             ranks,
             data,
@@ -188,6 +190,12 @@ impl ShardedTrainer {
     /// How long a collective or an event may wait before the run fails.
     pub fn set_timeout(&mut self, t: Duration) {
         self.abort.set_timeout(t);
+    }
+
+    /// Makes `rank` fail or stall when it reaches instruction `instr` (for tests of the
+    /// failure paths).
+    pub fn inject_fault(&mut self, rank: u64, instr: usize, fault: Fault) {
+        self.shared.faults.push((rank, instr, fault));
     }
 
     /// The plan being run.

@@ -149,7 +149,7 @@ struct SgdFile {
 // ---- the validated config ----
 
 /// Replicate x shard: `world = replicate * shard`; replicate > 1 is HSDP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MeshShape {
     pub replicate: u64,
     pub shard: u64,
@@ -162,7 +162,7 @@ impl MeshShape {
 }
 
 /// FSDP2's `reshard_after_forward`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reshard {
     /// `true`: free unsharded parameters after forward, all-gather again in backward.
@@ -174,7 +174,7 @@ pub enum Reshard {
 }
 
 /// All-gathers issued ahead of need, as FSDP2's prefetch depth.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Prefetch {
     pub forward: u32,
     pub backward: u32,
@@ -186,7 +186,7 @@ pub struct Prefetch {
 }
 
 /// Dtypes of the unsharded parameters (and compute) and of gradient reduction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MixedPrecision {
     pub param: DType,
     pub reduce: DType,
@@ -201,7 +201,7 @@ pub enum Offload {
 }
 
 /// Which blocks recompute their activations in backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ActivationCheckpointing {
     None,
@@ -224,7 +224,7 @@ pub enum GradSync {
 }
 
 /// Batch shape per rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
     /// Sequences per micro-batch on each rank.
     pub per_rank: u64,
@@ -237,7 +237,7 @@ pub struct Batch {
 }
 
 /// The optimizer and its hyper-parameters.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Optimizer {
     /// AdamW with decoupled weight decay.
@@ -266,7 +266,7 @@ impl Optimizer {
 
 /// Learning rate over a run: linear warmup from 0, then cosine decay to `min_lr_ratio * lr`
 /// at the last step.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LrSchedule {
     pub warmup_steps: u64,
     pub min_lr_ratio: f64,
@@ -283,7 +283,7 @@ pub enum TokenDType {
 }
 
 /// Where training batches come from.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataSource {
     /// A seeded synthetic task the model can learn (see the executor's `data` module).
@@ -296,7 +296,7 @@ pub enum DataSource {
 }
 
 /// A validated parallel spec.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParallelConfig {
     pub mesh: MeshShape,
     pub gpus_per_node: u64,

@@ -1,7 +1,7 @@
 //! Validated model configurations: what the builders trace. Frontends convert specs into
 //! these; presets build them directly. [`ModelConfig::validate`] is the one validation.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// Most layers a model may have: far beyond any real model, small enough to trace.
@@ -29,7 +29,7 @@ impl ConfigError {
 }
 
 /// The Llama family: Llama 1/2/3, Mistral and Qwen2 differ only in these numbers.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
     pub name: String,
     pub vocab_size: u64,
@@ -55,7 +55,7 @@ impl LlamaConfig {
 }
 
 /// GPT-2: learned positions, layer norm, gelu, biases everywhere, tied output head.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Gpt2Config {
     pub name: String,
     pub vocab_size: u64,
@@ -69,7 +69,7 @@ pub struct Gpt2Config {
 }
 
 /// A small residual MLP classifier over feature vectors, for tests and demos.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MlpConfig {
     pub name: String,
     /// Width of the input features and of the residual stream.
@@ -80,7 +80,7 @@ pub struct MlpConfig {
 }
 
 /// Any model shardplan can trace.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "family", rename_all = "lowercase")]
 pub enum ModelConfig {
     Llama(LlamaConfig),

@@ -148,6 +148,7 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
 
     let plan = Plan {
         version: PLAN_VERSION,
+        source: None,
         model: g.name().to_string(),
         params: g.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum(),
         mesh,

@@ -559,10 +559,20 @@ pub struct Estimate {
     pub collectives: u64,
 }
 
+/// The specs a plan was made from, so `shardplan train --plan` can run it alone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanSource {
+    pub model: shardplan_models::ModelConfig,
+    pub parallel: shardplan_frontends::ParallelConfig,
+}
+
 /// A complete plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
     pub version: u32,
+    /// The model and parallel specs, when the plan was made from them (the CLI records
+    /// them; `plan()` alone does not know the model's config).
+    pub source: Option<PlanSource>,
     pub model: String,
     pub params: u64,
     pub mesh: Mesh,

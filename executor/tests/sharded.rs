@@ -1,0 +1,131 @@
+//! The sharded executor's promises beyond parity: determinism, measured memory equal to
+//! the plan, and failures that stop every rank.
+
+use shardplan_executor::{ExecError, ShardedTrainer};
+use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
+use shardplan_models::preset;
+
+fn config(yaml: &str) -> ParallelConfig {
+    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .0
+}
+
+fn base(extra: &str) -> String {
+    let batch = if extra.contains("batch:") {
+        ""
+    } else {
+        "batch: {per_rank: 2, seq_len: 16}\n"
+    };
+    format!("mesh: {{shard: 4}}\ngpus_per_node: 4\n{batch}{extra}")
+}
+
+#[test]
+fn the_same_run_twice_gives_bitwise_identical_losses() {
+    let c = config(&base(""));
+    let m = preset("tiny-llama").unwrap();
+    let run = || {
+        let mut t = ShardedTrainer::new(&m, &c, 5).unwrap();
+        (0..5).map(|_| t.step().unwrap().loss.to_bits()).collect::<Vec<u32>>()
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn measured_memory_equals_the_plan() {
+    let m = preset("tiny-llama").unwrap();
+    for extra in [
+        "",
+        "reshard_after_forward: false\n",
+        "reshard_after_forward: 2\n",
+        "prefetch: {forward: 2, backward: 2}\n",
+        "batch: {per_rank: 2, seq_len: 16, grad_accum: 4}\n",
+        "batch: {per_rank: 2, seq_len: 16, grad_accum: 4, grad_sync: final_micro_batch}\n",
+        "activation_checkpointing: full\n",
+        "offload: cpu\n",
+        "mixed_precision: {param: bf16, reduce: f32}\n",
+    ] {
+        let c = config(&base(extra));
+        let mut t = ShardedTrainer::new(&m, &c, 2).unwrap();
+        for _ in 0..2 {
+            let s = t.step().unwrap();
+            let plan = t.plan();
+            for (rank, got) in s.measured.iter().enumerate() {
+                let want = plan.memory.max_by_category;
+                for (name, g, w) in [
+                    ("sharded params", got.sharded_params, want.sharded_params),
+                    ("unsharded params", got.unsharded_params, want.unsharded_params),
+                    ("sharded grads", got.sharded_grads, want.sharded_grads),
+                    ("unsharded grads", got.unsharded_grads, want.unsharded_grads),
+                    ("optimizer state", got.optimizer_state, want.optimizer_state),
+                    ("collective buffers", got.comm_buffers, want.comm_buffers),
+                ] {
+                    assert_eq!(g, w, "{extra:?} rank {rank}: {name} measured {g}, planned {w}");
+                }
+                let (g, w) = (got.activations as f64, want.activations as f64);
+                assert!(
+                    (g - w).abs() <= 0.05 * w,
+                    "{extra:?} rank {rank}: activations measured {g}, planned {w}"
+                );
+                assert_eq!(
+                    s.measured_host[rank], plan.memory.host,
+                    "{extra:?} rank {rank}: host memory"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_non_finite_loss_stops_every_rank_naming_the_rank_and_instruction() {
+    let c = config(&base("optimizer: {adamw: {lr: 1.0e30}}\ngrad_clip: null\n"));
+    let m = preset("tiny-llama").unwrap();
+    let mut t = ShardedTrainer::new(&m, &c, 10).unwrap();
+    let start = std::time::Instant::now();
+    let err = (0..10).find_map(|_| t.step().err()).expect("the run diverges");
+    let msg = err.to_string();
+    assert!(matches!(err, ExecError::Aborted(_)), "{msg}");
+    assert!(msg.contains("rank ") && msg.contains("instruction #"), "{msg}");
+    assert!(msg.contains("non-finite") || msg.contains("norm"), "{msg}");
+    assert!(start.elapsed().as_secs() < 60, "stopped in {:?}", start.elapsed());
+    // The trainer stays stopped.
+    assert!(t.step().is_err());
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_instead_of_hanging() {
+    let c = config(&base(""));
+    let m = preset("tiny-llama").unwrap();
+    let mut t = ShardedTrainer::new(&m, &c, 2).unwrap();
+    t.set_timeout(std::time::Duration::from_millis(500));
+    // Rank 2 stalls before its first all-gather, as a crashed or stuck process would.
+    let first_gather = t.plan().programs[0]
+        .instrs
+        .iter()
+        .position(|i| matches!(i.instr, shardplan_planner::Instr::AllGather { .. }))
+        .unwrap();
+    t.inject_fault(2, first_gather, shardplan_executor::sharded::Fault::Stall);
+    let start = std::time::Instant::now();
+    let err = t.step().unwrap_err().to_string();
+    assert!(start.elapsed().as_secs() < 30, "took {:?}", start.elapsed());
+    assert!(err.contains("timed out"), "{err}");
+}
+
+#[test]
+fn a_failing_rank_stops_the_others() {
+    let c = config(&base(""));
+    let m = preset("tiny-llama").unwrap();
+    let mut t = ShardedTrainer::new(&m, &c, 2).unwrap();
+    let rs = t.plan().programs[0]
+        .instrs
+        .iter()
+        .position(|i| matches!(i.instr, shardplan_planner::Instr::ReduceScatter { .. }))
+        .unwrap();
+    t.inject_fault(1, rs, shardplan_executor::sharded::Fault::Fail);
+    let err = t.step().unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("rank 1: instruction #{rs} `reduce-scatter")),
+        "{err}"
+    );
+    assert!(err.contains("injected failure"), "{err}");
+}
