@@ -129,3 +129,26 @@ fn a_failing_rank_stops_the_others() {
     );
     assert!(err.contains("injected failure"), "{err}");
 }
+
+#[test]
+fn shard_only_initialisation_equals_the_single_rank_model_bit_for_bit() {
+    for (model, shard) in [("tiny-llama", 3), ("tiny-gpt2", 8), ("tiny-mlp", 4)] {
+        let m = preset(model).unwrap();
+        let c = config(&format!(
+            "mesh: {{shard: {shard}}}\ngpus_per_node: {shard}\nbatch: {{per_rank: 1, seq_len: 8}}\n"
+        ));
+        let one = config("mesh: {shard: 1}\ngpus_per_node: 1\nbatch: {per_rank: 1, seq_len: 8}\n");
+        let sharded = ShardedTrainer::new(&m, &c, 1).unwrap().full_params().unwrap();
+        let single = shardplan_executor::Trainer::new(&m, &one, 1, candle_core::Device::Cpu).unwrap();
+        for (a, b) in sharded.iter().zip(single.master()) {
+            let (a, b) = (
+                a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{model} over {shard}"
+            );
+        }
+    }
+}
