@@ -38,6 +38,8 @@ pub trait DataSource: Send {
     fn next_batch(&mut self, device: &Device) -> Result<Batch, ExecError>;
     /// Micro-batches handed out so far.
     fn position(&self) -> u64;
+    /// Continues from micro-batch `position` (every source is a pure function of it).
+    fn seek(&mut self, position: u64);
 }
 
 /// Next-token prediction over a fixed random permutation `next = perm[prev]` of the
@@ -91,6 +93,10 @@ impl DataSource for SyntheticTokens {
 
     fn position(&self) -> u64 {
         self.position
+    }
+
+    fn seek(&mut self, position: u64) {
+        self.position = position;
     }
 }
 
@@ -163,6 +169,10 @@ impl DataSource for SyntheticFeatures {
 
     fn position(&self) -> u64 {
         self.position
+    }
+
+    fn seek(&mut self, position: u64) {
+        self.position = position;
     }
 }
 
@@ -268,5 +278,9 @@ impl DataSource for TokenFile {
 
     fn position(&self) -> u64 {
         self.position
+    }
+
+    fn seek(&mut self, position: u64) {
+        self.position = position;
     }
 }

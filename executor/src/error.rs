@@ -26,6 +26,10 @@ pub enum ExecError {
     /// A configuration the executor cannot run (yet).
     #[error("{0}")]
     Unsupported(String),
+    /// A checkpoint that cannot be written or read (names the file and, where it applies,
+    /// the tensor).
+    #[error("{0}")]
+    Checkpoint(String),
     /// A sharded run stopped: the first failure any rank reported (rank, instruction,
     /// cause), or a collective that timed out.
     #[error("{0}")]

@@ -4,6 +4,7 @@
 //! loop built on it. Architecture invariant: the executor never makes a planning decision;
 //! it runs the graph (and later the Plan) it is given, in the order it is given.
 
+pub mod checkpoint;
 pub mod collectives;
 pub mod data;
 mod error;

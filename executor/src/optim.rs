@@ -27,10 +27,11 @@ pub fn base_lr(o: &Optimizer) -> f64 {
 pub struct OptState {
     kind: Optimizer,
     /// Adam's first moment, or SGD's momentum buffer.
-    m: Vec<Option<Tensor>>,
+    pub(crate) m: Vec<Option<Tensor>>,
     /// Adam's second moment.
-    v: Vec<Option<Tensor>>,
-    steps: u64,
+    pub(crate) v: Vec<Option<Tensor>>,
+    /// Updates made so far (Adam's bias correction).
+    pub(crate) steps: u64,
 }
 
 impl OptState {

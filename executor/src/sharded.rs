@@ -48,14 +48,14 @@ pub struct ShardedMetrics {
 
 /// A model, its Plan, and every rank's shards.
 pub struct ShardedTrainer {
-    shared: Shared,
-    ranks: Vec<RankState>,
-    data: Vec<Box<dyn DataSource>>,
+    pub(crate) shared: Shared,
+    pub(crate) ranks: Vec<RankState>,
+    pub(crate) data: Vec<Box<dyn DataSource>>,
     abort: std::sync::Arc<Abort>,
-    config: ParallelConfig,
+    pub(crate) config: ParallelConfig,
+    pub(crate) model: ModelConfig,
     total_steps: u64,
-    step: u64,
-    per_rank: usize,
+    pub(crate) step: u64,
 }
 
 /// The per-rank trace options of `config`.
@@ -181,9 +181,9 @@ impl ShardedTrainer {
             data,
             abort,
             config: config.clone(),
+            model: model.clone(),
             total_steps,
             step: 0,
-            per_rank,
         })
     }
 
@@ -249,7 +249,6 @@ impl ShardedTrainer {
             }
             batches.push(mine);
         }
-        let _ = self.per_rank;
         let shared = &self.shared;
         let abort = &self.abort;
         let step_no = self.step;

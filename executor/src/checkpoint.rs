@@ -1,0 +1,836 @@
+//! Distributed checkpoints: every rank saves its own shards, any mesh loads any checkpoint,
+//! and a checkpoint is visible only once it is complete.
+//!
+//! Layout: `DIR/step-00000010/rank-00003.safetensors` (one per rank of replica 0; replicas
+//! hold the same shards) and `metadata.json`, written last by an atomic rename: a folder
+//! without it is an interrupted save and is ignored. Each rank file holds, per parameter,
+//! the dim-0 rows the rank owns (unpadded, f32), and the same rows of each optimizer state.
+//! The metadata records the model, the mesh, the step, the data position, every tensor's
+//! global shape and which file holds which rows, with a CRC32 per block of rows, so a
+//! loading rank reads (and checks) only the byte ranges it needs.
+
+use crate::sharded::ShardedTrainer;
+use crate::ExecError;
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use shardplan_models::ModelConfig;
+use shardplan_planner::chunk_rows;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+/// Format version of `metadata.json`.
+pub const CHECKPOINT_FORMAT: u32 = 1;
+/// Rows per checksummed block aim at this many bytes.
+const BLOCK_BYTES: u64 = 1 << 20;
+
+/// A block of rows and its checksum.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Block {
+    pub rows: u64,
+    pub crc32: u32,
+}
+
+/// Rows `start..end` of a tensor, stored under `key` in `file`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Piece {
+    pub file: String,
+    pub key: String,
+    pub start: u64,
+    pub end: u64,
+    pub blocks: Vec<Block>,
+}
+
+/// One logical tensor of the checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub dtype: String,
+    pub pieces: Vec<Piece>,
+}
+
+/// A file of the checkpoint and its size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub name: String,
+    pub bytes: u64,
+}
+
+/// `metadata.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Metadata {
+    pub format: u32,
+    pub step: u64,
+    pub model: ModelConfig,
+    pub replicate: u64,
+    pub shard: u64,
+    pub optimizer: String,
+    pub optimizer_steps: u64,
+    /// Global micro-batches consumed by the data stream.
+    pub data_position: u64,
+    pub seed: u64,
+    pub tensors: Vec<TensorMeta>,
+    pub files: Vec<FileMeta>,
+}
+
+/// Where a save can be interrupted (for the crash tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SaveStage {
+    /// After rank file `n` (counting from 0) is complete.
+    AfterRankFile(usize),
+    /// Every rank file is written; the metadata is not.
+    BeforeMetadata,
+}
+
+fn io(path: &Path, what: &str, e: std::io::Error) -> ExecError {
+    ExecError::Checkpoint(format!("{}: {what}: {e}", path.display()))
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), ExecError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(dir, "fsync", e))
+}
+
+fn step_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("step-{step:08}"))
+}
+
+/// The optimizer state tensors saved per parameter, by prefix.
+fn state_names(optimizer: &str) -> &'static [&'static str] {
+    match optimizer {
+        "adamw" => &["optim.exp_avg", "optim.exp_avg_sq"],
+        _ => &["optim.momentum"],
+    }
+}
+
+fn le_bytes(t: &Tensor) -> Result<Vec<u8>, ExecError> {
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
+fn blocks(bytes: &[u8], row_bytes: u64) -> Vec<Block> {
+    let rows_per = (BLOCK_BYTES / row_bytes.max(1)).max(1);
+    let total_rows = bytes.len() as u64 / row_bytes.max(1);
+    let mut out = Vec::new();
+    let mut r = 0;
+    while r < total_rows {
+        let n = rows_per.min(total_rows - r);
+        let a = (r * row_bytes) as usize;
+        let b = ((r + n) * row_bytes) as usize;
+        out.push(Block {
+            rows: n,
+            crc32: crc32fast::hash(&bytes[a..b]),
+        });
+        r += n;
+    }
+    out
+}
+
+/// A safetensors file's header: each tensor's dtype, shape and absolute data range.
+struct Header {
+    tensors: HashMap<String, (String, Vec<u64>, u64, u64)>,
+    len: u64,
+}
+
+fn read_header(path: &Path) -> Result<Header, ExecError> {
+    let mut f = File::open(path).map_err(|e| io(path, "cannot open", e))?;
+    let len = f.metadata().map_err(|e| io(path, "cannot stat", e))?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| ExecError::Checkpoint(format!("{}: truncated: no safetensors header", path.display())))?;
+    let n = u64::from_le_bytes(n);
+    if n > 100 << 20 || 8 + n > len {
+        return Err(ExecError::Checkpoint(format!(
+            "{}: truncated or not a safetensors file (header of {n} bytes in a {len}-byte file)",
+            path.display()
+        )));
+    }
+    let mut h = vec![0u8; n as usize];
+    f.read_exact(&mut h).map_err(|e| io(path, "reading the header", e))?;
+    let json: serde_json::Value = serde_json::from_slice(&h)
+        .map_err(|e| ExecError::Checkpoint(format!("{}: bad safetensors header: {e}", path.display())))?;
+    let mut tensors = HashMap::new();
+    for (k, v) in json.as_object().into_iter().flatten() {
+        if k == "__metadata__" {
+            continue;
+        }
+        let dtype = v["dtype"].as_str().unwrap_or("?").to_string();
+        let shape: Vec<u64> = v["shape"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_u64())
+            .collect();
+        let off = &v["data_offsets"];
+        let (a, b) = (off[0].as_u64().unwrap_or(0), off[1].as_u64().unwrap_or(0));
+        tensors.insert(k.clone(), (dtype, shape, 8 + n + a, 8 + n + b));
+    }
+    Ok(Header { tensors, len })
+}
+
+/// Reads bytes `range` of `path`.
+fn read_range(path: &Path, start: u64, len: u64, what: &str) -> Result<Vec<u8>, ExecError> {
+    let mut f = File::open(path).map_err(|e| io(path, "cannot open", e))?;
+    f.seek(SeekFrom::Start(start)).map_err(|e| io(path, "seek", e))?;
+    let mut buf = vec![0u8; len as usize];
+    f.read_exact(&mut buf).map_err(|_| {
+        ExecError::Checkpoint(format!(
+            "{}: truncated: `{what}` runs past the end of the file",
+            path.display()
+        ))
+    })?;
+    Ok(buf)
+}
+
+/// Converts little-endian elements of `dtype` to f32.
+fn to_f32(bytes: &[u8], dtype: &str) -> Option<Vec<f32>> {
+    Some(match dtype {
+        "F32" => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        "BF16" => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        "F16" => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    })
+}
+
+fn dtype_size(dtype: &str) -> Option<u64> {
+    match dtype {
+        "F32" => Some(4),
+        "BF16" | "F16" => Some(2),
+        _ => None,
+    }
+}
+
+/// Complete checkpoints (step, folder), by step, ascending.
+pub type Complete = Vec<(u64, PathBuf)>;
+
+/// A rank file and the tensor pieces it holds, by tensor name.
+type Written = (FileMeta, Vec<(String, Piece)>);
+
+/// Complete checkpoints under `root` and the folders of interrupted saves.
+pub fn list(root: &Path) -> Result<(Complete, Vec<PathBuf>), ExecError> {
+    let mut done = Vec::new();
+    let mut partial = Vec::new();
+    let entries = std::fs::read_dir(root).map_err(|e| io(root, "cannot list the checkpoint folder", e))?;
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse::<u64>().ok()) else {
+            continue;
+        };
+        if e.path().join("metadata.json").is_file() {
+            done.push((step, e.path()));
+        } else {
+            partial.push(e.path());
+        }
+    }
+    done.sort();
+    partial.sort();
+    Ok((done, partial))
+}
+
+/// The checkpoint to load from `path`: a step folder itself, or the newest complete one
+/// under a checkpoint root. Returns warnings about interrupted saves it skipped.
+pub fn resolve(path: &Path) -> Result<(PathBuf, Vec<String>), ExecError> {
+    if path.join("metadata.json").is_file() {
+        return Ok((path.to_path_buf(), Vec::new()));
+    }
+    if !path.is_dir() {
+        return Err(ExecError::Checkpoint(format!(
+            "{}: no such checkpoint folder",
+            path.display()
+        )));
+    }
+    let (done, partial) = list(path)?;
+    let warnings = partial
+        .iter()
+        .map(|p| format!("ignoring {}: an interrupted save (no metadata.json)", p.display()))
+        .collect();
+    match done.last() {
+        Some((_, p)) => Ok((p.clone(), warnings)),
+        None => Err(ExecError::Checkpoint(format!(
+            "{}: no complete checkpoint (a `step-N` folder with metadata.json){}",
+            path.display(),
+            if partial.is_empty() {
+                ""
+            } else {
+                "; only interrupted saves"
+            }
+        ))),
+    }
+}
+
+/// Reads and checks `metadata.json` of a step folder.
+pub fn read_metadata(dir: &Path) -> Result<Metadata, ExecError> {
+    let path = dir.join("metadata.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, "cannot read", e))?;
+    let m: Metadata = serde_json::from_str(&text)
+        .map_err(|e| ExecError::Checkpoint(format!("{}:{}:{}: {e}", path.display(), e.line(), e.column())))?;
+    if m.format != CHECKPOINT_FORMAT {
+        return Err(ExecError::Checkpoint(format!(
+            "{}: checkpoint format {} (this shardplan reads {CHECKPOINT_FORMAT})",
+            path.display(),
+            m.format
+        )));
+    }
+    for f in &m.files {
+        let p = dir.join(&f.name);
+        let len = std::fs::metadata(&p)
+            .map_err(|_| ExecError::Checkpoint(format!("{}: missing shard file (the metadata lists it)", p.display())))?
+            .len();
+        if len != f.bytes {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: {len} bytes, the checkpoint wrote {}: the file is truncated or was replaced",
+                p.display(),
+                f.bytes
+            )));
+        }
+    }
+    Ok(m)
+}
+
+/// Rows `want` of tensor `t` from a checkpoint, as f32, reading only the blocks that
+/// overlap them and checking their checksums.
+fn read_rows(
+    dir: &Path,
+    t: &TensorMeta,
+    want: std::ops::Range<u64>,
+    headers: &mut HashMap<String, Header>,
+) -> Result<Vec<f32>, ExecError> {
+    let row_elems: u64 = t.shape.iter().skip(1).product();
+    let mut out = vec![0f32; ((want.end - want.start) * row_elems) as usize];
+    let mut covered = 0u64;
+    for p in &t.pieces {
+        let (s, e) = (p.start.max(want.start), p.end.min(want.end));
+        if s >= e {
+            continue;
+        }
+        let path = dir.join(&p.file);
+        if !headers.contains_key(&p.file) {
+            headers.insert(p.file.clone(), read_header(&path)?);
+        }
+        let h = &headers[&p.file];
+        let (dtype, shape, begin, end) = h.tensors.get(&p.key).cloned().ok_or_else(|| {
+            ExecError::Checkpoint(format!(
+                "{}: tensor `{}` is missing from the file",
+                path.display(),
+                p.key
+            ))
+        })?;
+        if dtype != t.dtype {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{}` is {dtype}, the checkpoint says {}",
+                path.display(),
+                p.key,
+                t.dtype
+            )));
+        }
+        let size = dtype_size(&dtype).unwrap_or(4);
+        let row_bytes = row_elems * size;
+        if shape.first().copied().unwrap_or(1) != p.end - p.start
+            || end - begin != (p.end - p.start) * row_bytes
+            || end > h.len
+        {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{}` has shape {shape:?} and {} bytes, the checkpoint says {} rows of {row_bytes} bytes",
+                path.display(),
+                p.key,
+                end - begin,
+                p.end - p.start
+            )));
+        }
+        // The checksummed blocks covering rows s..e of this piece.
+        let mut row = p.start;
+        for b in &p.blocks {
+            let (bs, be) = (row, row + b.rows);
+            row = be;
+            if be <= s || bs >= e {
+                continue;
+            }
+            let bytes = read_range(&path, begin + (bs - p.start) * row_bytes, b.rows * row_bytes, &p.key)?;
+            if crc32fast::hash(&bytes) != b.crc32 {
+                return Err(ExecError::Checkpoint(format!(
+                    "{}: tensor `{}` rows {bs}..{be} fail their checksum: the file is corrupted",
+                    path.display(),
+                    p.key
+                )));
+            }
+            let vals = to_f32(&bytes, &dtype)
+                .ok_or_else(|| ExecError::Checkpoint(format!("{}: unsupported dtype {dtype}", path.display())))?;
+            let (cs, ce) = (s.max(bs), e.min(be));
+            let src = ((cs - bs) * row_elems) as usize..((ce - bs) * row_elems) as usize;
+            let dst = ((cs - want.start) * row_elems) as usize;
+            out[dst..dst + src.len()].copy_from_slice(&vals[src]);
+            covered += ce - cs;
+        }
+    }
+    if covered != want.end - want.start {
+        return Err(ExecError::Checkpoint(format!(
+            "{}: tensor `{}` rows {}..{} are not all in the checkpoint",
+            dir.display(),
+            t.name,
+            want.start,
+            want.end
+        )));
+    }
+    Ok(out)
+}
+
+impl ShardedTrainer {
+    /// The flat shard layout walk: for each group and parameter, the name, dims and this
+    /// shard coordinate's rows.
+    fn param_names(&self) -> Vec<String> {
+        self.shared.joint.graph.params().map(|(_, p)| p.name.clone()).collect()
+    }
+
+    /// Saves a checkpoint of the current step under `root` (see the module doc); returns
+    /// its folder. `hook` is called at each stage and may stop the save there (tests).
+    pub fn save_with_hook(&self, root: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<PathBuf, ExecError> {
+        std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
+        let dir = step_dir(root, self.step);
+        if dir.join("metadata.json").exists() {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: a complete checkpoint of step {} exists; it is not overwritten",
+                dir.display(),
+                self.step
+            )));
+        }
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, "removing an interrupted save", e))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| io(&dir, "cannot create", e))?;
+        let plan = &self.shared.plan;
+        let mesh = plan.mesh;
+        let names = self.param_names();
+        let optimizer = plan.policy.optimizer.clone();
+        let states = state_names(&optimizer);
+        // Every rank of replica 0 writes its own file, in parallel.
+        let writers: Vec<u64> = (0..mesh.shard()).collect();
+        let results: Vec<Result<Written, ExecError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = writers
+                .iter()
+                .map(|&rank| {
+                    let dir = &dir;
+                    let names = &names;
+                    let state = &self.ranks[rank as usize];
+                    let groups: Vec<(Tensor, Option<Tensor>, Option<Tensor>)> = state
+                        .params
+                        .iter()
+                        .zip(&state.opt)
+                        .map(|(p, o)| (p.clone(), o.m[0].clone(), o.v[0].clone()))
+                        .collect();
+                    s.spawn(move || write_rank(plan, dir, rank, names, states, &groups))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(ExecError::Internal("a checkpoint writer panicked".into())))
+                })
+                .collect()
+        });
+        let mut files = Vec::new();
+        let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
+        for (i, r) in results.into_iter().enumerate() {
+            let (f, ps) = r?;
+            files.push(f);
+            for (name, p) in ps {
+                pieces.entry(name).or_default().push(p);
+            }
+            if !hook(SaveStage::AfterRankFile(i)) {
+                return Err(ExecError::Checkpoint(format!(
+                    "{}: save stopped after rank file {i}",
+                    dir.display()
+                )));
+            }
+        }
+        if !hook(SaveStage::BeforeMetadata) {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: save stopped before the metadata",
+                dir.display()
+            )));
+        }
+        let g = &self.shared.joint.graph;
+        let mut tensors = Vec::new();
+        for (p, param) in g.params() {
+            let shape = param.ty.shape.dims().to_vec();
+            for prefix in std::iter::once("").chain(states.iter().copied()) {
+                let name = if prefix.is_empty() {
+                    names[p.index()].clone()
+                } else {
+                    format!("{prefix}.{}", names[p.index()])
+                };
+                let mut ps = pieces.remove(&name).unwrap_or_default();
+                ps.sort_by_key(|x| x.start);
+                tensors.push(TensorMeta {
+                    name,
+                    shape: shape.clone(),
+                    dtype: "F32".into(),
+                    pieces: ps,
+                });
+            }
+        }
+        let meta = Metadata {
+            format: CHECKPOINT_FORMAT,
+            step: self.step,
+            model: self.model.clone(),
+            replicate: mesh.replicate(),
+            shard: mesh.shard(),
+            optimizer,
+            optimizer_steps: self.ranks[0].opt.first().map_or(0, |o| o.steps),
+            data_position: self.data[0].position(),
+            seed: self.config.seed,
+            tensors,
+            files,
+        };
+        let tmp = dir.join("metadata.json.tmp");
+        let text = serde_json::to_string_pretty(&meta).map_err(|e| ExecError::Internal(e.to_string()))?;
+        {
+            let mut f = File::create(&tmp).map_err(|e| io(&tmp, "cannot create", e))?;
+            f.write_all(text.as_bytes()).map_err(|e| io(&tmp, "write", e))?;
+            f.sync_all().map_err(|e| io(&tmp, "fsync", e))?;
+        }
+        std::fs::rename(&tmp, dir.join("metadata.json")).map_err(|e| io(&tmp, "rename", e))?;
+        fsync_dir(&dir)?;
+        fsync_dir(root)?;
+        Ok(dir)
+    }
+
+    /// Saves a checkpoint of the current step under `root`.
+    pub fn save(&self, root: &Path) -> Result<PathBuf, ExecError> {
+        self.save_with_hook(root, &|_| true)
+    }
+
+    /// Keeps the newest `keep` complete checkpoints under `root` and removes the rest, and
+    /// any interrupted save.
+    pub fn prune(root: &Path, keep: usize) -> Result<(), ExecError> {
+        let (done, partial) = list(root)?;
+        let drop = done.len().saturating_sub(keep.max(1));
+        for (_, p) in done.iter().take(drop) {
+            std::fs::remove_dir_all(p).map_err(|e| io(p, "removing an old checkpoint", e))?;
+        }
+        for p in partial {
+            std::fs::remove_dir_all(&p).map_err(|e| io(&p, "removing an interrupted save", e))?;
+        }
+        Ok(())
+    }
+
+    /// Loads the checkpoint at `path` (a step folder, or the newest complete one under a
+    /// root) into this trainer's mesh, whatever mesh wrote it. Returns warnings.
+    pub fn load(&mut self, path: &Path) -> Result<Vec<String>, ExecError> {
+        let (dir, warnings) = resolve(path)?;
+        let meta = read_metadata(&dir)?;
+        if meta.model != self.model {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: written for model `{}` ({}), not `{}` ({}): the model specs differ",
+                dir.display(),
+                meta.model.name(),
+                serde_json::to_string(&meta.model).unwrap_or_default(),
+                self.model.name(),
+                serde_json::to_string(&self.model).unwrap_or_default()
+            )));
+        }
+        if meta.optimizer != self.shared.plan.policy.optimizer {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: holds {} optimizer state; this run uses {}",
+                dir.display(),
+                meta.optimizer,
+                self.shared.plan.policy.optimizer
+            )));
+        }
+        let by_name: HashMap<&str, &TensorMeta> = meta.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let names = self.param_names();
+        let states = state_names(&meta.optimizer);
+        let plan = &self.shared.plan;
+        let mesh = plan.mesh;
+        // Read everything first: a failure leaves the trainer as it was.
+        let mut loaded: Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)> = Vec::new();
+        for rank in 0..mesh.world() {
+            let coords = mesh.coords(rank);
+            let mut headers = HashMap::new();
+            let mut params = Vec::new();
+            let mut st: Vec<Vec<Tensor>> = vec![Vec::new(); states.len()];
+            for grp in &plan.groups {
+                let l = &grp.layout;
+                let mut flats = vec![vec![0f32; l.shard_numel as usize]; 1 + states.len()];
+                for pl in &l.params {
+                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    for (k, prefix) in std::iter::once("").chain(states.iter().copied()).enumerate() {
+                        let name = if prefix.is_empty() {
+                            names[pl.param.index()].clone()
+                        } else {
+                            format!("{prefix}.{}", names[pl.param.index()])
+                        };
+                        let t = by_name.get(name.as_str()).ok_or_else(|| {
+                            ExecError::Checkpoint(format!("{}: tensor `{name}` is missing", dir.display()))
+                        })?;
+                        if t.shape != pl.dims {
+                            return Err(ExecError::Checkpoint(format!(
+                                "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
+                                dir.display(),
+                                t.shape,
+                                pl.dims
+                            )));
+                        }
+                        let vals = read_rows(&dir, t, rows.clone(), &mut headers)?;
+                        let at = pl.shard_offset as usize;
+                        flats[k][at..at + vals.len()].copy_from_slice(&vals);
+                    }
+                }
+                let mut it = flats.into_iter();
+                let p = it.next().expect("params first");
+                params.push(Tensor::from_vec(p, l.shard_numel as usize, &Device::Cpu)?);
+                for (k, f) in it.enumerate() {
+                    st[k].push(Tensor::from_vec(f, l.shard_numel as usize, &Device::Cpu)?);
+                }
+            }
+            loaded.push((params, st));
+        }
+        for (rank, (params, st)) in loaded.into_iter().enumerate() {
+            let r = &mut self.ranks[rank];
+            r.params = params;
+            for (gi, o) in r.opt.iter_mut().enumerate() {
+                o.steps = meta.optimizer_steps;
+                match meta.optimizer.as_str() {
+                    "adamw" => {
+                        o.m[0] = Some(st[0][gi].clone());
+                        o.v[0] = Some(st[1][gi].clone());
+                    }
+                    _ => o.m[0] = Some(st[0][gi].clone()),
+                }
+            }
+        }
+        for d in &mut self.data {
+            d.seek(meta.data_position);
+        }
+        self.step = meta.step;
+        Ok(warnings)
+    }
+
+    /// Starts from pretrained weights in Hugging Face safetensors: one file, or a folder
+    /// holding `model.safetensors` or shards listed by `model.safetensors.index.json`.
+    /// Each rank reads only its rows; the optimizer starts fresh.
+    pub fn init_from(&mut self, path: &Path) -> Result<(), ExecError> {
+        let files = hf_files(path)?;
+        let mut headers: HashMap<PathBuf, Header> = HashMap::new();
+        let names = self.param_names();
+        let plan = &self.shared.plan;
+        let mesh = plan.mesh;
+        let mut loaded = Vec::new();
+        for rank in 0..mesh.world() {
+            let coords = mesh.coords(rank);
+            let mut params = Vec::new();
+            for grp in &plan.groups {
+                let l = &grp.layout;
+                let mut flat = vec![0f32; l.shard_numel as usize];
+                for pl in &l.params {
+                    let name = &names[pl.param.index()];
+                    let file = files.get(name).or_else(|| files.get("*")).ok_or_else(|| {
+                        ExecError::Checkpoint(format!(
+                            "{}: no tensor `{name}` (the index lists no file for it)",
+                            path.display()
+                        ))
+                    })?;
+                    if !headers.contains_key(file) {
+                        headers.insert(file.clone(), read_header(file)?);
+                    }
+                    let (dtype, shape, begin, _) = headers[file]
+                        .tensors
+                        .get(name)
+                        .cloned()
+                        .ok_or_else(|| ExecError::Checkpoint(format!("{}: no tensor `{name}`", file.display())))?;
+                    if shape != pl.dims {
+                        return Err(ExecError::Checkpoint(format!(
+                            "{}: tensor `{name}` has shape {shape:?}, the model needs {:?}",
+                            file.display(),
+                            pl.dims
+                        )));
+                    }
+                    let size = dtype_size(&dtype).ok_or_else(|| {
+                        ExecError::Checkpoint(format!(
+                            "{}: tensor `{name}` is {dtype}; use F32, BF16 or F16",
+                            file.display()
+                        ))
+                    })?;
+                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let row_bytes = pl.row_elems * size;
+                    let bytes = read_range(
+                        file,
+                        begin + rows.start * row_bytes,
+                        (rows.end - rows.start) * row_bytes,
+                        name,
+                    )?;
+                    let vals = to_f32(&bytes, &dtype).expect("dtype checked above");
+                    let at = pl.shard_offset as usize;
+                    flat[at..at + vals.len()].copy_from_slice(&vals);
+                }
+                params.push(Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?);
+            }
+            loaded.push(params);
+        }
+        for (r, params) in self.ranks.iter_mut().zip(loaded) {
+            r.params = params;
+        }
+        Ok(())
+    }
+}
+
+/// Which file holds each tensor of a Hugging Face checkpoint (`"*"`: one file holds all).
+fn hf_files(path: &Path) -> Result<HashMap<String, PathBuf>, ExecError> {
+    let mut out = HashMap::new();
+    if path.is_file() {
+        out.insert("*".to_string(), path.to_path_buf());
+        return Ok(out);
+    }
+    let index = path.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| io(&index, "cannot read", e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ExecError::Checkpoint(format!("{}:{}:{}: {e}", index.display(), e.line(), e.column())))?;
+        let map = v["weight_map"]
+            .as_object()
+            .ok_or_else(|| ExecError::Checkpoint(format!("{}: no `weight_map` object", index.display())))?;
+        for (k, f) in map {
+            let f = f.as_str().ok_or_else(|| {
+                ExecError::Checkpoint(format!("{}: weight_map.{k} is not a file name", index.display()))
+            })?;
+            out.insert(k.clone(), path.join(f));
+        }
+        return Ok(out);
+    }
+    let single = path.join("model.safetensors");
+    if single.is_file() {
+        out.insert("*".to_string(), single);
+        return Ok(out);
+    }
+    Err(ExecError::Checkpoint(format!(
+        "{}: not a safetensors file, nor a folder with model.safetensors or model.safetensors.index.json",
+        path.display()
+    )))
+}
+
+/// Writes the parameters of the checkpoint at `path` as one safetensors file with Hugging
+/// Face names (f32). Returns the number of tensors written.
+pub fn export(path: &Path, out: &Path) -> Result<usize, ExecError> {
+    let (dir, _) = resolve(path)?;
+    let meta = read_metadata(&dir)?;
+    let mut headers = HashMap::new();
+    let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    for t in meta.tensors.iter().filter(|t| !t.name.starts_with("optim.")) {
+        let rows = t.shape.first().copied().unwrap_or(1);
+        let vals = read_rows(&dir, t, 0..rows, &mut headers)?;
+        let bytes: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        data.push((t.name.clone(), bytes, t.shape.iter().map(|&d| d as usize).collect()));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(name, bytes, dims)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| ExecError::Internal(format!("{name}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    let n = views.len();
+    let mut info = HashMap::new();
+    info.insert("format".to_string(), "pt".to_string());
+    let tmp = out.with_extension("safetensors.tmp");
+    safetensors::serialize_to_file(views, Some(info), &tmp)
+        .map_err(|e| ExecError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, out).map_err(|e| io(out, "rename", e))?;
+    Ok(n)
+}
+
+/// Writes one rank's file of a checkpoint; returns the file and its pieces.
+fn write_rank(
+    plan: &shardplan_planner::Plan,
+    dir: &Path,
+    rank: u64,
+    names: &[String],
+    states: &[&str],
+    groups: &[(Tensor, Option<Tensor>, Option<Tensor>)],
+) -> Result<Written, ExecError> {
+    let file = format!("rank-{rank:05}.safetensors");
+    let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    let mut pieces = Vec::new();
+    for (gi, grp) in plan.groups.iter().enumerate() {
+        let l = &grp.layout;
+        let (param, m, v) = &groups[gi];
+        let sources: Vec<(&str, Option<&Tensor>)> = std::iter::once(("", Some(param)))
+            .chain(states.iter().map(|&s| {
+                let t = if s == "optim.exp_avg_sq" {
+                    v.as_ref()
+                } else {
+                    m.as_ref()
+                };
+                (s, t)
+            }))
+            .collect();
+        for pl in &l.params {
+            let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, rank);
+            if rows.is_empty() {
+                continue;
+            }
+            let n = ((rows.end - rows.start) * pl.row_elems) as usize;
+            let mut dims: Vec<usize> = pl.dims.iter().map(|&d| d as usize).collect();
+            if dims.is_empty() {
+                dims.push(1);
+            }
+            dims[0] = (rows.end - rows.start) as usize;
+            for (prefix, t) in &sources {
+                let name = if prefix.is_empty() {
+                    names[pl.param.index()].clone()
+                } else {
+                    format!("{prefix}.{}", names[pl.param.index()])
+                };
+                let t = t.ok_or_else(|| ExecError::Internal(format!("no optimizer state for {name}")))?;
+                let bytes = le_bytes(&t.narrow(0, pl.shard_offset as usize, n)?)?;
+                pieces.push((
+                    name.clone(),
+                    Piece {
+                        file: file.clone(),
+                        key: name.clone(),
+                        start: rows.start,
+                        end: rows.end,
+                        blocks: blocks(&bytes, pl.row_elems * 4),
+                    },
+                ));
+                data.push((name, bytes, dims.clone()));
+            }
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+        .iter()
+        .map(|(name, bytes, dims)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| ExecError::Internal(format!("{name}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    let path = dir.join(&file);
+    let tmp = dir.join(format!("{file}.tmp"));
+    safetensors::serialize_to_file(views, None, &tmp)
+        .map_err(|e| ExecError::Checkpoint(format!("{}: {e}", tmp.display())))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io(&tmp, "fsync", e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| io(&tmp, "rename", e))?;
+    let bytes = std::fs::metadata(&path).map_err(|e| io(&path, "stat", e))?.len();
+    Ok((FileMeta { name: file, bytes }, pieces))
+}

@@ -1,0 +1,270 @@
+//! Distributed checkpoints: resume on another mesh, crash safety, HF interop, bad input.
+
+use candle_core::Tensor;
+use shardplan_executor::checkpoint::{export, resolve, SaveStage};
+use shardplan_executor::ShardedTrainer;
+use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
+use shardplan_models::preset;
+use std::path::PathBuf;
+
+fn config(replicate: u64, shard: u64, global: u64) -> ParallelConfig {
+    let world = replicate * shard;
+    let yaml = format!(
+        "mesh: {{replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {world}\nbatch: {{per_rank: {}, seq_len: 16}}\n\
+         optimizer: {{adamw: {{lr: 3.0e-3}}}}\nlr_schedule: {{warmup_steps: 2}}\n",
+        global / world
+    );
+    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .0
+}
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("shardplan-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap().sqrt() as f64;
+    norm(&(a - b).unwrap()) / norm(b).max(1e-12)
+}
+
+fn bits(ts: &[Tensor]) -> Vec<Vec<u32>> {
+    ts.iter()
+        .map(|t| {
+            t.flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
+        .collect()
+}
+
+/// 10 steps on `from`, save, resume on `to`, 10 more; against 20 steps on `from`.
+fn resume(model: &str, from: (u64, u64), to: (u64, u64)) {
+    let m = preset(model).unwrap();
+    let global = 24;
+    let mut straight = ShardedTrainer::new(&m, &config(from.0, from.1, global), 20).unwrap();
+    let want: Vec<f32> = (0..20).map(|_| straight.step().unwrap().loss).collect();
+
+    let dir = temp(&format!("resume-{model}-{}x{}-{}x{}", from.0, from.1, to.0, to.1));
+    let mut first = ShardedTrainer::new(&m, &config(from.0, from.1, global), 20).unwrap();
+    for _ in 0..10 {
+        first.step().unwrap();
+    }
+    first.save(&dir).unwrap();
+    let mut second = ShardedTrainer::new(&m, &config(to.0, to.1, global), 20).unwrap();
+    let warnings = second.load(&dir).unwrap();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(second.steps_done(), 10);
+    for (k, w) in want.iter().enumerate().skip(10) {
+        let got = second.step().unwrap().loss;
+        let r = ((got - w).abs() / w.abs()) as f64;
+        assert!(r < 1e-5, "{model} {from:?} -> {to:?}: step {} loss {got} vs {w}", k + 1);
+    }
+    for (a, b) in second
+        .full_params()
+        .unwrap()
+        .iter()
+        .zip(&straight.full_params().unwrap())
+    {
+        assert!(
+            rel(a, b) < 1e-4,
+            "{model} {from:?} -> {to:?}: weights differ by {:e}",
+            rel(a, b)
+        );
+    }
+}
+
+#[test]
+fn resume_on_another_mesh_continues_the_same_run() {
+    resume("tiny-llama", (1, 4), (1, 2));
+    resume("tiny-llama", (2, 4), (1, 8));
+    resume("tiny-llama", (1, 8), (1, 3));
+    resume("tiny-gpt2", (2, 2), (1, 4));
+}
+
+#[test]
+fn export_then_import_is_bit_exact_with_hf_names() {
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        let m = preset(model).unwrap();
+        let dir = temp(&format!("export-{model}"));
+        let mut t = ShardedTrainer::new(&m, &config(1, 3, 24), 5).unwrap();
+        for _ in 0..3 {
+            t.step().unwrap();
+        }
+        t.save(&dir).unwrap();
+        let out = dir.join("model.safetensors");
+        let n = export(&dir, &out).unwrap();
+        // Names, shapes and dtypes are the model's, as HF writes them.
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let g = shardplan_models::trace(&m, shardplan_models::TraceOptions::default()).unwrap();
+        assert_eq!(n, g.params().len());
+        for (_, p) in g.params() {
+            let view = st
+                .tensor(&p.name)
+                .unwrap_or_else(|e| panic!("{model}: {}: {e}", p.name));
+            let dims: Vec<usize> = p.ty.shape.dims().iter().map(|&d| d as usize).collect();
+            assert_eq!(view.shape(), dims.as_slice(), "{}", p.name);
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+        }
+        if model == "tiny-gpt2" {
+            assert!(
+                st.tensor("lm_head.weight").is_err(),
+                "GPT-2's head is tied to wte, as in HF"
+            );
+        }
+        // Import on another mesh, each rank reading its rows.
+        let mut fresh = ShardedTrainer::new(&m, &config(2, 2, 24), 5).unwrap();
+        fresh.init_from(&out).unwrap();
+        assert_eq!(
+            bits(&fresh.full_params().unwrap()),
+            bits(&t.full_params().unwrap()),
+            "{model}"
+        );
+    }
+}
+
+#[test]
+fn hf_sharded_folders_with_an_index_load() {
+    let m = preset("tiny-llama").unwrap();
+    let dir = temp("hf-index");
+    let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
+    t.save(&dir).unwrap();
+    let whole = dir.join("whole.safetensors");
+    export(&dir, &whole).unwrap();
+    // Split into two files plus model.safetensors.index.json, as HF writes big models.
+    let bytes = std::fs::read(&whole).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let hf = temp("hf-index-model");
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    let half = names.len() / 2;
+    let mut map = serde_json::Map::new();
+    for (i, part) in [&names[..half], &names[half..]].iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            part.iter().map(|n| (n.clone(), st.tensor(n).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, &hf.join(&file)).unwrap();
+        for n in *part {
+            map.insert(n.clone(), serde_json::Value::String(file.clone()));
+        }
+    }
+    std::fs::write(
+        hf.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+    let mut fresh = ShardedTrainer::new(&m, &config(1, 4, 24), 5).unwrap();
+    fresh.init_from(&hf).unwrap();
+    assert_eq!(bits(&fresh.full_params().unwrap()), bits(&t.full_params().unwrap()));
+}
+
+#[test]
+fn an_interrupted_save_leaves_the_previous_checkpoint_loadable() {
+    let m = preset("tiny-llama").unwrap();
+    for stop in [
+        SaveStage::AfterRankFile(0),
+        SaveStage::AfterRankFile(2),
+        SaveStage::BeforeMetadata,
+    ] {
+        let dir = temp(&format!("kill-{stop:?}").replace(['(', ')'], ""));
+        let mut t = ShardedTrainer::new(&m, &config(1, 4, 24), 10).unwrap();
+        t.step().unwrap();
+        let good = t.save(&dir).unwrap();
+        let saved = bits(&t.full_params().unwrap());
+        t.step().unwrap();
+        assert!(
+            t.save_with_hook(&dir, &|s| s != stop).is_err(),
+            "the hook stops the save"
+        );
+        let (found, warnings) = resolve(&dir).unwrap();
+        assert_eq!(found, good, "{stop:?}: the complete checkpoint is the one found");
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("step-00000002") && warnings[0].contains("interrupted"),
+            "{warnings:?}"
+        );
+        let mut other = ShardedTrainer::new(&m, &config(1, 2, 24), 10).unwrap();
+        other.load(&dir).unwrap();
+        assert_eq!(other.steps_done(), 1);
+        assert_eq!(bits(&other.full_params().unwrap()), saved);
+        // Saving again completes, and keeping 1 removes the older one and the partial.
+        t.save(&dir).unwrap();
+        ShardedTrainer::prune(&dir, 1).unwrap();
+        let (done, partial) = shardplan_executor::checkpoint::list(&dir).unwrap();
+        assert_eq!(done.iter().map(|d| d.0).collect::<Vec<_>>(), [2]);
+        assert!(partial.is_empty());
+    }
+}
+
+#[test]
+fn bad_checkpoints_are_named_and_change_nothing() {
+    let m = preset("tiny-llama").unwrap();
+    let fresh = || ShardedTrainer::new(&m, &config(1, 2, 24), 10).unwrap();
+    let check = |dir: &std::path::Path, want: &str| {
+        let mut t = fresh();
+        let before = bits(&t.full_params().unwrap());
+        let e = t.load(dir).unwrap_err().to_string();
+        assert!(e.contains(want), "`{want}` not in: {e}");
+        assert_eq!(bits(&t.full_params().unwrap()), before, "a failed load changes nothing");
+    };
+    let make = |name: &str| {
+        let dir = temp(name);
+        let mut t = ShardedTrainer::new(&m, &config(1, 2, 24), 10).unwrap();
+        t.step().unwrap();
+        (t.save(&dir).unwrap(), dir)
+    };
+
+    // Another model.
+    let dir = temp("other-model");
+    let mut g = ShardedTrainer::new(&preset("tiny-gpt2").unwrap(), &config(1, 2, 24), 10).unwrap();
+    g.step().unwrap();
+    g.save(&dir).unwrap();
+    check(&dir, "written for model `tiny-gpt2`");
+
+    // A missing shard file.
+    let (step, dir) = make("missing");
+    std::fs::remove_file(step.join("rank-00001.safetensors")).unwrap();
+    check(&dir, "rank-00001.safetensors: missing shard file");
+
+    // A truncated file.
+    let (step, dir) = make("truncated");
+    let f = step.join("rank-00000.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    check(&dir, "rank-00000.safetensors: ");
+    check(&dir, "truncated");
+
+    // A flipped byte inside a tensor.
+    let (step, dir) = make("corrupt");
+    let f = step.join("rank-00001.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let at = bytes.len() - 10;
+    bytes[at] ^= 0x40;
+    std::fs::write(&f, bytes).unwrap();
+    check(&dir, "fail their checksum");
+
+    // The metadata says another dtype than the file holds.
+    let (step, dir) = make("dtype");
+    let meta = step.join("metadata.json");
+    let text = std::fs::read_to_string(&meta)
+        .unwrap()
+        .replacen("\"F32\"", "\"BF16\"", 1);
+    std::fs::write(&meta, text).unwrap();
+    check(&dir, "is F32, the checkpoint says BF16");
+
+    // No checkpoint at all.
+    check(&temp("empty"), "no complete checkpoint");
+}
