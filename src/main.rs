@@ -1,5 +1,6 @@
 //! The `shardplan` command.
 
+mod checkpoint;
 mod fmt;
 mod inspect;
 mod plan;
@@ -23,6 +24,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Plan sharded training: groups, shard layout, per-stream schedule, memory, step time; verified.
     Plan(plan::PlanArgs),
+    /// Work with checkpoints: export one as a Hugging Face safetensors file.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCommand),
     /// Train a model on the CPU (one rank): progress bar, JSON-lines metrics, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
 }
@@ -31,6 +35,8 @@ enum Command {
 #[derive(Debug)]
 pub enum CliError {
     Input(SpecError),
+    /// Bad input whose message names its file itself (exit 2).
+    Usage(String),
     Other(anyhow::Error),
 }
 
@@ -65,11 +71,16 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(&args).map(|()| None),
         Command::Plan(args) => plan::run(&args).map(|()| None),
         Command::Train(args) => train::run(&args),
+        Command::Checkpoint(cmd) => checkpoint::run(&cmd).map(|()| None),
     };
     match result {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(code)) => ExitCode::from(code),
         Err(CliError::Input(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+        Err(CliError::Usage(e)) => {
             eprintln!("error: {e}");
             ExitCode::from(2)
         }

@@ -33,6 +33,24 @@ pub struct TrainArgs {
     /// Append one JSON object per step (JSON lines) to this file.
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
+    /// Save sharded checkpoints under this folder (`step-N/`), at the end and every
+    /// --checkpoint-every steps.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only at the end).
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "checkpoint_dir")]
+    pub checkpoint_every: u64,
+    /// Complete checkpoints to keep (older ones are removed after each save).
+    #[arg(long, value_name = "K", default_value_t = 3, requires = "checkpoint_dir")]
+    pub checkpoint_keep: usize,
+    /// Continue from the newest complete checkpoint in DIR (or from a `step-N` folder),
+    /// written on any mesh; --steps counts the whole run.
+    #[arg(long, value_name = "DIR", conflicts_with = "init_from")]
+    pub resume: Option<PathBuf>,
+    /// Start from pretrained weights: a Hugging Face safetensors file, or a folder with
+    /// model.safetensors or model.safetensors.index.json.
+    #[arg(long, value_name = "PATH")]
+    pub init_from: Option<PathBuf>,
 }
 
 /// Exit code of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
@@ -127,6 +145,30 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
             )))
         }
     };
+    if let Some(p) = &args.init_from {
+        trainer.init_from(p).map_err(|e| exec_error(e, &specs))?;
+    }
+    if let Some(dir) = &args.resume {
+        for w in trainer.load(dir).map_err(|e| exec_error(e, &specs))? {
+            eprintln!("warning: {w}");
+        }
+        if trainer.steps_done() >= args.steps {
+            return Err(CliError::Usage(format!(
+                "{}: the checkpoint is at step {}; --steps {} leaves nothing to do (--steps counts the whole run)",
+                dir.display(),
+                trainer.steps_done(),
+                args.steps
+            )));
+        }
+    }
+    let save = |trainer: &ShardedTrainer| -> Result<(), CliError> {
+        if let Some(dir) = &args.checkpoint_dir {
+            trainer.save(dir).map_err(|e| exec_error(e, &specs))?;
+            ShardedTrainer::prune(dir, args.checkpoint_keep).map_err(|e| exec_error(e, &specs))?;
+        }
+        Ok(())
+    };
+
     let mut log = match &args.log {
         Some(p) => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
@@ -143,6 +185,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
         ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
     }
     let bar = ProgressBar::new(args.steps);
+    bar.set_position(trainer.steps_done());
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
             .expect("valid template")
@@ -150,7 +193,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     );
 
     let (mut first, mut last, mut tokens, mut secs) = (None, 0f32, 0u64, 0f64);
-    for _ in 0..args.steps {
+    while trainer.steps_done() < args.steps {
         let m = trainer.step().map_err(|e| exec_error(e, &specs))?;
         first.get_or_insert(m.loss);
         last = m.loss;
@@ -175,11 +218,19 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
         }
         if stop.load(Ordering::SeqCst) {
             bar.abandon();
+            save(&trainer)?;
             eprintln!("interrupted: stopped cleanly after step {}", trainer.steps_done());
             return Ok(Some(INTERRUPTED));
         }
+        if args.checkpoint_every > 0
+            && trainer.steps_done().is_multiple_of(args.checkpoint_every)
+            && trainer.steps_done() < args.steps
+        {
+            save(&trainer)?;
+        }
     }
     bar.finish_and_clear();
+    save(&trainer)?;
     let summary = format!(
         "trained {} steps of {}: loss {:.4} -> {:.4}, {:.0} tokens/s\n",
         trainer.steps_done(),
@@ -206,6 +257,8 @@ fn exec_error(e: ExecError, specs: &Specs) -> CliError {
                 .help("fix the token file, or its `dtype`, in the spec's `data` section"),
         ),
         ExecError::Unsupported(msg) => CliError::Input(SpecError::file(file, msg)),
+        // The message names the checkpoint file (and tensor) at fault.
+        ExecError::Checkpoint(msg) => CliError::Usage(msg),
         other => CliError::Other(anyhow::Error::new(other)),
     }
 }

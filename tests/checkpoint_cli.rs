@@ -1,0 +1,189 @@
+//! Checkpoints as a user drives them: save while training, resume on another mesh, export
+//! and start from the export.
+
+use std::process::{Command, Output};
+
+fn shardplan(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_shardplan"))
+        .args(args)
+        .output()
+        .expect("run shardplan")
+}
+
+fn temp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("shardplan-ckpt-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn ok(o: &Output) -> String {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn losses(log: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn save_resume_on_another_mesh_export_and_init() {
+    let ck = temp("run");
+    let spec2 = temp("two.yaml");
+    std::fs::write(&spec2, "mesh: {shard: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 4, seq_len: 16}\n").unwrap();
+    let (c, s2) = (ck.to_str().unwrap(), spec2.to_str().unwrap());
+    let full = temp("full.jsonl");
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--steps",
+        "8",
+        "--log",
+        full.to_str().unwrap(),
+    ]));
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--steps",
+        "8",
+        "--checkpoint-dir",
+        c,
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-keep",
+        "2",
+    ]));
+    let mut steps: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    steps.sort();
+    assert_eq!(steps, ["step-00000006", "step-00000008"], "keeps the last 2");
+    // Resume step 6 on a 2-rank mesh (same global batch) and finish the same run.
+    let part = temp("part.jsonl");
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        s2,
+        "--steps",
+        "8",
+        "--resume",
+        &format!("{c}/step-00000006"),
+        "--log",
+        part.to_str().unwrap(),
+    ]));
+    let (a, b) = (losses(&full), losses(&part));
+    assert_eq!(b.len(), 2);
+    for (x, y) in a[6..].iter().zip(&b) {
+        assert!((x - y).abs() / x < 1e-5, "{x} vs {y}");
+    }
+    // Export, then start a run from it.
+    let out = temp("model.safetensors");
+    let msg = ok(&shardplan(&["checkpoint", "export", c, "--out", out.to_str().unwrap()]));
+    assert!(msg.starts_with("wrote 21 tensors from"), "{msg}");
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        s2,
+        "--steps",
+        "1",
+        "--init-from",
+        out.to_str().unwrap(),
+    ]));
+}
+
+#[test]
+fn bad_checkpoints_exit_2_naming_the_file() {
+    let ck = temp("bad");
+    let c = ck.to_str().unwrap();
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        c,
+    ]));
+    for (args, want) in [
+        (
+            vec![
+                "train",
+                "--model",
+                "tiny-gpt2",
+                "--parallel",
+                "examples/parallel/cpu-1.yaml",
+                "--resume",
+                c,
+            ],
+            "written for model `tiny-llama`",
+        ),
+        (
+            vec![
+                "train",
+                "--model",
+                "tiny-llama",
+                "--parallel",
+                "examples/parallel/cpu-1.yaml",
+                "--resume",
+                "/nonexistent/ck",
+            ],
+            "/nonexistent/ck: no such checkpoint folder",
+        ),
+        (
+            vec![
+                "train",
+                "--model",
+                "tiny-llama",
+                "--parallel",
+                "examples/parallel/cpu-1.yaml",
+                "--steps",
+                "1",
+                "--resume",
+                c,
+            ],
+            "leaves nothing to do",
+        ),
+        (
+            vec![
+                "train",
+                "--model",
+                "tiny-llama",
+                "--parallel",
+                "examples/parallel/cpu-1.yaml",
+                "--init-from",
+                "/nonexistent.safetensors",
+            ],
+            "not a safetensors file",
+        ),
+        (
+            vec!["checkpoint", "export", "/nonexistent/ck", "--out", "/tmp/x.safetensors"],
+            "no such checkpoint folder",
+        ),
+    ] {
+        let o = shardplan(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "`{want}` not in {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
