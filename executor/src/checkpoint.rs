@@ -106,9 +106,13 @@ fn state_names(optimizer: &str) -> &'static [&'static str] {
     }
 }
 
-fn le_bytes(t: &Tensor) -> Result<Vec<u8>, ExecError> {
-    let v = t.flatten_all()?.to_vec1::<f32>()?;
-    Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+/// An f32 tensor's elements, to be written as little-endian bytes (safetensors' layout).
+fn host_f32(t: &Tensor) -> Result<Vec<f32>, ExecError> {
+    let mut v = t.flatten_all()?.to_vec1::<f32>()?;
+    if cfg!(target_endian = "big") {
+        v.iter_mut().for_each(|x| *x = f32::from_bits(x.to_bits().swap_bytes()));
+    }
+    Ok(v)
 }
 
 fn blocks(bytes: &[u8], row_bytes: u64) -> Vec<Block> {
@@ -767,7 +771,7 @@ fn write_rank(
     groups: &[(Tensor, Option<Tensor>, Option<Tensor>)],
 ) -> Result<Written, ExecError> {
     let file = format!("rank-{rank:05}.safetensors");
-    let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
     let mut pieces = Vec::new();
     for (gi, grp) in plan.groups.iter().enumerate() {
         let l = &grp.layout;
@@ -800,7 +804,7 @@ fn write_rank(
                     format!("{prefix}.{}", names[pl.param.index()])
                 };
                 let t = t.ok_or_else(|| ExecError::Internal(format!("no optimizer state for {name}")))?;
-                let bytes = le_bytes(&t.narrow(0, pl.shard_offset as usize, n)?)?;
+                let vals = host_f32(&t.narrow(0, pl.shard_offset as usize, n)?)?;
                 pieces.push((
                     name.clone(),
                     Piece {
@@ -808,17 +812,17 @@ fn write_rank(
                         key: name.clone(),
                         start: rows.start,
                         end: rows.end,
-                        blocks: blocks(&bytes, pl.row_elems * 4),
+                        blocks: blocks(bytemuck::cast_slice(&vals), pl.row_elems * 4),
                     },
                 ));
-                data.push((name, bytes, dims.clone()));
+                data.push((name, vals, dims.clone()));
             }
         }
     }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
         .iter()
-        .map(|(name, bytes, dims)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), bytes)
+        .map(|(name, vals, dims)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), bytemuck::cast_slice(vals))
                 .map(|v| (name.clone(), v))
                 .map_err(|e| ExecError::Internal(format!("{name}: {e}")))
         })
