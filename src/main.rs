@@ -1,5 +1,6 @@
 //! The `shardplan` command.
 
+mod auto;
 mod checkpoint;
 mod fmt;
 mod inspect;

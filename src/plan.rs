@@ -31,8 +31,19 @@ pub struct PlanArgs {
     #[arg(long, value_name = "R", default_value_t = 0)]
     pub rank: u64,
     /// Per-rank device memory limit (`80GiB`, `79.6GB`, `1024MiB`, bytes); the plan must fit.
+    /// With --auto the default is the hardware's memory less a 10% reserve.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub memory_budget: Option<u64>,
+    /// Search the knobs the spec leaves out (mesh split unless `mesh.replicate` is written,
+    /// bucketing, resharding, prefetch, checkpointing, offload) for the fastest plan that fits.
+    #[arg(long)]
+    pub auto: bool,
+    /// With --auto: candidates shown in the table.
+    #[arg(long, value_name = "K", default_value_t = 5, requires = "auto")]
+    pub top: usize,
+    /// With --auto: write the winning parallel spec as YAML (reproducible without --auto).
+    #[arg(long, value_name = "FILE", requires = "auto")]
+    pub emit_spec: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -204,6 +215,9 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
 pub fn run(args: &PlanArgs) -> Result<(), CliError> {
     let model = load_model(&args.model)?;
     let parallel = load_parallel(&args.parallel)?;
+    if args.auto {
+        return crate::auto::run(args, &model, &parallel);
+    }
     let world = parallel.config.mesh.world();
     if args.rank >= world {
         return Err(CliError::Input(parallel.origin.error(
@@ -227,9 +241,14 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
                 + "\n"
         }
     };
+    write_out(args, &text)
+}
+
+/// Writes a command's output to `--out` or stdout.
+pub fn write_out(args: &PlanArgs, text: &str) -> Result<(), CliError> {
     match &args.out {
         Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,
-        None => crate::emit(&text)?,
+        None => crate::emit(text)?,
     }
     Ok(())
 }

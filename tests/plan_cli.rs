@@ -257,3 +257,83 @@ fn wrap_modules_and_buckets_shape_the_groups() {
     let modules: Vec<&str> = plan.groups.iter().map(|g| g.group.module.as_str()).collect();
     assert_eq!(modules, ["layers.0+layers.1+output", "<root>"]);
 }
+
+#[test]
+fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
+    let spec = temp("auto.yaml", "mesh: {shard: 16}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 8192}\n");
+    let emitted = temp("emitted.yaml", "");
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        LLAMA8B,
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--auto",
+        "--top",
+        "3",
+        "--emit-spec",
+        emitted.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for want in [
+        "auto: ",
+        "candidates planned and verified",
+        "  #  mesh",
+        "the winner, knob by knob:",
+        "activation_checkpointing none (vs ",
+        "plan: llama3-8b",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    // The emitted spec plans to the same plan without --auto.
+    let auto_json = shardplan(&[
+        "plan",
+        "--model",
+        LLAMA8B,
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--auto",
+        "--format",
+        "json",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&auto_json.stdout).unwrap();
+    assert!(v["candidates"].as_array().unwrap().len() > 10);
+    let direct = shardplan(&[
+        "plan",
+        "--model",
+        LLAMA8B,
+        "--parallel",
+        emitted.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert!(direct.status.success(), "{}", stderr(&direct));
+    let w: serde_json::Value = serde_json::from_slice(&direct.stdout).unwrap();
+    assert_eq!(v["plan"]["programs"], w["programs"]);
+    assert_eq!(v["plan"]["memory"], w["memory"]);
+}
+
+#[test]
+fn auto_says_by_how_much_nothing_fits_and_what_would() {
+    let spec = temp(
+        "nofit.yaml",
+        "mesh: {shard: 8}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 8192}\noffload: none\n",
+    );
+    bad(
+        &[
+            "plan",
+            "--model",
+            "examples/models/llama3-70b.yaml",
+            "--parallel",
+            spec.to_str().unwrap(),
+            "--auto",
+            "--memory-budget",
+            "80GiB",
+        ],
+        &[
+            "no plan fits the budget of 80.00 GiB per rank: the smallest candidate needs 155.13 GiB (75.13 GiB over",
+            "help: offload: cpu fits",
+        ],
+    );
+}

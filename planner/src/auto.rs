@@ -1,0 +1,427 @@
+//! Auto-planning: search the knobs the user left open for the fastest plan that fits a
+//! per-rank memory budget.
+//!
+//! The space: mesh split (replicate x shard of the fixed world, the shard axis a divisor or
+//! a multiple of `gpus_per_node`), bucketing of consecutive blocks (1, 2 or 4 per group),
+//! `reshard_after_forward` (true, the node size, false), forward and backward prefetch
+//! (1 or 2 each), activation checkpointing (full, every 2nd block, none), and CPU offload
+//! only when nothing else fits. Every candidate is a full plan (schedule, simulation,
+//! verification), so the objective is the cost model's step time; ties go to lower memory.
+//!
+//! Pruning rules (each sound because memory is monotone in the knob, other knobs equal):
+//! - checkpointing is tried from most to least (full, every 2, none); once a level does
+//!   not fit, lighter levels are skipped;
+//! - resharding is tried from most to least freeing (true, node size, false); once one does
+//!   not fit, the rest are skipped;
+//! - prefetch is tried from (1, 1) upward; if (1, 1) does not fit, deeper ones are skipped.
+//!
+//! A test compares the pruned search with exhaustive enumeration on small models.
+
+use crate::plan::Plan;
+use crate::{plan, PlanError};
+use serde::{Deserialize, Serialize};
+use shardplan_frontends::{ActivationCheckpointing, MeshShape, Offload, ParallelConfig, Prefetch, Reshard};
+use shardplan_ir::{JointGraph, ModuleKind};
+
+/// Fraction of device memory kept free by default (CUDA context, NCCL buffers, allocator
+/// fragmentation): the default budget is `hbm x (1 - DEFAULT_RESERVE)`.
+pub const DEFAULT_RESERVE: f64 = 0.10;
+
+/// Which knobs the user set (they stay as the spec says).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fixed {
+    pub mesh_split: bool,
+    pub bucketing: bool,
+    pub reshard: bool,
+    pub prefetch: bool,
+    pub checkpointing: bool,
+    pub offload: bool,
+}
+
+/// The searched knobs of one candidate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Knobs {
+    pub replicate: u64,
+    pub shard: u64,
+    /// Blocks per FSDP group (1: no bucketing; 0: bucketing as the spec sets it).
+    pub blocks_per_group: u64,
+    /// `true`, `false` or the int, as the spec writes it.
+    pub reshard_after_forward: String,
+    pub prefetch_forward: u32,
+    pub prefetch_backward: u32,
+    /// `none`, `full` or `every N`.
+    pub activation_checkpointing: String,
+    pub offload: bool,
+}
+
+/// One evaluated candidate.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Candidate {
+    pub knobs: Knobs,
+    pub step_s: f64,
+    pub mfu: f64,
+    pub exposed_comm_s: f64,
+    pub peak: u64,
+    pub fits: bool,
+}
+
+/// The outcome of a search.
+#[derive(Clone, Debug)]
+pub struct AutoResult {
+    pub winner: Plan,
+    pub config: ParallelConfig,
+    /// Every evaluated candidate, best first (fitting ones before the others).
+    pub candidates: Vec<Candidate>,
+    /// Plans built and verified; candidates skipped by the pruning rules.
+    pub evaluated: usize,
+    pub pruned: usize,
+}
+
+/// Nothing fits the budget.
+#[derive(Clone, Debug)]
+pub struct NoFit {
+    /// The lowest-memory candidate found.
+    pub best: Candidate,
+    pub budget: u64,
+}
+
+fn reshard_name(r: Reshard) -> String {
+    match r {
+        Reshard::AfterForward => "true".into(),
+        Reshard::Keep => "false".into(),
+        Reshard::ToGroupOf(n) => n.to_string(),
+    }
+}
+
+fn ac_name(a: ActivationCheckpointing) -> String {
+    match a {
+        ActivationCheckpointing::None => "none".into(),
+        ActivationCheckpointing::Full => "full".into(),
+        ActivationCheckpointing::Every(n) => format!("every {n}"),
+    }
+}
+
+/// Bytes of the largest block's parameters in the param dtype (for bucket sizes).
+fn block_bytes(joint: &JointGraph, dtype: shardplan_ir::DType) -> u64 {
+    let g = &joint.graph;
+    let mut per_block: std::collections::HashMap<shardplan_ir::ScopeId, u64> = std::collections::HashMap::new();
+    for (_, p) in g.params() {
+        let mut s = Some(p.scope);
+        while let Some(x) = s {
+            if g.scope(x).kind == ModuleKind::Block {
+                *per_block.entry(x).or_default() += p.ty.numel().unwrap_or(0) * dtype.size_bytes();
+                break;
+            }
+            s = g.scope(x).parent;
+        }
+    }
+    per_block.values().copied().max().unwrap_or(0)
+}
+
+/// Searches the open knobs of `base` for the fastest plan within `budget` bytes per rank.
+/// `prune` applies the module's pruning rules (tests turn it off to compare).
+pub fn search(
+    joint: &JointGraph,
+    base: &ParallelConfig,
+    fixed: Fixed,
+    budget: u64,
+    prune: bool,
+) -> Result<Result<AutoResult, NoFit>, PlanError> {
+    let world = base.mesh.world();
+    let gpn = base.gpus_per_node;
+    let splits: Vec<MeshShape> = if fixed.mesh_split {
+        vec![base.mesh]
+    } else {
+        (1..=world)
+            .filter(|s| world.is_multiple_of(*s) && (s.is_multiple_of(gpn) || gpn.is_multiple_of(*s)))
+            .map(|shard| MeshShape {
+                replicate: world / shard,
+                shard,
+            })
+            .collect()
+    };
+    let has_blocks = joint.graph.scopes().any(|(_, s)| s.kind == ModuleKind::Block);
+    // (blocks per group, bucket_mib); 0 blocks: as the spec says.
+    let bucket_options: Vec<(u64, Option<u64>)> =
+        if fixed.bucketing || !has_blocks || !base.wrap.contains(&ModuleKind::Block) {
+            vec![(0, base.bucket_mib)]
+        } else {
+            let bb = block_bytes(joint, base.mixed_precision.param);
+            vec![
+                (1, None),
+                (2, Some((2 * bb).div_ceil(1 << 20))),
+                (4, Some((4 * bb).div_ceil(1 << 20))),
+            ]
+        };
+    let ac_options: Vec<ActivationCheckpointing> = if fixed.checkpointing || !has_blocks {
+        vec![base.activation_checkpointing]
+    } else {
+        vec![
+            ActivationCheckpointing::Full,
+            ActivationCheckpointing::Every(2),
+            ActivationCheckpointing::None,
+        ]
+    };
+    let prefetch_options: Vec<(u32, u32)> = if fixed.prefetch {
+        vec![(base.prefetch.forward, base.prefetch.backward)]
+    } else {
+        vec![(1, 1), (1, 2), (2, 1), (2, 2)]
+    };
+    let offloads: Vec<Offload> = if fixed.offload {
+        vec![base.offload]
+    } else {
+        vec![Offload::None, Offload::Cpu]
+    };
+
+    let mut candidates: Vec<(Candidate, ParallelConfig)> = Vec::new();
+    let (mut evaluated, mut pruned) = (0usize, 0usize);
+    for &offload in &offloads {
+        if offload == Offload::Cpu && candidates.iter().any(|c| c.0.fits) {
+            break; // offload only when nothing else fits
+        }
+        for &mesh in &splits {
+            let reshard_options: Vec<Reshard> = if fixed.reshard {
+                vec![base.reshard_after_forward]
+            } else {
+                let mut v = vec![Reshard::AfterForward];
+                if gpn > 1 && gpn < mesh.shard && mesh.shard.is_multiple_of(gpn) {
+                    v.push(Reshard::ToGroupOf(gpn));
+                }
+                v.push(Reshard::Keep);
+                v
+            };
+            for &(blocks, bucket) in &bucket_options {
+                'reshard: for (ri, &reshard) in reshard_options.iter().enumerate() {
+                    let mut any_fit_this_reshard = false;
+                    'ac: for (ai, &ac) in ac_options.iter().enumerate() {
+                        let mut any_fit_this_ac = false;
+                        for (pi, &(pf, pb)) in prefetch_options.iter().enumerate() {
+                            let mut c = base.clone();
+                            c.mesh = mesh;
+                            c.bucket_mib = bucket;
+                            c.reshard_after_forward = reshard;
+                            c.activation_checkpointing = ac;
+                            c.prefetch = Prefetch {
+                                forward: pf,
+                                backward: pb,
+                                ..base.prefetch.clone()
+                            };
+                            c.offload = offload;
+                            let p = plan(joint, &c)?;
+                            evaluated += 1;
+                            let fits = p.memory.peak <= budget;
+                            candidates.push((
+                                Candidate {
+                                    knobs: Knobs {
+                                        replicate: mesh.replicate,
+                                        shard: mesh.shard,
+                                        blocks_per_group: blocks,
+                                        reshard_after_forward: reshard_name(reshard),
+                                        prefetch_forward: pf,
+                                        prefetch_backward: pb,
+                                        activation_checkpointing: ac_name(ac),
+                                        offload: offload == Offload::Cpu,
+                                    },
+                                    step_s: p.estimate.step_s,
+                                    mfu: p.estimate.mfu,
+                                    exposed_comm_s: p.estimate.exposed_comm_s,
+                                    peak: p.memory.peak,
+                                    fits,
+                                },
+                                c,
+                            ));
+                            any_fit_this_ac |= fits;
+                            if prune && !fits && pi == 0 {
+                                pruned += prefetch_options.len() - 1;
+                                break;
+                            }
+                        }
+                        any_fit_this_reshard |= any_fit_this_ac;
+                        if prune && !any_fit_this_ac {
+                            let left = ac_options.len() - ai - 1;
+                            pruned += left * prefetch_options.len();
+                            break 'ac;
+                        }
+                    }
+                    if prune && !any_fit_this_reshard {
+                        let left = reshard_options.len() - ri - 1;
+                        pruned += left * ac_options.len() * prefetch_options.len();
+                        break 'reshard;
+                    }
+                }
+            }
+        }
+    }
+    // Best first: fitting before not, then faster, then smaller; stable for equal keys.
+    candidates.sort_by(|a, b| {
+        (!a.0.fits)
+            .cmp(&!b.0.fits)
+            .then(a.0.step_s.total_cmp(&b.0.step_s))
+            .then(a.0.peak.cmp(&b.0.peak))
+    });
+    match candidates.first() {
+        Some((c, config)) if c.fits => {
+            let config = config.clone();
+            let winner = plan(joint, &config)?;
+            Ok(Ok(AutoResult {
+                winner,
+                config,
+                candidates: candidates.into_iter().map(|c| c.0).collect(),
+                evaluated,
+                pruned,
+            }))
+        }
+        _ => {
+            let best = candidates
+                .into_iter()
+                .map(|c| c.0)
+                .min_by_key(|c| c.peak)
+                .ok_or_else(|| PlanError::Graph("the search space is empty".into()))?;
+            Ok(Err(NoFit { best, budget }))
+        }
+    }
+}
+
+/// For the winner, one line per knob: what it bought against the best candidate that
+/// differs from it in that knob alone.
+pub fn knob_effects(candidates: &[Candidate]) -> Vec<String> {
+    let Some(w) = candidates.first() else {
+        return Vec::new();
+    };
+    let k = &w.knobs;
+    type Get = fn(&Knobs) -> String;
+    let knobs: [(&str, Get); 6] = [
+        ("mesh", |k| format!("{}x{}", k.replicate, k.shard)),
+        ("blocks per group", |k| k.blocks_per_group.to_string()),
+        ("reshard_after_forward", |k| k.reshard_after_forward.clone()),
+        ("prefetch", |k| {
+            format!("{}/{}", k.prefetch_forward, k.prefetch_backward)
+        }),
+        ("activation_checkpointing", |k| k.activation_checkpointing.clone()),
+        ("offload", |k| if k.offload { "cpu".into() } else { "none".into() }),
+    ];
+    let mut out = Vec::new();
+    for (i, (name, get)) in knobs.iter().enumerate() {
+        let other = candidates.iter().skip(1).find(|c| {
+            get(&c.knobs) != get(k)
+                && knobs
+                    .iter()
+                    .enumerate()
+                    .all(|(j, (_, g))| j == i || g(&c.knobs) == g(k))
+        });
+        if let Some(o) = other {
+            let dt = (o.step_s - w.step_s) / o.step_s * 100.0;
+            let dm = w.peak as f64 - o.peak as f64;
+            out.push(format!(
+                "{name} {} (vs {}): {:.1}% {} step, {} {} per rank{}",
+                get(k),
+                get(&o.knobs),
+                dt.abs(),
+                if dt >= 0.0 { "faster" } else { "slower" },
+                crate::print::bytes(dm.abs() as u64),
+                if dm >= 0.0 { "more" } else { "less" },
+                if o.fits { "" } else { " (the alternative does not fit)" }
+            ));
+        }
+    }
+    out
+}
+
+/// The parallel spec of `c` as YAML (the fields the planner and trainer read), so a run
+/// is reproducible without `--auto`.
+pub fn spec_yaml(c: &ParallelConfig) -> String {
+    let hw = &c.hardware;
+    let builtin = shardplan_frontends::HARDWARE_NAMES
+        .iter()
+        .find(|n| shardplan_frontends::builtin_hardware(n).as_ref() == Some(hw));
+    let hardware = match builtin {
+        Some(n) => n.to_string(),
+        None => {
+            let nums: Vec<String> = hw.numbers().iter().map(|(k, v)| format!("{k}: {v:?}")).collect();
+            format!("{{name: {}, {}}}", hw.name, nums.join(", "))
+        }
+    };
+    let wrap: Vec<&str> = c.wrap.iter().map(|k| k.name()).collect();
+    let reshard = reshard_name(c.reshard_after_forward);
+    let ac = match c.activation_checkpointing {
+        ActivationCheckpointing::None => "none".to_string(),
+        ActivationCheckpointing::Full => "full".to_string(),
+        ActivationCheckpointing::Every(n) => format!("{{every: {n}}}"),
+    };
+    let optimizer = match c.optimizer {
+        shardplan_frontends::Optimizer::AdamW {
+            lr,
+            betas,
+            eps,
+            weight_decay,
+        } => format!(
+            "{{adamw: {{lr: {lr:?}, betas: [{:?}, {:?}], eps: {eps:?}, weight_decay: {weight_decay:?}}}}}",
+            betas[0], betas[1]
+        ),
+        shardplan_frontends::Optimizer::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => format!("{{sgd: {{lr: {lr:?}, momentum: {momentum:?}, weight_decay: {weight_decay:?}}}}}"),
+    };
+    let mut y = String::new();
+    y.push_str("# Written by `shardplan plan --auto --emit-spec`.\n");
+    y.push_str(&format!(
+        "mesh: {{replicate: {}, shard: {}}}\n",
+        c.mesh.replicate, c.mesh.shard
+    ));
+    y.push_str(&format!("gpus_per_node: {}\n", c.gpus_per_node));
+    y.push_str(&format!("hardware: {hardware}\n"));
+    y.push_str(&format!("wrap: [{}]\n", wrap.join(", ")));
+    if !c.wrap_modules.is_empty() {
+        y.push_str(&format!("wrap_modules: [{}]\n", c.wrap_modules.join(", ")));
+    }
+    if let Some(b) = c.bucket_mib {
+        y.push_str(&format!("bucket_mib: {b}\n"));
+    }
+    y.push_str(&format!("reshard_after_forward: {reshard}\n"));
+    y.push_str(&format!(
+        "prefetch: {{forward: {}, backward: {}}}\n",
+        c.prefetch.forward, c.prefetch.backward
+    ));
+    y.push_str(&format!(
+        "mixed_precision: {{param: {}, reduce: {}}}\n",
+        c.mixed_precision.param, c.mixed_precision.reduce
+    ));
+    y.push_str(&format!(
+        "offload: {}\n",
+        if c.offload == Offload::Cpu { "cpu" } else { "none" }
+    ));
+    y.push_str(&format!("activation_checkpointing: {ac}\n"));
+    let seq = c.batch.seq_len.map(|s| format!(", seq_len: {s}")).unwrap_or_default();
+    let sync = match c.batch.grad_sync {
+        shardplan_frontends::GradSync::EveryMicroBatch => "every_micro_batch",
+        shardplan_frontends::GradSync::FinalMicroBatch => "final_micro_batch",
+    };
+    y.push_str(&format!(
+        "batch: {{per_rank: {}{seq}, grad_accum: {}, grad_sync: {sync}}}\n",
+        c.batch.per_rank, c.batch.grad_accum
+    ));
+    y.push_str(&format!("optimizer: {optimizer}\n"));
+    match c.grad_clip {
+        Some(g) => y.push_str(&format!("grad_clip: {g:?}\n")),
+        None => y.push_str("grad_clip: null\n"),
+    }
+    y.push_str(&format!("seed: {}\n", c.seed));
+    y.push_str(&format!(
+        "lr_schedule: {{warmup_steps: {}, min_lr_ratio: {:?}}}\n",
+        c.lr_schedule.warmup_steps, c.lr_schedule.min_lr_ratio
+    ));
+    match &c.data {
+        shardplan_frontends::DataSource::Synthetic => y.push_str("data: synthetic\n"),
+        shardplan_frontends::DataSource::Tokens { path, dtype } => y.push_str(&format!(
+            "data: {{tokens: {:?}, dtype: {}}}\n",
+            path.display().to_string(),
+            match dtype {
+                shardplan_frontends::TokenDType::U16 => "u16",
+                shardplan_frontends::TokenDType::U32 => "u32",
+            }
+        )),
+    }
+    y
+}

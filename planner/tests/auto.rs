@@ -1,0 +1,135 @@
+//! Auto-planning: the pruned search finds the brute-force optimum, its winner verifies and
+//! fits, its emitted spec reproduces it, and more budget or more ranks never hurt.
+
+mod common;
+
+use common::parallel;
+use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
+use shardplan_ir::{differentiate, JointGraph};
+use shardplan_models::{preset, trace, TraceOptions};
+use shardplan_planner::auto::{search, spec_yaml, AutoResult, Fixed};
+use shardplan_planner::{plan, verify};
+
+fn joint(model: &str, c: &ParallelConfig) -> JointGraph {
+    let g = trace(
+        &preset(model).unwrap(),
+        TraceOptions {
+            batch: c.batch.per_rank,
+            seq_len: c.batch.seq_len,
+            dtype: c.mixed_precision.param,
+        },
+    )
+    .unwrap();
+    differentiate(&g).unwrap()
+}
+
+fn spec(shard: u64, per_rank: u64) -> ParallelConfig {
+    parallel(&format!(
+        "mesh: {{shard: {shard}}}\ngpus_per_node: 4\nmixed_precision: {{param: bf16, reduce: f32}}\nbatch: {{per_rank: {per_rank}, seq_len: 64}}\n"
+    ))
+}
+
+fn run(j: &JointGraph, c: &ParallelConfig, budget: u64, prune: bool) -> Option<AutoResult> {
+    search(j, c, Fixed::default(), budget, prune).unwrap().ok()
+}
+
+/// Budgets spread over the candidates' peaks (from the exhaustive search).
+fn budgets(j: &JointGraph, c: &ParallelConfig) -> Vec<u64> {
+    let all = run(j, c, u64::MAX, false).unwrap();
+    let mut peaks: Vec<u64> = all.candidates.iter().map(|c| c.peak).collect();
+    peaks.sort_unstable();
+    (0..8).map(|i| peaks[i * (peaks.len() - 1) / 7]).collect()
+}
+
+#[test]
+fn pruned_search_finds_the_brute_force_optimum() {
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        let c = spec(8, 2);
+        let j = joint(model, &c);
+        for b in budgets(&j, &c) {
+            let (pruned, full) = (run(&j, &c, b, true), run(&j, &c, b, false));
+            match (pruned, full) {
+                (Some(p), Some(f)) => {
+                    let (pw, fw) = (&p.candidates[0], &f.candidates[0]);
+                    assert_eq!(
+                        (pw.step_s, pw.peak),
+                        (fw.step_s, fw.peak),
+                        "{model} budget {b}: {:?} vs {:?}",
+                        pw.knobs,
+                        fw.knobs
+                    );
+                    assert!(p.evaluated <= f.evaluated);
+                }
+                (None, None) => {}
+                (p, f) => panic!(
+                    "{model} budget {b}: pruned found {}, exhaustive found {}",
+                    p.is_some(),
+                    f.is_some()
+                ),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_winner_verifies_fits_and_its_spec_reproduces_it() {
+    let c = spec(8, 2);
+    let j = joint("tiny-llama", &c);
+    for b in budgets(&j, &c).into_iter().skip(1) {
+        let Some(r) = run(&j, &c, b, true) else { continue };
+        verify(&r.winner, Some(b)).unwrap();
+        let yaml = spec_yaml(&r.config);
+        let back = parse_parallel_spec(&Source::from_text("emitted.yaml", yaml.clone()))
+            .unwrap_or_else(|e| panic!("{e}\n{yaml}"))
+            .0;
+        assert_eq!(back, r.config, "{yaml}");
+        let again = plan(&j, &back).unwrap();
+        assert_eq!(
+            serde_json::to_string(&again).unwrap(),
+            serde_json::to_string(&r.winner).unwrap()
+        );
+    }
+}
+
+#[test]
+fn more_budget_never_gives_a_slower_winner() {
+    let c = spec(8, 2);
+    let j = joint("tiny-llama", &c);
+    let mut last: Option<f64> = None;
+    for b in budgets(&j, &c) {
+        if let Some(r) = run(&j, &c, b, true) {
+            let t = r.candidates[0].step_s;
+            if let Some(prev) = last {
+                assert!(t <= prev, "budget {b}: {t} > {prev}");
+            }
+            last = Some(t);
+        }
+    }
+    assert!(last.is_some());
+}
+
+/// Adding ranks at a fixed global batch: the least memory any plan needs per rank never
+/// rises, so a budget met with fewer ranks is met with more. (The fastest plan's own peak
+/// may rise: with more ranks a faster, hungrier configuration can start to fit.)
+#[test]
+fn more_ranks_at_a_fixed_global_batch_never_need_more_memory() {
+    let global = 16;
+    let mut last: Option<(u64, Option<u64>)> = None;
+    for shard in [2u64, 4, 8, 16] {
+        let c = spec(shard, global / shard);
+        let j = joint("tiny-llama", &c);
+        let all = run(&j, &c, u64::MAX, false).unwrap();
+        let least = all.candidates.iter().map(|c| c.peak).min().unwrap();
+        if let Some((prev_least, prev_budget)) = last {
+            assert!(least <= prev_least, "shard {shard}: least peak {least} > {prev_least}");
+            if let Some(b) = prev_budget {
+                assert!(
+                    run(&j, &c, b, true).is_some(),
+                    "shard {shard}: the budget {b} met before is not met"
+                );
+            }
+        }
+        let winner_at = run(&j, &c, least * 2, true).map(|_| least * 2);
+        last = Some((least, winner_at));
+    }
+}
