@@ -150,7 +150,7 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
             let mut o = String::new();
             let _ = writeln!(
                 o,
-                "auto: {} candidates planned and verified ({} pruned), budget {} per rank; the best {}:",
+                "auto: {} candidates planned ({} pruned by the monotone rules), the winner verified; budget {} per rank; the best {}:",
                 r.evaluated,
                 r.pruned,
                 bytes(budget),

@@ -278,7 +278,7 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
     let out = stdout(&o);
     for want in [
         "auto: ",
-        "candidates planned and verified",
+        "candidates planned (",
         "  #  mesh",
         "the winner, knob by knob:",
         "activation_checkpointing none (vs ",

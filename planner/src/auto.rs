@@ -5,8 +5,10 @@
 //! a multiple of `gpus_per_node`), bucketing of consecutive blocks (1, 2 or 4 per group),
 //! `reshard_after_forward` (true, the node size, false), forward and backward prefetch
 //! (1 or 2 each), activation checkpointing (full, every 2nd block, none), and CPU offload
-//! only when nothing else fits. Every candidate is a full plan (schedule, simulation,
-//! verification), so the objective is the cost model's step time; ties go to lower memory.
+//! only when nothing else fits. Every candidate is a full plan (groups, schedule,
+//! simulation), so the objective is the cost model's step time; ties go to lower memory.
+//! Candidates share the compute steps of equal groups and checkpointing; the winner is
+//! planned again from scratch and verified.
 //!
 //! Pruning rules (each sound because memory is monotone in the knob, other knobs equal):
 //! - checkpointing is tried from most to least (full, every 2, none); once a level does
@@ -18,7 +20,7 @@
 //! A test compares the pruned search with exhaustive enumeration on small models.
 
 use crate::plan::Plan;
-use crate::{plan, PlanError};
+use crate::{plan, plan_with, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, MeshShape, Offload, ParallelConfig, Prefetch, Reshard};
 use shardplan_ir::{JointGraph, ModuleKind};
@@ -173,6 +175,7 @@ pub fn search(
         vec![Offload::None, Offload::Cpu]
     };
 
+    let mut cache = PlanCache::default();
     let mut candidates: Vec<(Candidate, ParallelConfig)> = Vec::new();
     let (mut evaluated, mut pruned) = (0usize, 0usize);
     for &offload in &offloads {
@@ -207,7 +210,7 @@ pub fn search(
                                 ..base.prefetch.clone()
                             };
                             c.offload = offload;
-                            let p = plan(joint, &c)?;
+                            let p = plan_with(joint, &c, &mut cache, false)?;
                             evaluated += 1;
                             let fits = p.memory.peak <= budget;
                             candidates.push((

@@ -28,11 +28,34 @@ pub use steps::{ExecOrder, Phase, Step, StepId};
 pub use verify::{verify, VerifyError};
 
 use shardplan_frontends::{ParallelConfig, Reshard};
-use shardplan_ir::{DType, JointGraph};
+use shardplan_ir::{DType, JointGraph, ParamId};
 
 /// Plans one optimizer step of `joint` (traced at the per-rank micro-batch shape, in the
 /// mixed-precision param dtype) for `config`, and verifies the result.
 pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanError> {
+    plan_with(joint, config, &mut PlanCache::default(), true)
+}
+
+/// Groups' parameters, checkpointing policy, hardware and compute dtype.
+type StepsKey = (Vec<Vec<ParamId>>, String, String);
+
+/// What does not change between plans of one graph that differ only in mesh, resharding,
+/// prefetch or offload: the compute steps and their durations (by groups and checkpointing
+/// policy), and the model FLOPs. The auto search plans hundreds of variants with one.
+#[derive(Default)]
+pub struct PlanCache {
+    steps: std::collections::HashMap<StepsKey, (Vec<Step>, Vec<f64>)>,
+    forward_flops: Option<f64>,
+}
+
+/// [`plan`] with a cache; `verify_plan: false` skips the verifier (the auto search verifies
+/// its winner only).
+pub fn plan_with(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+    verify_plan: bool,
+) -> Result<Plan, PlanError> {
     let g = &joint.graph;
     let mesh = Mesh::new(
         config.mesh.replicate,
@@ -107,13 +130,25 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
     policy.prefetch.explicit_backward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_backward)?;
 
     // 2. Compute steps with activation memory.
-    let steps = steps::steps(joint, &fsdp, config.activation_checkpointing);
+    let key = (
+        fsdp.iter().map(|f| f.params.clone()).collect::<Vec<_>>(),
+        format!("{:?}", config.activation_checkpointing),
+        format!("{:?} {:?}", config.hardware, policy.mixed_precision.param),
+    );
+    let (steps, step_s) = match cache.steps.get(&key) {
+        Some(x) => x.clone(),
+        None => {
+            let steps = steps::steps(joint, &fsdp, config.activation_checkpointing);
+            let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
+            cache.steps.insert(key, (steps.clone(), step_s.clone()));
+            (steps, step_s)
+        }
+    };
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded).
     let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
 
     // 4. Timeline, memory, estimate.
-    let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
     let (timing, stall) = simulate::timeline(
         &sched.program,
         &sched.buffers,
@@ -124,13 +159,14 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
         policy.optimizer_state_per_param,
     );
     let memory = simulate::memory(&sched.program, &sched.buffers, &steps, &timing);
-    let forward_flops: f64 = (0..joint.forward_len)
-        .map(|i| {
-            let c = g.node_cost(shardplan_ir::NodeId(i as u32));
-            c.fwd_flops as f64 + c.bwd_flops as f64
-        })
-        .sum::<f64>()
-        * policy.grad_accum as f64;
+    let forward_flops: f64 = *cache.forward_flops.get_or_insert_with(|| {
+        (0..joint.forward_len)
+            .map(|i| {
+                let c = g.node_cost(shardplan_ir::NodeId(i as u32));
+                c.fwd_flops as f64 + c.bwd_flops as f64
+            })
+            .sum::<f64>()
+    }) * policy.grad_accum as f64;
     let peak_flops = if matches!(policy.mixed_precision.param, DType::F32 | DType::F64) {
         config.hardware.f32_tflops
     } else {
@@ -170,7 +206,9 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
         estimate,
     };
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
-    verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
+    if verify_plan {
+        verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
+    }
     Ok(plan)
 }
 

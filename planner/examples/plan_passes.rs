@@ -1,0 +1,43 @@
+//! Time of each planning pass on llama3-405b (HSDP 2048x8), for tuning the auto search:
+//! `cargo run --release -p shardplan-planner --example plan_passes`.
+
+use shardplan_frontends::{load_model, load_parallel, trace_options};
+use shardplan_ir::differentiate;
+use shardplan_models::trace;
+use std::path::Path;
+use std::time::Instant;
+
+fn time(label: &str, n: u32, mut f: impl FnMut()) {
+    let t = Instant::now();
+    for _ in 0..n {
+        f();
+    }
+    println!("{label}: {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / f64::from(n));
+}
+
+fn main() {
+    let m = load_model(Path::new("examples/models/llama3-405b.yaml")).expect("model");
+    let p = load_parallel(Path::new("examples/parallel/hsdp-2048x8.yaml")).expect("spec");
+    let g = trace(&m.config, trace_options(Some(&p))).expect("trace");
+    let joint = differentiate(&g).expect("autodiff");
+    let plan = shardplan_planner::plan(&joint, &p.config).expect("plan");
+    let groups: Vec<_> = plan.groups.iter().map(|g| g.group.clone()).collect();
+    let policy = shardplan_planner::WrapPolicy::kinds(&p.config.wrap);
+    time("plan (all passes)", 20, || {
+        shardplan_planner::plan(&joint, &p.config).expect("plan");
+    });
+    time("group", 20, || {
+        shardplan_planner::group(&joint.graph, &policy).expect("group");
+    });
+    time("steps", 20, || {
+        shardplan_planner::steps::steps(&joint, &groups, p.config.activation_checkpointing);
+    });
+    time("verify", 20, || shardplan_planner::verify(&plan, None).expect("verify"));
+    println!(
+        "{} nodes, {} steps, {} instructions, {} buffers",
+        joint.graph.node_count(),
+        plan.steps.len(),
+        plan.programs[0].instrs.len(),
+        plan.buffers.len()
+    );
+}
