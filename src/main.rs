@@ -4,6 +4,7 @@ mod auto;
 mod checkpoint;
 mod fmt;
 mod inspect;
+mod launch;
 mod plan;
 mod train;
 
@@ -25,6 +26,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Plan sharded training: groups, shard layout, per-stream schedule, memory, step time; verified.
     Plan(plan::PlanArgs),
+    /// Start local ranks as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and run a command in each.
+    Launch(launch::LaunchArgs),
     /// Work with checkpoints: export one as a Hugging Face safetensors file.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(&args).map(|()| None),
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(&cmd).map(|()| None),
+        Command::Launch(args) => launch::run(&args),
     };
     match result {
         Ok(None) => ExitCode::SUCCESS,

@@ -112,6 +112,18 @@ fn read_plan(path: &std::path::Path) -> Result<(shardplan_planner::Plan, ModelCo
 }
 
 pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
+    // Under torchrun / srun / `shardplan launch`, each process would be one rank joined by
+    // NCCL; this build runs every rank of a mesh as threads of one process instead.
+    match shardplan_executor::dist::DistEnv::from_env() {
+        Ok(Some(env)) if env.world_size > 1 => {
+            return Err(CliError::Usage(format!(
+                "rank {} of {}: multi-process training needs the NCCL backend, and this shardplan was built without CUDA support; on the CPU run `shardplan train` once: it runs every rank of the mesh as a thread",
+                env.rank, env.world_size
+            )))
+        }
+        Ok(_) => {}
+        Err(e) => return Err(CliError::Usage(e.to_string())),
+    }
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }

@@ -7,6 +7,7 @@
 pub mod checkpoint;
 pub mod collectives;
 pub mod data;
+pub mod dist;
 mod error;
 mod fused;
 pub mod init;

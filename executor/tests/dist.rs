@@ -1,0 +1,100 @@
+//! The torchrun environment and the TCP rendezvous: parsed with clear errors, and never a hang.
+
+use shardplan_executor::dist::{rendezvous, DistEnv};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+fn env(vars: &[(&str, &str)]) -> Result<Option<DistEnv>, String> {
+    let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    DistEnv::from_vars(|k| m.get(k).cloned()).map_err(|e| e.to_string())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn the_environment_is_parsed_or_refused_by_name() {
+    assert_eq!(env(&[]).unwrap(), None, "no variables: one process");
+    let full = [
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let e = env(&full).unwrap().unwrap();
+    assert_eq!((e.rank, e.world_size, e.local_rank, e.master_port), (1, 4, 1, 29500));
+    let e = env(&full[..4]).unwrap_err();
+    assert!(e.contains("MASTER_PORT is not set"), "{e}");
+    let mut bad = full;
+    bad[0] = ("RANK", "four");
+    assert!(env(&bad)
+        .unwrap_err()
+        .contains("RANK=\"four\" is not a non-negative integer"));
+    bad[0] = ("RANK", "4");
+    assert!(env(&bad).unwrap_err().contains("RANK=4 is not below WORLD_SIZE=4"));
+    let mut port = full;
+    port[4] = ("MASTER_PORT", "99999");
+    assert!(env(&port)
+        .unwrap_err()
+        .contains("MASTER_PORT=\"99999\" is not a port number"));
+}
+
+#[test]
+fn rank_0_hands_its_payload_to_every_rank() {
+    let port = free_port();
+    let world = 4;
+    let payload: Vec<u8> = (0..128u8).collect();
+    let got: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let payload = payload.clone();
+                s.spawn(move || {
+                    let e = DistEnv {
+                        rank,
+                        world_size: world,
+                        local_rank: rank,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                    };
+                    let mine = if rank == 0 { payload } else { Vec::new() };
+                    rendezvous(&e, &mine, Duration::from_secs(20)).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for g in got {
+        assert_eq!(g, payload);
+    }
+}
+
+#[test]
+fn an_unreachable_master_fails_with_the_address_and_a_timeout() {
+    let port = free_port();
+    let e = DistEnv {
+        rank: 2,
+        world_size: 4,
+        local_rank: 2,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+    };
+    let start = Instant::now();
+    let err = rendezvous(&e, &[], Duration::from_millis(800)).unwrap_err().to_string();
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert!(
+        err.contains(&format!("rank 2: cannot reach MASTER_ADDR 127.0.0.1:{port} within")),
+        "{err}"
+    );
+    // Rank 0 waiting for peers that never come gives up too.
+    let zero = DistEnv { rank: 0, ..e };
+    let err = rendezvous(&zero, b"id", Duration::from_millis(500))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("only 0 of 3 ranks reached"), "{err}");
+}
