@@ -1,14 +1,11 @@
 //! Checkpoints as a user drives them: save while training, resume on another mesh, export
 //! and start from the export.
 
-use std::process::{Command, Output};
+mod common;
 
-fn shardplan(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_shardplan"))
-        .args(args)
-        .output()
-        .expect("run shardplan")
-}
+use common::shardplan;
+
+use std::process::Output;
 
 fn temp(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("shardplan-ckpt-cli-{}-{name}", std::process::id()));

@@ -1,21 +1,10 @@
 //! The `shardplan` binary as a user runs it: outputs, exit codes, help.
 
-use std::process::{Command, Output};
+mod common;
 
-fn shardplan(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_shardplan"))
-        .args(args)
-        .output()
-        .expect("run shardplan")
-}
+use common::{shardplan, stderr, stdout};
 
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use std::process::Command;
 
 /// Runs a command that must fail with exit code 2 and an error (no panic) saying `want`.
 fn bad(args: &[&str], want: &str) {

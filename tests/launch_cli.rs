@@ -1,14 +1,11 @@
 //! `shardplan launch` starts ranks as torchrun does; a CPU build refuses multi-process
 //! training by rank, and no launch hangs.
 
-use std::process::Command;
+mod common;
 
-fn shardplan(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_shardplan"))
-        .args(args)
-        .output()
-        .expect("run shardplan")
-}
+use common::shardplan;
+
+use std::process::Command;
 
 #[test]
 fn launch_runs_the_command_once_per_rank() {

@@ -1,21 +1,8 @@
 //! `shardplan plan` as a user runs it: the three formats, a rank's view, budgets and bad input.
 
-use std::process::{Command, Output};
+mod common;
 
-fn shardplan(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_shardplan"))
-        .args(args)
-        .output()
-        .expect("run shardplan")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{shardplan, stderr, stdout};
 
 fn bad(args: &[&str], want: &[&str]) {
     let o = shardplan(args);
