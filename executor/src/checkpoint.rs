@@ -391,8 +391,7 @@ fn read_rows(
 }
 
 impl ShardedTrainer {
-    /// The flat shard layout walk: for each group and parameter, the name, dims and this
-    /// shard coordinate's rows.
+    /// HF names of the parameters, by parameter id.
     fn param_names(&self) -> Vec<String> {
         self.shared.joint.graph.params().map(|(_, p)| p.name.clone()).collect()
     }

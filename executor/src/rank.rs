@@ -593,24 +593,25 @@ pub fn run_step(
     } = state;
     let bufs: Vec<Mutex<Option<Tensor>>> = (0..plan.buffers.len()).map(|_| Mutex::new(None)).collect();
     let mut memory = Memory::default();
-    for g in 0..plan.groups.len() {
-        let b = plan
-            .buffers
+    // The persistent buffers of each group: sharded parameters (always) and optimizer state.
+    let persistent = |g: usize, c: Category| {
+        plan.buffers
             .iter()
-            .find(|b| b.persistent && b.category == Category::ShardedParams && b.group.map(|x| x.index()) == Some(g))
+            .find(|b| b.persistent && b.category == c && b.group.map(|x| x.index()) == Some(g))
+    };
+    let mut sharded = Vec::with_capacity(plan.groups.len());
+    for (g, p) in params.iter().enumerate() {
+        let b = persistent(g, Category::ShardedParams)
             .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
-        *lock(&bufs[b.id.index()]) = Some(params[g].clone());
+        sharded.push(b.id);
+        *lock(&bufs[b.id.index()]) = Some(p.clone());
         let level = if b.pool == Pool::Host {
             &mut memory.host
         } else {
             &mut memory.device
         };
-        *level.slot(Category::ShardedParams) += tensor_bytes(&params[g]);
-        if let Some(ob) = plan
-            .buffers
-            .iter()
-            .find(|x| x.persistent && x.category == Category::OptimizerState && x.group.map(|y| y.index()) == Some(g))
-        {
+        *level.slot(Category::ShardedParams) += tensor_bytes(p);
+        if let Some(ob) = persistent(g, Category::OptimizerState) {
             let level = if ob.pool == Pool::Host {
                 &mut memory.host
             } else {
@@ -724,13 +725,8 @@ pub fn run_step(
         });
     }
     // The updated shards.
-    for (g, p) in params.iter_mut().enumerate() {
-        let b = plan
-            .buffers
-            .iter()
-            .find(|b| b.persistent && b.category == Category::ShardedParams && b.group.map(|x| x.index()) == Some(g))
-            .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
-        *p = cx.get(b.id)?;
+    for (p, b) in params.iter_mut().zip(&sharded) {
+        *p = cx.get(*b)?;
     }
     let memory = cx.memory.into_inner().unwrap_or_else(|e| e.into_inner());
     let mut out = cx.out.into_inner().unwrap_or_else(|e| e.into_inner());
