@@ -729,9 +729,18 @@ fn hf_files(path: &Path) -> Result<HashMap<String, PathBuf>, ExecError> {
     )))
 }
 
+/// The element type of an exported file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportDType {
+    F32,
+    Bf16,
+    F16,
+}
+
 /// Writes the parameters of the checkpoint at `path` as one safetensors file with Hugging
-/// Face names (f32). Returns the number of tensors written.
-pub fn export(path: &Path, out: &Path) -> Result<usize, ExecError> {
+/// Face names, in `dtype` (bf16 and f16 round to nearest even). Returns the number of
+/// tensors written.
+pub fn export(path: &Path, out: &Path, dtype: ExportDType) -> Result<usize, ExecError> {
     let (dir, _) = resolve(path)?;
     let meta = read_metadata(&dir)?;
     let mut headers = HashMap::new();
@@ -739,13 +748,28 @@ pub fn export(path: &Path, out: &Path) -> Result<usize, ExecError> {
     for t in meta.tensors.iter().filter(|t| !t.name.starts_with("optim.")) {
         let rows = t.shape.first().copied().unwrap_or(1);
         let vals = read_rows(&dir, t, 0..rows, &mut headers)?;
-        let bytes: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let bytes: Vec<u8> = match dtype {
+            ExportDType::F32 => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ExportDType::Bf16 => vals
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+            ExportDType::F16 => vals
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+        };
         data.push((t.name.clone(), bytes, t.shape.iter().map(|&d| d as usize).collect()));
     }
+    let st_dtype = match dtype {
+        ExportDType::F32 => safetensors::Dtype::F32,
+        ExportDType::Bf16 => safetensors::Dtype::BF16,
+        ExportDType::F16 => safetensors::Dtype::F16,
+    };
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
         .iter()
         .map(|(name, bytes, dims)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), bytes)
+            safetensors::tensor::TensorView::new(st_dtype, dims.clone(), bytes)
                 .map(|v| (name.clone(), v))
                 .map_err(|e| ExecError::Internal(format!("{name}: {e}")))
         })

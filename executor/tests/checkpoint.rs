@@ -1,7 +1,7 @@
 //! Distributed checkpoints: resume on another mesh, crash safety, HF interop, bad input.
 
 use candle_core::Tensor;
-use shardplan_executor::checkpoint::{export, resolve, SaveStage};
+use shardplan_executor::checkpoint::{export, resolve, ExportDType, SaveStage};
 use shardplan_executor::ShardedTrainer;
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_models::preset;
@@ -100,7 +100,7 @@ fn export_then_import_is_bit_exact_with_hf_names() {
         }
         t.save(&dir).unwrap();
         let out = dir.join("model.safetensors");
-        let n = export(&dir, &out).unwrap();
+        let n = export(&dir, &out, ExportDType::F32).unwrap();
         // Names, shapes and dtypes are the model's, as HF writes them.
         let bytes = std::fs::read(&out).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -138,7 +138,7 @@ fn hf_sharded_folders_with_an_index_load() {
     let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
     t.save(&dir).unwrap();
     let whole = dir.join("whole.safetensors");
-    export(&dir, &whole).unwrap();
+    export(&dir, &whole, ExportDType::F32).unwrap();
     // Split into two files plus model.safetensors.index.json, as HF writes big models.
     let bytes = std::fs::read(&whole).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -267,4 +267,45 @@ fn bad_checkpoints_are_named_and_change_nothing() {
 
     // No checkpoint at all.
     check(&temp("empty"), "no complete checkpoint");
+}
+
+#[test]
+fn bf16_and_f16_exports_import_as_their_rounded_weights() {
+    let m = preset("tiny-llama").unwrap();
+    let dir = temp("export-half");
+    let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
+    t.save(&dir).unwrap();
+    for (dtype, st, round) in [
+        (
+            ExportDType::Bf16,
+            safetensors::Dtype::BF16,
+            (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32,
+        ),
+        (ExportDType::F16, safetensors::Dtype::F16, |x: f32| {
+            half::f16::from_f32(x).to_f32()
+        }),
+    ] {
+        let out = dir.join(format!("model-{dtype:?}.safetensors"));
+        export(&dir, &out, dtype).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert!(file.tensors().iter().all(|(_, v)| v.dtype() == st), "{dtype:?}");
+        let mut fresh = ShardedTrainer::new(&m, &config(1, 4, 24), 5).unwrap();
+        fresh.init_from(&out).unwrap();
+        let want: Vec<Vec<u32>> = t
+            .full_params()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                p.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|&x| round(x).to_bits())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(bits(&fresh.full_params().unwrap()), want, "{dtype:?}");
+    }
 }
