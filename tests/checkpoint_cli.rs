@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::shardplan;
+use common::{json_lines, shardplan};
 
 use std::process::Output;
 
@@ -19,15 +19,7 @@ fn ok(o: &Output) -> String {
 }
 
 fn losses(log: &std::path::Path) -> Vec<f64> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
-        .collect()
+    json_lines(log).iter().map(|v| v["loss"].as_f64().unwrap()).collect()
 }
 
 #[test]

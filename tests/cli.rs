@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{shardplan, stderr, stdout};
+use common::{json_lines, shardplan, stderr, stdout};
 
 use std::process::Command;
 
@@ -264,11 +264,7 @@ fn train_logs_json_lines_and_the_loss_falls() {
         "{}",
         stdout(&o)
     );
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&log);
     assert_eq!(lines.len(), 60);
     assert_eq!(lines[59]["step"], 60);
     for key in [
@@ -302,11 +298,7 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         log.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let direct: Vec<serde_json::Value> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let direct = json_lines(&log);
     assert_eq!(
         direct[0]["measured"].as_array().unwrap().len(),
         4,
@@ -337,11 +329,7 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         log2.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let from_plan: Vec<serde_json::Value> = std::fs::read_to_string(&log2)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let from_plan = json_lines(&log2);
     for (a, b) in direct.iter().zip(&from_plan) {
         assert_eq!(a["loss"], b["loss"], "the saved plan runs the same training");
     }
