@@ -127,6 +127,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
+    shardplan_executor::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
             let (plan, model, parallel) = read_plan(p)?;

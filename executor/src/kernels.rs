@@ -2,7 +2,7 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
-use crate::{fused, ExecError};
+use crate::{attention, fused, ExecError};
 use candle_core::{DType as CDType, Device, Tensor, D};
 use shardplan_ir::{DType, NormWrt, Op, TensorType, WeightLayout};
 use std::cell::RefCell;
@@ -116,6 +116,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             };
             candle_nn::rotary_emb::rope_thd(&ins[0].contiguous()?, &cos, &sin)?
         }
+        Op::Attention { causal } if fused::applies(&ins[..3]) => attention::forward(ins[0], ins[1], ins[2], *causal)?,
         Op::Attention { causal } => {
             let p = attn_probs(ins[0], ins[1], *causal)?;
             let kv = ins[1].dim(2)?;
@@ -144,7 +145,16 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         },
         Op::RmsNormGrad { eps, wrt } => rms_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
         Op::LayerNormGrad { eps, wrt } => layer_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
+        Op::AttnProbs { causal } if fused::applies(&ins[..2]) => attention::probs(ins[0], ins[1], *causal)?,
         Op::AttnProbs { causal } => attn_probs(ins[0], ins[1], *causal)?,
+        Op::AttnGradV { kv_heads } if fused::applies(&ins[..2]) => {
+            attention::grad_v(ins[0], ins[1], *kv_heads as usize)?
+        }
+        Op::AttnGradScores if fused::applies(&ins[..3]) => attention::grad_scores(ins[0], ins[1], ins[2])?,
+        Op::AttnGradQ if fused::applies(&ins[..2]) => attention::grad_q(ins[0], ins[1])?,
+        Op::AttnGradK { kv_heads } if fused::applies(&ins[..2]) => {
+            attention::grad_k(ins[0], ins[1], *kv_heads as usize)?
+        }
         Op::AttnGradV { kv_heads } => {
             // dv[b, t, kv, :] = sum over the kv head's query heads and s of p * g
             let p = grouped(ins[0], *kv_heads as usize)?;

@@ -4,12 +4,14 @@
 //! loop built on it. Architecture invariant: the executor never makes a planning decision;
 //! it runs the graph (and later the Plan) it is given, in the order it is given.
 
+mod attention;
 pub mod checkpoint;
 pub mod collectives;
 pub mod data;
 pub mod dist;
 mod error;
 mod fused;
+pub mod host;
 pub mod init;
 pub mod interp;
 pub mod kernels;
