@@ -168,8 +168,8 @@ fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecE
             acc = (acc + t)?;
         }
         Ok(match op {
-            Reduce::Sum => acc,
-            Reduce::Avg => (acc / n as f64)?,
+            Reduce::Avg if n > 1 => (acc / n as f64)?,
+            Reduce::Sum | Reduce::Avg => acc,
         })
     };
     Ok(match kind {

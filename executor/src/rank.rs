@@ -115,13 +115,26 @@ impl Memory {
     }
 }
 
+/// A buffer's contents. An allocated buffer reads as zeros until it is written, and the
+/// zeros are only made if something reads them before writing: most buffers are
+/// overwritten whole (gathers, staging copies), and an accumulator's first contribution
+/// simply becomes its value.
+#[derive(Default)]
+enum Slot {
+    #[default]
+    Free,
+    Zero,
+    Value(Tensor),
+}
+
 /// One step's state on one rank, shared by its stream threads.
 struct StepCtx<'a> {
     shared: &'a Shared,
     rank: u64,
     comms: &'a Comms,
     abort: &'a Abort,
-    bufs: Vec<Mutex<Option<Tensor>>>,
+    device: candle_core::Device,
+    bufs: Vec<Mutex<Slot>>,
     events: Vec<Event>,
     /// Issue-order sequence number of each alloc/free, and the next one allowed to run.
     mem_seq: Vec<usize>,
@@ -142,9 +155,45 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl StepCtx<'_> {
     fn get(&self, b: BufId) -> Result<Tensor, ExecError> {
-        lock(&self.bufs[b.index()])
-            .clone()
-            .ok_or_else(|| ExecError::Internal(format!("{} ({}) is not allocated", b, self.shared.plan.buffer(b).name)))
+        let mut slot = lock(&self.bufs[b.index()]);
+        match &*slot {
+            Slot::Value(t) => Ok(t.clone()),
+            Slot::Zero => {
+                let info = self.shared.plan.buffer(b);
+                let t = Tensor::zeros(info.numel as usize, cdtype(info.dtype), &self.device)?;
+                *slot = Slot::Value(t.clone());
+                Ok(t)
+            }
+            Slot::Free => Err(ExecError::Internal(format!(
+                "{} ({}) is not allocated",
+                b,
+                self.shared.plan.buffer(b).name
+            ))),
+        }
+    }
+
+    /// Adds `t` to buffer `b` (which becomes `t` itself while it still reads as zeros).
+    fn accumulate(&self, b: BufId, t: Tensor) -> Result<(), ExecError> {
+        let current = {
+            let slot = lock(&self.bufs[b.index()]);
+            match &*slot {
+                Slot::Value(acc) => Some(acc.clone()),
+                Slot::Zero => None,
+                Slot::Free => {
+                    return Err(ExecError::Internal(format!(
+                        "{} ({}) is not allocated",
+                        b,
+                        self.shared.plan.buffer(b).name
+                    )))
+                }
+            }
+        };
+        let dtype = cdtype(self.shared.plan.buffer(b).dtype);
+        let t = t.to_dtype(dtype)?;
+        match current {
+            Some(acc) => self.set(b, (acc + t)?),
+            None => self.set(b, t),
+        }
     }
 
     fn set(&self, b: BufId, t: Tensor) -> Result<(), ExecError> {
@@ -157,7 +206,7 @@ impl StepCtx<'_> {
                 t.elem_count()
             )));
         }
-        *lock(&self.bufs[b.index()]) = Some(t);
+        *lock(&self.bufs[b.index()]) = Slot::Value(t);
         Ok(())
     }
 
@@ -396,9 +445,9 @@ impl StepCtx<'_> {
         for (k, &b) in writes.iter().enumerate() {
             let group = &plan.groups[s.grads[k].index()];
             let per_param: Vec<Option<Tensor>> = group.group.params.iter().map(|p| grads.remove(&p.0)).collect();
-            let acc = self.get(b)?;
-            let update = flatten(&group.layout, &per_param, acc.dtype(), &c.ctx.device)?;
-            self.set(b, (acc + update)?)?;
+            let dtype = cdtype(plan.buffer(b).dtype);
+            let update = flatten(&group.layout, &per_param, dtype, &c.ctx.device)?;
+            self.accumulate(b, update)?;
         }
         Ok(())
     }
@@ -406,14 +455,11 @@ impl StepCtx<'_> {
     fn execute(&self, i: usize, c: &mut Option<Compute>) -> Result<(), ExecError> {
         let plan = &self.shared.plan;
         let issued = &plan.programs[0].instrs[i];
-        // Both pools are host memory on the CPU backend (accounted apart all the same).
-        let device = c.as_ref().map_or(candle_core::Device::Cpu, |c| c.ctx.device.clone());
         match &issued.instr {
             Instr::Alloc { buf } => {
                 let b = plan.buffer(*buf);
-                let t = Tensor::zeros(b.numel as usize, cdtype(b.dtype), &device)?;
-                let bytes = tensor_bytes(&t);
-                *lock(&self.bufs[buf.index()]) = Some(t);
+                let bytes = b.numel * cdtype(b.dtype).size_in_bytes() as u64;
+                *lock(&self.bufs[buf.index()]) = Slot::Zero;
                 self.sequenced(i, |m| {
                     let level = if b.pool == Pool::Host {
                         &mut m.host
@@ -426,8 +472,11 @@ impl StepCtx<'_> {
             }
             Instr::Free { buf } => {
                 let b = plan.buffer(*buf);
-                let t = lock(&self.bufs[buf.index()]).take();
-                let bytes = t.as_ref().map_or(0, tensor_bytes);
+                let bytes = match std::mem::take(&mut *lock(&self.bufs[buf.index()])) {
+                    Slot::Value(t) => tensor_bytes(&t),
+                    Slot::Zero => b.numel * cdtype(b.dtype).size_in_bytes() as u64,
+                    Slot::Free => 0,
+                };
                 if let Some(c) = c.as_mut() {
                     c.params.remove(buf);
                 }
@@ -482,9 +531,7 @@ impl StepCtx<'_> {
                     .comms
                     .get(*comm)?
                     .reduce_scatter(self.tags[i], &input, reduce(*op))?;
-                let acc = self.get(*dst)?;
-                let part = part.to_dtype(acc.dtype())?;
-                self.set(*dst, (acc + part)?)?;
+                self.accumulate(*dst, part)?;
             }
             Instr::AllReduce { comm, op, buf, .. } => {
                 let t = self.get(*buf)?;
@@ -503,8 +550,11 @@ impl StepCtx<'_> {
                 } else {
                     s.to_dtype(cdtype(d.dtype))?.copy()?
                 };
-                let value = if *accumulate { (self.get(*dst)? + value)? } else { value };
-                self.set(*dst, value)?;
+                if *accumulate {
+                    self.accumulate(*dst, value)?;
+                } else {
+                    self.set(*dst, value)?;
+                }
             }
             Instr::GradNorm { grads, dst } => {
                 let scale = 1.0 / plan.policy.grad_accum as f64;
@@ -591,7 +641,7 @@ pub fn run_step(
         opt,
         ctx,
     } = state;
-    let bufs: Vec<Mutex<Option<Tensor>>> = (0..plan.buffers.len()).map(|_| Mutex::new(None)).collect();
+    let bufs: Vec<Mutex<Slot>> = (0..plan.buffers.len()).map(|_| Mutex::new(Slot::Free)).collect();
     let mut memory = Memory::default();
     // The persistent buffers of each group: sharded parameters (always) and optimizer state.
     let persistent = |g: usize, c: Category| {
@@ -604,7 +654,7 @@ pub fn run_step(
         let b = persistent(g, Category::ShardedParams)
             .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
         sharded.push(b.id);
-        *lock(&bufs[b.id.index()]) = Some(p.clone());
+        *lock(&bufs[b.id.index()]) = Slot::Value(p.clone());
         let level = if b.pool == Pool::Host {
             &mut memory.host
         } else {
@@ -623,6 +673,8 @@ pub fn run_step(
     memory.observe();
     let cx = StepCtx {
         shared,
+        // Both pools are host memory on the CPU backend (accounted apart all the same).
+        device: ctx.device.clone(),
         rank: *rank,
         comms,
         abort,
