@@ -14,7 +14,7 @@
 //! probability) instead, which is exact: a skipped term is a zero probability times a
 //! finite value.
 
-use crate::ExecError;
+use crate::{vmath, ExecError};
 use candle_core::{CpuStorage, Storage, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -163,16 +163,12 @@ fn visible(i: usize, s: usize, t: usize, causal: bool) -> usize {
 
 /// Softmax of `scale * row[..n]` in place; the rest of the row becomes 0.
 fn softmax_row(row: &mut [f32], n: usize, scale: f32) {
-    let m = row[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b * scale));
-    let mut sum = 0f32;
-    for x in &mut row[..n] {
-        let e = (*x * scale - m).exp();
-        *x = e;
-        sum += e;
-    }
-    let inv = 1.0 / sum;
-    row[..n].iter_mut().for_each(|e| *e *= inv);
-    row[n..].iter_mut().for_each(|e| *e = 0.0);
+    let (head, rest) = row.split_at_mut(n);
+    // `scale > 0`, so the largest scaled score is the scaled largest score.
+    let m = vmath::max(head) * scale;
+    let sum = vmath::exp_shifted(head, scale, m);
+    vmath::scale(head, 1.0 / sum);
+    rest.fill(0.0);
 }
 
 /// Shapes of one attention call.
@@ -211,9 +207,7 @@ impl Dims {
 
 /// Last non-zero column + 1 of each row of an `s x t` matrix.
 fn extents(m: &[f32], t: usize) -> Vec<usize> {
-    m.chunks(t.max(1))
-        .map(|row| row.iter().rposition(|&x| x != 0.0).map_or(0, |j| j + 1))
-        .collect()
+    m.chunks(t.max(1)).map(vmath::extent).collect()
 }
 
 /// Softmax of the scaled scores `q k^T / sqrt(d)`, `[b, h, s, t]`.
@@ -393,7 +387,7 @@ pub fn grad_scores(p: &Tensor, g: &Tensor, v: &Tensor) -> Result<Tensor> {
                         };
                         for i in r0..r1 {
                             let (prow, drow) = (&pr[i * t..i * t + cols], &mut ds[i * t..i * t + cols]);
-                            let dot: f32 = prow.iter().zip(drow.iter()).map(|(a, b)| a * b).sum();
+                            let dot = vmath::dot(prow, drow);
                             for (x, &pv) in drow.iter_mut().zip(prow) {
                                 *x = pv * (*x - dot);
                             }

@@ -6,7 +6,7 @@
 //! on the CPU and keeps its composed candle versions for every other case; the tests in
 //! this file check that both agree.
 
-use crate::ExecError;
+use crate::{vmath, ExecError};
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -59,16 +59,17 @@ pub fn masked_softmax(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     let v = with_slice(x, |xs| {
         rows_par(rows, t, |r, o| {
             let row = &xs[r * t..(r + 1) * t];
-            let visible = if causal { ((r % s) + t - s + 1).min(t) } else { t };
-            let m = row[..visible].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b * scale));
-            let mut sum = 0f32;
-            for j in 0..visible {
-                let e = (row[j] * scale - m).exp();
-                o[j] = e;
-                sum += e;
-            }
-            let inv = 1.0 / sum;
-            o[..visible].iter_mut().for_each(|e| *e *= inv);
+            let visible = if causal {
+                ((r % s) + t + 1).saturating_sub(s).min(t)
+            } else {
+                t
+            };
+            let o = &mut o[..visible];
+            o.copy_from_slice(&row[..visible]);
+            // `scale > 0`, so the largest scaled score is the scaled largest score.
+            let m = vmath::max(o) * scale;
+            let sum = vmath::exp_shifted(o, scale, m);
+            vmath::scale(o, 1.0 / sum);
         })
     })?;
     out(v, x)
@@ -83,7 +84,7 @@ pub fn softmax_backward(p: &Tensor, g: &Tensor) -> Result<Tensor> {
         with_slice(g, |gs| {
             rows_par(rows, t, |r, o| {
                 let (pr, gr) = (&ps[r * t..(r + 1) * t], &gs[r * t..(r + 1) * t]);
-                let dot: f32 = pr.iter().zip(gr).map(|(a, b)| a * b).sum();
+                let dot = vmath::dot(pr, gr);
                 for j in 0..t {
                     o[j] = pr[j] * (gr[j] - dot);
                 }
@@ -109,9 +110,8 @@ fn targets_of(targets: &Tensor, classes: usize) -> Result<Vec<usize>> {
 
 /// Per row: `(max, log-sum-exp)` of the logits.
 fn lse(row: &[f32]) -> (f32, f32) {
-    let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let s: f32 = row.iter().map(|&x| (x - m).exp()).sum();
-    (m, m + s.ln())
+    let m = vmath::max(row);
+    (m, m + vmath::sum_exp(row, m).ln())
 }
 
 /// Mean cross-entropy of `logits [n, v]` against `targets [n]`, as an f32 scalar.
@@ -143,15 +143,10 @@ pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Resu
     let out_v = with_slice(logits, |ls| {
         rows_par(n, v, |r, o| {
             let row = &ls[r * v..(r + 1) * v];
-            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut sum = 0f32;
-            for j in 0..v {
-                let e = (row[j] - m).exp();
-                o[j] = e;
-                sum += e;
-            }
-            let k = scale / sum;
-            o.iter_mut().for_each(|e| *e *= k);
+            o.copy_from_slice(row);
+            let m = vmath::max(o);
+            let sum = vmath::exp_shifted(o, 1.0, m);
+            vmath::scale(o, scale / sum);
             o[ids[r]] -= scale;
         })
     })?;
@@ -217,6 +212,26 @@ pub fn rms_norm_grad_weight(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(Tensor::from_vec(v, d, x.device())?)
 }
 
+/// `x * sigmoid(x)`, elementwise.
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    let n = x.elem_count();
+    let width = 4096.min(n.max(1));
+    let v = with_slice(x, |xs| {
+        let mut v = vec![0f32; n];
+        let body = |(c, o): (usize, &mut [f32])| {
+            let i = c * width;
+            vmath::silu(&xs[i..i + o.len()], o)
+        };
+        if n >= PAR_MIN {
+            v.par_chunks_mut(width).enumerate().for_each(body);
+        } else {
+            v.chunks_mut(width).enumerate().for_each(body);
+        }
+        v
+    })?;
+    out(v, x)
+}
+
 /// `g * silu'(x)` and `g * gelu'(x)` (tanh approximation), elementwise.
 pub fn activation_grad(x: &Tensor, g: &Tensor, gelu: bool) -> Result<Tensor> {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
@@ -227,6 +242,10 @@ pub fn activation_grad(x: &Tensor, g: &Tensor, gelu: bool) -> Result<Tensor> {
         with_slice(g, |gs| {
             let mut v = vec![0f32; n];
             let body = |(c, o): (usize, &mut [f32])| {
+                if !gelu {
+                    let i = c * width;
+                    return vmath::silu_grad(&xs[i..i + o.len()], &gs[i..i + o.len()], o);
+                }
                 for (k, slot) in o.iter_mut().enumerate() {
                     let i = c * width + k;
                     let x = xs[i];
@@ -380,6 +399,7 @@ mod tests {
         let s = candle_nn::ops::sigmoid(&x).unwrap();
         let want = (&g * (&s * ((&x * (1.0 - &s).unwrap()).unwrap() + 1.0).unwrap()).unwrap()).unwrap();
         close(&activation_grad(&x, &g, false).unwrap(), &want, 1e-5);
+        close(&silu(&x).unwrap(), &x.silu().unwrap(), 1e-6);
         // gelu: check against a central difference of candle's own gelu.
         let h = 1e-2;
         let num = ((x.affine(1.0, h).unwrap().gelu().unwrap() - x.affine(1.0, -h).unwrap().gelu().unwrap()).unwrap()

@@ -124,6 +124,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             let o = grouped(&p, kv)?.matmul(&heads_first(ins[2])?)?;
             ungroup_heads(&o, ins[0].dim(2)?)?
         }
+        Op::Silu if fused::applies(&[ins[0]]) => fused::silu(ins[0])?,
         Op::Silu => ins[0].silu()?,
         Op::Gelu => ins[0].gelu()?,
         Op::Softmax { dim } => softmax(ins[0], *dim)?,

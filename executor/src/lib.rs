@@ -19,6 +19,7 @@ pub mod optim;
 mod rank;
 pub mod sharded;
 pub mod train;
+mod vmath;
 
 pub use error::ExecError;
 pub use interp::{Interpreter, RunOutput};
