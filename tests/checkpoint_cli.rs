@@ -7,10 +7,8 @@ use common::{json_lines, shardplan};
 
 use std::process::Output;
 
-fn temp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("shardplan-ckpt-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+fn temp(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    dir.join(name)
 }
 
 fn ok(o: &Output) -> String {
@@ -24,11 +22,12 @@ fn losses(log: &std::path::Path) -> Vec<f64> {
 
 #[test]
 fn save_resume_on_another_mesh_export_and_init() {
-    let ck = temp("run");
-    let spec2 = temp("two.yaml");
+    let scratch = tempfile::tempdir().unwrap();
+    let ck = temp(scratch.path(), "run");
+    let spec2 = temp(scratch.path(), "two.yaml");
     std::fs::write(&spec2, "mesh: {shard: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 4, seq_len: 16}\n").unwrap();
     let (c, s2) = (ck.to_str().unwrap(), spec2.to_str().unwrap());
-    let full = temp("full.jsonl");
+    let full = temp(scratch.path(), "full.jsonl");
     ok(&shardplan(&[
         "train",
         "--model",
@@ -62,7 +61,7 @@ fn save_resume_on_another_mesh_export_and_init() {
     steps.sort();
     assert_eq!(steps, ["step-00000006", "step-00000008"], "keeps the last 2");
     // Resume step 6 on a 2-rank mesh (same global batch) and finish the same run.
-    let part = temp("part.jsonl");
+    let part = temp(scratch.path(), "part.jsonl");
     ok(&shardplan(&[
         "train",
         "--model",
@@ -82,7 +81,7 @@ fn save_resume_on_another_mesh_export_and_init() {
         assert!((x - y).abs() / x < 1e-5, "{x} vs {y}");
     }
     // Export, then start a run from it.
-    let out = temp("model.safetensors");
+    let out = temp(scratch.path(), "model.safetensors");
     let msg = ok(&shardplan(&["checkpoint", "export", c, "--out", out.to_str().unwrap()]));
     assert!(msg.starts_with("wrote 21 tensors from"), "{msg}");
     ok(&shardplan(&[
@@ -100,7 +99,8 @@ fn save_resume_on_another_mesh_export_and_init() {
 
 #[test]
 fn bad_checkpoints_exit_2_naming_the_file() {
-    let ck = temp("bad");
+    let scratch = tempfile::tempdir().unwrap();
+    let ck = temp(scratch.path(), "bad");
     let c = ck.to_str().unwrap();
     ok(&shardplan(&[
         "train",

@@ -57,7 +57,8 @@ fn inspect_json_has_exact_counts() {
 
 #[test]
 fn inspect_text_with_parallel_spec_and_dot() {
-    let dot = std::env::temp_dir().join(format!("shardplan-cli-{}.dot", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let dot = scratch.path().join("graph.dot");
     let o = shardplan(&[
         "inspect",
         "--model",
@@ -81,7 +82,6 @@ fn inspect_text_with_parallel_spec_and_dot() {
     let dot_text = std::fs::read_to_string(&dot).unwrap();
     assert!(dot_text.starts_with("digraph {"), "{dot_text}");
     assert!(dot_text.contains("model.layers.1.mlp.down_proj.weight"));
-    std::fs::remove_file(dot).ok();
 }
 
 #[test]
@@ -171,8 +171,8 @@ fn a_closed_pipe_is_not_a_panic() {
 /// Each kind of bad model file, as a user would pass it: exit 2 and `file:line:col`.
 #[test]
 fn every_bad_model_file_exits_2_with_its_position() {
-    let dir = std::env::temp_dir().join(format!("shardplan-cli-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
     let llama = std::fs::read_to_string("examples/models/tiny-llama.yaml").unwrap();
     let cases: Vec<(&str, String, &str)> = vec![
         ("empty.yaml", String::new(), "empty.yaml: is empty"),
@@ -235,18 +235,16 @@ fn every_bad_model_file_exits_2_with_its_position() {
         let want = want.replacen(name, &shown, 1);
         bad(&["inspect", "--model", &shown], &want);
     }
-    std::fs::remove_dir_all(dir).ok();
 }
 
-fn temp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardplan-cli-train-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn temp(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
     dir.join(name)
 }
 
 #[test]
 fn train_logs_json_lines_and_the_loss_falls() {
-    let log = temp("metrics.jsonl");
+    let scratch = tempfile::tempdir().unwrap();
+    let log = temp(scratch.path(), "metrics.jsonl");
     let o = shardplan(&[
         "train",
         "--model",
@@ -285,7 +283,8 @@ fn train_logs_json_lines_and_the_loss_falls() {
 
 #[test]
 fn train_runs_a_sharded_mesh_and_a_saved_plan() {
-    let log = temp("sharded.jsonl");
+    let scratch = tempfile::tempdir().unwrap();
+    let log = temp(scratch.path(), "sharded.jsonl");
     let o = shardplan(&[
         "train",
         "--model",
@@ -305,7 +304,7 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         "one memory report per rank"
     );
 
-    let plan = temp("plan.json");
+    let plan = temp(scratch.path(), "plan.json");
     let o = shardplan(&[
         "plan",
         "--model",
@@ -318,7 +317,7 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         plan.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let log2 = temp("from-plan.jsonl");
+    let log2 = temp(scratch.path(), "from-plan.jsonl");
     let o = shardplan(&[
         "train",
         "--plan",
@@ -337,6 +336,7 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
 
 #[test]
 fn train_refuses_bad_plans_and_specs_at_their_line() {
+    let scratch = tempfile::tempdir().unwrap();
     bad(
         &[
             "train",
@@ -347,7 +347,7 @@ fn train_refuses_bad_plans_and_specs_at_their_line() {
         ],
         "fsdp-8.yaml:",
     );
-    let broken = temp("broken-plan.json");
+    let broken = temp(scratch.path(), "broken-plan.json");
     std::fs::write(&broken, "{\"version\": 1,\n \"model\": oops}\n").unwrap();
     bad(&["train", "--plan", broken.to_str().unwrap()], "broken-plan.json:2:");
     let o = shardplan(&[
@@ -361,12 +361,12 @@ fn train_refuses_bad_plans_and_specs_at_their_line() {
     ]);
     let mut v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     v["version"] = serde_json::json!(99);
-    let old = temp("old-plan.json");
+    let old = temp(scratch.path(), "old-plan.json");
     std::fs::write(&old, v.to_string()).unwrap();
     bad(&["train", "--plan", old.to_str().unwrap()], "plan format version 99");
     v["version"] = serde_json::json!(1);
     v["programs"][0]["instrs"].as_array_mut().unwrap().remove(3);
-    let edited = temp("edited-plan.json");
+    let edited = temp(scratch.path(), "edited-plan.json");
     std::fs::write(&edited, v.to_string()).unwrap();
     bad(
         &["train", "--plan", edited.to_str().unwrap()],
@@ -376,13 +376,14 @@ fn train_refuses_bad_plans_and_specs_at_their_line() {
 
 #[test]
 fn train_names_a_bad_token_file_and_offset() {
-    let tokens = temp("tokens.bin");
+    let scratch = tempfile::tempdir().unwrap();
+    let tokens = temp(scratch.path(), "tokens.bin");
     let mut bytes: Vec<u8> = (0..2000u16).flat_map(|i| (i % 256).to_le_bytes()).collect();
     bytes[2 * 7..2 * 8].copy_from_slice(&999u16.to_le_bytes());
     // Corrupt every window's reach: put the bad id early and make the file short.
     bytes.truncate(2 * 40);
     std::fs::write(&tokens, &bytes).unwrap();
-    let spec = temp("p.yaml");
+    let spec = temp(scratch.path(), "p.yaml");
     std::fs::write(
         &spec,
         format!(
@@ -407,7 +408,8 @@ fn train_names_a_bad_token_file_and_offset() {
 
 #[test]
 fn ctrl_c_stops_after_the_current_step_with_a_complete_log() {
-    let log = temp("interrupted.jsonl");
+    let scratch = tempfile::tempdir().unwrap();
+    let log = temp(scratch.path(), "interrupted.jsonl");
     let child = Command::new(env!("CARGO_BIN_EXE_shardplan"))
         .args([
             "train",

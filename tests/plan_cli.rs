@@ -14,9 +14,7 @@ fn bad(args: &[&str], want: &[&str]) {
     assert!(!err.contains("panicked"), "{err}");
 }
 
-fn temp(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardplan-plan-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn temp(dir: &std::path::Path, name: &str, text: &str) -> std::path::PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
     p
@@ -54,6 +52,7 @@ fn text_plan_of_the_bundled_example() {
 
 #[test]
 fn json_plan_reads_back_and_trace_is_chrome_json() {
+    let scratch = tempfile::tempdir().unwrap();
     let o = shardplan(&[
         "plan",
         "--model",
@@ -74,7 +73,7 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
         "JSON -> Plan -> JSON is the identity"
     );
 
-    let out = temp("trace.json", "");
+    let out = temp(scratch.path(), "trace.json", "");
     let o = shardplan(&[
         "plan",
         "--model",
@@ -181,7 +180,12 @@ fn a_budget_the_plan_misses_says_by_how_much_and_what_helps() {
 
 #[test]
 fn bad_plan_input_is_located() {
-    let wrap = temp("wrap.yaml", "mesh: {shard: 4}\ngpus_per_node: 4\nwrap: [attention]\n");
+    let scratch = tempfile::tempdir().unwrap();
+    let wrap = temp(
+        scratch.path(),
+        "wrap.yaml",
+        "mesh: {shard: 4}\ngpus_per_node: 4\nwrap: [attention]\n",
+    );
     bad(
         &["plan", "--model", "tiny-mlp", "--parallel", wrap.to_str().unwrap()],
         &[
@@ -191,6 +195,7 @@ fn bad_plan_input_is_located() {
         ],
     );
     let module = temp(
+        scratch.path(),
         "module.yaml",
         "mesh: {shard: 4}\ngpus_per_node: 4\nwrap_modules: [layers.0.feed_fwd]\n",
     );
@@ -202,7 +207,11 @@ fn bad_plan_input_is_located() {
             "did you mean `layers.0.feed_forward`",
         ],
     );
-    let reshard = temp("reshard.yaml", "mesh: {shard: 8}\nreshard_after_forward: 3\n");
+    let reshard = temp(
+        scratch.path(),
+        "reshard.yaml",
+        "mesh: {shard: 8}\nreshard_after_forward: 3\n",
+    );
     bad(
         &["plan", "--model", "tiny-llama", "--parallel", reshard.to_str().unwrap()],
         &["reshard.yaml:2:24", "3 does not divide the shard axis (8)"],
@@ -226,7 +235,9 @@ fn bad_plan_input_is_located() {
 
 #[test]
 fn wrap_modules_and_buckets_shape_the_groups() {
+    let scratch = tempfile::tempdir().unwrap();
     let spec = temp(
+        scratch.path(),
         "buckets.yaml",
         "mesh: {shard: 4}\ngpus_per_node: 4\nwrap_modules: [output]\nbucket_mib: 1\nbatch: {per_rank: 1, seq_len: 8}\n",
     );
@@ -247,8 +258,9 @@ fn wrap_modules_and_buckets_shape_the_groups() {
 
 #[test]
 fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
-    let spec = temp("auto.yaml", "mesh: {shard: 16}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 8192}\n");
-    let emitted = temp("emitted.yaml", "");
+    let scratch = tempfile::tempdir().unwrap();
+    let spec = temp(scratch.path(), "auto.yaml", "mesh: {shard: 16}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 8192}\n");
+    let emitted = temp(scratch.path(), "emitted.yaml", "");
     let o = shardplan(&[
         "plan",
         "--model",
@@ -303,7 +315,8 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
 
 #[test]
 fn auto_says_by_how_much_nothing_fits_and_what_would() {
-    let spec = temp(
+    let scratch = tempfile::tempdir().unwrap();
+    let spec = temp(scratch.path(),
         "nofit.yaml",
         "mesh: {shard: 8}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 8192}\noffload: none\n",
     );

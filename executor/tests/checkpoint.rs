@@ -19,9 +19,8 @@ fn config(replicate: u64, shard: u64, global: u64) -> ParallelConfig {
         .0
 }
 
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("shardplan-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+fn temp(dir: &std::path::Path, name: &str) -> PathBuf {
+    let d = dir.join(name);
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -47,12 +46,16 @@ fn bits(ts: &[Tensor]) -> Vec<Vec<u32>> {
 
 /// 10 steps on `from`, save, resume on `to`, 10 more; against 20 steps on `from`.
 fn resume(model: &str, from: (u64, u64), to: (u64, u64)) {
+    let scratch = tempfile::tempdir().unwrap();
     let m = preset(model).unwrap();
     let global = 24;
     let mut straight = ShardedTrainer::new(&m, &config(from.0, from.1, global), 20).unwrap();
     let want: Vec<f32> = (0..20).map(|_| straight.step().unwrap().loss).collect();
 
-    let dir = temp(&format!("resume-{model}-{}x{}-{}x{}", from.0, from.1, to.0, to.1));
+    let dir = temp(
+        scratch.path(),
+        &format!("resume-{model}-{}x{}-{}x{}", from.0, from.1, to.0, to.1),
+    );
     let mut first = ShardedTrainer::new(&m, &config(from.0, from.1, global), 20).unwrap();
     for _ in 0..10 {
         first.step().unwrap();
@@ -91,9 +94,10 @@ fn resume_on_another_mesh_continues_the_same_run() {
 
 #[test]
 fn export_then_import_is_bit_exact_with_hf_names() {
+    let scratch = tempfile::tempdir().unwrap();
     for model in ["tiny-llama", "tiny-gpt2"] {
         let m = preset(model).unwrap();
-        let dir = temp(&format!("export-{model}"));
+        let dir = temp(scratch.path(), &format!("export-{model}"));
         let mut t = ShardedTrainer::new(&m, &config(1, 3, 24), 5).unwrap();
         for _ in 0..3 {
             t.step().unwrap();
@@ -133,8 +137,9 @@ fn export_then_import_is_bit_exact_with_hf_names() {
 
 #[test]
 fn hf_sharded_folders_with_an_index_load() {
+    let scratch = tempfile::tempdir().unwrap();
     let m = preset("tiny-llama").unwrap();
-    let dir = temp("hf-index");
+    let dir = temp(scratch.path(), "hf-index");
     let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
     t.save(&dir).unwrap();
     let whole = dir.join("whole.safetensors");
@@ -142,7 +147,7 @@ fn hf_sharded_folders_with_an_index_load() {
     // Split into two files plus model.safetensors.index.json, as HF writes big models.
     let bytes = std::fs::read(&whole).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let hf = temp("hf-index-model");
+    let hf = temp(scratch.path(), "hf-index-model");
     let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
     names.sort();
     let half = names.len() / 2;
@@ -168,13 +173,14 @@ fn hf_sharded_folders_with_an_index_load() {
 
 #[test]
 fn an_interrupted_save_leaves_the_previous_checkpoint_loadable() {
+    let scratch = tempfile::tempdir().unwrap();
     let m = preset("tiny-llama").unwrap();
     for stop in [
         SaveStage::AfterRankFile(0),
         SaveStage::AfterRankFile(2),
         SaveStage::BeforeMetadata,
     ] {
-        let dir = temp(&format!("kill-{stop:?}").replace(['(', ')'], ""));
+        let dir = temp(scratch.path(), &format!("kill-{stop:?}").replace(['(', ')'], ""));
         let mut t = ShardedTrainer::new(&m, &config(1, 4, 24), 10).unwrap();
         t.step().unwrap();
         let good = t.save(&dir).unwrap();
@@ -206,6 +212,7 @@ fn an_interrupted_save_leaves_the_previous_checkpoint_loadable() {
 
 #[test]
 fn bad_checkpoints_are_named_and_change_nothing() {
+    let scratch = tempfile::tempdir().unwrap();
     let m = preset("tiny-llama").unwrap();
     let fresh = || ShardedTrainer::new(&m, &config(1, 2, 24), 10).unwrap();
     let check = |dir: &std::path::Path, want: &str| {
@@ -216,14 +223,14 @@ fn bad_checkpoints_are_named_and_change_nothing() {
         assert_eq!(bits(&t.full_params().unwrap()), before, "a failed load changes nothing");
     };
     let make = |name: &str| {
-        let dir = temp(name);
+        let dir = temp(scratch.path(), name);
         let mut t = ShardedTrainer::new(&m, &config(1, 2, 24), 10).unwrap();
         t.step().unwrap();
         (t.save(&dir).unwrap(), dir)
     };
 
     // Another model.
-    let dir = temp("other-model");
+    let dir = temp(scratch.path(), "other-model");
     let mut g = ShardedTrainer::new(&preset("tiny-gpt2").unwrap(), &config(1, 2, 24), 10).unwrap();
     g.step().unwrap();
     g.save(&dir).unwrap();
@@ -266,13 +273,14 @@ fn bad_checkpoints_are_named_and_change_nothing() {
     check(&dir, "is F32, the checkpoint says BF16");
 
     // No checkpoint at all.
-    check(&temp("empty"), "no complete checkpoint");
+    check(&temp(scratch.path(), "empty"), "no complete checkpoint");
 }
 
 #[test]
 fn bf16_and_f16_exports_import_as_their_rounded_weights() {
+    let scratch = tempfile::tempdir().unwrap();
     let m = preset("tiny-llama").unwrap();
-    let dir = temp("export-half");
+    let dir = temp(scratch.path(), "export-half");
     let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
     t.save(&dir).unwrap();
     for (dtype, st, round) in [

@@ -129,9 +129,7 @@ fn divergence_names_the_step_and_module() {
     assert!(e.to_string().contains(&format!("step {step}")), "{e}");
 }
 
-fn token_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardplan-tokens-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn token_file(dir: &std::path::Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
     p
@@ -139,11 +137,12 @@ fn token_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
 
 #[test]
 fn token_files_train_and_bad_ones_are_named() {
+    let scratch = tempfile::tempdir().unwrap();
     // A good file: the permutation task written out as u16 tokens.
     let good: Vec<u8> = (0..4096u32)
         .flat_map(|i| (((i * 7 + 3) % 256) as u16).to_le_bytes())
         .collect();
-    let p = token_file("good.bin", &good);
+    let p = token_file(scratch.path(), "good.bin", &good);
     let l = losses(
         "tiny-llama",
         &format!("data: {{tokens: {}, dtype: u16}}\n", p.display()),
@@ -153,7 +152,7 @@ fn token_files_train_and_bad_ones_are_named() {
 
     let mut bad = good.clone();
     bad[2 * 100..2 * 101].copy_from_slice(&300u16.to_le_bytes());
-    let p = token_file("bad.bin", &bad);
+    let p = token_file(scratch.path(), "bad.bin", &bad);
     let mut t = trainer("tiny-llama", &format!("data: {{tokens: {}}}\n", p.display()), 200).unwrap();
     let e = (0..200)
         .find_map(|_| t.step().err())
@@ -177,7 +176,7 @@ fn token_files_train_and_bad_ones_are_named() {
             "holds 2 tokens; a sequence of 16 needs at least 17",
         ),
     ] {
-        let p = token_file(name, &bytes);
+        let p = token_file(scratch.path(), name, &bytes);
         let e = trainer("tiny-llama", &format!("data: {{tokens: {}}}\n", p.display()), 1)
             .err()
             .unwrap();

@@ -30,9 +30,7 @@ fn check(e: &SpecError, line: u64, col: u64, texts: &[&str]) {
 
 const LLAMA: &str = "family: llama\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\nn_kv_heads: 2\nffn_dim: 128\n";
 
-fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shardplan-bad-input-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+fn tmp(dir: &std::path::Path, name: &str, bytes: &[u8]) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
     p
@@ -63,8 +61,9 @@ fn unknown_preset_suggests_the_closest() {
 
 #[test]
 fn empty_file() {
+    let scratch = tempfile::tempdir().unwrap();
     for text in ["", "   \n\n", "# only a comment\n"] {
-        let p = tmp("empty.yaml", text.as_bytes());
+        let p = tmp(scratch.path(), "empty.yaml", text.as_bytes());
         let e = load_model(&p).unwrap_err();
         assert!(
             e.to_string()
@@ -76,7 +75,8 @@ fn empty_file() {
 
 #[test]
 fn binary_and_directory_inputs() {
-    let p = tmp("weights.yaml", &[0xff, 0xfe, 0x00, 0x12]);
+    let scratch = tempfile::tempdir().unwrap();
+    let p = tmp(scratch.path(), "weights.yaml", &[0xff, 0xfe, 0x00, 0x12]);
     let e = load_model(&p).unwrap_err();
     assert!(e.to_string().contains("not UTF-8 text"), "{e}");
     let e = load_model(&std::env::temp_dir()).unwrap_err();
