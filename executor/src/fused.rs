@@ -155,7 +155,7 @@ pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Resu
 
 /// `1 / sqrt(mean(x^2) + eps)` of one row.
 fn rms_inv(row: &[f32], eps: f64) -> f32 {
-    let ms: f64 = row.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() / row.len() as f64;
+    let ms = vmath::sum_sq_f64(row) / row.len() as f64;
     (1.0 / (ms + eps).sqrt()) as f32
 }
 
@@ -168,11 +168,7 @@ pub fn rms_norm_grad_input(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Resu
             with_slice(g, |gs| {
                 rows_par(rows, d, |r, o| {
                     let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-                    let inv = rms_inv(xr, eps);
-                    let dot: f32 = (0..d).map(|j| gr[j] * ws[j] * xr[j] * inv).sum::<f32>() / d as f32;
-                    for j in 0..d {
-                        o[j] = inv * (gr[j] * ws[j] - xr[j] * inv * dot);
-                    }
+                    vmath::rms_norm_grad_row(xr, ws, gr, rms_inv(xr, eps), o);
                 })
             })
         })
@@ -190,10 +186,7 @@ pub fn rms_norm_grad_weight(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> 
                 let mut acc = vec![0f32; d];
                 for r in range {
                     let (xr, gr) = (&xs[r * d..(r + 1) * d], &gs[r * d..(r + 1) * d]);
-                    let inv = rms_inv(xr, eps);
-                    for j in 0..d {
-                        acc[j] += gr[j] * xr[j] * inv;
-                    }
+                    vmath::add_scaled_product(&mut acc, gr, xr, rms_inv(xr, eps));
                 }
                 acc
             };
@@ -453,33 +446,34 @@ pub fn adamw(
             (zeros.clone(), zeros)
         }
     };
-    let (mut np, mut nm, mut nv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    // Every element of the three outputs is written below, so they start uninitialised
+    // (zeroing 3 x 4 bytes per parameter first costs as much again as the update).
+    let (mut np, mut nm, mut nv) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     with_slice(p, |ps| {
         with_slice(g, |gs| {
             with_slice(&m, |ms| {
                 with_slice(&v, |vs| {
                     const CHUNK: usize = 1 << 14;
-                    np.par_chunks_mut(CHUNK)
-                        .zip(nm.par_chunks_mut(CHUNK))
-                        .zip(nv.par_chunks_mut(CHUNK))
+                    np.spare_capacity_mut()[..n]
+                        .par_chunks_mut(CHUNK)
+                        .zip(nm.spare_capacity_mut()[..n].par_chunks_mut(CHUNK))
+                        .zip(nv.spare_capacity_mut()[..n].par_chunks_mut(CHUNK))
                         .enumerate()
                         .for_each(|(c, ((op, om), ov))| {
-                            let base = c * CHUNK;
-                            for k in 0..op.len() {
-                                let i = base + k;
-                                let grad = gs[i] * h.grad_scale;
-                                let mi = h.beta1 * ms[i] + (1.0 - h.beta1) * grad;
-                                let vi = h.beta2 * vs[i] + (1.0 - h.beta2) * grad * grad;
-                                let update = (mi / h.bias1) / ((vi / h.bias2).sqrt() + h.eps);
-                                op[k] = ps[i] * (1.0 - h.lr * h.weight_decay) - h.lr * update;
-                                om[k] = mi;
-                                ov[k] = vi;
-                            }
+                            let r = c * CHUNK..c * CHUNK + op.len();
+                            vmath::adamw(&ps[r.clone()], &gs[r.clone()], &ms[r.clone()], &vs[r], op, om, ov, h);
                         });
                 })
             })
         })
     })????;
+    // SAFETY: `vmath::adamw` wrote all `n` elements of each (it covers its output slices
+    // whole, and the chunks cover `0..n`).
+    unsafe {
+        np.set_len(n);
+        nm.set_len(n);
+        nv.set_len(n);
+    }
     Ok((out(np, p)?, out(nm, p)?, out(nv, p)?))
 }
 

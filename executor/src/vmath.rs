@@ -42,6 +42,8 @@ macro_rules! multiversion {
     };
 }
 
+use std::mem::MaybeUninit;
+
 const LANES: usize = 16;
 
 /// `e^x`. Overflows to infinity above `ln(f32::MAX)`, flushes to 0 below the smallest
@@ -200,6 +202,82 @@ multiversion! {
             end = start;
         }
         0
+    }
+}
+
+multiversion! {
+    /// One AdamW update of a run of parameters: the new parameters, first and second
+    /// moments go to `op`, `om`, `ov`, every element of which is written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw(
+        p: &[f32],
+        g: &[f32],
+        m: &[f32],
+        v: &[f32],
+        op: &mut [MaybeUninit<f32>],
+        om: &mut [MaybeUninit<f32>],
+        ov: &mut [MaybeUninit<f32>],
+        h: crate::fused::AdamW,
+    ) {
+        let n = op.len();
+        assert!(p.len() == n && g.len() == n && m.len() == n && v.len() == n && om.len() == n && ov.len() == n);
+        let decay = 1.0 - h.lr * h.weight_decay;
+        for i in 0..n {
+            let grad = g[i] * h.grad_scale;
+            let mi = h.beta1 * m[i] + (1.0 - h.beta1) * grad;
+            let vi = h.beta2 * v[i] + (1.0 - h.beta2) * grad * grad;
+            let update = (mi / h.bias1) / ((vi / h.bias2).sqrt() + h.eps);
+            op[i].write(p[i] * decay - h.lr * update);
+            om[i].write(mi);
+            ov[i].write(vi);
+        }
+    }
+}
+
+multiversion! {
+    /// `sum x^2` in f64 (8 lane accumulators).
+    pub fn sum_sq_f64(row: &[f32]) -> f64 {
+        let mut acc = [0f64; 8];
+        let chunks = row.chunks_exact(8);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for l in 0..8 {
+                let x = f64::from(c[l]);
+                acc[l] = x.mul_add(x, acc[l]);
+            }
+        }
+        acc.iter().sum::<f64>() + tail.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>()
+    }
+}
+
+multiversion! {
+    /// Input gradient of one row of `rms_norm(x, w)` with `inv = 1 / rms(x)`:
+    /// `inv * (g w - x inv mean(g w x inv))`.
+    pub fn rms_norm_grad_row(x: &[f32], w: &[f32], g: &[f32], inv: f32, out: &mut [f32]) {
+        let d = out.len();
+        let (x, w, g) = (&x[..d], &w[..d], &g[..d]);
+        let mut acc = [0f32; LANES];
+        let full = d - d % LANES;
+        let (xs, ws, gs) = (x[..full].chunks_exact(LANES), w[..full].chunks_exact(LANES), g[..full].chunks_exact(LANES));
+        for ((xc, wc), gc) in xs.zip(ws).zip(gs) {
+            for l in 0..LANES {
+                acc[l] = (gc[l] * wc[l]).mul_add(xc[l], acc[l]);
+            }
+        }
+        let dot = acc.iter().sum::<f32>() + (full..d).map(|j| g[j] * w[j] * x[j]).sum::<f32>();
+        let mean = dot * inv / d as f32;
+        for j in 0..d {
+            out[j] = inv * (g[j] * w[j] - x[j] * inv * mean);
+        }
+    }
+}
+
+multiversion! {
+    /// `acc += k * a * b`, elementwise.
+    pub fn add_scaled_product(acc: &mut [f32], a: &[f32], b: &[f32], k: f32) {
+        for ((o, &x), &y) in acc.iter_mut().zip(a).zip(b) {
+            *o = (x * y).mul_add(k, *o);
+        }
     }
 }
 
