@@ -1,8 +1,10 @@
 //! The executor: runs shardplan graphs on candle tensors.
 //!
-//! Today: the single-rank reference interpreter (`interp`), its kernels, and the training
-//! loop built on it. Architecture invariant: the executor never makes a planning decision;
-//! it runs the graph (and later the Plan) it is given, in the order it is given.
+//! The single-rank reference interpreter (`interp`) and `Trainer`, the kernels they share,
+//! the sharded executor (`sharded`, `rank`) that runs a Plan on Local ranks, collectives,
+//! checkpoints and the multi-process environment. Architecture invariant: the executor
+//! never makes a planning decision; it runs the graph or Plan it is given, in the order it
+//! is given.
 
 mod attention;
 pub mod checkpoint;
