@@ -1,5 +1,5 @@
-//! `shardplan train`: run training steps on the CPU, with a progress bar, a JSON-lines
-//! metrics log, and a clean stop on Ctrl-C.
+//! `shardplan train`: run training steps (on the CPU, or one CUDA device in a CUDA build),
+//! with a progress bar, a JSON-lines metrics log, and a clean stop on Ctrl-C.
 
 use crate::fmt::bytes;
 use crate::CliError;
@@ -51,6 +51,10 @@ pub struct TrainArgs {
     /// model.safetensors or model.safetensors.index.json.
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
+    /// Where to compute: `cpu`, or `cuda` / `cuda:N` in a CUDA build (scripts/build-cuda.sh).
+    /// Every rank of the mesh runs as a thread on this one device.
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    pub device: String,
 }
 
 /// Exit code of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
@@ -116,10 +120,14 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     // NCCL; this build runs every rank of a mesh as threads of one process instead.
     match shardplan_executor::dist::DistEnv::from_env() {
         Ok(Some(env)) if env.world_size > 1 => {
+            #[cfg(not(feature = "cuda"))]
+            let why = "this shardplan was built without CUDA support";
+            #[cfg(feature = "cuda")]
+            let why = "this build has no NCCL backend yet";
             return Err(CliError::Usage(format!(
-                "rank {} of {}: multi-process training needs the NCCL backend, and this shardplan was built without CUDA support; on the CPU run `shardplan train` once: it runs every rank of the mesh as a thread",
+                "rank {} of {}: multi-process training needs the NCCL backend, and {why}; run `shardplan train` once instead: it runs every rank of the mesh as a thread on one device (`--device cpu` or `cuda`)",
                 env.rank, env.world_size
-            )))
+            )));
         }
         Ok(_) => {}
         Err(e) => return Err(CliError::Usage(e.to_string())),
@@ -127,6 +135,8 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
+    let device =
+        shardplan_executor::device::open(&args.device).map_err(|e| CliError::Usage(format!("--device: {e}")))?;
     shardplan_executor::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
@@ -158,6 +168,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
             )))
         }
     };
+    trainer.to_device(&device).map_err(|e| exec_error(e, &specs))?;
     if let Some(p) = &args.init_from {
         trainer.init_from(p).map_err(|e| exec_error(e, &specs))?;
     }

@@ -450,3 +450,30 @@ fn ctrl_c_stops_after_the_current_step_with_a_complete_log() {
         serde_json::from_str::<serde_json::Value>(line).expect("every logged line is complete JSON");
     }
 }
+
+/// `--device`: unknown names and (in a build without the `cuda` feature) CUDA are refused
+/// with exit 2 and what to do; `--device cpu` is the default.
+#[test]
+fn train_device_choices() {
+    let base = [
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--steps",
+        "1",
+    ];
+    let with = |d: &'static str| [&base[..], &["--device", d]].concat();
+    bad(
+        &with("gpu"),
+        "--device: unknown device `gpu`: use `cpu`, `cuda` or `cuda:N`",
+    );
+    #[cfg(not(feature = "cuda"))]
+    bad(
+        &with("cuda:1"),
+        "this shardplan was built without CUDA support; build one with `scripts/build-cuda.sh`",
+    );
+    let o = shardplan(&with("cpu"));
+    assert!(o.status.success(), "{}", stderr(&o));
+}

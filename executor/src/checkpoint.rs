@@ -621,6 +621,9 @@ impl ShardedTrainer {
             d.seek(meta.data_position);
         }
         self.step = meta.step;
+        // Read on the CPU; placed where the run computes.
+        let device = self.device().clone();
+        self.to_device(&device)?;
         Ok(warnings)
     }
 
@@ -691,7 +694,8 @@ impl ShardedTrainer {
         for (r, params) in self.ranks.iter_mut().zip(loaded) {
             r.params = params;
         }
-        Ok(())
+        let device = self.device().clone();
+        self.to_device(&device)
     }
 }
 

@@ -10,6 +10,7 @@ mod attention;
 pub mod checkpoint;
 pub mod collectives;
 pub mod data;
+pub mod device;
 pub mod dist;
 mod error;
 mod fused;

@@ -160,7 +160,7 @@ impl StepCtx<'_> {
             Slot::Value(t) => Ok(t.clone()),
             Slot::Zero => {
                 let info = self.shared.plan.buffer(b);
-                let t = Tensor::zeros(info.numel as usize, cdtype(info.dtype), &self.device)?;
+                let t = Tensor::zeros(info.numel as usize, cdtype(info.dtype), &self.pool_device(info.pool))?;
                 *slot = Slot::Value(t.clone());
                 Ok(t)
             }
@@ -169,6 +169,14 @@ impl StepCtx<'_> {
                 b,
                 self.shared.plan.buffer(b).name
             ))),
+        }
+    }
+
+    /// Where a pool's buffers live: the compute device, or the CPU for the host pool.
+    fn pool_device(&self, pool: Pool) -> candle_core::Device {
+        match pool {
+            Pool::Host => candle_core::Device::Cpu,
+            _ => self.device.clone(),
         }
     }
 
@@ -550,6 +558,8 @@ impl StepCtx<'_> {
                 } else {
                     s.to_dtype(cdtype(d.dtype))?.copy()?
                 };
+                // Between pools (CPU offload), the copy is a transfer.
+                let value = value.to_device(&self.pool_device(d.pool))?;
                 if *accumulate {
                     self.accumulate(*dst, value)?;
                 } else {

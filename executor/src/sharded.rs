@@ -20,7 +20,7 @@ use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{trace, ModelConfig, TraceOptions};
-use shardplan_planner::{chunk_rows, plan, ByCategory, ExecOrder, GroupReshard, Plan};
+use shardplan_planner::{chunk_rows, plan, ByCategory, Category, ExecOrder, GroupReshard, Plan, Pool};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -56,6 +56,8 @@ pub struct ShardedTrainer {
     pub(crate) model: ModelConfig,
     total_steps: u64,
     pub(crate) step: u64,
+    /// Where the ranks compute (all on one device: Local ranks are threads).
+    device: Device,
 }
 
 /// The per-rank trace options of `config`.
@@ -184,7 +186,46 @@ impl ShardedTrainer {
             model: model.clone(),
             total_steps,
             step: 0,
+            device: Device::Cpu,
         })
+    }
+
+    /// Moves every rank to `device` (one device shared by all ranks, as threads): compute,
+    /// device-pool buffers and the batches; host-pool state (CPU offload) stays on the CPU.
+    pub fn to_device(&mut self, device: &Device) -> Result<(), ExecError> {
+        let plan = &self.shared.plan;
+        let pool_of = |g: usize, c: Category| {
+            plan.buffers
+                .iter()
+                .find(|b| b.persistent && b.category == c && b.group.map(|x| x.index()) == Some(g))
+                .map_or(Pool::Device, |b| b.pool)
+        };
+        let place = |pool: Pool| {
+            if pool == Pool::Host {
+                Device::Cpu
+            } else {
+                device.clone()
+            }
+        };
+        for r in &mut self.ranks {
+            for (g, p) in r.params.iter_mut().enumerate() {
+                *p = p.to_device(&place(pool_of(g, Category::ShardedParams)))?;
+            }
+            for (g, o) in r.opt.iter_mut().enumerate() {
+                let at = place(pool_of(g, Category::OptimizerState));
+                for t in o.m.iter_mut().chain(o.v.iter_mut()).flatten() {
+                    *t = t.to_device(&at)?;
+                }
+            }
+            r.ctx = Ctx::new(device.clone());
+        }
+        self.device = device.clone();
+        Ok(())
+    }
+
+    /// The device the ranks compute on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// How long a collective or an event may wait before the run fails.
@@ -233,7 +274,7 @@ impl ShardedTrainer {
         for (rank, d) in self.data.iter_mut().enumerate() {
             let mut mine = Vec::with_capacity(accum);
             for _ in 0..accum {
-                let b = d.next_batch(&Device::Cpu)?;
+                let b = d.next_batch(&self.device)?;
                 if rank == 0 {
                     tokens += b.tokens;
                 }

@@ -1,0 +1,69 @@
+//! The device a run computes on: `cpu`, or `cuda` / `cuda:N` in builds with the `cuda`
+//! feature (candle's CUDA backend). Without the feature, asking for CUDA is an error that
+//! says how to get a CUDA build.
+
+use crate::ExecError;
+use candle_core::Device;
+
+/// What `--device` accepts.
+pub const DEVICES: &str = "`cpu`, `cuda` or `cuda:N`";
+
+/// Opens the device named by `spec`.
+pub fn open(spec: &str) -> Result<Device, ExecError> {
+    let spec = spec.trim();
+    if spec == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = match spec.strip_prefix("cuda") {
+        Some("") => 0,
+        Some(rest) => rest
+            .strip_prefix(':')
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| ExecError::Unsupported(format!("unknown device `{spec}`: use {DEVICES}")))?,
+        None => {
+            return Err(ExecError::Unsupported(format!(
+                "unknown device `{spec}`: use {DEVICES}"
+            )))
+        }
+    };
+    cuda(ordinal)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(ordinal: usize) -> Result<Device, ExecError> {
+    Device::new_cuda(ordinal).map_err(|e| ExecError::Unsupported(format!("cannot open CUDA device {ordinal}: {e}")))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda(ordinal: usize) -> Result<Device, ExecError> {
+    Err(ExecError::Unsupported(format!(
+        "device `cuda:{ordinal}`: this shardplan was built without CUDA support; build one with \
+         `scripts/build-cuda.sh` (see the README's GPU section) or use `--device cpu`"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(matches!(open("cpu"), Ok(Device::Cpu)));
+        for bad in ["gpu", "cuda:x", "cuda:", "cuda0", ""] {
+            let e = open(bad).unwrap_err().to_string();
+            assert!(e.contains("unknown device") && e.contains("cuda:N"), "{bad}: {e}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_says_how_to_build_it() {
+        for spec in ["cuda", "cuda:1"] {
+            let e = open(spec).unwrap_err().to_string();
+            assert!(
+                e.contains("built without CUDA support") && e.contains("scripts/build-cuda.sh"),
+                "{e}"
+            );
+        }
+    }
+}
