@@ -5,7 +5,7 @@
 #   scripts/cuda-toolkit.sh [DEST]      (default: target/cuda-toolkit)
 #
 # Pinned to 13.0.x: the GPU machines' driver is CUDA 13.0, and a newer nvcc writes PTX that
-# such a driver may refuse. cuBLAS, cuRAND and NCCL are the versions PyTorch 2.11+cu130
+# such a driver may refuse. cuBLAS, cuRAND, NVRTC and NCCL are the versions PyTorch 2.11+cu130
 # ships, which is what the binary finds on the GPU machine at run time (scripts/run-cuda.sh).
 # No wheel ships the driver library (libcuda.so.1), so a link-time stub is made from the
 # `cu*` names in cuda.h; the real one comes with the GPU's driver.
@@ -18,6 +18,7 @@ WHEELS=(
   nvidia-cuda-crt==13.0.88
   nvidia-nvvm==13.0.88
   nvidia-cuda-runtime==13.0.96
+  nvidia-cuda-nvrtc==13.0.88
   nvidia-cuda-cccl==13.0.85
   nvidia-cublas==13.1.0.3
   nvidia-curand==10.4.0.35

@@ -31,7 +31,14 @@ pub fn open(spec: &str) -> Result<Device, ExecError> {
 
 #[cfg(feature = "cuda")]
 fn cuda(ordinal: usize) -> Result<Device, ExecError> {
-    Device::new_cuda(ordinal).map_err(|e| ExecError::Unsupported(format!("cannot open CUDA device {ordinal}: {e}")))
+    Device::new_cuda(ordinal).map_err(|e| {
+        // candle appends a backtrace when RUST_BACKTRACE is set; the first line is the cause.
+        let cause = e.to_string();
+        let cause = cause.lines().next().unwrap_or_default().to_string();
+        ExecError::Unsupported(format!(
+            "cannot open CUDA device {ordinal}: {cause} (is there an NVIDIA GPU and driver here?)"
+        ))
+    })
 }
 
 #[cfg(not(feature = "cuda"))]

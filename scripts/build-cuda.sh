@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds shardplan with the `cuda` feature on a machine without a GPU or a system CUDA:
+# the CUDA 13.0 toolkit comes from PyPI wheels (scripts/cuda-toolkit.sh), kernels are
+# compiled for compute capability 90 (H100 / H200). Prints the binary's path.
+#
+#   scripts/build-cuda.sh [--check]     (--check: `cargo check`, no kernels or binary)
+#
+# Run the binary on the GPU machine with scripts/run-cuda.sh, which points the loader at
+# the CUDA and NCCL libraries of that machine's PyTorch pip packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CUDA_HOME=$(scripts/cuda-toolkit.sh "${CUDA_TOOLKIT_DIR:-target/cuda-toolkit}" | tail -1)
+export CUDA_HOME CUDA_PATH=$CUDA_HOME
+export PATH=$CUDA_HOME/bin:$PATH
+export NVCC=$CUDA_HOME/bin/nvcc
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+# cudarc would otherwise ask `nvcc --version`; pin the API level to the driver's.
+export CUDARC_CUDA_VERSION=13000
+# Link against the wheels' libraries and the driver stub (the real libcuda.so.1 comes with
+# the GPU machine's driver).
+export LIBRARY_PATH=$CUDA_HOME/lib:$CUDA_HOME/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
+export RUSTFLAGS="${RUSTFLAGS:-} -L native=$CUDA_HOME/lib -L native=$CUDA_HOME/lib/stubs"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+if [ "${1:-}" = "--check" ]; then
+  cargo check --release --features cuda --all-targets
+  exit 0
+fi
+cargo build --release --features cuda --bin shardplan
+echo "$CARGO_TARGET_DIR/release/shardplan"
