@@ -28,7 +28,11 @@ macro_rules! multiversion {
                 unsafe fn v3($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                {
                     // SAFETY: the CPU has the features `v4` was compiled for.
                     return unsafe { v4($($arg),*) };
                 }
