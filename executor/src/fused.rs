@@ -1,6 +1,8 @@
 //! Fused f32 CPU kernels for the row-wise parts of the step that candle would run as
 //! several passes (each with its own broadcast): masked softmax, softmax backward,
-//! cross-entropy and its gradient, the rms_norm gradients, silu/gelu gradients.
+//! cross-entropy and its gradient, the rms_norm gradients, silu/gelu gradients, AdamW;
+//! and the 2-D matmul of linear layers and their weight gradients (`gemm` on operands read
+//! in place, transposed through strides, into an output that is not zeroed first).
 //!
 //! Each works on contiguous rows in parallel (rayon). `kernels` calls them for f32 tensors
 //! on the CPU and keeps its composed candle versions for every other case; the tests in
@@ -351,10 +353,27 @@ mod tests {
     }
 
     #[test]
-    fn transpose_2d_matches_candle() {
-        for (r, c) in [(1, 1), (33, 70), (64, 32), (5, 1000)] {
-            let x = randn(&[r, c]);
-            close(&transpose_2d(&x).unwrap(), &x.t().unwrap().contiguous().unwrap(), 0.0);
+    fn matmul_matches_candle_for_every_transposition() {
+        for (m, k, n) in [(1, 1, 1), (37, 5, 70), (64, 384, 130), (3, 0, 4)] {
+            let (a, b) = (randn(&[m, k]), randn(&[k, n]));
+            let (at, bt) = (
+                a.t().unwrap().contiguous().unwrap(),
+                b.t().unwrap().contiguous().unwrap(),
+            );
+            let want = if k == 0 {
+                Tensor::zeros((m, n), candle_core::DType::F32, &Device::Cpu).unwrap()
+            } else {
+                a.matmul(&b).unwrap()
+            };
+            let op = |t, transposed| Operand { data: t, transposed };
+            for (x, y) in [
+                (op(&a, false), op(&b, false)),
+                (op(&at, true), op(&b, false)),
+                (op(&a, false), op(&bt, true)),
+                (op(&at, true), op(&bt, true)),
+            ] {
+                close(&matmul(x, y).unwrap(), &want, 1e-5);
+            }
         }
     }
 
@@ -497,28 +516,71 @@ pub fn swap_dims_1_2(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(v, (a, c, b, d), x.device())?)
 }
 
-/// `[r, c] -> [c, r]` as a new contiguous tensor, in 32 x 32 tiles so both sides stay in
-/// cache.
-pub fn transpose_2d(x: &Tensor) -> Result<Tensor> {
-    let (r, c) = x.dims2()?;
-    const T: usize = 32;
-    let v = with_slice(x, |xs| {
-        let mut o = vec![0f32; r * c];
-        // Each task owns T output rows (T input columns).
-        o.par_chunks_mut(T * r.max(1))
-            .enumerate()
-            .for_each(|(tile_col, chunk)| {
-                let c0 = tile_col * T;
-                let cols = chunk.len() / r.max(1);
-                for r0 in (0..r).step_by(T) {
-                    for i in r0..(r0 + T).min(r) {
-                        for j in 0..cols {
-                            chunk[j * r + i] = xs[i * c + c0 + j];
-                        }
-                    }
-                }
-            });
-        o
-    })?;
-    Ok(Tensor::from_vec(v, (c, r), x.device())?)
+/// One row-major `[r, c]` operand of [`matmul`]: its elements and whether to use it
+/// transposed.
+pub struct Operand<'a> {
+    pub data: &'a Tensor,
+    pub transposed: bool,
+}
+
+/// `a · b` for 2-D f32 operands (each possibly transposed, read in place through strides)
+/// into a new row-major `[m, n]` tensor, on all of rayon's threads. The output is not
+/// zeroed first: the product writes every element.
+pub fn matmul(a: Operand, b: Operand) -> Result<Tensor> {
+    let dims = |o: &Operand| -> Result<(usize, usize, usize, usize)> {
+        let (r, c) = o.data.dims2()?;
+        // (rows, cols, row stride, col stride) of the operand as used.
+        Ok(if o.transposed { (c, r, 1, c) } else { (r, c, c, 1) })
+    };
+    let (m, k, a_rs, a_cs) = dims(&a)?;
+    let (k2, n, b_rs, b_cs) = dims(&b)?;
+    if k != k2 {
+        return Err(ExecError::Internal(format!("matmul of [{m}, {k}] by [{k2}, {n}]")));
+    }
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    with_slice(a.data, |xa| {
+        with_slice(b.data, |xb| {
+            if m * n == 0 {
+                return;
+            }
+            if k == 0 {
+                out.resize(m * n, 0.0);
+                return;
+            }
+            let threads = rayon::current_num_threads();
+            let parallelism = if threads > 1 {
+                gemm::Parallelism::Rayon(threads)
+            } else {
+                gemm::Parallelism::None
+            };
+            // SAFETY: the operand slices hold m x k and k x n elements at the strides given
+            // (checked by `dims2` on contiguous tensors); `out` has room for m x n, all of
+            // which gemm writes (`read_dst` false), before `set_len`.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    out.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    xa.as_ptr(),
+                    a_cs as isize,
+                    a_rs as isize,
+                    xb.as_ptr(),
+                    b_cs as isize,
+                    b_rs as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    parallelism,
+                );
+                out.set_len(m * n);
+            }
+        })
+    })??;
+    Ok(Tensor::from_vec(out, (m, n), a.data.device())?)
 }

@@ -226,6 +226,17 @@ fn rows(x: &Tensor) -> Result<Tensor> {
 
 fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result<Tensor> {
     let x2 = rows(&x.contiguous()?)?;
+    if fused::applies(&[&x2, w]) {
+        let w = fused::Operand {
+            data: w,
+            transposed: layout == WeightLayout::OutIn,
+        };
+        let x2 = fused::Operand {
+            data: &x2,
+            transposed: false,
+        };
+        return Ok(fused::matmul(x2, w)?.reshape(out)?);
+    }
     let y = match layout {
         WeightLayout::OutIn => x2.matmul(&w.t()?)?,
         WeightLayout::InOut => x2.matmul(w)?,
@@ -235,10 +246,15 @@ fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result
 
 fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
     let (x2, g2) = (rows(&x.contiguous()?)?, rows(&g.contiguous()?)?);
+    if fused::applies(&[&x2, &g2]) {
+        let op = |t, transposed| fused::Operand { data: t, transposed };
+        return match layout {
+            // dW [out, in] = g^T x; dW [in, out] = x^T g.
+            WeightLayout::OutIn => fused::matmul(op(&g2, true), op(&x2, false)),
+            WeightLayout::InOut => fused::matmul(op(&x2, true), op(&g2, false)),
+        };
+    }
     Ok(match layout {
-        // dW = g^T x. gemm runs x^T g (both operands read along rows) markedly faster than
-        // g^T x here, so compute dW^T and transpose the (smaller) result.
-        WeightLayout::OutIn if fused::applies(&[&x2, &g2]) => fused::transpose_2d(&x2.t()?.matmul(&g2)?)?,
         WeightLayout::OutIn => g2.t()?.matmul(&x2)?,
         WeightLayout::InOut => x2.t()?.matmul(&g2)?,
     })
