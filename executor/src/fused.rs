@@ -353,6 +353,17 @@ mod tests {
     }
 
     #[test]
+    fn elementwise_matches_candle() {
+        for dims in [&[3usize, 5][..], &[4, 256, 384]] {
+            let (a, b) = (randn(dims), randn(dims));
+            close(&elementwise(&a, &b, false).unwrap(), &(&a + &b).unwrap(), 0.0);
+            close(&elementwise(&a, &b, true).unwrap(), &(&a * &b).unwrap(), 0.0);
+        }
+        let empty = randn(&[0, 7]);
+        assert_eq!(elementwise(&empty, &empty, true).unwrap().dims(), &[0, 7]);
+    }
+
+    #[test]
     fn matmul_matches_candle_for_every_transposition() {
         for (m, k, n) in [(1, 1, 1), (37, 5, 70), (64, 384, 130), (3, 0, 4)] {
             let (a, b) = (randn(&[m, k]), randn(&[k, n]));
@@ -514,6 +525,38 @@ pub fn swap_dims_1_2(x: &Tensor) -> Result<Tensor> {
         o
     })?;
     Ok(Tensor::from_vec(v, (a, c, b, d), x.device())?)
+}
+
+/// `a + b` or `a * b` of two f32 tensors of one shape, on rayon's threads, into an output
+/// that is not zeroed first.
+pub fn elementwise(a: &Tensor, b: &Tensor, mul: bool) -> Result<Tensor> {
+    let n = a.elem_count();
+    if a.dims() != b.dims() {
+        return Err(ExecError::Internal(format!(
+            "elementwise {:?} with {:?}",
+            a.dims(),
+            b.dims()
+        )));
+    }
+    const CHUNK: usize = 1 << 14;
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    with_slice(a, |xa| {
+        with_slice(b, |xb| {
+            let body = |(c, o): (usize, &mut [std::mem::MaybeUninit<f32>])| {
+                let r = c * CHUNK..c * CHUNK + o.len();
+                vmath::elementwise(&xa[r.clone()], &xb[r], o, mul);
+            };
+            let slots = &mut out.spare_capacity_mut()[..n];
+            if n >= PAR_MIN {
+                slots.par_chunks_mut(CHUNK).enumerate().for_each(body);
+            } else {
+                slots.chunks_mut(CHUNK).enumerate().for_each(body);
+            }
+        })
+    })??;
+    // SAFETY: the chunks cover 0..n and `vmath::elementwise` writes every element of each.
+    unsafe { out.set_len(n) };
+    self::out(out, a)
 }
 
 /// One row-major `[r, c]` operand of [`matmul`]: its elements and whether to use it

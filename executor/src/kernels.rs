@@ -94,6 +94,9 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             }
         }
         Op::MatMul => ins[0].contiguous()?.broadcast_matmul(&ins[1].contiguous()?)?,
+        Op::Add | Op::Mul if ins[0].dims() == ins[1].dims() && fused::applies(&ins[..2]) => {
+            fused::elementwise(ins[0], ins[1], matches!(op, Op::Mul))?
+        }
         Op::Add => ins[0].broadcast_add(ins[1])?,
         Op::Mul => ins[0].broadcast_mul(ins[1])?,
         // The fused kernels have no f64 version; the composed ones (used for gradient checks) do.

@@ -285,6 +285,23 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// `out = a * b` (`mul`) or `a + b`, every element written.
+    pub fn elementwise(a: &[f32], b: &[f32], out: &mut [MaybeUninit<f32>], mul: bool) {
+        let n = out.len();
+        assert!(a.len() == n && b.len() == n);
+        if mul {
+            for i in 0..n {
+                out[i].write(a[i] * b[i]);
+            }
+        } else {
+            for i in 0..n {
+                out[i].write(a[i] + b[i]);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
