@@ -14,8 +14,9 @@
 //! probability) instead, which is exact: a skipped term is a zero probability times a
 //! finite value.
 
+use crate::fused::with_slice;
 use crate::{vmath, ExecError};
-use candle_core::{CpuStorage, Storage, Tensor};
+use candle_core::Tensor;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -138,19 +139,6 @@ unsafe fn mm(dst: View, a: View, b: View, alpha: f32, accumulate: bool) {
     );
 }
 
-/// Runs `f` on the tensor's elements as one contiguous f32 slice.
-fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
-        return Err(ExecError::Internal("attention kernels take f32 CPU tensors".into()));
-    };
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| ExecError::Internal("not contiguous".into()))?;
-    Ok(f(&data[start..end]))
-}
-
 /// Keys `0..visible(i)` that query row `i` of `s` sees among `t` (rows aligned to the end
 /// of the keys under a causal mask).
 fn visible(i: usize, s: usize, t: usize, causal: bool) -> usize {
@@ -210,34 +198,56 @@ fn extents(m: &[f32], t: usize) -> Vec<usize> {
     m.chunks(t.max(1)).map(vmath::extent).collect()
 }
 
+/// The probabilities of query rows `r0..r1` of head `hi` of batch `bi` into `p` (one row
+/// of `t` per query row): scaled scores up to the block's last visible key, softmax, zeros
+/// beyond each row's visible keys. Returns that last visible key + 1.
+#[allow(clippy::too_many_arguments)]
+fn probs_block(
+    qs: &[f32],
+    ks: &[f32],
+    dm: Dims,
+    bi: usize,
+    hi: usize,
+    r0: usize,
+    r1: usize,
+    causal: bool,
+    p: &mut [f32],
+) -> usize {
+    let Dims { s, t, d, .. } = dm;
+    let (qo, qrs) = dm.q_head(bi, hi);
+    let (ko, krs) = dm.kv_head(bi, hi);
+    let cols = visible(r1 - 1, s, t, causal);
+    // SAFETY: `p` is borrowed mutably for the call; the view is checked against it.
+    unsafe {
+        mm(
+            OutPtr::new(p).view(0, r1 - r0, cols, t),
+            View::new(qs, qo + r0 * qrs, r1 - r0, d, qrs, 1),
+            View::new(ks, ko, cols, d, krs, 1).t(),
+            1.0,
+            false,
+        )
+    };
+    for i in r0..r1 {
+        softmax_row(
+            &mut p[(i - r0) * t..(i - r0 + 1) * t],
+            visible(i, s, t, causal),
+            dm.scale(),
+        );
+    }
+    cols
+}
+
 /// Softmax of the scaled scores `q k^T / sqrt(d)`, `[b, h, s, t]`.
 pub fn probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
     let dm = Dims::of(q, k)?;
-    let Dims { b, s, t, h, d, .. } = dm;
+    let Dims { b, s, t, h, .. } = dm;
     let mut out = vec![0f32; b * h * s * t];
     with_slice(q, |qs| {
         with_slice(k, |ks| {
             out.par_chunks_mut((s * t).max(1)).enumerate().for_each(|(bh, p)| {
-                let (bi, hi) = (bh / h, bh % h);
-                let (qo, qrs) = dm.q_head(bi, hi);
-                let (ko, krs) = dm.kv_head(bi, hi);
                 for r0 in (0..s).step_by(BLOCK) {
                     let r1 = (r0 + BLOCK).min(s);
-                    let cols = visible(r1 - 1, s, t, causal);
-                    let dst = OutPtr::new(p).view(r0 * t, r1 - r0, cols, t);
-                    // SAFETY: `p` is this task's own chunk.
-                    unsafe {
-                        mm(
-                            dst,
-                            View::new(qs, qo + r0 * qrs, r1 - r0, d, qrs, 1),
-                            View::new(ks, ko, cols, d, krs, 1).t(),
-                            1.0,
-                            false,
-                        )
-                    };
-                    for i in r0..r1 {
-                        softmax_row(&mut p[i * t..(i + 1) * t], visible(i, s, t, causal), dm.scale());
-                    }
+                    probs_block(qs, ks, dm, bh / h, bh % h, r0, r1, causal, &mut p[r0 * t..r1 * t]);
                 }
             })
         })
@@ -259,34 +269,22 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tenso
                     || vec![0f32; BLOCK * t],
                     |p, bh| {
                         let (bi, hi) = (bh / h, bh % h);
-                        let (qo, qrs) = dm.q_head(bi, hi);
-                        let (ko, krs) = dm.kv_head(bi, hi);
+                        let (oo, ors) = dm.q_head(bi, hi);
+                        let (vo, vrs) = dm.kv_head(bi, hi);
                         for r0 in (0..s).step_by(BLOCK) {
                             let r1 = (r0 + BLOCK).min(s);
-                            let cols = visible(r1 - 1, s, t, causal);
-                            let pv = OutPtr::new(p).view(0, r1 - r0, cols, t);
-                            // SAFETY: `p` is this task's scratch; the output rows written
-                            // are head `hi` of batch `bi`, which no other task writes.
+                            let cols = probs_block(qs, ks, dm, bi, hi, r0, r1, causal, &mut p[..(r1 - r0) * t]);
+                            // SAFETY: the output rows written are head `hi` of batch `bi`,
+                            // which no other task writes.
                             unsafe {
                                 mm(
-                                    pv,
-                                    View::new(qs, qo + r0 * qrs, r1 - r0, d, qrs, 1),
-                                    View::new(ks, ko, cols, d, krs, 1).t(),
-                                    1.0,
-                                    false,
-                                );
-                                for i in r0..r1 {
-                                    let row = &mut p[(i - r0) * t..(i - r0 + 1) * t];
-                                    softmax_row(&mut row[..cols], visible(i, s, t, causal), dm.scale());
-                                }
-                                mm(
-                                    o.view(qo + r0 * qrs, r1 - r0, d, qrs),
+                                    o.view(oo + r0 * ors, r1 - r0, d, ors),
                                     View::new(p, 0, r1 - r0, cols, t, 1),
-                                    View::new(vs, ko, cols, d, krs, 1),
+                                    View::new(vs, vo, cols, d, vrs, 1),
                                     1.0,
                                     false,
-                                );
-                            }
+                                )
+                            };
                         }
                     },
                 )
@@ -441,6 +439,7 @@ pub fn grad_q(ds: &Tensor, k: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::tests::close;
     use candle_core::{Device, D};
 
     fn randn(dims: &[usize], seed: u64) -> Tensor {
@@ -454,20 +453,6 @@ mod tests {
             })
             .collect();
         Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-    }
-
-    fn close(a: &Tensor, b: &Tensor, tol: f32) {
-        assert_eq!(a.dims(), b.dims());
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let s = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
-        assert!(d <= tol * s, "max difference {d} (scale {s})");
     }
 
     /// `[b, s, h, d] -> [b, h, s, d]`, with k/v heads repeated to `h` query heads.

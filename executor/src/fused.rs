@@ -24,7 +24,7 @@ pub fn applies(ts: &[&Tensor]) -> bool {
 }
 
 /// Runs `f` on the tensor's elements as one contiguous f32 slice.
-fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+pub(crate) fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
@@ -266,11 +266,12 @@ pub fn activation_grad(x: &Tensor, g: &Tensor, gelu: bool) -> Result<Tensor> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::D;
 
-    fn close(a: &Tensor, b: &Tensor, tol: f32) {
+    /// `a` equals `b` within `tol` relative to `b`'s largest magnitude (at least 1).
+    pub(crate) fn close(a: &Tensor, b: &Tensor, tol: f32) {
         assert_eq!(a.dims(), b.dims());
         let d = (a - b)
             .unwrap()
