@@ -127,6 +127,11 @@ enum Slot {
     Value(Tensor),
 }
 
+/// Bytes of a buffer as the plan sizes it (what its zeros would hold).
+fn planned_bytes(b: &shardplan_planner::Buffer) -> u64 {
+    b.numel * cdtype(b.dtype).size_in_bytes() as u64
+}
+
 /// One step's state on one rank, shared by its stream threads.
 struct StepCtx<'a> {
     shared: &'a Shared,
@@ -164,12 +169,12 @@ impl StepCtx<'_> {
                 *slot = Slot::Value(t.clone());
                 Ok(t)
             }
-            Slot::Free => Err(ExecError::Internal(format!(
-                "{} ({}) is not allocated",
-                b,
-                self.shared.plan.buffer(b).name
-            ))),
+            Slot::Free => Err(self.not_allocated(b)),
         }
+    }
+
+    fn not_allocated(&self, b: BufId) -> ExecError {
+        ExecError::Internal(format!("{} ({}) is not allocated", b, self.shared.plan.buffer(b).name))
     }
 
     /// Where a pool's buffers live: the compute device, or the CPU for the host pool.
@@ -187,13 +192,7 @@ impl StepCtx<'_> {
             match &*slot {
                 Slot::Value(acc) => Some(acc.clone()),
                 Slot::Zero => None,
-                Slot::Free => {
-                    return Err(ExecError::Internal(format!(
-                        "{} ({}) is not allocated",
-                        b,
-                        self.shared.plan.buffer(b).name
-                    )))
-                }
+                Slot::Free => return Err(self.not_allocated(b)),
             }
         };
         let dtype = cdtype(self.shared.plan.buffer(b).dtype);
@@ -466,7 +465,7 @@ impl StepCtx<'_> {
         match &issued.instr {
             Instr::Alloc { buf } => {
                 let b = plan.buffer(*buf);
-                let bytes = b.numel * cdtype(b.dtype).size_in_bytes() as u64;
+                let bytes = planned_bytes(b);
                 *lock(&self.bufs[buf.index()]) = Slot::Zero;
                 self.sequenced(i, |m| {
                     let level = if b.pool == Pool::Host {
@@ -482,7 +481,7 @@ impl StepCtx<'_> {
                 let b = plan.buffer(*buf);
                 let bytes = match std::mem::take(&mut *lock(&self.bufs[buf.index()])) {
                     Slot::Value(t) => tensor_bytes(&t),
-                    Slot::Zero => b.numel * cdtype(b.dtype).size_in_bytes() as u64,
+                    Slot::Zero => planned_bytes(b),
                     Slot::Free => 0,
                 };
                 if let Some(c) = c.as_mut() {
@@ -654,14 +653,10 @@ pub fn run_step(
     let bufs: Vec<Mutex<Slot>> = (0..plan.buffers.len()).map(|_| Mutex::new(Slot::Free)).collect();
     let mut memory = Memory::default();
     // The persistent buffers of each group: sharded parameters (always) and optimizer state.
-    let persistent = |g: usize, c: Category| {
-        plan.buffers
-            .iter()
-            .find(|b| b.persistent && b.category == c && b.group.map(|x| x.index()) == Some(g))
-    };
     let mut sharded = Vec::with_capacity(plan.groups.len());
     for (g, p) in params.iter().enumerate() {
-        let b = persistent(g, Category::ShardedParams)
+        let b = plan
+            .persistent_buffer(g, Category::ShardedParams)
             .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
         sharded.push(b.id);
         *lock(&bufs[b.id.index()]) = Slot::Value(p.clone());
@@ -671,7 +666,7 @@ pub fn run_step(
             &mut memory.device
         };
         *level.slot(Category::ShardedParams) += tensor_bytes(p);
-        if let Some(ob) = persistent(g, Category::OptimizerState) {
+        if let Some(ob) = plan.persistent_buffer(g, Category::OptimizerState) {
             let level = if ob.pool == Pool::Host {
                 &mut memory.host
             } else {
@@ -683,7 +678,8 @@ pub fn run_step(
     memory.observe();
     let cx = StepCtx {
         shared,
-        // Both pools are host memory on the CPU backend (accounted apart all the same).
+        // The device pool's device; the host pool is the CPU (`pool_device`). On the CPU
+        // backend both are host memory, accounted apart all the same.
         device: ctx.device.clone(),
         rank: *rank,
         comms,

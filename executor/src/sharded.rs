@@ -194,12 +194,7 @@ impl ShardedTrainer {
     /// device-pool buffers and the batches; host-pool state (CPU offload) stays on the CPU.
     pub fn to_device(&mut self, device: &Device) -> Result<(), ExecError> {
         let plan = &self.shared.plan;
-        let pool_of = |g: usize, c: Category| {
-            plan.buffers
-                .iter()
-                .find(|b| b.persistent && b.category == c && b.group.map(|x| x.index()) == Some(g))
-                .map_or(Pool::Device, |b| b.pool)
-        };
+        let pool_of = |g: usize, c: Category| plan.persistent_buffer(g, c).map_or(Pool::Device, |b| b.pool);
         let place = |pool: Pool| {
             if pool == Pool::Host {
                 Device::Cpu

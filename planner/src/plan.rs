@@ -602,6 +602,14 @@ impl Plan {
         &self.buffers[b.index()]
     }
 
+    /// The persistent buffer of group `g` in category `c` (its sharded parameters, its
+    /// optimizer state), if the plan keeps one.
+    pub fn persistent_buffer(&self, g: usize, c: Category) -> Option<&Buffer> {
+        self.buffers
+            .iter()
+            .find(|b| b.persistent && b.category == c && b.group.map(|x| x.index()) == Some(g))
+    }
+
     pub fn step(&self, s: StepId) -> &Step {
         &self.steps[s.index()]
     }
