@@ -207,23 +207,23 @@ pub fn rms_norm_grad_weight(x: &Tensor, g: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(Tensor::from_vec(v, d, x.device())?)
 }
 
+/// An `n`-element output computed in chunks of 4096, `f(start, out chunk)`, in parallel
+/// when there is enough of it.
+fn chunks_par(n: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    const WIDTH: usize = 4096;
+    let mut v = vec![0f32; n];
+    let body = |(c, o): (usize, &mut [f32])| f(c * WIDTH, o);
+    if n >= PAR_MIN {
+        v.par_chunks_mut(WIDTH).enumerate().for_each(body);
+    } else {
+        v.chunks_mut(WIDTH).enumerate().for_each(body);
+    }
+    v
+}
+
 /// `x * sigmoid(x)`, elementwise.
 pub fn silu(x: &Tensor) -> Result<Tensor> {
-    let n = x.elem_count();
-    let width = 4096.min(n.max(1));
-    let v = with_slice(x, |xs| {
-        let mut v = vec![0f32; n];
-        let body = |(c, o): (usize, &mut [f32])| {
-            let i = c * width;
-            vmath::silu(&xs[i..i + o.len()], o)
-        };
-        if n >= PAR_MIN {
-            v.par_chunks_mut(width).enumerate().for_each(body);
-        } else {
-            v.chunks_mut(width).enumerate().for_each(body);
-        }
-        v
-    })?;
+    let v = with_slice(x, |xs| chunks_par(xs.len(), |i, o| vmath::silu(&xs[i..i + o.len()], o)))?;
     out(v, x)
 }
 
@@ -231,35 +231,18 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
 pub fn activation_grad(x: &Tensor, g: &Tensor, gelu: bool) -> Result<Tensor> {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
     const A: f32 = 0.044_715;
-    let n = x.elem_count();
-    let width = 4096.min(n.max(1));
     let v = with_slice(x, |xs| {
         with_slice(g, |gs| {
-            let mut v = vec![0f32; n];
-            let body = |(c, o): (usize, &mut [f32])| {
+            chunks_par(xs.len(), |i, o| {
+                let (xs, gs) = (&xs[i..i + o.len()], &gs[i..i + o.len()]);
                 if !gelu {
-                    let i = c * width;
-                    return vmath::silu_grad(&xs[i..i + o.len()], &gs[i..i + o.len()], o);
+                    return vmath::silu_grad(xs, gs, o);
                 }
-                for (k, slot) in o.iter_mut().enumerate() {
-                    let i = c * width + k;
-                    let x = xs[i];
-                    let d = if gelu {
-                        let t = (C * (x + A * x * x * x)).tanh();
-                        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
-                    } else {
-                        let s = 1.0 / (1.0 + (-x).exp());
-                        s * (1.0 + x * (1.0 - s))
-                    };
-                    *slot = gs[i] * d;
+                for ((slot, &x), &g) in o.iter_mut().zip(xs).zip(gs) {
+                    let t = (C * (x + A * x * x * x)).tanh();
+                    *slot = g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x));
                 }
-            };
-            if n >= PAR_MIN {
-                v.par_chunks_mut(width).enumerate().for_each(body);
-            } else {
-                v.chunks_mut(width).enumerate().for_each(body);
-            }
-            v
+            })
         })
     })??;
     out(v, x)
