@@ -31,7 +31,7 @@ enum Command {
     /// Work with checkpoints: export one as a Hugging Face safetensors file.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
-    /// Train a model on the CPU (one rank): progress bar, JSON-lines metrics, Ctrl-C stops after the current step.
+    /// Train on any mesh: every rank as a thread of this process, or one rank per process under mpirun / srun / torchrun; progress bar, JSON-lines metrics, measured trace, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
 }
 
@@ -81,17 +81,24 @@ fn main() -> ExitCode {
     match result {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(code)) => ExitCode::from(code),
-        Err(CliError::Input(e)) => {
+        Err(e) => ExitCode::from(report(&e)),
+    }
+}
+
+/// Prints `e` and returns its exit code: 2 for bad input or usage, 1 for anything else.
+pub fn report(e: &CliError) -> u8 {
+    match e {
+        CliError::Input(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(2)
+            2
         }
-        Err(CliError::Usage(e)) => {
+        CliError::Usage(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(2)
+            2
         }
-        Err(CliError::Other(e)) => {
+        CliError::Other(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(1)
+            1
         }
     }
 }

@@ -1,11 +1,15 @@
-//! `shardplan train`: run training steps (on the CPU, or one CUDA device in a CUDA build),
-//! with a progress bar, a JSON-lines metrics log, and a clean stop on Ctrl-C.
+//! `shardplan train`: run training steps on any mesh — every rank as a thread of this
+//! process (`--backend local`), or one rank per process under mpirun / srun (`mpi`) — with
+//! a progress bar, a JSON-lines metrics log, a measured trace, and a clean stop on Ctrl-C.
+//! The process running rank 0 alone writes the log, the trace, the bar and the summary.
 
 use crate::fmt::bytes;
 use crate::CliError;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use shardplan_executor::comm::env::{Launcher, ProcessEnv};
+use shardplan_executor::comm::Placement;
 use shardplan_executor::{ExecError, ShardedTrainer};
 use shardplan_frontends::{
     load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, ParallelConfig, Source, SpecError,
@@ -52,9 +56,31 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// Where to compute: `cpu`, or `cuda` / `cuda:N` in a CUDA build (scripts/build-cuda.sh).
-    /// Every rank of the mesh runs as a thread on this one device.
+    /// With `--backend local` every rank of the mesh runs as a thread on this one device.
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     pub device: String,
+    /// How ranks exchange data: `local` (every rank of the mesh as a thread of this one
+    /// process), `mpi` (one rank per process under mpirun or srun; a build with
+    /// `--features mpi`), `nccl` (one rank per GPU; CUDA builds). Default: `local` for a
+    /// single process, `mpi` for CPU processes under mpirun or srun, `nccl` for CUDA ones.
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    pub backend: Option<Backend>,
+    /// Write a Chrome / Perfetto trace of the measured start and end of every instruction
+    /// on every stream of every rank (the track layout of `plan --format trace`).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// Seconds a collective or a cross-stream wait may take before the run stops with an
+    /// error naming it (a rank that died or hung).
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    pub collective_timeout: f64,
+}
+
+/// The engine that moves data between ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    Local,
+    Mpi,
+    Nccl,
 }
 
 /// Exit code of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
@@ -116,36 +142,109 @@ fn read_plan(path: &std::path::Path) -> Result<(shardplan_planner::Plan, ModelCo
 }
 
 pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
-    // Under torchrun / srun / `shardplan launch`, each process would be one rank joined by
-    // NCCL; this build runs every rank of a mesh as threads of one process instead.
-    match shardplan_executor::dist::DistEnv::from_env() {
-        Ok(Some(env)) if env.world_size > 1 => {
-            #[cfg(not(feature = "cuda"))]
-            let why = "this shardplan was built without CUDA support";
-            #[cfg(feature = "cuda")]
-            let why = "this build has no NCCL backend yet";
+    let env = ProcessEnv::from_env().map_err(|e| CliError::Usage(e.to_string()))?;
+    let processes = env.as_ref().map_or(1, |e| e.world_size);
+    let cuda = args.device.starts_with("cuda");
+    let backend = match (args.backend, &env) {
+        (Some(b), _) => b,
+        (None, None) => Backend::Local,
+        (None, Some(e)) if e.world_size == 1 => Backend::Local,
+        (None, Some(_)) if cuda => Backend::Nccl,
+        (None, Some(e)) if e.launcher != Launcher::Torchrun => Backend::Mpi,
+        (None, Some(e)) => {
             return Err(CliError::Usage(format!(
-                "rank {} of {}: multi-process training needs the NCCL backend, and {why}; run `shardplan train` once instead: it runs every rank of the mesh as a thread on one device (`--device cpu` or `cuda`)",
-                env.rank, env.world_size
+                "rank {} of {}: CPU processes started by {} have no collective engine; start them with `mpirun -np {}` (the MPI backend), or run `shardplan train` once: it runs every rank of the mesh as a thread",
+                e.rank,
+                e.world_size,
+                e.launcher.name(),
+                e.world_size
+            )))
+        }
+    };
+    if !(args.collective_timeout > 0.0 && args.collective_timeout.is_finite()) {
+        return Err(CliError::Usage(format!(
+            "--collective-timeout {}: give a positive number of seconds",
+            args.collective_timeout
+        )));
+    }
+    match backend {
+        Backend::Local => {
+            if let Some(e) = env.as_ref().filter(|e| e.world_size > 1) {
+                return Err(CliError::Usage(format!(
+                    "rank {} of {}: --backend local runs every rank of the mesh as a thread of one process, but {} started {} processes; start one process, or use --backend mpi (CPU) or nccl (GPU)",
+                    e.rank, e.world_size, e.launcher.name(), processes
+                )));
+            }
+            train(args, &|plan| Ok(shardplan_executor::comm::local::place(plan)))
+        }
+        Backend::Mpi => run_mpi(args, env.as_ref()),
+        Backend::Nccl => Err(CliError::Usage(nccl_missing(env.as_ref()))),
+    }
+}
+
+fn nccl_missing(env: Option<&ProcessEnv>) -> String {
+    let who = env.map_or(String::new(), |e| format!("rank {} of {}: ", e.rank, e.world_size));
+    #[cfg(not(feature = "cuda"))]
+    let why = "this shardplan was built without CUDA support (build it with scripts/build-cuda.sh)";
+    #[cfg(feature = "cuda")]
+    let why = "this CUDA build has no NCCL backend yet";
+    format!("{who}--backend nccl needs the NCCL backend, and {why}; on the CPU use --backend mpi under mpirun, or one process with --backend local")
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
+    let who = env.map_or(String::new(), |e| format!("rank {} of {}: ", e.rank, e.world_size));
+    Err(CliError::Usage(format!(
+        "{who}--backend mpi: this shardplan was built without MPI support; build it with `cargo build --release --features mpi` (needs Open MPI: apt-get install libopenmpi-dev openmpi-bin libclang-dev)"
+    )))
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
+    use shardplan_executor::comm::mpi::{place, MpiWorld};
+    let world = MpiWorld::init().map_err(|e| CliError::Usage(e.to_string()))?;
+    if let Some(e) = env {
+        if e.world_size != world.size {
+            return Err(CliError::Usage(format!(
+                "{} says {} processes, MPI says {}: start the ranks with mpirun or srun, not {}",
+                e.launcher.name(),
+                e.world_size,
+                world.size,
+                e.launcher.name()
             )));
         }
-        Ok(_) => {}
-        Err(e) => return Err(CliError::Usage(e.to_string())),
     }
+    // Every process runs one rank; on any failure this process stops the whole job, so
+    // no rank waits on one that is gone.
+    match train(args, &|plan| place(&world, plan)) {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            let code = crate::report(&e);
+            world.abort(i32::from(code))
+        }
+    }
+}
+
+/// Runs the training loop with the ranks `place` gives this process.
+fn train(
+    args: &TrainArgs,
+    place: &dyn Fn(&shardplan_planner::Plan) -> Result<Placement, ExecError>,
+) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
-    let device =
-        shardplan_executor::device::open(&args.device).map_err(|e| CliError::Usage(format!("--device: {e}")))?;
-    shardplan_executor::host::retain_freed_memory();
+    let device = shardplan_executor::runtime::device::open(&args.device)
+        .map_err(|e| CliError::Usage(format!("--device: {e}")))?;
+    shardplan_executor::cpu::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
             let (plan, model, parallel) = read_plan(p)?;
             let specs = Specs::Plan(p.clone());
-            let graph = shardplan_models::trace(&model, shardplan_executor::sharded::trace_options(&parallel))
+            let graph = shardplan_models::trace(&model, shardplan_executor::train::sharded::trace_options(&parallel))
                 .map_err(|e| exec_error(ExecError::Trace(e), &specs))?;
             let joint = shardplan_ir::differentiate(&graph).map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
-            let t = ShardedTrainer::from_plan(&model, &parallel, plan, joint, args.steps)
+            let placement = place(&plan).map_err(|e| exec_error(e, &specs))?;
+            let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)
                 .map_err(|e| exec_error(e, &specs))?;
             (specs, t, model)
         }
@@ -155,8 +254,11 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
             let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &parallel.config)?;
             let config = model.config.clone();
             let specs = Specs::Files(Box::new((model, parallel)));
+            let placement = place(&plan).map_err(|e| exec_error(e, &specs))?;
             let t = match &specs {
-                Specs::Files(b) => ShardedTrainer::from_plan(&b.0.config, &b.1.config, plan, joint, args.steps),
+                Specs::Files(b) => {
+                    ShardedTrainer::from_placement(&b.0.config, &b.1.config, plan, joint, args.steps, placement)
+                }
                 Specs::Plan(_) => unreachable!("built from files just above"),
             }
             .map_err(|e| exec_error(e, &specs))?;
@@ -168,13 +270,30 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
             )))
         }
     };
+    trainer.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
+    let leader = trainer.is_leader();
+    if leader {
+        let world = trainer.plan().mesh.world();
+        eprintln!(
+            "backend {}: {}",
+            trainer.backend(),
+            if trainer.local_ranks().len() as u64 == world {
+                format!("{world} rank(s) as threads of this process")
+            } else {
+                format!("{world} processes, one rank each")
+            }
+        );
+    }
     trainer.to_device(&device).map_err(|e| exec_error(e, &specs))?;
     if let Some(p) = &args.init_from {
         trainer.init_from(p).map_err(|e| exec_error(e, &specs))?;
     }
     if let Some(dir) = &args.resume {
-        for w in trainer.load(dir).map_err(|e| exec_error(e, &specs))? {
-            eprintln!("warning: {w}");
+        let warnings = trainer.load(dir).map_err(|e| exec_error(e, &specs))?;
+        if leader {
+            for w in warnings {
+                eprintln!("warning: {w}");
+            }
         }
         if trainer.steps_done() >= args.steps {
             return Err(CliError::Usage(format!(
@@ -185,30 +304,40 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
             )));
         }
     }
-    let save = |trainer: &ShardedTrainer| -> Result<(), CliError> {
+    if args.trace.is_some() {
+        trainer.record_times();
+    }
+    let save = |trainer: &mut ShardedTrainer| -> Result<(), CliError> {
         if let Some(dir) = &args.checkpoint_dir {
             trainer.save(dir).map_err(|e| exec_error(e, &specs))?;
-            ShardedTrainer::prune(dir, args.checkpoint_keep).map_err(|e| exec_error(e, &specs))?;
+            if trainer.is_leader() {
+                ShardedTrainer::prune(dir, args.checkpoint_keep).map_err(|e| exec_error(e, &specs))?;
+            }
         }
         Ok(())
     };
 
     let mut log = match &args.log {
-        Some(p) => Some(std::io::BufWriter::new(
+        Some(p) if leader => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(p)
                 .with_context(|| format!("cannot open the log {}", p.display()))?,
         )),
-        None => None,
+        _ => None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
         ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
     }
-    let bar = ProgressBar::new(args.steps);
+    trainer.set_stop_flag(stop);
+    let bar = if leader {
+        ProgressBar::new(args.steps)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_position(trainer.steps_done());
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
@@ -217,12 +346,14 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     );
 
     let (mut first, mut last, mut tokens, mut secs) = (None, 0f32, 0u64, 0f64);
+    let mut seen = Measured::default();
     while trainer.steps_done() < args.steps {
         let m = trainer.step().map_err(|e| exec_error(e, &specs))?;
         first.get_or_insert(m.loss);
         last = m.loss;
         tokens += m.tokens;
         secs += m.step_seconds;
+        seen.add(&m);
         let measured = m.measured_peak.iter().copied().max().unwrap_or(0);
         bar.set_message(format!(
             "rank-0 loss {:.4} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned",
@@ -240,31 +371,130 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
                 .and_then(|()| w.flush())
                 .context("writing the metrics log")?;
         }
-        if stop.load(Ordering::SeqCst) {
+        if m.stop {
             bar.abandon();
-            save(&trainer)?;
-            eprintln!("interrupted: stopped cleanly after step {}", trainer.steps_done());
+            save(&mut trainer)?;
+            write_trace(args, &mut trainer)?;
+            if leader {
+                eprintln!("interrupted: stopped cleanly after step {}", trainer.steps_done());
+            }
             return Ok(Some(INTERRUPTED));
         }
         if args.checkpoint_every > 0
             && trainer.steps_done().is_multiple_of(args.checkpoint_every)
             && trainer.steps_done() < args.steps
         {
-            save(&trainer)?;
+            save(&mut trainer)?;
         }
     }
     bar.finish_and_clear();
-    save(&trainer)?;
-    let summary = format!(
-        "trained {} steps of {}: loss {:.4} -> {:.4}, {:.0} tokens/s\n",
-        trainer.steps_done(),
-        model_config.name(),
-        first.unwrap_or(last),
-        last,
-        tokens as f64 / secs.max(1e-9)
-    );
-    crate::emit(&summary)?;
+    save(&mut trainer)?;
+    write_trace(args, &mut trainer)?;
+    if leader {
+        let mut summary = format!(
+            "trained {} steps of {}: loss {:.4} -> {:.4}, {:.0} tokens/s\n",
+            trainer.steps_done(),
+            model_config.name(),
+            first.unwrap_or(last),
+            last,
+            tokens as f64 / secs.max(1e-9)
+        );
+        summary.push_str(&seen.versus(trainer.plan()));
+        crate::emit(&summary)?;
+    }
     Ok(None)
+}
+
+/// Writes the measured trace (`--trace`): every process takes part, the leader writes.
+fn write_trace(args: &TrainArgs, trainer: &mut ShardedTrainer) -> Result<(), CliError> {
+    let Some(path) = &args.trace else {
+        return Ok(());
+    };
+    let trace = trainer
+        .measured_trace()
+        .map_err(|e| CliError::Other(anyhow::Error::new(e)))?;
+    if trainer.is_leader() {
+        let text = serde_json::to_string(&trace).context("serialising the trace")?;
+        std::fs::write(path, text).with_context(|| format!("cannot write the trace {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// What the run measured, for the predicted-against-measured table at its end.
+#[derive(Default)]
+struct Measured {
+    step_seconds: Vec<f64>,
+    exposed: Vec<f64>,
+    max: shardplan_planner::ByCategory,
+    peak: u64,
+}
+
+impl Measured {
+    fn add(&mut self, m: &shardplan_executor::ShardedMetrics) {
+        self.step_seconds.push(m.step_seconds);
+        self.exposed.push(m.exposed_seconds);
+        for by in &m.measured {
+            for c in shardplan_planner::Category::ALL {
+                *self.max.slot(c) = self.max.get(c).max(by.get(c));
+            }
+        }
+        self.peak = self.peak.max(m.measured_peak.iter().copied().max().unwrap_or(0));
+    }
+
+    /// The median of the steps after the first (which pays for warm-up), or the first.
+    fn steady(v: &[f64]) -> f64 {
+        let mut x: Vec<f64> = if v.len() > 1 { v[1..].to_vec() } else { v.to_vec() };
+        x.sort_by(f64::total_cmp);
+        x.get(x.len() / 2).copied().unwrap_or(0.0)
+    }
+
+    fn versus(&self, plan: &shardplan_planner::Plan) -> String {
+        use std::fmt::Write as _;
+        let ratio = |m: f64, p: f64| if p > 0.0 { format!("{:.2}x", m / p) } else { "-".into() };
+        let mut o = String::from("predicted vs measured (median step after the first; memory: most on any rank):\n");
+        let e = &plan.estimate;
+        let (st, ex) = (Self::steady(&self.step_seconds), Self::steady(&self.exposed));
+        let _ = writeln!(o, "  {:<34} {:>12} {:>12} {:>7}", "", "predicted", "measured", "ratio");
+        let _ = writeln!(
+            o,
+            "  {:<34} {:>9.1} ms {:>9.1} ms {:>7}",
+            "step time",
+            e.step_s * 1e3,
+            st * 1e3,
+            ratio(st, e.step_s)
+        );
+        let _ = writeln!(
+            o,
+            "  {:<34} {:>9.1} ms {:>9.1} ms {:>7}",
+            "exposed communication",
+            e.exposed_comm_s * 1e3,
+            ex * 1e3,
+            ratio(ex, e.exposed_comm_s)
+        );
+        for c in shardplan_planner::Category::ALL {
+            let (p, m) = (plan.memory.max_by_category.get(c), self.max.get(c));
+            if p == 0 && m == 0 {
+                continue;
+            }
+            let _ = writeln!(
+                o,
+                "  {:<34} {:>12} {:>12} {:>7}",
+                c.name(),
+                bytes(p),
+                bytes(m),
+                ratio(m as f64, p as f64)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "  {:<34} {:>12} {:>12} {:>7}",
+            "peak (all categories)",
+            bytes(plan.memory.peak),
+            bytes(self.peak),
+            ratio(self.peak as f64, plan.memory.peak as f64)
+        );
+        o
+    }
 }
 
 /// Bad data files are bad input (exit 2); divergence and internal errors are failures.

@@ -26,7 +26,7 @@ fn launch_runs_the_command_once_per_rank() {
 }
 
 #[test]
-fn multi_process_training_on_a_cpu_build_is_refused_by_rank() {
+fn cpu_processes_under_torchrun_are_refused_by_rank() {
     let start = std::time::Instant::now();
     let o = shardplan(&[
         "launch",
@@ -46,7 +46,7 @@ fn multi_process_training_on_a_cpu_build_is_refused_by_rank() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("of 2: multi-process training needs the NCCL backend"),
+        err.contains("of 2: CPU processes started by torchrun / shardplan launch have no collective engine"),
         "{err}"
     );
     assert!(err.contains("exited with code 2; stopped the other ranks"), "{err}");

@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let spec = "mesh: {shard: 4}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 8}\n";
     let config = parse_parallel_spec(&Source::from_text("bench.yaml", spec))?.0;
     let t0 = Instant::now();
-    let trainer = ShardedTrainer::new(&model, &config, 1)?;
+    let mut trainer = ShardedTrainer::new(&model, &config, 1)?;
     let mut other = ShardedTrainer::new(&model, &config, 1)?;
     println!(
         "params: {}, set up in {:.1} s",

@@ -1,31 +1,24 @@
-//! The executor: runs shardplan graphs on candle tensors.
+//! The executor: runs shardplan graphs and Plans on candle tensors.
 //!
-//! The single-rank reference interpreter (`interp`) and `Trainer`, the kernels they share,
-//! the sharded executor (`sharded`, `rank`) that runs a Plan on Local ranks, collectives,
-//! checkpoints and the multi-process environment. Architecture invariant: the executor
-//! never makes a planning decision; it runs the graph or Plan it is given, in the order it
-//! is given.
+//! - `cpu`: kernels (one per IR op) and the fused CPU kernels behind them;
+//! - `comm`: the `Collectives` trait and its backends, the launcher environment, the
+//!   rendezvous;
+//! - `runtime`: the reference interpreter and the rank runtime that executes a Plan;
+//! - `train`: the reference and sharded trainers, optimizers, data, initialisation;
+//! - `checkpoint`: sharded, resharding checkpoints and HF safetensors import/export.
+//!
+//! Architecture invariant: the executor never makes a planning decision; it runs the graph
+//! or Plan it is given, in the order it is given.
 
-mod attention;
 pub mod checkpoint;
-pub mod collectives;
-pub mod data;
-pub mod device;
-pub mod dist;
+pub mod comm;
+pub mod cpu;
 mod error;
-mod fused;
-pub mod host;
-pub mod init;
-pub mod interp;
-pub mod kernels;
-pub mod optim;
-mod rank;
-pub mod sharded;
+pub mod runtime;
 pub mod train;
-mod vmath;
 
+pub use cpu::kernels::{cdtype, Ctx};
 pub use error::ExecError;
-pub use interp::{Interpreter, RunOutput};
-pub use kernels::{cdtype, Ctx};
-pub use sharded::{ShardedMetrics, ShardedTrainer};
-pub use train::{StepMetrics, Trainer};
+pub use runtime::interp::{Interpreter, RunOutput};
+pub use train::sharded::{ShardedMetrics, ShardedTrainer};
+pub use train::trainer::{StepMetrics, Trainer};

@@ -140,7 +140,7 @@ fn hf_sharded_folders_with_an_index_load() {
     let scratch = tempfile::tempdir().unwrap();
     let m = preset("tiny-llama").unwrap();
     let dir = temp(scratch.path(), "hf-index");
-    let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
+    let mut t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
     t.save(&dir).unwrap();
     let whole = dir.join("whole.safetensors");
     export(&dir, &whole, ExportDType::F32).unwrap();
@@ -281,7 +281,7 @@ fn bf16_and_f16_exports_import_as_their_rounded_weights() {
     let scratch = tempfile::tempdir().unwrap();
     let m = preset("tiny-llama").unwrap();
     let dir = temp(scratch.path(), "export-half");
-    let t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
+    let mut t = ShardedTrainer::new(&m, &config(1, 2, 24), 5).unwrap();
     t.save(&dir).unwrap();
     for (dtype, st, round) in [
         (

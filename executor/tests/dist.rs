@@ -1,6 +1,6 @@
 //! The torchrun environment and the TCP rendezvous: parsed with clear errors, and never a hang.
 
-use shardplan_executor::dist::{rendezvous, DistEnv};
+use shardplan_executor::comm::{env::DistEnv, rendezvous::rendezvous};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 

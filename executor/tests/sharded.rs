@@ -104,7 +104,7 @@ fn a_rank_that_never_arrives_times_out_instead_of_hanging() {
         .iter()
         .position(|i| matches!(i.instr, shardplan_planner::Instr::AllGather { .. }))
         .unwrap();
-    t.inject_fault(2, first_gather, shardplan_executor::sharded::Fault::Stall);
+    t.inject_fault(2, first_gather, shardplan_executor::train::sharded::Fault::Stall);
     let start = std::time::Instant::now();
     let err = t.step().unwrap_err().to_string();
     assert!(start.elapsed().as_secs() < 30, "took {:?}", start.elapsed());
@@ -121,7 +121,7 @@ fn a_failing_rank_stops_the_others() {
         .iter()
         .position(|i| matches!(i.instr, shardplan_planner::Instr::ReduceScatter { .. }))
         .unwrap();
-    t.inject_fault(1, rs, shardplan_executor::sharded::Fault::Fail);
+    t.inject_fault(1, rs, shardplan_executor::train::sharded::Fault::Fail);
     let err = t.step().unwrap_err().to_string();
     assert!(
         err.contains(&format!("rank 1: instruction #{rs} `reduce-scatter")),

@@ -2,7 +2,7 @@
 //! tensors, keeping each value in a table keyed by node id and freeing it after its last
 //! reader.
 
-use crate::kernels::{self, Ctx};
+use crate::cpu::kernels::{self, Ctx};
 use crate::ExecError;
 use candle_core::Tensor;
 use shardplan_ir::{Graph, NodeId, Op};

@@ -9,7 +9,7 @@
 //! global shape and which file holds which rows, with a CRC32 per block of rows, so a
 //! loading rank reads (and checks) only the byte ranges it needs.
 
-use crate::sharded::ShardedTrainer;
+use crate::train::sharded::ShardedTrainer;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -398,34 +398,87 @@ impl ShardedTrainer {
 
     /// Saves a checkpoint of the current step under `root` (see the module doc); returns
     /// its folder. `hook` is called at each stage and may stop the save there (tests).
-    pub fn save_with_hook(&self, root: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<PathBuf, ExecError> {
-        std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
+    pub fn save_with_hook(&mut self, root: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<PathBuf, ExecError> {
         let dir = step_dir(root, self.step);
-        if dir.join("metadata.json").exists() {
+        // The leader clears an interrupted save of this step; nobody writes until it has.
+        let prepared = (|| {
+            std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
+            if dir.join("metadata.json").exists() {
+                return Err(ExecError::Checkpoint(format!(
+                    "{}: a complete checkpoint of step {} exists; it is not overwritten",
+                    dir.display(),
+                    self.step
+                )));
+            }
+            if self.is_leader() && dir.exists() {
+                std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, "removing an interrupted save", e))?;
+            }
+            Ok(())
+        })();
+        if !self.all_ok(prepared.is_ok())? {
+            prepared?;
             return Err(ExecError::Checkpoint(format!(
-                "{}: a complete checkpoint of step {} exists; it is not overwritten",
-                dir.display(),
-                self.step
+                "{}: another process could not prepare the save",
+                dir.display()
             )));
         }
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, "removing an interrupted save", e))?;
+        let written = self.write_rank_files(&dir, hook);
+        if !self.all_ok(written.is_ok())? {
+            written?;
+            return Err(ExecError::Checkpoint(format!(
+                "{}: another process failed to write its rank file; no metadata written, the folder is not loadable",
+                dir.display()
+            )));
         }
-        std::fs::create_dir_all(&dir).map_err(|e| io(&dir, "cannot create", e))?;
+        // Every writer's pieces, to the leader (and everyone: the exchange is symmetric).
+        let mine = serde_json::to_vec(&written?).map_err(|e| ExecError::Internal(e.to_string()))?;
+        let mut results: Vec<Written> = Vec::new();
+        for bytes in self.gather_bytes(mine)? {
+            let part: Vec<Written> = serde_json::from_slice(&bytes)
+                .map_err(|e| ExecError::Internal(format!("checkpoint pieces from another process: {e}")))?;
+            results.extend(part);
+        }
+        results.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        let meta = if self.is_leader() {
+            if hook(SaveStage::BeforeMetadata) {
+                self.write_metadata(&dir, root, results)
+            } else {
+                Err(ExecError::Checkpoint(format!(
+                    "{}: save stopped before the metadata",
+                    dir.display()
+                )))
+            }
+        } else {
+            Ok(())
+        };
+        if !self.all_ok(meta.is_ok())? {
+            meta?;
+            return Err(ExecError::Checkpoint(format!(
+                "{}: the leader could not write the metadata; the folder is not loadable",
+                dir.display()
+            )));
+        }
+        Ok(dir)
+    }
+
+    /// Writes the rank files of this process's ranks in replica 0, in parallel.
+    fn write_rank_files(&self, dir: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<Vec<Written>, ExecError> {
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, "cannot create", e))?;
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let names = self.param_names();
-        let optimizer = plan.policy.optimizer.clone();
-        let states = state_names(&optimizer);
-        // Every rank of replica 0 writes its own file, in parallel.
-        let writers: Vec<u64> = (0..mesh.shard()).collect();
+        let states = state_names(&plan.policy.optimizer);
+        let writers: Vec<&crate::runtime::rank::RankState> = self
+            .ranks
+            .iter()
+            .filter(|r| mesh.coords(r.rank).replicate == 0)
+            .collect();
         let results: Vec<Result<Written, ExecError>> = std::thread::scope(|s| {
             let handles: Vec<_> = writers
                 .iter()
-                .map(|&rank| {
-                    let dir = &dir;
+                .map(|state| {
                     let names = &names;
-                    let state = &self.ranks[rank as usize];
+                    let rank = state.rank;
                     let groups: Vec<(Tensor, Option<Tensor>, Option<Tensor>)> = state
                         .params
                         .iter()
@@ -443,14 +496,9 @@ impl ShardedTrainer {
                 })
                 .collect()
         });
-        let mut files = Vec::new();
-        let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
+        let mut out = Vec::new();
         for (i, r) in results.into_iter().enumerate() {
-            let (f, ps) = r?;
-            files.push(f);
-            for (name, p) in ps {
-                pieces.entry(name).or_default().push(p);
-            }
+            out.push(r?);
             if !hook(SaveStage::AfterRankFile(i)) {
                 return Err(ExecError::Checkpoint(format!(
                     "{}: save stopped after rank file {i}",
@@ -458,11 +506,23 @@ impl ShardedTrainer {
                 )));
             }
         }
-        if !hook(SaveStage::BeforeMetadata) {
-            return Err(ExecError::Checkpoint(format!(
-                "{}: save stopped before the metadata",
-                dir.display()
-            )));
+        Ok(out)
+    }
+
+    /// `metadata.json` from every writer's pieces, renamed into place last.
+    fn write_metadata(&self, dir: &Path, root: &Path, results: Vec<Written>) -> Result<(), ExecError> {
+        let plan = &self.shared.plan;
+        let mesh = plan.mesh;
+        let names = self.param_names();
+        let optimizer = plan.policy.optimizer.clone();
+        let states = state_names(&optimizer);
+        let mut files = Vec::new();
+        let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
+        for (f, ps) in results {
+            files.push(f);
+            for (name, p) in ps {
+                pieces.entry(name).or_default().push(p);
+            }
         }
         let g = &self.shared.joint.graph;
         let mut tensors = Vec::new();
@@ -505,13 +565,13 @@ impl ShardedTrainer {
             f.sync_all().map_err(|e| io(&tmp, "fsync", e))?;
         }
         std::fs::rename(&tmp, dir.join("metadata.json")).map_err(|e| io(&tmp, "rename", e))?;
-        fsync_dir(&dir)?;
+        fsync_dir(dir)?;
         fsync_dir(root)?;
-        Ok(dir)
+        Ok(())
     }
 
     /// Saves a checkpoint of the current step under `root`.
-    pub fn save(&self, root: &Path) -> Result<PathBuf, ExecError> {
+    pub fn save(&mut self, root: &Path) -> Result<PathBuf, ExecError> {
         self.save_with_hook(root, &|_| true)
     }
 
@@ -559,7 +619,7 @@ impl ShardedTrainer {
         let mesh = plan.mesh;
         // Read everything first: a failure leaves the trainer as it was.
         let mut loaded: Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)> = Vec::new();
-        for rank in 0..mesh.world() {
+        for rank in self.local_ranks() {
             let coords = mesh.coords(rank);
             let mut headers = HashMap::new();
             let mut params = Vec::new();
@@ -603,8 +663,7 @@ impl ShardedTrainer {
             }
             loaded.push((params, st));
         }
-        for (rank, (params, st)) in loaded.into_iter().enumerate() {
-            let r = &mut self.ranks[rank];
+        for (r, (params, st)) in self.ranks.iter_mut().zip(loaded) {
             r.params = params;
             for (gi, o) in r.opt.iter_mut().enumerate() {
                 o.steps = meta.optimizer_steps;
@@ -637,7 +696,7 @@ impl ShardedTrainer {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let mut loaded = Vec::new();
-        for rank in 0..mesh.world() {
+        for rank in self.local_ranks() {
             let coords = mesh.coords(rank);
             let mut params = Vec::new();
             for grp in &plan.groups {

@@ -1,87 +1,12 @@
-//! Multi-process runs: the torchrun environment, and the rendezvous through which rank 0
-//! hands every other rank a small payload (the NCCL unique id) over TCP.
-//!
-//! `torchrun --no-python shardplan train ...`, `srun` with the same variables, and
-//! `shardplan launch` all set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
-//! Every connection and read has a deadline: a rank that cannot reach rank 0 fails with the
-//! address and the time it waited, never hangs.
+//! The TCP rendezvous through which rank 0 hands every other rank a small payload (the
+//! NCCL unique id) in a torchrun-style launch. Every connection and read has a deadline: a
+//! rank that cannot reach rank 0 fails with the address and the time it waited, never hangs.
 
+use super::env::DistEnv;
 use crate::ExecError;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-
-/// The torchrun variables of this process.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DistEnv {
-    pub rank: u64,
-    pub world_size: u64,
-    pub local_rank: u64,
-    pub master_addr: String,
-    pub master_port: u16,
-}
-
-impl DistEnv {
-    /// Reads the variables through `get` (the process environment in production).
-    /// `Ok(None)` when none is set: a single-process run.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>, ExecError> {
-        const NAMES: [&str; 5] = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"];
-        if NAMES.iter().all(|n| get(n).is_none()) {
-            return Ok(None);
-        }
-        let need = |n: &str| {
-            get(n).ok_or_else(|| {
-                ExecError::Unsupported(format!(
-                    "{n} is not set, but {} are: a multi-process launch sets all of {} (torchrun, srun or `shardplan launch` do)",
-                    NAMES.iter().filter(|m| get(m).is_some()).copied().collect::<Vec<_>>().join(", "),
-                    NAMES.join(", ")
-                ))
-            })
-        };
-        let num = |n: &str| -> Result<u64, ExecError> {
-            let v = need(n)?;
-            v.trim()
-                .parse::<u64>()
-                .map_err(|_| ExecError::Unsupported(format!("{n}={v:?} is not a non-negative integer")))
-        };
-        let (rank, world_size, local_rank) = (num("RANK")?, num("WORLD_SIZE")?, num("LOCAL_RANK")?);
-        if world_size == 0 || rank >= world_size {
-            return Err(ExecError::Unsupported(format!(
-                "RANK={rank} is not below WORLD_SIZE={world_size}"
-            )));
-        }
-        let port = need("MASTER_PORT")?;
-        let master_port = port
-            .trim()
-            .parse::<u16>()
-            .map_err(|_| ExecError::Unsupported(format!("MASTER_PORT={port:?} is not a port number")))?;
-        Ok(Some(DistEnv {
-            rank,
-            world_size,
-            local_rank,
-            master_addr: need("MASTER_ADDR")?,
-            master_port,
-        }))
-    }
-
-    /// The process environment's variables.
-    pub fn from_env() -> Result<Option<DistEnv>, ExecError> {
-        Self::from_vars(|n| std::env::var(n).ok())
-    }
-
-    fn addr(&self) -> Result<SocketAddr, ExecError> {
-        (self.master_addr.as_str(), self.master_port)
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| {
-                ExecError::Unsupported(format!(
-                    "MASTER_ADDR {}:{} does not resolve to an address",
-                    self.master_addr, self.master_port
-                ))
-            })
-    }
-}
 
 fn fail(env: &DistEnv, what: String) -> ExecError {
     ExecError::Aborted(format!("rank {}: {what}", env.rank))

@@ -221,7 +221,7 @@ multiversion! {
         op: &mut [MaybeUninit<f32>],
         om: &mut [MaybeUninit<f32>],
         ov: &mut [MaybeUninit<f32>],
-        h: crate::fused::AdamW,
+        h: crate::cpu::fused::AdamW,
     ) {
         let n = op.len();
         assert!(p.len() == n && g.len() == n && m.len() == n && v.len() == n && om.len() == n && ov.len() == n);

@@ -1,26 +1,27 @@
-//! Sharded training: every rank of a Plan's mesh runs the Plan with Local collectives
-//! (ranks as threads of this process), holding only its own shards.
+//! Sharded training: the ranks this process runs (every rank of the mesh as threads with
+//! Local collectives, or one rank per process with MPI or NCCL) each run the Plan,
+//! holding only their own shards.
 //!
 //! The global batch of each micro-batch is the same whatever the mesh (`per_rank x world`
 //! sequences from one data stream); rank `r` takes rows `r * per_rank ..`. Each rank
 //! initialises only its own rows of each parameter, from the counter-based initialiser, so
 //! the model equals the single-rank one bit for bit without any rank building it whole.
 
-use crate::collectives::{local_groups, Abort};
-use crate::data::DataSource;
-use crate::init::init_elements;
-use crate::kernels::Ctx;
-use crate::optim::{base_lr, lr_at, OptState};
-pub use crate::rank::Fault;
-use crate::rank::{run_step, Comms, RankState, Shared};
-use crate::train::data_source;
+use crate::comm::{Abort, Collectives, Placement};
+use crate::cpu::kernels::Ctx;
+pub use crate::runtime::rank::Fault;
+use crate::runtime::rank::{run_step, RankState, Shared};
+use crate::train::data::DataSource;
+use crate::train::init::init_elements;
+use crate::train::optim::{base_lr, lr_at, OptState};
+use crate::train::trainer::data_source;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{trace, ModelConfig, TraceOptions};
-use shardplan_planner::{chunk_rows, plan, ByCategory, Category, ExecOrder, GroupReshard, Plan, Pool};
+use shardplan_planner::{chunk_rows, plan, ByCategory, Category, ExecOrder, Plan, Pool};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -44,6 +45,11 @@ pub struct ShardedMetrics {
     pub measured_host: Vec<ByCategory>,
     pub planned: ByCategory,
     pub planned_peak: u64,
+    /// Time rank 0's compute stream spent waiting on other streams (measured exposed
+    /// communication), seconds.
+    pub exposed_seconds: f64,
+    /// Some process asked to stop (Ctrl-C): every rank stops after this step.
+    pub stop: bool,
 }
 
 /// A model, its Plan, and every rank's shards.
@@ -52,6 +58,15 @@ pub struct ShardedTrainer {
     pub(crate) ranks: Vec<RankState>,
     pub(crate) data: Vec<Box<dyn DataSource>>,
     abort: std::sync::Arc<Abort>,
+    /// One member per process, when ranks run in several processes.
+    pub(crate) processes: Option<Box<dyn Collectives>>,
+    backend: &'static str,
+    /// Set by Ctrl-C; read between steps and agreed on by every process.
+    stop_flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Collective tags of the between-step exchanges.
+    sync_tag: u64,
+    /// Per step, per local rank: the measured instruction times (when tracing).
+    pub(crate) times: Option<Vec<Vec<Vec<[f64; 2]>>>>,
     pub(crate) config: ParallelConfig,
     pub(crate) model: ModelConfig,
     total_steps: u64,
@@ -78,13 +93,28 @@ impl ShardedTrainer {
         Self::from_plan(model, config, p, joint, total_steps)
     }
 
-    /// Runs `plan` (made for `model` and `config`; verified here again).
+    /// Runs `plan` (made for `model` and `config`; verified here again) with every rank of
+    /// its mesh as a thread of this process.
     pub fn from_plan(
         model: &ModelConfig,
         config: &ParallelConfig,
         plan: Plan,
         joint: JointGraph,
         total_steps: u64,
+    ) -> Result<Self, ExecError> {
+        let place = crate::comm::local::place(&plan);
+        Self::from_placement(model, config, plan, joint, total_steps, place)
+    }
+
+    /// Runs `plan` on the ranks `place` gives this process (a backend built them for this
+    /// plan: `comm::local::place`, or one rank per process from `comm::mpi`).
+    pub fn from_placement(
+        model: &ModelConfig,
+        config: &ParallelConfig,
+        plan: Plan,
+        joint: JointGraph,
+        total_steps: u64,
+        place: Placement,
     ) -> Result<Self, ExecError> {
         shardplan_planner::verify(&plan, None)
             .map_err(|e| ExecError::Unsupported(format!("the plan is not safe to run: {e}")))?;
@@ -117,20 +147,21 @@ impl ShardedTrainer {
         }
         let mesh = plan.mesh;
         let world = mesh.world();
-        let abort = std::sync::Arc::new(Abort::default());
-        let mut shard = local_groups(world, "shard", |r| mesh.shard_group(r), &abort);
-        let mut replicate = local_groups(world, "replicate", |r| mesh.replicate_group(r), &abort);
-        let reshard_n = plan.groups.iter().find_map(|g| match g.reshard {
-            GroupReshard::ToGroupOf(n) => Some(n),
-            _ => None,
-        });
-        let mut reshard = reshard_n.map(|n| local_groups(world, "reshard", |r| mesh.reshard_group(r, n), &abort));
+        let Placement {
+            ranks: placed,
+            processes,
+            abort,
+            backend,
+        } = place;
         let g = &joint.graph;
         let first = g.node(g.inputs()[0]).ty.shape.dims().to_vec();
         let (per_rank, seq) = (first[0] as usize, first[1] as usize);
-        let mut ranks = Vec::with_capacity(world as usize);
-        let mut data = Vec::with_capacity(world as usize);
-        for rank in 0..world {
+        let mut ranks = Vec::with_capacity(placed.len());
+        let mut data = Vec::with_capacity(placed.len());
+        for (rank, comms) in placed {
+            if rank >= world {
+                return Err(ExecError::Internal(format!("rank {rank} placed on a world of {world}")));
+            }
             let coords = mesh.coords(rank);
             let mut params = Vec::with_capacity(plan.groups.len());
             let mut opt = Vec::with_capacity(plan.groups.len());
@@ -150,20 +181,9 @@ impl ShardedTrainer {
                 params.push(t);
                 opt.push(o);
             }
-            let take = |m: &mut HashMap<u64, crate::collectives::LocalGroup>| {
-                m.remove(&rank)
-                    .ok_or_else(|| ExecError::Internal(format!("no group handle for rank {rank}")))
-            };
             ranks.push(RankState {
                 rank,
-                comms: Comms {
-                    shard: take(&mut shard)?,
-                    replicate: take(&mut replicate)?,
-                    reshard: match reshard.as_mut() {
-                        Some(m) => Some(take(m)?),
-                        None => None,
-                    },
-                },
+                comms,
                 params,
                 opt,
                 ctx: Ctx::new(Device::Cpu),
@@ -182,6 +202,11 @@ impl ShardedTrainer {
             ranks,
             data,
             abort,
+            processes,
+            backend,
+            stop_flag: None,
+            sync_tag: 0,
+            times: None,
             config: config.clone(),
             model: model.clone(),
             total_steps,
@@ -256,21 +281,22 @@ impl ShardedTrainer {
         }
         let start = Instant::now();
         let accum = self.config.batch.grad_accum as usize;
-        let world = self.ranks.len();
+        let world = self.shared.plan.mesh.world() as usize;
         let lr = lr_at(
             self.step,
             self.total_steps,
             base_lr(&self.config.optimizer),
             &self.config.lr_schedule,
         );
-        // Each rank's rows of the same global micro-batches.
-        let mut batches: Vec<Vec<HashMap<String, Tensor>>> = Vec::with_capacity(world);
+        // Each local rank's rows of the same global micro-batches.
+        let mut batches: Vec<Vec<HashMap<String, Tensor>>> = Vec::with_capacity(self.ranks.len());
         let mut tokens = 0u64;
-        for (rank, d) in self.data.iter_mut().enumerate() {
+        for (k, (d, state)) in self.data.iter_mut().zip(&self.ranks).enumerate() {
+            let rank = state.rank as usize;
             let mut mine = Vec::with_capacity(accum);
             for _ in 0..accum {
                 let b = d.next_batch(&self.device)?;
-                if rank == 0 {
+                if k == 0 {
                     tokens += b.tokens;
                 }
                 let rows = b
@@ -288,7 +314,7 @@ impl ShardedTrainer {
         let shared = &self.shared;
         let abort = &self.abort;
         let step_no = self.step;
-        let results: Vec<Result<crate::rank::RankStepOut, ExecError>> = std::thread::scope(|s| {
+        let results: Vec<Result<crate::runtime::rank::RankStepOut, ExecError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
@@ -303,7 +329,7 @@ impl ShardedTrainer {
                 })
                 .collect()
         });
-        let mut outs = Vec::with_capacity(world);
+        let mut outs = Vec::with_capacity(self.ranks.len());
         for r in results {
             match r {
                 Ok(o) => outs.push(o),
@@ -316,32 +342,148 @@ impl ShardedTrainer {
             }
         }
         self.step += 1;
+        let stop_here = self
+            .stop_flag
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
+        let compute_waits: Vec<usize> = self.shared.plan.programs[0]
+            .instrs
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| {
+                x.stream == shardplan_planner::Stream::Compute
+                    && matches!(x.instr, shardplan_planner::Instr::Wait { .. })
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let local: Vec<RankStats> = outs
+            .iter()
+            .zip(&self.ranks)
+            .map(|(o, r)| RankStats {
+                rank: r.rank,
+                losses: o.losses.clone(),
+                grad_norm: o.grad_norm.unwrap_or(0.0),
+                peak: o.peak,
+                device: o.max_by_category,
+                host: o.host,
+                exposed: compute_waits.iter().map(|&i| o.times[i][1] - o.times[i][0]).sum(),
+                stop: stop_here,
+            })
+            .collect();
+        if let Some(t) = self.times.as_mut() {
+            t.push(outs.into_iter().map(|o| o.times).collect());
+        }
+        let all = self.exchange(local, accum)?;
+        let secs = start.elapsed().as_secs_f64();
+        let plan = &self.shared.plan;
         let mut sum = 0f64;
         let mut n = 0usize;
-        for o in &outs {
-            for &l in &o.losses {
+        for r in &all {
+            for &l in &r.losses {
                 sum += f64::from(l);
                 n += 1;
             }
         }
-        let secs = start.elapsed().as_secs_f64();
-        let plan = &self.shared.plan;
+        let r0 = &all[0];
         Ok(ShardedMetrics {
             step: self.step,
             loss: (sum / n.max(1) as f64) as f32,
-            rank0_loss: outs[0].losses.iter().map(|&l| f64::from(l)).sum::<f64>() as f32
-                / outs[0].losses.len().max(1) as f32,
+            rank0_loss: r0.losses.iter().map(|&l| f64::from(l)).sum::<f64>() as f32 / r0.losses.len().max(1) as f32,
             lr,
-            grad_norm: outs[0].grad_norm.unwrap_or(0.0) as f32,
+            grad_norm: r0.grad_norm as f32,
             tokens,
             step_seconds: secs,
             tokens_per_second: tokens as f64 / secs.max(1e-9),
-            measured: outs.iter().map(|o| o.max_by_category).collect(),
-            measured_peak: outs.iter().map(|o| o.peak).collect(),
-            measured_host: outs.iter().map(|o| o.host).collect(),
+            measured: all.iter().map(|o| o.device).collect(),
+            measured_peak: all.iter().map(|o| o.peak).collect(),
+            measured_host: all.iter().map(|o| o.host).collect(),
             planned: plan.memory.max_by_category,
             planned_peak: plan.memory.peak,
+            exposed_seconds: r0.exposed,
+            stop: all.iter().any(|r| r.stop),
         })
+    }
+
+    /// Every rank's step figures, in rank order: this process's own, plus (across
+    /// processes) everyone else's.
+    fn exchange(&mut self, local: Vec<RankStats>, accum: usize) -> Result<Vec<RankStats>, ExecError> {
+        let Some(procs) = self.processes.as_ref() else {
+            return Ok(local);
+        };
+        let width = RankStats::width(accum);
+        let mut flat = Vec::with_capacity(width * local.len());
+        for r in &local {
+            r.encode(accum, &mut flat);
+        }
+        let t = Tensor::from_vec(flat, width * local.len(), &Device::Cpu)?;
+        self.sync_tag += 1;
+        let all = procs.all_gather(self.sync_tag, &t)?.to_vec1::<f64>()?;
+        let mut out: Vec<RankStats> = all.chunks(width).map(|c| RankStats::decode(c, accum)).collect();
+        out.sort_by_key(|r| r.rank);
+        Ok(out)
+    }
+
+    /// Every process agrees that each has `ok`; returns whether all did (a collective).
+    pub(crate) fn all_ok(&mut self, ok: bool) -> Result<bool, ExecError> {
+        let Some(procs) = self.processes.as_ref() else {
+            return Ok(ok);
+        };
+        self.sync_tag += 1;
+        let t = Tensor::new(&[if ok { 0f64 } else { 1.0 }], &Device::Cpu)?;
+        let failed = procs.all_reduce(self.sync_tag, &t, crate::comm::Reduce::Sum)?;
+        Ok(failed.to_vec1::<f64>()?[0] == 0.0)
+    }
+
+    /// Every process's `mine`, in process order (a collective; just `mine` when this
+    /// process runs every rank).
+    pub(crate) fn gather_bytes(&mut self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, ExecError> {
+        let tag = self.sync_tag + 1;
+        self.sync_tag += 2;
+        let Some(procs) = self.processes.as_ref() else {
+            return Ok(vec![mine]);
+        };
+        let lens = procs
+            .all_gather(tag, &Tensor::new(&[mine.len() as f64], &Device::Cpu)?)?
+            .to_vec1::<f64>()?;
+        let max = lens.iter().fold(0f64, |a, &b| a.max(b)) as usize;
+        let mut padded = mine;
+        padded.resize(max.max(1), 0);
+        let width = padded.len();
+        let all = procs
+            .all_gather(tag + 1, &Tensor::from_vec(padded, width, &Device::Cpu)?)?
+            .to_vec1::<u8>()?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| all[i * width..i * width + n as usize].to_vec())
+            .collect())
+    }
+
+    /// Watches `flag` (set by Ctrl-C): after the step during which any process sees it
+    /// set, every rank's metrics say `stop`.
+    pub fn set_stop_flag(&mut self, flag: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.stop_flag = Some(flag);
+    }
+
+    /// Records every instruction's measured start and end from now on (`trace`).
+    pub fn record_times(&mut self) {
+        self.times.get_or_insert_with(Vec::new);
+    }
+
+    /// The global ranks this process runs.
+    pub fn local_ranks(&self) -> Vec<u64> {
+        self.ranks.iter().map(|r| r.rank).collect()
+    }
+
+    /// Whether this process writes what one process writes for the world (logs, traces,
+    /// the progress bar): the process running rank 0.
+    pub fn is_leader(&self) -> bool {
+        self.ranks.first().is_some_and(|r| r.rank == 0)
+    }
+
+    /// The communication backend (`local`, `mpi`, `nccl`).
+    pub fn backend(&self) -> &'static str {
+        self.backend
     }
 
     /// The full f32 parameters, assembled from the shards of replica 0 (for checks and
@@ -358,7 +500,10 @@ impl ShardedTrainer {
                     let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, s);
                     let n = ((rows.end - rows.start) * pl.row_elems) as usize;
                     if n > 0 {
-                        pieces.push(self.ranks[s as usize].params[gi].narrow(0, pl.shard_offset as usize, n)?);
+                        let state = self.ranks.iter().find(|r| r.rank == s).ok_or_else(|| {
+                            ExecError::Unsupported(format!("full_params needs rank {s}, which runs in another process"))
+                        })?;
+                        pieces.push(state.params[gi].narrow(0, pl.shard_offset as usize, n)?);
                     }
                 }
                 let dims: Vec<usize> = pl.dims.iter().map(|&d| d as usize).collect();
@@ -370,5 +515,62 @@ impl ShardedTrainer {
             .enumerate()
             .map(|(i, t)| t.ok_or_else(|| ExecError::Internal(format!("parameter p{i} is in no group"))))
             .collect()
+    }
+}
+
+/// One rank's figures of one step, as exchanged between processes.
+#[derive(Clone, Debug)]
+struct RankStats {
+    rank: u64,
+    losses: Vec<f32>,
+    grad_norm: f64,
+    peak: u64,
+    device: ByCategory,
+    host: ByCategory,
+    exposed: f64,
+    stop: bool,
+}
+
+impl RankStats {
+    fn width(accum: usize) -> usize {
+        // rank, losses, norm, peak, device and host by category, exposed, stop
+        1 + accum + 1 + 1 + 2 * Category::ALL.len() + 1 + 1
+    }
+
+    // f64 holds every byte count below 2^53 (8 PiB) exactly.
+    fn encode(&self, accum: usize, out: &mut Vec<f64>) {
+        out.push(self.rank as f64);
+        out.extend((0..accum).map(|i| self.losses.get(i).map_or(f64::NAN, |&l| f64::from(l))));
+        out.push(self.grad_norm);
+        out.push(self.peak as f64);
+        out.extend(Category::ALL.iter().map(|&c| self.device.get(c) as f64));
+        out.extend(Category::ALL.iter().map(|&c| self.host.get(c) as f64));
+        out.push(self.exposed);
+        out.push(if self.stop { 1.0 } else { 0.0 });
+    }
+
+    fn decode(c: &[f64], accum: usize) -> RankStats {
+        let k = Category::ALL.len();
+        let mut device = ByCategory::default();
+        let mut host = ByCategory::default();
+        let base = 1 + accum + 2;
+        for (i, &cat) in Category::ALL.iter().enumerate() {
+            *device.slot(cat) = c[base + i] as u64;
+            *host.slot(cat) = c[base + k + i] as u64;
+        }
+        RankStats {
+            rank: c[0] as u64,
+            losses: c[1..1 + accum]
+                .iter()
+                .filter(|x| !x.is_nan())
+                .map(|&x| x as f32)
+                .collect(),
+            grad_norm: c[1 + accum],
+            peak: c[2 + accum] as u64,
+            device,
+            host,
+            exposed: c[base + 2 * k],
+            stop: c[base + 2 * k + 1] != 0.0,
+        }
     }
 }

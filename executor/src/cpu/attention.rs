@@ -14,8 +14,9 @@
 //! probability) instead, which is exact: a skipped term is a zero probability times a
 //! finite value.
 
-use crate::fused::with_slice;
-use crate::{vmath, ExecError};
+use crate::cpu::fused::with_slice;
+use crate::cpu::vmath;
+use crate::ExecError;
 use candle_core::Tensor;
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -439,7 +440,7 @@ pub fn grad_q(ds: &Tensor, k: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fused::tests::close;
+    use crate::cpu::fused::tests::close;
     use candle_core::{Device, D};
 
     fn randn(dims: &[usize], seed: u64) -> Tensor {

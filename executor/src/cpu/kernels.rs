@@ -2,7 +2,8 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
-use crate::{attention, fused, ExecError};
+use crate::cpu::{attention, fused};
+use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
 use shardplan_ir::{DType, NormWrt, Op, TensorType, WeightLayout};
 use std::cell::RefCell;

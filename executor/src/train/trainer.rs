@@ -1,11 +1,11 @@
 //! Single-rank training on the reference interpreter: the ground truth sharded runs are
 //! compared with.
 
-use crate::data::{DataSource, SyntheticFeatures, SyntheticTokens, TokenFile};
-use crate::init::init_elements;
-use crate::interp::{all_finite, Interpreter};
-use crate::kernels::{cdtype, Ctx};
-use crate::optim::{base_lr, lr_at, OptState};
+use crate::cpu::kernels::{cdtype, Ctx};
+use crate::runtime::interp::{all_finite, Interpreter};
+use crate::train::data::{DataSource, SyntheticFeatures, SyntheticTokens, TokenFile};
+use crate::train::init::init_elements;
+use crate::train::optim::{base_lr, lr_at, OptState};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor};
 use serde::Serialize;
@@ -238,8 +238,8 @@ impl Trainer {
         }
         let mut sq = 0f64;
         for g in &grads {
-            sq += if crate::fused::applies(&[g]) {
-                crate::fused::sum_squares(g)?
+            sq += if crate::cpu::fused::applies(&[g]) {
+                crate::cpu::fused::sum_squares(g)?
             } else {
                 g.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
             };

@@ -1,6 +1,7 @@
 //! Optimizers on f32 master weights, and the learning-rate schedule.
 
-use crate::{fused, ExecError};
+use crate::cpu::fused;
+use crate::ExecError;
 use candle_core::Tensor;
 use shardplan_frontends::{LrSchedule, Optimizer};
 

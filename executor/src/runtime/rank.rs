@@ -10,10 +10,12 @@
 //! - The compute stream runs each step's nodes in the planner's execution order and frees a
 //!   value after its last reader (`ExecOrder`), recompute copies included.
 
-use crate::collectives::{tensor_bytes, Abort, Collectives, LocalGroup, Reduce};
-use crate::kernels::{apply, cdtype, Ctx};
-use crate::optim::OptState;
-use crate::{fused, ExecError};
+use crate::comm::{tensor_bytes, Abort, Collectives, Reduce};
+
+use crate::cpu::fused;
+use crate::cpu::kernels::{apply, cdtype, Ctx};
+use crate::train::optim::OptState;
+use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
 use shardplan_ir::{JointGraph, NodeId, Op};
 use shardplan_planner::{
@@ -44,22 +46,24 @@ pub enum Fault {
     Fail,
 }
 
-/// The process groups of one rank.
+/// The communicators of one rank: one per (process group, stream) its program issues
+/// collectives on, so collectives of different streams never queue behind one another.
+#[derive(Default)]
 pub struct Comms {
-    pub shard: LocalGroup,
-    pub replicate: LocalGroup,
-    pub reshard: Option<LocalGroup>,
+    by: HashMap<(Comm, Stream), Box<dyn Collectives>>,
 }
 
 impl Comms {
-    fn get(&self, c: Comm) -> Result<&dyn Collectives, ExecError> {
-        Ok(match c {
-            Comm::Shard => &self.shard,
-            Comm::Replicate => &self.replicate,
-            Comm::Reshard(_) => self.reshard.as_ref().ok_or_else(|| {
-                ExecError::Internal("the plan reshards to a group this rank has no handle for".into())
-            })?,
-        })
+    /// Adds the communicator of process group `c` used by stream `s`.
+    pub fn insert(&mut self, c: Comm, s: Stream, handle: Box<dyn Collectives>) {
+        self.by.insert((c, s), handle);
+    }
+
+    fn get(&self, c: Comm, s: Stream) -> Result<&dyn Collectives, ExecError> {
+        self.by
+            .get(&(c, s))
+            .map(|b| b.as_ref())
+            .ok_or_else(|| ExecError::Internal(format!("no communicator for the {c:?} group on the {s:?} stream")))
     }
 }
 
@@ -86,6 +90,16 @@ pub struct RankStepOut {
     pub peak: u64,
     /// Most host bytes per category (CPU offload).
     pub host: ByCategory,
+    /// Measured start and end of every instruction, in seconds since the Unix epoch (one
+    /// clock for every rank of a node, so ranks' timelines line up).
+    pub times: Vec<[f64; 2]>,
+}
+
+/// Seconds since the Unix epoch, as an f64 (microsecond resolution for centuries).
+pub fn wall_seconds() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 struct Event {
@@ -152,6 +166,8 @@ struct StepCtx<'a> {
     batches: &'a [HashMap<String, Tensor>],
     lr: f64,
     out: Mutex<RankStepOut>,
+    /// Start and end of each instruction (written by the stream that runs it).
+    times: Vec<Mutex<[f64; 2]>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -521,7 +537,7 @@ impl StepCtx<'_> {
                 if let Some(s) = staging {
                     self.set(*s, input.clone())?;
                 }
-                let out = self.comms.get(*comm)?.all_gather(self.tags[i], &input)?;
+                let out = self.comms.get(*comm, issued.stream)?.all_gather(self.tags[i], &input)?;
                 self.set(*dst, out)?;
             }
             Instr::ReduceScatter {
@@ -536,13 +552,16 @@ impl StepCtx<'_> {
                 self.set(*staging, input.clone())?;
                 let part = self
                     .comms
-                    .get(*comm)?
+                    .get(*comm, issued.stream)?
                     .reduce_scatter(self.tags[i], &input, reduce(*op))?;
                 self.accumulate(*dst, part)?;
             }
             Instr::AllReduce { comm, op, buf, .. } => {
                 let t = self.get(*buf)?;
-                let r = self.comms.get(*comm)?.all_reduce(self.tags[i], &t, reduce(*op))?;
+                let r = self
+                    .comms
+                    .get(*comm, issued.stream)?
+                    .all_reduce(self.tags[i], &t, reduce(*op))?;
                 self.set(*buf, r)?;
             }
             Instr::Copy { src, dst, accumulate } => {
@@ -700,6 +719,7 @@ pub fn run_step(
         batches,
         lr,
         out: Mutex::new(RankStepOut::default()),
+        times: (0..program.instrs.len()).map(|_| Mutex::new([0.0; 2])).collect(),
     };
     let n_values = shared.joint.graph.node_count() * 2;
     let result: Result<(), ExecError> = std::thread::scope(|scope| {
@@ -740,6 +760,7 @@ pub fn run_step(
                         .iter()
                         .find(|f| f.0 == cx.rank && f.1 == i)
                         .map(|f| f.2);
+                    let started = wall_seconds();
                     let result = match fault {
                         Some(Fault::Stall) => loop {
                             if let Some(r) = cx.abort.reason() {
@@ -750,6 +771,7 @@ pub fn run_step(
                         Some(Fault::Fail) => Err(ExecError::Internal("injected failure".into())),
                         None => cx.execute(i, &mut compute),
                     };
+                    *lock(&cx.times[i]) = [started, wall_seconds()];
                     if let Err(e) = result {
                         if !matches!(e, ExecError::Aborted(_)) {
                             let what = shardplan_planner::print::describe(
@@ -791,5 +813,10 @@ pub fn run_step(
     out.max_by_category = memory.max;
     out.peak = memory.peak;
     out.host = memory.host_max;
+    out.times = cx
+        .times
+        .into_iter()
+        .map(|t| t.into_inner().unwrap_or_else(|e| e.into_inner()))
+        .collect();
     Ok(out)
 }

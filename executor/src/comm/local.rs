@@ -1,97 +1,14 @@
-//! Collectives: the operations ranks do together, per process group, and the `Local`
-//! backend that runs N ranks as threads of one process.
+//! The `Local` backend: N ranks as threads of one process.
 //!
-//! Local moves real data between the ranks' tensors. Every result is computed by one
-//! thread from all contributions taken in rank order, so sums do not depend on which rank
-//! arrives first. Every wait has a timeout, and any rank can abort the world: waiters then
-//! return the abort's message instead of hanging.
+//! Every result is computed by one thread from all contributions taken in rank order, so
+//! sums do not depend on which rank arrives first.
 
+use super::{Abort, Collectives, Reduce, Wake};
 use crate::ExecError;
 use candle_core::Tensor;
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-/// How contributions combine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reduce {
-    Sum,
-    /// Sum divided by the group size.
-    Avg,
-}
-
-/// A process group as one rank sees it. `tag` is the collective's position in this
-/// group's issue order: every member calls it with the same tag (Local matches the
-/// contributions by it, so collectives issued from different streams cannot pair up
-/// wrongly; NCCL orders by issue).
-pub trait Collectives: Send + Sync {
-    /// Ranks in the group.
-    fn size(&self) -> usize;
-    /// This rank's index in the group.
-    fn index(&self) -> usize;
-    /// Concatenates every rank's `input` (equal sizes) in group order.
-    fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
-    /// Reduces every rank's `input` (its length a multiple of the group size) and returns
-    /// this rank's chunk of the result; computed in `input`'s dtype.
-    fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
-    /// Reduces every rank's `input` and returns the result to all.
-    fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
-    /// Group member 0's `input`, to all.
-    fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
-    /// Returns when every member has arrived.
-    fn barrier(&self, tag: u64) -> Result<(), ExecError>;
-}
-
-/// Why the world stopped (the first failure any rank reported), and how long any wait may
-/// take before it is a failure.
-pub struct Abort {
-    reason: Mutex<Option<String>>,
-    watchers: Mutex<Vec<Arc<Shared>>>,
-    timeout_ms: std::sync::atomic::AtomicU64,
-}
-
-impl Default for Abort {
-    fn default() -> Self {
-        Abort {
-            reason: Mutex::new(None),
-            watchers: Mutex::new(Vec::new()),
-            timeout_ms: std::sync::atomic::AtomicU64::new(300_000),
-        }
-    }
-}
-
-impl Abort {
-    /// How long a collective or an event may wait.
-    pub fn timeout(&self) -> Duration {
-        Duration::from_millis(self.timeout_ms.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
-    pub fn set_timeout(&self, t: Duration) {
-        self.timeout_ms.store(
-            t.as_millis().min(u128::from(u64::MAX)) as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-    }
-
-    /// Records `reason` (the first one wins) and wakes every waiting rank.
-    pub fn abort(&self, reason: String) {
-        {
-            let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
-            if r.is_none() {
-                *r = Some(reason);
-            }
-        }
-        for w in self.watchers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            let _guard = w.state.lock().unwrap_or_else(|e| e.into_inner());
-            w.cv.notify_all();
-        }
-    }
-
-    /// The reason, if the world was aborted.
-    pub fn reason(&self) -> Option<String> {
-        self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -121,6 +38,13 @@ struct Shared {
     cv: Condvar,
 }
 
+impl Wake for Shared {
+    fn wake(&self) {
+        let _guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.cv.notify_all();
+    }
+}
+
 /// One rank's handle on a Local process group.
 pub struct LocalGroup {
     shared: Arc<Shared>,
@@ -139,11 +63,7 @@ pub fn local_group(size: usize, name: &str, abort: &Arc<Abort>) -> Vec<LocalGrou
         }),
         cv: Condvar::new(),
     });
-    abort
-        .watchers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(shared.clone());
+    abort.watch(shared.clone());
     (0..size)
         .map(|index| LocalGroup {
             shared: shared.clone(),
@@ -356,7 +276,26 @@ pub fn local_groups(
     out
 }
 
-/// Bytes of a tensor.
-pub fn tensor_bytes(t: &Tensor) -> u64 {
-    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+/// Every rank of `plan`'s mesh as a thread of this process, with a Local communicator per
+/// (process group, stream).
+pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
+    let mesh = plan.mesh;
+    let world = mesh.world();
+    let abort = Arc::new(Abort::default());
+    let mut comms: Vec<crate::runtime::rank::Comms> = (0..world).map(|_| Default::default()).collect();
+    for (c, s) in super::channels(plan) {
+        let kind = format!("{c:?} ({s:?} stream)").to_lowercase();
+        let mut handles = local_groups(world, &kind, |r| c.members(&mesh, r), &abort);
+        for (rank, comm) in comms.iter_mut().enumerate() {
+            if let Some(h) = handles.remove(&(rank as u64)) {
+                comm.insert(c, s, Box::new(h));
+            }
+        }
+    }
+    super::Placement {
+        ranks: (0..world).zip(comms).collect(),
+        processes: None,
+        abort,
+        backend: "local",
+    }
 }

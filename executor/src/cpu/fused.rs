@@ -8,7 +8,8 @@
 //! on the CPU and keeps its composed candle versions for every other case; the tests in
 //! this file check that both agree.
 
-use crate::{vmath, ExecError};
+use crate::cpu::vmath;
+use crate::ExecError;
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 

@@ -1,0 +1,143 @@
+//! Communication: the `Collectives` trait every backend implements, per process group and
+//! stream, the world's `Abort`, and the backends: `local` (ranks as threads of one
+//! process), `mpi` (one process per rank over Open MPI, feature `mpi`), plus the launcher
+//! environment (`env`) and the TCP `rendezvous` for multi-process runs.
+//!
+//! A backend moves real data between ranks' tensors; the rank runtime never knows which
+//! backend it talks to. Every wait has a timeout, and any rank can abort the world:
+//! waiters then return the abort's message instead of hanging.
+
+pub mod env;
+pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod rendezvous;
+
+use crate::ExecError;
+use candle_core::Tensor;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Something a world abort must wake (a backend's condition variable).
+pub trait Wake: Send + Sync {
+    fn wake(&self);
+}
+
+/// How contributions combine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Sum,
+    /// Sum divided by the group size.
+    Avg,
+}
+
+/// A process group as one rank sees it. `tag` is the collective's position in this
+/// group's issue order: every member calls it with the same tag (Local matches the
+/// contributions by it, so collectives issued from different streams cannot pair up
+/// wrongly; NCCL orders by issue).
+pub trait Collectives: Send + Sync {
+    /// Ranks in the group.
+    fn size(&self) -> usize;
+    /// This rank's index in the group.
+    fn index(&self) -> usize;
+    /// Concatenates every rank's `input` (equal sizes) in group order.
+    fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
+    /// Reduces every rank's `input` (its length a multiple of the group size) and returns
+    /// this rank's chunk of the result; computed in `input`'s dtype.
+    fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
+    /// Reduces every rank's `input` and returns the result to all.
+    fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError>;
+    /// Group member 0's `input`, to all.
+    fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
+    /// Returns when every member has arrived.
+    fn barrier(&self, tag: u64) -> Result<(), ExecError>;
+}
+
+/// Why the world stopped (the first failure any rank reported), and how long any wait may
+/// take before it is a failure.
+pub struct Abort {
+    reason: Mutex<Option<String>>,
+    watchers: Mutex<Vec<Arc<dyn Wake>>>,
+    timeout_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Abort {
+    fn default() -> Self {
+        Abort {
+            reason: Mutex::new(None),
+            watchers: Mutex::new(Vec::new()),
+            timeout_ms: std::sync::atomic::AtomicU64::new(300_000),
+        }
+    }
+}
+
+impl Abort {
+    /// How long a collective or an event may wait.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    pub fn set_timeout(&self, t: Duration) {
+        self.timeout_ms.store(
+            t.as_millis().min(u128::from(u64::MAX)) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Records `reason` (the first one wins) and wakes every waiting rank.
+    pub fn abort(&self, reason: String) {
+        {
+            let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+            if r.is_none() {
+                *r = Some(reason);
+            }
+        }
+        let watchers: Vec<Arc<dyn Wake>> = self.watchers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for w in watchers {
+            w.wake();
+        }
+    }
+
+    /// Registers something to wake when the world aborts (a backend's waiting ranks).
+    pub fn watch(&self, w: Arc<dyn Wake>) {
+        self.watchers.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+    }
+
+    /// The reason, if the world was aborted.
+    pub fn reason(&self) -> Option<String> {
+        self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Bytes of a tensor.
+pub fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+/// The (process group, stream) pairs on which a plan's program issues collectives, in a
+/// fixed order (every rank creates its communicators in this order: MPI and NCCL need the
+/// same order everywhere).
+pub fn channels(plan: &shardplan_planner::Plan) -> Vec<(shardplan_planner::Comm, shardplan_planner::Stream)> {
+    let mut out: Vec<_> = plan
+        .programs
+        .iter()
+        .flat_map(|p| p.instrs.iter())
+        .filter_map(|x| x.instr.collective().map(|(c, _, _)| (c, x.stream)))
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The ranks this process runs, their communicators, and how processes talk to each other.
+pub struct Placement {
+    /// Every rank this process runs, in rank order, with its communicators.
+    pub ranks: Vec<(u64, crate::runtime::rank::Comms)>,
+    /// One member per process, for what the processes agree on between steps (metrics, a
+    /// stop request, checkpoint completion); `None` when this process runs every rank.
+    pub processes: Option<Box<dyn Collectives>>,
+    /// Stops every local rank (and, through the backend, the world) on the first failure.
+    pub abort: Arc<Abort>,
+    /// The backend's name, as `--backend` spells it.
+    pub backend: &'static str,
+}
