@@ -485,7 +485,12 @@ impl ShardedTrainer {
                         .zip(&state.opt)
                         .map(|(p, o)| (p.clone(), o.m[0].clone(), o.v[0].clone()))
                         .collect();
-                    s.spawn(move || write_rank(plan, dir, rank, names, states, &groups))
+                    let device = state.ctx.device.clone();
+                    s.spawn(move || {
+                        // The thread drops device tensors: their context must be current.
+                        crate::runtime::device::bind_thread(&device)?;
+                        write_rank(plan, dir, rank, names, states, &groups)
+                    })
                 })
                 .collect();
             handles

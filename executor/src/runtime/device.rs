@@ -29,9 +29,33 @@ pub fn open(spec: &str) -> Result<Device, ExecError> {
     cuda(ordinal)
 }
 
+/// Makes `device`'s CUDA context current on the calling thread; nothing on the CPU.
+///
+/// Every thread that may hold or drop a CUDA tensor calls this first: cudarc makes the
+/// context current before most driver calls but not when it frees a slice, so a thread
+/// whose first CUDA action is dropping a tensor fails the free with
+/// CUDA_ERROR_INVALID_CONTEXT (seen on an H100: step 2 of a 1x1 run failed that way).
+pub fn bind_thread(device: &Device) -> Result<(), ExecError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        d.cuda_stream().context().bind_to_thread().map_err(|e| {
+            ExecError::Candle(candle_core::Error::Msg(format!(
+                "cannot make the CUDA context current on this thread: {e:?}"
+            )))
+        })?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 fn cuda(ordinal: usize) -> Result<Device, ExecError> {
-    Device::new_cuda(ordinal).map_err(|e| {
+    // One stream for every thread. `Device::new_cuda` gives each calling thread its own
+    // per-thread default stream and nothing orders those streams, so a rank's compute
+    // thread could read a buffer its all-gather thread's kernels are still writing. On one
+    // shared stream, device order is launch order, which the plan's record/wait orders.
+    Device::new_cuda_with_stream(ordinal).map_err(|e| {
         // candle appends a backtrace when RUST_BACKTRACE is set; the first line is the cause.
         let cause = e.to_string();
         let cause = cause.lines().next().unwrap_or_default().to_string();

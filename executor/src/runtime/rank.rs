@@ -645,6 +645,7 @@ pub fn run_step(
     lr: f64,
     step_no: u64,
 ) -> Result<RankStepOut, ExecError> {
+    crate::runtime::device::bind_thread(&state.ctx.device)?;
     let plan = &shared.plan;
     let program = &plan.programs[0];
     let mut mem_seq = vec![usize::MAX; program.instrs.len()];
@@ -743,6 +744,7 @@ pub fn run_step(
                 None
             };
             handles.push(scope.spawn(move || -> Result<(), ExecError> {
+                crate::runtime::device::bind_thread(&cx.device)?;
                 let mut compute = mine.map(|ctx| Compute {
                     ctx,
                     values: vec![None; n_values],
