@@ -73,6 +73,29 @@ pub struct TrainArgs {
     /// error naming it (a rank that died or hung).
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
     pub collective_timeout: f64,
+    /// For tests of the failure paths: make rank R fail or stall at instruction I of its
+    /// program (`R:I:fail` or `R:I:stall`).
+    #[arg(long, hide = true, value_name = "R:I:fail|stall")]
+    pub inject_fault: Vec<String>,
+}
+
+fn parse_fault(s: &str) -> Result<(u64, usize, shardplan_executor::train::sharded::Fault), CliError> {
+    use shardplan_executor::train::sharded::Fault;
+    let bad = || {
+        CliError::Usage(format!(
+            "--inject-fault {s:?}: write RANK:INSTRUCTION:fail or RANK:INSTRUCTION:stall"
+        ))
+    };
+    let mut it = s.split(':');
+    let (Some(r), Some(i), Some(k), None) = (it.next(), it.next(), it.next(), it.next()) else {
+        return Err(bad());
+    };
+    let fault = match k {
+        "fail" => Fault::Fail,
+        "stall" => Fault::Stall,
+        _ => return Err(bad()),
+    };
+    Ok((r.parse().map_err(|_| bad())?, i.parse().map_err(|_| bad())?, fault))
 }
 
 /// The engine that moves data between ranks.
@@ -271,6 +294,10 @@ fn train(
         }
     };
     trainer.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
+    for f in &args.inject_fault {
+        let (rank, instr, fault) = parse_fault(f)?;
+        trainer.inject_fault(rank, instr, fault);
+    }
     let leader = trainer.is_leader();
     if leader {
         let world = trainer.plan().mesh.world();

@@ -1,0 +1,477 @@
+//! One process per rank under `mpirun` (the MPI backend) against every rank as a thread of
+//! one process (Local): the same losses and weights on several meshes and knobs,
+//! checkpoints that cross between the two modes, a measured trace, and ranks that die,
+//! fail or hang. Needs a build with `--features mpi` and Open MPI's `mpirun` on PATH.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use common::{json_lines, stderr};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_shardplan")
+}
+
+/// `mpirun -np n shardplan args...` (root allowed, more ranks than cores allowed).
+fn mpirun(n: u64) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["-np", &n.to_string(), "--oversubscribe", "--allow-run-as-root", bin()]);
+    c
+}
+
+fn run(mut c: Command) -> Output {
+    c.output().expect("run the command (is Open MPI's mpirun on PATH?)")
+}
+
+/// A tiny-llama parallel spec: f32, AdamW with clipping, global batch 8 x 16 on any mesh.
+fn spec(dir: &Path, name: &str, replicate: u64, shard: u64, extra: &str) -> PathBuf {
+    let world = replicate * shard;
+    let per_rank = 8 / world.min(8);
+    let p = dir.join(format!("{name}.yaml"));
+    std::fs::write(
+        &p,
+        format!(
+            "mesh: {{replicate: {replicate}, shard: {shard}}}\n\
+             gpus_per_node: {world}\n\
+             mixed_precision: {{param: f32, reduce: f32}}\n\
+             optimizer: {{adamw: {{lr: 3.0e-3, betas: [0.9, 0.95], weight_decay: 0.1}}}}\n\
+             grad_clip: 1.0\n\
+             seed: 0\n\
+             {extra}\n\
+             {}",
+            if extra.contains("batch:") {
+                String::new()
+            } else {
+                format!("batch: {{per_rank: {per_rank}, seq_len: 16}}\n")
+            }
+        ),
+    )
+    .unwrap();
+    p
+}
+
+fn train_args(spec: &Path, steps: u64, log: &Path, ckpt: &Path) -> Vec<String> {
+    [
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--steps",
+        &steps.to_string(),
+        "--log",
+        log.to_str().unwrap(),
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--collective-timeout",
+        "60",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn losses(log: &Path) -> Vec<f64> {
+    json_lines(log).iter().map(|v| v["loss"].as_f64().unwrap()).collect()
+}
+
+fn close(a: &[f64], b: &[f64], rel: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= rel * x.abs().max(y.abs()),
+            "{what}: step {} differs: {x} vs {y}",
+            i + 1
+        );
+    }
+}
+
+/// The f32 tensors of a checkpoint, exported to one safetensors file.
+fn weights(ckpt: &Path, out: &Path) -> Vec<(String, Vec<f32>)> {
+    let o = common::shardplan(&[
+        "checkpoint",
+        "export",
+        ckpt.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, bytemuck_f32(t.data())))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn bytemuck_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Runs `spec` as threads and as MPI processes; losses within 1e-5, weights within 1e-4.
+fn parity(name: &str, replicate: u64, shard: u64, extra: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let s = spec(d, name, replicate, shard, extra);
+    let (tl, tc) = (d.join("threads.jsonl"), d.join("threads-ckpt"));
+    let o = run({
+        let mut c = Command::new(bin());
+        c.args(train_args(&s, 20, &tl, &tc));
+        c
+    });
+    assert!(o.status.success(), "{name} threads: {}", stderr(&o));
+    let (ml, mc) = (d.join("mpi.jsonl"), d.join("mpi-ckpt"));
+    let o = run({
+        let mut c = mpirun(replicate * shard);
+        c.args(train_args(&s, 20, &ml, &mc));
+        c
+    });
+    let err = stderr(&o);
+    assert!(o.status.success(), "{name} mpi: {err}");
+    assert!(err.contains("backend mpi"), "{name}: rank 0 names the backend: {err}");
+    close(&losses(&tl), &losses(&ml), 1e-5, name);
+    let (a, b) = (
+        weights(&tc, &d.join("t.safetensors")),
+        weights(&mc, &d.join("m.safetensors")),
+    );
+    assert_eq!(a.len(), b.len());
+    for ((na, wa), (nb, wb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        for (x, y) in wa.iter().zip(wb) {
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs().max(y.abs()).max(1e-3),
+                "{name}: {na}: {x} vs {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mpi_matches_threads_1x4() {
+    parity("1x4", 1, 4, "");
+}
+
+#[test]
+fn mpi_matches_threads_2x2_hsdp() {
+    parity("2x2", 2, 2, "");
+}
+
+#[test]
+fn mpi_matches_threads_1x3_uneven() {
+    parity("1x3", 1, 3, "batch: {per_rank: 2, seq_len: 16}");
+}
+
+#[test]
+fn mpi_matches_threads_reshard_to_2() {
+    parity("reshard2", 1, 4, "reshard_after_forward: 2");
+}
+
+#[test]
+fn mpi_matches_threads_prefetch_2() {
+    parity("prefetch2", 1, 4, "prefetch: {forward: 2, backward: 2}");
+}
+
+#[test]
+fn mpi_matches_threads_accumulation_synced_last() {
+    parity(
+        "accum",
+        1,
+        4,
+        "batch: {per_rank: 2, seq_len: 16, grad_accum: 2, grad_sync: final_micro_batch}",
+    );
+}
+
+#[test]
+fn mpi_matches_threads_full_checkpointing() {
+    parity("ac", 1, 4, "activation_checkpointing: full");
+}
+
+#[test]
+fn mpi_matches_threads_cpu_offload() {
+    parity("offload", 1, 4, "offload: cpu");
+}
+
+/// A checkpoint written by one mode on one mesh resumes in the other mode on another mesh
+/// and continues the loss curve of an uninterrupted run.
+#[test]
+fn checkpoints_cross_between_processes_and_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let s4 = spec(d, "m4", 1, 4, "batch: {per_rank: 2, seq_len: 16}");
+    let s2 = spec(d, "m2", 1, 2, "batch: {per_rank: 4, seq_len: 16}");
+    let full = d.join("full.jsonl");
+    let o = run({
+        let mut c = Command::new(bin());
+        c.args(train_args(&s4, 16, &full, &d.join("full-ckpt")));
+        c
+    });
+    assert!(o.status.success(), "{}", stderr(&o));
+    let full = losses(&full);
+    // (writer mesh spec, writer is MPI, reader spec, reader is MPI)
+    for (ws, wmpi, rs, rmpi, what) in [
+        (&s4, true, &s2, false, "MPI 1x4 -> threads 1x2"),
+        (&s2, false, &s4, true, "threads 1x2 -> MPI 1x4"),
+    ] {
+        let ck = d.join(format!("{wmpi}-ckpt"));
+        let mut c = if wmpi { mpirun(4) } else { Command::new(bin()) };
+        c.args(train_args(ws, 16, &d.join(format!("{wmpi}-w.jsonl")), &ck))
+            .args(["--checkpoint-every", "8"]);
+        let o = run(c);
+        assert!(o.status.success(), "{what}: {}", stderr(&o));
+        let resumed = d.join(format!("{wmpi}-r.jsonl"));
+        let mut c = if rmpi { mpirun(4) } else { Command::new(bin()) };
+        c.args(train_args(rs, 16, &resumed, &d.join(format!("{wmpi}-r-ckpt"))))
+            .args(["--resume", ck.join("step-00000008").to_str().unwrap()]);
+        let o = run(c);
+        assert!(o.status.success(), "{what}: {}", stderr(&o));
+        close(&full[8..], &losses(&resumed), 1e-4, what);
+    }
+}
+
+/// The measured trace holds every planned instruction once per rank and step, in plan
+/// order on each stream, in thread and MPI mode alike.
+#[test]
+fn measured_trace_follows_the_plan_in_both_modes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let s = spec(d, "t", 2, 2, "");
+    let plan_file = d.join("plan.json");
+    let o = common::shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        s.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        plan_file.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan_file).unwrap()).unwrap();
+    let instrs = plan["programs"][0]["instrs"].as_array().unwrap().clone();
+    let untraced = ["alloc", "free", "record", "wait"];
+    for mpi in [false, true] {
+        let trace = d.join(format!("trace-{mpi}.json"));
+        let mut c = if mpi { mpirun(4) } else { Command::new(bin()) };
+        c.args(train_args(
+            &s,
+            2,
+            &d.join(format!("l{mpi}.jsonl")),
+            &d.join(format!("c{mpi}")),
+        ))
+        .args(["--trace", trace.to_str().unwrap()]);
+        let o = run(c);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+        let events: Vec<&serde_json::Value> = t["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .collect();
+        for rank in 0..4u64 {
+            for step in 1..=2u64 {
+                let mut streams: std::collections::BTreeMap<u64, Vec<(f64, u64)>> = Default::default();
+                for e in events.iter().filter(|e| e["pid"] == rank && e["args"]["step"] == step) {
+                    streams
+                        .entry(e["tid"].as_u64().unwrap())
+                        .or_default()
+                        .push((e["ts"].as_f64().unwrap(), e["args"]["instr"].as_u64().unwrap()));
+                }
+                let mut seen = 0;
+                for (tid, mut list) in streams {
+                    list.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    let got: Vec<u64> = list.iter().map(|x| x.1).collect();
+                    let stream_name = instrs[got[0] as usize]["stream"].clone();
+                    let want: Vec<u64> = instrs
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, i)| i["stream"] == stream_name)
+                        .filter(|(_, i)| !untraced.contains(&i["kind"].as_str().unwrap_or("")))
+                        .map(|(k, _)| k as u64)
+                        .collect();
+                    assert_eq!(got, want, "mpi={mpi} rank {rank} step {step} stream {tid}");
+                    seen += got.len();
+                }
+                let want_all = instrs
+                    .iter()
+                    .filter(|i| !untraced.contains(&i["kind"].as_str().unwrap_or("")))
+                    .count();
+                assert_eq!(seen, want_all, "mpi={mpi} rank {rank} step {step}");
+            }
+        }
+    }
+}
+
+/// Waits for `child` up to `limit`; kills it and fails the test if it runs longer.
+fn wait_within(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the job still ran after {limit:?}: a rank hangs");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn long_run(d: &Path, extra: &[&str]) -> std::process::Child {
+    let s = spec(d, "long", 1, 4, "");
+    let mut c = mpirun(4);
+    c.args([
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        s.to_str().unwrap(),
+        "--steps",
+        "100000",
+        "--log",
+        d.join("long.jsonl").to_str().unwrap(),
+        "--collective-timeout",
+        "5",
+    ])
+    .args(extra)
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    c.spawn().unwrap()
+}
+
+fn output_of(child: std::process::Child) -> String {
+    let o = child.wait_with_output().unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// SIGKILL one rank mid-run: every other rank stops, mpirun exits non-zero naming it.
+#[test]
+fn a_killed_rank_stops_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut child = long_run(d, &[]);
+    let log = d.join("long.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&log).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the job never started training"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // mpirun starts the ranks as its children; kill the one that is rank 2.
+    let kids = std::fs::read_to_string(format!("/proc/{}/task/{}/children", child.id(), child.id())).unwrap();
+    let victim = kids
+        .split_whitespace()
+        .map(|p| p.parse::<u32>().unwrap())
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/environ"))
+                .is_ok_and(|e| e.split(|&b| b == 0).any(|v| v == b"OMPI_COMM_WORLD_RANK=2"))
+        })
+        .expect("rank 2's process");
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let status = wait_within(&mut child, Duration::from_secs(30));
+    assert!(!status.success());
+    let out = output_of(child);
+    assert!(out.contains("rank 2") && out.contains("signal 9"), "{out}");
+}
+
+/// A rank that fails an instruction stops the job at once, named with the instruction.
+#[test]
+fn a_failing_rank_stops_the_job_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = long_run(dir.path(), &["--inject-fault", "1:40:fail"]);
+    let status = wait_within(&mut child, Duration::from_secs(60));
+    assert!(!status.success());
+    let out = output_of(child);
+    assert!(
+        out.contains("rank 1: instruction #40") && out.contains("injected failure"),
+        "{out}"
+    );
+}
+
+/// A rank that hangs: the others' collectives time out and stop the job.
+#[test]
+fn a_hung_rank_stops_the_job_within_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Instant::now();
+    let mut child = long_run(dir.path(), &["--inject-fault", "3:40:stall"]);
+    let status = wait_within(&mut child, Duration::from_secs(60));
+    assert!(!status.success());
+    let out = output_of(child);
+    assert!(out.contains("timed out after 5.0 s"), "{out}");
+    assert!(start.elapsed() < Duration::from_secs(45));
+}
+
+/// The world must match the plan's mesh.
+#[test]
+fn a_world_that_is_not_the_mesh_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = spec(dir.path(), "w", 1, 4, "");
+    let mut c = mpirun(2);
+    c.args([
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        s.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    let o = run(c);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("the plan's mesh is 1x4 (4 ranks), but MPI started 2 processes"),
+        "{err}"
+    );
+}
+
+/// SIGTERM (what Slurm's scancel and `kill` send) or SIGINT to the ranks: every rank stops
+/// after the same step, the checkpoint of that step is complete and the log ends with it.
+#[test]
+fn terminated_ranks_stop_together_after_a_step_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ck = d.join("ck");
+    let mut child = long_run(d, &["--checkpoint-dir", ck.to_str().unwrap()]);
+    let log = d.join("long.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&log).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the job never started training"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let kids = std::fs::read_to_string(format!("/proc/{}/task/{}/children", child.id(), child.id())).unwrap();
+    for p in kids.split_whitespace() {
+        unsafe { libc::kill(p.parse::<i32>().unwrap(), libc::SIGTERM) };
+    }
+    let status = wait_within(&mut child, Duration::from_secs(60));
+    let out = output_of(child);
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("interrupted: stopped cleanly after step"), "{out}");
+    let lines = json_lines(&log);
+    let last = lines.last().unwrap();
+    assert_eq!(last["stop"], true, "{out}");
+    let step = last["step"].as_u64().unwrap();
+    assert!(
+        ck.join(format!("step-{step:08}")).join("metadata.json").exists(),
+        "{out}"
+    );
+}
