@@ -125,3 +125,99 @@ fn bad_launch_arguments_exit_2() {
         );
     }
 }
+
+/// Backends this build lacks are refused with exit 2, naming what is missing; a local
+/// backend under a multi-process launcher is refused too.
+#[test]
+fn missing_backends_are_named() {
+    let train = |extra: &[&str], vars: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_shardplan"));
+        c.args([
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/parallel/cpu-1.yaml",
+            "--steps",
+            "1",
+        ])
+        .args(extra);
+        for (k, v) in vars {
+            c.env(k, v);
+        }
+        c.output().unwrap()
+    };
+    let o = train(&["--backend", "nccl"], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--backend nccl needs the NCCL backend"), "{err}");
+    #[cfg(not(feature = "mpi"))]
+    {
+        let o = train(&["--backend", "mpi"], &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("built without MPI support") && err.contains("--features mpi"),
+            "{err}"
+        );
+        // Under mpirun's variables the default is MPI, refused the same way.
+        let o = train(&[], &[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("rank 1 of 2: --backend mpi"), "{err}");
+    }
+    let o = train(&["--backend", "local"], &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("srun started 4 processes"), "{err}");
+    let o = train(&["--collective-timeout", "0"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let o = train(&["--inject-fault", "x"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+/// Thread mode writes the measured trace: a process per rank, a thread per stream.
+#[test]
+fn train_writes_a_measured_trace_in_thread_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.json");
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--steps",
+        "2",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("predicted vs measured") && out.contains("unsharded params"),
+        "{out}"
+    );
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let ev = t["traceEvents"].as_array().unwrap();
+    let names: Vec<&str> = ev
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["rank 0", "rank 1", "rank 2", "rank 3"]);
+    for rank in 0..4 {
+        let slices = ev.iter().filter(|e| e["ph"] == "X" && e["pid"] == rank).count();
+        let per_step = ev
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == rank && e["args"]["step"] == 1)
+            .count();
+        assert!(
+            per_step > 0 && slices == 2 * per_step,
+            "rank {rank}: {slices} slices, {per_step} per step"
+        );
+        assert!(ev
+            .iter()
+            .any(|e| e["ph"] == "X" && e["pid"] == rank && e["name"].as_str().unwrap().starts_with("all-gather")));
+    }
+}

@@ -1,6 +1,7 @@
 //! The torchrun environment and the TCP rendezvous: parsed with clear errors, and never a hang.
 
-use shardplan_executor::comm::{env::DistEnv, rendezvous::rendezvous};
+use shardplan_executor::comm::env::{DistEnv, Launcher, ProcessEnv};
+use shardplan_executor::comm::rendezvous::rendezvous;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -97,4 +98,63 @@ fn an_unreachable_master_fails_with_the_address_and_a_timeout() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("only 0 of 3 ranks reached"), "{err}");
+}
+
+fn process(vars: &[(&str, &str)]) -> Result<Option<ProcessEnv>, String> {
+    let m: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    ProcessEnv::from_vars(|k| m.get(k).cloned()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn each_launcher_is_recognised() {
+    assert_eq!(process(&[]).unwrap(), None);
+    let m = process(&[
+        ("OMPI_COMM_WORLD_RANK", "2"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        (m.launcher, m.rank, m.world_size, m.local_rank),
+        (Launcher::Mpirun, 2, 4, 0)
+    );
+    // PMIx names the rank when Open MPI's own variable is absent.
+    let m = process(&[("PMIX_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "4")])
+        .unwrap()
+        .unwrap();
+    assert_eq!((m.launcher, m.rank), (Launcher::Mpirun, 3));
+    let s = process(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (s.launcher, s.rank, s.world_size, s.local_rank),
+        (Launcher::Srun, 5, 8, 1)
+    );
+    // torchrun's variables are explicit and win over a surrounding Slurm job's.
+    let t = process(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "1"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!((t.launcher, t.rank, t.world_size), (Launcher::Torchrun, 1, 2));
+    assert!(t.torchrun.is_some());
+}
+
+#[test]
+fn broken_launcher_variables_are_refused_by_name() {
+    let e = process(&[("OMPI_COMM_WORLD_RANK", "4"), ("OMPI_COMM_WORLD_SIZE", "4")]).unwrap_err();
+    assert!(e.contains("rank 4 is not below the world size 4"), "{e}");
+    let e = process(&[("OMPI_COMM_WORLD_RANK", "1")]).unwrap_err();
+    assert!(e.contains("OMPI_COMM_WORLD_SIZE") && e.contains("only some"), "{e}");
+    let e = process(&[("SLURM_PROCID", "x"), ("SLURM_NTASKS", "2")]).unwrap_err();
+    assert!(e.contains("SLURM_PROCID=\"x\" is not a non-negative integer"), "{e}");
+    let e = process(&[("SLURM_NTASKS", "2")]).unwrap_err();
+    assert!(e.contains("SLURM_PROCID"), "{e}");
 }
