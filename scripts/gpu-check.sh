@@ -1,0 +1,416 @@
+#!/usr/bin/env bash
+# Every GPU check of a CUDA build in one call, on a GPU machine (one H100 or H200, CUDA 13
+# driver, PyTorch with CUDA 13 and NCCL in its pip packages; no Rust, no network needed):
+#
+#   scripts/gpu-check.sh [--bin PATH] [--out DIR] [options]
+#
+#   parity     `shardplan train --device cuda` against `--device cpu` on tiny-llama, meshes
+#              1x1, 1x2 and 2x2 (ranks as threads on the one GPU): per-step losses and
+#              gradient norms from the --log files, max relative difference, pass at --tol
+#   shardplan  `shardplan train --device cuda` of examples/models/llama-1b.yaml (~1.1B
+#              params, seq 2048, bf16 compute, f32 reduce, one FSDP unit per block, mesh 1x1):
+#              tokens/s and step time (median after --warmup steps), the executor's
+#              measured and planned peak bytes, and the GPU's memory in use (nvidia-smi)
+#   fsdp2      benches/fsdp2_step.py: PyTorch FSDP2 on the same model, batch and optimizer on
+#              the same GPU: tokens/s, torch.cuda peak allocated / reserved, nvidia-smi
+#   ratios     shardplan / PyTorch for tokens/s and peak memory (summary.json, summary.txt)
+#
+# Everything goes into one folder (--out, default $OUT/gpu-check when $OUT is set, else
+# target/gpu-check): env.txt, env.json, one sub-folder and one <check>.json per check,
+# checks.txt (one status line per check), summary.json and summary.txt. Each check writes its
+# result as soon as it ends, also when it fails, so a later failure loses nothing.
+#
+# Exit: 0 every check ran and parity passed; 1 a check failed; 2 bad arguments, no binary,
+# no GPU, or no PyTorch with CUDA libraries (nothing measured).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+  echo; cat <<'EOF'
+Options:
+  --bin PATH          CUDA build of shardplan (default target/cuda/release/shardplan);
+                      a .gz file is unpacked into a temporary folder first
+  --out DIR           output folder (created; default $OUT/gpu-check or target/gpu-check)
+  --python PY         interpreter with torch (default $PYTHON or python3)
+  --checks LIST       comma-separated subset of parity,shardplan,fsdp2 (default: all)
+  --parity-steps N    training steps per parity run (default 20)
+  --tol X             parity tolerance, relative, per step (default 1e-3)
+  --batch N           sequences per step for the 1B runs (default 2)
+  --warmup N          1B runs: steps before measuring (default 2)
+  --steps N           1B runs: measured steps (default 5)
+  --timeout S         seconds allowed to each 1B run (default 240)
+  -h, --help          this text
+EOF
+}
+
+die() { echo "gpu-check: error: $*" >&2; exit 2; }
+
+BIN=target/cuda/release/shardplan
+OUTDIR=
+if [ -n "${OUT:-}" ]; then OUTDIR=$OUT/gpu-check; else OUTDIR=target/gpu-check; fi
+PY=${PYTHON:-python3}
+CHECKS=parity,shardplan,fsdp2
+PARITY_STEPS=20
+TOL=1e-3
+BATCH=2
+WARMUP=2
+STEPS=5
+TIMEOUT=240
+MODEL=examples/models/llama-1b.yaml
+SPEC_1B=examples/parallel/gpu-check-llama-1b.yaml
+MESHES="1x1 1x2 2x2"
+
+need_value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see --help)"; }
+is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    -h|--help) usage; exit 0 ;;
+    --bin) need_value "$@"; BIN=$2; shift 2 ;;
+    --out) need_value "$@"; OUTDIR=$2; shift 2 ;;
+    --python) need_value "$@"; PY=$2; shift 2 ;;
+    --checks) need_value "$@"; CHECKS=$2; shift 2 ;;
+    --parity-steps) need_value "$@"; PARITY_STEPS=$2; shift 2 ;;
+    --tol) need_value "$@"; TOL=$2; shift 2 ;;
+    --batch) need_value "$@"; BATCH=$2; shift 2 ;;
+    --warmup) need_value "$@"; WARMUP=$2; shift 2 ;;
+    --steps) need_value "$@"; STEPS=$2; shift 2 ;;
+    --timeout) need_value "$@"; TIMEOUT=$2; shift 2 ;;
+    --bin=*|--out=*|--python=*|--checks=*|--parity-steps=*|--tol=*|--batch=*|--warmup=*|--steps=*|--timeout=*)
+      k=${1%%=*}; v=${1#*=}; shift; set -- "$k" "$v" "$@" ;;
+    *) die "unknown argument \`$1\` (see --help)" ;;
+  esac
+done
+for n in PARITY_STEPS BATCH STEPS TIMEOUT; do
+  is_uint "${!n}" && [ "${!n}" -ge 1 ] || die "--$(echo "$n" | tr 'A-Z_' 'a-z-') must be a whole number >= 1, not \`${!n}\`"
+done
+is_uint "$WARMUP" || die "--warmup must be a whole number, not \`$WARMUP\`"
+[[ $TOL =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "--tol must be a number, not \`$TOL\`"
+IFS=, read -r -a want <<<"$CHECKS"
+for c in "${want[@]}"; do
+  case $c in parity|shardplan|fsdp2) ;; *) die "--checks: unknown check \`$c\` (parity, shardplan, fsdp2)" ;; esac
+done
+wants() { [[ ",$CHECKS," == *",$1,"* ]]; }
+
+# Preconditions, each exit 2 with what is missing.
+if [ ! -e "$BIN" ]; then
+  die "no shardplan binary at $BIN: build one with scripts/build-cuda.sh (then pass --bin target/cuda/release/shardplan, or copy it here)"
+fi
+command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter \`$PY\` (set --python or PYTHON)"
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  die "no NVIDIA GPU here (nvidia-smi missing or lists no GPU): run this on a GPU machine"
+fi
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null \
+  || die "$PY cannot import torch with CUDA (it provides the CUDA and NCCL libraries scripts/run-cuda.sh uses)"
+
+mkdir -p "$OUTDIR" || die "cannot create $OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+if [[ $BIN == *.gz ]]; then
+  unpacked=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-bin.XXXXXX") || die "cannot make a temporary folder"
+  gunzip -c "$BIN" >"$unpacked/shardplan" || die "cannot unpack $BIN"
+  BIN=$unpacked/shardplan
+fi
+[ -x "$BIN" ] || chmod +x "$BIN" 2>/dev/null || die "$BIN is not executable"
+BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
+: >"$OUTDIR/checks.txt"
+status() { printf '%-10s %-8s %s\n' "$1" "$2" "$3" | tee -a "$OUTDIR/checks.txt"; }
+FAILED=0
+sp() { scripts/run-cuda.sh "$BIN" -- "$@"; }
+
+# --- the machine --------------------------------------------------------------------------
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "host: $(uname -srm)"
+  nvidia-smi
+  echo
+  "$PY" - <<'EOF'
+import sysconfig, os, torch
+sp = sysconfig.get_paths()["purelib"]
+print("python site-packages:", sp)
+for d in ("nvidia/cu13/lib", "nvidia/nccl/lib"):
+    p = os.path.join(sp, d)
+    print(p, sorted(os.listdir(p)) if os.path.isdir(p) else "MISSING")
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())
+EOF
+  echo
+  echo "binary: $BIN ($(stat -c %s "$BIN") bytes)"
+  sp --version 2>&1
+} >"$OUTDIR/env.txt" 2>&1
+"$PY" - "$OUTDIR/env.json" "$BIN" <<'EOF'
+import json, subprocess, sys, torch
+q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap",
+                    "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+name, driver, mem, cap = ([s.strip() for s in q.splitlines()[0].split(",")] + [""] * 4)[:4]
+json.dump({"gpu": name, "driver": driver, "memory_total": mem, "compute_capability": cap,
+           "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "binary": sys.argv[2]},
+          open(sys.argv[1], "w"), indent=2)
+EOF
+if ! sp --version >/dev/null 2>&1; then
+  status binary fail "the binary does not start: see env.txt"
+  exit 1
+fi
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+echo "gpu-check: $GPU_NAME; results in $OUTDIR"
+
+# nvidia-smi sampling while a command runs: FILE gets "MiB in use, % utilisation" every 100 ms.
+smi_start() { nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits -lms 100 >"$1" 2>/dev/null & SMI_PID=$!; }
+smi_stop() { kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; }
+gpu_used_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' '; }
+
+# --- (a) parity: CUDA against CPU on tiny-llama ------------------------------------------
+if wants parity; then
+  mkdir -p "$OUTDIR/parity"
+  for mesh in $MESHES; do
+    spec=examples/parallel/gpu-check-$mesh.yaml
+    for dev in cpu cuda; do
+      rm -f "$OUTDIR/parity/$dev-$mesh.jsonl"
+      timeout 300 "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model tiny-llama --parallel "$spec" \
+        --steps "$PARITY_STEPS" --device "$dev" --log "$OUTDIR/parity/$dev-$mesh.jsonl" \
+        >"$OUTDIR/parity/$dev-$mesh.out" 2>"$OUTDIR/parity/$dev-$mesh.err"
+      echo $? >"$OUTDIR/parity/$dev-$mesh.rc"
+    done
+  done
+  "$PY" - "$OUTDIR/parity" "$TOL" "$PARITY_STEPS" "$MESHES" <<'EOF'
+import json, os, sys
+d, tol, steps, meshes = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split()
+
+def read(dev, mesh):
+    rc = int(open(f"{d}/{dev}-{mesh}.rc").read().strip() or 1)
+    path = f"{d}/{dev}-{mesh}.jsonl"
+    rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    err = open(f"{d}/{dev}-{mesh}.err", errors="replace").read().strip().splitlines()
+    return rc, rows, "\n".join(err[-15:])
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+def compare(a, b):
+    n = min(len(a), len(b))
+    out = {"steps_compared": n}
+    for key in ("loss", "grad_norm"):
+        diffs = [rel(a[i][key], b[i][key]) for i in range(n)]
+        out[f"max_rel_diff_{key}"] = max(diffs) if diffs else None
+        out[f"step_of_max_{key}"] = diffs.index(max(diffs)) + 1 if diffs else None
+    return out
+
+report = {"model": "tiny-llama", "steps": steps, "tolerance_rel": tol, "meshes": {}}
+ok_all = True
+runs = {}
+for mesh in meshes:
+    r = {}
+    for dev in ("cpu", "cuda"):
+        rc, rows, err = read(dev, mesh)
+        runs[(dev, mesh)] = rows
+        r[dev] = {"exit": rc, "steps_logged": len(rows),
+                  "losses": [x["loss"] for x in rows],
+                  "grad_norms": [x["grad_norm"] for x in rows],
+                  "tokens_per_second_median": sorted(x["tokens_per_second"] for x in rows)[len(rows) // 2] if rows else None}
+        if rc != 0 or len(rows) != steps:
+            r[dev]["error"] = err
+    if all(r[dev]["exit"] == 0 and r[dev]["steps_logged"] == steps for dev in ("cpu", "cuda")):
+        r.update(compare(runs[("cuda", mesh)], runs[("cpu", mesh)]))
+        r["pass"] = r["max_rel_diff_loss"] <= tol
+    else:
+        r["pass"] = False
+    ok_all &= r["pass"]
+    report["meshes"][mesh] = r
+# The same global batch on every mesh: each mesh against 1x1 on the same device.
+report["across_meshes"] = {}
+for dev in ("cpu", "cuda"):
+    base = runs.get((dev, "1x1")) or []
+    for mesh in meshes[1:]:
+        other = runs.get((dev, mesh)) or []
+        if base and len(other) == len(base):
+            report["across_meshes"][f"{dev} {mesh} vs 1x1"] = compare(other, base)
+report["pass"] = ok_all
+json.dump(report, open(f"{d}/../parity.json", "w"), indent=2)
+for mesh, r in report["meshes"].items():
+    if "max_rel_diff_loss" in r:
+        print(f"{mesh}: max rel diff loss {r['max_rel_diff_loss']:.3g} (step {r['step_of_max_loss']}), "
+              f"grad norm {r['max_rel_diff_grad_norm']:.3g} -> {'pass' if r['pass'] else 'FAIL'}")
+    else:
+        bad = [dev for dev in ("cpu", "cuda") if "error" in r[dev]]
+        print(f"{mesh}: FAIL, run failed on {', '.join(bad)}: " + " | ".join(r[dev]["error"].splitlines()[-1] if r[dev]["error"] else f"exit {r[dev]['exit']}" for dev in bad))
+sys.exit(0 if ok_all else 1)
+EOF
+  rc=$?
+  if [ $rc = 0 ]; then status parity ok "max rel loss diff $("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(", ".join("%s %.2g" % (m, v["max_rel_diff_loss"]) for m, v in r["meshes"].items()))' "$OUTDIR/parity.json")"
+  else status parity FAIL "see parity.json and parity/*.err"; FAILED=1; fi
+else
+  status parity skipped "--checks"
+fi
+
+# --- (b) shardplan on the 1B Llama ---------------------------------------------------------
+if wants shardplan; then
+  d=$OUTDIR/shardplan-1b
+  mkdir -p "$d"
+  # The spec with this run's batch.
+  sed -E "s/per_rank: *[0-9]+/per_rank: $BATCH/" "$SPEC_1B" >"$d/parallel.yaml"
+  cp "$MODEL" "$d/model.yaml"
+  sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" --format json --out "$d/plan.json" \
+    >"$d/plan.out" 2>"$d/plan.err" || true
+  sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" >"$d/plan.txt" 2>>"$d/plan.err" || true
+  rm -f "$d/log.jsonl"
+  base=$(gpu_used_mib)
+  smi_start "$d/nvidia-smi.csv"
+  start=$(date +%s%N)
+  timeout "$TIMEOUT" "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
+    --steps $((WARMUP + STEPS)) --device cuda --log "$d/log.jsonl" >"$d/train.out" 2>"$d/train.err"
+  rc=$?
+  wall=$(( ($(date +%s%N) - start) / 1000000 ))
+  smi_stop
+  "$PY" - "$d" "$rc" "$WARMUP" "$STEPS" "$base" "$wall" "$BATCH" <<'EOF'
+import json, os, statistics, sys
+d, rc, warmup, steps, base, wall, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) / 1e3, int(sys.argv[7])
+rows = [json.loads(l) for l in open(f"{d}/log.jsonl")] if os.path.exists(f"{d}/log.jsonl") else []
+smi = [[int(v) for v in l.split(",")] for l in open(f"{d}/nvidia-smi.csv") if l.count(",") == 1 and l.replace(",", "").split() and all(v.strip().isdigit() for v in l.split(","))]
+err = open(f"{d}/train.err", errors="replace").read().strip().splitlines()
+r = {"framework": "shardplan", "model": "examples/models/llama-1b.yaml", "batch_per_rank": batch, "seq": 2048,
+     "exit": rc, "timed_out": rc in (124, 137), "wall_seconds": wall, "steps_logged": len(rows), "warmup_steps": warmup}
+if rows:
+    meas = rows[warmup:] or rows[-1:]
+    r["losses"] = [x["loss"] for x in rows]
+    r["grad_norms"] = [x["grad_norm"] for x in rows]
+    r["step_seconds"] = [x["step_seconds"] for x in rows]
+    r["step_seconds_median"] = statistics.median(x["step_seconds"] for x in meas)
+    r["tokens_per_step"] = rows[0]["tokens"]
+    r["tokens_per_second"] = rows[0]["tokens"] / r["step_seconds_median"]
+    r["measured_steps"] = len(meas)
+    r["executor_measured_peak_bytes"] = max(max(x["measured_peak"]) for x in rows)
+    r["executor_measured_by_category"] = rows[-1]["measured"][0]
+    r["planned_peak_bytes"] = rows[-1]["planned_peak"]
+    r["planned_by_category"] = rows[-1]["planned"]
+    r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds (not the device allocator)"
+if rows:
+    r["startup_seconds"] = round(wall - sum(r["step_seconds"]), 3)
+if smi:
+    peak = max(m for m, _ in smi)
+    r["nvidia_smi_baseline_mib"] = base
+    r["nvidia_smi_peak_used_mib"] = peak - base
+    # Utilisation while training: the samples once memory is near its peak (after start-up).
+    busy = [u for m, u in smi if m >= base + 0.9 * (peak - base)]
+    r["nvidia_smi_util_pct_while_training"] = round(sum(busy) / len(busy), 1) if busy else None
+if rc != 0 or len(rows) < warmup + steps:
+    r["error"] = "\n".join(err[-25:])
+r["ok"] = rc == 0 and len(rows) == warmup + steps
+json.dump(r, open(f"{d}/../shardplan-1b.json", "w"), indent=2)
+if r["ok"]:
+    print(f"shardplan 1B: {r['tokens_per_second']:.0f} tok/s, {r['step_seconds_median']*1e3:.0f} ms/step, "
+          f"executor peak {r['executor_measured_peak_bytes']/2**30:.2f} GiB (planned {r['planned_peak_bytes']/2**30:.2f}), "
+          f"nvidia-smi {r.get('nvidia_smi_peak_used_mib', 0)/1024:.2f} GiB")
+else:
+    print("shardplan 1B failed (exit %d): %s" % (rc, (err[-1] if err else "")))
+sys.exit(0 if r["ok"] else 1)
+EOF
+  if [ $? = 0 ]; then status shardplan ok "$(tail -c 300 "$d/train.out" | tr '\n' ' ')"
+  else status shardplan FAIL "exit $rc: $(tail -n 3 "$d/train.err" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+else
+  status shardplan skipped "--checks"
+fi
+
+# --- (c) PyTorch FSDP2 on the same model, batch and optimizer ------------------------------
+if wants fsdp2; then
+  d=$OUTDIR/fsdp2-1b
+  mkdir -p "$d"
+  base=$(gpu_used_mib)
+  smi_start "$d/nvidia-smi.csv"
+  timeout "$TIMEOUT" "$PY" benches/fsdp2_step.py --device cuda --dim 2048 --layers 16 --heads 32 --kv-heads 8 \
+    --ffn 8192 --vocab 32000 --rope-theta 500000 --seq 2048 --batch "$BATCH" --warmup "$WARMUP" --steps "$STEPS" \
+    --param-dtype bf16 --reduce-dtype f32 --out "$d/fsdp2.json" >"$d/stdout.txt" 2>"$d/stderr.txt"
+  rc=$?
+  smi_stop
+  "$PY" - "$d" "$rc" "$base" <<'EOF'
+import json, os, sys
+d, rc, base = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+r = json.load(open(f"{d}/fsdp2.json")) if rc == 0 and os.path.exists(f"{d}/fsdp2.json") else {}
+r["exit"] = rc
+r["timed_out"] = rc in (124, 137)
+smi = [[int(v) for v in l.split(",")] for l in open(f"{d}/nvidia-smi.csv") if l.count(",") == 1 and all(v.strip().isdigit() for v in l.split(","))]
+if smi:
+    peak = max(m for m, _ in smi)
+    r["nvidia_smi_baseline_mib"] = base
+    r["nvidia_smi_peak_used_mib"] = peak - base
+    busy = [u for m, u in smi if m >= base + 0.9 * (peak - base)]
+    r["nvidia_smi_util_pct_while_training"] = round(sum(busy) / len(busy), 1) if busy else None
+r["ok"] = rc == 0 and "tokens_per_second" in r
+if not r["ok"]:
+    r["error"] = "\n".join(open(f"{d}/stderr.txt", errors="replace").read().strip().splitlines()[-25:])
+json.dump(r, open(f"{d}/../fsdp2-1b.json", "w"), indent=2)
+if r["ok"]:
+    m = r["memory"]
+    mem = ", ".join(f"{k[:-len('_bytes')].replace('_', ' ')} {v / 2**30:.2f} GiB" for k, v in m.items() if k.startswith("peak") and v)
+    print(f"FSDP2 1B: {r['tokens_per_second']:.0f} tok/s, {r['step_seconds_median']*1e3:.0f} ms/step, {mem}")
+sys.exit(0 if r["ok"] else 1)
+EOF
+  if [ $? = 0 ]; then status fsdp2 ok "$(grep -o '"tokens_per_second": [0-9.]*' "$d/fsdp2.json" | head -1)"
+  else status fsdp2 FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+else
+  status fsdp2 skipped "--checks"
+fi
+
+# --- (d) the ratio table ---------------------------------------------------------------------
+"$PY" - "$OUTDIR" "$GPU_NAME" <<'EOF'
+import json, os, sys
+out, gpu = sys.argv[1], sys.argv[2]
+def load(name):
+    p = os.path.join(out, name)
+    return json.load(open(p)) if os.path.exists(p) else None
+parity, ours, theirs = load("parity.json"), load("shardplan-1b.json"), load("fsdp2-1b.json")
+gib = lambda b: None if b is None else b / 2**30
+s = {"gpu": gpu, "parity": None, "shardplan": None, "fsdp2": None, "ratios": {}}
+lines = [f"GPU: {gpu}", ""]
+if parity:
+    s["parity"] = {m: {"max_rel_diff_loss": r.get("max_rel_diff_loss"), "max_rel_diff_grad_norm": r.get("max_rel_diff_grad_norm"), "pass": r["pass"]}
+                   for m, r in parity["meshes"].items()}
+    lines.append(f"parity, tiny-llama, {parity['steps']} steps, CUDA vs CPU (tolerance {parity['tolerance_rel']:g} relative):")
+    for m, r in parity["meshes"].items():
+        if r.get("max_rel_diff_loss") is not None:
+            lines.append(f"  {m}: loss max rel diff {r['max_rel_diff_loss']:.3g}, grad norm {r['max_rel_diff_grad_norm']:.3g}  {'pass' if r['pass'] else 'FAIL'}")
+        else:
+            lines.append(f"  {m}: run failed")
+    lines.append("")
+rows = []
+def row(name, a, b, unit, fmt="{:.2f}"):
+    ratio = a / b if a is not None and b else None
+    rows.append((name, a, b, ratio, unit, fmt))
+    return ratio
+if ours and ours.get("ok"):
+    s["shardplan"] = {k: ours.get(k) for k in ("tokens_per_second", "step_seconds_median", "executor_measured_peak_bytes", "planned_peak_bytes", "nvidia_smi_peak_used_mib", "nvidia_smi_util_pct_while_training", "startup_seconds", "batch_per_rank")}
+if theirs and theirs.get("ok"):
+    m = theirs["memory"]
+    s["fsdp2"] = {"tokens_per_second": theirs["tokens_per_second"], "step_seconds_median": theirs["step_seconds_median"],
+                  "peak_allocated_bytes": m.get("peak_allocated_bytes"), "peak_reserved_bytes": m.get("peak_reserved_bytes"),
+                  "nvidia_smi_peak_used_mib": theirs.get("nvidia_smi_peak_used_mib"), "nvidia_smi_util_pct_while_training": theirs.get("nvidia_smi_util_pct_while_training"),
+                  "torch": theirs["torch"], "params": theirs["params"], "seq": theirs["seq"]}
+if s["shardplan"] and s["fsdp2"]:
+    a, b = s["shardplan"], s["fsdp2"]
+    s["ratios"]["tokens_per_second"] = row("tokens/s", a["tokens_per_second"], b["tokens_per_second"], "tok/s", "{:.0f}")
+    s["ratios"]["step_seconds"] = row("step time", a["step_seconds_median"] * 1e3, b["step_seconds_median"] * 1e3, "ms", "{:.1f}")
+    if b["peak_allocated_bytes"]:
+        s["ratios"]["peak_memory_executor_vs_allocated"] = row("peak memory: shardplan executor-measured vs torch max allocated", gib(a["executor_measured_peak_bytes"]), gib(b["peak_allocated_bytes"]), "GiB")
+        s["ratios"]["peak_memory_planned_vs_allocated"] = row("peak memory: shardplan planned vs torch max allocated", gib(a["planned_peak_bytes"]), gib(b["peak_allocated_bytes"]), "GiB")
+    if a.get("nvidia_smi_peak_used_mib") and b.get("nvidia_smi_peak_used_mib"):
+        s["ratios"]["peak_memory_device"] = row("GPU memory in use (nvidia-smi, less baseline)", a["nvidia_smi_peak_used_mib"] / 1024, b["nvidia_smi_peak_used_mib"] / 1024, "GiB")
+    if a.get("nvidia_smi_util_pct_while_training") is not None and b.get("nvidia_smi_util_pct_while_training") is not None:
+        row("GPU utilisation while training (nvidia-smi)", a["nvidia_smi_util_pct_while_training"], b["nvidia_smi_util_pct_while_training"], "%", "{:.0f}")
+    s["targets"] = {"tokens_per_second_ratio_at_least_1": s["ratios"]["tokens_per_second"] >= 1.0,
+                    "peak_memory_ratio_at_most_1": (s["ratios"].get("peak_memory_device") or s["ratios"].get("peak_memory_executor_vs_allocated") or float("inf")) <= 1.0}
+    lines.append(f"llama-1b ({b['params']/1e9:.2f}B params), batch {a['batch_per_rank']} x {b['seq']}, bf16 compute, f32 reduce, AdamW, mesh 1x1; PyTorch {b['torch']}:")
+    w = max(len(f"{name} ({unit})") for name, _, _, _, unit, _ in rows)
+    lines.append(f"  {'':{w}} {'shardplan':>11} {'FSDP2':>11} {'ratio':>7}")
+    for name, x, y, ratio, unit, fmt in rows:
+        lines.append(f"  {name + ' (' + unit + ')':{w}} {fmt.format(x):>11} {fmt.format(y):>11} {ratio:>7.3f}")
+else:
+    lines.append("ratios: not available (" + ", ".join(n for n, v in (("shardplan", s["shardplan"]), ("fsdp2", s["fsdp2"])) if not v) + " did not complete)")
+    if s["shardplan"]:
+        lines.append(f"  shardplan: {s['shardplan']['tokens_per_second']:.0f} tok/s")
+    if s["fsdp2"]:
+        lines.append(f"  FSDP2: {s['fsdp2']['tokens_per_second']:.0f} tok/s, peak allocated {gib(s['fsdp2']['peak_allocated_bytes'] or 0):.2f} GiB")
+json.dump(s, open(os.path.join(out, "summary.json"), "w"), indent=2)
+open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+echo
+cat "$OUTDIR/checks.txt"
+exit $FAILED
