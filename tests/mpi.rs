@@ -475,3 +475,40 @@ fn terminated_ranks_stop_together_after_a_step_with_a_checkpoint() {
         "{out}"
     );
 }
+
+#[test]
+fn mpi_matches_threads_bf16_params_f32_reduce() {
+    parity_mp("bf16-f32", "mixed_precision: {param: bf16, reduce: f32}");
+}
+
+#[test]
+fn mpi_matches_threads_bf16_params_bf16_reduce() {
+    parity_mp("bf16-bf16", "mixed_precision: {param: bf16, reduce: bf16}");
+}
+
+/// `parity` on 1x4 with another mixed-precision setting in place of f32.
+fn parity_mp(name: &str, mp: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = spec(dir.path(), name, 1, 4, "");
+    let text = std::fs::read_to_string(&s)
+        .unwrap()
+        .replace("mixed_precision: {param: f32, reduce: f32}", mp);
+    let fixed = dir.path().join(format!("{name}-mp.yaml"));
+    std::fs::write(&fixed, text).unwrap();
+    let d = dir.path();
+    let (tl, ml) = (d.join("t.jsonl"), d.join("m.jsonl"));
+    let o = run({
+        let mut c = Command::new(bin());
+        c.args(train_args(&fixed, 20, &tl, &d.join("tc")));
+        c
+    });
+    assert!(o.status.success(), "{name}: {}", stderr(&o));
+    let o = run({
+        let mut c = mpirun(4);
+        c.args(train_args(&fixed, 20, &ml, &d.join("mc")));
+        c
+    });
+    assert!(o.status.success(), "{name}: {}", stderr(&o));
+    // The MPI backend reduces 16-bit data in rank order like Local: the same bits.
+    assert_eq!(losses(&tl), losses(&ml), "{name}");
+}
