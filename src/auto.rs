@@ -4,8 +4,9 @@
 use crate::plan::{make_plan_and_graph, write_out, Format, PlanArgs};
 use crate::CliError;
 use anyhow::Context;
-use shardplan_frontends::{LoadedModel, LoadedParallel, Offload, ParallelConfig, SpecError};
-use shardplan_planner::auto::{knob_effects, search, spec_yaml, Candidate, Fixed, NoFit, DEFAULT_RESERVE};
+use shardplan_frontends::{LoadedModel, LoadedParallel, SpecError};
+use shardplan_planner::alternatives::try_search_alternatives;
+use shardplan_planner::auto::{default_budget, knob_effects, search, spec_yaml, Candidate, Fixed, NoFit};
 use shardplan_planner::print::{bytes, ms};
 use std::fmt::Write as _;
 
@@ -40,78 +41,21 @@ fn table(o: &mut String, cands: &[Candidate], top: usize) {
     }
 }
 
-/// What the user fixed in the spec.
-fn fixed(p: &LoadedParallel) -> Fixed {
-    let o = &p.origin;
-    Fixed {
-        mesh_split: o.has("mesh.replicate"),
-        bucketing: o.has("bucket_mib") || o.has("wrap_modules"),
-        reshard: o.has("reshard_after_forward"),
-        prefetch: o.has("prefetch"),
-        checkpointing: o.has("activation_checkpointing"),
-        offload: o.has("offload"),
-    }
-}
-
-/// Single changes that might make a search fit, and whether they do.
-fn what_would_fit(model: &LoadedModel, parallel: &LoadedParallel, budget: u64) -> Vec<String> {
-    let base = &parallel.config;
-    let mut tries: Vec<(String, ParallelConfig)> = Vec::new();
-    let mut more = base.clone();
-    more.mesh.shard *= 2;
-    tries.push((
-        format!(
-            "twice the ranks ({} instead of {})",
-            more.mesh.world(),
-            base.mesh.world()
-        ),
-        more,
-    ));
-    if base.batch.per_rank > 1 {
-        let mut smaller = base.clone();
-        smaller.batch.per_rank /= 2;
-        smaller.batch.grad_accum *= 2;
-        tries.push((
-            format!(
-                "batch.per_rank {} with grad_accum {} (same global batch)",
-                smaller.batch.per_rank, smaller.batch.grad_accum
-            ),
-            smaller,
-        ));
-    }
-    if base.offload == Offload::None {
-        let mut off = base.clone();
-        off.offload = Offload::Cpu;
-        tries.push(("offload: cpu".into(), off));
-    }
-    let mut out = Vec::new();
-    for (what, config) in tries {
-        let p = LoadedParallel {
-            config: config.clone(),
-            origin: parallel.origin.clone(),
-        };
-        let Ok((_, joint)) = make_plan_and_graph(model, &p, &config) else {
-            continue;
-        };
-        if let Ok(Ok(r)) = search(&joint, &config, fixed(parallel), budget, true) {
-            out.push(format!("{what} fits ({})", bytes(r.winner.memory.peak)));
-        }
-    }
-    out
-}
-
 pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> Result<(), CliError> {
     let base = &parallel.config;
-    let budget = args
-        .memory_budget
-        .unwrap_or((base.hardware.hbm_gib * (1u64 << 30) as f64 * (1.0 - DEFAULT_RESERVE)) as u64);
+    let budget = args.memory_budget.unwrap_or_else(|| default_budget(&base.hardware));
+    let fixed = Fixed::from_origin(&parallel.origin);
     let (_, joint) = make_plan_and_graph(model, parallel, base)?;
-    let found = search(&joint, base, fixed(parallel), budget, true)
+    let found = search(&joint, base, fixed, budget, true)
         .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
     let r = match found {
         Ok(r) => r,
         Err(NoFit { best, budget }) => {
-            let fits = what_would_fit(model, parallel, budget);
+            let fits: Vec<String> = try_search_alternatives(&model.config, base, fixed, budget)
+                .into_iter()
+                .filter(|t| t.fits)
+                .map(|t| format!("{} fits ({})", t.change, bytes(t.peak)))
+                .collect();
             let help = if fits.is_empty() {
                 "no single change (twice the ranks, half the per-rank batch, CPU offload) fits; combine them or use a smaller model".to_string()
             } else {

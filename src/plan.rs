@@ -4,11 +4,11 @@ use crate::CliError;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use shardplan_frontends::{
-    load_model, load_parallel, trace_error, trace_options, ActivationCheckpointing, GradSync, LoadedModel,
-    LoadedParallel, Offload, ParallelConfig, Prefetch, Reshard, SpecError,
+    load_model, load_parallel, trace_error, trace_options, LoadedModel, LoadedParallel, ParallelConfig, SpecError,
 };
 use shardplan_ir::differentiate;
 use shardplan_models::trace;
+use shardplan_planner::alternatives::try_plan_alternatives;
 use shardplan_planner::print::bytes;
 use shardplan_planner::{plan, verify, Plan};
 use std::path::PathBuf;
@@ -114,58 +114,6 @@ pub fn make_plan_and_graph(
     Ok((p, joint))
 }
 
-/// Single changes to the spec that lower memory, each described as the user would write it.
-fn alternatives(c: &ParallelConfig) -> Vec<(String, ParallelConfig)> {
-    let mut out = Vec::new();
-    let mut push = |what: String, f: &dyn Fn(&mut ParallelConfig)| {
-        let mut n = c.clone();
-        f(&mut n);
-        if n != *c {
-            out.push((what, n));
-        }
-    };
-    push("activation_checkpointing: full".into(), &|n| {
-        n.activation_checkpointing = ActivationCheckpointing::Full
-    });
-    push("reshard_after_forward: true".into(), &|n| {
-        n.reshard_after_forward = Reshard::AfterForward
-    });
-    push("prefetch: {forward: 1, backward: 1}".into(), &|n| {
-        n.prefetch = Prefetch {
-            forward: n.prefetch.forward.min(1),
-            backward: n.prefetch.backward.min(1),
-            explicit_forward: Default::default(),
-            explicit_backward: Default::default(),
-        }
-    });
-    push("batch.grad_sync: every_micro_batch".into(), &|n| {
-        n.batch.grad_sync = GradSync::EveryMicroBatch
-    });
-    if c.batch.per_rank > 1 {
-        push(
-            format!(
-                "batch: {{per_rank: {}, grad_accum: {}}} (same global batch)",
-                c.batch.per_rank / 2,
-                c.batch.grad_accum * 2
-            ),
-            &|n| {
-                n.batch.per_rank /= 2;
-                n.batch.grad_accum *= 2;
-            },
-        );
-    }
-    push(
-        format!(
-            "mesh: {{replicate: {}, shard: {}}} (twice the ranks)",
-            c.mesh.replicate,
-            c.mesh.shard * 2
-        ),
-        &|n| n.mesh.shard *= 2,
-    );
-    push("offload: cpu".into(), &|n| n.offload = Offload::Cpu);
-    out
-}
-
 fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget: u64) -> CliError {
     let peak_at = p
         .programs
@@ -173,24 +121,19 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
         .and_then(|pr| pr.instrs.get(p.memory.peak_instr as usize))
         .map(|i| shardplan_planner::print::describe(p, i))
         .unwrap_or_default();
-    let mut tried = Vec::new();
-    for (what, config) in alternatives(&parallel.config) {
-        if let Ok(alt) = make_plan(model, parallel, &config) {
-            tried.push((alt.memory.peak <= budget, alt.memory.peak, what));
-        }
-    }
-    tried.sort_by_key(|t| (!t.0, t.1));
+    // Fitting changes first, then the closest misses.
+    let tried = try_plan_alternatives(&model.config, &parallel.config, budget);
     let fits: Vec<String> = tried
         .iter()
-        .filter(|t| t.0)
-        .map(|t| format!("`{}` ({})", t.2, bytes(t.1)))
+        .filter(|t| t.fits)
+        .map(|t| format!("`{}` ({})", t.change, bytes(t.peak)))
         .collect();
     let help = if fits.is_empty() {
         match tried.first() {
             Some(best) => format!(
                 "no single change fits; the closest is `{}` at {}; combine changes or add ranks",
-                best.2,
-                bytes(best.1)
+                best.change,
+                bytes(best.peak)
             ),
             None => "add ranks, shorten the sequence or lower the batch".into(),
         }

@@ -22,12 +22,19 @@
 use crate::plan::Plan;
 use crate::{plan, plan_with, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
-use shardplan_frontends::{ActivationCheckpointing, MeshShape, Offload, ParallelConfig, Prefetch, Reshard};
+use shardplan_frontends::{
+    ActivationCheckpointing, HardwareProfile, MeshShape, Offload, Origin, ParallelConfig, Prefetch, Reshard,
+};
 use shardplan_ir::{JointGraph, ModuleKind};
 
 /// Fraction of device memory kept free by default (CUDA context, NCCL buffers, allocator
 /// fragmentation): the default budget is `hbm x (1 - DEFAULT_RESERVE)`.
 pub const DEFAULT_RESERVE: f64 = 0.10;
+
+/// The default per-rank budget on `hw`: its device memory less [`DEFAULT_RESERVE`].
+pub fn default_budget(hw: &HardwareProfile) -> u64 {
+    (hw.hbm_gib * (1u64 << 30) as f64 * (1.0 - DEFAULT_RESERVE)) as u64
+}
 
 /// Which knobs the user set (they stay as the spec says).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -38,6 +45,22 @@ pub struct Fixed {
     pub prefetch: bool,
     pub checkpointing: bool,
     pub offload: bool,
+}
+
+impl Fixed {
+    /// The knobs a parallel spec fixes: those whose fields it writes (`origin` records
+    /// where each field was written). Bucketing is fixed by `bucket_mib` or `wrap_modules`,
+    /// the mesh split by `mesh.replicate` (`mesh.shard` alone leaves the split open).
+    pub fn from_origin(origin: &Origin) -> Fixed {
+        Fixed {
+            mesh_split: origin.has("mesh.replicate"),
+            bucketing: origin.has("bucket_mib") || origin.has("wrap_modules"),
+            reshard: origin.has("reshard_after_forward"),
+            prefetch: origin.has("prefetch"),
+            checkpointing: origin.has("activation_checkpointing"),
+            offload: origin.has("offload"),
+        }
+    }
 }
 
 /// The searched knobs of one candidate.

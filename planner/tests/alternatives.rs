@@ -1,0 +1,212 @@
+//! What would fit: the single changes offered when a spec misses its budget, each changing
+//! one knob; re-planned, they report the peaks that planning or searching them gives.
+
+mod common;
+
+use common::parallel;
+use shardplan_frontends::{
+    parse_parallel_spec, ActivationCheckpointing, GradSync, Offload, ParallelConfig, Reshard, Source,
+};
+use shardplan_ir::{differentiate, JointGraph};
+use shardplan_models::{preset, trace, TraceOptions};
+use shardplan_planner::alternatives::{
+    plan_alternatives, search_alternatives, try_plan_alternatives, try_search_alternatives, Alternative,
+};
+use shardplan_planner::auto::{default_budget, search, Fixed};
+use shardplan_planner::plan;
+
+/// Every knob open to a change: 2x4 mesh, batch 4 x 2 micro-batches synced once, deep
+/// prefetch, no resharding, no checkpointing, no offload.
+const OPEN: &str = "mesh: {replicate: 2, shard: 4}\ngpus_per_node: 4\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 4, seq_len: 64, grad_accum: 2, grad_sync: final_micro_batch}\nprefetch: {forward: 2, backward: 2}\nreshard_after_forward: false\n";
+
+/// Every knob but the mesh already at its lowest-memory setting.
+const TIGHT: &str = "mesh: {shard: 8}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 64}\nactivation_checkpointing: full\noffload: cpu\n";
+
+fn joint(model: &str, c: &ParallelConfig) -> JointGraph {
+    let g = trace(
+        &preset(model).unwrap(),
+        TraceOptions {
+            batch: c.batch.per_rank,
+            seq_len: c.batch.seq_len,
+            dtype: c.mixed_precision.param,
+        },
+    )
+    .unwrap();
+    differentiate(&g).unwrap()
+}
+
+fn changes(alts: &[Alternative]) -> Vec<&str> {
+    alts.iter().map(|a| a.change.as_str()).collect()
+}
+
+#[test]
+fn plan_alternatives_each_change_the_knob_they_name() {
+    let base = parallel(OPEN);
+    let alts = plan_alternatives(&base);
+    assert_eq!(
+        changes(&alts),
+        [
+            "activation_checkpointing: full",
+            "reshard_after_forward: true",
+            "prefetch: {forward: 1, backward: 1}",
+            "batch.grad_sync: every_micro_batch",
+            "batch: {per_rank: 2, grad_accum: 4} (same global batch)",
+            "mesh: {replicate: 2, shard: 8} (twice the ranks)",
+            "offload: cpu",
+        ]
+    );
+    let expect: [&dyn Fn(&mut ParallelConfig); 7] = [
+        &|c| c.activation_checkpointing = ActivationCheckpointing::Full,
+        &|c| c.reshard_after_forward = Reshard::AfterForward,
+        &|c| (c.prefetch.forward, c.prefetch.backward) = (1, 1),
+        &|c| c.batch.grad_sync = GradSync::EveryMicroBatch,
+        &|c| (c.batch.per_rank, c.batch.grad_accum) = (2, 4),
+        &|c| c.mesh.shard = 8,
+        &|c| c.offload = Offload::Cpu,
+    ];
+    for (a, f) in alts.iter().zip(expect) {
+        let mut want = base.clone();
+        f(&mut want);
+        assert_eq!(a.config, want, "{}", a.change);
+    }
+}
+
+#[test]
+fn plan_alternatives_leave_out_changes_the_spec_already_has() {
+    let base = parallel(TIGHT);
+    // Checkpointing, resharding, prefetch, sync and offload are already the lowest; a batch
+    // of one cannot be halved.
+    assert_eq!(
+        changes(&plan_alternatives(&base)),
+        ["mesh: {replicate: 1, shard: 16} (twice the ranks)"]
+    );
+}
+
+#[test]
+fn search_alternatives_are_ranks_batch_and_offload() {
+    let open = search_alternatives(&parallel(OPEN));
+    assert_eq!(
+        changes(&open),
+        [
+            "twice the ranks (16 instead of 8)",
+            "batch.per_rank 2 with grad_accum 4 (same global batch)",
+            "offload: cpu",
+        ]
+    );
+    let base = parallel(OPEN);
+    assert_eq!((open[0].config.mesh.replicate, open[0].config.mesh.shard), (2, 8));
+    assert_eq!((open[1].config.batch.per_rank, open[1].config.batch.grad_accum), (2, 4));
+    assert_eq!(open[2].config.offload, Offload::Cpu);
+    for a in &open {
+        // Nothing else changes (the other knobs are the search's to pick).
+        let mut back = a.config.clone();
+        (back.mesh, back.batch, back.offload) = (base.mesh, base.batch, base.offload);
+        assert_eq!(back, base, "{}", a.change);
+    }
+    assert_eq!(
+        changes(&search_alternatives(&parallel(TIGHT))),
+        ["twice the ranks (16 instead of 8)"]
+    );
+}
+
+#[test]
+fn tried_plan_alternatives_report_their_plans_fitting_first_then_closest() {
+    let model = preset("tiny-llama").unwrap();
+    let base = parallel(OPEN);
+    let alts = plan_alternatives(&base);
+    let peaks: Vec<(String, u64)> = alts
+        .iter()
+        .map(|a| {
+            (
+                a.change.clone(),
+                plan(&joint("tiny-llama", &a.config), &a.config).unwrap().memory.peak,
+            )
+        })
+        .collect();
+    let mut sorted: Vec<u64> = peaks.iter().map(|p| p.1).collect();
+    sorted.sort_unstable();
+    // Below every peak, between two of them, and above all.
+    for budget in [sorted[0] - 1, sorted[3], sorted[6]] {
+        let tried = try_plan_alternatives(&model, &base, budget);
+        assert_eq!(tried.len(), alts.len(), "budget {budget}");
+        for t in &tried {
+            let want = peaks.iter().find(|p| p.0 == t.change).unwrap().1;
+            assert_eq!(t.peak, want, "{}", t.change);
+            assert_eq!(t.fits, t.peak <= budget, "{}", t.change);
+        }
+        assert!(
+            tried
+                .windows(2)
+                .all(|w| (!w[0].fits, w[0].peak) <= (!w[1].fits, w[1].peak)),
+            "budget {budget}: {tried:?}"
+        );
+        assert_eq!(
+            tried.iter().filter(|t| t.fits).count(),
+            sorted.iter().filter(|&&p| p <= budget).count()
+        );
+    }
+}
+
+#[test]
+fn tried_search_alternatives_report_what_their_searches_find() {
+    let model = preset("tiny-llama").unwrap();
+    let (base, origin) = parse_parallel_spec(&Source::from_text("open.yaml", OPEN)).unwrap();
+    let fixed = Fixed::from_origin(&origin);
+    // A budget the spec's own search misses by a little.
+    let least = match search(&joint("tiny-llama", &base), &base, fixed, 0, true).unwrap() {
+        Err(no) => no.best.peak,
+        Ok(_) => panic!("a zero budget fits"),
+    };
+    let mut seen_fit = false;
+    let mut seen_miss = false;
+    for budget in [least - 1, least / 2] {
+        let tried = try_search_alternatives(&model, &base, fixed, budget);
+        let alts = search_alternatives(&base);
+        assert_eq!(
+            changes(&alts),
+            tried.iter().map(|t| t.change.as_str()).collect::<Vec<_>>()
+        );
+        for (a, t) in alts.iter().zip(&tried) {
+            let (peak, fits) = match search(&joint("tiny-llama", &a.config), &a.config, fixed, budget, true).unwrap() {
+                Ok(r) => (r.winner.memory.peak, true),
+                Err(no) => (no.best.peak, false),
+            };
+            assert_eq!((t.peak, t.fits), (peak, fits), "budget {budget}: {}", t.change);
+            assert_eq!(t.fits, t.peak <= budget, "budget {budget}: {}", t.change);
+            seen_fit |= fits;
+            seen_miss |= !fits;
+        }
+    }
+    assert!(seen_fit && seen_miss, "the budgets should separate the alternatives");
+}
+
+#[test]
+fn fixed_knobs_are_the_fields_the_spec_writes() {
+    let fixed = |yaml: &str| Fixed::from_origin(&parse_parallel_spec(&Source::from_text("f.yaml", yaml)).unwrap().1);
+    assert_eq!(fixed("mesh: {shard: 8}\n"), Fixed::default());
+    assert_eq!(
+        fixed("mesh: {replicate: 1, shard: 8}\nbucket_mib: 64\n"),
+        Fixed {
+            mesh_split: true,
+            bucketing: true,
+            ..Fixed::default()
+        }
+    );
+    assert_eq!(
+        fixed("mesh: {shard: 8}\nwrap_modules: [layers.0]\nreshard_after_forward: true\nprefetch: {forward: 1}\nactivation_checkpointing: none\noffload: none\n"),
+        Fixed {
+            mesh_split: false,
+            bucketing: true,
+            reshard: true,
+            prefetch: true,
+            checkpointing: true,
+            offload: true,
+        }
+    );
+}
+
+#[test]
+fn the_default_budget_keeps_a_tenth_of_device_memory() {
+    let c = parallel("mesh: {shard: 8}\nhardware: {base: h100-sxm, hbm_gib: 80}\n");
+    assert_eq!(default_budget(&c.hardware), 72 << 30);
+}
