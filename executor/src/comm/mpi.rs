@@ -135,80 +135,107 @@ pub struct MpiGroup {
     dog: Arc<Watchdog>,
 }
 
-/// Host bytes of `t` (moved to the CPU if it lives elsewhere).
-fn host_bytes(t: &Tensor) -> Result<Vec<u8>, ExecError> {
-    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
-    Ok(match t.dtype() {
-        DType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
-        DType::F64 => bytemuck::cast_slice(&t.to_vec1::<f64>()?).to_vec(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|x| x.to_bits().to_le_bytes())
-            .collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|x| x.to_bits().to_le_bytes())
-            .collect(),
-        DType::U8 => t.to_vec1::<u8>()?,
-        DType::U32 => bytemuck::cast_slice(&t.to_vec1::<u32>()?).to_vec(),
-        DType::I64 => bytemuck::cast_slice(&t.to_vec1::<i64>()?).to_vec(),
-        other => return Err(ExecError::Unsupported(format!("MPI collectives of {other:?} data"))),
-    })
+/// A tensor's elements on the host, in an MPI type of the same width (16-bit floats travel
+/// as `u16`: MPI only moves them, never adds them).
+enum Host {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    U16(Vec<u16>),
+    U8(Vec<u8>),
+    U32(Vec<u32>),
+    I64(Vec<i64>),
 }
 
-/// A 1-D tensor of `dtype` from host bytes, on `device`.
-fn from_bytes(bytes: &[u8], dtype: DType, device: &Device) -> Result<Tensor, ExecError> {
-    let n = bytes.len() / dtype.size_in_bytes();
-    let t = Tensor::from_raw_buffer(bytes, dtype, &[n], &Device::Cpu)?;
-    Ok(t.to_device(device)?)
+/// Runs `$body` with `$v` bound to the vector inside `$h`, whatever its element type.
+macro_rules! with_host {
+    ($h:expr, $v:ident => $body:expr) => {
+        match $h {
+            Host::F32($v) => $body,
+            Host::F64($v) => $body,
+            Host::U16($v) => $body,
+            Host::U8($v) => $body,
+            Host::U32($v) => $body,
+            Host::I64($v) => $body,
+        }
+    };
 }
 
-/// The MPI element count of `bytes` bytes moved as `unit`-byte elements; MPI counts are ints.
-fn check_count(bytes: usize, what: &str) -> Result<(), ExecError> {
-    if bytes / 8 > i32::MAX as usize {
+/// Maps `$f` (a generic function of a slice) over `$h`, rewrapping its vector result.
+macro_rules! map_host {
+    ($h:expr, $f:expr) => {
+        match $h {
+            Host::F32(v) => Host::F32($f(&v[..])),
+            Host::F64(v) => Host::F64($f(&v[..])),
+            Host::U16(v) => Host::U16($f(&v[..])),
+            Host::U8(v) => Host::U8($f(&v[..])),
+            Host::U32(v) => Host::U32($f(&v[..])),
+            Host::I64(v) => Host::I64($f(&v[..])),
+        }
+    };
+}
+
+impl Host {
+    /// The elements of `t` (moved to the CPU if it lives elsewhere), one copy.
+    fn of(t: &Tensor) -> Result<Host, ExecError> {
+        let t = t.flatten_all()?.to_device(&Device::Cpu)?;
+        Ok(match t.dtype() {
+            DType::F32 => Host::F32(t.to_vec1::<f32>()?),
+            DType::F64 => Host::F64(t.to_vec1::<f64>()?),
+            DType::BF16 => Host::U16(t.to_vec1::<half::bf16>()?.iter().map(|x| x.to_bits()).collect()),
+            DType::F16 => Host::U16(t.to_vec1::<half::f16>()?.iter().map(|x| x.to_bits()).collect()),
+            DType::U8 => Host::U8(t.to_vec1::<u8>()?),
+            DType::U32 => Host::U32(t.to_vec1::<u32>()?),
+            DType::I64 => Host::I64(t.to_vec1::<i64>()?),
+            other => return Err(ExecError::Unsupported(format!("MPI collectives of {other:?} data"))),
+        })
+    }
+
+    fn len(&self) -> usize {
+        with_host!(self, v => v.len())
+    }
+
+    /// A 1-D tensor of `dtype` (the dtype `of` read) on `device`, without copying f32 data.
+    fn into_tensor(self, dtype: DType, device: &Device) -> Result<Tensor, ExecError> {
+        let n = self.len();
+        let cpu = &Device::Cpu;
+        let t = match (self, dtype) {
+            (Host::F32(v), _) => Tensor::from_vec(v, n, cpu)?,
+            (Host::F64(v), _) => Tensor::from_vec(v, n, cpu)?,
+            (Host::U16(v), DType::BF16) => {
+                Tensor::from_vec(v.into_iter().map(half::bf16::from_bits).collect::<Vec<_>>(), n, cpu)?
+            }
+            (Host::U16(v), _) => Tensor::from_vec(v.into_iter().map(half::f16::from_bits).collect::<Vec<_>>(), n, cpu)?,
+            (Host::U8(v), _) => Tensor::from_vec(v, n, cpu)?,
+            (Host::U32(v), _) => Tensor::from_vec(v, n, cpu)?,
+            (Host::I64(v), _) => Tensor::from_vec(v, n, cpu)?,
+        };
+        Ok(t.to_device(device)?)
+    }
+}
+
+/// Refuses a call whose element count does not fit MPI's int counts.
+fn check_count(elements: usize, what: &str) -> Result<(), ExecError> {
+    if elements > i32::MAX as usize {
         return Err(ExecError::Unsupported(format!(
-            "{what} of {bytes} bytes is larger than one MPI call moves; use smaller FSDP units (bucket_mib, wrap)"
+            "{what} of {elements} elements is larger than one MPI call moves (2^31 - 1); use smaller FSDP units (bucket_mib, wrap)"
         )));
     }
     Ok(())
 }
 
-/// Bytes moved in MPI calls as 8-byte words where possible (larger counts fit an int).
-fn all_gather_bytes(comm: &SimpleCommunicator, mine: &[u8], n: usize) -> Vec<u8> {
-    let mut out = vec![0u8; mine.len() * n];
-    if mine.len().is_multiple_of(8) {
-        let send: Vec<u64> = mine
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
-            .collect();
-        let mut recv = vec![0u64; send.len() * n];
-        comm.all_gather_into(&send[..], &mut recv[..]);
-        for (o, w) in out.chunks_exact_mut(8).zip(recv) {
-            o.copy_from_slice(&w.to_le_bytes());
-        }
-    } else {
-        comm.all_gather_into(mine, &mut out[..]);
-    }
+fn all_gather_slice<T: mpi::datatype::Equivalence + Default + Clone>(
+    comm: &SimpleCommunicator,
+    mine: &[T],
+    n: usize,
+) -> Vec<T> {
+    let mut out = vec![T::default(); mine.len() * n];
+    comm.all_gather_into(mine, &mut out[..]);
     out
 }
 
-fn all_to_all_bytes(comm: &SimpleCommunicator, mine: &[u8]) -> Vec<u8> {
-    let mut out = vec![0u8; mine.len()];
-    if mine.len().is_multiple_of(8 * comm.size() as usize) {
-        let send: Vec<u64> = mine
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8")))
-            .collect();
-        let mut recv = vec![0u64; send.len()];
-        comm.all_to_all_into(&send[..], &mut recv[..]);
-        for (o, w) in out.chunks_exact_mut(8).zip(recv) {
-            o.copy_from_slice(&w.to_le_bytes());
-        }
-    } else {
-        comm.all_to_all_into(mine, &mut out[..]);
-    }
+fn all_to_all_slice<T: mpi::datatype::Equivalence + Default + Clone>(comm: &SimpleCommunicator, mine: &[T]) -> Vec<T> {
+    let mut out = vec![T::default(); mine.len()];
+    comm.all_to_all_into(mine, &mut out[..]);
     out
 }
 
@@ -234,14 +261,14 @@ impl MpiGroup {
     fn reduce_chunk(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
         let n = self.size;
         let len = input.elem_count();
-        let bytes = host_bytes(input)?;
-        check_count(bytes.len(), "a reduce-scatter")?;
+        let host = Host::of(input)?;
+        check_count(host.len(), "a reduce-scatter")?;
         let got = {
             let _g = self.guard("reduce-scatter", tag);
-            all_to_all_bytes(&self.comm.0, &bytes)
+            map_host!(host, |v| all_to_all_slice(&self.comm.0, v))
         };
         // Row r: member r's contribution to this rank's chunk.
-        let rows = from_bytes(&got, input.dtype(), &Device::Cpu)?.reshape((n, len / n))?;
+        let rows = got.into_tensor(input.dtype(), &Device::Cpu)?.reshape((n, len / n))?;
         self.sum_rows(rows, op)?.to_device(input.device()).map_err(Into::into)
     }
 }
@@ -256,13 +283,13 @@ impl Collectives for MpiGroup {
     }
 
     fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
-        let bytes = host_bytes(input)?;
-        check_count(bytes.len() * self.size, "an all-gather")?;
+        let host = Host::of(input)?;
+        check_count(host.len() * self.size, "an all-gather")?;
         let out = {
             let _g = self.guard("all-gather", tag);
-            all_gather_bytes(&self.comm.0, &bytes, self.size)
+            map_host!(host, |v| all_gather_slice(&self.comm.0, v, self.size))
         };
-        from_bytes(&out, input.dtype(), input.device())
+        out.into_tensor(input.dtype(), input.device())
     }
 
     fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
@@ -300,14 +327,17 @@ impl Collectives for MpiGroup {
     }
 
     fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
-        let mut bytes = host_bytes(input)?;
-        check_count(bytes.len(), "a broadcast")?;
+        let mut host = Host::of(input)?;
+        check_count(host.len(), "a broadcast")?;
         {
             let _g = self.guard("broadcast", tag);
             use mpi::collective::Root;
-            self.comm.0.process_at_rank(0).broadcast_into(&mut bytes[..]);
+            let root = self.comm.0.process_at_rank(0);
+            with_host!(&mut host, v => root.broadcast_into(&mut v[..]));
         }
-        Ok(from_bytes(&bytes, input.dtype(), input.device())?.reshape(input.shape())?)
+        Ok(host
+            .into_tensor(input.dtype(), input.device())?
+            .reshape(input.shape())?)
     }
 
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {
