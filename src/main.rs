@@ -31,7 +31,7 @@ enum Command {
     /// Work with checkpoints: export one as a Hugging Face safetensors file.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
-    /// Train on any mesh: every rank as a thread of this process, or one rank per process under mpirun / srun / torchrun; progress bar, JSON-lines metrics, measured trace, Ctrl-C stops after the current step.
+    /// Train on any mesh: every rank as a thread of this process, or one rank per process under mpirun / srun (MPI); progress bar, JSON-lines metrics, measured trace, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
 }
 
