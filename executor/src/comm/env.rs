@@ -34,12 +34,7 @@ impl DistEnv {
                 ))
             })
         };
-        let num = |n: &str| -> Result<u64, ExecError> {
-            let v = need(n)?;
-            v.trim()
-                .parse::<u64>()
-                .map_err(|_| ExecError::Unsupported(format!("{n}={v:?} is not a non-negative integer")))
-        };
+        let num = |n: &str| -> Result<u64, ExecError> { parse_count(n, &need(n)?) };
         let (rank, world_size, local_rank) = (num("RANK")?, num("WORLD_SIZE")?, num("LOCAL_RANK")?);
         if world_size == 0 || rank >= world_size {
             return Err(ExecError::Unsupported(format!(
@@ -77,6 +72,13 @@ impl DistEnv {
                 ))
             })
     }
+}
+
+/// The value `v` of variable `n` as a count, or an error naming both.
+fn parse_count(n: &str, v: &str) -> Result<u64, ExecError> {
+    v.trim()
+        .parse::<u64>()
+        .map_err(|_| ExecError::Unsupported(format!("{n}={v:?} is not a non-negative integer")))
 }
 
 /// What started this process.
@@ -124,16 +126,7 @@ impl ProcessEnv {
                 torchrun: Some(d),
             }));
         }
-        let num = |n: &str| -> Result<Option<u64>, ExecError> {
-            match get(n) {
-                None => Ok(None),
-                Some(v) => v
-                    .trim()
-                    .parse::<u64>()
-                    .map(Some)
-                    .map_err(|_| ExecError::Unsupported(format!("{n}={v:?} is not a non-negative integer"))),
-            }
-        };
+        let num = |n: &str| -> Result<Option<u64>, ExecError> { get(n).map(|v| parse_count(n, &v)).transpose() };
         let found = |launcher, rank: Option<u64>, size: Option<u64>, local: Option<u64>, names: &str| match (rank, size)
         {
             (Some(rank), Some(world_size)) if rank < world_size => Ok(Some(ProcessEnv {

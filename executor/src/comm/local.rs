@@ -80,18 +80,7 @@ fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecE
         .into_iter()
         .map(|t| t.expect("every data collective has inputs"))
         .collect();
-    let reduce = |op: Reduce| -> Result<Tensor, ExecError> {
-        // Sum in rank order, in f64 for f32 data would change results across meshes; keep
-        // the contributions' dtype, as NCCL does.
-        let mut acc = ins[0].clone();
-        for t in &ins[1..] {
-            acc = (acc + t)?;
-        }
-        Ok(match op {
-            Reduce::Avg if n > 1 => (acc / n as f64)?,
-            Reduce::Sum | Reduce::Avg => acc,
-        })
-    };
+    let reduce = |op: Reduce| super::rank_order_sum(ins.iter().cloned().map(Ok), n, op);
     Ok(match kind {
         Kind::AllGather => {
             let all = Tensor::cat(&ins, 0)?;

@@ -18,6 +18,26 @@ use candle_core::Tensor;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// The sum of `parts` (one per group member, in member order) in that order and in their
+/// dtype, as NCCL keeps it; divided by the member count for `Avg`. Every backend reduces
+/// through this one function, so their results agree bit for bit.
+pub(crate) fn rank_order_sum(
+    mut parts: impl Iterator<Item = Result<Tensor, ExecError>>,
+    n: usize,
+    op: Reduce,
+) -> Result<Tensor, ExecError> {
+    let mut acc = parts
+        .next()
+        .ok_or_else(|| ExecError::Internal("a reduction of no contributions".into()))??;
+    for t in parts {
+        acc = (acc + t?)?;
+    }
+    Ok(match op {
+        Reduce::Avg if n > 1 => (acc / n as f64)?,
+        Reduce::Sum | Reduce::Avg => acc,
+    })
+}
+
 /// Something a world abort must wake (a backend's condition variable).
 pub trait Wake: Send + Sync {
     fn wake(&self);

@@ -247,14 +247,7 @@ impl MpiGroup {
     /// Sums the `size` equal rows of `rows` in rank order (as the Local backend does).
     fn sum_rows(&self, rows: Tensor, op: Reduce) -> Result<Tensor, ExecError> {
         let n = self.size;
-        let mut acc = rows.get(0)?;
-        for r in 1..n {
-            acc = (acc + rows.get(r)?)?;
-        }
-        Ok(match op {
-            Reduce::Avg if n > 1 => (acc / n as f64)?,
-            Reduce::Sum | Reduce::Avg => acc,
-        })
+        super::rank_order_sum((0..n).map(|r| rows.get(r).map_err(Into::into)), n, op)
     }
 
     /// This rank's chunk of the rank-order sum of every member's `input`.
