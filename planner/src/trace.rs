@@ -2,9 +2,33 @@
 //! one track per stream, one slice per instruction that takes time, and a counter track of
 //! device memory.
 
-use crate::plan::{Instr, Plan, Stream};
+use crate::plan::{Instr, Plan, Program, Stream};
 use crate::print::describe;
 use serde_json::{json, Value};
+
+/// Whether an instruction gets a slice in a trace (those that take time and move data).
+pub fn traced(instr: &Instr) -> bool {
+    !matches!(
+        instr,
+        Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. }
+    )
+}
+
+/// The metadata events naming `rank`'s track (a process) and one thread per stream its
+/// program uses: the layout every shardplan trace shares, planned or measured.
+pub fn tracks(program: &Program, rank: u64) -> Vec<Value> {
+    let mut events =
+        vec![json!({"ph": "M", "pid": rank, "name": "process_name", "args": {"name": format!("rank {rank}")}})];
+    for s in Stream::ALL {
+        if program.instrs.iter().any(|i| i.stream == s) {
+            events.push(json!({
+                "ph": "M", "pid": rank, "tid": s.index(), "name": "thread_name",
+                "args": {"name": s.name()}
+            }));
+        }
+    }
+    events
+}
 
 /// The trace of `rank`'s program.
 pub fn chrome_trace(plan: &Plan, rank: u64) -> Value {
@@ -13,20 +37,9 @@ pub fn chrome_trace(plan: &Plan, rank: u64) -> Value {
         return json!({ "traceEvents": events });
     };
     let pid = rank;
-    events.push(json!({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": format!("rank {rank}")}}));
-    for s in Stream::ALL {
-        if program.instrs.iter().any(|i| i.stream == s) {
-            events.push(json!({
-                "ph": "M", "pid": pid, "tid": s.index(), "name": "thread_name",
-                "args": {"name": s.name()}
-            }));
-        }
-    }
+    events.extend(tracks(program, rank));
     for (i, issued) in program.instrs.iter().enumerate() {
-        if matches!(
-            issued.instr,
-            Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. }
-        ) {
+        if !traced(&issued.instr) {
             continue;
         }
         let (start, end) = (plan.timing.start[i], plan.timing.end[i]);

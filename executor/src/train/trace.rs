@@ -6,15 +6,7 @@ use super::sharded::ShardedTrainer;
 use crate::ExecError;
 use serde_json::{json, Value};
 use shardplan_planner::print::describe;
-use shardplan_planner::{Instr, Stream};
-
-/// Whether the planner's trace shows this instruction (the same filter, so tracks match).
-pub fn traced(instr: &Instr) -> bool {
-    !matches!(
-        instr,
-        Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. }
-    )
-}
+use shardplan_planner::trace::{traced, tracks};
 
 impl ShardedTrainer {
     /// Every rank's measured instruction times since `record_times`, as a Chrome trace
@@ -57,17 +49,7 @@ impl ShardedTrainer {
             .fold(f64::INFINITY, f64::min);
         let mut events = Vec::new();
         for (rank, times) in &per_rank {
-            events.push(
-                json!({"ph": "M", "pid": rank, "name": "process_name", "args": {"name": format!("rank {rank}")}}),
-            );
-            for s in Stream::ALL {
-                if program.instrs.iter().any(|i| i.stream == s) {
-                    events.push(json!({
-                        "ph": "M", "pid": rank, "tid": s.index(), "name": "thread_name",
-                        "args": {"name": s.name()}
-                    }));
-                }
-            }
+            events.extend(tracks(program, *rank));
             for step in 0..steps {
                 for (i, issued) in program.instrs.iter().enumerate() {
                     if !traced(&issued.instr) {
