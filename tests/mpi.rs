@@ -26,7 +26,32 @@ fn run(mut c: Command) -> Output {
     c.output().expect("run the command (is Open MPI's mpirun on PATH?)")
 }
 
-/// A tiny-llama parallel spec: f32, AdamW with clipping, global batch 8 x 16 on any mesh.
+/// `shardplan` as one process (threads), or as `ranks` MPI processes.
+fn launcher(ranks: Option<u64>) -> Command {
+    ranks.map_or_else(|| Command::new(bin()), mpirun)
+}
+
+/// Trains `spec` for `steps` (threads, or `ranks` MPI processes) with `extra` arguments;
+/// fails the test, saying `what`, unless the run succeeds. Returns its stderr.
+fn train_ok(
+    ranks: Option<u64>,
+    spec: &Path,
+    steps: u64,
+    log: &Path,
+    ckpt: &Path,
+    extra: &[&str],
+    what: &str,
+) -> String {
+    let mut c = launcher(ranks);
+    c.args(train_args(spec, steps, log, ckpt)).args(extra);
+    let o = run(c);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{what}: {err}");
+    err
+}
+
+/// A tiny-llama parallel spec: f32 (unless `extra` sets mixed_precision), AdamW with
+/// clipping, global batch 8 x 16 on any mesh (unless `extra` sets the batch).
 fn spec(dir: &Path, name: &str, replicate: u64, shard: u64, extra: &str) -> PathBuf {
     let world = replicate * shard;
     let per_rank = 8 / world.min(8);
@@ -36,12 +61,17 @@ fn spec(dir: &Path, name: &str, replicate: u64, shard: u64, extra: &str) -> Path
         format!(
             "mesh: {{replicate: {replicate}, shard: {shard}}}\n\
              gpus_per_node: {world}\n\
-             mixed_precision: {{param: f32, reduce: f32}}\n\
+             {}\
              optimizer: {{adamw: {{lr: 3.0e-3, betas: [0.9, 0.95], weight_decay: 0.1}}}}\n\
              grad_clip: 1.0\n\
              seed: 0\n\
              {extra}\n\
              {}",
+            if extra.contains("mixed_precision:") {
+                ""
+            } else {
+                "mixed_precision: {param: f32, reduce: f32}\n"
+            },
             if extra.contains("batch:") {
                 String::new()
             } else {
@@ -116,27 +146,23 @@ fn bytemuck_f32(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// Runs `s` for 20 steps as threads and as `ranks` MPI processes; returns (threads log,
+/// threads checkpoints, MPI log, MPI checkpoints).
+fn run_both(name: &str, s: &Path, d: &Path, ranks: u64) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let (tl, tc) = (d.join("threads.jsonl"), d.join("threads-ckpt"));
+    train_ok(None, s, 20, &tl, &tc, &[], &format!("{name} threads"));
+    let (ml, mc) = (d.join("mpi.jsonl"), d.join("mpi-ckpt"));
+    let err = train_ok(Some(ranks), s, 20, &ml, &mc, &[], &format!("{name} mpi"));
+    assert!(err.contains("backend mpi"), "{name}: rank 0 names the backend: {err}");
+    (tl, tc, ml, mc)
+}
+
 /// Runs `spec` as threads and as MPI processes; losses within 1e-5, weights within 1e-4.
 fn parity(name: &str, replicate: u64, shard: u64, extra: &str) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let s = spec(d, name, replicate, shard, extra);
-    let (tl, tc) = (d.join("threads.jsonl"), d.join("threads-ckpt"));
-    let o = run({
-        let mut c = Command::new(bin());
-        c.args(train_args(&s, 20, &tl, &tc));
-        c
-    });
-    assert!(o.status.success(), "{name} threads: {}", stderr(&o));
-    let (ml, mc) = (d.join("mpi.jsonl"), d.join("mpi-ckpt"));
-    let o = run({
-        let mut c = mpirun(replicate * shard);
-        c.args(train_args(&s, 20, &ml, &mc));
-        c
-    });
-    let err = stderr(&o);
-    assert!(o.status.success(), "{name} mpi: {err}");
-    assert!(err.contains("backend mpi"), "{name}: rank 0 names the backend: {err}");
+    let (tl, tc, ml, mc) = run_both(name, &s, d, replicate * shard);
     close(&losses(&tl), &losses(&ml), 1e-5, name);
     let (a, b) = (
         weights(&tc, &d.join("t.safetensors")),
@@ -208,12 +234,7 @@ fn checkpoints_cross_between_processes_and_threads() {
     let s4 = spec(d, "m4", 1, 4, "batch: {per_rank: 2, seq_len: 16}");
     let s2 = spec(d, "m2", 1, 2, "batch: {per_rank: 4, seq_len: 16}");
     let full = d.join("full.jsonl");
-    let o = run({
-        let mut c = Command::new(bin());
-        c.args(train_args(&s4, 16, &full, &d.join("full-ckpt")));
-        c
-    });
-    assert!(o.status.success(), "{}", stderr(&o));
+    train_ok(None, &s4, 16, &full, &d.join("full-ckpt"), &[], "uninterrupted");
     let full = losses(&full);
     // (writer mesh spec, writer is MPI, reader spec, reader is MPI)
     for (ws, wmpi, rs, rmpi, what) in [
@@ -221,17 +242,28 @@ fn checkpoints_cross_between_processes_and_threads() {
         (&s2, false, &s4, true, "threads 1x2 -> MPI 1x4"),
     ] {
         let ck = d.join(format!("{wmpi}-ckpt"));
-        let mut c = if wmpi { mpirun(4) } else { Command::new(bin()) };
-        c.args(train_args(ws, 16, &d.join(format!("{wmpi}-w.jsonl")), &ck))
-            .args(["--checkpoint-every", "8"]);
-        let o = run(c);
-        assert!(o.status.success(), "{what}: {}", stderr(&o));
+        let writer_log = d.join(format!("{wmpi}-w.jsonl"));
+        train_ok(
+            wmpi.then_some(4),
+            ws,
+            16,
+            &writer_log,
+            &ck,
+            &["--checkpoint-every", "8"],
+            what,
+        );
         let resumed = d.join(format!("{wmpi}-r.jsonl"));
-        let mut c = if rmpi { mpirun(4) } else { Command::new(bin()) };
-        c.args(train_args(rs, 16, &resumed, &d.join(format!("{wmpi}-r-ckpt"))))
-            .args(["--resume", ck.join("step-00000008").to_str().unwrap()]);
-        let o = run(c);
-        assert!(o.status.success(), "{what}: {}", stderr(&o));
+        let step8 = ck.join("step-00000008");
+        let args = ["--resume", step8.to_str().unwrap()];
+        train_ok(
+            rmpi.then_some(4),
+            rs,
+            16,
+            &resumed,
+            &d.join(format!("{wmpi}-r-ckpt")),
+            &args,
+            what,
+        );
         close(&full[8..], &losses(&resumed), 1e-4, what);
     }
 }
@@ -486,29 +518,12 @@ fn mpi_matches_threads_bf16_params_bf16_reduce() {
     parity_mp("bf16-bf16", "mixed_precision: {param: bf16, reduce: bf16}");
 }
 
-/// `parity` on 1x4 with another mixed-precision setting in place of f32.
+/// Threads against MPI on 1x4 with another mixed-precision setting in place of f32.
 fn parity_mp(name: &str, mp: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let s = spec(dir.path(), name, 1, 4, "");
-    let text = std::fs::read_to_string(&s)
-        .unwrap()
-        .replace("mixed_precision: {param: f32, reduce: f32}", mp);
-    let fixed = dir.path().join(format!("{name}-mp.yaml"));
-    std::fs::write(&fixed, text).unwrap();
     let d = dir.path();
-    let (tl, ml) = (d.join("t.jsonl"), d.join("m.jsonl"));
-    let o = run({
-        let mut c = Command::new(bin());
-        c.args(train_args(&fixed, 20, &tl, &d.join("tc")));
-        c
-    });
-    assert!(o.status.success(), "{name}: {}", stderr(&o));
-    let o = run({
-        let mut c = mpirun(4);
-        c.args(train_args(&fixed, 20, &ml, &d.join("mc")));
-        c
-    });
-    assert!(o.status.success(), "{name}: {}", stderr(&o));
+    let s = spec(d, name, 1, 4, mp);
+    let (tl, _, ml, _) = run_both(name, &s, d, 4);
     // The MPI backend reduces 16-bit data in rank order like Local: the same bits.
     assert_eq!(losses(&tl), losses(&ml), "{name}");
 }
