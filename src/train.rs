@@ -205,8 +205,13 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
     }
 }
 
+/// `rank R of N: ` for a process of a multi-process launch, else nothing.
+fn rank_prefix(env: Option<&ProcessEnv>) -> String {
+    env.map_or(String::new(), |e| format!("rank {} of {}: ", e.rank, e.world_size))
+}
+
 fn nccl_missing(env: Option<&ProcessEnv>) -> String {
-    let who = env.map_or(String::new(), |e| format!("rank {} of {}: ", e.rank, e.world_size));
+    let who = rank_prefix(env);
     #[cfg(not(feature = "cuda"))]
     let why = "this shardplan was built without CUDA support (build it with scripts/build-cuda.sh)";
     #[cfg(feature = "cuda")]
@@ -216,7 +221,7 @@ fn nccl_missing(env: Option<&ProcessEnv>) -> String {
 
 #[cfg(not(feature = "mpi"))]
 fn run_mpi(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
-    let who = env.map_or(String::new(), |e| format!("rank {} of {}: ", e.rank, e.world_size));
+    let who = rank_prefix(env);
     Err(CliError::Usage(format!(
         "{who}--backend mpi: this shardplan was built without MPI support; build it with `cargo build --release --features mpi` (needs Open MPI: apt-get install libopenmpi-dev openmpi-bin libclang-dev)"
     )))

@@ -65,6 +65,8 @@ pub struct ShardedTrainer {
     stop_flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// Collective tags of the between-step exchanges.
     sync_tag: u64,
+    /// The compute stream's waits (their measured time is exposed communication).
+    compute_waits: Vec<usize>,
     /// Per step, per local rank: the measured instruction times (when tracing).
     pub(crate) times: Option<Vec<Vec<Vec<[f64; 2]>>>>,
     pub(crate) config: ParallelConfig,
@@ -190,6 +192,16 @@ impl ShardedTrainer {
             });
             data.push(data_source(model, config, per_rank * world as usize, seq)?);
         }
+        let compute_waits = plan.programs[0]
+            .instrs
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| {
+                x.stream == shardplan_planner::Stream::Compute
+                    && matches!(x.instr, shardplan_planner::Instr::Wait { .. })
+            })
+            .map(|(i, _)| i)
+            .collect();
         Ok(ShardedTrainer {
             shared: Shared {
                 plan,
@@ -206,6 +218,7 @@ impl ShardedTrainer {
             backend,
             stop_flag: None,
             sync_tag: 0,
+            compute_waits,
             times: None,
             config: config.clone(),
             model: model.clone(),
@@ -346,16 +359,7 @@ impl ShardedTrainer {
             .stop_flag
             .as_ref()
             .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
-        let compute_waits: Vec<usize> = self.shared.plan.programs[0]
-            .instrs
-            .iter()
-            .enumerate()
-            .filter(|(_, x)| {
-                x.stream == shardplan_planner::Stream::Compute
-                    && matches!(x.instr, shardplan_planner::Instr::Wait { .. })
-            })
-            .map(|(i, _)| i)
-            .collect();
+        let compute_waits = &self.compute_waits;
         let local: Vec<RankStats> = outs
             .iter()
             .zip(&self.ranks)
