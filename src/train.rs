@@ -10,6 +10,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use shardplan_executor::comm::env::{Launcher, ProcessEnv};
 use shardplan_executor::comm::Placement;
+use shardplan_executor::runtime::device::DeviceMemory;
 use shardplan_executor::{ExecError, ShardedTrainer};
 use shardplan_frontends::{
     load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, ParallelConfig, Source, SpecError,
@@ -198,10 +199,12 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
                     e.rank, e.world_size, e.launcher.name(), processes
                 )));
             }
-            train(args, &|plan| Ok(shardplan_executor::comm::local::place(plan)))
+            train(args, &args.device, &|plan, _| {
+                Ok(shardplan_executor::comm::local::place(plan))
+            })
         }
         Backend::Mpi => run_mpi(args, env.as_ref()),
-        Backend::Nccl => Err(CliError::Usage(nccl_missing(env.as_ref()))),
+        Backend::Nccl => run_nccl(args, env.as_ref()),
     }
 }
 
@@ -210,13 +213,68 @@ fn rank_prefix(env: Option<&ProcessEnv>) -> String {
     env.map_or(String::new(), |e| format!("rank {} of {}: ", e.rank, e.world_size))
 }
 
-fn nccl_missing(env: Option<&ProcessEnv>) -> String {
+#[cfg(not(feature = "cuda"))]
+fn run_nccl(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
+    Err(CliError::Usage(format!(
+        "{}--backend nccl needs NVIDIA GPUs and a CUDA build, and this shardplan was built without CUDA support (build one with scripts/build-cuda.sh); on the CPU use --backend mpi under mpirun, or one process with --backend local",
+        rank_prefix(env)
+    )))
+}
+
+/// One rank per process on its node's GPU `LOCAL_RANK`, collectives over NCCL; the
+/// processes agree on ids and step figures over TCP (torchrun, `shardplan launch`) or MPI
+/// (mpirun, srun; needs the `mpi` feature too).
+#[cfg(feature = "cuda")]
+fn run_nccl(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
+    use shardplan_executor::comm::{nccl, tcp::TcpWorld, Abort, Collectives};
+    use std::sync::{Arc, Mutex};
     let who = rank_prefix(env);
-    #[cfg(not(feature = "cuda"))]
-    let why = "this shardplan was built without CUDA support (build it with scripts/build-cuda.sh)";
-    #[cfg(feature = "cuda")]
-    let why = "this CUDA build has no NCCL backend yet";
-    format!("{who}--backend nccl needs the NCCL backend, and {why}; on the CPU use --backend mpi under mpirun, or one process with --backend local")
+    if !args.device.starts_with("cuda") {
+        return Err(CliError::Usage(format!(
+            "{who}--backend nccl runs each rank on a GPU, not on `{}`: give --device cuda",
+            args.device
+        )));
+    }
+    // Each process takes its node's GPU LOCAL_RANK unless --device names one.
+    let device = match (args.device.as_str(), env) {
+        ("cuda", Some(e)) => format!("cuda:{}", e.local_rank),
+        (d, _) => d.to_string(),
+    };
+    let abort = Arc::new(Abort::default());
+    abort.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
+    // MPI stays initialised until the run ends (dropping the world finalises it).
+    #[cfg(feature = "mpi")]
+    let mut mpi_world = None;
+    let (rank, processes): (u64, Option<Box<dyn Collectives>>) = match env {
+        None => (0, None),
+        Some(e) => match (&e.torchrun, e.launcher) {
+            (Some(d), _) => (
+                e.rank,
+                Some(Box::new(
+                    TcpWorld::connect(d, abort.clone()).map_err(|x| CliError::Usage(x.to_string()))?,
+                )),
+            ),
+            #[cfg(feature = "mpi")]
+            (None, _) => {
+                let world = mpi_world.insert(
+                    shardplan_executor::comm::mpi::MpiWorld::init().map_err(|x| CliError::Usage(x.to_string()))?,
+                );
+                (e.rank, Some(Box::new(world.process_group(abort.clone()))))
+            }
+            #[cfg(not(feature = "mpi"))]
+            (None, launcher) => {
+                return Err(CliError::Usage(format!(
+                    "{who}under {}, the NCCL backend agrees on its ids over MPI, and this shardplan was built without it: build with `--features cuda,mpi`, or start the ranks with `shardplan launch` or torchrun",
+                    launcher.name()
+                )))
+            }
+        },
+    };
+    let processes = Mutex::new(processes);
+    train(args, &device, &|plan, device| {
+        let procs = processes.lock().unwrap_or_else(|e| e.into_inner()).take();
+        nccl::device::place(plan, rank, device, procs, abort.clone())
+    })
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -244,7 +302,7 @@ fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cli
     }
     // Every process runs one rank; on any failure this process stops the whole job, so
     // no rank waits on one that is gone.
-    match train(args, &|plan| place(&world, plan)) {
+    match train(args, &args.device, &|plan, _| place(&world, plan)) {
         Ok(code) => Ok(code),
         Err(e) => {
             let code = crate::report(&e);
@@ -256,13 +314,14 @@ fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cli
 /// Runs the training loop with the ranks `place` gives this process.
 fn train(
     args: &TrainArgs,
-    place: &dyn Fn(&shardplan_planner::Plan) -> Result<Placement, ExecError>,
+    device: &str,
+    place: &dyn Fn(&shardplan_planner::Plan, &candle_core::Device) -> Result<Placement, ExecError>,
 ) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
-    let device = shardplan_executor::runtime::device::open(&args.device)
-        .map_err(|e| CliError::Usage(format!("--device: {e}")))?;
+    let device =
+        shardplan_executor::runtime::device::open(device).map_err(|e| CliError::Usage(format!("--device: {e}")))?;
     shardplan_executor::cpu::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
@@ -271,7 +330,7 @@ fn train(
             let graph = shardplan_models::trace(&model, shardplan_executor::train::sharded::trace_options(&parallel))
                 .map_err(|e| exec_error(ExecError::Trace(e), &specs))?;
             let joint = shardplan_ir::differentiate(&graph).map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
-            let placement = place(&plan).map_err(|e| exec_error(e, &specs))?;
+            let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)
                 .map_err(|e| exec_error(e, &specs))?;
             (specs, t, model)
@@ -282,7 +341,7 @@ fn train(
             let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &parallel.config)?;
             let config = model.config.clone();
             let specs = Specs::Files(Box::new((model, parallel)));
-            let placement = place(&plan).map_err(|e| exec_error(e, &specs))?;
+            let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             let t = match &specs {
                 Specs::Files(b) => {
                     ShardedTrainer::from_placement(&b.0.config, &b.1.config, plan, joint, args.steps, placement)
@@ -387,8 +446,18 @@ fn train(
         secs += m.step_seconds;
         seen.add(&m);
         let measured = m.measured_peak.iter().copied().max().unwrap_or(0);
+        let gpu = Measured::device_max(&m)
+            .map(|d| {
+                format!(
+                    " | GPU allocated {} / reserved {} / in use {}",
+                    bytes(d.allocated_peak),
+                    bytes(d.reserved_peak),
+                    bytes(d.in_use)
+                )
+            })
+            .unwrap_or_default();
         bar.set_message(format!(
-            "rank-0 loss {:.4} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned",
+            "rank-0 loss {:.4} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}",
             m.rank0_loss,
             m.tokens_per_second,
             m.step_seconds * 1e3,
@@ -459,10 +528,28 @@ struct Measured {
     exposed: Vec<f64>,
     max: shardplan_planner::ByCategory,
     peak: u64,
+    /// The device's own figures, most on any rank over the steps (GPU runs).
+    device: Option<DeviceMemory>,
 }
 
 impl Measured {
+    /// The most of each device figure over the ranks of one step; `None` on the CPU.
+    fn device_max(m: &shardplan_executor::ShardedMetrics) -> Option<DeviceMemory> {
+        m.measured_device.iter().flatten().copied().reduce(|a, b| DeviceMemory {
+            allocated_peak: a.allocated_peak.max(b.allocated_peak),
+            reserved_peak: a.reserved_peak.max(b.reserved_peak),
+            in_use: a.in_use.max(b.in_use),
+            total: a.total.max(b.total),
+        })
+    }
+
     fn add(&mut self, m: &shardplan_executor::ShardedMetrics) {
+        if let Some(d) = Self::device_max(m) {
+            let seen = self.device.get_or_insert(d);
+            seen.allocated_peak = seen.allocated_peak.max(d.allocated_peak);
+            seen.reserved_peak = seen.reserved_peak.max(d.reserved_peak);
+            seen.in_use = seen.in_use.max(d.in_use);
+        }
         self.step_seconds.push(m.step_seconds);
         self.exposed.push(m.exposed_seconds);
         for by in &m.measured {
@@ -525,6 +612,23 @@ impl Measured {
             bytes(self.peak),
             ratio(self.peak as f64, plan.memory.peak as f64)
         );
+        if let Some(d) = self.device {
+            let p = plan.memory.peak;
+            for (name, m) in [
+                ("GPU: allocator's peak allocated", d.allocated_peak),
+                ("GPU: allocator's peak reserved", d.reserved_peak),
+                ("GPU: in use on the device", d.in_use),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "  {:<34} {:>12} {:>12} {:>7}",
+                    name,
+                    bytes(p),
+                    bytes(m),
+                    ratio(m as f64, p as f64)
+                );
+            }
+        }
         o
     }
 }

@@ -147,10 +147,30 @@ fn missing_backends_are_named() {
         }
         c.output().unwrap()
     };
+    // Without a CUDA build, the NCCL backend says what is missing and how to get it, as
+    // one process and under a launcher (`shardplan launch`, torchrun) alike.
     let o = train(&["--backend", "nccl"], &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("--backend nccl needs the NCCL backend"), "{err}");
+    assert!(
+        err.contains("--backend nccl needs NVIDIA GPUs and a CUDA build")
+            && err.contains("built without CUDA support")
+            && err.contains("scripts/build-cuda.sh"),
+        "{err}"
+    );
+    let o = train(
+        &["--backend", "nccl"],
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1"),
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("rank 1 of 2: --backend nccl needs NVIDIA GPUs"), "{err}");
     #[cfg(not(feature = "mpi"))]
     {
         let o = train(&["--backend", "mpi"], &[]);

@@ -1,8 +1,8 @@
 //! The executor: runs shardplan graphs and Plans on candle tensors.
 //!
 //! - `cpu`: kernels (one per IR op) and the fused CPU kernels behind them;
-//! - `comm`: the `Collectives` trait and its backends, the launcher environment, the
-//!   rendezvous;
+//! - `comm`: the `Collectives` trait and its backends (Local, MPI, NCCL), the launcher
+//!   environment, the TCP process world;
 //! - `runtime`: the reference interpreter and the rank runtime that executes a Plan;
 //! - `train`: the reference and sharded trainers, optimizers, data, initialisation;
 //! - `checkpoint`: sharded, resharding checkpoints and HF safetensors import/export.

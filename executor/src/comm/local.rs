@@ -10,8 +10,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// What a collective does (Local and TCP assemble every member's contribution the same way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     AllGather,
     ReduceScatter(Reduce),
     AllReduce(Reduce),
@@ -74,7 +75,8 @@ pub fn local_group(size: usize, name: &str, abort: &Arc<Abort>) -> Vec<LocalGrou
         .collect()
 }
 
-fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecError> {
+/// Every member's result from every member's input (in member order).
+pub(crate) fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecError> {
     let n = inputs.len();
     let ins: Vec<Tensor> = inputs
         .into_iter()

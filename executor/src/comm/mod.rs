@@ -1,7 +1,11 @@
 //! Communication: the `Collectives` trait every backend implements, per process group and
 //! stream, the world's `Abort`, and the backends: `local` (ranks as threads of one
-//! process), `mpi` (one process per rank over Open MPI, feature `mpi`), plus the launcher
-//! environment (`env`) and the TCP `rendezvous` for multi-process runs.
+//! process), `mpi` (one process per rank over Open MPI, feature `mpi`), `nccl` (one process
+//! per GPU; its device part needs feature `cuda`), plus the launcher environment (`env`).
+//!
+//! Multi-process runs also need a way for the processes to agree outside the plan's
+//! collectives (NCCL ids at start-up, step figures between steps): the MPI world under
+//! mpirun, the TCP world (`tcp`) under torchrun or `shardplan launch`.
 //!
 //! A backend moves real data between ranks' tensors; the rank runtime never knows which
 //! backend it talks to. Every wait has a timeout, and any rank can abort the world:
@@ -11,7 +15,8 @@ pub mod env;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
-pub mod rendezvous;
+pub mod nccl;
+pub mod tcp;
 
 use crate::ExecError;
 use candle_core::Tensor;
@@ -127,6 +132,29 @@ impl Abort {
     pub fn reason(&self) -> Option<String> {
         self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
+}
+
+/// Every member's `mine`, in member order (variable lengths; a collective taking two
+/// tags, `tag` and `tag + 1`).
+pub fn all_gather_bytes(c: &dyn Collectives, tag: u64, mine: &[u8]) -> Result<Vec<Vec<u8>>, ExecError> {
+    let cpu = candle_core::Device::Cpu;
+    let lens = c
+        .all_gather(tag, &Tensor::new(&[mine.len() as f64], &cpu)?)?
+        .to_vec1::<f64>()?;
+    let width = lens.iter().fold(1f64, |a, &b| a.max(b)) as usize;
+    let mut padded = mine.to_vec();
+    padded.resize(width, 0);
+    let all = c
+        .all_gather(tag.wrapping_add(1), &Tensor::from_vec(padded, width, &cpu)?)?
+        .to_vec1::<u8>()?;
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            all.get(i * width..i * width + n as usize)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| ExecError::Internal(format!("member {i} sent {n} bytes in a {width}-byte slot")))
+        })
+        .collect()
 }
 
 /// Bytes of a tensor.

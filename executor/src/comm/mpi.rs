@@ -61,6 +61,24 @@ impl MpiWorld {
         })
     }
 
+    /// One member per process, for what the processes agree on outside the plan (the NCCL
+    /// backend's ids and step figures), watched like every MPI collective: a timeout or a
+    /// failure reported to `abort` stops the job.
+    pub fn process_group(&self, abort: Arc<Abort>) -> MpiGroup {
+        let dog = Arc::new(Watchdog {
+            in_flight: Mutex::new(Vec::new()),
+            next: Default::default(),
+        });
+        dog.spawn(self.world.clone(), abort, self.rank);
+        MpiGroup {
+            comm: SharedComm(self.world.0.duplicate()),
+            size: self.size as usize,
+            index: self.rank as usize,
+            name: "world (between steps)".into(),
+            dog,
+        }
+    }
+
     /// Stops every process of the job (the launcher reports which rank called it).
     pub fn abort(&self, code: i32) -> ! {
         self.world.0.abort(code)

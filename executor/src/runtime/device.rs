@@ -49,6 +49,108 @@ pub fn bind_thread(device: &Device) -> Result<(), ExecError> {
     Ok(())
 }
 
+/// GPU memory as the device reports it, over one measurement window (a training step).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceMemory {
+    /// Most bytes held in allocations at once (the stream-ordered allocator's high-water
+    /// mark of memory in use: what `torch.cuda.max_memory_allocated` reports in PyTorch).
+    pub allocated_peak: u64,
+    /// Most bytes the allocator held from the driver at once, in use or cached (its
+    /// reserved high-water mark: `max_memory_reserved`).
+    pub reserved_peak: u64,
+    /// Bytes in use on the whole device at the window's end (`cuMemGetInfo`: total minus
+    /// free, so the CUDA context, cuBLAS and NCCL buffers, and any other process too).
+    pub in_use: u64,
+    /// The device's memory.
+    pub total: u64,
+}
+
+/// Starts a measurement window on `device`: resets the allocator's high-water marks.
+/// Nothing on the CPU.
+pub fn reset_peaks(device: &Device) -> Result<(), ExecError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return cuda_memory::reset(d);
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// The window's figures on `device` since `reset_peaks`; `None` on the CPU.
+pub fn measure(device: &Device) -> Result<Option<DeviceMemory>, ExecError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return cuda_memory::measure(d).map(Some);
+    }
+    let _ = device;
+    Ok(None)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_memory {
+    //! The device's default memory pool (cudarc allocates through `cuMemAllocAsync`, which
+    //! draws from it) and `cuMemGetInfo`.
+    use super::DeviceMemory;
+    use crate::ExecError;
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::CudaDevice;
+
+    fn fail(what: &str, e: impl std::fmt::Debug) -> ExecError {
+        ExecError::Internal(format!("measuring device memory: {what}: {e:?}"))
+    }
+
+    fn pool(d: &CudaDevice) -> Result<sys::CUmemoryPool, ExecError> {
+        let ctx = d.cuda_stream().context().clone();
+        ctx.bind_to_thread().map_err(|e| fail("binding the context", e))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: a valid device of a live context; `pool` is written by the call.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+            .result()
+            .map_err(|e| fail("cuDeviceGetDefaultMemPool", e))?;
+        Ok(pool)
+    }
+
+    const HIGH: [sys::CUmemPool_attribute; 2] = [
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ];
+
+    pub(super) fn reset(d: &CudaDevice) -> Result<(), ExecError> {
+        let pool = pool(d)?;
+        for attr in HIGH {
+            let mut zero: u64 = 0;
+            // SAFETY: the high-water attributes take a cuuint64_t, and 0 is the only value
+            // they accept (a reset).
+            unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&mut zero as *mut u64).cast()) }
+                .result()
+                .map_err(|e| fail("cuMemPoolSetAttribute", e))?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn measure(d: &CudaDevice) -> Result<DeviceMemory, ExecError> {
+        let pool = pool(d)?;
+        let mut high = [0u64; 2];
+        for (attr, out) in HIGH.into_iter().zip(high.iter_mut()) {
+            // SAFETY: both attributes are cuuint64_t values written into `out`.
+            unsafe { sys::cuMemPoolGetAttribute(pool, attr, (out as *mut u64).cast()) }
+                .result()
+                .map_err(|e| fail("cuMemPoolGetAttribute", e))?;
+        }
+        let (free, total) = d
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map_err(|e| fail("cuMemGetInfo", e))?;
+        Ok(DeviceMemory {
+            allocated_peak: high[0],
+            reserved_peak: high[1],
+            in_use: (total - free.min(total)) as u64,
+            total: total as u64,
+        })
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn cuda(ordinal: usize) -> Result<Device, ExecError> {
     // One stream for every thread. `Device::new_cuda` gives each calling thread its own
@@ -84,6 +186,12 @@ mod tests {
             let e = open(bad).unwrap_err().to_string();
             assert!(e.contains("unknown device") && e.contains("cuda:N"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn the_cpu_has_no_device_memory_to_measure() {
+        reset_peaks(&Device::Cpu).unwrap();
+        assert_eq!(measure(&Device::Cpu).unwrap(), None);
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -50,6 +50,9 @@ pub struct ShardedMetrics {
     pub exposed_seconds: f64,
     /// Some process asked to stop (Ctrl-C): every rank stops after this step.
     pub stop: bool,
+    /// Each rank's GPU memory as the device reports it over the step (its process's
+    /// device: ranks sharing one GPU as threads report the same figures); `None` on the CPU.
+    pub measured_device: Vec<Option<crate::runtime::device::DeviceMemory>>,
 }
 
 /// A model, its Plan, and every rank's shards.
@@ -324,6 +327,8 @@ impl ShardedTrainer {
             }
             batches.push(mine);
         }
+        // The device's own figures over this step (GPU runs; nothing on the CPU).
+        crate::runtime::device::reset_peaks(&self.device)?;
         let shared = &self.shared;
         let abort = &self.abort;
         let step_no = self.step;
@@ -360,6 +365,7 @@ impl ShardedTrainer {
             .as_ref()
             .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
         let compute_waits = &self.compute_waits;
+        let dev = crate::runtime::device::measure(&self.device)?;
         let local: Vec<RankStats> = outs
             .iter()
             .zip(&self.ranks)
@@ -372,6 +378,7 @@ impl ShardedTrainer {
                 host: o.host,
                 exposed: compute_waits.iter().map(|&i| o.times[i][1] - o.times[i][0]).sum(),
                 stop: stop_here,
+                dev,
             })
             .collect();
         if let Some(t) = self.times.as_mut() {
@@ -405,6 +412,7 @@ impl ShardedTrainer {
             planned_peak: plan.memory.peak,
             exposed_seconds: r0.exposed,
             stop: all.iter().any(|r| r.stop),
+            measured_device: all.iter().map(|o| o.dev).collect(),
         })
     }
 
@@ -443,24 +451,10 @@ impl ShardedTrainer {
     pub(crate) fn gather_bytes(&mut self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, ExecError> {
         let tag = self.sync_tag + 1;
         self.sync_tag += 2;
-        let Some(procs) = self.processes.as_ref() else {
-            return Ok(vec![mine]);
-        };
-        let lens = procs
-            .all_gather(tag, &Tensor::new(&[mine.len() as f64], &Device::Cpu)?)?
-            .to_vec1::<f64>()?;
-        let max = lens.iter().fold(0f64, |a, &b| a.max(b)) as usize;
-        let mut padded = mine;
-        padded.resize(max.max(1), 0);
-        let width = padded.len();
-        let all = procs
-            .all_gather(tag + 1, &Tensor::from_vec(padded, width, &Device::Cpu)?)?
-            .to_vec1::<u8>()?;
-        Ok(lens
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| all[i * width..i * width + n as usize].to_vec())
-            .collect())
+        match self.processes.as_ref() {
+            None => Ok(vec![mine]),
+            Some(procs) => crate::comm::all_gather_bytes(procs.as_ref(), tag, &mine),
+        }
     }
 
     /// Watches `flag` (set by Ctrl-C): after the step during which any process sees it
@@ -533,12 +527,14 @@ struct RankStats {
     host: ByCategory,
     exposed: f64,
     stop: bool,
+    dev: Option<crate::runtime::device::DeviceMemory>,
 }
 
 impl RankStats {
     fn width(accum: usize) -> usize {
-        // rank, losses, norm, peak, device and host by category, exposed, stop
-        1 + accum + 1 + 1 + 2 * Category::ALL.len() + 1 + 1
+        // rank, losses, norm, peak, device and host by category, exposed, stop, the
+        // device's four figures
+        1 + accum + 1 + 1 + 2 * Category::ALL.len() + 1 + 1 + 4
     }
 
     // f64 holds every byte count below 2^53 (8 PiB) exactly.
@@ -551,6 +547,10 @@ impl RankStats {
         out.extend(Category::ALL.iter().map(|&c| self.host.get(c) as f64));
         out.push(self.exposed);
         out.push(if self.stop { 1.0 } else { 0.0 });
+        match self.dev {
+            Some(d) => out.extend([d.allocated_peak, d.reserved_peak, d.in_use, d.total].map(|b| b as f64)),
+            None => out.extend([f64::NAN; 4]),
+        }
     }
 
     fn decode(c: &[f64], accum: usize) -> RankStats {
@@ -575,6 +575,15 @@ impl RankStats {
             host,
             exposed: c[base + 2 * k],
             stop: c[base + 2 * k + 1] != 0.0,
+            dev: {
+                let d = &c[base + 2 * k + 2..base + 2 * k + 6];
+                (!d[0].is_nan()).then(|| crate::runtime::device::DeviceMemory {
+                    allocated_peak: d[0] as u64,
+                    reserved_peak: d[1] as u64,
+                    in_use: d[2] as u64,
+                    total: d[3] as u64,
+                })
+            },
         }
     }
 }

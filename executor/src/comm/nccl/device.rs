@@ -1,0 +1,289 @@
+//! The GPU part of the NCCL backend (feature `cuda`): a CUDA stream per collective plan
+//! stream, an NCCL communicator per (process group, stream), and each collective issued on
+//! its stream and waited for under the collective timeout. Everything it decides comes
+//! from the plain, CPU-tested parts of `comm::nccl`.
+
+use super::{comm_specs, comm_streams, exchange_ids, wait_done, ID_BYTES};
+use crate::comm::{all_gather_bytes, Abort, Collectives, Placement, Reduce};
+use crate::runtime::rank::Comms;
+use crate::ExecError;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::cuda_backend::cudarc::nccl::{Comm as NcclComm, Id, ReduceOp};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Device, Storage, Tensor};
+use shardplan_planner::Plan;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Tag of the start-up id exchange on the process world (its between-step tags count up
+/// from 1; these sit far above them).
+const ID_TAG: u64 = u64::MAX - 16;
+
+/// An NCCL communicator, usable from whichever stream thread holds the lock.
+struct Shared(NcclComm);
+// SAFETY: an NCCL communicator may be used from any host thread as long as calls on it do
+// not overlap; every use goes through the `Mutex` in `NcclGroup`.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+/// One rank's handle on one NCCL communicator.
+pub struct NcclGroup {
+    /// `None` once torn down after a failure (dropping it aborts the communicator).
+    comm: Mutex<Option<Shared>>,
+    stream: Arc<CudaStream>,
+    /// For buffers a collective needs without an input (the barrier's).
+    device: CudaDevice,
+    size: usize,
+    index: usize,
+    name: String,
+    abort: Arc<Abort>,
+}
+
+fn nccl_err(name: &str, what: &str, e: impl std::fmt::Debug) -> ExecError {
+    ExecError::Aborted(format!("{name}: {what}: NCCL error {e:?}"))
+}
+
+fn cuda_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
+    ExecError::Internal(format!("{what}: CUDA error {e:?}"))
+}
+
+/// Runs `$body` with `$T` the Rust type of `$dtype` (the dtypes the plan's buffers use).
+macro_rules! by_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            other => Err(ExecError::Unsupported(format!("NCCL collectives of {other:?} tensors"))),
+        }
+    };
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    AllGather,
+    ReduceScatter(Reduce),
+    AllReduce(Reduce),
+    Broadcast,
+}
+
+fn op(r: Reduce) -> ReduceOp {
+    match r {
+        Reduce::Sum => ReduceOp::Sum,
+        Reduce::Avg => ReduceOp::Avg,
+    }
+}
+
+impl NcclGroup {
+    /// Waits for the work issued on this group's stream so far; tears the communicator
+    /// down when it fails or times out (the world is aborted by then).
+    fn finish(&self, what: &str, tag: u64) -> Result<(), ExecError> {
+        let ev = self
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_err("recording a collective's completion", e))?;
+        let r = wait_done(
+            &mut || ev.try_is_complete().map_err(|e| format!("CUDA error {e:?}")),
+            &self.abort,
+            &|| format!("{}: {what} {}", self.name, tag & 0xffff_ffff),
+        );
+        if r.is_err() {
+            // ncclCommAbort: frees a peer-less collective from the stream.
+            drop(self.comm.lock().unwrap_or_else(|e| e.into_inner()).take());
+        }
+        r
+    }
+
+    fn run(&self, kind: Kind, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        if let Some(r) = self.abort.reason() {
+            return Err(ExecError::Aborted(r));
+        }
+        let input = input.contiguous()?;
+        let n = input.elem_count();
+        let out_len = match kind {
+            Kind::AllGather => n * self.size,
+            Kind::ReduceScatter(_) => {
+                if n % self.size != 0 {
+                    return Err(ExecError::Internal(format!(
+                        "{}: reduce-scatter of {n} elements over {} ranks",
+                        self.name, self.size
+                    )));
+                }
+                n / self.size
+            }
+            Kind::AllReduce(_) | Kind::Broadcast => n,
+        };
+        let what = match kind {
+            Kind::AllGather => "all-gather",
+            Kind::ReduceScatter(_) => "reduce-scatter",
+            Kind::AllReduce(_) => "all-reduce",
+            Kind::Broadcast => "broadcast",
+        };
+        let (storage, layout) = input.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            return Err(ExecError::Internal(format!(
+                "{}: {what} of a tensor that is not on the GPU",
+                self.name
+            )));
+        };
+        let dev = cs.device().clone();
+        let off = layout.start_offset();
+        let out = by_dtype!(input.dtype(), T => {
+            let src = cs.as_cuda_slice::<T>()?.slice(off..off + n);
+            // SAFETY: every element is written by the collective before anything reads it.
+            let mut out = unsafe { dev.alloc::<T>(out_len) }?;
+            {
+                let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+                let comm = &guard
+                    .as_ref()
+                    .ok_or_else(|| ExecError::Aborted(format!("{}: torn down after an earlier failure", self.name)))?
+                    .0;
+                match kind {
+                    Kind::AllGather => comm.all_gather(&src, &mut out),
+                    Kind::ReduceScatter(r) => comm.reduce_scatter(&src, &mut out, &op(r)),
+                    Kind::AllReduce(r) => comm.all_reduce(&src, &mut out, &op(r)),
+                    Kind::Broadcast => comm.broadcast(Some(&src), &mut out, 0),
+                }
+                .map_err(|e| nccl_err(&self.name, what, e))?;
+            }
+            drop(src);
+            self.finish(what, tag)?;
+            Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)))
+        })?;
+        drop(storage);
+        let shape = match kind {
+            Kind::AllReduce(_) | Kind::Broadcast => input.shape().clone(),
+            _ => out_len.into(),
+        };
+        Ok(Tensor::from_storage(out, shape, BackpropOp::none(), false))
+    }
+}
+
+impl Collectives for NcclGroup {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        self.run(Kind::AllGather, tag, input)
+    }
+
+    fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+        self.run(Kind::ReduceScatter(op), tag, input)
+    }
+
+    fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+        self.run(Kind::AllReduce(op), tag, input)
+    }
+
+    fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        self.run(Kind::Broadcast, tag, input)
+    }
+
+    fn barrier(&self, tag: u64) -> Result<(), ExecError> {
+        let one = Tensor::zeros(1, DType::F32, &Device::Cuda(self.device.clone()))?;
+        self.run(Kind::AllReduce(Reduce::Sum), tag, &one).map(|_| ())
+    }
+}
+
+/// This process's one rank of `plan` on the GPU `device`: a CUDA stream per collective
+/// plan stream and an NCCL communicator per (process group, stream), their unique ids
+/// exchanged over `processes` (the process world: TCP or MPI; `None` for a world of one
+/// process), which the trainer then keeps for what the processes agree on between steps.
+pub fn place(
+    plan: &Plan,
+    rank: u64,
+    device: &Device,
+    processes: Option<Box<dyn Collectives>>,
+    abort: Arc<Abort>,
+) -> Result<Placement, ExecError> {
+    let Device::Cuda(dev) = device else {
+        return Err(ExecError::Unsupported(
+            "--backend nccl runs each rank on a GPU: give --device cuda".into(),
+        ));
+    };
+    let world = plan.mesh.world();
+    let started = processes.as_ref().map_or(1, |p| p.size() as u64);
+    if started != world {
+        return Err(ExecError::Unsupported(format!(
+            "the plan's mesh is {}x{} ({world} ranks), but {started} process(es) were started: start {world}, one per GPU (`shardplan launch --nproc-per-node {world} -- shardplan train ...`)",
+            plan.mesh.replicate(),
+            plan.mesh.shard(),
+        )));
+    }
+    let specs = comm_specs(plan, rank)?;
+    let ctx = dev.cuda_stream().context().clone();
+    let mut streams = HashMap::new();
+    for s in comm_streams(&specs) {
+        streams.insert(
+            s,
+            ctx.new_stream()
+                .map_err(|e| cuda_err("creating a collective stream", e))?,
+        );
+    }
+    let ids = exchange_ids(
+        rank,
+        &specs,
+        &mut || {
+            let id = Id::new().map_err(|e| nccl_err("start-up", "ncclGetUniqueId", e))?;
+            Ok(id.internal().map(|c| c as u8))
+        },
+        &|mine| match processes.as_ref() {
+            Some(p) => all_gather_bytes(p.as_ref(), ID_TAG, &mine),
+            None => Ok(vec![mine]),
+        },
+    )?;
+    let mut comms = Comms::default();
+    for (spec, id) in specs.iter().zip(ids) {
+        let stream = streams[&spec.stream].clone();
+        let name = spec.name();
+        let raw: [std::ffi::c_char; ID_BYTES] = id.map(|b| b as std::ffi::c_char);
+        // ncclCommInitRank waits for every member; a member that never comes must not
+        // hang this one, so the wait has the collective timeout too.
+        let comm = super::guard_blocking(
+            &format!("rank {rank}: joining the NCCL {name}"),
+            abort.timeout().max(Duration::from_secs(60)),
+            || NcclComm::from_rank(stream.clone(), spec.index, spec.members.len(), Id::uninit(raw)),
+        )
+        .map_err(|e| nccl_err(&name, "ncclCommInitRank", e))?;
+        comms.insert(
+            spec.comm,
+            spec.stream,
+            Box::new(NcclGroup {
+                comm: Mutex::new(Some(Shared(comm))),
+                stream,
+                device: dev.clone(),
+                size: spec.members.len(),
+                index: spec.index,
+                name,
+                abort: abort.clone(),
+            }),
+        );
+    }
+    Ok(Placement {
+        ranks: vec![(rank, comms)],
+        processes,
+        abort,
+        backend: "nccl",
+    })
+}
