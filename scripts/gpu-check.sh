@@ -7,6 +7,11 @@
 #   parity     `shardplan train --device cuda` against `--device cpu` on tiny-llama, meshes
 #              1x1, 1x2 and 2x2 (ranks as threads on the one GPU): per-step losses and
 #              gradient norms from the --log files, max relative difference, pass at --tol
+#   nccl       the NCCL backend, one process per GPU (`shardplan launch --nproc-per-node G --
+#              train --backend nccl`): tiny-llama on 1xG (G = GPUs here; NCCL cannot put two
+#              ranks of one communicator on one GPU) against the same mesh's ranks as threads
+#              on one GPU; the device's allocator peaks and memory in use against the plan's
+#              peak; a measured trace
 #   shardplan  `shardplan train --device cuda` of examples/models/llama-1b.yaml (~1.1B
 #              params, seq 2048, bf16 compute, f32 reduce, one FSDP unit per block, mesh 1x1):
 #              tokens/s and step time (median after --warmup steps), the executor's
@@ -33,7 +38,7 @@ Options:
                       a .gz file is unpacked into a temporary folder first
   --out DIR           output folder (created; default $OUT/gpu-check or target/gpu-check)
   --python PY         interpreter with torch (default $PYTHON or python3)
-  --checks LIST       comma-separated subset of parity,shardplan,fsdp2 (default: all)
+  --checks LIST       comma-separated subset of parity,nccl,shardplan,fsdp2 (default: all)
   --parity-steps N    training steps per parity run (default 20)
   --tol X             parity tolerance, relative, per step (default 1e-3)
   --batch N           sequences per step for the 1B runs (default 2)
@@ -50,7 +55,7 @@ BIN=target/cuda/release/shardplan
 OUTDIR=
 if [ -n "${OUT:-}" ]; then OUTDIR=$OUT/gpu-check; else OUTDIR=target/gpu-check; fi
 PY=${PYTHON:-python3}
-CHECKS=parity,shardplan,fsdp2
+CHECKS=parity,nccl,shardplan,fsdp2
 PARITY_STEPS=20
 TOL=1e-3
 BATCH=2
@@ -88,7 +93,7 @@ is_uint "$WARMUP" || die "--warmup must be a whole number, not \`$WARMUP\`"
 [[ $TOL =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "--tol must be a number, not \`$TOL\`"
 IFS=, read -r -a want <<<"$CHECKS"
 for c in "${want[@]}"; do
-  case $c in parity|shardplan|fsdp2) ;; *) die "--checks: unknown check \`$c\` (parity, shardplan, fsdp2)" ;; esac
+  case $c in parity|nccl|shardplan|fsdp2) ;; *) die "--checks: unknown check \`$c\` (parity, nccl, shardplan, fsdp2)" ;; esac
 done
 wants() { [[ ",$CHECKS," == *",$1,"* ]]; }
 
@@ -241,6 +246,86 @@ else
   status parity skipped "--checks"
 fi
 
+# --- (a2) the NCCL backend: one process per GPU ------------------------------------------------
+if wants nccl; then
+  d=$OUTDIR/nccl
+  mkdir -p "$d"
+  G=$(nvidia-smi -L | grep -c '^GPU')
+  # tiny-llama on 1xG with the parity runs' global batch (8 x 16 tokens when G divides 8).
+  per=$(( 8 / G )); [ "$per" -ge 1 ] || per=1
+  sed -E "s/shard: *[0-9]+/shard: $G/; s/gpus_per_node: *[0-9]+/gpus_per_node: $G/; s/per_rank: *[0-9]+/per_rank: $per/" \
+    examples/parallel/gpu-check-1x2.yaml >"$d/parallel.yaml"
+  rm -f "$d/nccl.jsonl" "$d/threads.jsonl" "$d/trace.json"
+  timeout 300 "$(pwd)/scripts/run-cuda.sh" "$BIN" -- launch --nproc-per-node "$G" -- train --backend nccl --device cuda \
+    --model tiny-llama --parallel "$d/parallel.yaml" --steps "$PARITY_STEPS" --log "$d/nccl.jsonl" \
+    --trace "$d/trace.json" --collective-timeout 60 >"$d/nccl.out" 2>"$d/nccl.err"
+  echo $? >"$d/nccl.rc"
+  # The same mesh as threads on one GPU (Local collectives), the reference.
+  timeout 300 "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --backend local --device cuda \
+    --model tiny-llama --parallel "$d/parallel.yaml" --steps "$PARITY_STEPS" --log "$d/threads.jsonl" \
+    >"$d/threads.out" 2>"$d/threads.err"
+  echo $? >"$d/threads.rc"
+  "$PY" - "$d" "$TOL" "$PARITY_STEPS" "$G" <<'EOF'
+import json, os, sys
+d, tol, steps, g = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def rows(name):
+    p = f"{d}/{name}.jsonl"
+    return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+def rc(name):
+    return int(open(f"{d}/{name}.rc").read().strip() or 1)
+def tail(name):
+    return "\n".join(open(f"{d}/{name}.err", errors="replace").read().strip().splitlines()[-15:])
+nccl, threads = rows("nccl"), rows("threads")
+r = {"model": "tiny-llama", "mesh": f"1x{g}", "processes": g, "steps": steps, "tolerance_rel": tol,
+     "nccl": {"exit": rc("nccl"), "steps_logged": len(nccl)}, "threads": {"exit": rc("threads"), "steps_logged": len(threads)}}
+for name, rs in (("nccl", nccl), ("threads", threads)):
+    if r[name]["exit"] != 0 or len(rs) != steps:
+        r[name]["error"] = tail(name)
+    r[name]["losses"] = [x["loss"] for x in rs]
+n = min(len(nccl), len(threads))
+if n:
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)
+    r["max_rel_diff_loss"] = max(rel(nccl[i]["loss"], threads[i]["loss"]) for i in range(n))
+    r["max_rel_diff_grad_norm"] = max(rel(nccl[i]["grad_norm"], threads[i]["grad_norm"]) for i in range(n))
+if nccl:
+    dev = [m for x in nccl for m in (x.get("measured_device") or []) if m]
+    planned = nccl[-1]["planned_peak"]
+    r["planned_peak_bytes"] = planned
+    r["executor_measured_peak_bytes"] = max(max(x["measured_peak"]) for x in nccl)
+    if dev:
+        for k in ("allocated_peak", "reserved_peak", "in_use"):
+            v = max(m[k] for m in dev)
+            r[f"device_{k}_bytes"] = v
+            r[f"device_{k}_vs_planned"] = v / planned if planned else None
+        r["device_total_bytes"] = dev[0]["total"]
+    else:
+        r["device_memory_error"] = "the log has no measured_device figures"
+if os.path.exists(f"{d}/trace.json"):
+    try:
+        t = json.load(open(f"{d}/trace.json"))
+        ev = t["traceEvents"] if isinstance(t, dict) else t
+        r["trace_events"] = sum(1 for e in ev if e.get("ph") == "X")
+    except Exception as e:
+        r["trace_error"] = str(e)
+r["pass"] = (r["nccl"]["exit"] == 0 and r["threads"]["exit"] == 0 and n == steps
+             and r.get("max_rel_diff_loss", 1) <= tol and "device_allocated_peak_bytes" in r and r.get("trace_events", 0) > 0)
+json.dump(r, open(f"{d}/../nccl.json", "w"), indent=2)
+if "max_rel_diff_loss" in r:
+    mem = ""
+    if "device_allocated_peak_bytes" in r:
+        mem = (f"; GPU allocated peak {r['device_allocated_peak_bytes']/2**20:.1f} MiB, reserved {r['device_reserved_peak_bytes']/2**20:.1f} MiB,"
+               f" in use {r['device_in_use_bytes']/2**20:.0f} MiB vs planned {r['planned_peak_bytes']/2**20:.1f} MiB")
+    print(f"nccl 1x{g}: loss max rel diff vs threads {r['max_rel_diff_loss']:.3g}{mem}; {r.get('trace_events', 0)} trace events")
+else:
+    print("nccl: FAIL: " + (r["nccl"].get("error") or r["threads"].get("error") or "no steps logged").splitlines()[-1])
+sys.exit(0 if r["pass"] else 1)
+EOF
+  if [ $? = 0 ]; then status nccl ok "$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("1x%d loss diff %.2g, GPU alloc peak %.1f MiB vs planned %.1f MiB" % (r["processes"], r["max_rel_diff_loss"], r["device_allocated_peak_bytes"]/2**20, r["planned_peak_bytes"]/2**20))' "$OUTDIR/nccl.json")"
+  else status nccl FAIL "see nccl.json and nccl/*.err"; FAILED=1; fi
+else
+  status nccl skipped "--checks"
+fi
+
 # --- (b) shardplan on the 1B Llama ---------------------------------------------------------
 if wants shardplan; then
   d=$OUTDIR/shardplan-1b
@@ -281,7 +366,12 @@ if rows:
     r["executor_measured_by_category"] = rows[-1]["measured"][0]
     r["planned_peak_bytes"] = rows[-1]["planned_peak"]
     r["planned_by_category"] = rows[-1]["planned"]
-    r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds (not the device allocator)"
+    r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds; device_*: the CUDA allocator's high-water marks and cuMemGetInfo"
+    dev = [m for x in rows for m in (x.get("measured_device") or []) if m]
+    if dev:
+        r["device_allocated_peak_bytes"] = max(m["allocated_peak"] for m in dev)
+        r["device_reserved_peak_bytes"] = max(m["reserved_peak"] for m in dev)
+        r["device_in_use_bytes"] = max(m["in_use"] for m in dev)
 if rows:
     r["startup_seconds"] = round(wall - sum(r["step_seconds"]), 3)
 if smi:
@@ -356,7 +446,7 @@ out, gpu = sys.argv[1], sys.argv[2]
 def load(name):
     p = os.path.join(out, name)
     return json.load(open(p)) if os.path.exists(p) else None
-parity, ours, theirs = load("parity.json"), load("shardplan-1b.json"), load("fsdp2-1b.json")
+parity, ours, theirs, nccl = load("parity.json"), load("shardplan-1b.json"), load("fsdp2-1b.json"), load("nccl.json")
 gib = lambda b: None if b is None else b / 2**30
 s = {"gpu": gpu, "parity": None, "shardplan": None, "fsdp2": None, "ratios": {}}
 lines = [f"GPU: {gpu}", ""]
@@ -370,13 +460,22 @@ if parity:
         else:
             lines.append(f"  {m}: run failed")
     lines.append("")
+if nccl:
+    s["nccl"] = {k: nccl.get(k) for k in ("mesh", "processes", "max_rel_diff_loss", "device_allocated_peak_bytes", "device_reserved_peak_bytes", "device_in_use_bytes", "planned_peak_bytes", "trace_events", "pass")}
+    if nccl.get("max_rel_diff_loss") is not None:
+        lines.append(f"NCCL backend, {nccl['processes']} process(es), tiny-llama {nccl['mesh']}: loss max rel diff vs threads {nccl['max_rel_diff_loss']:.3g}  {'pass' if nccl['pass'] else 'FAIL'}")
+        if nccl.get("device_allocated_peak_bytes"):
+            lines.append(f"  GPU allocator peak allocated {nccl['device_allocated_peak_bytes']/2**20:.1f} MiB, reserved {nccl['device_reserved_peak_bytes']/2**20:.1f} MiB, in use {nccl['device_in_use_bytes']/2**20:.0f} MiB; planned peak {nccl['planned_peak_bytes']/2**20:.1f} MiB")
+    else:
+        lines.append("NCCL backend: run failed (see nccl.json)")
+    lines.append("")
 rows = []
 def row(name, a, b, unit, fmt="{:.2f}"):
     ratio = a / b if a is not None and b else None
     rows.append((name, a, b, ratio, unit, fmt))
     return ratio
 if ours and ours.get("ok"):
-    s["shardplan"] = {k: ours.get(k) for k in ("tokens_per_second", "step_seconds_median", "executor_measured_peak_bytes", "planned_peak_bytes", "nvidia_smi_peak_used_mib", "nvidia_smi_util_pct_while_training", "startup_seconds", "batch_per_rank")}
+    s["shardplan"] = {k: ours.get(k) for k in ("tokens_per_second", "step_seconds_median", "executor_measured_peak_bytes", "planned_peak_bytes", "device_allocated_peak_bytes", "device_reserved_peak_bytes", "nvidia_smi_peak_used_mib", "nvidia_smi_util_pct_while_training", "startup_seconds", "batch_per_rank")}
 if theirs and theirs.get("ok"):
     m = theirs["memory"]
     s["fsdp2"] = {"tokens_per_second": theirs["tokens_per_second"], "step_seconds_median": theirs["step_seconds_median"],
@@ -387,6 +486,10 @@ if s["shardplan"] and s["fsdp2"]:
     a, b = s["shardplan"], s["fsdp2"]
     s["ratios"]["tokens_per_second"] = row("tokens/s", a["tokens_per_second"], b["tokens_per_second"], "tok/s", "{:.0f}")
     s["ratios"]["step_seconds"] = row("step time", a["step_seconds_median"] * 1e3, b["step_seconds_median"] * 1e3, "ms", "{:.1f}")
+    if b["peak_allocated_bytes"] and a.get("device_allocated_peak_bytes"):
+        s["ratios"]["peak_memory_allocated"] = row("peak memory allocated (CUDA allocator vs torch max allocated)", gib(a["device_allocated_peak_bytes"]), gib(b["peak_allocated_bytes"]), "GiB")
+    if b.get("peak_reserved_bytes") and a.get("device_reserved_peak_bytes"):
+        s["ratios"]["peak_memory_reserved"] = row("peak memory reserved (CUDA pool vs torch max reserved)", gib(a["device_reserved_peak_bytes"]), gib(b["peak_reserved_bytes"]), "GiB")
     if b["peak_allocated_bytes"]:
         s["ratios"]["peak_memory_executor_vs_allocated"] = row("peak memory: shardplan executor-measured vs torch max allocated", gib(a["executor_measured_peak_bytes"]), gib(b["peak_allocated_bytes"]), "GiB")
         s["ratios"]["peak_memory_planned_vs_allocated"] = row("peak memory: shardplan planned vs torch max allocated", gib(a["planned_peak_bytes"]), gib(b["peak_allocated_bytes"]), "GiB")
@@ -395,7 +498,7 @@ if s["shardplan"] and s["fsdp2"]:
     if a.get("nvidia_smi_util_pct_while_training") is not None and b.get("nvidia_smi_util_pct_while_training") is not None:
         row("GPU utilisation while training (nvidia-smi)", a["nvidia_smi_util_pct_while_training"], b["nvidia_smi_util_pct_while_training"], "%", "{:.0f}")
     s["targets"] = {"tokens_per_second_ratio_at_least_1": s["ratios"]["tokens_per_second"] >= 1.0,
-                    "peak_memory_ratio_at_most_1": (s["ratios"].get("peak_memory_device") or s["ratios"].get("peak_memory_executor_vs_allocated") or float("inf")) <= 1.0}
+                    "peak_memory_ratio_at_most_1": (s["ratios"].get("peak_memory_allocated") or s["ratios"].get("peak_memory_device") or s["ratios"].get("peak_memory_executor_vs_allocated") or float("inf")) <= 1.0}
     lines.append(f"llama-1b ({b['params']/1e9:.2f}B params), batch {a['batch_per_rank']} x {b['seq']}, bf16 compute, f32 reduce, AdamW, mesh 1x1; PyTorch {b['torch']}:")
     w = max(len(f"{name} ({unit})") for name, _, _, _, unit, _ in rows)
     lines.append(f"  {'':{w}} {'shardplan':>11} {'FSDP2':>11} {'ratio':>7}")
