@@ -388,6 +388,30 @@ fn ungroup_heads(t: &Tensor, h: usize) -> Result<Tensor> {
 }
 
 /// Softmax of the scaled scores: `(q [b, s, h, d], k [b, t, kv, d]) -> [b, h, s, t]`.
+/// The additive causal mask of `s` queries (aligned to the end of `t` keys): query i sees
+/// keys 0..=i + t - s. Made once per shape, dtype and device, then reused: on a GPU,
+/// building it on the host and copying it every call cost as much as the attention.
+fn causal_mask(s: usize, t: usize, dtype: CDType, device: &Device) -> Result<Tensor> {
+    type Key = (usize, usize, CDType, candle_core::DeviceLocation);
+    static MASKS: std::sync::Mutex<Vec<(Key, Tensor)>> = std::sync::Mutex::new(Vec::new());
+    let key = (s, t, dtype, device.location());
+    let mut masks = MASKS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, m)) = masks.iter().find(|(k, _)| *k == key) {
+        return Ok(m.clone());
+    }
+    let offset = t as i64 - s as i64;
+    let mask: Vec<f32> = (0..s as i64)
+        .flat_map(|i| (0..t as i64).map(move |j| if j > i + offset { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (s, t), device)?.to_dtype(dtype)?;
+    // A handful of shapes per run; a bound keeps a long-lived process from hoarding them.
+    if masks.len() >= 8 {
+        masks.remove(0);
+    }
+    masks.push((key, mask.clone()));
+    Ok(mask)
+}
+
 fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
     let (_, s, h, d) = q.dims4()?;
     let (_, t, kv, _) = k.dims4()?;
@@ -401,13 +425,28 @@ fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
     }
     let mut w = wide(&scores)?.affine(scale, 0.0)?;
     if causal {
-        // Query i (of s, aligned to the end of t) sees keys 0..=i + t - s.
-        let offset = t as i64 - s as i64;
-        let mask: Vec<f32> = (0..s as i64)
-            .flat_map(|i| (0..t as i64).map(move |j| if j > i + offset { f32::NEG_INFINITY } else { 0.0 }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (s, t), q.device())?.to_dtype(w.dtype())?;
-        w = w.broadcast_add(&mask)?;
+        w = w.broadcast_add(&causal_mask(s, t, w.dtype(), q.device())?)?;
     }
     Ok(candle_nn::ops::softmax_last_dim(&w.contiguous()?)?.to_dtype(q.dtype())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_causal_mask_hides_later_keys_and_is_made_once_per_shape() {
+        let m = causal_mask(2, 3, CDType::F32, &Device::Cpu).unwrap();
+        let inf = f32::NEG_INFINITY;
+        // Two queries aligned to the end of three keys: query 0 sees keys 0-1, query 1 all.
+        assert_eq!(
+            m.to_vec2::<f32>().unwrap(),
+            vec![vec![0.0, 0.0, inf], vec![0.0, 0.0, 0.0]]
+        );
+        let again = causal_mask(2, 3, CDType::F32, &Device::Cpu).unwrap();
+        assert_eq!(again.id(), m.id(), "a second call reuses the first mask");
+        let b = causal_mask(2, 3, CDType::BF16, &Device::Cpu).unwrap();
+        assert_eq!(b.dtype(), CDType::BF16);
+        assert_ne!(b.id(), m.id());
+    }
 }
