@@ -3,7 +3,9 @@
 # the CUDA 13.0 toolkit comes from PyPI wheels (scripts/cuda-toolkit.sh), kernels are
 # compiled for compute capability 90 (H100 / H200). Prints the binary's path.
 #
-#   scripts/build-cuda.sh [--check]     (--check: `cargo check`, no kernels or binary)
+#   scripts/build-cuda.sh [--check | --clippy]
+#     --check: `cargo check` of every target; --clippy: `cargo clippy -D warnings` of every
+#     target (the CUDA-only code paths); neither builds the binary
 #
 # Run the binary on the GPU machine with scripts/run-cuda.sh, which points the loader at
 # the CUDA and NCCL libraries of that machine's PyTorch pip packages.
@@ -21,9 +23,11 @@ export CUDARC_CUDA_VERSION=13000
 export LIBRARY_PATH=$CUDA_HOME/lib:$CUDA_HOME/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}
 export RUSTFLAGS="${RUSTFLAGS:-} -L native=$CUDA_HOME/lib -L native=$CUDA_HOME/lib/stubs"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
-if [ "${1:-}" = "--check" ]; then
-  cargo check --release --features cuda --all-targets
-  exit 0
-fi
+case "${1:-}" in
+  --check) cargo check --release --features cuda --all-targets; exit 0 ;;
+  --clippy) cargo clippy --release --features cuda --all-targets -- -D warnings; exit 0 ;;
+  "") ;;
+  *) echo "build-cuda.sh: unknown argument \`$1\` (--check or --clippy)" >&2; exit 2 ;;
+esac
 cargo build --release --features cuda --bin shardplan
 echo "$CARGO_TARGET_DIR/release/shardplan"

@@ -469,7 +469,7 @@ impl Collectives for TcpWorld {
     }
 
     fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
-        if input.elem_count() % self.size() != 0 {
+        if !input.elem_count().is_multiple_of(self.size()) {
             return Err(ExecError::Internal(format!(
                 "process world: reduce-scatter of {} elements over {} processes",
                 input.elem_count(),

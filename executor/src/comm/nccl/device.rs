@@ -119,7 +119,7 @@ impl NcclGroup {
         let out_len = match kind {
             Kind::AllGather => n * self.size,
             Kind::ReduceScatter(_) => {
-                if n % self.size != 0 {
+                if !n.is_multiple_of(self.size) {
                     return Err(ExecError::Internal(format!(
                         "{}: reduce-scatter of {n} elements over {} ranks",
                         self.name, self.size
@@ -162,7 +162,6 @@ impl NcclGroup {
                 }
                 .map_err(|e| nccl_err(&self.name, what, e))?;
             }
-            drop(src);
             self.finish(what, tag)?;
             Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)))
         })?;
