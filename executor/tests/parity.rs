@@ -140,6 +140,26 @@ fn llama_under_every_knob() {
 }
 
 #[test]
+fn selective_checkpointing_on_every_mesh() {
+    // torchtitan's op policy (attention and odd matmuls saved) on every mesh of the suite.
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        for (r, s) in [(1, 1), (1, 2), (1, 4), (2, 2), (1, 8), (1, 3)] {
+            check(model, r, s, "activation_checkpointing: selective\n", F32);
+        }
+    }
+    // Explicit save lists, down to saving nothing (every block recomputed whole).
+    for save in ["[matmuls]", "[attention]", "[attention, matmuls]", "[]"] {
+        check(
+            "tiny-llama",
+            1,
+            4,
+            &format!("activation_checkpointing: {{selective: {{save: {save}}}}}\n"),
+            F32,
+        );
+    }
+}
+
+#[test]
 fn bf16_params_with_f32_reduction() {
     check(
         "tiny-llama",

@@ -42,6 +42,8 @@ fn measured_memory_equals_the_plan() {
         "batch: {per_rank: 2, seq_len: 16, grad_accum: 4}\n",
         "batch: {per_rank: 2, seq_len: 16, grad_accum: 4, grad_sync: final_micro_batch}\n",
         "activation_checkpointing: full\n",
+        "activation_checkpointing: selective\n",
+        "activation_checkpointing: {selective: {save: [matmuls]}}\n",
         "offload: cpu\n",
         "mixed_precision: {param: bf16, reduce: f32}\n",
     ] {

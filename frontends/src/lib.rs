@@ -21,6 +21,6 @@ pub use model_spec::{parse_model_spec, Family, ModelSpecFile};
 pub use origin::Origin;
 pub use parallel::{
     parse_parallel_spec, ActivationCheckpointing, Batch, DataSource, GradSync, LrSchedule, MeshShape, MixedPrecision,
-    Offload, Optimizer, ParallelConfig, Prefetch, Reshard, TokenDType, MAX_WORLD,
+    Offload, Optimizer, ParallelConfig, Prefetch, Reshard, SavePolicy, SavedMatmuls, TokenDType, MAX_WORLD,
 };
 pub use source::{Source, MAX_SPEC_BYTES};

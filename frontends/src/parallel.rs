@@ -110,7 +110,14 @@ struct MixedPrecisionFile {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct AcEveryFile {
-    every: Spanned<u64>,
+    every: Option<Spanned<u64>>,
+    selective: Option<Spanned<AcSelectiveFile>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcSelectiveFile {
+    save: Spanned<Vec<Spanned<String>>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -208,7 +215,55 @@ pub enum ActivationCheckpointing {
     Full,
     /// Every n-th block.
     Every(u64),
+    /// Every block keeps the outputs of the ops `SavePolicy` names and recomputes the
+    /// rest of its forward in backward (selective checkpointing by op).
+    Selective(SavePolicy),
 }
+
+/// What a selectively checkpointed block saves from its forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavePolicy {
+    /// Attention outputs.
+    pub attention: bool,
+    /// Which matmul (linear layer) outputs.
+    pub matmuls: SavedMatmuls,
+}
+
+/// Which of a block's matmuls keep their outputs, counted in forward order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SavedMatmuls {
+    None,
+    /// The 1st, 3rd, 5th ... of each block: every second matmul is recomputed.
+    Odd,
+    All,
+}
+
+impl SavePolicy {
+    /// torchtitan's op policy: attention and matmul outputs are saved, and every second
+    /// matmul is recomputed (`activation_checkpointing: selective`).
+    pub const TORCHTITAN: SavePolicy = SavePolicy {
+        attention: true,
+        matmuls: SavedMatmuls::Odd,
+    };
+
+    /// The names of the `save` list this policy corresponds to.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.attention {
+            v.push("attention");
+        }
+        match self.matmuls {
+            SavedMatmuls::None => {}
+            SavedMatmuls::Odd => v.push("odd_matmuls"),
+            SavedMatmuls::All => v.push("matmuls"),
+        }
+        v
+    }
+}
+
+/// What `activation_checkpointing: {selective: {save: [...]}}` may list.
+pub const SAVE_NAMES: [&str; 3] = ["attention", "matmuls", "odd_matmuls"];
 
 /// When gradients are reduced under gradient accumulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -516,18 +571,61 @@ impl ParallelSpecFile {
             Some(NameOr::Name(n)) => match n.as_str() {
                 "none" => ActivationCheckpointing::None,
                 "full" => ActivationCheckpointing::Full,
+                "selective" => ActivationCheckpointing::Selective(SavePolicy::TORCHTITAN),
                 other => {
-                    let help = did_you_mean(other, ["none", "full"]).map_or_else(
-                        || "use none, full or {every: N}".to_string(),
-                        |m| format!("did you mean `{m}`? (none, full or {{every: N}})"),
+                    let help = did_you_mean(other, ["none", "full", "selective"]).map_or_else(
+                        || "use none, full, selective, {every: N} or {selective: {save: [...]}}".to_string(),
+                        |m| format!("did you mean `{m}`? (none, full, selective, {{every: N}} or {{selective: {{save: [...]}}}})"),
                     );
                     return Err(o.error("activation_checkpointing", format!("unknown mode `{other}`"), help));
                 }
             },
-            Some(NameOr::Map(m)) => {
-                o.insert("activation_checkpointing.every", pos(&m.every));
-                ActivationCheckpointing::Every(at_least_1(&o, "activation_checkpointing.every", m.every.value)?)
-            }
+            Some(NameOr::Map(m)) => match (m.every, m.selective) {
+                (Some(every), None) => {
+                    o.insert("activation_checkpointing.every", pos(&every));
+                    ActivationCheckpointing::Every(at_least_1(&o, "activation_checkpointing.every", every.value)?)
+                }
+                (None, Some(sel)) => {
+                    o.insert("activation_checkpointing.selective", pos(&sel));
+                    o.insert("activation_checkpointing.selective.save", pos(&sel.value.save));
+                    let mut policy = SavePolicy {
+                        attention: false,
+                        matmuls: SavedMatmuls::None,
+                    };
+                    for (i, name) in sel.value.save.value.iter().enumerate() {
+                        let field = format!("activation_checkpointing.selective.save[{i}]");
+                        o.insert(&field, pos(name));
+                        let matmuls = |p: &SavePolicy| p.matmuls != SavedMatmuls::None;
+                        match name.value.as_str() {
+                            "attention" if !policy.attention => policy.attention = true,
+                            "matmuls" if !matmuls(&policy) => policy.matmuls = SavedMatmuls::All,
+                            "odd_matmuls" if !matmuls(&policy) => policy.matmuls = SavedMatmuls::Odd,
+                            "attention" | "matmuls" | "odd_matmuls" => {
+                                return Err(o.error(
+                                    &field,
+                                    format!("`{}` repeats what the list already saves", name.value),
+                                    "list each of attention, and matmuls or odd_matmuls, at most once",
+                                ))
+                            }
+                            other => {
+                                let help = did_you_mean(other, SAVE_NAMES).map_or_else(
+                                    || format!("save lists some of {}", SAVE_NAMES.join(", ")),
+                                    |m| format!("did you mean `{m}`? (save lists some of {})", SAVE_NAMES.join(", ")),
+                                );
+                                return Err(o.error(&field, format!("unknown op class `{other}`"), help));
+                            }
+                        }
+                    }
+                    ActivationCheckpointing::Selective(policy)
+                }
+                _ => {
+                    return Err(o.error(
+                        "activation_checkpointing",
+                        "give either `every` or `selective`".to_string(),
+                        "{every: N} checkpoints every N-th block whole; {selective: {save: [...]}} checkpoints every block by op",
+                    ))
+                }
+            },
         };
 
         let mut batch = Batch {
@@ -857,6 +955,15 @@ impl std::fmt::Display for ActivationCheckpointing {
             ActivationCheckpointing::None => f.write_str("none"),
             ActivationCheckpointing::Full => f.write_str("full"),
             ActivationCheckpointing::Every(n) => write!(f, "every {n}"),
+            ActivationCheckpointing::Selective(p) if *p == SavePolicy::TORCHTITAN => f.write_str("selective"),
+            ActivationCheckpointing::Selective(p) => {
+                let names = p.names();
+                if names.is_empty() {
+                    f.write_str("selective (saves nothing)")
+                } else {
+                    write!(f, "selective (saves {})", names.join(", "))
+                }
+            }
         }
     }
 }

@@ -290,6 +290,30 @@ fn parallel_spec_rules() {
             "at least 1",
         ),
         (
+            "mesh: {shard: 8}\nactivation_checkpointing: selectve\n",
+            2,
+            27,
+            "did you mean `selective`?",
+        ),
+        (
+            "mesh: {shard: 8}\nactivation_checkpointing: {selective: {save: [attention, matmul]}}\n",
+            2,
+            58,
+            "did you mean `matmuls`?",
+        ),
+        (
+            "mesh: {shard: 8}\nactivation_checkpointing: {selective: {save: [matmuls, odd_matmuls]}}\n",
+            2,
+            56,
+            "repeats what the list already saves",
+        ),
+        (
+            "mesh: {shard: 8}\nactivation_checkpointing: {every: 2, selective: {save: []}}\n",
+            2,
+            27,
+            "either `every` or `selective`",
+        ),
+        (
             "mesh: {shard: 8}\nwrap: [block, root]\n",
             2,
             15,

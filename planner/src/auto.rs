@@ -4,15 +4,17 @@
 //! The space: mesh split (replicate x shard of the fixed world, the shard axis a divisor or
 //! a multiple of `gpus_per_node`), bucketing of consecutive blocks (1, 2 or 4 per group),
 //! `reshard_after_forward` (true, the node size, false), forward and backward prefetch
-//! (1 or 2 each), activation checkpointing (full, every 2nd block, none), and CPU offload
+//! (1 or 2 each), activation checkpointing (full, every 2nd block, selective by op, none),
+//! and CPU offload
 //! only when nothing else fits. Every candidate is a full plan (groups, schedule,
 //! simulation), so the objective is the cost model's step time; ties go to lower memory.
 //! Candidates share the compute steps of equal groups and checkpointing; the winner is
 //! planned again from scratch and verified.
 //!
 //! Pruning rules (each sound because memory is monotone in the knob, other knobs equal):
-//! - checkpointing is tried from most to least (full, every 2, none); once a level does
-//!   not fit, lighter levels are skipped;
+//! - checkpointing is tried from most to least saving (full; every 2 and selective, which
+//!   are not ordered against each other; none); once a level does not fit, the levels that
+//!   keep more are skipped (none after either middle level, everything after full);
 //! - resharding is tried from most to least freeing (true, node size, false); once one does
 //!   not fit, the rest are skipped;
 //! - prefetch is tried from (1, 1) upward; if (1, 1) does not fit, deeper ones are skipped.
@@ -118,12 +120,18 @@ fn reshard_name(r: Reshard) -> String {
     }
 }
 
-fn ac_name(a: ActivationCheckpointing) -> String {
+/// Checkpointing levels by the activation memory they keep: a level keeps at least as much
+/// as every level of a lower rank (every 2nd block and selective are not ordered).
+fn ac_memory_rank(a: ActivationCheckpointing) -> u8 {
     match a {
-        ActivationCheckpointing::None => "none".into(),
-        ActivationCheckpointing::Full => "full".into(),
-        ActivationCheckpointing::Every(n) => format!("every {n}"),
+        ActivationCheckpointing::Full => 0,
+        ActivationCheckpointing::Every(_) | ActivationCheckpointing::Selective(_) => 1,
+        ActivationCheckpointing::None => 2,
     }
+}
+
+fn ac_name(a: ActivationCheckpointing) -> String {
+    a.to_string()
 }
 
 /// Bytes of the largest block's parameters in the param dtype (for bucket sizes).
@@ -184,6 +192,7 @@ pub fn search(
         vec![
             ActivationCheckpointing::Full,
             ActivationCheckpointing::Every(2),
+            ActivationCheckpointing::Selective(shardplan_frontends::SavePolicy::TORCHTITAN),
             ActivationCheckpointing::None,
         ]
     };
@@ -219,7 +228,13 @@ pub fn search(
             for &(blocks, bucket) in &bucket_options {
                 'reshard: for (ri, &reshard) in reshard_options.iter().enumerate() {
                     let mut any_fit_this_reshard = false;
-                    'ac: for (ai, &ac) in ac_options.iter().enumerate() {
+                    // The memory rank of the lightest checkpointing level that did not fit.
+                    let mut failed_rank: Option<u8> = None;
+                    for &ac in &ac_options {
+                        if prune && failed_rank.is_some_and(|f| ac_memory_rank(ac) > f) {
+                            pruned += prefetch_options.len();
+                            continue;
+                        }
                         let mut any_fit_this_ac = false;
                         for (pi, &(pf, pb)) in prefetch_options.iter().enumerate() {
                             let mut c = base.clone();
@@ -263,10 +278,9 @@ pub fn search(
                             }
                         }
                         any_fit_this_reshard |= any_fit_this_ac;
-                        if prune && !any_fit_this_ac {
-                            let left = ac_options.len() - ai - 1;
-                            pruned += left * prefetch_options.len();
-                            break 'ac;
+                        if !any_fit_this_ac {
+                            let r = ac_memory_rank(ac);
+                            failed_rank = Some(failed_rank.map_or(r, |f| f.min(r)));
                         }
                     }
                     if prune && !any_fit_this_reshard {
@@ -373,6 +387,10 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         ActivationCheckpointing::None => "none".to_string(),
         ActivationCheckpointing::Full => "full".to_string(),
         ActivationCheckpointing::Every(n) => format!("{{every: {n}}}"),
+        ActivationCheckpointing::Selective(p) if p == shardplan_frontends::SavePolicy::TORCHTITAN => {
+            "selective".to_string()
+        }
+        ActivationCheckpointing::Selective(p) => format!("{{selective: {{save: [{}]}}}}", p.names().join(", ")),
     };
     let optimizer = match c.optimizer {
         shardplan_frontends::Optimizer::AdamW {

@@ -444,6 +444,8 @@ pub enum Checkpointing {
     None,
     Full,
     Every(u64),
+    /// Every block by op: what it saves (the rest of its forward is recomputed).
+    Selective(shardplan_frontends::SavePolicy),
 }
 
 impl From<ActivationCheckpointing> for Checkpointing {
@@ -452,6 +454,7 @@ impl From<ActivationCheckpointing> for Checkpointing {
             ActivationCheckpointing::None => Checkpointing::None,
             ActivationCheckpointing::Full => Checkpointing::Full,
             ActivationCheckpointing::Every(n) => Checkpointing::Every(n),
+            ActivationCheckpointing::Selective(p) => Checkpointing::Selective(p),
         }
     }
 }
@@ -462,6 +465,7 @@ impl From<Checkpointing> for ActivationCheckpointing {
             Checkpointing::None => ActivationCheckpointing::None,
             Checkpointing::Full => ActivationCheckpointing::Full,
             Checkpointing::Every(n) => ActivationCheckpointing::Every(n),
+            Checkpointing::Selective(p) => ActivationCheckpointing::Selective(p),
         }
     }
 }

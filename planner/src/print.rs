@@ -180,6 +180,7 @@ pub fn summary(o: &mut String, plan: &Plan) {
         crate::Checkpointing::None => "none".to_string(),
         crate::Checkpointing::Full => "full".to_string(),
         crate::Checkpointing::Every(n) => format!("every {n} blocks"),
+        crate::Checkpointing::Selective(s) => shardplan_frontends::ActivationCheckpointing::Selective(s).to_string(),
     };
     let _ = writeln!(
         o,

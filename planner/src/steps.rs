@@ -14,8 +14,8 @@
 
 use crate::group::{scope_groups, FsdpGroup, GroupId};
 use serde::{Deserialize, Serialize};
-use shardplan_frontends::ActivationCheckpointing;
-use shardplan_ir::{JointGraph, ModuleKind, NodeId, ScopeId};
+use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
+use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ScopeId};
 use std::fmt;
 use std::ops::Range;
 
@@ -204,6 +204,9 @@ pub struct ExecOrder {
     pub last_use: Vec<usize>,
     /// The checkpointed block each node belongs to, if any.
     ckpt: Vec<Option<ScopeId>>,
+    /// Forward nodes of checkpointed blocks whose outputs are kept (selective
+    /// checkpointing), so nothing recomputes them.
+    saved: Vec<bool>,
     forward_len: usize,
 }
 
@@ -222,7 +225,7 @@ impl ExecOrder {
             let own = if s.kind == ModuleKind::Block {
                 let chosen = match ac {
                     ActivationCheckpointing::None => false,
-                    ActivationCheckpointing::Full => true,
+                    ActivationCheckpointing::Full | ActivationCheckpointing::Selective(_) => true,
                     ActivationCheckpointing::Every(k) => block_index.is_multiple_of(k),
                 };
                 block_index += 1;
@@ -239,6 +242,36 @@ impl ExecOrder {
         for (p, param) in g.params() {
             param_of_node[param.node.index()] = Some(p.0);
         }
+        // Selective checkpointing: the forward nodes whose outputs a block keeps (they are
+        // not recomputed; its recompute and backward read the originals).
+        let mut saved = vec![false; n];
+        if let ActivationCheckpointing::Selective(policy) = ac {
+            let mut matmuls: Vec<(ScopeId, u64)> = Vec::new();
+            for j in 0..joint.forward_len.min(n) {
+                let Some(block) = ckpt[j] else { continue };
+                saved[j] = match &g.node(NodeId(j as u32)).op {
+                    Op::Attention { .. } => policy.attention,
+                    Op::Linear { .. } | Op::MatMul => {
+                        let count = match matmuls.iter_mut().find(|(b, _)| *b == block) {
+                            Some((_, c)) => {
+                                *c += 1;
+                                *c
+                            }
+                            None => {
+                                matmuls.push((block, 1));
+                                1
+                            }
+                        };
+                        match policy.matmuls {
+                            SavedMatmuls::None => false,
+                            SavedMatmuls::All => true,
+                            SavedMatmuls::Odd => count % 2 == 1,
+                        }
+                    }
+                    _ => false,
+                };
+            }
+        }
         let mut is_param_grad = vec![false; n];
         for grad in joint.param_grads.iter().flatten() {
             is_param_grad[grad.index()] = true;
@@ -247,7 +280,7 @@ impl ExecOrder {
         let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
         for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
             let f = NodeId(j as u32);
-            if param.is_some() || g.node(f).op.is_leaf() {
+            if param.is_some() || g.node(f).op.is_leaf() || saved[j] {
                 continue;
             }
             if let Some(block) = ckpt[j] {
@@ -281,6 +314,7 @@ impl ExecOrder {
             is_param_grad,
             last_use: vec![usize::MAX; n * 2],
             ckpt,
+            saved,
             forward_len: joint.forward_len,
         };
         for pos in 0..exec.order.len() {
@@ -303,6 +337,9 @@ impl ExecOrder {
     /// Whether `reader` (itself a copy or not) reads the recomputed copy of `input`: inside
     /// a checkpointed block, its recompute and backward read the block's recomputed values.
     pub fn reads_copy(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> bool {
+        if self.saved[input.index()] {
+            return false;
+        }
         match self.ckpt[input.index()] {
             Some(block) if input.index() < self.forward_len => {
                 (reader_copy || reader.index() >= self.forward_len) && self.ckpt[reader.index()] == Some(block)

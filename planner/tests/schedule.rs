@@ -193,3 +193,54 @@ fn activation_checkpointing_recomputes_and_saves_memory() {
         "recompute costs time"
     );
 }
+
+#[test]
+fn selective_checkpointing_sits_between_none_and_full() {
+    // llama3-8b, one block's activations of a 1 x 4096 batch: torchtitan's op policy keeps
+    // attention and every second matmul output, so it saves less than no checkpointing
+    // and recomputes less than full checkpointing.
+    let with = |ac: &str| {
+        plan_preset(
+            "llama3-8b",
+            &spec(&format!(
+                "mesh: {{shard: 8}}\nbatch: {{per_rank: 1, seq_len: 4096}}\nactivation_checkpointing: {ac}\n"
+            )),
+        )
+    };
+    let (none, sel, full) = (with("none"), with("selective"), with("full"));
+    let matmuls_all = with("{selective: {save: [attention, matmuls]}}");
+    let nothing = with("{selective: {save: []}}");
+    let act = |p: &Plan| p.memory.max_by_category.activations;
+    assert!(
+        act(&full) < act(&sel) && act(&sel) < act(&none),
+        "{} {} {}",
+        act(&full),
+        act(&sel),
+        act(&none)
+    );
+    assert!(act(&sel) < act(&matmuls_all) && act(&matmuls_all) <= act(&none));
+    // Saving nothing is full checkpointing by another name.
+    assert_eq!(act(&nothing), act(&full));
+    assert_eq!(nothing.estimate.compute_s, full.estimate.compute_s);
+    let c = |p: &Plan| p.estimate.compute_s;
+    assert!(
+        c(&none) < c(&sel) && c(&sel) < c(&full),
+        "{} {} {}",
+        c(&none),
+        c(&sel),
+        c(&full)
+    );
+    // The recompute steps hold only what is not saved: fewer nodes than full's.
+    let recomputed = |p: &Plan| -> usize {
+        p.steps
+            .iter()
+            .filter(|s| s.phase.name() == "recompute")
+            .flat_map(|s| s.nodes.iter().map(|r| r.len()))
+            .sum()
+    };
+    assert!(recomputed(&sel) < recomputed(&full) && recomputed(&sel) > 0);
+    assert_eq!(
+        shardplan_frontends::ActivationCheckpointing::from(sel.policy.activation_checkpointing).to_string(),
+        "selective"
+    );
+}
