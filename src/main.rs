@@ -2,6 +2,7 @@
 
 mod auto;
 mod checkpoint;
+mod compare;
 mod fmt;
 mod inspect;
 mod launch;

@@ -44,6 +44,11 @@ pub struct PlanArgs {
     /// With --auto: write the winning parallel spec as YAML (reproducible without --auto).
     #[arg(long, value_name = "FILE", requires = "auto")]
     pub emit_spec: Option<PathBuf>,
+    /// Print the plan's predictions beside what a run measured: a `shardplan train --log`
+    /// file, or a JSON object (tokens_per_second, step_seconds, peak_allocated,
+    /// peak_reserved) from any framework, with ratios.
+    #[arg(long, value_name = "METRICS", conflicts_with = "auto")]
+    pub compare: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -174,6 +179,10 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
         if verify(&p, Some(budget)).is_err() {
             return Err(over_budget(&model, &parallel, &p, budget));
         }
+    }
+    if let Some(file) = &args.compare {
+        let measured = crate::compare::read(file)?;
+        return write_out(args, &crate::compare::table(&p, &measured, file));
     }
     let text = match args.format {
         Format::Text => shardplan_planner::print::text(&p, args.rank),
