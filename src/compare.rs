@@ -269,7 +269,13 @@ pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
     let _ = writeln!(o, "predicted vs measured ({}: {}):", file.display(), m.what);
     let _ = writeln!(o, "  {:<30} {:>14} {:>14} {:>7}", "", "predicted", "measured", "ratio");
     let ratio = |m: f64, p: f64| if p > 0.0 { format!("{:.2}x", m / p) } else { "-".into() };
-    let dur = |s: f64| if s >= 1e-3 { format!("{:.1} ms", s * 1e3) } else { format!("{:.1} us", s * 1e6) };
+    let dur = |s: f64| {
+        if s >= 1e-3 {
+            format!("{:.1} ms", s * 1e3)
+        } else {
+            format!("{:.1} us", s * 1e6)
+        }
+    };
     let e = &plan.estimate;
     let row = |o: &mut String, name: &str, p: String, meas: Option<String>, r: String| {
         let _ = writeln!(

@@ -1,8 +1,11 @@
 //! Hugging Face `config.json` import for LlamaForCausalLM, MistralForCausalLM,
 //! Qwen2ForCausalLM and GPT2LMHeadModel.
 //!
-//! Keys shardplan does not model (dtype, token ids, rope_scaling, sliding_window...) are
-//! ignored: HF configs carry dozens of them and none changes a tensor shape.
+//! Every key of the file is accounted for ([`field_rule`]): honoured, checked against
+//! the value shardplan implements (a value that would change the math and is not
+//! implemented is refused, naming the key), or ignored because it cannot change what is
+//! trained (token ids, generation settings, dtype...; each with its reason). A key in none
+//! of those lists is refused: shardplan cannot tell whether it changes the model.
 
 use crate::model_spec::file_stem;
 use crate::{did_you_mean, Origin, Source, SpecError};
@@ -38,6 +41,8 @@ pub struct HfConfig {
     pub max_position_embeddings: Option<u64>,
     pub attention_bias: Option<bool>,
     pub mlp_bias: Option<bool>,
+    pub sliding_window: Option<u64>,
+    pub use_sliding_window: Option<bool>,
     // GPT-2.
     pub n_embd: Option<u64>,
     pub n_layer: Option<u64>,
@@ -138,6 +143,20 @@ impl HfConfig {
                 .field(key)
                 .help("shardplan models Llama/Mistral/Qwen2 without that bias")
         };
+        let key_pos = |k: &str| src.json_key_pos(k);
+        // transformers 5 keeps rope_theta inside rope_parameters.
+        let rope_theta = match (self.rope_theta, rope_parameters_theta(src)?) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(SpecError::file(
+                    &src.path,
+                    format!("`rope_theta` is {a} but `rope_parameters.rope_theta` is {b}"),
+                )
+                .at(key_pos("rope_theta"))
+                .field("rope_theta")
+                .help("keep one of them, or make them equal"))
+            }
+            (a, b) => a.or(b),
+        };
         let config = match arch {
             Arch::Gpt2 => {
                 let dim = need(self.n_embd, "dim")?;
@@ -170,13 +189,34 @@ impl HfConfig {
                     head_dim: self.head_dim,
                     ffn_dim: need(self.intermediate_size, "ffn_dim")?,
                     norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
-                    rope_theta: self.rope_theta.unwrap_or(10000.0),
+                    rope_theta: rope_theta.unwrap_or(10000.0),
                     tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
                     qkv_bias: arch == Arch::Qwen2,
                     max_seq_len: self.max_position_embeddings.unwrap_or(4096),
                 })
             }
         };
+        // A sliding window longer than every trained sequence is the causal mask itself;
+        // shardplan has no banded mask, so the window bounds the sequences it trains.
+        let window = match arch {
+            Arch::Mistral | Arch::Llama => self.sliding_window,
+            Arch::Qwen2 if self.use_sliding_window == Some(true) => self.sliding_window,
+            _ => None,
+        };
+        let mut config = config;
+        let mut window_caps = false;
+        if let (Some(w), ModelConfig::Llama(c)) = (window, &mut config) {
+            if w == 0 {
+                return Err(SpecError::file(&src.path, "`sliding_window` is 0")
+                    .at(key_pos("sliding_window"))
+                    .field("sliding_window")
+                    .help("a sliding window holds at least one token; use null for none"));
+            }
+            if w < c.max_seq_len {
+                c.max_seq_len = w;
+                window_caps = true;
+            }
+        }
         let mut origin = Origin::new(&src.path);
         config.validate().map_err(|e| {
             let key = hf_key(arch, e.field);
@@ -198,8 +238,382 @@ impl HfConfig {
                 origin.insert(field, p);
             }
         }
+        if window_caps {
+            if let Some(p) = key_pos("sliding_window") {
+                origin.insert("max_seq_len", p);
+            }
+        }
         Ok((config, origin))
     }
+}
+
+/// `rope_parameters.rope_theta` (transformers 5's layout), if given.
+fn rope_parameters_theta(src: &Source) -> Result<Option<f64>, SpecError> {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(&src.text) else {
+        return Ok(None);
+    };
+    match map.get("rope_parameters").and_then(|r| r.get("rope_theta")) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+            _ => Err(SpecError::file(
+                &src.path,
+                format!("`rope_parameters.rope_theta` is {v}, not a positive number"),
+            )
+            .at(src.json_key_pos("rope_parameters"))
+            .field("rope_parameters.rope_theta")
+            .help("give the RoPE base as a number, e.g. 500000.0")),
+        },
+    }
+}
+
+/// What shardplan does with one config.json key of an architecture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FieldRule {
+    /// Read and used.
+    Honoured,
+    /// Accepted when its value is what shardplan implements, refused otherwise.
+    Checked,
+    /// Read by no part of shardplan, because it cannot change what is trained; the reason.
+    Ignored(&'static str),
+}
+
+const GENERATION: &str = "generation or inference setting: no effect on training";
+const TOKENS: &str = "a token id: the tokenizer's and the data's business, not the model's math";
+const META: &str = "bookkeeping of transformers: no effect on the math";
+const DTYPE: &str = "storage dtype of the weights: the parallel spec's mixed_precision decides what is computed";
+const DROPOUT: &str =
+    "dropout probability: shardplan trains without dropout, as torchtitan does; it is not part of the model's function";
+const INIT: &str =
+    "initialisation scale: weights come from the checkpoint (--init-from) or shardplan's own initialiser";
+const HEADS: &str = "for task heads shardplan does not build (classification, summary)";
+
+/// How `key` of a config.json of `arch` is treated; `None`: an unknown key (refused).
+fn field_rule(arch: Arch, key: &str) -> Option<FieldRule> {
+    use FieldRule::*;
+    let llama = arch != Arch::Gpt2;
+    Some(match key {
+        "architectures" | "model_type" | "vocab_size" | "_name_or_path" => Honoured,
+        "hidden_size"
+        | "num_hidden_layers"
+        | "num_attention_heads"
+        | "num_key_value_heads"
+        | "head_dim"
+        | "intermediate_size"
+        | "rms_norm_eps"
+        | "rope_theta"
+        | "max_position_embeddings"
+        | "tie_word_embeddings"
+            if llama =>
+        {
+            Honoured
+        }
+        "n_embd" | "n_layer" | "n_head" | "n_inner" | "n_positions" | "layer_norm_epsilon" if !llama => Honoured,
+        "hidden_act" | "attention_bias" | "mlp_bias" | "rope_scaling" | "rope_parameters" if llama => Checked,
+        "sliding_window" if matches!(arch, Arch::Mistral | Arch::Qwen2 | Arch::Llama) => Checked,
+        "use_sliding_window" | "max_window_layers" if arch == Arch::Qwen2 => Checked,
+        "activation_function"
+        | "scale_attn_by_inverse_layer_idx"
+        | "scale_attn_weights"
+        | "tie_word_embeddings"
+        | "add_cross_attention"
+            if !llama =>
+        {
+            Checked
+        }
+        "n_ctx" if !llama => Ignored("legacy alias of n_positions in GPT-2 configs"),
+        "reorder_and_upcast_attn" if !llama => {
+            Ignored("computes attention scores in f32: shardplan's attention already does")
+        }
+        "attention_dropout"
+        | "attn_pdrop"
+        | "resid_pdrop"
+        | "embd_pdrop"
+        | "summary_first_dropout"
+        | "hidden_dropout"
+        | "classifier_dropout" => Ignored(DROPOUT),
+        "initializer_range" | "initializer_factor" => Ignored(INIT),
+        "pretraining_tp" => Ignored("splits matmuls into slices that sum to the same product (rounding only)"),
+        "torch_dtype" | "dtype" | "use_bfloat16" => Ignored(DTYPE),
+        "bos_token_id"
+        | "eos_token_id"
+        | "pad_token_id"
+        | "sep_token_id"
+        | "decoder_start_token_id"
+        | "forced_bos_token_id"
+        | "forced_eos_token_id"
+        | "suppress_tokens"
+        | "begin_suppress_tokens" => Ignored(TOKENS),
+        "use_cache"
+        | "max_length"
+        | "min_length"
+        | "do_sample"
+        | "early_stopping"
+        | "num_beams"
+        | "num_beam_groups"
+        | "diversity_penalty"
+        | "temperature"
+        | "top_k"
+        | "top_p"
+        | "typical_p"
+        | "repetition_penalty"
+        | "length_penalty"
+        | "no_repeat_ngram_size"
+        | "encoder_no_repeat_ngram_size"
+        | "bad_words_ids"
+        | "num_return_sequences"
+        | "output_scores"
+        | "return_dict_in_generate"
+        | "remove_invalid_values"
+        | "exponential_decay_length_penalty"
+        | "task_specific_params" => Ignored(GENERATION),
+        "transformers_version"
+        | "return_dict"
+        | "output_hidden_states"
+        | "output_attentions"
+        | "torchscript"
+        | "tf_legacy_loss"
+        | "pruned_heads"
+        | "chunk_size_feed_forward"
+        | "is_decoder"
+        | "is_encoder_decoder"
+        | "tie_encoder_decoder"
+        | "cross_attention_hidden_size"
+        | "finetuning_task"
+        | "tokenizer_class"
+        | "prefix"
+        | "_attn_implementation"
+        | "_commit_hash"
+        | "attn_implementation"
+        | "auto_map" => Ignored(META),
+        "id2label"
+        | "label2id"
+        | "problem_type"
+        | "num_labels"
+        | "summary_type"
+        | "summary_use_proj"
+        | "summary_activation"
+        | "summary_proj_to_labels" => Ignored(HEADS),
+        _ => return None,
+    })
+}
+
+/// The table of every key shardplan knows for `arch` (for the README and tests).
+pub fn field_table(architecture: &str) -> Vec<(&'static str, FieldRule)> {
+    let arch = match architecture {
+        "MistralForCausalLM" => Arch::Mistral,
+        "Qwen2ForCausalLM" => Arch::Qwen2,
+        "GPT2LMHeadModel" => Arch::Gpt2,
+        _ => Arch::Llama,
+    };
+    KNOWN_KEYS
+        .iter()
+        .filter_map(|&k| field_rule(arch, k).map(|r| (k, r)))
+        .collect()
+}
+
+/// Every key `field_rule` names, for enumeration.
+const KNOWN_KEYS: &[&str] = &[
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "_name_or_path",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "n_positions",
+    "layer_norm_epsilon",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "rope_scaling",
+    "rope_parameters",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "activation_function",
+    "scale_attn_by_inverse_layer_idx",
+    "scale_attn_weights",
+    "add_cross_attention",
+    "n_ctx",
+    "reorder_and_upcast_attn",
+    "attention_dropout",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+    "summary_first_dropout",
+    "hidden_dropout",
+    "classifier_dropout",
+    "initializer_range",
+    "initializer_factor",
+    "pretraining_tp",
+    "torch_dtype",
+    "dtype",
+    "use_bfloat16",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "use_cache",
+    "max_length",
+    "min_length",
+    "do_sample",
+    "early_stopping",
+    "num_beams",
+    "num_beam_groups",
+    "diversity_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "repetition_penalty",
+    "length_penalty",
+    "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "num_return_sequences",
+    "output_scores",
+    "return_dict_in_generate",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "task_specific_params",
+    "transformers_version",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "torchscript",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "chunk_size_feed_forward",
+    "is_decoder",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+    "cross_attention_hidden_size",
+    "finetuning_task",
+    "tokenizer_class",
+    "prefix",
+    "_attn_implementation",
+    "_commit_hash",
+    "attn_implementation",
+    "auto_map",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "num_labels",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+];
+
+/// Refuses the keys and values of `map` shardplan does not implement (see `field_rule`).
+fn check_fields(src: &Source, arch: Arch, map: &serde_json::Map<String, serde_json::Value>) -> Result<(), SpecError> {
+    use serde_json::Value;
+    let refuse = |key: &str, msg: String, help: &str| {
+        SpecError::file(&src.path, msg)
+            .at(src.json_key_pos(key))
+            .field(key)
+            .help(help.to_string())
+    };
+    let name = match arch {
+        Arch::Llama => "LlamaForCausalLM",
+        Arch::Mistral => "MistralForCausalLM",
+        Arch::Qwen2 => "Qwen2ForCausalLM",
+        Arch::Gpt2 => "GPT2LMHeadModel",
+    };
+    let rope_type = |v: &Value| -> Option<String> {
+        v.get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
+    for (key, v) in map {
+        let Some(rule) = field_rule(arch, key) else {
+            return Err(refuse(
+                key,
+                format!("unknown {name} config key `{key}`: shardplan cannot tell whether it changes the model"),
+                "if it does not change the math, remove it from a copy of config.json; the README lists every key shardplan reads, checks or ignores",
+            ));
+        };
+        if rule != FieldRule::Checked || v.is_null() {
+            continue;
+        }
+        let bad = |what: &str, help: &str| Err(refuse(key, format!("`{key}`: {v} ({what}) is not implemented"), help));
+        match key.as_str() {
+            "hidden_act" if v.as_str() != Some("silu") => {
+                return bad("an MLP activation other than silu", "shardplan's Llama-family MLP is SwiGLU with silu")
+            }
+            "activation_function" if !matches!(v.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")) => {
+                return bad(
+                    "an activation other than the tanh approximation of gelu",
+                    "shardplan's GPT-2 MLP uses gelu_new (the tanh approximation)",
+                )
+            }
+            "rope_scaling" | "rope_parameters" => match rope_type(v).as_deref() {
+                None | Some("default") => {}
+                Some(t @ ("llama3" | "linear" | "yarn" | "dynamic" | "longrope" | "su" | "ntk")) => {
+                    return Err(refuse(
+                        key,
+                        format!("`{key}`: RoPE scaling `{t}` is not implemented"),
+                        "shardplan's rotary embedding is unscaled (rope_type default); training with it would not be the model you loaded",
+                    ))
+                }
+                Some(t) => {
+                    return Err(refuse(
+                        key,
+                        format!("`{key}`: unknown RoPE type `{t}`"),
+                        "shardplan implements rope_type default",
+                    ))
+                }
+            },
+            "scale_attn_by_inverse_layer_idx" if v.as_bool() != Some(false) => {
+                return bad(
+                    "attention scores divided by the layer index",
+                    "shardplan scales attention scores by 1/sqrt(head_dim) only",
+                )
+            }
+            "scale_attn_weights" if v.as_bool() != Some(true) => {
+                return bad("unscaled attention scores", "shardplan scales attention scores by 1/sqrt(head_dim)")
+            }
+            "tie_word_embeddings" if arch == Arch::Gpt2 && v.as_bool() != Some(true) => {
+                return bad(
+                    "a GPT-2 head with its own weights",
+                    "shardplan's GPT-2 ties its head to the token embedding, as GPT2LMHeadModel does by default",
+                )
+            }
+            "add_cross_attention" if v.as_bool() != Some(false) => {
+                return bad("cross-attention layers", "shardplan builds decoder-only models")
+            }
+            "attention_bias" | "mlp_bias" | "use_sliding_window" if v.as_bool().is_none() => {
+                return Err(refuse(key, format!("`{key}` is {v}, not true or false"), "write true or false"))
+            }
+            "sliding_window" | "max_window_layers" if v.as_u64().is_none() => {
+                return Err(refuse(
+                    key,
+                    format!("`{key}` is {v}, not a token count"),
+                    "write a positive integer, or null",
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Parses and validates a Hugging Face config.json.
@@ -226,5 +640,9 @@ pub fn parse_hf_config(src: &Source) -> Result<(ModelConfig, Origin), SpecError>
             }
             err
         })?;
+    let arch = value.arch(src)?;
+    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(&src.text) {
+        check_fields(src, arch, &map)?;
+    }
     value.into_config(src)
 }

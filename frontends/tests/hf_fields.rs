@@ -1,0 +1,204 @@
+//! Every key of a Hugging Face config.json is accounted for: honoured, checked against what
+//! shardplan implements, or ignored for a stated reason; a key or value that would change
+//! the math and is not implemented is refused, naming it.
+
+use shardplan_frontends::{parse_hf_config, Source};
+use shardplan_models::ModelConfig;
+
+const LLAMA: &str = r#""architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "max_position_embeddings": 512"#;
+const MISTRAL: &str = r#""architectures": ["MistralForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "max_position_embeddings": 512"#;
+const QWEN2: &str = r#""architectures": ["Qwen2ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "max_position_embeddings": 512"#;
+const GPT2: &str = r#""architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_embd": 64, "n_layer": 2,
+  "n_head": 4, "n_positions": 128"#;
+
+fn parse(base: &str, extra: &str) -> Result<ModelConfig, String> {
+    let text = if extra.is_empty() {
+        format!("{{{base}}}")
+    } else {
+        format!("{{{base},\n  {extra}}}")
+    };
+    parse_hf_config(&Source::from_text("config.json", text))
+        .map(|(c, _)| c)
+        .map_err(|e| e.to_string())
+}
+
+fn llama(c: ModelConfig) -> shardplan_models::LlamaConfig {
+    match c {
+        ModelConfig::Llama(l) => l,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn math_changing_values_shardplan_does_not_implement_are_refused_by_key() {
+    let cases: &[(&str, &str, &[&str])] = &[
+        (
+            LLAMA,
+            r#""rope_scaling": {"factor": 8.0, "rope_type": "llama3", "low_freq_factor": 1.0}"#,
+            &["rope_scaling", "RoPE scaling `llama3` is not implemented"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"type": "linear", "factor": 2.0}"#,
+            &["`linear`"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
+            &["`yarn`"],
+        ),
+        (
+            LLAMA,
+            r#""rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}"#,
+            &["rope_parameters", "`llama3`"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "warp"}"#,
+            &["unknown RoPE type `warp`"],
+        ),
+        (
+            LLAMA,
+            r#""hidden_act": "gelu""#,
+            &["hidden_act", "an MLP activation other than silu"],
+        ),
+        (MISTRAL, r#""hidden_act": "relu""#, &["hidden_act"]),
+        (LLAMA, r#""attention_bias": true"#, &["attention_bias"]),
+        (LLAMA, r#""mlp_bias": true"#, &["mlp_bias"]),
+        (GPT2, r#""activation_function": "relu""#, &["activation_function"]),
+        (GPT2, r#""activation_function": "gelu""#, &["tanh approximation"]),
+        (
+            GPT2,
+            r#""scale_attn_by_inverse_layer_idx": true"#,
+            &["scale_attn_by_inverse_layer_idx"],
+        ),
+        (GPT2, r#""scale_attn_weights": false"#, &["scale_attn_weights"]),
+        (
+            GPT2,
+            r#""tie_word_embeddings": false"#,
+            &["tie_word_embeddings", "its own weights"],
+        ),
+        (GPT2, r#""add_cross_attention": true"#, &["cross-attention"]),
+        (
+            LLAMA,
+            r#""quantization_config": {"quant_method": "gptq"}"#,
+            &["unknown LlamaForCausalLM config key `quantization_config`"],
+        ),
+        (QWEN2, r#""use_sliding_window": "yes""#, &["use_sliding_window", "expected a boolean"]),
+        (MISTRAL, r#""sliding_window": 0"#, &["`sliding_window` is 0"]),
+        (MISTRAL, r#""sliding_window": -4"#, &["sliding_window", "expected u64"]),
+        (
+            LLAMA,
+            r#""rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}"#,
+            &["`rope_theta` is 10000 but `rope_parameters.rope_theta` is 500000"],
+        ),
+        (
+            LLAMA,
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": "big"}"#,
+            &["not a positive number"],
+        ),
+    ];
+    for (base, extra, want) in cases {
+        let e = parse(base, extra).expect_err(extra);
+        assert!(e.contains("config.json"), "{extra}: {e}");
+        for w in *want {
+            assert!(e.contains(w), "{extra}: {e}");
+        }
+    }
+}
+
+#[test]
+fn what_shardplan_implements_or_cannot_change_the_math_is_accepted() {
+    for (base, extra) in [
+        (
+            LLAMA,
+            r#""hidden_act": "silu", "rope_scaling": null, "attention_bias": false, "mlp_bias": false"#,
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "default"}, "torch_dtype": "bfloat16", "bos_token_id": 1"#,
+        ),
+        (
+            LLAMA,
+            r#""attention_dropout": 0.1, "initializer_range": 0.02, "use_cache": true, "pretraining_tp": 1"#,
+        ),
+        (
+            LLAMA,
+            r#""transformers_version": "4.57.0", "_attn_implementation": "sdpa", "id2label": {"0": "a"}"#,
+        ),
+        (
+            GPT2,
+            r#""activation_function": "gelu_new", "attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1"#,
+        ),
+        (
+            GPT2,
+            r#""activation_function": "gelu_pytorch_tanh", "scale_attn_weights": true, "n_ctx": 128"#,
+        ),
+        (
+            GPT2,
+            r#""scale_attn_by_inverse_layer_idx": false, "reorder_and_upcast_attn": true, "summary_type": "cls_index""#,
+        ),
+        (
+            QWEN2,
+            r#""use_sliding_window": false, "sliding_window": 32, "max_window_layers": 1"#,
+        ),
+    ] {
+        parse(base, extra).unwrap_or_else(|e| panic!("{extra}: {e}"));
+    }
+}
+
+#[test]
+fn rope_theta_is_read_from_either_layout() {
+    let c = llama(
+        parse(
+            LLAMA,
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}"#,
+        )
+        .unwrap(),
+    );
+    assert_eq!(
+        c.rope_theta, 500000.0,
+        "transformers 5 keeps rope_theta in rope_parameters"
+    );
+    let c = llama(parse(LLAMA, r#""rope_theta": 250000.0"#).unwrap());
+    assert_eq!(c.rope_theta, 250000.0);
+    let c = llama(parse(LLAMA, "").unwrap());
+    assert_eq!(c.rope_theta, 10000.0);
+}
+
+#[test]
+fn a_sliding_window_bounds_the_sequences_trained() {
+    // Within the window, the banded mask is the causal mask: the window caps the context.
+    let c = llama(parse(MISTRAL, r#""sliding_window": 128"#).unwrap());
+    assert_eq!(c.max_seq_len, 128);
+    let c = llama(parse(MISTRAL, r#""sliding_window": 4096"#).unwrap());
+    assert_eq!(c.max_seq_len, 512, "a window longer than the context changes nothing");
+    let c = llama(parse(MISTRAL, r#""sliding_window": null"#).unwrap());
+    assert_eq!(c.max_seq_len, 512);
+    // Qwen2 applies its window only when use_sliding_window is true.
+    let c = llama(parse(QWEN2, r#""use_sliding_window": false, "sliding_window": 64"#).unwrap());
+    assert_eq!(c.max_seq_len, 512);
+    let c = llama(parse(QWEN2, r#""use_sliding_window": true, "sliding_window": 64"#).unwrap());
+    assert_eq!(c.max_seq_len, 64);
+}
+
+#[test]
+fn every_bundled_config_parses_and_the_table_covers_every_key_it_holds() {
+    for f in ["gpt2", "llama3-8b", "mistral-7b", "qwen2-0.5b"] {
+        let path = format!("{}/../examples/models/{f}.config.json", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        parse_hf_config(&Source::from_text(&path, text.clone())).unwrap_or_else(|e| panic!("{f}: {e}"));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let arch = v["architectures"][0].as_str().unwrap();
+        let table = shardplan_frontends::hf_field_table(arch);
+        for key in v.as_object().unwrap().keys() {
+            assert!(table.iter().any(|(k, _)| k == key), "{f}: {key} is not in the table");
+        }
+    }
+}
