@@ -43,6 +43,8 @@ pub struct HfConfig {
     pub mlp_bias: Option<bool>,
     pub sliding_window: Option<u64>,
     pub use_sliding_window: Option<bool>,
+    /// transformers 5: `full_attention` or `sliding_attention` per layer.
+    pub layer_types: Option<Vec<String>>,
     // GPT-2.
     pub n_embd: Option<u64>,
     pub n_layer: Option<u64>,
@@ -198,9 +200,13 @@ impl HfConfig {
         };
         // A sliding window longer than every trained sequence is the causal mask itself;
         // shardplan has no banded mask, so the window bounds the sequences it trains.
+        let sliding_layers = self
+            .layer_types
+            .as_ref()
+            .is_some_and(|t| t.iter().any(|l| l == "sliding_attention"));
         let window = match arch {
             Arch::Mistral | Arch::Llama => self.sliding_window,
-            Arch::Qwen2 if self.use_sliding_window == Some(true) => self.sliding_window,
+            Arch::Qwen2 if self.use_sliding_window == Some(true) || sliding_layers => self.sliding_window,
             _ => None,
         };
         let mut config = config;
@@ -312,6 +318,7 @@ fn field_rule(arch: Arch, key: &str) -> Option<FieldRule> {
         "hidden_act" | "attention_bias" | "mlp_bias" | "rope_scaling" | "rope_parameters" if llama => Checked,
         "sliding_window" if matches!(arch, Arch::Mistral | Arch::Qwen2 | Arch::Llama) => Checked,
         "use_sliding_window" | "max_window_layers" if arch == Arch::Qwen2 => Checked,
+        "layer_types" if llama => Checked,
         "activation_function"
         | "scale_attn_by_inverse_layer_idx"
         | "scale_attn_weights"
@@ -442,6 +449,7 @@ const KNOWN_KEYS: &[&str] = &[
     "sliding_window",
     "use_sliding_window",
     "max_window_layers",
+    "layer_types",
     "activation_function",
     "scale_attn_by_inverse_layer_idx",
     "scale_attn_weights",
@@ -602,6 +610,17 @@ fn check_fields(src: &Source, arch: Arch, map: &serde_json::Map<String, serde_js
             }
             "attention_bias" | "mlp_bias" | "use_sliding_window" if v.as_bool().is_none() => {
                 return Err(refuse(key, format!("`{key}` is {v}, not true or false"), "write true or false"))
+            }
+            "layer_types"
+                if !v.as_array().is_some_and(|a| {
+                    a.iter()
+                        .all(|l| matches!(l.as_str(), Some("full_attention" | "sliding_attention")))
+                }) =>
+            {
+                return bad(
+                    "attention kinds other than full_attention and sliding_attention",
+                    "shardplan implements causal attention, and a sliding window as long as the trained sequences",
+                )
             }
             "sliding_window" | "max_window_layers" if v.as_u64().is_none() => {
                 return Err(refuse(

@@ -90,7 +90,11 @@ fn math_changing_values_shardplan_does_not_implement_are_refused_by_key() {
             r#""quantization_config": {"quant_method": "gptq"}"#,
             &["unknown LlamaForCausalLM config key `quantization_config`"],
         ),
-        (QWEN2, r#""use_sliding_window": "yes""#, &["use_sliding_window", "expected a boolean"]),
+        (
+            QWEN2,
+            r#""use_sliding_window": "yes""#,
+            &["use_sliding_window", "expected a boolean"],
+        ),
         (MISTRAL, r#""sliding_window": 0"#, &["`sliding_window` is 0"]),
         (MISTRAL, r#""sliding_window": -4"#, &["sliding_window", "expected u64"]),
         (

@@ -392,7 +392,8 @@ fn read_rows(
 
 impl ShardedTrainer {
     /// HF names of the parameters, by parameter id.
-    fn param_names(&self) -> Vec<String> {
+    /// Every parameter's Hugging Face name, in parameter order (as `full_params`).
+    pub fn param_names(&self) -> Vec<String> {
         self.shared.joint.graph.params().map(|(_, p)| p.name.clone()).collect()
     }
 

@@ -33,6 +33,53 @@ fn token_batch(
     })
 }
 
+/// The same token batch every time: another framework's fixed batch, to compare against.
+pub struct FixedTokens {
+    tokens: Vec<u32>,
+    targets: Vec<u32>,
+    batch: usize,
+    seq: usize,
+    position: u64,
+}
+
+impl FixedTokens {
+    /// `tokens` and `targets` hold `batch x seq` ids each, row by row.
+    pub fn new(tokens: Vec<u32>, targets: Vec<u32>, batch: usize, seq: usize) -> Result<Self, ExecError> {
+        let n = batch
+            .checked_mul(seq)
+            .ok_or_else(|| ExecError::Data(format!("a {batch} x {seq} batch")))?;
+        if tokens.len() != n || targets.len() != n {
+            return Err(ExecError::Data(format!(
+                "a {batch} x {seq} batch needs {n} tokens and targets, not {} and {}",
+                tokens.len(),
+                targets.len()
+            )));
+        }
+        Ok(FixedTokens {
+            tokens,
+            targets,
+            batch,
+            seq,
+            position: 0,
+        })
+    }
+}
+
+impl DataSource for FixedTokens {
+    fn next_batch(&mut self, device: &Device) -> Result<Batch, ExecError> {
+        self.position += 1;
+        token_batch(self.tokens.clone(), self.targets.clone(), self.batch, self.seq, device)
+    }
+
+    fn position(&self) -> u64 {
+        self.position
+    }
+
+    fn seek(&mut self, position: u64) {
+        self.position = position;
+    }
+}
+
 /// A stream of micro-batches.
 pub trait DataSource: Send {
     fn next_batch(&mut self, device: &Device) -> Result<Batch, ExecError>;

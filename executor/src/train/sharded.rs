@@ -484,6 +484,14 @@ impl ShardedTrainer {
         self.backend
     }
 
+    /// Replaces every local rank's data with `make()` (each rank takes its rows of the
+    /// global batch the source yields).
+    pub fn set_data(&mut self, make: &dyn Fn() -> Box<dyn DataSource>) {
+        for d in &mut self.data {
+            *d = make();
+        }
+    }
+
     /// The full f32 parameters, assembled from the shards of replica 0 (for checks and
     /// export; no rank holds them).
     pub fn full_params(&self) -> Result<Vec<Tensor>, ExecError> {

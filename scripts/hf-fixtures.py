@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Writes the Hugging Face parity fixtures under tests/fixtures/hf/ (run by hand; CI only reads them).
+
+    python3 scripts/hf-fixtures.py [--out tests/fixtures/hf]
+
+Needs torch and transformers. For each supported variant it builds a tiny random model with
+transformers itself (2 layers, f32, eager attention, no dropout), a fixed batch of 4 x 32
+tokens, and runs one training step of plain SGD (lr 0.1, mean cross-entropy over every
+token), writing into <out>/<variant>/:
+
+    config.json, model.safetensors   the model as save_pretrained writes it (the weights before)
+    data.safetensors                 tokens [4, 32] and targets [4, 32] (the next tokens), i64
+    expected.safetensors             logits [4, 32, vocab]; loss [1]; grad.<name> and
+                                     after.<name> (the weights after the step) per parameter
+    meta.json                        lr, batch, versions
+
+executor/tests/hf_parity.rs trains the same step with shardplan on several meshes and
+compares the loss, the logits, and each parameter's update.
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+BATCH, SEQ, LR, SEED = 4, 32, 0.1, 1234
+
+LLAMA = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    attention_dropout=0.0,
+)
+
+VARIANTS = {
+    # Llama with grouped-query attention, untied head.
+    "llama": (LlamaForCausalLM, LlamaConfig(**LLAMA)),
+    # An explicit head_dim that is not hidden_size / heads, and Llama 3's RoPE base.
+    "llama-head-dim": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "head_dim": 16, "rope_theta": 500000.0})),
+    "mistral": (MistralForCausalLM, MistralConfig(**{**LLAMA, "sliding_window": None})),
+    # A window as long as the sequences: the banded mask is the causal mask.
+    "mistral-window": (MistralForCausalLM, MistralConfig(**{**LLAMA, "sliding_window": SEQ})),
+    # Qwen2: q/k/v biases; tied and untied embeddings.
+    "qwen2-tied": (Qwen2ForCausalLM, Qwen2Config(**{**LLAMA, "tie_word_embeddings": True, "use_sliding_window": False})),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**{**LLAMA, "use_sliding_window": False})),
+    # GPT-2 with sizes that shard unevenly over 4 ranks (vocab 131 rows, 36-wide).
+    "gpt2": (
+        GPT2LMHeadModel,
+        GPT2Config(
+            vocab_size=131,
+            n_embd=36,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=1e-5,
+        ),
+    ),
+}
+
+
+def write(out, name, cls, config):
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    torch.manual_seed(SEED)
+    config._attn_implementation = "eager"
+    model = cls(config).float()
+    # Random biases too (transformers initialises them to zero), so they are checked.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(d, safe_serialization=True)
+    # Generation defaults are not part of the fixture.
+    gen = os.path.join(d, "generation_config.json")
+    if os.path.exists(gen):
+        os.remove(gen)
+    g = torch.Generator().manual_seed(SEED + 1)
+    seqs = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=g)
+    tokens, targets = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+    save_file({"tokens": tokens, "targets": targets}, os.path.join(d, "data.safetensors"))
+    model.train()
+    logits = model(input_ids=tokens).logits
+    loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    loss.backward()
+    expected = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            expected[f"grad.{n}"] = p.grad.detach().clone().contiguous()
+            expected[f"after.{n}"] = (p - LR * p.grad).detach().clone().contiguous()
+    save_file(expected, os.path.join(d, "expected.safetensors"))
+    meta = {
+        "lr": LR,
+        "batch": BATCH,
+        "seq": SEQ,
+        "loss": loss.item(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "parameters": [n for n, _ in model.named_parameters()],
+    }
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf"))
+    a = ap.parse_args()
+    torch.use_deterministic_algorithms(True)
+    for name, (cls, config) in VARIANTS.items():
+        write(a.out, name, cls, config)
+
+
+if __name__ == "__main__":
+    main()
