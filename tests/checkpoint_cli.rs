@@ -98,6 +98,38 @@ fn save_resume_on_another_mesh_export_and_init() {
 }
 
 #[test]
+fn sgd_without_momentum_saves_and_resumes() {
+    // SGD with momentum 0 keeps no optimizer state; saving it once failed with "no optimizer
+    // state for optim.momentum..." and left a step folder without metadata.
+    let scratch = tempfile::tempdir().unwrap();
+    let ck = temp(scratch.path(), "sgd");
+    let spec = temp(scratch.path(), "sgd.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {shard: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 2, seq_len: 16}\n\
+         optimizer: {sgd: {lr: 0.05, momentum: 0}}\n",
+    )
+    .unwrap();
+    let (c, s) = (ck.to_str().unwrap(), spec.to_str().unwrap());
+    let (full, part) = (temp(scratch.path(), "full.jsonl"), temp(scratch.path(), "part.jsonl"));
+    let train = |steps: &str, extra: &[&str], log: &std::path::Path| {
+        let mut args = vec!["train", "--model", "tiny-llama", "--parallel", s, "--steps", steps];
+        args.extend(extra);
+        args.extend(["--log", log.to_str().unwrap()]);
+        ok(&shardplan(&args));
+    };
+    train("4", &["--checkpoint-dir", c, "--checkpoint-every", "2"], &full);
+    assert!(ck.join("step-00000002/metadata.json").is_file());
+    let step2 = format!("{c}/step-00000002");
+    train("4", &["--resume", &step2], &part);
+    assert_eq!(
+        losses(&full)[2..],
+        losses(&part),
+        "resumed losses equal the uninterrupted run's"
+    );
+}
+
+#[test]
 fn bad_checkpoints_exit_2_naming_the_file() {
     let scratch = tempfile::tempdir().unwrap();
     let ck = temp(scratch.path(), "bad");

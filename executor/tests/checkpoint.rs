@@ -8,10 +8,15 @@ use shardplan_models::preset;
 use std::path::PathBuf;
 
 fn config(replicate: u64, shard: u64, global: u64) -> ParallelConfig {
+    with_optimizer(replicate, shard, global, "{adamw: {lr: 3.0e-3}}")
+}
+
+/// A spec with `optimizer: {optimizer}`.
+fn with_optimizer(replicate: u64, shard: u64, global: u64, optimizer: &str) -> ParallelConfig {
     let world = replicate * shard;
     let yaml = format!(
         "mesh: {{replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {world}\nbatch: {{per_rank: {}, seq_len: 16}}\n\
-         optimizer: {{adamw: {{lr: 3.0e-3}}}}\nlr_schedule: {{warmup_steps: 2}}\n",
+         optimizer: {optimizer}\nlr_schedule: {{warmup_steps: 2}}\n",
         global / world
     );
     parse_parallel_spec(&Source::from_text("test.yaml", yaml))
@@ -90,6 +95,126 @@ fn resume_on_another_mesh_continues_the_same_run() {
     resume("tiny-llama", (2, 4), (1, 8));
     resume("tiny-llama", (1, 8), (1, 3));
     resume("tiny-gpt2", (2, 2), (1, 4));
+}
+
+/// Every setting `train::optim` supports, as a spec's `optimizer:` value: SGD without
+/// momentum keeps no state, with momentum one buffer; AdamW two moments (beta1 0 still keeps
+/// both); weight decay changes the update, not the state.
+const OPTIMIZERS: [&str; 7] = [
+    "{sgd: {lr: 0.05}}",
+    "{sgd: {lr: 0.05, weight_decay: 0.01}}",
+    "{sgd: {lr: 0.05, momentum: 0.9}}",
+    "{sgd: {lr: 0.05, momentum: 0.9, weight_decay: 0.01}}",
+    "{adamw: {lr: 3.0e-3, weight_decay: 0.0}}",
+    "{adamw: {lr: 3.0e-3, weight_decay: 0.1}}",
+    "{adamw: {lr: 3.0e-3, betas: [0.0, 0.99], eps: 1.0e-6}}",
+];
+
+/// Losses of every step and the final weights, as bits.
+type Run = (Vec<u32>, Vec<Vec<u32>>);
+
+fn run(t: &mut ShardedTrainer, steps: u64) -> Vec<u32> {
+    (0..steps).map(|_| t.step().unwrap().loss.to_bits()).collect()
+}
+
+#[test]
+fn every_optimizer_setting_resumes_bit_for_bit() {
+    const N: u64 = 5;
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    for (i, opt) in OPTIMIZERS.iter().enumerate() {
+        let cfg = with_optimizer(1, 2, 8, opt);
+        let mut straight = ShardedTrainer::new(&m, &cfg, N).unwrap();
+        let want: Run = (run(&mut straight, N), bits(&straight.full_params().unwrap()));
+        // Saved before the first step (state freshly created) and mid-run.
+        for k in [0, 2] {
+            let dir = temp(scratch.path(), &format!("optim-{i}-at-{k}"));
+            let mut first = ShardedTrainer::new(&m, &cfg, N).unwrap();
+            let mut losses = run(&mut first, k);
+            first.save(&dir).unwrap();
+            let mut second = ShardedTrainer::new(&m, &cfg, N).unwrap();
+            let warnings = second.load(&dir).unwrap();
+            assert!(warnings.is_empty(), "{opt}: {warnings:?}");
+            assert_eq!(second.steps_done(), k);
+            losses.extend(run(&mut second, N - k));
+            let got: Run = (losses, bits(&second.full_params().unwrap()));
+            assert!(got.0 == want.0, "{opt}, saved at step {k}: losses differ");
+            assert!(got.1 == want.1, "{opt}, saved at step {k}: final weights differ");
+        }
+    }
+}
+
+#[test]
+fn every_optimizer_setting_resumes_on_another_mesh() {
+    const N: u64 = 4;
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    for (i, opt) in OPTIMIZERS.iter().enumerate() {
+        let mut straight = ShardedTrainer::new(&m, &with_optimizer(1, 2, 12, opt), N).unwrap();
+        let want: Vec<f32> = (0..N).map(|_| straight.step().unwrap().loss).collect();
+        let dir = temp(scratch.path(), &format!("optim-mesh-{i}"));
+        let mut first = ShardedTrainer::new(&m, &with_optimizer(1, 2, 12, opt), N).unwrap();
+        first.step().unwrap();
+        first.save(&dir).unwrap();
+        let mut second = ShardedTrainer::new(&m, &with_optimizer(2, 3, 12, opt), N).unwrap();
+        second.load(&dir).unwrap();
+        for (k, w) in want.iter().enumerate().skip(1) {
+            let got = second.step().unwrap().loss;
+            assert!(((got - w) / w).abs() < 1e-5, "{opt}: step {} loss {got} vs {w}", k + 1);
+        }
+        for (a, b) in second
+            .full_params()
+            .unwrap()
+            .iter()
+            .zip(&straight.full_params().unwrap())
+        {
+            assert!(rel(a, b) < 1e-5, "{opt}: weights differ by {:e}", rel(a, b));
+        }
+    }
+}
+
+#[test]
+fn sgd_momentum_may_change_on_resume() {
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    let plain = with_optimizer(1, 2, 8, "{sgd: {lr: 0.05}}");
+    let heavy = with_optimizer(1, 2, 8, "{sgd: {lr: 0.05, momentum: 0.9}}");
+    let mut straight = ShardedTrainer::new(&m, &plain, 5).unwrap();
+    let want = run(&mut straight, 5);
+
+    // Saved without buffers, resumed with momentum: a buffer starting at zero makes the first
+    // update plain SGD's (0.9 * 0 + g = g), so two more losses match the plain run exactly,
+    // and the third does not (momentum acts).
+    let dir = temp(scratch.path(), "momentum-0-to-0.9");
+    let mut first = ShardedTrainer::new(&m, &plain, 5).unwrap();
+    run(&mut first, 2);
+    first.save(&dir).unwrap();
+    let mut second = ShardedTrainer::new(&m, &heavy, 5).unwrap();
+    let warnings = second.load(&dir).unwrap();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("holds no momentum buffers"),
+        "{warnings:?}"
+    );
+    let got = run(&mut second, 3);
+    assert_eq!(got[..2], want[2..4]);
+    assert_ne!(got[2], want[4], "momentum 0.9 acts on the third step");
+
+    // Saved with buffers, resumed without: they are not read.
+    let dir = temp(scratch.path(), "momentum-0.9-to-0");
+    let mut first = ShardedTrainer::new(&m, &heavy, 5).unwrap();
+    run(&mut first, 2);
+    first.save(&dir).unwrap();
+    let mut second = ShardedTrainer::new(&m, &plain, 5).unwrap();
+    let warnings = second.load(&dir).unwrap();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("momentum buffers are not used"),
+        "{warnings:?}"
+    );
+    assert_eq!(
+        bits(&second.full_params().unwrap()),
+        bits(&first.full_params().unwrap())
+    );
+    second.step().unwrap();
 }
 
 #[test]

@@ -9,6 +9,7 @@
 //! global shape and which file holds which rows, with a CRC32 per block of rows, so a
 //! loading rank reads (and checks) only the byte ranges it needs.
 
+use crate::train::optim::state_names;
 use crate::train::sharded::ShardedTrainer;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
@@ -96,14 +97,6 @@ fn fsync_dir(dir: &Path) -> Result<(), ExecError> {
 
 fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
-}
-
-/// The optimizer state tensors saved per parameter, by prefix.
-fn state_names(optimizer: &str) -> &'static [&'static str] {
-    match optimizer {
-        "adamw" => &["optim.exp_avg", "optim.exp_avg_sq"],
-        _ => &["optim.momentum"],
-    }
 }
 
 /// An f32 tensor's elements, to be written as little-endian bytes (safetensors' layout).
@@ -467,7 +460,7 @@ impl ShardedTrainer {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let names = self.param_names();
-        let states = state_names(&plan.policy.optimizer);
+        let states = state_names(&self.config.optimizer);
         let writers: Vec<&crate::runtime::rank::RankState> = self
             .ranks
             .iter()
@@ -479,11 +472,11 @@ impl ShardedTrainer {
                 .map(|state| {
                     let names = &names;
                     let rank = state.rank;
-                    let groups: Vec<(Tensor, Option<Tensor>, Option<Tensor>)> = state
+                    let groups: Vec<(Tensor, Vec<Option<Tensor>>)> = state
                         .params
                         .iter()
                         .zip(&state.opt)
-                        .map(|(p, o)| (p.clone(), o.m[0].clone(), o.v[0].clone()))
+                        .map(|(p, o)| (p.clone(), (0..states.len()).map(|k| o.state(k, 0).cloned()).collect()))
                         .collect();
                     let device = state.ctx.device.clone();
                     s.spawn(move || {
@@ -520,7 +513,7 @@ impl ShardedTrainer {
         let mesh = plan.mesh;
         let names = self.param_names();
         let optimizer = plan.policy.optimizer.clone();
-        let states = state_names(&optimizer);
+        let states = state_names(&self.config.optimizer);
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
         for (f, ps) in results {
@@ -541,6 +534,22 @@ impl ShardedTrainer {
                 };
                 let mut ps = pieces.remove(&name).unwrap_or_default();
                 ps.sort_by_key(|x| x.start);
+                // A metadata.json makes the folder a checkpoint: never write one that a load
+                // would find incomplete.
+                let rows = shape.first().copied().unwrap_or(1);
+                let mut next = 0;
+                for p in &ps {
+                    if p.start != next {
+                        break;
+                    }
+                    next = p.end;
+                }
+                if next != rows {
+                    return Err(ExecError::Internal(format!(
+                        "{}: the rank files hold rows 0..{next} of `{name}`, not all {rows}; no metadata written",
+                        dir.display()
+                    )));
+                }
                 tensors.push(TensorMeta {
                     name,
                     shape: shape.clone(),
@@ -597,7 +606,7 @@ impl ShardedTrainer {
     /// Loads the checkpoint at `path` (a step folder, or the newest complete one under a
     /// root) into this trainer's mesh, whatever mesh wrote it. Returns warnings.
     pub fn load(&mut self, path: &Path) -> Result<Vec<String>, ExecError> {
-        let (dir, warnings) = resolve(path)?;
+        let (dir, mut warnings) = resolve(path)?;
         let meta = read_metadata(&dir)?;
         if meta.model != self.model {
             return Err(ExecError::Checkpoint(format!(
@@ -619,7 +628,29 @@ impl ShardedTrainer {
         }
         let by_name: HashMap<&str, &TensorMeta> = meta.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         let names = self.param_names();
-        let states = state_names(&meta.optimizer);
+        let states = state_names(&self.config.optimizer);
+        // SGD keeps momentum buffers only when momentum is not 0, so the two runs may differ
+        // in them. Buffers the checkpoint lacks start at zero (the first step is then plain
+        // SGD, as PyTorch does for a missing buffer); buffers this run keeps none of are not
+        // read. Any other state missing is a damaged checkpoint, refused below.
+        let held = |prefix: &str| {
+            meta.tensors
+                .iter()
+                .any(|t| t.name.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.')))
+        };
+        let absent: Vec<bool> = states.iter().map(|&s| s == "optim.momentum" && !held(s)).collect();
+        if absent.iter().any(|&a| a) {
+            warnings.push(format!(
+                "{}: saved with SGD momentum 0, so it holds no momentum buffers; this run's buffers start at zero",
+                dir.display()
+            ));
+        }
+        if held("optim.momentum") && !states.contains(&"optim.momentum") {
+            warnings.push(format!(
+                "{}: its SGD momentum buffers are not used: this run's momentum is 0",
+                dir.display()
+            ));
+        }
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         // Read everything first: a failure leaves the trainer as it was.
@@ -638,6 +669,9 @@ impl ShardedTrainer {
                         continue;
                     }
                     for (k, prefix) in std::iter::once("").chain(states.iter().copied()).enumerate() {
+                        if k > 0 && absent[k - 1] {
+                            continue;
+                        }
                         let name = if prefix.is_empty() {
                             names[pl.param.index()].clone()
                         } else {
@@ -672,12 +706,8 @@ impl ShardedTrainer {
             r.params = params;
             for (gi, o) in r.opt.iter_mut().enumerate() {
                 o.steps = meta.optimizer_steps;
-                match meta.optimizer.as_str() {
-                    "adamw" => {
-                        o.m[0] = Some(st[0][gi].clone());
-                        o.v[0] = Some(st[1][gi].clone());
-                    }
-                    _ => o.m[0] = Some(st[0][gi].clone()),
+                for (k, s) in st.iter().enumerate() {
+                    o.set_state(k, 0, s[gi].clone());
                 }
             }
         }
@@ -859,23 +889,16 @@ fn write_rank(
     rank: u64,
     names: &[String],
     states: &[&str],
-    groups: &[(Tensor, Option<Tensor>, Option<Tensor>)],
+    groups: &[(Tensor, Vec<Option<Tensor>>)],
 ) -> Result<Written, ExecError> {
     let file = format!("rank-{rank:05}.safetensors");
     let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
     let mut pieces = Vec::new();
     for (gi, grp) in plan.groups.iter().enumerate() {
         let l = &grp.layout;
-        let (param, m, v) = &groups[gi];
+        let (param, state) = &groups[gi];
         let sources: Vec<(&str, Option<&Tensor>)> = std::iter::once(("", Some(param)))
-            .chain(states.iter().map(|&s| {
-                let t = if s == "optim.exp_avg_sq" {
-                    v.as_ref()
-                } else {
-                    m.as_ref()
-                };
-                (s, t)
-            }))
+            .chain(states.iter().zip(state).map(|(&s, t)| (s, t.as_ref())))
             .collect();
         for pl in &l.params {
             let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, rank);
