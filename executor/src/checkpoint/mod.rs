@@ -18,7 +18,8 @@ use crate::train::optim::state_names;
 use crate::train::sharded::ShardedTrainer;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
-use read::{dtype_size, read_header, read_range, read_rows, to_f32, Header};
+use meta::dtype_size;
+use read::{read_header, read_range, read_rows, to_f32, Header};
 use shardplan_planner::chunk_rows;
 use std::collections::HashMap;
 use std::fs::File;
@@ -287,22 +288,6 @@ impl ShardedTrainer {
                 };
                 let mut ps = pieces.remove(&name).unwrap_or_default();
                 ps.sort_by_key(|x| x.start);
-                // A metadata.json makes the folder a checkpoint: never write one that a load
-                // would find incomplete.
-                let rows = shape.first().copied().unwrap_or(1);
-                let mut next = 0;
-                for p in &ps {
-                    if p.start != next {
-                        break;
-                    }
-                    next = p.end;
-                }
-                if next != rows {
-                    return Err(ExecError::Internal(format!(
-                        "{}: the rank files hold rows 0..{next} of `{name}`, not all {rows}; no metadata written",
-                        dir.display()
-                    )));
-                }
                 tensors.push(TensorMeta {
                     name,
                     shape: shape.clone(),
@@ -324,6 +309,14 @@ impl ShardedTrainer {
             tensors,
             files,
         };
+        // A metadata.json makes the folder a checkpoint: never write one a load would refuse
+        // (pieces missing or overlapping, sizes that do not add up).
+        meta::check(&meta).map_err(|e| {
+            ExecError::Internal(format!(
+                "{}: the checkpoint's own metadata fails its check: {e}; no metadata written",
+                dir.display()
+            ))
+        })?;
         let tmp = dir.join("metadata.json.tmp");
         let text = serde_json::to_string_pretty(&meta).map_err(|e| ExecError::Internal(e.to_string()))?;
         {
@@ -501,7 +494,7 @@ impl ShardedTrainer {
                     if !headers.contains_key(file) {
                         headers.insert(file.clone(), read_header(file)?);
                     }
-                    let (dtype, shape, begin, _) = headers[file]
+                    let (dtype, shape, begin, end) = headers[file]
                         .tensors
                         .get(name)
                         .cloned()
@@ -519,11 +512,20 @@ impl ShardedTrainer {
                             file.display()
                         ))
                     })?;
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    let all_rows = pl.dims.first().copied().unwrap_or(1);
+                    let row_bytes = pl.row_elems * size;
+                    if end - begin != all_rows * row_bytes {
+                        return Err(ExecError::Checkpoint(format!(
+                            "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {}",
+                            file.display(),
+                            end - begin,
+                            all_rows * row_bytes
+                        )));
+                    }
+                    let rows = chunk_rows(all_rows, l.shard, coords.shard);
                     if rows.is_empty() {
                         continue;
                     }
-                    let row_bytes = pl.row_elems * size;
                     let bytes = read_range(
                         file,
                         begin + rows.start * row_bytes,

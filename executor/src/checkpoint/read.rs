@@ -2,7 +2,7 @@
 //! checksummed blocks of a checkpoint.
 
 use super::io;
-use super::meta::TensorMeta;
+use super::meta::{dtype_size, TensorMeta};
 use crate::ExecError;
 use std::collections::HashMap;
 use std::fs::File;
@@ -12,7 +12,6 @@ use std::path::Path;
 /// A safetensors file's header: each tensor's dtype, shape and absolute data range.
 pub(super) struct Header {
     pub(super) tensors: HashMap<String, (String, Vec<u64>, u64, u64)>,
-    pub(super) len: u64,
 }
 
 pub(super) fn read_header(path: &Path) -> Result<Header, ExecError> {
@@ -32,36 +31,64 @@ pub(super) fn read_header(path: &Path) -> Result<Header, ExecError> {
     f.read_exact(&mut h).map_err(|e| io(path, "reading the header", e))?;
     let json: serde_json::Value = serde_json::from_slice(&h)
         .map_err(|e| ExecError::Checkpoint(format!("{}: bad safetensors header: {e}", path.display())))?;
+    let entries = json.as_object().ok_or_else(|| {
+        ExecError::Checkpoint(format!("{}: bad safetensors header: not a JSON object", path.display()))
+    })?;
+    // The header is untrusted: every field is checked, offsets in checked arithmetic.
+    let data = 8 + n;
     let mut tensors = HashMap::new();
-    for (k, v) in json.as_object().into_iter().flatten() {
+    for (k, v) in entries {
         if k == "__metadata__" {
             continue;
         }
-        let dtype = v["dtype"].as_str().unwrap_or("?").to_string();
-        let shape: Vec<u64> = v["shape"]
+        let bad = |what: String| {
+            ExecError::Checkpoint(format!(
+                "{}: bad safetensors header: tensor `{k}`: {what}",
+                path.display()
+            ))
+        };
+        let dtype = v["dtype"]
+            .as_str()
+            .ok_or_else(|| bad(format!("`dtype` is {}, not a string", v["dtype"])))?
+            .to_string();
+        let shape = v["shape"]
             .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|x| x.as_u64())
-            .collect();
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| bad(format!("`shape` is {}, not a list of sizes", v["shape"])))?;
         let off = &v["data_offsets"];
-        let (a, b) = (off[0].as_u64().unwrap_or(0), off[1].as_u64().unwrap_or(0));
-        tensors.insert(k.clone(), (dtype, shape, 8 + n + a, 8 + n + b));
+        let range = match off.as_array().map(Vec::as_slice) {
+            Some([a, b]) => a.as_u64().zip(b.as_u64()),
+            _ => None,
+        }
+        .and_then(|(a, b)| data.checked_add(a).zip(data.checked_add(b)))
+        .filter(|&(a, b)| a <= b && b <= len)
+        .ok_or_else(|| {
+            bad(format!(
+                "`data_offsets` {off} is not a range inside the file's {len} bytes"
+            ))
+        })?;
+        tensors.insert(k.clone(), (dtype, shape, range.0, range.1));
     }
-    Ok(Header { tensors, len })
+    Ok(Header { tensors })
 }
 
-/// Reads bytes `range` of `path`.
+/// Reads `len` bytes of `path` from `start`; a range past the end of the file is refused
+/// before anything is allocated.
 pub(super) fn read_range(path: &Path, start: u64, len: u64, what: &str) -> Result<Vec<u8>, ExecError> {
     let mut f = File::open(path).map_err(|e| io(path, "cannot open", e))?;
-    f.seek(SeekFrom::Start(start)).map_err(|e| io(path, "seek", e))?;
-    let mut buf = vec![0u8; len as usize];
-    f.read_exact(&mut buf).map_err(|_| {
+    let size = f.metadata().map_err(|e| io(path, "cannot stat", e))?.len();
+    let truncated = || {
         ExecError::Checkpoint(format!(
             "{}: truncated: `{what}` runs past the end of the file",
             path.display()
         ))
-    })?;
+    };
+    if start.checked_add(len).is_none_or(|end| end > size) {
+        return Err(truncated());
+    }
+    f.seek(SeekFrom::Start(start)).map_err(|e| io(path, "seek", e))?;
+    let mut buf = vec![0u8; len as usize];
+    f.read_exact(&mut buf).map_err(|_| truncated())?;
     Ok(buf)
 }
 
@@ -84,22 +111,23 @@ pub(super) fn to_f32(bytes: &[u8], dtype: &str) -> Option<Vec<f32>> {
     })
 }
 
-pub(super) fn dtype_size(dtype: &str) -> Option<u64> {
-    match dtype {
-        "F32" => Some(4),
-        "BF16" | "F16" => Some(2),
-        _ => None,
-    }
-}
-
 /// Rows `want` of tensor `t` from a checkpoint, as f32, reading only the blocks that
 /// overlap them and checking their checksums.
+///
+/// `t` comes from [`super::read_metadata`], which bounds its sizes by the files on disk, so
+/// the arithmetic on them here cannot overflow; the rank files' headers are checked here.
 pub(super) fn read_rows(
     dir: &Path,
     t: &TensorMeta,
     want: std::ops::Range<u64>,
     headers: &mut HashMap<String, Header>,
 ) -> Result<Vec<f32>, ExecError> {
+    if want.end > t.shape.first().copied().unwrap_or(1) {
+        return Err(ExecError::Internal(format!(
+            "rows {want:?} of `{}`, shape {:?}",
+            t.name, t.shape
+        )));
+    }
     let row_elems: u64 = t.shape.iter().skip(1).product();
     let mut out = vec![0f32; ((want.end - want.start) * row_elems) as usize];
     let mut covered = 0u64;
@@ -130,16 +158,17 @@ pub(super) fn read_rows(
         }
         let size = dtype_size(&dtype).unwrap_or(4);
         let row_bytes = row_elems * size;
-        if shape.first().copied().unwrap_or(1) != p.end - p.start
-            || end - begin != (p.end - p.start) * row_bytes
-            || end > h.len
-        {
+        // The piece's rows, each shaped as the tensor's (a scalar is stored as one row).
+        let want_shape: Vec<u64> = std::iter::once(p.end - p.start)
+            .chain(t.shape.iter().skip(1).copied())
+            .collect();
+        if shape != want_shape || end - begin != (p.end - p.start) * row_bytes {
             return Err(ExecError::Checkpoint(format!(
-                "{}: tensor `{}` has shape {shape:?} and {} bytes, the checkpoint says {} rows of {row_bytes} bytes",
+                "{}: tensor `{}` has shape {shape:?} and {} bytes, the checkpoint says {want_shape:?}, {} bytes",
                 path.display(),
                 p.key,
                 end - begin,
-                p.end - p.start
+                (p.end - p.start) * row_bytes
             )));
         }
         // The checksummed blocks covering rows s..e of this piece.

@@ -120,7 +120,8 @@ impl OptState {
         grad_scale: f64,
     ) -> Result<(), ExecError> {
         self.steps += 1;
-        let t = self.steps as i32;
+        // Past i32::MAX steps the bias corrections are 1 to f64 precision; saturate, never wrap.
+        let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
         for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
             if let Optimizer::AdamW {
                 betas: [b1, b2],
