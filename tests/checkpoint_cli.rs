@@ -98,6 +98,38 @@ fn save_resume_on_another_mesh_export_and_init() {
 }
 
 #[test]
+fn sgd_without_momentum_saves_and_resumes() {
+    // SGD with momentum 0 keeps no optimizer state; saving it once failed with "no optimizer
+    // state for optim.momentum..." and left a step folder without metadata.
+    let scratch = tempfile::tempdir().unwrap();
+    let ck = temp(scratch.path(), "sgd");
+    let spec = temp(scratch.path(), "sgd.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {shard: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 2, seq_len: 16}\n\
+         optimizer: {sgd: {lr: 0.05, momentum: 0}}\n",
+    )
+    .unwrap();
+    let (c, s) = (ck.to_str().unwrap(), spec.to_str().unwrap());
+    let (full, part) = (temp(scratch.path(), "full.jsonl"), temp(scratch.path(), "part.jsonl"));
+    let train = |steps: &str, extra: &[&str], log: &std::path::Path| {
+        let mut args = vec!["train", "--model", "tiny-llama", "--parallel", s, "--steps", steps];
+        args.extend(extra);
+        args.extend(["--log", log.to_str().unwrap()]);
+        ok(&shardplan(&args));
+    };
+    train("4", &["--checkpoint-dir", c, "--checkpoint-every", "2"], &full);
+    assert!(ck.join("step-00000002/metadata.json").is_file());
+    let step2 = format!("{c}/step-00000002");
+    train("4", &["--resume", &step2], &part);
+    assert_eq!(
+        losses(&full)[2..],
+        losses(&part),
+        "resumed losses equal the uninterrupted run's"
+    );
+}
+
+#[test]
 fn bad_checkpoints_exit_2_naming_the_file() {
     let scratch = tempfile::tempdir().unwrap();
     let ck = temp(scratch.path(), "bad");
@@ -174,5 +206,94 @@ fn bad_checkpoints_exit_2_naming_the_file() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(want), "`{want}` not in {err}");
         assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn damaged_checkpoints_exit_2_naming_the_file_and_field() {
+    let scratch = tempfile::tempdir().unwrap();
+    let ck = temp(scratch.path(), "ck");
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+    ]));
+    let step = ck.join("step-00000001");
+    let meta = step.join("metadata.json");
+    let rank = step.join("rank-00000.safetensors");
+    let (good_meta, good_rank) = (std::fs::read_to_string(&meta).unwrap(), std::fs::read(&rank).unwrap());
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(&good_meta).unwrap();
+        f(&mut v);
+        std::fs::write(&meta, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    };
+    let resume = [
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--steps",
+        "2",
+        "--resume",
+    ];
+    let export = ["checkpoint", "export", "--out"];
+    type Damage<'a> = (&'a dyn Fn(), &'a str, &'a str);
+    let cases: [Damage; 5] = [
+        (
+            &|| edit(&|v| v["tensors"][0]["shape"][0] = (1u64 << 62).into()),
+            "metadata.json",
+            "`tensors[0].pieces` cover rows 0..",
+        ),
+        (
+            &|| edit(&|v| v["step"] = (1u64 << 62).into()),
+            "metadata.json",
+            "`step` is 4611686018427387904",
+        ),
+        (
+            &|| edit(&|v| v["tensors"][1]["pieces"][0]["start"] = (-1).into()),
+            "metadata.json",
+            "`tensors[1].pieces[0].start`: invalid value: integer `-1`",
+        ),
+        (
+            &|| edit(&|v| drop(v["tensors"][0].as_object_mut().unwrap().remove("pieces"))),
+            "metadata.json",
+            "`tensors[0]`: missing field `pieces`",
+        ),
+        (
+            &|| {
+                let mut b = good_rank.clone();
+                b[20] ^= 0x01;
+                std::fs::write(&rank, b).unwrap();
+            },
+            "rank-00000.safetensors",
+            ": ",
+        ),
+    ];
+    let out = scratch.path().join("out.safetensors");
+    for (damage, file, want) in cases {
+        std::fs::write(&meta, &good_meta).unwrap();
+        std::fs::write(&rank, &good_rank).unwrap();
+        damage();
+        let named = format!("{}", step.join(file).display());
+        let mut runs = vec![resume.to_vec(), export.to_vec()];
+        runs[0].push(ck.to_str().unwrap());
+        runs[1].extend([out.to_str().unwrap(), ck.to_str().unwrap()]);
+        for args in runs {
+            let o = shardplan(&args);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+            assert!(
+                err.contains(&named) && err.contains(want),
+                "`{named}` and `{want}` not in {err}"
+            );
+            assert!(!err.contains("panicked"), "{err}");
+        }
     }
 }

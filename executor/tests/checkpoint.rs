@@ -8,10 +8,15 @@ use shardplan_models::preset;
 use std::path::PathBuf;
 
 fn config(replicate: u64, shard: u64, global: u64) -> ParallelConfig {
+    with_optimizer(replicate, shard, global, "{adamw: {lr: 3.0e-3}}")
+}
+
+/// A spec with `optimizer: {optimizer}`.
+fn with_optimizer(replicate: u64, shard: u64, global: u64, optimizer: &str) -> ParallelConfig {
     let world = replicate * shard;
     let yaml = format!(
         "mesh: {{replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {world}\nbatch: {{per_rank: {}, seq_len: 16}}\n\
-         optimizer: {{adamw: {{lr: 3.0e-3}}}}\nlr_schedule: {{warmup_steps: 2}}\n",
+         optimizer: {optimizer}\nlr_schedule: {{warmup_steps: 2}}\n",
         global / world
     );
     parse_parallel_spec(&Source::from_text("test.yaml", yaml))
@@ -90,6 +95,126 @@ fn resume_on_another_mesh_continues_the_same_run() {
     resume("tiny-llama", (2, 4), (1, 8));
     resume("tiny-llama", (1, 8), (1, 3));
     resume("tiny-gpt2", (2, 2), (1, 4));
+}
+
+/// Every setting `train::optim` supports, as a spec's `optimizer:` value: SGD without
+/// momentum keeps no state, with momentum one buffer; AdamW two moments (beta1 0 still keeps
+/// both); weight decay changes the update, not the state.
+const OPTIMIZERS: [&str; 7] = [
+    "{sgd: {lr: 0.05}}",
+    "{sgd: {lr: 0.05, weight_decay: 0.01}}",
+    "{sgd: {lr: 0.05, momentum: 0.9}}",
+    "{sgd: {lr: 0.05, momentum: 0.9, weight_decay: 0.01}}",
+    "{adamw: {lr: 3.0e-3, weight_decay: 0.0}}",
+    "{adamw: {lr: 3.0e-3, weight_decay: 0.1}}",
+    "{adamw: {lr: 3.0e-3, betas: [0.0, 0.99], eps: 1.0e-6}}",
+];
+
+/// Losses of every step and the final weights, as bits.
+type Run = (Vec<u32>, Vec<Vec<u32>>);
+
+fn run(t: &mut ShardedTrainer, steps: u64) -> Vec<u32> {
+    (0..steps).map(|_| t.step().unwrap().loss.to_bits()).collect()
+}
+
+#[test]
+fn every_optimizer_setting_resumes_bit_for_bit() {
+    const N: u64 = 5;
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    for (i, opt) in OPTIMIZERS.iter().enumerate() {
+        let cfg = with_optimizer(1, 2, 8, opt);
+        let mut straight = ShardedTrainer::new(&m, &cfg, N).unwrap();
+        let want: Run = (run(&mut straight, N), bits(&straight.full_params().unwrap()));
+        // Saved before the first step (state freshly created) and mid-run.
+        for k in [0, 2] {
+            let dir = temp(scratch.path(), &format!("optim-{i}-at-{k}"));
+            let mut first = ShardedTrainer::new(&m, &cfg, N).unwrap();
+            let mut losses = run(&mut first, k);
+            first.save(&dir).unwrap();
+            let mut second = ShardedTrainer::new(&m, &cfg, N).unwrap();
+            let warnings = second.load(&dir).unwrap();
+            assert!(warnings.is_empty(), "{opt}: {warnings:?}");
+            assert_eq!(second.steps_done(), k);
+            losses.extend(run(&mut second, N - k));
+            let got: Run = (losses, bits(&second.full_params().unwrap()));
+            assert!(got.0 == want.0, "{opt}, saved at step {k}: losses differ");
+            assert!(got.1 == want.1, "{opt}, saved at step {k}: final weights differ");
+        }
+    }
+}
+
+#[test]
+fn every_optimizer_setting_resumes_on_another_mesh() {
+    const N: u64 = 4;
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    for (i, opt) in OPTIMIZERS.iter().enumerate() {
+        let mut straight = ShardedTrainer::new(&m, &with_optimizer(1, 2, 12, opt), N).unwrap();
+        let want: Vec<f32> = (0..N).map(|_| straight.step().unwrap().loss).collect();
+        let dir = temp(scratch.path(), &format!("optim-mesh-{i}"));
+        let mut first = ShardedTrainer::new(&m, &with_optimizer(1, 2, 12, opt), N).unwrap();
+        first.step().unwrap();
+        first.save(&dir).unwrap();
+        let mut second = ShardedTrainer::new(&m, &with_optimizer(2, 3, 12, opt), N).unwrap();
+        second.load(&dir).unwrap();
+        for (k, w) in want.iter().enumerate().skip(1) {
+            let got = second.step().unwrap().loss;
+            assert!(((got - w) / w).abs() < 1e-5, "{opt}: step {} loss {got} vs {w}", k + 1);
+        }
+        for (a, b) in second
+            .full_params()
+            .unwrap()
+            .iter()
+            .zip(&straight.full_params().unwrap())
+        {
+            assert!(rel(a, b) < 1e-5, "{opt}: weights differ by {:e}", rel(a, b));
+        }
+    }
+}
+
+#[test]
+fn sgd_momentum_may_change_on_resume() {
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    let plain = with_optimizer(1, 2, 8, "{sgd: {lr: 0.05}}");
+    let heavy = with_optimizer(1, 2, 8, "{sgd: {lr: 0.05, momentum: 0.9}}");
+    let mut straight = ShardedTrainer::new(&m, &plain, 5).unwrap();
+    let want = run(&mut straight, 5);
+
+    // Saved without buffers, resumed with momentum: a buffer starting at zero makes the first
+    // update plain SGD's (0.9 * 0 + g = g), so two more losses match the plain run exactly,
+    // and the third does not (momentum acts).
+    let dir = temp(scratch.path(), "momentum-0-to-0.9");
+    let mut first = ShardedTrainer::new(&m, &plain, 5).unwrap();
+    run(&mut first, 2);
+    first.save(&dir).unwrap();
+    let mut second = ShardedTrainer::new(&m, &heavy, 5).unwrap();
+    let warnings = second.load(&dir).unwrap();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("holds no momentum buffers"),
+        "{warnings:?}"
+    );
+    let got = run(&mut second, 3);
+    assert_eq!(got[..2], want[2..4]);
+    assert_ne!(got[2], want[4], "momentum 0.9 acts on the third step");
+
+    // Saved with buffers, resumed without: they are not read.
+    let dir = temp(scratch.path(), "momentum-0.9-to-0");
+    let mut first = ShardedTrainer::new(&m, &heavy, 5).unwrap();
+    run(&mut first, 2);
+    first.save(&dir).unwrap();
+    let mut second = ShardedTrainer::new(&m, &plain, 5).unwrap();
+    let warnings = second.load(&dir).unwrap();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("momentum buffers are not used"),
+        "{warnings:?}"
+    );
+    assert_eq!(
+        bits(&second.full_params().unwrap()),
+        bits(&first.full_params().unwrap())
+    );
+    second.step().unwrap();
 }
 
 #[test]
@@ -274,6 +399,304 @@ fn bad_checkpoints_are_named_and_change_nothing() {
 
     // No checkpoint at all.
     check(&temp(scratch.path(), "empty"), "no complete checkpoint");
+}
+
+/// A copy of checkpoint folder `from` (its rank files and metadata) at `to`.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Refusals of a damaged checkpoint by both readers: `load` (which must leave the trainer
+/// as it was) and `export`. Each message must contain every string of `want`.
+fn refused(m: &shardplan_models::ModelConfig, cfg: &ParallelConfig, dir: &std::path::Path, want: &[&str]) {
+    let mut t = ShardedTrainer::new(m, cfg, 10).unwrap();
+    let before = bits(&t.full_params().unwrap());
+    let load = t.load(dir).unwrap_err().to_string();
+    assert_eq!(bits(&t.full_params().unwrap()), before, "a failed load changes nothing");
+    let exported = export(dir, &dir.join("out.safetensors"), ExportDType::F32)
+        .unwrap_err()
+        .to_string();
+    for e in [load, exported] {
+        for w in want {
+            assert!(e.contains(w), "`{w}` not in: {e}");
+        }
+    }
+}
+
+#[test]
+fn damaged_metadata_is_refused_naming_the_file_and_field() {
+    use serde_json::{json, Value};
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    let cfg = config(1, 2, 8);
+    let saved = temp(scratch.path(), "good");
+    let mut t = ShardedTrainer::new(&m, &cfg, 10).unwrap();
+    t.step().unwrap();
+    let step = t.save(&saved).unwrap();
+    let huge = json!(1u64 << 62);
+    type Edit = fn(&mut Value, &Value);
+    let cases: [(&str, Edit, &[&str]); 25] = [
+        (
+            "huge rows",
+            |v, h| v["tensors"][0]["shape"][0] = h.clone(),
+            &["`tensors[0].pieces` cover rows 0..", "4611686018427387904"],
+        ),
+        (
+            "huge row",
+            |v, h| v["tensors"][0]["shape"][1] = h.clone(),
+            &["`tensors[0].shape`", "overflow"],
+        ),
+        (
+            "big row",
+            |v, _| v["tensors"][0]["shape"][1] = json!(1u64 << 40),
+            &["`tensors[0].pieces[0].end`", "do not fit"],
+        ),
+        (
+            "huge end",
+            |v, h| v["tensors"][1]["pieces"][0]["end"] = h.clone(),
+            &["`tensors[1].pieces[0].end` is 4611686018427387904"],
+        ),
+        (
+            "huge start",
+            |v, h| v["tensors"][1]["pieces"][1]["start"] = h.clone(),
+            &["`tensors[1].pieces[1].start` is 4611686018427387904"],
+        ),
+        (
+            "end before start",
+            |v, _| v["tensors"][1]["pieces"][0]["end"] = json!(0),
+            &["`tensors[1].pieces[0].end` is 0"],
+        ),
+        (
+            "overlap",
+            |v, _| v["tensors"][1]["pieces"][1]["start"] = json!(0),
+            &["`tensors[1].pieces[1].start` is 0", "without gaps or overlaps"],
+        ),
+        (
+            "huge block",
+            |v, h| v["tensors"][2]["pieces"][0]["blocks"][0]["rows"] = h.clone(),
+            &["`tensors[2].pieces[0].blocks[0].rows` is 4611686018427387904"],
+        ),
+        (
+            "zero block",
+            |v, _| v["tensors"][2]["pieces"][0]["blocks"][0]["rows"] = json!(0),
+            &["`tensors[2].pieces[0].blocks[0].rows` is 0"],
+        ),
+        (
+            "no blocks",
+            |v, _| v["tensors"][2]["pieces"][0]["blocks"] = json!([]),
+            &["`tensors[2].pieces[0].blocks` hold 0 rows"],
+        ),
+        (
+            "zero rows",
+            |v, _| v["tensors"][0]["shape"][0] = json!(0),
+            &["`tensors[0].pieces[0].end`", "at most the 0 rows"],
+        ),
+        (
+            "zero bytes",
+            |v, _| v["files"][0]["bytes"] = json!(0),
+            &["`tensors[0].pieces[0].end`", "do not fit in the 0 bytes"],
+        ),
+        (
+            "huge bytes",
+            |v, h| v["files"][0]["bytes"] = h.clone(),
+            &[
+                "rank-00000.safetensors: ",
+                "bytes, the checkpoint wrote 4611686018427387904",
+            ],
+        ),
+        (
+            "huge step",
+            |v, h| v["step"] = h.clone(),
+            &["`step` is 4611686018427387904, more than any run reaches"],
+        ),
+        (
+            "huge position",
+            |v, _| v["data_position"] = json!(u64::MAX),
+            &["`data_position` is 18446744073709551615"],
+        ),
+        (
+            "huge optimizer steps",
+            |v, h| v["optimizer_steps"] = h.clone(),
+            &["`optimizer_steps` is 4611686018427387904"],
+        ),
+        (
+            "negative",
+            |v, _| v["tensors"][1]["pieces"][1]["start"] = json!(-8),
+            &["`tensors[1].pieces[1].start`: invalid value: integer `-8`, expected u64"],
+        ),
+        (
+            "past u64",
+            |v, _| v["tensors"][1]["pieces"][0]["end"] = json!(1.8446744073709552e19),
+            &["`tensors[1].pieces[0].end`: invalid type: floating point"],
+        ),
+        (
+            "missing field",
+            |v, _| drop(v["tensors"][3].as_object_mut().unwrap().remove("shape")),
+            &["`tensors[3]`: missing field `shape`"],
+        ),
+        (
+            "missing step",
+            |v, _| drop(v.as_object_mut().unwrap().remove("step")),
+            &["missing field `step`"],
+        ),
+        (
+            "wrong type",
+            |v, _| v["tensors"][0]["shape"] = json!("big"),
+            &["`tensors[0].shape`: invalid type: string \"big\", expected a sequence"],
+        ),
+        (
+            "wrong dtype",
+            |v, _| v["tensors"][0]["dtype"] = json!("F64"),
+            &["`tensors[0].dtype` is \"F64\"", "F32, BF16 or F16"],
+        ),
+        (
+            "escaping file",
+            |v, _| v["files"][0]["name"] = json!("../rank-00000.safetensors"),
+            &["`files[0].name` is \"../rank-00000.safetensors\", not the name of a file"],
+        ),
+        (
+            "unlisted file",
+            |v, _| v["tensors"][0]["pieces"][0]["file"] = json!("/etc/passwd"),
+            &[
+                "`tensors[0].pieces[0].file` is \"/etc/passwd\"",
+                "`files` does not list",
+            ],
+        ),
+        (
+            "twice",
+            |v, _| v["tensors"][1]["name"] = v["tensors"][0]["name"].clone(),
+            &["`tensors[1].name` lists", "twice"],
+        ),
+    ];
+    for (i, (what, edit, want)) in cases.iter().enumerate() {
+        let dir = scratch.path().join(format!("case-{i}"));
+        copy_dir(&step, &dir);
+        let meta = dir.join("metadata.json");
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&meta).unwrap()).unwrap();
+        edit(&mut v, &huge);
+        std::fs::write(&meta, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        let named = format!(
+            "{}",
+            dir.join(if *what == "huge bytes" {
+                "rank-00000.safetensors"
+            } else {
+                "metadata.json"
+            })
+            .display()
+        );
+        let mut all = vec![named.as_str()];
+        all.extend(want.iter());
+        refused(&m, &cfg, &dir, &all);
+    }
+}
+
+/// Rewrites the safetensors header of `file` through `edit`, keeping its data, and the size
+/// `metadata.json` beside it lists for the file.
+fn edit_header(file: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(&mut h);
+    let mut text = serde_json::to_vec(&h).unwrap();
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(&text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(file, &out).unwrap();
+    let meta = file.with_file_name("metadata.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&meta).unwrap()).unwrap();
+    let name = file.file_name().unwrap().to_str().unwrap();
+    for f in v["files"].as_array_mut().unwrap() {
+        if f["name"] == name {
+            f["bytes"] = out.len().into();
+        }
+    }
+    std::fs::write(&meta, serde_json::to_string(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn damaged_rank_files_are_refused_naming_the_file() {
+    use serde_json::json;
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    // SGD without momentum: the rank files hold parameters only, all of which export reads.
+    let cfg = with_optimizer(1, 2, 8, "{sgd: {lr: 0.05}}");
+    let saved = temp(scratch.path(), "good");
+    let mut t = ShardedTrainer::new(&m, &cfg, 10).unwrap();
+    t.step().unwrap();
+    let step = t.save(&saved).unwrap();
+    let file = "rank-00001.safetensors";
+    const KEY: &str = "model.layers.0.self_attn.q_proj.weight";
+    type Edit = fn(&mut serde_json::Value);
+    let headers: [(Edit, &str); 6] = [
+        (
+            |h| h[KEY]["data_offsets"][1] = json!(1u64 << 62),
+            "is not a range inside the file",
+        ),
+        (
+            |h| h[KEY]["data_offsets"][0] = json!(u64::MAX),
+            "is not a range inside the file",
+        ),
+        (
+            |h| h[KEY]["data_offsets"] = json!([8, 4]),
+            "is not a range inside the file",
+        ),
+        (
+            |h| h[KEY]["shape"][0] = json!(1u64 << 62),
+            "has shape [4611686018427387904",
+        ),
+        (|h| h[KEY]["dtype"] = json!(7), "`dtype` is 7, not a string"),
+        (|h| *h = json!([]), "not a JSON object"),
+    ];
+    for (i, (edit, want)) in headers.iter().enumerate() {
+        let dir = scratch.path().join(format!("header-{i}"));
+        copy_dir(&step, &dir);
+        edit_header(&dir.join(file), edit);
+        let named = format!("{}", dir.join(file).display());
+        refused(&m, &cfg, &dir, &[&named, want]);
+    }
+
+    // Truncated to nothing, to part of the length prefix, and to part of the header: the
+    // size the metadata lists no longer matches.
+    for len in [0, 5, 100] {
+        let dir = scratch.path().join(format!("truncated-{len}"));
+        copy_dir(&step, &dir);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(file))
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+        let named = format!("{}: {len} bytes, the checkpoint wrote", dir.join(file).display());
+        refused(&m, &cfg, &dir, &[&named, "truncated"]);
+    }
+
+    // A flipped bit is refused, never read as something else: checksums cover the data,
+    // checks the header. Every byte of the length prefix, every 11th of the header, and 32
+    // spread over the data.
+    let dir = scratch.path().join("flipped");
+    copy_dir(&step, &dir);
+    let path = dir.join(file);
+    let good = std::fs::read(&path).unwrap();
+    let data = 8 + u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let spots = (0..8)
+        .chain((8..data).step_by(11))
+        .chain((0..32).map(|k| data + k * (good.len() - data) / 32));
+    let out = dir.join("out.safetensors");
+    let named = format!("{}", path.display());
+    for at in spots {
+        let mut bytes = good.clone();
+        bytes[at] ^= 0x01;
+        std::fs::write(&path, &bytes).unwrap();
+        match export(&dir, &out, ExportDType::F32) {
+            Ok(_) => panic!("byte {at} ({:?}) flipped: exported", good[at] as char),
+            Err(e) => assert!(e.to_string().contains(&named), "byte {at}: {e}"),
+        }
+    }
 }
 
 #[test]

@@ -9,71 +9,25 @@
 //! global shape and which file holds which rows, with a CRC32 per block of rows, so a
 //! loading rank reads (and checks) only the byte ranges it needs.
 
+mod meta;
+mod read;
+
+pub use meta::{read_metadata, Block, FileMeta, Metadata, Piece, TensorMeta, CHECKPOINT_FORMAT};
+
+use crate::train::optim::state_names;
 use crate::train::sharded::ShardedTrainer;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
-use serde::{Deserialize, Serialize};
-use shardplan_models::ModelConfig;
+use meta::dtype_size;
+use read::{read_header, read_range, read_rows, to_f32, Header};
 use shardplan_planner::chunk_rows;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Format version of `metadata.json`.
-pub const CHECKPOINT_FORMAT: u32 = 1;
 /// Rows per checksummed block aim at this many bytes.
 const BLOCK_BYTES: u64 = 1 << 20;
-
-/// A block of rows and its checksum.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Block {
-    pub rows: u64,
-    pub crc32: u32,
-}
-
-/// Rows `start..end` of a tensor, stored under `key` in `file`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Piece {
-    pub file: String,
-    pub key: String,
-    pub start: u64,
-    pub end: u64,
-    pub blocks: Vec<Block>,
-}
-
-/// One logical tensor of the checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TensorMeta {
-    pub name: String,
-    pub shape: Vec<u64>,
-    pub dtype: String,
-    pub pieces: Vec<Piece>,
-}
-
-/// A file of the checkpoint and its size.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct FileMeta {
-    pub name: String,
-    pub bytes: u64,
-}
-
-/// `metadata.json`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Metadata {
-    pub format: u32,
-    pub step: u64,
-    pub model: ModelConfig,
-    pub replicate: u64,
-    pub shard: u64,
-    pub optimizer: String,
-    pub optimizer_steps: u64,
-    /// Global micro-batches consumed by the data stream.
-    pub data_position: u64,
-    pub seed: u64,
-    pub tensors: Vec<TensorMeta>,
-    pub files: Vec<FileMeta>,
-}
 
 /// Where a save can be interrupted (for the crash tests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,14 +50,6 @@ fn fsync_dir(dir: &Path) -> Result<(), ExecError> {
 
 fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
-}
-
-/// The optimizer state tensors saved per parameter, by prefix.
-fn state_names(optimizer: &str) -> &'static [&'static str] {
-    match optimizer {
-        "adamw" => &["optim.exp_avg", "optim.exp_avg_sq"],
-        _ => &["optim.momentum"],
-    }
 }
 
 /// An f32 tensor's elements, to be written as little-endian bytes (safetensors' layout).
@@ -131,89 +77,6 @@ fn blocks(bytes: &[u8], row_bytes: u64) -> Vec<Block> {
         r += n;
     }
     out
-}
-
-/// A safetensors file's header: each tensor's dtype, shape and absolute data range.
-struct Header {
-    tensors: HashMap<String, (String, Vec<u64>, u64, u64)>,
-    len: u64,
-}
-
-fn read_header(path: &Path) -> Result<Header, ExecError> {
-    let mut f = File::open(path).map_err(|e| io(path, "cannot open", e))?;
-    let len = f.metadata().map_err(|e| io(path, "cannot stat", e))?.len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| ExecError::Checkpoint(format!("{}: truncated: no safetensors header", path.display())))?;
-    let n = u64::from_le_bytes(n);
-    if n > 100 << 20 || 8 + n > len {
-        return Err(ExecError::Checkpoint(format!(
-            "{}: truncated or not a safetensors file (header of {n} bytes in a {len}-byte file)",
-            path.display()
-        )));
-    }
-    let mut h = vec![0u8; n as usize];
-    f.read_exact(&mut h).map_err(|e| io(path, "reading the header", e))?;
-    let json: serde_json::Value = serde_json::from_slice(&h)
-        .map_err(|e| ExecError::Checkpoint(format!("{}: bad safetensors header: {e}", path.display())))?;
-    let mut tensors = HashMap::new();
-    for (k, v) in json.as_object().into_iter().flatten() {
-        if k == "__metadata__" {
-            continue;
-        }
-        let dtype = v["dtype"].as_str().unwrap_or("?").to_string();
-        let shape: Vec<u64> = v["shape"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|x| x.as_u64())
-            .collect();
-        let off = &v["data_offsets"];
-        let (a, b) = (off[0].as_u64().unwrap_or(0), off[1].as_u64().unwrap_or(0));
-        tensors.insert(k.clone(), (dtype, shape, 8 + n + a, 8 + n + b));
-    }
-    Ok(Header { tensors, len })
-}
-
-/// Reads bytes `range` of `path`.
-fn read_range(path: &Path, start: u64, len: u64, what: &str) -> Result<Vec<u8>, ExecError> {
-    let mut f = File::open(path).map_err(|e| io(path, "cannot open", e))?;
-    f.seek(SeekFrom::Start(start)).map_err(|e| io(path, "seek", e))?;
-    let mut buf = vec![0u8; len as usize];
-    f.read_exact(&mut buf).map_err(|_| {
-        ExecError::Checkpoint(format!(
-            "{}: truncated: `{what}` runs past the end of the file",
-            path.display()
-        ))
-    })?;
-    Ok(buf)
-}
-
-/// Converts little-endian elements of `dtype` to f32.
-fn to_f32(bytes: &[u8], dtype: &str) -> Option<Vec<f32>> {
-    Some(match dtype {
-        "F32" => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        "BF16" => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        "F16" => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
-}
-
-fn dtype_size(dtype: &str) -> Option<u64> {
-    match dtype {
-        "F32" => Some(4),
-        "BF16" | "F16" => Some(2),
-        _ => None,
-    }
 }
 
 /// Complete checkpoints (step, folder), by step, ascending.
@@ -272,122 +135,6 @@ pub fn resolve(path: &Path) -> Result<(PathBuf, Vec<String>), ExecError> {
             }
         ))),
     }
-}
-
-/// Reads and checks `metadata.json` of a step folder.
-pub fn read_metadata(dir: &Path) -> Result<Metadata, ExecError> {
-    let path = dir.join("metadata.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| io(&path, "cannot read", e))?;
-    let m: Metadata = serde_json::from_str(&text)
-        .map_err(|e| ExecError::Checkpoint(format!("{}:{}:{}: {e}", path.display(), e.line(), e.column())))?;
-    if m.format != CHECKPOINT_FORMAT {
-        return Err(ExecError::Checkpoint(format!(
-            "{}: checkpoint format {} (this shardplan reads {CHECKPOINT_FORMAT})",
-            path.display(),
-            m.format
-        )));
-    }
-    for f in &m.files {
-        let p = dir.join(&f.name);
-        let len = std::fs::metadata(&p)
-            .map_err(|_| ExecError::Checkpoint(format!("{}: missing shard file (the metadata lists it)", p.display())))?
-            .len();
-        if len != f.bytes {
-            return Err(ExecError::Checkpoint(format!(
-                "{}: {len} bytes, the checkpoint wrote {}: the file is truncated or was replaced",
-                p.display(),
-                f.bytes
-            )));
-        }
-    }
-    Ok(m)
-}
-
-/// Rows `want` of tensor `t` from a checkpoint, as f32, reading only the blocks that
-/// overlap them and checking their checksums.
-fn read_rows(
-    dir: &Path,
-    t: &TensorMeta,
-    want: std::ops::Range<u64>,
-    headers: &mut HashMap<String, Header>,
-) -> Result<Vec<f32>, ExecError> {
-    let row_elems: u64 = t.shape.iter().skip(1).product();
-    let mut out = vec![0f32; ((want.end - want.start) * row_elems) as usize];
-    let mut covered = 0u64;
-    for p in &t.pieces {
-        let (s, e) = (p.start.max(want.start), p.end.min(want.end));
-        if s >= e {
-            continue;
-        }
-        let path = dir.join(&p.file);
-        if !headers.contains_key(&p.file) {
-            headers.insert(p.file.clone(), read_header(&path)?);
-        }
-        let h = &headers[&p.file];
-        let (dtype, shape, begin, end) = h.tensors.get(&p.key).cloned().ok_or_else(|| {
-            ExecError::Checkpoint(format!(
-                "{}: tensor `{}` is missing from the file",
-                path.display(),
-                p.key
-            ))
-        })?;
-        if dtype != t.dtype {
-            return Err(ExecError::Checkpoint(format!(
-                "{}: tensor `{}` is {dtype}, the checkpoint says {}",
-                path.display(),
-                p.key,
-                t.dtype
-            )));
-        }
-        let size = dtype_size(&dtype).unwrap_or(4);
-        let row_bytes = row_elems * size;
-        if shape.first().copied().unwrap_or(1) != p.end - p.start
-            || end - begin != (p.end - p.start) * row_bytes
-            || end > h.len
-        {
-            return Err(ExecError::Checkpoint(format!(
-                "{}: tensor `{}` has shape {shape:?} and {} bytes, the checkpoint says {} rows of {row_bytes} bytes",
-                path.display(),
-                p.key,
-                end - begin,
-                p.end - p.start
-            )));
-        }
-        // The checksummed blocks covering rows s..e of this piece.
-        let mut row = p.start;
-        for b in &p.blocks {
-            let (bs, be) = (row, row + b.rows);
-            row = be;
-            if be <= s || bs >= e {
-                continue;
-            }
-            let bytes = read_range(&path, begin + (bs - p.start) * row_bytes, b.rows * row_bytes, &p.key)?;
-            if crc32fast::hash(&bytes) != b.crc32 {
-                return Err(ExecError::Checkpoint(format!(
-                    "{}: tensor `{}` rows {bs}..{be} fail their checksum: the file is corrupted",
-                    path.display(),
-                    p.key
-                )));
-            }
-            let vals = to_f32(&bytes, &dtype)
-                .ok_or_else(|| ExecError::Checkpoint(format!("{}: unsupported dtype {dtype}", path.display())))?;
-            let (cs, ce) = (s.max(bs), e.min(be));
-            let src = ((cs - bs) * row_elems) as usize..((ce - bs) * row_elems) as usize;
-            let dst = ((cs - want.start) * row_elems) as usize;
-            out[dst..dst + src.len()].copy_from_slice(&vals[src]);
-            covered += ce - cs;
-        }
-    }
-    if covered != want.end - want.start {
-        return Err(ExecError::Checkpoint(format!(
-            "{}: tensor `{}` rows {}..{} are not all in the checkpoint",
-            dir.display(),
-            t.name,
-            want.start,
-            want.end
-        )));
-    }
-    Ok(out)
 }
 
 impl ShardedTrainer {
@@ -468,7 +215,7 @@ impl ShardedTrainer {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let names = self.param_names();
-        let states = state_names(&plan.policy.optimizer);
+        let states = state_names(&self.config.optimizer);
         let writers: Vec<&crate::runtime::rank::RankState> = self
             .ranks
             .iter()
@@ -480,11 +227,11 @@ impl ShardedTrainer {
                 .map(|state| {
                     let names = &names;
                     let rank = state.rank;
-                    let groups: Vec<(Tensor, Option<Tensor>, Option<Tensor>)> = state
+                    let groups: Vec<(Tensor, Vec<Option<Tensor>>)> = state
                         .params
                         .iter()
                         .zip(&state.opt)
-                        .map(|(p, o)| (p.clone(), o.m[0].clone(), o.v[0].clone()))
+                        .map(|(p, o)| (p.clone(), (0..states.len()).map(|k| o.state(k, 0).cloned()).collect()))
                         .collect();
                     let device = state.ctx.device.clone();
                     s.spawn(move || {
@@ -521,7 +268,7 @@ impl ShardedTrainer {
         let mesh = plan.mesh;
         let names = self.param_names();
         let optimizer = plan.policy.optimizer.clone();
-        let states = state_names(&optimizer);
+        let states = state_names(&self.config.optimizer);
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
         for (f, ps) in results {
@@ -563,6 +310,14 @@ impl ShardedTrainer {
             tensors,
             files,
         };
+        // A metadata.json makes the folder a checkpoint: never write one a load would refuse
+        // (pieces missing or overlapping, sizes that do not add up).
+        meta::check(&meta).map_err(|e| {
+            ExecError::Internal(format!(
+                "{}: the checkpoint's own metadata fails its check: {e}; no metadata written",
+                dir.display()
+            ))
+        })?;
         let tmp = dir.join("metadata.json.tmp");
         let text = serde_json::to_string_pretty(&meta).map_err(|e| ExecError::Internal(e.to_string()))?;
         {
@@ -598,7 +353,7 @@ impl ShardedTrainer {
     /// Loads the checkpoint at `path` (a step folder, or the newest complete one under a
     /// root) into this trainer's mesh, whatever mesh wrote it. Returns warnings.
     pub fn load(&mut self, path: &Path) -> Result<Vec<String>, ExecError> {
-        let (dir, warnings) = resolve(path)?;
+        let (dir, mut warnings) = resolve(path)?;
         let meta = read_metadata(&dir)?;
         if meta.model != self.model {
             return Err(ExecError::Checkpoint(format!(
@@ -620,7 +375,29 @@ impl ShardedTrainer {
         }
         let by_name: HashMap<&str, &TensorMeta> = meta.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
         let names = self.param_names();
-        let states = state_names(&meta.optimizer);
+        let states = state_names(&self.config.optimizer);
+        // SGD keeps momentum buffers only when momentum is not 0, so the two runs may differ
+        // in them. Buffers the checkpoint lacks start at zero (the first step is then plain
+        // SGD, as PyTorch does for a missing buffer); buffers this run keeps none of are not
+        // read. Any other state missing is a damaged checkpoint, refused below.
+        let held = |prefix: &str| {
+            meta.tensors
+                .iter()
+                .any(|t| t.name.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.')))
+        };
+        let absent: Vec<bool> = states.iter().map(|&s| s == "optim.momentum" && !held(s)).collect();
+        if absent.iter().any(|&a| a) {
+            warnings.push(format!(
+                "{}: saved with SGD momentum 0, so it holds no momentum buffers; this run's buffers start at zero",
+                dir.display()
+            ));
+        }
+        if held("optim.momentum") && !states.contains(&"optim.momentum") {
+            warnings.push(format!(
+                "{}: its SGD momentum buffers are not used: this run's momentum is 0",
+                dir.display()
+            ));
+        }
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         // Read everything first: a failure leaves the trainer as it was.
@@ -639,6 +416,9 @@ impl ShardedTrainer {
                         continue;
                     }
                     for (k, prefix) in std::iter::once("").chain(states.iter().copied()).enumerate() {
+                        if k > 0 && absent[k - 1] {
+                            continue;
+                        }
                         let name = if prefix.is_empty() {
                             names[pl.param.index()].clone()
                         } else {
@@ -673,12 +453,8 @@ impl ShardedTrainer {
             r.params = params;
             for (gi, o) in r.opt.iter_mut().enumerate() {
                 o.steps = meta.optimizer_steps;
-                match meta.optimizer.as_str() {
-                    "adamw" => {
-                        o.m[0] = Some(st[0][gi].clone());
-                        o.v[0] = Some(st[1][gi].clone());
-                    }
-                    _ => o.m[0] = Some(st[0][gi].clone()),
+                for (k, s) in st.iter().enumerate() {
+                    o.set_state(k, 0, s[gi].clone());
                 }
             }
         }
@@ -719,7 +495,7 @@ impl ShardedTrainer {
                     if !headers.contains_key(file) {
                         headers.insert(file.clone(), read_header(file)?);
                     }
-                    let (dtype, shape, begin, _) = headers[file]
+                    let (dtype, shape, begin, end) = headers[file]
                         .tensors
                         .get(name)
                         .cloned()
@@ -737,11 +513,20 @@ impl ShardedTrainer {
                             file.display()
                         ))
                     })?;
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    let all_rows = pl.dims.first().copied().unwrap_or(1);
+                    let row_bytes = pl.row_elems * size;
+                    if end - begin != all_rows * row_bytes {
+                        return Err(ExecError::Checkpoint(format!(
+                            "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {}",
+                            file.display(),
+                            end - begin,
+                            all_rows * row_bytes
+                        )));
+                    }
+                    let rows = chunk_rows(all_rows, l.shard, coords.shard);
                     if rows.is_empty() {
                         continue;
                     }
-                    let row_bytes = pl.row_elems * size;
                     let bytes = read_range(
                         file,
                         begin + rows.start * row_bytes,
@@ -860,23 +645,16 @@ fn write_rank(
     rank: u64,
     names: &[String],
     states: &[&str],
-    groups: &[(Tensor, Option<Tensor>, Option<Tensor>)],
+    groups: &[(Tensor, Vec<Option<Tensor>>)],
 ) -> Result<Written, ExecError> {
     let file = format!("rank-{rank:05}.safetensors");
     let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
     let mut pieces = Vec::new();
     for (gi, grp) in plan.groups.iter().enumerate() {
         let l = &grp.layout;
-        let (param, m, v) = &groups[gi];
+        let (param, state) = &groups[gi];
         let sources: Vec<(&str, Option<&Tensor>)> = std::iter::once(("", Some(param)))
-            .chain(states.iter().map(|&s| {
-                let t = if s == "optim.exp_avg_sq" {
-                    v.as_ref()
-                } else {
-                    m.as_ref()
-                };
-                (s, t)
-            }))
+            .chain(states.iter().zip(state).map(|(&s, t)| (s, t.as_ref())))
             .collect();
         for pl in &l.params {
             let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, rank);

@@ -24,6 +24,17 @@ pub fn base_lr(o: &Optimizer) -> f64 {
     }
 }
 
+/// The state tensors an optimizer keeps per parameter, by checkpoint name: AdamW's two
+/// moments; SGD's momentum buffer, or nothing when momentum is 0 (PyTorch keeps none then).
+/// State `k` of [`OptState`] is the `k`-th name.
+pub fn state_names(o: &Optimizer) -> &'static [&'static str] {
+    match o {
+        Optimizer::AdamW { .. } => &["optim.exp_avg", "optim.exp_avg_sq"],
+        Optimizer::Sgd { momentum, .. } if *momentum != 0.0 => &["optim.momentum"],
+        Optimizer::Sgd { .. } => &[],
+    }
+}
+
 /// Optimizer state, one slot per parameter.
 pub struct OptState {
     kind: Optimizer,
@@ -48,19 +59,40 @@ impl OptState {
     /// Creates the state of `params` now (zero moments), as PyTorch does at the first step;
     /// updates are the same as when the state is created lazily.
     pub fn materialize(&mut self, params: &[Tensor]) -> Result<(), ExecError> {
-        let (adam, momentum) = match self.kind {
-            Optimizer::AdamW { .. } => (true, true),
-            Optimizer::Sgd { momentum, .. } => (false, momentum != 0.0),
-        };
-        for (i, p) in params.iter().enumerate() {
-            if momentum && self.m[i].is_none() {
-                self.m[i] = Some(p.zeros_like()?);
-            }
-            if adam && self.v[i].is_none() {
-                self.v[i] = Some(p.zeros_like()?);
+        for k in 0..state_names(&self.kind).len() {
+            for (i, p) in params.iter().enumerate() {
+                if self.slots(k)[i].is_none() {
+                    self.slots_mut(k)[i] = Some(p.zeros_like()?);
+                }
             }
         }
         Ok(())
+    }
+
+    /// State `k` (named `state_names(kind)[k]`) of parameter `i`, if created.
+    pub fn state(&self, k: usize, i: usize) -> Option<&Tensor> {
+        self.slots(k)[i].as_ref()
+    }
+
+    /// Sets state `k` of parameter `i` (a checkpoint's).
+    pub fn set_state(&mut self, k: usize, i: usize, t: Tensor) {
+        self.slots_mut(k)[i] = Some(t);
+    }
+
+    fn slots(&self, k: usize) -> &[Option<Tensor>] {
+        if k == 0 {
+            &self.m
+        } else {
+            &self.v
+        }
+    }
+
+    fn slots_mut(&mut self, k: usize) -> &mut [Option<Tensor>] {
+        if k == 0 {
+            &mut self.m
+        } else {
+            &mut self.v
+        }
     }
 
     /// Bytes of optimizer state held (f32 moments).
@@ -88,7 +120,8 @@ impl OptState {
         grad_scale: f64,
     ) -> Result<(), ExecError> {
         self.steps += 1;
-        let t = self.steps as i32;
+        // Past i32::MAX steps the bias corrections are 1 to f64 precision; saturate, never wrap.
+        let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
         for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
             if let Optimizer::AdamW {
                 betas: [b1, b2],
@@ -249,6 +282,38 @@ mod tests {
             .to_scalar::<f64>()
             .unwrap();
         assert!(diff < 1e-5, "fused and composed AdamW differ by {diff}");
+    }
+
+    #[test]
+    fn state_names_are_the_state_a_step_keeps() {
+        let settings = [
+            Optimizer::AdamW {
+                lr: 0.1,
+                betas: [0.9, 0.99],
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+            Optimizer::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.1,
+            },
+            Optimizer::Sgd {
+                lr: 0.1,
+                momentum: 0.0,
+                weight_decay: 0.1,
+            },
+        ];
+        for kind in settings {
+            let n = state_names(&kind).len();
+            assert_eq!(n as u64, kind.state_per_param(), "{kind:?}");
+            let mut st = OptState::new(kind, 1);
+            let mut p = vec![Tensor::new(&[1.0f32], &Device::Cpu).unwrap()];
+            st.step(&mut p, &[Tensor::new(&[0.5f32], &Device::Cpu).unwrap()], 0.1)
+                .unwrap();
+            let kept: Vec<bool> = (0..2).map(|k| st.state(k, 0).is_some()).collect();
+            assert_eq!(kept, [n > 0, n > 1], "{kind:?}");
+        }
     }
 
     #[test]
