@@ -3,6 +3,7 @@
 mod auto;
 mod checkpoint;
 mod compare;
+mod data;
 mod fmt;
 mod inspect;
 mod launch;
@@ -29,6 +30,9 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Start local ranks as torchrun does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and run a command in each.
     Launch(launch::LaunchArgs),
+    /// Prepare training data: tokenize text into the token files `train` reads.
+    #[command(subcommand)]
+    Data(data::DataCommand),
     /// Work with checkpoints: export one as a Hugging Face safetensors file.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
@@ -78,6 +82,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(&cmd).map(|()| None),
         Command::Launch(args) => launch::run(&args),
+        Command::Data(cmd) => data::run(&cmd).map(|()| None),
     };
     match result {
         Ok(None) => ExitCode::SUCCESS,
