@@ -57,6 +57,24 @@ VARIANTS = {
     "llama": (LlamaForCausalLM, LlamaConfig(**LLAMA)),
     # An explicit head_dim that is not hidden_size / heads, and Llama 3's RoPE base.
     "llama-head-dim": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "head_dim": 16, "rope_theta": 500000.0})),
+    # Llama 3.1's frequency scaling, every branch of it (kept, blended, divided), and the
+    # linear one.
+    "llama-rope-llama3": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            **{
+                **LLAMA,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 0.5,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            }
+        ),
+    ),
+    "llama-rope-linear": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})),
     "mistral": (MistralForCausalLM, MistralConfig(**{**LLAMA, "sliding_window": None})),
     # A window as long as the sequences: the banded mask is the causal mask.
     "mistral-window": (MistralForCausalLM, MistralConfig(**{**LLAMA, "sliding_window": SEQ})),

@@ -214,7 +214,10 @@ proptest! {
     fn rope(b in 1u64..3, s in 1u64..6, h in 1u64..3, half in 1u64..4, seed in any::<u64>()) {
         let mut c = Case::new(seed);
         let x = c.param(&[b, s, h, 2 * half]);
-        let y = c.op(Op::Rope { theta: 10000.0 }, &[x]);
+        let y = c.op(Op::Rope {
+                theta: 10000.0,
+                scaling: Default::default(),
+            }, &[x]);
         c.check(y);
     }
 

@@ -19,9 +19,11 @@ use shardplan_models::{trace, ModelConfig, TraceOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const VARIANTS: [&str; 7] = [
+const VARIANTS: [&str; 9] = [
     "llama",
     "llama-head-dim",
+    "llama-rope-llama3",
+    "llama-rope-linear",
     "mistral",
     "mistral-window",
     "qwen2",

@@ -192,6 +192,7 @@ impl HfConfig {
                     ffn_dim: need(self.intermediate_size, "ffn_dim")?,
                     norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
                     rope_theta: rope_theta.unwrap_or(10000.0),
+                    rope_scaling: rope_scaling(src)?,
                     tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
                     qkv_bias: arch == Arch::Qwen2,
                     max_seq_len: self.max_position_embeddings.unwrap_or(4096),
@@ -251,6 +252,78 @@ impl HfConfig {
         }
         Ok((config, origin))
     }
+}
+
+/// The RoPE scaling of `rope_scaling` or `rope_parameters` (transformers 5): `default`,
+/// `linear` or `llama3`, every field they need present and sane (other types are refused
+/// by `check_fields`).
+fn rope_scaling(src: &Source) -> Result<shardplan_models::RopeScaling, SpecError> {
+    use shardplan_models::RopeScaling;
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(&src.text) else {
+        return Ok(RopeScaling::Default);
+    };
+    let mut found: Option<(&str, RopeScaling)> = None;
+    for key in ["rope_scaling", "rope_parameters"] {
+        let Some(v) = map.get(key).filter(|v| v.is_object()) else {
+            continue;
+        };
+        let fail = |field: &str, what: String| {
+            SpecError::file(&src.path, format!("`{key}.{field}` {what}"))
+                .at(src.json_key_pos(key))
+                .field(format!("{key}.{field}"))
+                .help("write the rope_scaling of the model's published config.json")
+        };
+        let num = |field: &str| -> Result<f64, SpecError> {
+            match v.get(field).and_then(serde_json::Value::as_f64) {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+                Some(x) => Err(fail(field, format!("is {x}, not a positive number"))),
+                None => Err(fail(field, "is missing or not a number".into())),
+            }
+        };
+        let kind = v
+            .get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("default");
+        let s = match kind {
+            "linear" => RopeScaling::Linear { factor: num("factor")? },
+            "llama3" => {
+                let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+                if high <= low {
+                    return Err(fail(
+                        "high_freq_factor",
+                        format!("({high}) must be above low_freq_factor ({low})"),
+                    ));
+                }
+                let orig = num("original_max_position_embeddings")?;
+                if orig.fract() != 0.0 || orig > 1e12 {
+                    return Err(fail(
+                        "original_max_position_embeddings",
+                        format!("is {orig}, not a token count"),
+                    ));
+                }
+                RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: orig as u64,
+                }
+            }
+            _ => RopeScaling::Default,
+        };
+        match found {
+            Some((first, f)) if f != s => {
+                return Err(
+                    SpecError::file(&src.path, format!("`{first}` and `{key}` give different RoPE scalings"))
+                        .at(src.json_key_pos(key))
+                        .field(key)
+                        .help("keep one of them"),
+                )
+            }
+            _ => found = Some((key, s)),
+        }
+    }
+    Ok(found.map_or(RopeScaling::Default, |(_, s)| s))
 }
 
 /// `rope_parameters.rope_theta` (transformers 5's layout), if given.
@@ -575,18 +648,19 @@ fn check_fields(src: &Source, arch: Arch, map: &serde_json::Map<String, serde_js
             }
             "rope_scaling" | "rope_parameters" => match rope_type(v).as_deref() {
                 None | Some("default") => {}
-                Some(t @ ("llama3" | "linear" | "yarn" | "dynamic" | "longrope" | "su" | "ntk")) => {
+                Some("llama3" | "linear") => {}
+                Some(t @ ("yarn" | "dynamic" | "longrope" | "su" | "ntk")) => {
                     return Err(refuse(
                         key,
                         format!("`{key}`: RoPE scaling `{t}` is not implemented"),
-                        "shardplan's rotary embedding is unscaled (rope_type default); training with it would not be the model you loaded",
+                        "shardplan implements rope_type default, linear and llama3; training with another would not be the model you loaded",
                     ))
                 }
                 Some(t) => {
                     return Err(refuse(
                         key,
                         format!("`{key}`: unknown RoPE type `{t}`"),
-                        "shardplan implements rope_type default",
+                        "shardplan implements rope_type default, linear and llama3",
                     ))
                 }
             },

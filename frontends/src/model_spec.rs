@@ -152,6 +152,7 @@ impl ModelSpecFile {
                     ffn_dim: need(&self.ffn_dim, "ffn_dim")?,
                     norm_eps: fval(&self.norm_eps, 1e-5),
                     rope_theta: fval(&self.rope_theta, 10000.0),
+                    rope_scaling: Default::default(),
                     tie_embeddings: self.tie_embeddings.as_ref().is_some_and(|s| s.value),
                     qkv_bias: self.qkv_bias.as_ref().is_some_and(|s| s.value),
                     max_seq_len: val(&self.max_seq_len).unwrap_or(4096),

@@ -40,23 +40,38 @@ fn math_changing_values_shardplan_does_not_implement_are_refused_by_key() {
     let cases: &[(&str, &str, &[&str])] = &[
         (
             LLAMA,
-            r#""rope_scaling": {"factor": 8.0, "rope_type": "llama3", "low_freq_factor": 1.0}"#,
-            &["rope_scaling", "RoPE scaling `llama3` is not implemented"],
-        ),
-        (
-            LLAMA,
-            r#""rope_scaling": {"type": "linear", "factor": 2.0}"#,
-            &["`linear`"],
-        ),
-        (
-            LLAMA,
             r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
-            &["`yarn`"],
+            &["rope_scaling", "RoPE scaling `yarn` is not implemented"],
         ),
         (
             LLAMA,
-            r#""rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}"#,
-            &["rope_parameters", "`llama3`"],
+            r#""rope_scaling": {"type": "dynamic", "factor": 2.0}"#,
+            &["`dynamic`"],
+        ),
+        (
+            LLAMA,
+            r#""rope_parameters": {"rope_type": "longrope", "rope_theta": 500000.0}"#,
+            &["rope_parameters", "`longrope`"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}"#,
+            &["`rope_scaling.high_freq_factor` is missing"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}"#,
+            &["must be above low_freq_factor"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "linear", "factor": -2.0}"#,
+            &["`rope_scaling.factor` is -2"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_parameters": {"rope_type": "linear", "factor": 4.0}"#,
+            &["give different RoPE scalings"],
         ),
         (
             LLAMA,
@@ -155,6 +170,38 @@ fn what_shardplan_implements_or_cannot_change_the_math_is_accepted() {
     ] {
         parse(base, extra).unwrap_or_else(|e| panic!("{extra}: {e}"));
     }
+}
+
+#[test]
+fn llama3_and_linear_rope_scaling_are_read_from_either_layout() {
+    use shardplan_models::RopeScaling;
+    let c = llama(
+        parse(
+            LLAMA,
+            r#""rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+        )
+        .unwrap(),
+    );
+    assert_eq!(
+        c.rope_scaling,
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        }
+    );
+    let c = llama(
+        parse(
+            LLAMA,
+            r#""rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}"#,
+        )
+        .unwrap(),
+    );
+    assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+    let c = llama(parse(LLAMA, r#""rope_scaling": {"type": "linear", "factor": 4.0}"#).unwrap());
+    assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 4.0 });
+    assert_eq!(llama(parse(LLAMA, "").unwrap()).rope_scaling, RopeScaling::Default);
 }
 
 #[test]

@@ -238,9 +238,19 @@ fn vjp(g: &mut Graph, id: NodeId, dy: NodeId, wanted: &[bool]) -> Result<Vec<(us
                 put(2, g.add_grad_node(Op::SumTo { shape }, &[dy], id)?);
             }
         }
-        Op::Rope { theta } => {
+        Op::Rope { theta, scaling } => {
             if wanted[0] {
-                put(0, g.add_grad_node(Op::RopeGrad { theta: *theta }, &[dy], id)?);
+                put(
+                    0,
+                    g.add_grad_node(
+                        Op::RopeGrad {
+                            theta: *theta,
+                            scaling: *scaling,
+                        },
+                        &[dy],
+                        id,
+                    )?,
+                );
             }
         }
         Op::Attention { causal } => {

@@ -23,7 +23,7 @@ pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{Graph, Node, Param};
 pub use ids::{NodeId, ParamId, ScopeId};
-pub use op::{NormWrt, Op, WeightLayout};
+pub use op::{NormWrt, Op, RopeScaling, WeightLayout};
 pub use print::to_text;
 pub use scope::{ModuleKind, Scope};
 pub use shape::{Shape, TensorType};

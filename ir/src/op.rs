@@ -17,6 +17,60 @@ pub enum WeightLayout {
     InOut,
 }
 
+/// How rotary frequencies are rescaled for contexts longer than pretraining (Hugging Face's
+/// `rope_scaling` / `rope_parameters`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// The frequencies `theta^(-2i/d)` as they are.
+    #[default]
+    Default,
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear { factor: f64 },
+    /// Llama 3.1's: long wavelengths (beyond `original_max_position_embeddings /
+    /// low_freq_factor`) divided by `factor`, short ones (below `... / high_freq_factor`)
+    /// kept, and a smooth blend between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: u64,
+    },
+}
+
+impl RopeScaling {
+    /// The inverse frequency of rotary pair `i` of a `head_dim`-wide head with base `theta`.
+    pub fn inv_freq(&self, theta: f64, head_dim: usize, i: usize) -> f64 {
+        let f = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+        match *self {
+            RopeScaling::Default => f,
+            RopeScaling::Linear { factor } => f / factor,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let old = original_max_position_embeddings as f64;
+                let wavelen = 2.0 * std::f64::consts::PI / f;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                if wavelen < high_wavelen {
+                    f
+                } else if wavelen > low_wavelen {
+                    f / factor
+                } else {
+                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            }
+        }
+    }
+}
+
+fn is_default_scaling(s: &RopeScaling) -> bool {
+    *s == RopeScaling::Default
+}
+
 /// One tensor operation. Operand order is part of each op's contract (see [`Op::infer`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -40,7 +94,11 @@ pub enum Op {
     /// `(x [..., d], w [d], b [d]) -> [..., d]`.
     LayerNorm { eps: f64 },
     /// Rotary position embedding over positions `0..seq`: `(x [b, s, h, d]) -> same`, d even.
-    Rope { theta: f64 },
+    Rope {
+        theta: f64,
+        #[serde(default, skip_serializing_if = "is_default_scaling")]
+        scaling: RopeScaling,
+    },
     /// Scaled dot-product attention with grouped-query heads:
     /// `(q [b, s, h, d], k [b, t, kv, d], v [b, t, kv, d]) -> [b, s, h, d]`, h % kv == 0.
     Attention { causal: bool },
@@ -82,7 +140,11 @@ pub enum Op {
     /// `layer_norm` gradient wrt its input or its weight: `(x, w, g) -> x or w`'s shape.
     LayerNormGrad { eps: f64, wrt: NormWrt },
     /// Inverse rotation of `rope`: `(g [b, s, h, d]) -> same`.
-    RopeGrad { theta: f64 },
+    RopeGrad {
+        theta: f64,
+        #[serde(default, skip_serializing_if = "is_default_scaling")]
+        scaling: RopeScaling,
+    },
     /// Attention probabilities, recomputed in backward: `(q, k) -> [b, h, s, t]`.
     AttnProbs { causal: bool },
     /// `(p [b, h, s, t], g [b, s, h, d]) -> dv [b, t, kv, d]`.
@@ -181,7 +243,11 @@ impl Op {
                 s
             }
             Op::RmsNorm { eps } | Op::LayerNorm { eps } => format!("eps={eps:e}"),
-            Op::Rope { theta } => format!("theta={theta}"),
+            Op::Rope {
+                theta,
+                scaling: RopeScaling::Default,
+            } => format!("theta={theta}"),
+            Op::Rope { theta, scaling } => format!("theta={theta} scaling={scaling:?}"),
             Op::Attention { causal } => if *causal { "causal" } else { "full" }.to_string(),
             Op::Softmax { dim } => format!("dim={dim}"),
             Op::Reshape { shape } => format!("to={shape}"),
@@ -201,7 +267,7 @@ impl Op {
                     if *wrt == NormWrt::Input { "input" } else { "weight" }
                 )
             }
-            Op::RopeGrad { theta } => format!("theta={theta}"),
+            Op::RopeGrad { theta, .. } => format!("theta={theta}"),
             Op::AttnProbs { causal } => if *causal { "causal" } else { "full" }.to_string(),
             Op::AttnGradV { kv_heads } | Op::AttnGradK { kv_heads } => format!("kv_heads={kv_heads}"),
             Op::SoftmaxGrad { dim } => format!("dim={dim}"),
@@ -359,7 +425,11 @@ impl Op {
                     ins[1].clone()
                 })
             }
-            Op::RopeGrad { theta } => Op::Rope { theta: *theta }.infer(ins),
+            Op::RopeGrad { theta, scaling } => Op::Rope {
+                theta: *theta,
+                scaling: *scaling,
+            }
+            .infer(ins),
             Op::AttnProbs { .. } => {
                 let out = infer_attention(ins[0], ins[1], ins[1])?;
                 let (q, k) = (out.shape.dims(), ins[1].shape.dims());

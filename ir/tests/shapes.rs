@@ -112,10 +112,31 @@ fn norms() {
 
 #[test]
 fn rope() {
-    assert_eq!(ok(Op::Rope { theta: 1e4 }, &[(F, &[2, 8, 4, 16])]), "f32[2,8,4,16]");
-    let e = err(Op::Rope { theta: 1e4 }, &[(F, &[2, 8, 4, 15])]);
+    assert_eq!(
+        ok(
+            Op::Rope {
+                theta: 1e4,
+                scaling: Default::default()
+            },
+            &[(F, &[2, 8, 4, 16])]
+        ),
+        "f32[2,8,4,16]"
+    );
+    let e = err(
+        Op::Rope {
+            theta: 1e4,
+            scaling: Default::default(),
+        },
+        &[(F, &[2, 8, 4, 15])],
+    );
     assert!(e.contains("head_dim 15 must be even"), "{e}");
-    let e = err(Op::Rope { theta: 1e4 }, &[(F, &[8, 4, 16])]);
+    let e = err(
+        Op::Rope {
+            theta: 1e4,
+            scaling: Default::default(),
+        },
+        &[(F, &[8, 4, 16])],
+    );
     assert!(e.contains("[batch, seq, heads, head_dim]"), "{e}");
 }
 

@@ -42,6 +42,9 @@ pub struct LlamaConfig {
     pub ffn_dim: u64,
     pub norm_eps: f64,
     pub rope_theta: f64,
+    /// RoPE frequency scaling (Llama 3.1's `llama3`, `linear`).
+    #[serde(default)]
+    pub rope_scaling: shardplan_ir::RopeScaling,
     pub tie_embeddings: bool,
     /// Bias on q/k/v projections (Qwen2).
     pub qkv_bias: bool,

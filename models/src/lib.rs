@@ -12,4 +12,5 @@ mod trace;
 
 pub use config::{ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MAX_LAYERS};
 pub use presets::{preset, PRESET_NAMES};
+pub use shardplan_ir::RopeScaling;
 pub use trace::{trace, TraceError, TraceOptions};

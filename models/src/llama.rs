@@ -42,8 +42,22 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
             )?;
             heads.push(t.reshape(attn, y, &[batch, seq, n, hd])?);
         }
-        let q = t.op(attn, Op::Rope { theta: c.rope_theta }, &[heads[0]])?;
-        let k = t.op(attn, Op::Rope { theta: c.rope_theta }, &[heads[1]])?;
+        let q = t.op(
+            attn,
+            Op::Rope {
+                theta: c.rope_theta,
+                scaling: c.rope_scaling,
+            },
+            &[heads[0]],
+        )?;
+        let k = t.op(
+            attn,
+            Op::Rope {
+                theta: c.rope_theta,
+                scaling: c.rope_scaling,
+            },
+            &[heads[1]],
+        )?;
         let a = t.op(attn, Op::Attention { causal: true }, &[q, k, heads[2]])?;
         let a = t.reshape(attn, a, &[batch, seq, q_width])?;
         let o = t.linear(

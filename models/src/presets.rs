@@ -43,6 +43,7 @@ fn llama(
         ffn_dim: ffn,
         norm_eps: 1e-5,
         rope_theta: theta,
+        rope_scaling: Default::default(),
         tie_embeddings: false,
         qkv_bias: false,
         max_seq_len: max_seq,

@@ -18,6 +18,7 @@ fn four_blocks() -> ModelConfig {
         ffn_dim: 2048,
         norm_eps: 1e-5,
         rope_theta: 10000.0,
+        rope_scaling: Default::default(),
         tie_embeddings: false,
         qkv_bias: false,
         max_seq_len: 2048,

@@ -24,7 +24,7 @@ pub fn cdtype(d: DType) -> CDType {
 }
 
 /// `(theta bits, seq, head_dim, dtype)` of a rotary table.
-type RopeKey = (u64, usize, usize, CDType);
+type RopeKey = (u64, String, usize, usize, CDType);
 
 /// What kernels share: the device and cached rotary tables.
 pub struct Ctx {
@@ -42,8 +42,15 @@ impl Ctx {
 
     /// `cos`, `sin` of shape `[seq, head_dim / 2]` for positions `0..seq` (HF's
     /// rotate-half convention: frequency `theta^(-2i / head_dim)`).
-    fn rope_tables(&self, theta: f64, seq: usize, head_dim: usize, dtype: CDType) -> Result<(Tensor, Tensor)> {
-        let key = (theta.to_bits(), seq, head_dim, dtype);
+    fn rope_tables(
+        &self,
+        theta: f64,
+        scaling: &shardplan_ir::RopeScaling,
+        seq: usize,
+        head_dim: usize,
+        dtype: CDType,
+    ) -> Result<(Tensor, Tensor)> {
+        let key = (theta.to_bits(), format!("{scaling:?}"), seq, head_dim, dtype);
         if let Some(t) = self.rope.borrow().get(&key) {
             return Ok(t.clone());
         }
@@ -51,7 +58,7 @@ impl Ctx {
         let mut angles = Vec::with_capacity(seq * half);
         for pos in 0..seq {
             for i in 0..half {
-                let inv_freq = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+                let inv_freq = scaling.inv_freq(theta, head_dim, i);
                 angles.push(pos as f64 * inv_freq);
             }
         }
@@ -109,9 +116,9 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             candle_nn::ops::layer_norm_slow(ins[0], ins[1], ins[2], *eps as f32)?
         }
         Op::LayerNorm { eps } => candle_nn::ops::layer_norm(&ins[0].contiguous()?, ins[1], ins[2], *eps as f32)?,
-        Op::Rope { theta } | Op::RopeGrad { theta } => {
+        Op::Rope { theta, scaling } | Op::RopeGrad { theta, scaling } => {
             let (_, s, _, d) = ins[0].dims4()?;
-            let (cos, sin) = ctx.rope_tables(*theta, s, d, ins[0].dtype())?;
+            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, d, ins[0].dtype())?;
             // The inverse rotation (the gradient) is the rotation by minus the angle.
             let sin = if matches!(op, Op::RopeGrad { .. }) {
                 sin.neg()?
