@@ -75,6 +75,10 @@ VARIANTS = {
         ),
     ),
     "llama-rope-linear": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})),
+    # Other MLP activations: exact gelu, its tanh approximation, relu.
+    "llama-gelu": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "hidden_act": "gelu"})),
+    "llama-gelu-tanh": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "hidden_act": "gelu_pytorch_tanh"})),
+    "llama-relu": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "hidden_act": "relu"})),
     "mistral": (MistralForCausalLM, MistralConfig(**{**LLAMA, "sliding_window": None})),
     # A window as long as the sequences: the banded mask is the causal mask.
     "mistral-window": (MistralForCausalLM, MistralConfig(**{**LLAMA, "sliding_window": SEQ})),
@@ -97,6 +101,8 @@ VARIANTS = {
         ),
     ),
 }
+# GPT-2 with exact gelu.
+VARIANTS["gpt2-gelu"] = (GPT2LMHeadModel, GPT2Config(**{**VARIANTS["gpt2"][1].to_dict(), "activation_function": "gelu"}))
 
 
 def write(out, name, cls, config):

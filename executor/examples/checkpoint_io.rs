@@ -29,6 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         norm_eps: 1e-5,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
+        activation: None,
         tie_embeddings: false,
         qkv_bias: false,
         max_seq_len: 128,

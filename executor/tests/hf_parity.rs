@@ -19,11 +19,15 @@ use shardplan_models::{trace, ModelConfig, TraceOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const VARIANTS: [&str; 9] = [
+const VARIANTS: [&str; 13] = [
     "llama",
     "llama-head-dim",
     "llama-rope-llama3",
     "llama-rope-linear",
+    "llama-gelu",
+    "llama-gelu-tanh",
+    "llama-relu",
+    "gpt2-gelu",
     "mistral",
     "mistral-window",
     "qwen2",

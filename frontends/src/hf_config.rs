@@ -41,6 +41,8 @@ pub struct HfConfig {
     pub max_position_embeddings: Option<u64>,
     pub attention_bias: Option<bool>,
     pub mlp_bias: Option<bool>,
+    pub hidden_act: Option<String>,
+    pub activation_function: Option<String>,
     pub sliding_window: Option<u64>,
     pub use_sliding_window: Option<bool>,
     /// transformers 5: `full_attention` or `sliding_attention` per layer.
@@ -171,6 +173,7 @@ impl HfConfig {
                     ffn_dim: self.n_inner.unwrap_or(dim.saturating_mul(4)),
                     max_seq_len: self.n_positions.unwrap_or(1024),
                     norm_eps: self.layer_norm_epsilon.unwrap_or(1e-5),
+                    activation: activation(&self.activation_function),
                 })
             }
             _ => {
@@ -193,6 +196,7 @@ impl HfConfig {
                     norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
                     rope_theta: rope_theta.unwrap_or(10000.0),
                     rope_scaling: rope_scaling(src)?,
+                    activation: activation(&self.hidden_act),
                     tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
                     qkv_bias: arch == Arch::Qwen2,
                     max_seq_len: self.max_position_embeddings.unwrap_or(4096),
@@ -324,6 +328,12 @@ fn rope_scaling(src: &Source) -> Result<shardplan_models::RopeScaling, SpecError
         }
     }
     Ok(found.map_or(RopeScaling::Default, |(_, s)| s))
+}
+
+/// The activation a config names (`None`: the family's default; `check_fields` has refused
+/// the names shardplan does not implement).
+fn activation(name: &Option<String>) -> Option<shardplan_models::Activation> {
+    name.as_deref().and_then(shardplan_models::Activation::from_hf)
 }
 
 /// `rope_parameters.rope_theta` (transformers 5's layout), if given.
@@ -637,13 +647,12 @@ fn check_fields(src: &Source, arch: Arch, map: &serde_json::Map<String, serde_js
         }
         let bad = |what: &str, help: &str| Err(refuse(key, format!("`{key}`: {v} ({what}) is not implemented"), help));
         match key.as_str() {
-            "hidden_act" if v.as_str() != Some("silu") => {
-                return bad("an MLP activation other than silu", "shardplan's Llama-family MLP is SwiGLU with silu")
-            }
-            "activation_function" if !matches!(v.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")) => {
+            "hidden_act" | "activation_function"
+                if v.as_str().and_then(shardplan_models::Activation::from_hf).is_none() =>
+            {
                 return bad(
-                    "an activation other than the tanh approximation of gelu",
-                    "shardplan's GPT-2 MLP uses gelu_new (the tanh approximation)",
+                    "an activation shardplan does not implement",
+                    "shardplan implements silu, gelu, gelu_new / gelu_pytorch_tanh and relu",
                 )
             }
             "rope_scaling" | "rope_parameters" => match rope_type(v).as_deref() {

@@ -153,6 +153,7 @@ impl ModelSpecFile {
                     norm_eps: fval(&self.norm_eps, 1e-5),
                     rope_theta: fval(&self.rope_theta, 10000.0),
                     rope_scaling: Default::default(),
+                    activation: None,
                     tie_embeddings: self.tie_embeddings.as_ref().is_some_and(|s| s.value),
                     qkv_bias: self.qkv_bias.as_ref().is_some_and(|s| s.value),
                     max_seq_len: val(&self.max_seq_len).unwrap_or(4096),
@@ -169,6 +170,7 @@ impl ModelSpecFile {
                     ffn_dim: val(&self.ffn_dim).unwrap_or(dim.saturating_mul(4)),
                     max_seq_len: val(&self.max_seq_len).unwrap_or(1024),
                     norm_eps: fval(&self.norm_eps, 1e-5),
+                    activation: None,
                 })
             }
             Family::Mlp => {

@@ -80,14 +80,18 @@ fn math_changing_values_shardplan_does_not_implement_are_refused_by_key() {
         ),
         (
             LLAMA,
-            r#""hidden_act": "gelu""#,
-            &["hidden_act", "an MLP activation other than silu"],
+            r#""hidden_act": "mish""#,
+            &[
+                "hidden_act",
+                "an activation shardplan does not implement",
+                "silu, gelu, gelu_new",
+            ],
         ),
-        (MISTRAL, r#""hidden_act": "relu""#, &["hidden_act"]),
+        (MISTRAL, r#""hidden_act": "quick_gelu""#, &["hidden_act"]),
         (LLAMA, r#""attention_bias": true"#, &["attention_bias"]),
         (LLAMA, r#""mlp_bias": true"#, &["mlp_bias"]),
-        (GPT2, r#""activation_function": "relu""#, &["activation_function"]),
-        (GPT2, r#""activation_function": "gelu""#, &["tanh approximation"]),
+        (GPT2, r#""activation_function": "tanh""#, &["activation_function"]),
+        (GPT2, r#""activation_function": 3"#, &["activation_function"]),
         (
             GPT2,
             r#""scale_attn_by_inverse_layer_idx": true"#,
@@ -202,6 +206,25 @@ fn llama3_and_linear_rope_scaling_are_read_from_either_layout() {
     let c = llama(parse(LLAMA, r#""rope_scaling": {"type": "linear", "factor": 4.0}"#).unwrap());
     assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 4.0 });
     assert_eq!(llama(parse(LLAMA, "").unwrap()).rope_scaling, RopeScaling::Default);
+}
+
+#[test]
+fn every_implemented_activation_is_honoured() {
+    use shardplan_models::Activation;
+    for (name, want) in [
+        ("silu", Activation::Silu),
+        ("gelu", Activation::Gelu),
+        ("gelu_new", Activation::GeluTanh),
+        ("gelu_pytorch_tanh", Activation::GeluTanh),
+        ("relu", Activation::Relu),
+    ] {
+        let c = llama(parse(LLAMA, &format!("\"hidden_act\": \"{name}\"")).unwrap());
+        assert_eq!(c.activation, Some(want), "{name}");
+        match parse(GPT2, &format!("\"activation_function\": \"{name}\"")).unwrap() {
+            ModelConfig::Gpt2(g) => assert_eq!(g.activation, Some(want), "{name}"),
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -269,12 +269,13 @@ fn vjp(g: &mut Graph, id: NodeId, dy: NodeId, wanted: &[bool]) -> Result<Vec<(us
                 }
             }
         }
-        Op::Silu | Op::Gelu => {
+        Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu => {
             if wanted[0] {
-                let op = if node.op == Op::Silu {
-                    Op::SiluGrad
-                } else {
-                    Op::GeluGrad
+                let op = match node.op {
+                    Op::Silu => Op::SiluGrad,
+                    Op::Gelu => Op::GeluGrad,
+                    Op::GeluErf => Op::GeluErfGrad,
+                    _ => Op::ReluGrad,
                 };
                 put(0, g.add_grad_node(op, &[ins[0], dy], id)?);
             }

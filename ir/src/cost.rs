@@ -39,7 +39,8 @@ pub fn elementwise_flops(op: &Op) -> (u64, u64) {
         Op::Add => (1, 1),
         Op::Mul => (1, 2),
         Op::Silu => (4, 8),
-        Op::Gelu => (8, 16),
+        Op::Gelu | Op::GeluErf => (8, 16),
+        Op::Relu => (1, 1),
         Op::RmsNorm { .. } => (4, 8),
         Op::LayerNorm { .. } => (7, 14),
         Op::Rope { .. } => (3, 3),
@@ -129,7 +130,8 @@ impl Graph {
             }
             Op::RopeGrad { .. } => (out_numel.saturating_mul(3), 0),
             Op::SiluGrad => (out_numel.saturating_mul(8), 0),
-            Op::GeluGrad => (out_numel.saturating_mul(16), 0),
+            Op::GeluGrad | Op::GeluErfGrad => (out_numel.saturating_mul(16), 0),
+            Op::ReluGrad => (out_numel, 0),
             Op::SoftmaxGrad { .. } => (out_numel.saturating_mul(5), 0),
             op => {
                 let (f, b) = elementwise_flops(op);

@@ -104,8 +104,12 @@ pub enum Op {
     Attention { causal: bool },
     /// `x * sigmoid(x)`.
     Silu,
-    /// GELU, tanh approximation (GPT-2's `gelu_new`).
+    /// GELU, tanh approximation (GPT-2's `gelu_new`, `gelu_pytorch_tanh`).
     Gelu,
+    /// GELU, exact: `x * Phi(x)` (Hugging Face's `gelu`).
+    GeluErf,
+    /// `max(x, 0)`.
+    Relu,
     /// Softmax over one dim.
     Softmax { dim: usize },
     /// Mean token cross-entropy: `(logits [n, v] float, targets [n] int) -> f32 []`
@@ -159,6 +163,10 @@ pub enum Op {
     SiluGrad,
     /// `(x, g) -> dx` of gelu (tanh approximation).
     GeluGrad,
+    /// `(x, g) -> dx` of exact gelu.
+    GeluErfGrad,
+    /// `(x, g) -> dx` of relu.
+    ReluGrad,
     /// `(y, g) -> dx` of softmax, from its output `y`.
     SoftmaxGrad { dim: usize },
     /// `(logits [n, v], targets [n], g []) -> dlogits [n, v]` of mean cross-entropy.
@@ -192,6 +200,8 @@ impl Op {
             Op::Attention { .. } => "attention",
             Op::Silu => "silu",
             Op::Gelu => "gelu",
+            Op::GeluErf => "gelu_erf",
+            Op::Relu => "relu",
             Op::Softmax { .. } => "softmax",
             Op::CrossEntropy => "cross_entropy",
             Op::Reshape { .. } => "reshape",
@@ -215,6 +225,8 @@ impl Op {
             Op::AttnGradK { .. } => "attn_grad_k",
             Op::SiluGrad => "silu_grad",
             Op::GeluGrad => "gelu_grad",
+            Op::GeluErfGrad => "gelu_erf_grad",
+            Op::ReluGrad => "relu_grad",
             Op::SoftmaxGrad { .. } => "softmax_grad",
             Op::CrossEntropyGrad => "cross_entropy_grad",
             Op::Pad { .. } => "pad",
@@ -283,12 +295,18 @@ impl Op {
             Op::Embedding | Op::MatMul | Op::Add | Op::Mul | Op::RmsNorm { .. } => 2,
             Op::Sum | Op::SumTo { .. } | Op::BroadcastTo { .. } | Op::RopeGrad { .. } | Op::Pad { .. } => 1,
             Op::WeightGrad { .. } | Op::EmbeddingGrad { .. } | Op::AttnProbs { .. } | Op::AttnGradV { .. } => 2,
-            Op::AttnGradQ | Op::AttnGradK { .. } | Op::SiluGrad | Op::GeluGrad | Op::SoftmaxGrad { .. } => 2,
+            Op::AttnGradQ
+            | Op::AttnGradK { .. }
+            | Op::SiluGrad
+            | Op::GeluGrad
+            | Op::GeluErfGrad
+            | Op::ReluGrad
+            | Op::SoftmaxGrad { .. } => 2,
             Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } | Op::AttnGradScores | Op::CrossEntropyGrad => 3,
             Op::CrossEntropy => 2,
             Op::Linear { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::Attention { .. } => 3,
-            Op::Rope { .. } | Op::Silu | Op::Gelu | Op::Softmax { .. } => 1,
+            Op::Rope { .. } | Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Softmax { .. } => 1,
             Op::Reshape { .. } | Op::Transpose { .. } | Op::Narrow { .. } | Op::Cast { .. } => 1,
             Op::Concat { .. } => return None,
         })
@@ -332,7 +350,7 @@ impl Op {
                 Ok(ins[0].clone())
             }
             Op::Attention { .. } => infer_attention(ins[0], ins[1], ins[2]),
-            Op::Silu | Op::Gelu => {
+            Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu => {
                 float(ins[0], "input")?;
                 Ok(ins[0].clone())
             }
@@ -499,7 +517,7 @@ impl Op {
                 }
                 Ok(TensorType::new(ins[0].dtype, [ds[0], ds[3], *kv_heads, q[3]]))
             }
-            Op::SiluGrad | Op::GeluGrad | Op::SoftmaxGrad { .. } => {
+            Op::SiluGrad | Op::GeluGrad | Op::GeluErfGrad | Op::ReluGrad | Op::SoftmaxGrad { .. } => {
                 same_float_dtype(ins)?;
                 if ins[0].shape != ins[1].shape {
                     return Err(format!("shapes {} and {} must be equal", ins[0].shape, ins[1].shape));
@@ -548,6 +566,8 @@ impl Op {
                 | Op::AttnGradK { .. }
                 | Op::SiluGrad
                 | Op::GeluGrad
+                | Op::GeluErfGrad
+                | Op::ReluGrad
                 | Op::SoftmaxGrad { .. }
                 | Op::CrossEntropyGrad
                 | Op::Pad { .. }

@@ -45,6 +45,9 @@ pub struct LlamaConfig {
     /// RoPE frequency scaling (Llama 3.1's `llama3`, `linear`).
     #[serde(default)]
     pub rope_scaling: shardplan_ir::RopeScaling,
+    /// The MLP's gate activation (`None`: silu, SwiGLU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation: Option<Activation>,
     pub tie_embeddings: bool,
     /// Bias on q/k/v projections (Qwen2).
     pub qkv_bias: bool,
@@ -69,6 +72,45 @@ pub struct Gpt2Config {
     /// Length of the learned position table; also the longest sequence.
     pub max_seq_len: u64,
     pub norm_eps: f64,
+    /// The MLP's activation (`None`: gelu, tanh approximation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation: Option<Activation>,
+}
+
+/// An MLP activation, as Hugging Face configs name them (`hidden_act`,
+/// `activation_function`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Silu,
+    /// Exact gelu (`gelu`).
+    Gelu,
+    /// The tanh approximation (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    Relu,
+}
+
+impl Activation {
+    /// The activation a Hugging Face config names, if shardplan implements it.
+    pub fn from_hf(name: &str) -> Option<Activation> {
+        Some(match name {
+            "silu" | "swish" => Activation::Silu,
+            "gelu" => Activation::Gelu,
+            "gelu_new" | "gelu_pytorch_tanh" => Activation::GeluTanh,
+            "relu" => Activation::Relu,
+            _ => return None,
+        })
+    }
+
+    /// The IR op that computes it.
+    pub fn op(self) -> shardplan_ir::Op {
+        match self {
+            Activation::Silu => shardplan_ir::Op::Silu,
+            Activation::Gelu => shardplan_ir::Op::GeluErf,
+            Activation::GeluTanh => shardplan_ir::Op::Gelu,
+            Activation::Relu => shardplan_ir::Op::Relu,
+        }
+    }
 }
 
 /// A small residual MLP classifier over feature vectors, for tests and demos.

@@ -77,7 +77,7 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
             WeightLayout::InOut,
             true,
         )?;
-        let f = t.op(mlp, Op::Gelu, &[f])?;
+        let f = t.op(mlp, c.activation.map_or(Op::Gelu, |a| a.op()), &[f])?;
         let o = t.linear(
             mlp,
             f,

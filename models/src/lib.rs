@@ -10,7 +10,7 @@ mod mlp;
 mod presets;
 mod trace;
 
-pub use config::{ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MAX_LAYERS};
+pub use config::{Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MAX_LAYERS};
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
 pub use trace::{trace, TraceError, TraceOptions};

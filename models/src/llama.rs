@@ -92,7 +92,7 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
             WeightLayout::OutIn,
             false,
         )?;
-        let gate = t.op(ff, Op::Silu, &[gate])?;
+        let gate = t.op(ff, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
         let m = t.op(ff, Op::Mul, &[gate, up])?;
         let down = t.linear(
             ff,

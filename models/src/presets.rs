@@ -44,6 +44,7 @@ fn llama(
         norm_eps: 1e-5,
         rope_theta: theta,
         rope_scaling: Default::default(),
+        activation: None,
         tie_embeddings: false,
         qkv_bias: false,
         max_seq_len: max_seq,
@@ -60,6 +61,7 @@ fn gpt2(name: &str, dim: u64, layers: u64, heads: u64) -> Gpt2Config {
         ffn_dim: 4 * dim,
         max_seq_len: 1024,
         norm_eps: 1e-5,
+        activation: None,
     }
 }
 

@@ -21,6 +21,7 @@ fn llama(vocab: u64, dim: u64, layers: u64, heads: u64, kv: u64, ffn: u64, tie: 
         norm_eps: 1e-5,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
+        activation: None,
         tie_embeddings: tie,
         qkv_bias: false,
         max_seq_len: 64,

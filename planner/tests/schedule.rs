@@ -19,6 +19,7 @@ fn four_blocks() -> ModelConfig {
         norm_eps: 1e-5,
         rope_theta: 10000.0,
         rope_scaling: Default::default(),
+        activation: None,
         tie_embeddings: false,
         qkv_bias: false,
         max_seq_len: 2048,

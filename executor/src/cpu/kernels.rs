@@ -138,6 +138,8 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::Silu if fused::applies(&[ins[0]]) => fused::silu(ins[0])?,
         Op::Silu => ins[0].silu()?,
         Op::Gelu => ins[0].gelu()?,
+        Op::GeluErf => ins[0].gelu_erf()?,
+        Op::Relu => ins[0].relu()?,
         Op::Softmax { dim } => softmax(ins[0], *dim)?,
         Op::CrossEntropy if fused::applies(&[ins[0]]) => fused::cross_entropy(ins[0], ins[1])?,
         Op::CrossEntropy => cross_entropy(ins[0], ins[1])?,
@@ -209,6 +211,18 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             (g * d)?.to_dtype(ins[1].dtype())?
         }
         Op::GeluGrad => gelu_grad(ins[0], ins[1])?,
+        Op::GeluErfGrad => {
+            // d/dx x Phi(x) = Phi(x) + x phi(x).
+            let (x, g) = (wide(ins[0])?, wide(ins[1])?);
+            let cdf = ((&x * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)?.affine(0.5, 0.0)?;
+            let pdf = (x.sqr()?.affine(-0.5, 0.0)?.exp()?
+                * (0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2))?;
+            (g * (cdf + (x * pdf)?)?)?.to_dtype(ins[1].dtype())?
+        }
+        Op::ReluGrad => {
+            let x = ins[0];
+            (ins[1] * x.gt(&x.zeros_like()?)?.to_dtype(ins[1].dtype())?)?
+        }
         Op::SoftmaxGrad { dim } if *dim + 1 == ins[0].rank() && fused::applies(&[ins[0], ins[1]]) => {
             fused::softmax_backward(ins[0], ins[1])?
         }
@@ -440,6 +454,55 @@ fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn run(op: Op, ins: &[&Tensor]) -> Vec<f64> {
+        let ty = TensorType::new(DType::F64, [ins[0].elem_count() as u64]);
+        apply(&Ctx::new(Device::Cpu), &op, ins, &ty)
+            .unwrap()
+            .to_vec1::<f64>()
+            .unwrap()
+    }
+
+    #[test]
+    fn exact_gelu_relu_and_their_gradients_take_their_textbook_values() {
+        // x Phi(x), its tanh approximation, and d/dx x Phi(x), from Python's math.erf.
+        let xs = [1.0, -0.5, 2.0, -3.0];
+        let exact = [
+            0.8413447460685429,
+            -0.15426876936299344,
+            1.9544997361036416,
+            -0.00404969409489031,
+        ];
+        let tanh = [
+            0.8411919906082768,
+            -0.15428599017485606,
+            1.954597694087775,
+            -0.0036373920817729943,
+        ];
+        let slope = [
+            1.0833154705876864,
+            0.13250487534383712,
+            1.085231801078197,
+            -0.011945647204183918,
+        ];
+        let x = Tensor::new(&xs, &Device::Cpu).unwrap();
+        let ones = Tensor::ones(4, CDType::F64, &Device::Cpu).unwrap();
+        let close = |a: &[f64], b: &[f64], tol: f64| a.iter().zip(b).all(|(a, b)| (a - b).abs() < tol);
+        assert!(
+            close(&run(Op::GeluErf, &[&x]), &exact, 1e-12),
+            "{:?}",
+            run(Op::GeluErf, &[&x])
+        );
+        assert!(close(&run(Op::Gelu, &[&x]), &tanh, 1e-12), "{:?}", run(Op::Gelu, &[&x]));
+        assert!(close(&run(Op::GeluErfGrad, &[&x, &ones]), &slope, 1e-12));
+        assert_eq!(run(Op::Relu, &[&x]), vec![1.0, 0.0, 2.0, 0.0]);
+        let g = Tensor::new(&[3.0f64, 3.0, 3.0, 3.0], &Device::Cpu).unwrap();
+        assert_eq!(run(Op::ReluGrad, &[&x, &g]), vec![3.0, 0.0, 3.0, 0.0]);
+        // At 0 the gradient is 0, as torch's.
+        let z = Tensor::new(&[0.0f64], &Device::Cpu).unwrap();
+        let one = Tensor::new(&[1.0f64], &Device::Cpu).unwrap();
+        assert_eq!(run(Op::ReluGrad, &[&z, &one]), vec![0.0]);
+    }
 
     #[test]
     fn the_causal_mask_hides_later_keys_and_is_made_once_per_shape() {
