@@ -75,6 +75,10 @@ VARIANTS = {
         ),
     ),
     "llama-rope-linear": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})),
+    "llama-rope-yarn": (
+        LlamaForCausalLM,
+        LlamaConfig(**{**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+    ),
     # Other MLP activations: exact gelu, its tanh approximation, relu.
     "llama-gelu": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "hidden_act": "gelu"})),
     "llama-gelu-tanh": (LlamaForCausalLM, LlamaConfig(**{**LLAMA, "hidden_act": "gelu_pytorch_tanh"})),

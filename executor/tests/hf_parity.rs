@@ -19,11 +19,12 @@ use shardplan_models::{trace, ModelConfig, TraceOptions};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const VARIANTS: [&str; 13] = [
+const VARIANTS: [&str; 14] = [
     "llama",
     "llama-head-dim",
     "llama-rope-llama3",
     "llama-rope-linear",
+    "llama-rope-yarn",
     "llama-gelu",
     "llama-gelu-tanh",
     "llama-relu",

@@ -313,6 +313,57 @@ fn rope_scaling(src: &Source) -> Result<shardplan_models::RopeScaling, SpecError
                     original_max_position_embeddings: orig as u64,
                 }
             }
+            "yarn" => {
+                if let Some(p) = v.get("partial_rotary_factor").and_then(serde_json::Value::as_f64) {
+                    if p != 1.0 {
+                        return Err(fail(
+                            "partial_rotary_factor",
+                            format!("is {p}: a partial rotary embedding is not implemented"),
+                        ));
+                    }
+                }
+                let opt = |field: &str| -> Result<Option<f64>, SpecError> {
+                    match v.get(field) {
+                        None | Some(serde_json::Value::Null) => Ok(None),
+                        Some(_) => num(field).map(Some),
+                    }
+                };
+                let orig = match opt("original_max_position_embeddings")? {
+                    Some(o) if o.fract() == 0.0 && o <= 1e12 => o as u64,
+                    Some(o) => {
+                        return Err(fail(
+                            "original_max_position_embeddings",
+                            format!("is {o}, not a token count"),
+                        ))
+                    }
+                    None => map
+                        .get("max_position_embeddings")
+                        .and_then(serde_json::Value::as_u64)
+                        .ok_or_else(|| fail("original_max_position_embeddings", "is missing".into()))?,
+                };
+                let factor = num("factor")?;
+                // YaRN's attention scaling: 0.1 m ln(factor) + 1 (1 for factor <= 1).
+                let m = |scale: f64, mscale: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * mscale * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = match (opt("attention_factor")?, opt("mscale")?, opt("mscale_all_dim")?) {
+                    (Some(a), _, _) => a,
+                    (None, Some(ms), Some(all)) => m(factor, ms) / m(factor, all),
+                    _ => m(factor, 1.0),
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: orig,
+                    beta_fast: opt("beta_fast")?.unwrap_or(32.0),
+                    beta_slow: opt("beta_slow")?.unwrap_or(1.0),
+                    attention_factor,
+                    truncate: v.get("truncate").and_then(serde_json::Value::as_bool).unwrap_or(true),
+                }
+            }
             _ => RopeScaling::Default,
         };
         match found {
@@ -657,19 +708,19 @@ fn check_fields(src: &Source, arch: Arch, map: &serde_json::Map<String, serde_js
             }
             "rope_scaling" | "rope_parameters" => match rope_type(v).as_deref() {
                 None | Some("default") => {}
-                Some("llama3" | "linear") => {}
-                Some(t @ ("yarn" | "dynamic" | "longrope" | "su" | "ntk")) => {
+                Some("llama3" | "linear" | "yarn") => {}
+                Some(t @ ("dynamic" | "longrope" | "su" | "ntk")) => {
                     return Err(refuse(
                         key,
                         format!("`{key}`: RoPE scaling `{t}` is not implemented"),
-                        "shardplan implements rope_type default, linear and llama3; training with another would not be the model you loaded",
+                        "shardplan implements rope_type default, linear, llama3 and yarn; training with another would not be the model you loaded",
                     ))
                 }
                 Some(t) => {
                     return Err(refuse(
                         key,
                         format!("`{key}`: unknown RoPE type `{t}`"),
-                        "shardplan implements rope_type default, linear and llama3",
+                        "shardplan implements rope_type default, linear, llama3 and yarn",
                     ))
                 }
             },

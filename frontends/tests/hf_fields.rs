@@ -40,8 +40,13 @@ fn math_changing_values_shardplan_does_not_implement_are_refused_by_key() {
     let cases: &[(&str, &str, &[&str])] = &[
         (
             LLAMA,
-            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
-            &["rope_scaling", "RoPE scaling `yarn` is not implemented"],
+            r#""rope_scaling": {"rope_type": "longrope", "factor": 4.0}"#,
+            &["rope_scaling", "RoPE scaling `longrope` is not implemented"],
+        ),
+        (
+            LLAMA,
+            r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}"#,
+            &["partial rotary embedding is not implemented"],
         ),
         (
             LLAMA,

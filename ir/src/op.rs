@@ -36,9 +36,28 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: u64,
     },
+    /// YaRN: frequencies blended between divided by `factor` and kept along a linear ramp
+    /// over the dimensions between `beta_fast` and `beta_slow` rotations in the original
+    /// context, and cos / sin scaled by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: u64,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
 }
 
 impl RopeScaling {
+    /// The factor cos and sin are multiplied by (YaRN's attention scaling; 1 otherwise).
+    pub fn attention_factor(&self) -> f64 {
+        match *self {
+            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            _ => 1.0,
+        }
+    }
+
     /// The inverse frequency of rotary pair `i` of a `head_dim`-wide head with base `theta`.
     pub fn inv_freq(&self, theta: f64, head_dim: usize, i: usize) -> f64 {
         let f = theta.powf(-(2.0 * i as f64) / head_dim as f64);
@@ -62,6 +81,33 @@ impl RopeScaling {
                     let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                     (1.0 - smooth) * f / factor + smooth * f
                 }
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // The dimension at which a frequency makes `rotations` turns over the
+                // original context.
+                let d = head_dim as f64;
+                let at = |rotations: f64| {
+                    d * (original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (at(beta_fast), at(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp;
+                f / factor * (1.0 - keep) + f * keep
             }
         }
     }

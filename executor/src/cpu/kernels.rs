@@ -63,7 +63,8 @@ impl Ctx {
             }
         }
         let a = Tensor::from_vec(angles, (seq, half), &self.device)?;
-        let t = (a.cos()?.to_dtype(dtype)?, a.sin()?.to_dtype(dtype)?);
+        let m = scaling.attention_factor();
+        let t = ((a.cos()? * m)?.to_dtype(dtype)?, (a.sin()? * m)?.to_dtype(dtype)?);
         self.rope.borrow_mut().insert(key, t.clone());
         Ok(t)
     }
