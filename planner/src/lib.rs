@@ -4,6 +4,7 @@
 //! → verify, each pass a free function in its own module.
 //! Architecture invariant: the planner holds no tensors.
 
+pub mod allocator;
 pub mod alternatives;
 pub mod auto;
 mod cost;
