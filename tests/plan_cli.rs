@@ -36,6 +36,10 @@ fn text_plan_of_the_bundled_example() {
     for want in [
         "plan: llama3-8b (8,030,261,248 params) on 8 ranks: mesh 1 replicate x 8 shard",
         "memory per rank (device): peak",
+        "allocated peak 64.54 GiB",
+        "reserved peak 85.40 GiB (PyTorch's caching allocator)",
+        "device total 86.45 GiB = reserved 85.40 GiB + CUDA context 635.75 MiB + NCCL 441.00 MiB (3 communicators)",
+        "fits h100-sxm's 79.60 GiB",
         "optimizer state",
         "predicted step:",
         "MFU",
@@ -66,6 +70,9 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
     let plan: shardplan_planner::Plan = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(plan.version, shardplan_planner::PLAN_VERSION);
     assert_eq!(plan.mesh.world(), 4);
+    let m = &plan.memory;
+    assert!(m.reserved_peak >= m.active_peak && m.active_peak >= m.peak, "{m:?}");
+    assert_eq!(m.device_total, m.reserved_peak + m.overhead.total());
     shardplan_planner::verify(&plan, None).unwrap();
     assert_eq!(
         serde_json::to_string(&plan).unwrap() + "\n",

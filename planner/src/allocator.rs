@@ -253,3 +253,90 @@ impl CachingAllocator {
         }
     }
 }
+
+/// Replays of a step at most: the allocator's cache carries over from one step to the next,
+/// so the first step (from an empty cache) need not be the one that reserves the most.
+pub const MAX_REPLAYS: u32 = 3;
+
+/// What the caching allocator holds over a program, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Replay {
+    /// Bytes in segments at the end (segments are never released: the peak).
+    pub reserved: u64,
+    /// Peak of allocated blocks (rounded, with unsplit remainders).
+    pub allocated_peak: u64,
+    /// Peak of the requested bytes themselves (the plan's own accounting).
+    pub requested_peak: u64,
+    pub segments: u64,
+    /// Steps replayed: until one reserves no new segment, at most [`MAX_REPLAYS`].
+    pub steps: u32,
+}
+
+/// Replays `program` through the allocator model: persistent device buffers first (on the
+/// compute stream, as they are made at start-up), then the program's allocs and frees in
+/// issue order (the host issues them, and the allocator sees them, in that order), each
+/// compute step's activations made and freed where it runs, on the compute stream. Host
+/// buffers are not device memory and are left out.
+pub fn replay(
+    program: &crate::plan::Program,
+    buffers: &[crate::plan::Buffer],
+    acts: &crate::steps::ActEvents,
+) -> Replay {
+    use crate::plan::{Instr, Pool, Stream};
+    let mut a = CachingAllocator::default();
+    let mut bufs: Vec<Option<Allocation>> = vec![None; buffers.len()];
+    let mut values: Vec<Option<Allocation>> = vec![None; acts.values as usize];
+    let compute = Stream::Compute.index() as u8;
+    for b in buffers.iter().filter(|b| b.persistent && b.pool == Pool::Device) {
+        if let Some(slot) = bufs.get_mut(b.id.index()) {
+            *slot = a.alloc(compute, b.bytes());
+        }
+    }
+    let mut steps = 0;
+    while steps < MAX_REPLAYS {
+        let before = a.segments;
+        for issued in &program.instrs {
+            match &issued.instr {
+                Instr::Alloc { buf } => {
+                    let Some(b) = buffers.get(buf.index()) else { continue };
+                    if b.pool == Pool::Device {
+                        if let Some(old) = bufs[buf.index()].take() {
+                            a.free(old);
+                        }
+                        bufs[buf.index()] = a.alloc(issued.stream.index() as u8, b.bytes());
+                    }
+                }
+                Instr::Free { buf } => {
+                    if let Some(old) = bufs.get_mut(buf.index()).and_then(Option::take) {
+                        a.free(old);
+                    }
+                }
+                Instr::Compute { step, .. } => {
+                    for e in acts.of(*step) {
+                        let Some(slot) = values.get_mut(e.value as usize) else {
+                            continue;
+                        };
+                        if let Some(old) = slot.take() {
+                            a.free(old);
+                        }
+                        if e.bytes > 0 {
+                            *slot = a.alloc(compute, e.bytes);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        steps += 1;
+        if steps > 1 && a.segments == before {
+            break;
+        }
+    }
+    Replay {
+        reserved: a.reserved,
+        allocated_peak: a.allocated_peak,
+        requested_peak: a.requested_peak,
+        segments: a.segments,
+        steps,
+    }
+}
