@@ -247,23 +247,23 @@ pub fn summary(o: &mut String, plan: &Plan) {
         ov.communicators,
         if ov.communicators == 1 { "" } else { "s" }
     );
-    let hbm = (plan.hardware.hbm_gib * (1u64 << 30) as f64) as u64;
+    let hbm = plan.hardware.hbm_bytes();
     let _ = writeln!(
         o,
         "  {}",
-        if mem.peak <= hbm {
+        if mem.device_total <= hbm {
             format!(
                 "fits {}'s {} ({} spare)",
                 plan.hardware.name,
                 bytes(hbm),
-                bytes(hbm - mem.peak)
+                bytes(hbm - mem.device_total)
             )
         } else {
             format!(
                 "DOES NOT FIT {}'s {}: {} over",
                 plan.hardware.name,
                 bytes(hbm),
-                bytes(mem.peak - hbm)
+                bytes(mem.device_total - hbm)
             )
         }
     );
