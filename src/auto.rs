@@ -13,14 +13,25 @@ use std::fmt::Write as _;
 fn table(o: &mut String, cands: &[Candidate], top: usize) {
     let _ = writeln!(
         o,
-        "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>6} {:>11} {:>11}  fits",
-        "#", "mesh", "blocks", "reshard", "prefetch", "checkpoint", "offload", "step", "MFU", "exposed", "peak"
+        "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>6} {:>11} {:>11} {:>11}  fits",
+        "#",
+        "mesh",
+        "blocks",
+        "reshard",
+        "prefetch",
+        "checkpoint",
+        "offload",
+        "step",
+        "MFU",
+        "exposed",
+        "peak",
+        "device"
     );
     for (i, c) in cands.iter().take(top).enumerate() {
         let k = &c.knobs;
         let _ = writeln!(
             o,
-            "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>5.1}% {:>11} {:>11}  {}",
+            "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>5.1}% {:>11} {:>11} {:>11}  {}",
             i + 1,
             format!("{}x{}", k.replicate, k.shard),
             if k.blocks_per_group == 0 {
@@ -36,6 +47,12 @@ fn table(o: &mut String, cands: &[Candidate], top: usize) {
             c.mfu * 100.0,
             ms(c.exposed_comm_s),
             bytes(c.peak),
+            // A bound when the allocated peak and overheads alone exceed the budget.
+            if c.device_exact {
+                bytes(c.device)
+            } else {
+                format!(">{}", bytes(c.device))
+            },
             if c.fits { "yes" } else { "no" }
         );
     }
@@ -54,7 +71,7 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
             let fits: Vec<String> = try_search_alternatives(&model.config, base, fixed, budget)
                 .into_iter()
                 .filter(|t| t.fits)
-                .map(|t| format!("{} fits ({})", t.change, bytes(t.peak)))
+                .map(|t| format!("{} fits ({})", t.change, bytes(t.device)))
                 .collect();
             let help = if fits.is_empty() {
                 "no single change (twice the ranks, half the per-rank batch, CPU offload) fits; combine them or use a smaller model".to_string()
@@ -65,10 +82,10 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
                 SpecError::file(
                     &parallel.origin.file,
                     format!(
-                        "no plan fits the budget of {} per rank: the smallest candidate needs {} ({} over: mesh {}x{}, checkpointing {}, reshard {}, offload {})",
+                        "no plan fits the budget of {} per rank: the smallest candidate needs {} of device memory ({} over: mesh {}x{}, checkpointing {}, reshard {}, offload {})",
                         bytes(budget),
-                        bytes(best.peak),
-                        bytes(best.peak.saturating_sub(budget)),
+                        bytes(best.device),
+                        bytes(best.device.saturating_sub(budget)),
                         best.knobs.replicate,
                         best.knobs.shard,
                         best.knobs.activation_checkpointing,

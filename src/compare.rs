@@ -310,12 +310,13 @@ pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
         m.peak_allocated
             .map_or("-".into(), |(b, _)| ratio(b as f64, peak as f64)),
     );
+    let reserved = plan.memory.reserved_peak;
     row(
         &mut o,
         "peak reserved per rank",
-        "-".into(),
+        bytes(reserved),
         m.peak_reserved.map(bytes),
-        "-".into(),
+        m.peak_reserved.map_or("-".into(), |b| ratio(b as f64, reserved as f64)),
     );
     if let Some((_, src)) = m.peak_allocated {
         let _ = writeln!(o, "  (measured allocation: {src}; ratio = measured / predicted)");

@@ -30,8 +30,9 @@ pub struct PlanArgs {
     /// The rank whose schedule (text) or timeline (trace) is shown.
     #[arg(long, value_name = "R", default_value_t = 0)]
     pub rank: u64,
-    /// Per-rank device memory limit (`80GiB`, `79.6GB`, `1024MiB`, bytes); the plan must fit.
-    /// With --auto the default is the hardware's memory less a 10% reserve.
+    /// Per-rank device memory limit (`80GiB`, `79.6GB`, `1024MiB`, bytes); the plan's device
+    /// total (allocator reserved peak + CUDA context + NCCL buffers) must fit.
+    /// With --auto the default is the hardware's memory.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub memory_budget: Option<u64>,
     /// Search the knobs the spec leaves out (mesh split unless `mesh.replicate` is written,
@@ -131,14 +132,14 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
     let fits: Vec<String> = tried
         .iter()
         .filter(|t| t.fits)
-        .map(|t| format!("`{}` ({})", t.change, bytes(t.peak)))
+        .map(|t| format!("`{}` ({})", t.change, bytes(t.device)))
         .collect();
     let help = if fits.is_empty() {
         match tried.first() {
             Some(best) => format!(
                 "no single change fits; the closest is `{}` at {}; combine changes or add ranks",
                 best.change,
-                bytes(best.peak)
+                bytes(best.device)
             ),
             None => "add ranks, shorten the sequence or lower the batch".into(),
         }
@@ -149,10 +150,13 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
         SpecError::file(
             &parallel.origin.file,
             format!(
-                "the plan needs {} per rank at its peak (#{} {peak_at}), {} over the memory budget of {}",
+                "the plan needs {} of device memory per rank (reserved {} + CUDA context and NCCL {}; allocated peak {} at #{} {peak_at}), {} over the memory budget of {}",
+                bytes(p.memory.device_total),
+                bytes(p.memory.reserved_peak),
+                bytes(p.memory.overhead.total()),
                 bytes(p.memory.peak),
                 p.memory.peak_instr,
-                bytes(p.memory.peak - budget),
+                bytes(p.memory.device_total.saturating_sub(budget)),
                 bytes(budget)
             ),
         )

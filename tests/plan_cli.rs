@@ -36,6 +36,10 @@ fn text_plan_of_the_bundled_example() {
     for want in [
         "plan: llama3-8b (8,030,261,248 params) on 8 ranks: mesh 1 replicate x 8 shard",
         "memory per rank (device): peak",
+        "allocated peak 64.54 GiB",
+        "reserved peak 85.40 GiB (PyTorch's caching allocator)",
+        "device total 86.45 GiB = reserved 85.40 GiB + CUDA context 635.75 MiB + NCCL 441.00 MiB (3 communicators)",
+        "DOES NOT FIT h100-sxm's 79.60 GiB",
         "optimizer state",
         "predicted step:",
         "MFU",
@@ -66,6 +70,9 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
     let plan: shardplan_planner::Plan = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(plan.version, shardplan_planner::PLAN_VERSION);
     assert_eq!(plan.mesh.world(), 4);
+    let m = &plan.memory;
+    assert!(m.reserved_peak >= m.active_peak && m.active_peak >= m.peak, "{m:?}");
+    assert_eq!(m.device_total, m.reserved_peak + m.overhead.total());
     shardplan_planner::verify(&plan, None).unwrap();
     assert_eq!(
         serde_json::to_string(&plan).unwrap() + "\n",
@@ -135,13 +142,16 @@ fn a_budget_the_plan_misses_says_by_how_much_and_what_helps() {
             "--parallel",
             "examples/parallel/fsdp-8.yaml",
             "--memory-budget",
-            "40GiB",
+            "50GiB",
         ],
         &[
-            "over the memory budget of 40.00 GiB",
+            "of device memory per rank (reserved ",
+            "over the memory budget of 50.00 GiB",
             "help: each of these single changes fits: `activation_checkpointing: full` (",
         ],
     );
+    // The budget is for the device total (reserved + CUDA context + NCCL), above the
+    // allocated peak: 64.5 GiB allocated needs more than 80 GiB.
     let o = shardplan(&[
         "plan",
         "--model",
@@ -149,7 +159,7 @@ fn a_budget_the_plan_misses_says_by_how_much_and_what_helps() {
         "--parallel",
         "examples/parallel/fsdp-8.yaml",
         "--memory-budget",
-        "80GiB",
+        "90GiB",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     bad(
@@ -332,7 +342,7 @@ fn auto_says_by_how_much_nothing_fits_and_what_would() {
             "80GiB",
         ],
         &[
-            "no plan fits the budget of 80.00 GiB per rank: the smallest candidate needs 155.13 GiB (75.13 GiB over",
+            "no plan fits the budget of 80.00 GiB per rank: the smallest candidate needs 195.89 GiB of device memory (115.89 GiB over",
             "help: offload: cpu fits",
         ],
     );

@@ -81,6 +81,9 @@ struct HardwareFile {
     compute_efficiency: Option<Spanned<f64>>,
     host_link_gbps: Option<Spanned<f64>>,
     host_mem_gbps: Option<Spanned<f64>>,
+    cuda_context_mib: Option<Spanned<f64>>,
+    nccl_channels: Option<Spanned<f64>>,
+    nccl_channel_mib: Option<Spanned<f64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -776,6 +779,10 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     compute_efficiency: f64::NAN,
                     host_link_gbps: f64::NAN,
                     host_mem_gbps: f64::NAN,
+                    // Not hardware numbers a user must know: NCCL's and CUDA's defaults.
+                    cuda_context_mib: crate::hardware::CUDA_CONTEXT_MIB,
+                    nccl_channels: crate::hardware::NCCL_CHANNELS,
+                    nccl_channel_mib: crate::hardware::NCCL_CHANNEL_MIB,
                 },
             };
             if let Some(n) = h.name {
@@ -807,6 +814,9 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                 ),
                 ("host_link_gbps", h.host_link_gbps, &mut profile.host_link_gbps),
                 ("host_mem_gbps", h.host_mem_gbps, &mut profile.host_mem_gbps),
+                ("cuda_context_mib", h.cuda_context_mib, &mut profile.cuda_context_mib),
+                ("nccl_channels", h.nccl_channels, &mut profile.nccl_channels),
+                ("nccl_channel_mib", h.nccl_channel_mib, &mut profile.nccl_channel_mib),
             ];
             let mut missing = Vec::new();
             for (name, value, slot) in fields {
@@ -814,8 +824,12 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                 match value {
                     Some(v) => {
                         o.insert(&field, pos(&v));
+                        // Memory outside the allocator may be none (no NCCL, no context).
+                        let overhead = matches!(name, "cuda_context_mib" | "nccl_channels" | "nccl_channel_mib");
                         let rule = if name == "compute_efficiency" {
                             "in (0, 1]"
+                        } else if overhead {
+                            ">= 0"
                         } else {
                             "> 0"
                         };
@@ -823,7 +837,13 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                             o,
                             &field,
                             v.value,
-                            |x| x > 0.0 && (name != "compute_efficiency" || x <= 1.0),
+                            |x| {
+                                if overhead {
+                                    x >= 0.0
+                                } else {
+                                    x > 0.0 && (name != "compute_efficiency" || x <= 1.0)
+                                }
+                            },
                             rule,
                         )?;
                     }

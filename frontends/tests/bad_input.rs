@@ -338,6 +338,12 @@ fn parallel_spec_rules() {
             24,
             "did you mean `hbm_gbps`?",
         ),
+        (
+            "mesh: {shard: 8}\nhardware: {base: h200, nccl_channels: -1}\n",
+            2,
+            39,
+            "must be >= 0",
+        ),
         ("mesh: {shard: 8}\nbatch: {per_rank: 0}\n", 2, 19, "at least 1"),
         ("mesh: {shard: 8}\noptimizer: {adamw: {lr: -1}}\n", 2, 25, "must be > 0"),
         (
@@ -382,4 +388,27 @@ fn nulls_and_defaults() {
     let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", PAR_OK)).unwrap();
     assert_eq!(c.grad_clip, Some(1.0));
     assert_eq!(c.hardware.name, "h100-sxm");
+}
+
+#[test]
+fn memory_outside_the_allocator_has_documented_defaults_and_can_be_set() {
+    use shardplan_frontends::{CUDA_CONTEXT_MIB, NCCL_CHANNELS, NCCL_CHANNEL_MIB};
+    // NCCL's default buffers per connection: Simple 4 MiB + LL128 4.6875 MiB + LL 512 KiB.
+    assert_eq!(NCCL_CHANNEL_MIB, 9.1875);
+    let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", PAR_OK)).unwrap();
+    let hw = &c.hardware;
+    assert_eq!(
+        (hw.cuda_context_mib, hw.nccl_channels, hw.nccl_channel_mib),
+        (CUDA_CONTEXT_MIB, NCCL_CHANNELS, NCCL_CHANNEL_MIB)
+    );
+    assert_eq!(hw.cuda_context_bytes(), 666_632_192);
+    assert_eq!(hw.nccl_bytes_per_communicator(), 16 * 9_633_792);
+    // A custom profile needs none of them, and may set each (0: none of that memory).
+    let numbers = "bf16_tflops: 1, f32_tflops: 1, hbm_gib: 1, hbm_gbps: 1, intra_node_gbps: 1, inter_node_gbps: 1, intra_node_latency_us: 1, inter_node_latency_us: 1, compute_efficiency: 1, host_link_gbps: 1, host_mem_gbps: 1";
+    let text = format!("mesh: {{shard: 2}}\nhardware: {{{numbers}}}\n");
+    let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", text.as_str())).unwrap();
+    assert_eq!(c.hardware.cuda_context_mib, CUDA_CONTEXT_MIB);
+    let text = format!("mesh: {{shard: 2}}\nhardware: {{{numbers}, cuda_context_mib: 0, nccl_channels: 8}}\n");
+    let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", text.as_str())).unwrap();
+    assert_eq!((c.hardware.cuda_context_bytes(), c.hardware.nccl_channels), (0, 8.0));
 }

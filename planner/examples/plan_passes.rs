@@ -32,12 +32,19 @@ fn main() {
     time("steps", 20, || {
         shardplan_planner::steps::steps(&joint, &groups, p.config.activation_checkpointing);
     });
+    let (_, acts) = shardplan_planner::steps::steps_and_events(&joint, &groups, p.config.activation_checkpointing);
+    let mut replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts);
+    time("caching-allocator replay", 20, || {
+        replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts);
+    });
     time("verify", 20, || shardplan_planner::verify(&plan, None).expect("verify"));
     println!(
-        "{} nodes, {} steps, {} instructions, {} buffers",
+        "{} nodes, {} steps, {} instructions, {} buffers, {} activation events x {} replayed steps",
         joint.graph.node_count(),
         plan.steps.len(),
         plan.programs[0].instrs.len(),
-        plan.buffers.len()
+        plan.buffers.len(),
+        acts.events.len(),
+        replay.steps
     );
 }

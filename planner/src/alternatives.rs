@@ -21,13 +21,15 @@ pub struct Alternative {
     pub config: ParallelConfig,
 }
 
-/// An alternative, planned: its per-rank peak and whether that fits the budget.
+/// An alternative, planned: its per-rank memory and whether that fits the budget.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tried {
     pub change: String,
-    /// The plan's peak bytes per rank; for a search that found nothing, the smallest
+    /// The plan's allocated peak per rank; for a search that found nothing, the smallest
     /// candidate's.
     pub peak: u64,
+    /// The plan's device total per rank (what must fit), likewise.
+    pub device: u64,
     pub fits: bool,
 }
 
@@ -85,8 +87,9 @@ pub fn plan_alternatives(c: &ParallelConfig) -> Vec<Alternative> {
     out
 }
 
-/// Plans each of [`plan_alternatives`] of `base` for `model` against `budget` bytes per
-/// rank: those that fit first, then by peak (the closest miss first).
+/// Plans each of [`plan_alternatives`] of `base` for `model` against `budget` bytes of
+/// device memory per rank: those that fit first, then by device total (the closest miss
+/// first).
 pub fn try_plan_alternatives(model: &ModelConfig, base: &ParallelConfig, budget: u64) -> Vec<Tried> {
     let mut tried: Vec<Tried> = plan_alternatives(base)
         .into_iter()
@@ -96,11 +99,12 @@ pub fn try_plan_alternatives(model: &ModelConfig, base: &ParallelConfig, budget:
             Some(Tried {
                 change: a.change,
                 peak: p.memory.peak,
-                fits: p.memory.peak <= budget,
+                device: p.memory.device_total,
+                fits: p.memory.device_total <= budget,
             })
         })
         .collect();
-    tried.sort_by_key(|t| (!t.fits, t.peak));
+    tried.sort_by_key(|t| (!t.fits, t.device));
     tried
 }
 
@@ -139,7 +143,7 @@ pub fn search_alternatives(c: &ParallelConfig) -> Vec<Alternative> {
 
 /// Runs the `--auto` search (with the knobs `fixed` kept) on each of
 /// [`search_alternatives`] of `base` against `budget`, in the order tried. A search that
-/// fits reports its winner's peak; one that does not, its smallest candidate's.
+/// fits reports its winner's memory; one that does not, its smallest candidate's.
 pub fn try_search_alternatives(model: &ModelConfig, base: &ParallelConfig, fixed: Fixed, budget: u64) -> Vec<Tried> {
     search_alternatives(base)
         .into_iter()
@@ -147,13 +151,14 @@ pub fn try_search_alternatives(model: &ModelConfig, base: &ParallelConfig, fixed
             let joint = joint_graph(model, &a.config)?;
             // The changed spec must plan as written before its open knobs are searched.
             plan(&joint, &a.config).ok()?;
-            let (peak, fits) = match search(&joint, &a.config, fixed, budget, true).ok()? {
-                Ok(r) => (r.winner.memory.peak, true),
-                Err(no) => (no.best.peak, false),
+            let (peak, device, fits) = match search(&joint, &a.config, fixed, budget, true).ok()? {
+                Ok(r) => (r.winner.memory.peak, r.winner.memory.device_total, true),
+                Err(no) => (no.best.peak, no.best.device, false),
             };
             Some(Tried {
                 change: a.change,
                 peak,
+                device,
                 fits,
             })
         })

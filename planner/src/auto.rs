@@ -11,31 +11,35 @@
 //! Candidates share the compute steps of equal groups and checkpointing; the winner is
 //! planned again from scratch and verified.
 //!
-//! Pruning rules (each sound because memory is monotone in the knob, other knobs equal):
+//! A candidate fits when its device total (the caching allocator's reserved peak, the CUDA
+//! context, NCCL's buffers) is within the budget. Fragmentation makes the reserved peak
+//! no monotone function of a knob, but the allocated peak is, and no plan needs less than
+//! its allocated peak plus the CUDA context; the pruning rules cut on that bound (each
+//! sound because allocated memory is monotone in the knob, other knobs equal):
 //! - checkpointing is tried from most to least saving (full; every 2 and selective, which
-//!   are not ordered against each other; none); once a level does not fit, the levels that
-//!   keep more are skipped (none after either middle level, everything after full);
-//! - resharding is tried from most to least freeing (true, node size, false); once one does
-//!   not fit, the rest are skipped;
-//! - prefetch is tried from (1, 1) upward; if (1, 1) does not fit, deeper ones are skipped.
+//!   are not ordered against each other; none); once no candidate of a level is within the
+//!   bound, the levels that keep more are skipped (none after either middle level,
+//!   everything after full);
+//! - resharding is tried from most to least freeing (true, node size, false); once no
+//!   candidate of one is within the bound, the rest are skipped;
+//! - prefetch is tried from (1, 1) upward; if (1, 1) is not within the bound, deeper ones
+//!   are skipped.
 //!
 //! A test compares the pruned search with exhaustive enumeration on small models.
 
 use crate::plan::Plan;
-use crate::{plan, plan_with, PlanCache, PlanError};
+use crate::{plan, plan_passes, simulate, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, HardwareProfile, MeshShape, Offload, Origin, ParallelConfig, Prefetch, Reshard,
 };
 use shardplan_ir::{JointGraph, ModuleKind};
 
-/// Fraction of device memory kept free by default (CUDA context, NCCL buffers, allocator
-/// fragmentation): the default budget is `hbm x (1 - DEFAULT_RESERVE)`.
-pub const DEFAULT_RESERVE: f64 = 0.10;
-
-/// The default per-rank budget on `hw`: its device memory less [`DEFAULT_RESERVE`].
+/// The default per-rank budget on `hw`: all its device memory. A candidate fits when its
+/// device total does (the caching allocator's reserved peak, the CUDA context and NCCL's
+/// buffers), so no share is held back for them.
 pub fn default_budget(hw: &HardwareProfile) -> u64 {
-    (hw.hbm_gib * (1u64 << 30) as f64 * (1.0 - DEFAULT_RESERVE)) as u64
+    hw.hbm_bytes()
 }
 
 /// Which knobs the user set (they stay as the spec says).
@@ -88,7 +92,13 @@ pub struct Candidate {
     pub step_s: f64,
     pub mfu: f64,
     pub exposed_comm_s: f64,
+    /// Allocated peak (the plan's `memory.peak`).
     pub peak: u64,
+    /// Device total (`memory.device_total`): what must fit the budget. When the allocated
+    /// peak plus the fixed overheads already exceed the budget, the allocator is not
+    /// replayed and this is that lower bound (`device_exact: false`).
+    pub device: u64,
+    pub device_exact: bool,
     pub fits: bool,
 }
 
@@ -227,15 +237,16 @@ pub fn search(
             };
             for &(blocks, bucket) in &bucket_options {
                 'reshard: for (ri, &reshard) in reshard_options.iter().enumerate() {
-                    let mut any_fit_this_reshard = false;
-                    // The memory rank of the lightest checkpointing level that did not fit.
+                    let mut any_within_this_reshard = false;
+                    // The memory rank of the lightest checkpointing level none of whose
+                    // candidates was within the bound.
                     let mut failed_rank: Option<u8> = None;
                     for &ac in &ac_options {
                         if prune && failed_rank.is_some_and(|f| ac_memory_rank(ac) > f) {
                             pruned += prefetch_options.len();
                             continue;
                         }
-                        let mut any_fit_this_ac = false;
+                        let mut any_within_this_ac = false;
                         for (pi, &(pf, pb)) in prefetch_options.iter().enumerate() {
                             let mut c = base.clone();
                             c.mesh = mesh;
@@ -248,9 +259,19 @@ pub fn search(
                                 ..base.prefetch.clone()
                             };
                             c.offload = offload;
-                            let p = plan_with(joint, &c, &mut cache, false)?;
+                            let (mut p, steps) = plan_passes(joint, &c, &mut cache, false, false)?;
                             evaluated += 1;
-                            let fits = p.memory.peak <= budget;
+                            // The allocator replay costs more than the rest of a candidate;
+                            // it runs only where the bound leaves the fit open.
+                            let lower = p.memory.peak.saturating_add(p.memory.overhead.total());
+                            let device_exact = lower <= budget;
+                            if device_exact {
+                                p.memory = replayed(&p, &steps.acts);
+                            }
+                            let device = if device_exact { p.memory.device_total } else { lower };
+                            let fits = device_exact && device <= budget;
+                            // No plan with more memory of this knob fits either.
+                            let beyond = p.memory.peak.saturating_add(p.memory.overhead.cuda_context) > budget;
                             candidates.push((
                                 Candidate {
                                     knobs: Knobs {
@@ -267,23 +288,25 @@ pub fn search(
                                     mfu: p.estimate.mfu,
                                     exposed_comm_s: p.estimate.exposed_comm_s,
                                     peak: p.memory.peak,
+                                    device,
+                                    device_exact,
                                     fits,
                                 },
                                 c,
                             ));
-                            any_fit_this_ac |= fits;
-                            if prune && !fits && pi == 0 {
+                            any_within_this_ac |= !beyond;
+                            if prune && beyond && pi == 0 {
                                 pruned += prefetch_options.len() - 1;
                                 break;
                             }
                         }
-                        any_fit_this_reshard |= any_fit_this_ac;
-                        if !any_fit_this_ac {
+                        any_within_this_reshard |= any_within_this_ac;
+                        if !any_within_this_ac {
                             let r = ac_memory_rank(ac);
                             failed_rank = Some(failed_rank.map_or(r, |f| f.min(r)));
                         }
                     }
-                    if prune && !any_fit_this_reshard {
+                    if prune && !any_within_this_reshard {
                         let left = reshard_options.len() - ri - 1;
                         pruned += left * ac_options.len() * prefetch_options.len();
                         break 'reshard;
@@ -297,7 +320,7 @@ pub fn search(
         (!a.0.fits)
             .cmp(&!b.0.fits)
             .then(a.0.step_s.total_cmp(&b.0.step_s))
-            .then(a.0.peak.cmp(&b.0.peak))
+            .then(a.0.device.cmp(&b.0.device))
     });
     match candidates.first() {
         Some((c, config)) if c.fits => {
@@ -312,14 +335,32 @@ pub fn search(
             }))
         }
         _ => {
-            let best = candidates
-                .into_iter()
-                .map(|c| c.0)
-                .min_by_key(|c| c.peak)
-                .ok_or_else(|| PlanError::Graph("the search space is empty".into()))?;
-            Ok(Err(NoFit { best, budget }))
+            // The least device memory of any candidate: replay the one with the least bound
+            // until the least is exact (a bound never exceeds its candidate's total).
+            loop {
+                let (i, least) = candidates
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, c)| c.0.device)
+                    .ok_or_else(|| PlanError::Graph("the search space is empty".into()))?;
+                if least.0.device_exact {
+                    return Ok(Err(NoFit {
+                        best: least.0.clone(),
+                        budget,
+                    }));
+                }
+                let (p, steps) = plan_passes(joint, &candidates[i].1, &mut cache, false, false)?;
+                let m = replayed(&p, &steps.acts);
+                let c = &mut candidates[i].0;
+                (c.device, c.device_exact) = (m.device_total, true);
+            }
         }
     }
+}
+
+/// `p`'s memory with the caching allocator replayed over its program.
+fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
+    simulate::device_memory(p.memory.clone(), &p.programs[0], &p.buffers, acts, &p.mesh, &p.hardware)
 }
 
 /// For the winner, one line per knob: what it bought against the best candidate that

@@ -4,6 +4,7 @@
 //! → verify, each pass a free function in its own module.
 //! Architecture invariant: the planner holds no tensors.
 
+pub mod allocator;
 pub mod alternatives;
 pub mod auto;
 mod cost;
@@ -25,7 +26,7 @@ pub use group::{group, scope_groups, FsdpGroup, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout, ParamLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::*;
-pub use steps::{ExecOrder, Phase, Step, StepId};
+pub use steps::{ActEvent, ActEvents, ExecOrder, Phase, Step, StepId};
 pub use verify::{verify, VerifyError};
 
 use shardplan_frontends::{ParallelConfig, Reshard};
@@ -40,12 +41,20 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
 /// Groups' parameters, checkpointing policy, hardware and compute dtype.
 type StepsKey = (Vec<Vec<ParamId>>, String, String);
 
+/// The steps of one key, their activation events and durations.
+pub(crate) struct CachedSteps {
+    steps: Vec<Step>,
+    pub(crate) acts: ActEvents,
+    step_s: Vec<f64>,
+}
+
 /// What does not change between plans of one graph that differ only in mesh, resharding,
-/// prefetch or offload: the compute steps and their durations (by groups and checkpointing
-/// policy), and the model FLOPs. The auto search plans hundreds of variants with one.
+/// prefetch or offload: the compute steps, their activation events and their durations (by
+/// groups and checkpointing policy), and the model FLOPs. The auto search plans hundreds of
+/// variants with one.
 #[derive(Default)]
 pub struct PlanCache {
-    steps: std::collections::HashMap<StepsKey, (Vec<Step>, Vec<f64>)>,
+    steps: std::collections::HashMap<StepsKey, std::sync::Arc<CachedSteps>>,
     forward_flops: Option<f64>,
 }
 
@@ -57,6 +66,20 @@ pub fn plan_with(
     cache: &mut PlanCache,
     verify_plan: bool,
 ) -> Result<Plan, PlanError> {
+    Ok(plan_passes(joint, config, cache, verify_plan, true)?.0)
+}
+
+/// The passes of [`plan_with`]. `replay: false` leaves the caching-allocator replay out
+/// (`memory.active_peak`, `reserved_peak` and `device_total` stay 0; the overhead is set),
+/// for a caller that first checks a cheaper bound: the steps' activation events come back
+/// to run it later with [`simulate::device_memory`].
+pub(crate) fn plan_passes(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+    verify_plan: bool,
+    replay: bool,
+) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
     let g = &joint.graph;
     let mesh = Mesh::new(
         config.mesh.replicate,
@@ -136,15 +159,17 @@ pub fn plan_with(
         format!("{:?}", config.activation_checkpointing),
         format!("{:?} {:?}", config.hardware, policy.mixed_precision.param),
     );
-    let (steps, step_s) = match cache.steps.get(&key) {
+    let cached = match cache.steps.get(&key) {
         Some(x) => x.clone(),
         None => {
-            let steps = steps::steps(joint, &fsdp, config.activation_checkpointing);
+            let (steps, acts) = steps::steps_and_events(joint, &fsdp, config.activation_checkpointing);
             let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
-            cache.steps.insert(key, (steps.clone(), step_s.clone()));
-            (steps, step_s)
+            let x = std::sync::Arc::new(CachedSteps { steps, acts, step_s });
+            cache.steps.insert(key, x.clone());
+            x
         }
     };
+    let (steps, step_s) = (cached.steps.clone(), &cached.step_s);
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded).
     let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
@@ -153,13 +178,25 @@ pub fn plan_with(
     let (timing, stall) = simulate::timeline(
         &sched.program,
         &sched.buffers,
-        &step_s,
+        step_s,
         sched.events,
         &mesh,
         &config.hardware,
         policy.optimizer_state_per_param,
     );
-    let memory = simulate::memory(&sched.program, &sched.buffers, &steps, &timing);
+    let mut memory = simulate::memory(&sched.program, &sched.buffers, &steps, &timing);
+    if replay {
+        memory = simulate::device_memory(
+            memory,
+            &sched.program,
+            &sched.buffers,
+            &cached.acts,
+            &mesh,
+            &config.hardware,
+        );
+    } else {
+        memory.overhead = simulate::overhead(&sched.program, &mesh, &config.hardware);
+    }
     let forward_flops: f64 = *cache.forward_flops.get_or_insert_with(|| {
         (0..joint.forward_len)
             .map(|i| {
@@ -210,7 +247,7 @@ pub fn plan_with(
     if verify_plan {
         verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
     }
-    Ok(plan)
+    Ok((plan, cached))
 }
 
 /// Resolves `{module: [modules]}` explicit prefetch lists to groups; every name must be a

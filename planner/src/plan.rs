@@ -357,6 +357,21 @@ pub struct Program {
     pub instrs: Vec<Issued>,
 }
 
+impl Program {
+    /// The (process group, stream) pairs it issues collectives on, sorted: a communicator
+    /// each, as the executor's NCCL backend makes them.
+    pub fn communicators(&self) -> Vec<(Comm, Stream)> {
+        let mut out: Vec<(Comm, Stream)> = self
+            .instrs
+            .iter()
+            .filter_map(|x| x.instr.collective().map(|(c, _, _)| (c, x.stream)))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+}
+
 /// Ranks `first .. first + count` run `programs[program]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankSpan {
@@ -535,6 +550,39 @@ pub struct MemoryReport {
     /// Host bytes (CPU offload), by category, at their peak.
     pub host: ByCategory,
     pub timeline: Vec<MemorySample>,
+    /// Peak of the caching allocator's allocated blocks: `peak`'s allocations rounded to
+    /// blocks, with the remainders too small to split (PyTorch's `max_memory_allocated`).
+    #[serde(default)]
+    pub active_peak: u64,
+    /// Most bytes PyTorch's caching allocator holds from the device over the step (its
+    /// `max_memory_reserved`): `peak`'s allocations and frees replayed through the model of
+    /// [`crate::allocator`], fragmentation included.
+    #[serde(default)]
+    pub reserved_peak: u64,
+    /// Device memory a rank's process holds outside the allocator.
+    #[serde(default)]
+    pub overhead: Overhead,
+    /// `reserved_peak` plus the overhead: what must fit in the device's memory.
+    #[serde(default)]
+    pub device_total: u64,
+}
+
+/// Device memory outside the caching allocator, per process (one rank).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Overhead {
+    /// The CUDA context (the hardware profile's `cuda_context_mib`).
+    pub cuda_context: u64,
+    /// NCCL's buffers: `communicators` x the profile's channels x bytes per channel.
+    pub nccl: u64,
+    /// NCCL communicators of more than one rank the process joins: one per (process group,
+    /// stream) its program issues collectives on ([`Program::communicators`]).
+    pub communicators: u32,
+}
+
+impl Overhead {
+    pub fn total(&self) -> u64 {
+        self.cuda_context.saturating_add(self.nccl)
+    }
 }
 
 /// Start and end of each instruction in the simulated timeline, seconds.

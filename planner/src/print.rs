@@ -230,23 +230,41 @@ pub fn summary(o: &mut String, plan: &Plan) {
         );
     }
     let _ = writeln!(o, "  {:<36} {:>12}", "total", bytes(mem.at_peak.total()));
-    let hbm = (plan.hardware.hbm_gib * (1u64 << 30) as f64) as u64;
+    let _ = writeln!(
+        o,
+        "  allocated peak {} ({} in allocator blocks), reserved peak {} (PyTorch's caching allocator)",
+        bytes(mem.peak),
+        bytes(mem.active_peak),
+        bytes(mem.reserved_peak)
+    );
+    let ov = &mem.overhead;
+    let _ = writeln!(
+        o,
+        "  device total {} = reserved {} + CUDA context {} + NCCL {} ({} communicator{})",
+        bytes(mem.device_total),
+        bytes(mem.reserved_peak),
+        bytes(ov.cuda_context),
+        bytes(ov.nccl),
+        ov.communicators,
+        if ov.communicators == 1 { "" } else { "s" }
+    );
+    let hbm = plan.hardware.hbm_bytes();
     let _ = writeln!(
         o,
         "  {}",
-        if mem.peak <= hbm {
+        if mem.device_total <= hbm {
             format!(
                 "fits {}'s {} ({} spare)",
                 plan.hardware.name,
                 bytes(hbm),
-                bytes(hbm - mem.peak)
+                bytes(hbm - mem.device_total)
             )
         } else {
             format!(
                 "DOES NOT FIT {}'s {}: {} over",
                 plan.hardware.name,
                 bytes(hbm),
-                bytes(mem.peak - hbm)
+                bytes(mem.device_total - hbm)
             )
         }
     );

@@ -14,12 +14,13 @@
 //! of a plan holds the same bytes (shards are padded to equal size), so one rank stands for
 //! all. Samples carry the simulated time of the instruction for the trace's counter track.
 
+use crate::allocator::replay;
 use crate::cost::instr_seconds;
 use crate::mesh::Mesh;
 use crate::plan::{
-    Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Pool, Program, Stream, Timing,
+    Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Overhead, Pool, Program, Stream, Timing,
 };
-use crate::steps::Step;
+use crate::steps::{ActEvents, Step};
 use shardplan_frontends::HardwareProfile;
 
 /// The timeline of `program`, and how long the compute stream waited before each
@@ -150,6 +151,41 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
         max_by_category,
         host: host_max,
         timeline,
+        active_peak: 0,
+        reserved_peak: 0,
+        overhead: Overhead::default(),
+        device_total: 0,
+    }
+}
+
+/// Device memory as the GPU sees it: `report` (from [`memory`]) with the caching
+/// allocator's peaks for `program`, the process's fixed overheads on `hw` and their total.
+pub fn device_memory(
+    mut report: MemoryReport,
+    program: &Program,
+    buffers: &[Buffer],
+    acts: &ActEvents,
+    mesh: &Mesh,
+    hw: &HardwareProfile,
+) -> MemoryReport {
+    let r = replay(program, buffers, acts);
+    report.active_peak = r.allocated_peak;
+    report.reserved_peak = r.reserved;
+    report.overhead = overhead(program, mesh, hw);
+    report.device_total = r.reserved.saturating_add(report.overhead.total());
+    report
+}
+
+/// The CUDA context and NCCL's buffers: every communicator of more than one rank holds its
+/// channels' buffers (a group of one talks to nobody).
+pub fn overhead(program: &Program, mesh: &Mesh, hw: &HardwareProfile) -> Overhead {
+    let communicators = program.communicators().iter().filter(|(c, _)| c.size(mesh) > 1).count() as u32;
+    Overhead {
+        cuda_context: hw.cuda_context_bytes(),
+        nccl: hw
+            .nccl_bytes_per_communicator()
+            .saturating_mul(u64::from(communicators)),
+        communicators,
     }
 }
 

@@ -79,6 +79,46 @@ pub struct Step {
 
 /// Segments `joint` for `groups` and the checkpointing policy.
 pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointing) -> Vec<Step> {
+    steps_and_events(joint, groups, ac).0
+}
+
+/// What a step does to activation memory, in order: each value it makes and each value it
+/// frees (after the last reader, as the executor frees them), for the allocator model.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ActEvents {
+    /// Every step's events, step after step.
+    pub events: Vec<ActEvent>,
+    /// `events[starts[s] .. starts[s + 1]]` are step `s`'s.
+    pub starts: Vec<u32>,
+    /// Values the events name (`ActEvent::value` is below this).
+    pub values: u32,
+}
+
+impl ActEvents {
+    /// The events of step `s` (none for a step out of range).
+    pub fn of(&self, s: StepId) -> &[ActEvent] {
+        let (a, b) = (self.starts.get(s.index()), self.starts.get(s.index() + 1));
+        match (a, b) {
+            (Some(&a), Some(&b)) => self.events.get(a as usize..b as usize).unwrap_or(&[]),
+            _ => &[],
+        }
+    }
+}
+
+/// A value made (`bytes > 0`) or freed (`bytes == 0`). Values are numbered densely in the
+/// order they are first made, so a replay's table of live values stays small and local.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActEvent {
+    pub value: u32,
+    pub bytes: u64,
+}
+
+/// [`steps`], and the activation events of each step.
+pub fn steps_and_events(
+    joint: &JointGraph,
+    groups: &[FsdpGroup],
+    ac: ActivationCheckpointing,
+) -> (Vec<Step>, ActEvents) {
     let g = &joint.graph;
     let n = g.node_count();
     let group_of_scope = scope_groups(g, groups);
@@ -110,7 +150,15 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
     };
 
     let mut out: Vec<Step> = Vec::new();
+    let mut acts = ActEvents {
+        events: Vec::with_capacity(order.len() * 2),
+        starts: Vec::new(),
+        values: 0,
+    };
+    // `ExecOrder::slot` -> dense value number.
+    let mut value_of: Vec<u32> = vec![u32::MAX; n * 2];
     let mut live: u64 = 0;
+    let mut freed: Vec<usize> = Vec::new();
     for (pos, &(id, copy)) in order.iter().enumerate() {
         let node = g.node(id);
         let phase = if copy {
@@ -126,6 +174,7 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
             None => true,
         };
         if start_new {
+            acts.starts.push(acts.events.len() as u32);
             out.push(Step {
                 id: StepId(out.len() as u32),
                 phase,
@@ -165,9 +214,21 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
                 step.grads.push(gg);
             }
         }
-        live = live.saturating_add(bytes(id));
+        let own = ExecOrder::slot(id, copy);
+        let made = bytes(id);
+        live = live.saturating_add(made);
         step.act_peak = step.act_peak.max(live);
-        let mut freed: Vec<usize> = Vec::new();
+        if made > 0 {
+            if value_of[own] == u32::MAX {
+                value_of[own] = acts.values;
+                acts.values += 1;
+            }
+            acts.events.push(ActEvent {
+                value: value_of[own],
+                bytes: made,
+            });
+        }
+        freed.clear();
         for &input in &node.inputs {
             if param_of_node[input.index()].is_some() {
                 continue;
@@ -175,19 +236,33 @@ pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointi
             let s = ExecOrder::slot(input, exec.reads_copy(id, copy, input));
             if exec.last_use[s] == pos && !freed.contains(&s) {
                 freed.push(s);
-                live = live.saturating_sub(bytes(input));
+                let b = bytes(input);
+                live = live.saturating_sub(b);
+                if b > 0 && value_of[s] != u32::MAX {
+                    acts.events.push(ActEvent {
+                        value: value_of[s],
+                        bytes: 0,
+                    });
+                }
             }
         }
-        if exec.last_use[ExecOrder::slot(id, copy)] == usize::MAX {
-            live = live.saturating_sub(bytes(id));
+        if exec.last_use[own] == usize::MAX {
+            live = live.saturating_sub(made);
+            if made > 0 {
+                acts.events.push(ActEvent {
+                    value: value_of[own],
+                    bytes: 0,
+                });
+            }
         }
         step.act_end = live;
     }
+    acts.starts.push(acts.events.len() as u32);
     for s in &mut out {
         s.reads.sort_unstable();
         s.grads.sort_unstable();
     }
-    out
+    (out, acts)
 }
 
 /// The order a rank runs the joint graph's nodes in, and when each value dies: shared by

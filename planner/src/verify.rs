@@ -13,7 +13,8 @@
 //!   the reduction);
 //! - collectives: every rank of a process group issues that group's collectives in the same
 //!   order with the same sizes (a mismatch hangs NCCL);
-//! - memory: the simulated peak fits the budget, when one is given.
+//! - memory: the device memory the plan needs (the allocator's reserved peak, the CUDA
+//!   context and NCCL's buffers) fits the budget, when one is given.
 
 use crate::plan::{Access, BufId, Comm, Instr, Plan, Program, Stream};
 use crate::print::describe;
@@ -116,16 +117,19 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
         verify_program(plan, p, program)?;
     }
     if let Some(b) = budget {
-        if plan.memory.peak > b {
+        let need = plan.memory.device_total;
+        if need > b {
             return Err(err(
                 "budget",
                 0,
                 Some(plan.memory.peak_instr as usize),
                 format!(
-                    "peak memory {} per rank exceeds the budget {} by {}",
-                    crate::print::bytes(plan.memory.peak),
+                    "device memory {} per rank (reserved {} + CUDA context and NCCL {}) exceeds the budget {} by {}",
+                    crate::print::bytes(need),
+                    crate::print::bytes(plan.memory.reserved_peak),
+                    crate::print::bytes(plan.memory.overhead.total()),
                     crate::print::bytes(b),
-                    crate::print::bytes(plan.memory.peak - b)
+                    crate::print::bytes(need - b)
                 ),
             ));
         }

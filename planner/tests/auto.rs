@@ -33,12 +33,12 @@ fn run(j: &JointGraph, c: &ParallelConfig, budget: u64, prune: bool) -> Option<A
     search(j, c, Fixed::default(), budget, prune).unwrap().ok()
 }
 
-/// Budgets spread over the candidates' peaks (from the exhaustive search).
+/// Budgets spread over the candidates' device totals (from the exhaustive search).
 fn budgets(j: &JointGraph, c: &ParallelConfig) -> Vec<u64> {
     let all = run(j, c, u64::MAX, false).unwrap();
-    let mut peaks: Vec<u64> = all.candidates.iter().map(|c| c.peak).collect();
-    peaks.sort_unstable();
-    (0..8).map(|i| peaks[i * (peaks.len() - 1) / 7]).collect()
+    let mut devices: Vec<u64> = all.candidates.iter().map(|c| c.device).collect();
+    devices.sort_unstable();
+    (0..8).map(|i| devices[i * (devices.len() - 1) / 7]).collect()
 }
 
 #[test]
@@ -52,8 +52,8 @@ fn pruned_search_finds_the_brute_force_optimum() {
                 (Some(p), Some(f)) => {
                     let (pw, fw) = (&p.candidates[0], &f.candidates[0]);
                     assert_eq!(
-                        (pw.step_s, pw.peak),
-                        (fw.step_s, fw.peak),
+                        (pw.step_s, pw.peak, pw.device),
+                        (fw.step_s, fw.peak, fw.device),
                         "{model} budget {b}: {:?} vs {:?}",
                         pw.knobs,
                         fw.knobs
@@ -119,9 +119,12 @@ fn more_ranks_at_a_fixed_global_batch_never_need_more_memory() {
         let c = spec(shard, global / shard);
         let j = joint("tiny-llama", &c);
         let all = run(&j, &c, u64::MAX, false).unwrap();
-        let least = all.candidates.iter().map(|c| c.peak).min().unwrap();
+        let least = all.candidates.iter().map(|c| c.device).min().unwrap();
         if let Some((prev_least, prev_budget)) = last {
-            assert!(least <= prev_least, "shard {shard}: least peak {least} > {prev_least}");
+            assert!(
+                least <= prev_least,
+                "shard {shard}: least device total {least} > {prev_least}"
+            );
             if let Some(b) = prev_budget {
                 assert!(
                     run(&j, &c, b, true).is_some(),

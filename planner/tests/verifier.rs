@@ -185,8 +185,11 @@ fn a_reduce_scatter_not_ordered_after_the_last_contribution_is_rejected() {
 #[test]
 fn the_budget_is_checked() {
     let plan = tiny();
-    verify(&plan, Some(plan.memory.peak)).unwrap();
-    let e = verify(&plan, Some(plan.memory.peak - 1024)).unwrap_err();
+    // The budget is for the device total: reserved peak + CUDA context + NCCL.
+    let need = plan.memory.device_total;
+    assert!(need >= plan.memory.reserved_peak && plan.memory.reserved_peak >= plan.memory.peak);
+    verify(&plan, Some(need)).unwrap();
+    let e = verify(&plan, Some(need - 1024)).unwrap_err();
     assert_eq!(e.rule, "budget");
     assert!(e.message.contains("exceeds the budget"), "{e}");
     assert!(e.message.contains("by 1.00 KiB"), "{e}");

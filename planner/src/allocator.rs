@@ -1,0 +1,342 @@
+//! A model of PyTorch's CUDA caching allocator: what a program's allocations reserve from
+//! the device, fragmentation included.
+//!
+//! The rules, as `c10/cuda/CUDACachingAllocator.cpp` applies them with its default settings
+//! (no `max_split_size`, no power-of-two rounding, no expandable segments, no
+//! `empty_cache`):
+//! - a request is rounded up to a multiple of [`MIN_BLOCK`] (512 bytes; a 0-byte request
+//!   allocates nothing);
+//! - requests up to [`SMALL_SIZE`] (1 MiB) come from the small pool, larger ones from the
+//!   large pool; each pool keeps the free blocks of every stream apart, and a block freed
+//!   goes back to the stream it was allocated on;
+//! - a request takes the smallest free block of its pool and stream that is large enough
+//!   (ties to the lowest address); without one, a new segment is reserved from the device:
+//!   [`SMALL_SEGMENT`] (2 MiB) for small requests, [`LARGE_SEGMENT`] (20 MiB) for requests
+//!   below [`MIN_LARGE_ALLOC`] (10 MiB), otherwise the request rounded up to
+//!   [`ROUND_LARGE`] (2 MiB);
+//! - the block taken is split when what is left stays useful: in the small pool when at
+//!   least 512 bytes remain, in the large pool when more than 1 MiB remains; the remainder
+//!   stays a free block of the same segment (after the allocated part);
+//! - a freed block merges with free neighbours of its segment;
+//! - segments are never given back, so the reserved peak is the reserved total at the end.
+//!
+//! Addresses are a counter (segments in the order they are reserved), so ties between equal
+//! free blocks go to the older segment, as they do on a device that hands out rising
+//! addresses. Every operation is O(log free blocks); blocks live in an arena whose slots
+//! are reused, so a long replay allocates only while the free-block index grows.
+
+use std::collections::BTreeMap;
+
+/// Every request is rounded up to a multiple of this many bytes.
+pub const MIN_BLOCK: u64 = 512;
+/// The largest request the small pool serves (1 MiB).
+pub const SMALL_SIZE: u64 = 1 << 20;
+/// Segment size of the small pool (2 MiB).
+pub const SMALL_SEGMENT: u64 = 2 << 20;
+/// Segment size for large requests below [`MIN_LARGE_ALLOC`] (20 MiB).
+pub const LARGE_SEGMENT: u64 = 20 << 20;
+/// From this request size on, a segment is the request itself, rounded (10 MiB).
+pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
+/// Rounding of segments made for large requests (2 MiB).
+pub const ROUND_LARGE: u64 = 2 << 20;
+
+const NONE: u32 = u32::MAX;
+
+/// The size a request of `bytes` occupies: rounded up to [`MIN_BLOCK`], at least one block.
+pub fn round(bytes: u64) -> u64 {
+    bytes.div_ceil(MIN_BLOCK).max(1).saturating_mul(MIN_BLOCK)
+}
+
+/// The segment reserved for a (rounded) request that no free block can serve.
+pub fn segment_size(rounded: u64) -> u64 {
+    if rounded <= SMALL_SIZE {
+        SMALL_SEGMENT
+    } else if rounded < MIN_LARGE_ALLOC {
+        LARGE_SEGMENT
+    } else {
+        rounded.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
+    }
+}
+
+/// A block of a segment: allocated or free.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    addr: u64,
+    size: u64,
+    /// Neighbours in the same segment (`NONE` at its ends).
+    prev: u32,
+    next: u32,
+    stream: u8,
+    small: bool,
+    live: bool,
+}
+
+/// Free-block index key, packed so that keys order as (pool, stream, size, address): best
+/// fit is the first key at or above the request's in its pool and stream. Sizes and
+/// addresses are multiples of [`MIN_BLOCK`], stored in blocks.
+type Key = u128;
+
+fn key(small: bool, stream: u8, size: u64, addr: u64) -> Key {
+    let class = (u128::from(small) << 3) | u128::from(stream & 7);
+    (class << 124) | (u128::from(size / MIN_BLOCK) << 64) | u128::from(addr / MIN_BLOCK)
+}
+
+/// The pool and stream of a key.
+fn class(k: Key) -> u8 {
+    (k >> 124) as u8
+}
+
+/// The allocator's state and its counters, in bytes.
+#[derive(Clone, Debug, Default)]
+pub struct CachingAllocator {
+    blocks: Vec<Block>,
+    spare: Vec<u32>,
+    free: BTreeMap<Key, u32>,
+    next_addr: u64,
+    /// Bytes in segments (PyTorch's "reserved").
+    pub reserved: u64,
+    /// Bytes in allocated blocks, as rounded and split (PyTorch's "allocated"/"active").
+    pub allocated: u64,
+    /// Bytes requested by the live allocations, unrounded.
+    pub requested: u64,
+    pub allocated_peak: u64,
+    pub requested_peak: u64,
+    /// Segments reserved so far.
+    pub segments: u64,
+}
+
+/// A live allocation (the block it holds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    block: u32,
+    requested: u64,
+}
+
+impl CachingAllocator {
+    /// Allocates `bytes` for `stream`; `None` for a 0-byte request, which takes nothing.
+    pub fn alloc(&mut self, stream: u8, bytes: u64) -> Option<Allocation> {
+        if bytes == 0 {
+            return None;
+        }
+        let size = round(bytes);
+        let small = size <= SMALL_SIZE;
+        let want = key(small, stream, size, 0);
+        let found = self
+            .free
+            .range(want..)
+            .next()
+            .map(|(&k, &b)| (k, b))
+            .filter(|&(k, _)| class(k) == class(want));
+        let b = match found {
+            Some((k, b)) => {
+                self.free.remove(&k);
+                b
+            }
+            None => {
+                let seg = segment_size(size);
+                let addr = self.next_addr;
+                self.next_addr = self.next_addr.saturating_add(seg);
+                self.reserved = self.reserved.saturating_add(seg);
+                self.segments += 1;
+                self.new_block(Block {
+                    addr,
+                    size: seg,
+                    prev: NONE,
+                    next: NONE,
+                    stream,
+                    small,
+                    live: false,
+                })
+            }
+        };
+        let block = self.blocks[b as usize];
+        let remaining = block.size - size;
+        let split = if small {
+            remaining >= MIN_BLOCK
+        } else {
+            remaining > SMALL_SIZE
+        };
+        if split {
+            let rest = self.new_block(Block {
+                addr: block.addr + size,
+                size: remaining,
+                prev: b,
+                next: block.next,
+                stream,
+                small,
+                live: false,
+            });
+            if block.next != NONE {
+                self.blocks[block.next as usize].prev = rest;
+            }
+            let blk = &mut self.blocks[b as usize];
+            blk.next = rest;
+            blk.size = size;
+            self.free.insert(key(small, stream, remaining, block.addr + size), rest);
+        }
+        let blk = &mut self.blocks[b as usize];
+        blk.live = true;
+        self.allocated = self.allocated.saturating_add(blk.size);
+        self.requested = self.requested.saturating_add(bytes);
+        self.allocated_peak = self.allocated_peak.max(self.allocated);
+        self.requested_peak = self.requested_peak.max(self.requested);
+        Some(Allocation {
+            block: b,
+            requested: bytes,
+        })
+    }
+
+    /// Returns `a`'s block to its pool and stream, merged with free neighbours.
+    pub fn free(&mut self, a: Allocation) {
+        let b = a.block;
+        let Some(&block) = self.blocks.get(b as usize) else {
+            return;
+        };
+        if !block.live {
+            return;
+        }
+        self.allocated = self.allocated.saturating_sub(block.size);
+        self.requested = self.requested.saturating_sub(a.requested);
+        let mut merged = Block { live: false, ..block };
+        if block.prev != NONE && !self.blocks[block.prev as usize].live {
+            let p = self.blocks[block.prev as usize];
+            self.free.remove(&key(p.small, p.stream, p.size, p.addr));
+            self.spare.push(block.prev);
+            merged.addr = p.addr;
+            merged.size += p.size;
+            merged.prev = p.prev;
+            if p.prev != NONE {
+                self.blocks[p.prev as usize].next = b;
+            }
+        }
+        if block.next != NONE && !self.blocks[block.next as usize].live {
+            let n = self.blocks[block.next as usize];
+            self.free.remove(&key(n.small, n.stream, n.size, n.addr));
+            self.spare.push(block.next);
+            merged.size += n.size;
+            merged.next = n.next;
+            if n.next != NONE {
+                self.blocks[n.next as usize].prev = b;
+            }
+        }
+        self.blocks[b as usize] = merged;
+        self.free
+            .insert(key(merged.small, merged.stream, merged.size, merged.addr), b);
+    }
+
+    /// Free bytes held in segments (reserved but not allocated).
+    pub fn cached(&self) -> u64 {
+        self.reserved.saturating_sub(self.allocated)
+    }
+
+    /// Free blocks, each as (small pool?, stream, size), smallest first per pool and stream.
+    pub fn free_blocks(&self) -> Vec<(bool, u8, u64)> {
+        self.free
+            .values()
+            .map(|&b| {
+                let b = &self.blocks[b as usize];
+                (b.small, b.stream, b.size)
+            })
+            .collect()
+    }
+
+    fn new_block(&mut self, b: Block) -> u32 {
+        match self.spare.pop() {
+            Some(i) => {
+                self.blocks[i as usize] = b;
+                i
+            }
+            None => {
+                self.blocks.push(b);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+}
+
+/// Replays of a step at most: the allocator's cache carries over from one step to the next,
+/// so the first step (from an empty cache) need not be the one that reserves the most.
+pub const MAX_REPLAYS: u32 = 3;
+
+/// What the caching allocator holds over a program, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Replay {
+    /// Bytes in segments at the end (segments are never released: the peak).
+    pub reserved: u64,
+    /// Peak of allocated blocks (rounded, with unsplit remainders).
+    pub allocated_peak: u64,
+    /// Peak of the requested bytes themselves (the plan's own accounting).
+    pub requested_peak: u64,
+    pub segments: u64,
+    /// Steps replayed: until one reserves no new segment, at most [`MAX_REPLAYS`].
+    pub steps: u32,
+}
+
+/// Replays `program` through the allocator model: persistent device buffers first (on the
+/// compute stream, as they are made at start-up), then the program's allocs and frees in
+/// issue order (the host issues them, and the allocator sees them, in that order), each
+/// compute step's activations made and freed where it runs, on the compute stream. Host
+/// buffers are not device memory and are left out.
+pub fn replay(
+    program: &crate::plan::Program,
+    buffers: &[crate::plan::Buffer],
+    acts: &crate::steps::ActEvents,
+) -> Replay {
+    use crate::plan::{Instr, Pool, Stream};
+    let mut a = CachingAllocator::default();
+    let mut bufs: Vec<Option<Allocation>> = vec![None; buffers.len()];
+    let mut values: Vec<Option<Allocation>> = vec![None; acts.values as usize];
+    let compute = Stream::Compute.index() as u8;
+    for b in buffers.iter().filter(|b| b.persistent && b.pool == Pool::Device) {
+        if let Some(slot) = bufs.get_mut(b.id.index()) {
+            *slot = a.alloc(compute, b.bytes());
+        }
+    }
+    let mut steps = 0;
+    while steps < MAX_REPLAYS {
+        let before = a.segments;
+        for issued in &program.instrs {
+            match &issued.instr {
+                Instr::Alloc { buf } => {
+                    let Some(b) = buffers.get(buf.index()) else { continue };
+                    if b.pool == Pool::Device {
+                        if let Some(old) = bufs[buf.index()].take() {
+                            a.free(old);
+                        }
+                        bufs[buf.index()] = a.alloc(issued.stream.index() as u8, b.bytes());
+                    }
+                }
+                Instr::Free { buf } => {
+                    if let Some(old) = bufs.get_mut(buf.index()).and_then(Option::take) {
+                        a.free(old);
+                    }
+                }
+                Instr::Compute { step, .. } => {
+                    for e in acts.of(*step) {
+                        let Some(slot) = values.get_mut(e.value as usize) else {
+                            continue;
+                        };
+                        if let Some(old) = slot.take() {
+                            a.free(old);
+                        }
+                        if e.bytes > 0 {
+                            *slot = a.alloc(compute, e.bytes);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        steps += 1;
+        if steps > 1 && a.segments == before {
+            break;
+        }
+    }
+    Replay {
+        reserved: a.reserved,
+        allocated_peak: a.allocated_peak,
+        requested_peak: a.requested_peak,
+        segments: a.segments,
+        steps,
+    }
+}
