@@ -290,7 +290,7 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
         "candidates planned (",
         "  #  mesh",
         "the winner, knob by knob:",
-        "activation_checkpointing none (vs ",
+        "activation_checkpointing selective (vs ",
         "plan: llama3-8b",
     ] {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
