@@ -166,12 +166,8 @@ pub fn tensor_bytes(t: &Tensor) -> u64 {
 /// fixed order (every rank creates its communicators in this order: MPI and NCCL need the
 /// same order everywhere).
 pub fn channels(plan: &shardplan_planner::Plan) -> Vec<(shardplan_planner::Comm, shardplan_planner::Stream)> {
-    let mut out: Vec<_> = plan
-        .programs
-        .iter()
-        .flat_map(|p| p.instrs.iter())
-        .filter_map(|x| x.instr.collective().map(|(c, _, _)| (c, x.stream)))
-        .collect();
+    // The planner counts the same communicators for NCCL's memory (`Program::communicators`).
+    let mut out: Vec<_> = plan.programs.iter().flat_map(|p| p.communicators()).collect();
     out.sort();
     out.dedup();
     out
