@@ -12,6 +12,8 @@ use crate::{did_you_mean, Origin, Source, SpecError};
 use serde::Deserialize;
 use shardplan_models::{Gpt2Config, LlamaConfig, ModelConfig};
 
+type JsonMap = serde_json::Map<String, serde_json::Value>;
+
 /// The architectures shardplan imports.
 pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "LlamaForCausalLM",
@@ -123,8 +125,9 @@ impl HfConfig {
         }
     }
 
-    /// Validates and converts into the internal config.
-    pub fn into_config(self, src: &Source) -> Result<(ModelConfig, Origin), SpecError> {
+    /// Validates and converts into the internal config; `map` is the same file as a JSON
+    /// object (for the keys read from nested objects).
+    pub fn into_config(self, src: &Source, map: &JsonMap) -> Result<(ModelConfig, Origin), SpecError> {
         let arch = self.arch(src)?;
         let need = |v: Option<u64>, field: &str| -> Result<u64, SpecError> {
             let key = hf_key(arch, field);
@@ -149,7 +152,7 @@ impl HfConfig {
         };
         let key_pos = |k: &str| src.json_key_pos(k);
         // transformers 5 keeps rope_theta inside rope_parameters.
-        let rope_theta = match (self.rope_theta, rope_parameters_theta(src)?) {
+        let rope_theta = match (self.rope_theta, rope_parameters_theta(src, map)?) {
             (Some(a), Some(b)) if a != b => {
                 return Err(SpecError::file(
                     &src.path,
@@ -195,7 +198,7 @@ impl HfConfig {
                     ffn_dim: need(self.intermediate_size, "ffn_dim")?,
                     norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
                     rope_theta: rope_theta.unwrap_or(10000.0),
-                    rope_scaling: rope_scaling(src)?,
+                    rope_scaling: rope_scaling(src, map)?,
                     activation: activation(&self.hidden_act),
                     tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
                     qkv_bias: arch == Arch::Qwen2,
@@ -261,11 +264,8 @@ impl HfConfig {
 /// The RoPE scaling of `rope_scaling` or `rope_parameters` (transformers 5): `default`,
 /// `linear` or `llama3`, every field they need present and sane (other types are refused
 /// by `check_fields`).
-fn rope_scaling(src: &Source) -> Result<shardplan_models::RopeScaling, SpecError> {
+fn rope_scaling(src: &Source, map: &JsonMap) -> Result<shardplan_models::RopeScaling, SpecError> {
     use shardplan_models::RopeScaling;
-    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(&src.text) else {
-        return Ok(RopeScaling::Default);
-    };
     let mut found: Option<(&str, RopeScaling)> = None;
     for key in ["rope_scaling", "rope_parameters"] {
         let Some(v) = map.get(key).filter(|v| v.is_object()) else {
@@ -388,10 +388,7 @@ fn activation(name: &Option<String>) -> Option<shardplan_models::Activation> {
 }
 
 /// `rope_parameters.rope_theta` (transformers 5's layout), if given.
-fn rope_parameters_theta(src: &Source) -> Result<Option<f64>, SpecError> {
-    let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(&src.text) else {
-        return Ok(None);
-    };
+fn rope_parameters_theta(src: &Source, map: &JsonMap) -> Result<Option<f64>, SpecError> {
     match map.get("rope_parameters").and_then(|r| r.get("rope_theta")) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => match v.as_f64() {
@@ -665,7 +662,7 @@ const KNOWN_KEYS: &[&str] = &[
 ];
 
 /// Refuses the keys and values of `map` shardplan does not implement (see `field_rule`).
-fn check_fields(src: &Source, arch: Arch, map: &serde_json::Map<String, serde_json::Value>) -> Result<(), SpecError> {
+fn check_fields(src: &Source, arch: Arch, map: &JsonMap) -> Result<(), SpecError> {
     use serde_json::Value;
     let refuse = |key: &str, msg: String, help: &str| {
         SpecError::file(&src.path, msg)
@@ -794,8 +791,11 @@ pub fn parse_hf_config(src: &Source) -> Result<(ModelConfig, Origin), SpecError>
             err
         })?;
     let arch = value.arch(src)?;
-    if let Ok(serde_json::Value::Object(map)) = serde_json::from_str::<serde_json::Value>(&src.text) {
-        check_fields(src, arch, &map)?;
-    }
-    value.into_config(src)
+    // The typed parse above succeeded, so the text is one JSON object.
+    let map = match serde_json::from_str::<serde_json::Value>(&src.text) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => JsonMap::new(),
+    };
+    check_fields(src, arch, &map)?;
+    value.into_config(src, &map)
 }
