@@ -338,7 +338,9 @@ fn train(
         (None, Some(m), Some(par)) => {
             let model = load_model(m)?;
             let parallel = load_parallel(par)?;
-            let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &parallel.config)?;
+            // Planned as this executor runs it (one kernel per op), not as PyTorch eager would.
+            let run_config = shardplan_executor::train::sharded::executor_config(&parallel.config);
+            let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &run_config)?;
             let config = model.config.clone();
             let specs = Specs::Files(Box::new((model, parallel)));
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;

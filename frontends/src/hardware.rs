@@ -23,8 +23,11 @@ pub struct HardwareProfile {
     pub intra_node_latency_us: f64,
     /// Latency of one step of a ring collective across nodes, microseconds.
     pub inter_node_latency_us: f64,
-    /// Fraction of peak FLOP/s that large matmuls reach in practice.
-    pub compute_efficiency: f64,
+    /// Fraction of peak FLOP/s that a large, well-shaped matmul reaches (cuBLAS on big
+    /// GEMMs); smaller shapes lose more to tile and wave quantisation on `sm_count` SMs.
+    /// Spec files may still call it `compute_efficiency`.
+    #[serde(alias = "compute_efficiency")]
+    pub matmul_efficiency: f64,
     /// Host <-> device copy bandwidth (PCIe), GB/s per GPU per direction (CPU offload).
     pub host_link_gbps: f64,
     /// Host memory bandwidth available to one GPU's share of the CPU, GB/s (the optimizer
@@ -42,6 +45,66 @@ pub struct HardwareProfile {
     /// connection for its three protocols. Default [`NCCL_CHANNEL_MIB`].
     #[serde(default = "default_nccl_channel_mib")]
     pub nccl_channel_mib: f64,
+    /// Streaming multiprocessors (GPU) or cores (CPU): the units a matmul's output tiles are
+    /// spread over in waves.
+    #[serde(default = "default_sm_count")]
+    pub sm_count: f64,
+    /// Output tile of one matmul thread block: rows (cuBLAS's large tiles) ...
+    #[serde(default = "default_tile_m")]
+    pub matmul_tile_m: f64,
+    /// ... and columns.
+    #[serde(default = "default_tile_n")]
+    pub matmul_tile_n: f64,
+    /// Fraction of peak that flash attention's forward reaches on the blocks it computes
+    /// (a causal mask skips the blocks above the diagonal).
+    #[serde(default = "default_attention_fwd")]
+    pub attention_fwd_efficiency: f64,
+    /// The same for flash attention's backward (which recomputes the probabilities).
+    #[serde(default = "default_attention_bwd")]
+    pub attention_bwd_efficiency: f64,
+    /// Query and key block of flash attention: the unit a causal mask skips.
+    #[serde(default = "default_attention_block")]
+    pub attention_block: f64,
+    /// Fraction of `hbm_gbps` that memory-bound kernels (elementwise, norms, reductions,
+    /// copies, the optimizer step) reach.
+    #[serde(default = "default_memory_efficiency")]
+    pub memory_efficiency: f64,
+    /// The least time one kernel takes, microseconds: launch and dispatch in eager mode.
+    #[serde(default = "default_kernel_launch_us")]
+    pub kernel_launch_us: f64,
+    /// Fraction of the link rate that NCCL's collectives reach as bus bandwidth on large
+    /// messages.
+    #[serde(default = "default_collective_efficiency")]
+    pub collective_efficiency: f64,
+    /// Extra compute time while a collective runs beside it: NCCL's kernels hold
+    /// `nccl_channels` SMs, so compute runs on the rest,
+    /// `nccl_channels / (sm_count - nccl_channels)` slower.
+    #[serde(default = "default_overlap_slowdown")]
+    pub overlap_slowdown: f64,
+    /// How the framework being planned runs memory-bound ops: `eager` (PyTorch eager, as
+    /// FSDP2 and torchtitan run: an RMSNorm or a rotary embedding is several kernels
+    /// through f32 temporaries) or `fused` (one kernel per graph op, as shardplan's
+    /// executor runs them).
+    #[serde(default)]
+    pub kernels: KernelMode,
+}
+
+/// How memory-bound ops run: see [`HardwareProfile::kernels`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelMode {
+    #[default]
+    Eager,
+    Fused,
+}
+
+impl KernelMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelMode::Eager => "eager",
+            KernelMode::Fused => "fused",
+        }
+    }
 }
 
 /// PyTorch's CUDA context with its kernels loaded eagerly: 666,632,192 bytes
@@ -83,43 +146,176 @@ fn default_nccl_channel_mib() -> f64 {
     NCCL_CHANNEL_MIB
 }
 
+fn default_sm_count() -> f64 {
+    132.0
+}
+
+fn default_tile_m() -> f64 {
+    128.0
+}
+
+fn default_tile_n() -> f64 {
+    256.0
+}
+
+fn default_attention_fwd() -> f64 {
+    FA2_HOPPER.0
+}
+
+fn default_attention_bwd() -> f64 {
+    FA2_HOPPER.1
+}
+
+fn default_attention_block() -> f64 {
+    128.0
+}
+
+fn default_memory_efficiency() -> f64 {
+    MEMORY_EFFICIENCY
+}
+
+fn default_kernel_launch_us() -> f64 {
+    KERNEL_LAUNCH_US
+}
+
+fn default_collective_efficiency() -> f64 {
+    COLLECTIVE_EFFICIENCY
+}
+
+fn default_overlap_slowdown() -> f64 {
+    NCCL_CHANNELS / (132.0 - NCCL_CHANNELS)
+}
+
+/// Flash attention 2 (PyTorch's `scaled_dot_product_attention` flash backend) on Ampere:
+/// forward and backward as fractions of the A100's 312 TFLOP/s, head dim 128, long
+/// sequences (the FlashAttention-2 paper, Dao 2023, figures 4-6: about 70% forward and
+/// 60% backward).
+pub const FA2_AMPERE: (f64, f64) = (0.70, 0.60);
+/// Flash attention 2 on Hopper, which it does not program with Hopper's own instructions
+/// (the FlashAttention-3 paper, Shah et al. 2024, figure 5: about 350 of 989 TFLOP/s
+/// forward and 300 backward, head dim 128).
+pub const FA2_HOPPER: (f64, f64) = (0.35, 0.30);
+/// Memory-bound kernels reach about 85-90% of the HBM's rate (device-to-device copy
+/// bandwidth in vendors' `bandwidthTest` and STREAM-like kernels); 0.85.
+pub const MEMORY_EFFICIENCY: f64 = 0.85;
+/// Eager PyTorch issues one op every few microseconds from Python through the dispatcher;
+/// an op shorter than that leaves the GPU idle. 5 us.
+pub const KERNEL_LAUNCH_US: f64 = 5.0;
+/// NCCL's all-gather and reduce-scatter bus bandwidth on large messages over NVLink and
+/// InfiniBand is about 80% of the link rate (`nccl-tests` on DGX A100: ~235 of 300 GB/s;
+/// on DGX H100: ~360 of 450 GB/s).
+pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
+
 /// Built-in profile names.
-pub const HARDWARE_NAMES: &[&str] = &["h100-sxm", "h200", "a100-80gb"];
+pub const HARDWARE_NAMES: &[&str] = &["h100-sxm", "h100-sxm-96gb", "h200", "a100-40gb", "a100-80gb", "b200"];
+
+/// One GPU generation's figures that its memory variants share.
+struct Arch {
+    bf16: f64,
+    f32: f64,
+    nvlink: f64,
+    net: f64,
+    host: (f64, f64),
+    sms: f64,
+    tile: [f64; 2],
+    matmul: f64,
+    attention: (f64, f64),
+}
 
 /// A built-in profile. Figures are the vendor's dense peaks and link rates (SXM parts,
-/// 8 per node over NVSwitch, one 400 Gb/s NIC per GPU for Hopper, 200 Gb/s for Ampere);
-/// latency and efficiency are typical measured values, not guarantees. Host links are PCIe
-/// Gen5 x16 (Hopper) and Gen4 x16 (Ampere) at about 80% of their 64 / 32 GB/s; host memory
-/// is one socket's DDR bandwidth (about 300 / 200 GB/s) shared by the 4 GPUs it serves.
+/// 8 per node over NVSwitch, one NIC per GPU: 200 Gb/s for Ampere, 400 Gb/s for Hopper and
+/// Blackwell); `hbm_gib` is what the driver reports. Host links are PCIe Gen4 x16 (Ampere)
+/// and Gen5 x16 (Hopper, Blackwell) at about 80% of 32 / 64 GB/s; host memory is one
+/// socket's DDR bandwidth (about 200 / 300 GB/s) shared by the 4 GPUs it serves.
+///
+/// Efficiencies, and where each comes from:
+/// - `matmul_efficiency`: what cuBLAS reaches on large bf16 GEMMs: about 250 of 312 TFLOP/s
+///   on A100 (0.80), about 700 of 989 on H100 under its power limit (0.70), and about
+///   1,600 of 2,250 on B200 (0.70).
+/// - `matmul_tile`: cuBLAS's large tiles, 128 x 128 on Ampere and 128 x 256 on Hopper and
+///   Blackwell; `sm_count`: 108, 132, 148.
+/// - attention: [`FA2_AMPERE`], [`FA2_HOPPER`] (and Hopper's for Blackwell, where PyTorch
+///   also runs flash attention 2).
+/// - [`MEMORY_EFFICIENCY`], [`KERNEL_LAUNCH_US`], [`COLLECTIVE_EFFICIENCY`] for every GPU;
+///   `overlap_slowdown` is `nccl_channels / (sm_count - nccl_channels)`.
 pub fn builtin(name: &str) -> Option<HardwareProfile> {
-    let p = |bf16: f64, f32: f64, gib: f64, hbm: f64, nvl: f64, net: f64, host: (f64, f64)| HardwareProfile {
+    const AMPERE: Arch = Arch {
+        bf16: 312.0,
+        f32: 19.5,
+        nvlink: 300.0,
+        net: 25.0,
+        host: (25.0, 50.0),
+        sms: 108.0,
+        tile: [128.0, 128.0],
+        matmul: 0.80,
+        attention: FA2_AMPERE,
+    };
+    const HOPPER: Arch = Arch {
+        bf16: 989.0,
+        f32: 67.0,
+        nvlink: 450.0,
+        net: 50.0,
+        host: (50.0, 75.0),
+        sms: 132.0,
+        tile: [128.0, 256.0],
+        matmul: 0.70,
+        attention: FA2_HOPPER,
+    };
+    const BLACKWELL: Arch = Arch {
+        bf16: 2250.0,
+        f32: 80.0,
+        nvlink: 900.0,
+        net: 50.0,
+        host: (50.0, 75.0),
+        sms: 148.0,
+        tile: [128.0, 256.0],
+        matmul: 0.70,
+        attention: FA2_HOPPER,
+    };
+    let p = |a: &Arch, gib: f64, hbm: f64| HardwareProfile {
         name: name.to_string(),
-        bf16_tflops: bf16,
-        f32_tflops: f32,
+        bf16_tflops: a.bf16,
+        f32_tflops: a.f32,
         hbm_gib: gib,
         hbm_gbps: hbm,
-        intra_node_gbps: nvl,
-        inter_node_gbps: net,
+        intra_node_gbps: a.nvlink,
+        inter_node_gbps: a.net,
         intra_node_latency_us: 5.0,
         inter_node_latency_us: 15.0,
-        compute_efficiency: 0.6,
-        host_link_gbps: host.0,
-        host_mem_gbps: host.1,
+        matmul_efficiency: a.matmul,
+        host_link_gbps: a.host.0,
+        host_mem_gbps: a.host.1,
         cuda_context_mib: CUDA_CONTEXT_MIB,
         nccl_channels: NCCL_CHANNELS,
         nccl_channel_mib: NCCL_CHANNEL_MIB,
+        sm_count: a.sms,
+        matmul_tile_m: a.tile[0],
+        matmul_tile_n: a.tile[1],
+        attention_fwd_efficiency: a.attention.0,
+        attention_bwd_efficiency: a.attention.1,
+        attention_block: 128.0,
+        memory_efficiency: MEMORY_EFFICIENCY,
+        kernel_launch_us: KERNEL_LAUNCH_US,
+        collective_efficiency: COLLECTIVE_EFFICIENCY,
+        overlap_slowdown: NCCL_CHANNELS / (a.sms - NCCL_CHANNELS),
+        kernels: KernelMode::Eager,
     };
     Some(match name {
-        "h100-sxm" => p(989.0, 67.0, 79.6, 3350.0, 450.0, 50.0, (50.0, 75.0)),
-        "h200" => p(989.0, 67.0, 140.4, 4800.0, 450.0, 50.0, (50.0, 75.0)),
-        "a100-80gb" => p(312.0, 19.5, 80.0, 2039.0, 300.0, 25.0, (25.0, 50.0)),
+        "h100-sxm" => p(&HOPPER, 79.6, 3350.0),
+        // 95,830 MiB as the driver reports it.
+        "h100-sxm-96gb" => p(&HOPPER, 93.6, 3350.0),
+        "h200" => p(&HOPPER, 140.4, 4800.0),
+        "a100-40gb" => p(&AMPERE, 40.0, 1555.0),
+        "a100-80gb" => p(&AMPERE, 80.0, 2039.0),
+        // 183,359 MiB as the driver reports it (DGX B200: 180 GB per GPU).
+        "b200" => p(&BLACKWELL, 179.1, 8000.0),
         _ => return None,
     })
 }
 
 impl HardwareProfile {
     /// `(field name, value)` of every number, for validation and printing.
-    pub fn numbers(&self) -> [(&'static str, f64); 14] {
+    pub fn numbers(&self) -> [(&'static str, f64); 24] {
         [
             ("bf16_tflops", self.bf16_tflops),
             ("f32_tflops", self.f32_tflops),
@@ -129,12 +325,22 @@ impl HardwareProfile {
             ("inter_node_gbps", self.inter_node_gbps),
             ("intra_node_latency_us", self.intra_node_latency_us),
             ("inter_node_latency_us", self.inter_node_latency_us),
-            ("compute_efficiency", self.compute_efficiency),
+            ("matmul_efficiency", self.matmul_efficiency),
             ("host_link_gbps", self.host_link_gbps),
             ("host_mem_gbps", self.host_mem_gbps),
             ("cuda_context_mib", self.cuda_context_mib),
             ("nccl_channels", self.nccl_channels),
             ("nccl_channel_mib", self.nccl_channel_mib),
+            ("sm_count", self.sm_count),
+            ("matmul_tile_m", self.matmul_tile_m),
+            ("matmul_tile_n", self.matmul_tile_n),
+            ("attention_fwd_efficiency", self.attention_fwd_efficiency),
+            ("attention_bwd_efficiency", self.attention_bwd_efficiency),
+            ("attention_block", self.attention_block),
+            ("memory_efficiency", self.memory_efficiency),
+            ("kernel_launch_us", self.kernel_launch_us),
+            ("collective_efficiency", self.collective_efficiency),
+            ("overlap_slowdown", self.overlap_slowdown),
         ]
     }
 

@@ -78,12 +78,24 @@ struct HardwareFile {
     inter_node_gbps: Option<Spanned<f64>>,
     intra_node_latency_us: Option<Spanned<f64>>,
     inter_node_latency_us: Option<Spanned<f64>>,
-    compute_efficiency: Option<Spanned<f64>>,
+    #[serde(alias = "compute_efficiency")]
+    matmul_efficiency: Option<Spanned<f64>>,
     host_link_gbps: Option<Spanned<f64>>,
     host_mem_gbps: Option<Spanned<f64>>,
     cuda_context_mib: Option<Spanned<f64>>,
     nccl_channels: Option<Spanned<f64>>,
     nccl_channel_mib: Option<Spanned<f64>>,
+    sm_count: Option<Spanned<f64>>,
+    matmul_tile_m: Option<Spanned<f64>>,
+    matmul_tile_n: Option<Spanned<f64>>,
+    attention_fwd_efficiency: Option<Spanned<f64>>,
+    attention_bwd_efficiency: Option<Spanned<f64>>,
+    attention_block: Option<Spanned<f64>>,
+    memory_efficiency: Option<Spanned<f64>>,
+    kernel_launch_us: Option<Spanned<f64>>,
+    collective_efficiency: Option<Spanned<f64>>,
+    overlap_slowdown: Option<Spanned<f64>>,
+    kernels: Option<Spanned<crate::hardware::KernelMode>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -776,13 +788,12 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     inter_node_gbps: f64::NAN,
                     intra_node_latency_us: f64::NAN,
                     inter_node_latency_us: f64::NAN,
-                    compute_efficiency: f64::NAN,
+                    matmul_efficiency: f64::NAN,
                     host_link_gbps: f64::NAN,
                     host_mem_gbps: f64::NAN,
-                    // Not hardware numbers a user must know: NCCL's and CUDA's defaults.
-                    cuda_context_mib: crate::hardware::CUDA_CONTEXT_MIB,
-                    nccl_channels: crate::hardware::NCCL_CHANNELS,
-                    nccl_channel_mib: crate::hardware::NCCL_CHANNEL_MIB,
+                    // Not hardware numbers a user must know: NCCL's, CUDA's and the
+                    // kernels' typical figures (the H100's where they differ by GPU).
+                    ..builtin("h100-sxm").expect("built-in profile")
                 },
             };
             if let Some(n) = h.name {
@@ -807,28 +818,59 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     h.inter_node_latency_us,
                     &mut profile.inter_node_latency_us,
                 ),
-                (
-                    "compute_efficiency",
-                    h.compute_efficiency,
-                    &mut profile.compute_efficiency,
-                ),
+                ("matmul_efficiency", h.matmul_efficiency, &mut profile.matmul_efficiency),
                 ("host_link_gbps", h.host_link_gbps, &mut profile.host_link_gbps),
                 ("host_mem_gbps", h.host_mem_gbps, &mut profile.host_mem_gbps),
                 ("cuda_context_mib", h.cuda_context_mib, &mut profile.cuda_context_mib),
                 ("nccl_channels", h.nccl_channels, &mut profile.nccl_channels),
                 ("nccl_channel_mib", h.nccl_channel_mib, &mut profile.nccl_channel_mib),
+                ("sm_count", h.sm_count, &mut profile.sm_count),
+                ("matmul_tile_m", h.matmul_tile_m, &mut profile.matmul_tile_m),
+                ("matmul_tile_n", h.matmul_tile_n, &mut profile.matmul_tile_n),
+                (
+                    "attention_fwd_efficiency",
+                    h.attention_fwd_efficiency,
+                    &mut profile.attention_fwd_efficiency,
+                ),
+                (
+                    "attention_bwd_efficiency",
+                    h.attention_bwd_efficiency,
+                    &mut profile.attention_bwd_efficiency,
+                ),
+                ("attention_block", h.attention_block, &mut profile.attention_block),
+                ("memory_efficiency", h.memory_efficiency, &mut profile.memory_efficiency),
+                ("kernel_launch_us", h.kernel_launch_us, &mut profile.kernel_launch_us),
+                (
+                    "collective_efficiency",
+                    h.collective_efficiency,
+                    &mut profile.collective_efficiency,
+                ),
+                ("overlap_slowdown", h.overlap_slowdown, &mut profile.overlap_slowdown),
             ];
+            if let Some(k) = &h.kernels {
+                o.insert("hardware.kernels", pos(k));
+                profile.kernels = k.value;
+            }
             let mut missing = Vec::new();
             for (name, value, slot) in fields {
                 let field = format!("hardware.{name}");
                 match value {
                     Some(v) => {
                         o.insert(&field, pos(&v));
-                        // Memory outside the allocator may be none (no NCCL, no context).
-                        let overhead = matches!(name, "cuda_context_mib" | "nccl_channels" | "nccl_channel_mib");
-                        let rule = if name == "compute_efficiency" {
+                        // Memory outside the allocator may be none (no NCCL, no context), and
+                        // so may launch costs and overlap slowdowns.
+                        let may_be_zero = matches!(
+                            name,
+                            "cuda_context_mib"
+                                | "nccl_channels"
+                                | "nccl_channel_mib"
+                                | "kernel_launch_us"
+                                | "overlap_slowdown"
+                        );
+                        let fraction = name.ends_with("_efficiency");
+                        let rule = if fraction {
                             "in (0, 1]"
-                        } else if overhead {
+                        } else if may_be_zero {
                             ">= 0"
                         } else {
                             "> 0"
@@ -838,10 +880,10 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                             &field,
                             v.value,
                             |x| {
-                                if overhead {
+                                if may_be_zero {
                                     x >= 0.0
                                 } else {
-                                    x > 0.0 && (name != "compute_efficiency" || x <= 1.0)
+                                    x > 0.0 && (!fraction || x <= 1.0)
                                 }
                             },
                             rule,

@@ -32,7 +32,9 @@ fn main() {
     time("steps", 20, || {
         shardplan_planner::steps::steps(&joint, &groups, p.config.activation_checkpointing);
     });
-    let (_, acts) = shardplan_planner::steps::steps_and_events(&joint, &groups, p.config.activation_checkpointing);
+    let flash = p.config.hardware.kernels == shardplan_frontends::KernelMode::Eager;
+    let (_, acts) =
+        shardplan_planner::steps::steps_and_events(&joint, &groups, p.config.activation_checkpointing, flash);
     let mut replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts);
     time("caching-allocator replay", 20, || {
         replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts);

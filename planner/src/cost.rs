@@ -1,46 +1,190 @@
 //! The cost model: how long each instruction takes on a hardware profile.
 //!
-//! - Compute: per joint-graph node, a roofline — the longer of FLOPs at
-//!   `peak x compute_efficiency` (bf16 peak for bf16/f16 compute, f32 peak otherwise) and
-//!   bytes at `hbm_gbps`.
-//! - Collectives: a ring, alpha-beta. With `n` ranks and `B` bytes in the full buffer, an
-//!   all-gather or reduce-scatter takes `(n-1) (alpha + B/n / bw)`, an all-reduce twice that.
-//!   A group that fits in one node uses the intra-node bandwidth and latency; one that spans
-//!   nodes is bound by the inter-node ones (every ring crosses the network).
-//! - Host copies move bytes at `host_link_gbps`; device-to-device copies read and write at
-//!   `hbm_gbps`; the gradient norm and the optimizer step stream their operands at
-//!   `hbm_gbps`, or at `host_mem_gbps` when they run on the host (CPU offload).
+//! Every constant is a field of [`HardwareProfile`] (documented there with its source) and
+//! can be overridden in the parallel spec; nothing is hidden here.
 //!
-//! Every constant is a field of [`HardwareProfile`]; nothing is hidden here.
+//! - **Matmuls** (linear layers, their input and weight gradients, batched matmuls): FLOPs
+//!   at `peak x matmul_efficiency`, times the fraction of the GPU's tile slots the shape
+//!   fills: the `M x N` output is cut into `matmul_tile_m x matmul_tile_n` tiles that run in
+//!   waves of `sm_count`, and a last, partly filled wave or a partly filled edge tile costs
+//!   a full one (tile and wave quantisation).
+//! - **Attention** runs as flash attention: FLOPs at `peak x attention_fwd_efficiency`
+//!   (the forward, and its recomputation) or `attention_bwd_efficiency` (the five parts of
+//!   the backward), counting only the `attention_block`-square blocks a causal mask leaves.
+//!   The `[b, h, s, t]` probabilities the graph names in backward are never in memory.
+//! - **Everything else is memory-bound**: the bytes it reads and writes at
+//!   `hbm_gbps x memory_efficiency`. Under `kernels: eager` (PyTorch eager, how FSDP2 runs
+//!   torchtitan's Llama) RMSNorm, rotary embeddings and the cross-entropy run as several
+//!   kernels through f32 temporaries, and move [`eager_traffic`]'s multiple of the fused
+//!   op's bytes.
+//! - **Launches**: every kernel takes at least `kernel_launch_us`.
+//! - **Collectives**: a ring, alpha-beta, at `collective_efficiency` of the link rate. With
+//!   `n` ranks and `B` bytes in the full buffer, an all-gather or reduce-scatter takes
+//!   `(n-1) (alpha + B/n / bw)`, an all-reduce twice that. A group within one node uses
+//!   NVLink. A group across nodes runs one ring per GPU of a node, each leaving the node
+//!   through its own GPU's NIC (NCCL's rail-aligned rings), so its bandwidth is the lesser
+//!   of NVLink's and `inter_node_gbps` times the group's ranks per node, at the network's
+//!   latency.
+//! - **Overlap**: compute that runs while a collective does is `overlap_slowdown` slower
+//!   for the overlapped part (NCCL's kernels hold SMs); see [`crate::simulate::timeline`].
+//! - Host copies move bytes at `host_link_gbps`; device-to-device copies read and write at
+//!   HBM speed; the gradient norm and the optimizer step stream their operands at HBM
+//!   speed, or at `host_mem_gbps` when they run on the host (CPU offload).
 
 use crate::mesh::Mesh;
 use crate::plan::{Buffer, Comm, Instr, Pool, Stream};
 use crate::steps::Step;
-use shardplan_frontends::HardwareProfile;
-use shardplan_ir::{DType, Graph, NodeId};
+use shardplan_frontends::{HardwareProfile, KernelMode};
+use shardplan_ir::{DType, Graph, NodeId, Op};
 
 /// Seconds to run each step (segment) once.
 pub fn step_seconds(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> Vec<f64> {
-    let peak = if compute_dtype == DType::F32 || compute_dtype == DType::F64 {
-        hw.f32_tflops
-    } else {
-        hw.bf16_tflops
-    } * 1e12
-        * hw.compute_efficiency;
-    let bw = hw.hbm_gbps * 1e9;
+    let model = OpModel::new(g, hw, compute_dtype);
     steps
         .iter()
         .map(|s| {
             s.nodes
                 .iter()
                 .flat_map(|r| r.clone())
-                .map(|i| {
-                    let c = g.node_cost(NodeId(i));
-                    (c.fwd_flops as f64 / peak).max(c.fwd_bytes as f64 / bw)
-                })
+                .map(|i| model.seconds(NodeId(i)))
                 .sum()
         })
         .collect()
+}
+
+/// Kernels and the multiple of its fused bytes that an op moves in PyTorch eager mode, as
+/// torchtitan's Llama modules decompose it (bf16 activations; per element):
+/// - RMSNorm `(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w`: 7
+///   kernels, 38 bytes against the fused op's 4;
+/// - its autograd backward: about 10 kernels, 66 bytes against 6;
+/// - rotary embedding through `view_as_complex(x.float())`: 3 kernels (cast, complex
+///   multiply, cast back), 20 bytes against 4, forward and backward alike;
+/// - cross-entropy on `logits.float()`: cast, log-softmax, NLL, 14 bytes against 2; its
+///   backward 22 against 4.
+///
+/// Every other op is one kernel moving what the graph counts.
+pub fn eager_traffic(op: &Op) -> (f64, f64) {
+    match op {
+        Op::RmsNorm { .. } => (7.0, 38.0 / 4.0),
+        Op::RmsNormGrad { .. } => (10.0, 66.0 / 6.0),
+        Op::Rope { .. } | Op::RopeGrad { .. } => (3.0, 5.0),
+        Op::CrossEntropy => (3.0, 7.0),
+        Op::CrossEntropyGrad => (3.0, 5.5),
+        _ => (1.0, 1.0),
+    }
+}
+
+/// The per-op cost model of one graph on one profile.
+pub struct OpModel<'a> {
+    g: &'a Graph,
+    hw: &'a HardwareProfile,
+    peak: f64,
+    bw: f64,
+    launch: f64,
+    /// Whether the model's attention is causal (the backward parts do not say).
+    causal: bool,
+}
+
+impl<'a> OpModel<'a> {
+    pub fn new(g: &'a Graph, hw: &'a HardwareProfile, compute_dtype: DType) -> Self {
+        let peak = if compute_dtype == DType::F32 || compute_dtype == DType::F64 {
+            hw.f32_tflops
+        } else {
+            hw.bf16_tflops
+        } * 1e12;
+        let causal = g.nodes().any(|(_, n)| matches!(n.op, Op::Attention { causal: true }));
+        OpModel {
+            g,
+            hw,
+            peak,
+            bw: hw.hbm_gbps * 1e9 * hw.memory_efficiency,
+            launch: hw.kernel_launch_us * 1e-6,
+            causal,
+        }
+    }
+
+    /// Seconds of one node.
+    pub fn seconds(&self, id: NodeId) -> f64 {
+        let node = self.g.node(id);
+        let cost = self.g.node_cost(id);
+        let (flops, bytes) = (cost.fwd_flops as f64, cost.fwd_bytes as f64);
+        let dims = |i: usize| self.g.node(node.inputs[i]).ty.shape.dims().to_vec();
+        let out = node.ty.shape.dims().to_vec();
+        let numel = |d: &[u64]| d.iter().map(|&x| x as f64).product::<f64>();
+        match &node.op {
+            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => 0.0,
+            Op::Linear { .. } | Op::MatMul | Op::WeightGrad { .. } => {
+                // The output's last two dims are the tiled M x N; leading dims batch.
+                let (m, n) = match out.len() {
+                    0 => (1.0, 1.0),
+                    1 => (1.0, out[0] as f64),
+                    r => match node.op {
+                        Op::Linear { .. } => (numel(&out[..r - 1]), out[r - 1] as f64),
+                        _ => (out[r - 2] as f64, out[r - 1] as f64),
+                    },
+                };
+                let batch = (numel(&out) / (m * n)).max(1.0);
+                let fill = self.tile_fill(m, n, batch);
+                let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
+                t.max(bytes / self.bw).max(self.launch)
+            }
+            Op::Attention { causal } => {
+                let q = dims(0);
+                let t = dims(1)[1];
+                let f = flops * self.kept(q[1], t, *causal);
+                (f / (self.peak * self.hw.attention_fwd_efficiency)).max(self.launch)
+            }
+            Op::AttnProbs { causal } => {
+                let q = dims(0);
+                let t = dims(1)[1];
+                let f = flops * self.kept(q[1], t, *causal);
+                (f / (self.peak * self.hw.attention_bwd_efficiency)).max(self.launch)
+            }
+            Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
+                // Operand 0 is the [b, h, s, t] probabilities or their gradient.
+                let p = dims(0);
+                let f = flops * self.kept(p[2], p[3], self.causal);
+                // Fused into flash attention's backward kernel: no launch of its own.
+                f / (self.peak * self.hw.attention_bwd_efficiency)
+            }
+            op => {
+                let (kernels, factor) = match self.hw.kernels {
+                    KernelMode::Eager => eager_traffic(op),
+                    KernelMode::Fused => (1.0, 1.0),
+                };
+                (bytes * factor / self.bw)
+                    .max(flops / self.peak)
+                    .max(kernels * self.launch)
+            }
+        }
+    }
+
+    /// The fraction of tile slots an `m x n` output (`batch` of them) fills.
+    fn tile_fill(&self, m: f64, n: f64, batch: f64) -> f64 {
+        let (tm, tn) = (self.hw.matmul_tile_m.max(1.0), self.hw.matmul_tile_n.max(1.0));
+        let sms = self.hw.sm_count.max(1.0);
+        let tiles = batch * (m / tm).ceil() * (n / tn).ceil();
+        let waves = (tiles / sms).ceil().max(1.0);
+        (batch * m * n / (waves * sms * tm * tn)).clamp(1e-6, 1.0)
+    }
+
+    /// The fraction of an `s x t` score matrix's blocks that flash attention computes.
+    fn kept(&self, s: u64, t: u64, causal: bool) -> f64 {
+        if !causal || s == 0 || t == 0 {
+            return 1.0;
+        }
+        let b = self.hw.attention_block.max(1.0);
+        let (nq, nk) = ((s as f64 / b).ceil(), (t as f64 / b).ceil());
+        // Query block i (aligned to the end of the keys) sees key blocks up to its diagonal.
+        let offset = nk - nq;
+        let mut kept = 0.0;
+        let mut i = 0.0;
+        while i < nq {
+            kept += (i + 1.0 + offset).clamp(0.0, nk);
+            i += 1.0;
+        }
+        kept / (nq * nk)
+    }
 }
 
 /// True when every instance of `comm` (one per rank) lies within one node.
@@ -64,12 +208,32 @@ pub fn intra_node(mesh: &Mesh, comm: Comm) -> bool {
     }
 }
 
-/// Bandwidth (bytes/s) and per-hop latency (s) of `comm`'s ring.
+/// Bandwidth (bytes/s) and per-hop latency (s) of `comm`'s ring: NVLink within a node;
+/// across nodes, one ring per GPU of the group on a node, each through its own NIC.
 pub fn link(mesh: &Mesh, comm: Comm, hw: &HardwareProfile) -> (f64, f64) {
+    let eff = hw.collective_efficiency;
     if intra_node(mesh, comm) {
-        (hw.intra_node_gbps * 1e9, hw.intra_node_latency_us * 1e-6)
+        (hw.intra_node_gbps * 1e9 * eff, hw.intra_node_latency_us * 1e-6)
     } else {
-        (hw.inter_node_gbps * 1e9, hw.inter_node_latency_us * 1e-6)
+        let rails = ranks_per_node(mesh, comm) as f64;
+        let bw = hw.intra_node_gbps.min(hw.inter_node_gbps * rails);
+        (bw * 1e9 * eff, hw.inter_node_latency_us * 1e-6)
+    }
+}
+
+/// How many ranks of one group of `comm` share a node.
+pub fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
+    let g = mesh.gpus_per_node().max(1);
+    match comm {
+        Comm::Shard | Comm::Reshard(_) => {
+            let size = match comm {
+                Comm::Reshard(n) => n,
+                _ => mesh.shard(),
+            };
+            size.clamp(1, g)
+        }
+        // Replicas are `shard` ranks apart.
+        Comm::Replicate => (g / mesh.shard().max(1)).clamp(1, mesh.replicate().max(1)),
     }
 }
 
@@ -100,7 +264,7 @@ pub fn instr_seconds(
     let mem_bw = if stream == Stream::Host {
         hw.host_mem_gbps * 1e9
     } else {
-        hw.hbm_gbps * 1e9
+        hw.hbm_gbps * 1e9 * hw.memory_efficiency
     };
     match instr {
         Instr::Compute { step, .. } => step_s[step.index()],
@@ -115,7 +279,7 @@ pub fn instr_seconds(
             if s.pool != d.pool {
                 s.bytes().min(d.bytes()) as f64 / (hw.host_link_gbps * 1e9)
             } else {
-                (s.bytes().min(d.bytes()) * 2) as f64 / (hw.hbm_gbps * 1e9)
+                (s.bytes().min(d.bytes()) * 2) as f64 / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
             }
         }
         Instr::GradNorm { grads, .. } => grads.iter().map(|&b| bytes(b)).sum::<u64>() as f64 / mem_bw,

@@ -162,7 +162,12 @@ pub(crate) fn plan_passes(
     let cached = match cache.steps.get(&key) {
         Some(x) => x.clone(),
         None => {
-            let (steps, acts) = steps::steps_and_events(joint, &fsdp, config.activation_checkpointing);
+            let (steps, acts) = steps::steps_and_events(
+                joint,
+                &fsdp,
+                config.activation_checkpointing,
+                config.hardware.kernels == shardplan_frontends::KernelMode::Eager,
+            );
             let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
             let x = std::sync::Arc::new(CachedSteps { steps, acts, step_s });
             cache.steps.insert(key, x.clone());

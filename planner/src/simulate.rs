@@ -4,6 +4,9 @@
 //! Timing: every stream runs its instructions in order; an instruction starts when its
 //! stream is free and, for a wait, when the awaited event has been recorded. Since every
 //! wait follows its record in issue order, one pass in issue order computes all times.
+//! A compute step that starts while collectives issued before it still run is
+//! `overlap_slowdown` slower for as long as they do (collectives issued after it are
+//! not counted, which one pass cannot see).
 //!
 //! Allocations and frees are sequenced in issue order across the streams (an `alloc` waits
 //! until every earlier-issued `free` has happened on its stream; the executor enforces the
@@ -55,7 +58,15 @@ pub fn timeline(
             _ => {}
         }
         stall.push(t - free_at[s]);
-        let d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, state_per_param);
+        let mut d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, state_per_param);
+        if matches!(issued.instr, Instr::Compute { .. }) {
+            // Collectives issued before this step that are still running take SMs from it.
+            let busy = [Stream::AllGather, Stream::ReduceScatter, Stream::AllReduce]
+                .iter()
+                .map(|c| free_at[c.index()])
+                .fold(t, f64::max);
+            d += (busy - t).min(d) * hw.overlap_slowdown;
+        }
         if let Instr::Record { event } = issued.instr {
             if let Some(slot) = recorded.get_mut(event.index()) {
                 *slot = t;

@@ -79,7 +79,7 @@ pub struct Step {
 
 /// Segments `joint` for `groups` and the checkpointing policy.
 pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointing) -> Vec<Step> {
-    steps_and_events(joint, groups, ac).0
+    steps_and_events(joint, groups, ac, false).0
 }
 
 /// What a step does to activation memory, in order: each value it makes and each value it
@@ -113,11 +113,13 @@ pub struct ActEvent {
     pub bytes: u64,
 }
 
-/// [`steps`], and the activation events of each step.
+/// [`steps`], and the activation events of each step. With `flash_attention`, attention's
+/// backward holds no `[b, h, s, t]` probabilities (see [`ExecOrder::flash_attention`]).
 pub fn steps_and_events(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     ac: ActivationCheckpointing,
+    flash_attention: bool,
 ) -> (Vec<Step>, ActEvents) {
     let g = &joint.graph;
     let n = g.node_count();
@@ -135,7 +137,8 @@ pub fn steps_and_events(
             grad_group[grad.index()] = Some(group_of_param[p]);
         }
     }
-    let exec = ExecOrder::new(joint, ac);
+    let mut exec = ExecOrder::new(joint, ac);
+    exec.flash_attention = flash_attention;
     let order = &exec.order;
     let param_of_node = &exec.param_of_node;
     let bytes = |id: NodeId| exec.value_bytes(g, id);
@@ -283,6 +286,11 @@ pub struct ExecOrder {
     /// checkpointing), so nothing recomputes them.
     saved: Vec<bool>,
     forward_len: usize,
+    /// Attention's backward runs as one flash-attention kernel (PyTorch's
+    /// `scaled_dot_product_attention`): the probabilities and their gradient, the
+    /// `[b, h, s, t]` values the graph names, live only in its on-chip tiles, so they hold
+    /// no memory. False for shardplan's executor, which makes them as tensors.
+    pub flash_attention: bool,
 }
 
 impl ExecOrder {
@@ -391,6 +399,7 @@ impl ExecOrder {
             ckpt,
             saved,
             forward_len: joint.forward_len,
+            flash_attention: false,
         };
         for pos in 0..exec.order.len() {
             let (id, copy) = exec.order[pos];
@@ -426,7 +435,14 @@ impl ExecOrder {
     /// Bytes a value holds as an activation: 0 for parameters and final parameter
     /// gradients (they live in group buffers).
     pub fn value_bytes(&self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
-        if self.param_of_node[id.index()].is_some() || self.is_param_grad[id.index()] {
+        if self.param_of_node[id.index()].is_some()
+            || self.is_param_grad[id.index()]
+            || (self.flash_attention
+                && matches!(
+                    g.node(id).op,
+                    shardplan_ir::Op::AttnProbs { .. } | shardplan_ir::Op::AttnGradScores
+                ))
+        {
             0
         } else {
             g.node(id).ty.bytes().unwrap_or(u64::MAX)

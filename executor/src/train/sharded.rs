@@ -89,12 +89,22 @@ pub fn trace_options(config: &ParallelConfig) -> TraceOptions {
     }
 }
 
+/// `config` as this executor runs it: one kernel per graph op, attention's probabilities
+/// made as tensors (`kernels: fused`), so that the plan's memory and time are this
+/// executor's rather than PyTorch eager's.
+pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
+    let mut c = config.clone();
+    c.hardware.kernels = shardplan_frontends::KernelMode::Fused;
+    c
+}
+
 impl ShardedTrainer {
-    /// Traces and differentiates `model`, plans it for `config`, and initialises every rank.
+    /// Traces and differentiates `model`, plans it for `config` as this executor runs it
+    /// ([`executor_config`]), and initialises every rank.
     pub fn new(model: &ModelConfig, config: &ParallelConfig, total_steps: u64) -> Result<Self, ExecError> {
         let graph = trace(model, trace_options(config))?;
         let joint = differentiate(&graph).map_err(|e| ExecError::Internal(e.to_string()))?;
-        let p = plan(&joint, config).map_err(|e| ExecError::Unsupported(e.to_string()))?;
+        let p = plan(&joint, &executor_config(config)).map_err(|e| ExecError::Unsupported(e.to_string()))?;
         Self::from_plan(model, config, p, joint, total_steps)
     }
 
