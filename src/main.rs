@@ -1,6 +1,7 @@
 //! The `shardplan` command.
 
 mod auto;
+mod calibrate;
 mod checkpoint;
 mod compare;
 mod data;
@@ -36,6 +37,8 @@ enum Command {
     /// Work with checkpoints: export one as a Hugging Face safetensors file.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
+    /// Measure this machine's CPU with the executor's own kernels: a hardware profile for planning `train`'s CPU runs.
+    Calibrate(calibrate::CalibrateArgs),
     /// Train on any mesh: every rank as a thread of this process, or one rank per process under mpirun / srun (MPI); progress bar, JSON-lines metrics, measured trace, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
 }
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
         Command::Checkpoint(cmd) => checkpoint::run(&cmd).map(|()| None),
         Command::Launch(args) => launch::run(&args),
         Command::Data(cmd) => data::run(&cmd).map(|()| None),
+        Command::Calibrate(args) => calibrate::run(&args).map(|()| None),
     };
     match result {
         Ok(None) => ExitCode::SUCCESS,

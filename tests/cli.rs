@@ -477,3 +477,48 @@ fn train_device_choices() {
     let o = shardplan(&with("cpu"));
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+#[test]
+fn calibrate_writes_a_hardware_line_that_plans() {
+    let scratch = tempfile::tempdir().unwrap();
+    let out = scratch.path().join("hw.txt");
+    let o = shardplan(&[
+        "calibrate",
+        "--ranks",
+        "2",
+        "--seconds",
+        "0.02",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let line = stdout(&o);
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), line);
+    assert!(
+        line.starts_with("hardware: {name: cpu-2-ranks, kernels: fused, "),
+        "{line}"
+    );
+    // Every measured figure is a positive, finite number.
+    for key in ["f32_tflops", "hbm_gbps", "intra_node_gbps", "attention_fwd_efficiency"] {
+        let v: f64 = line
+            .split(&format!("{key}: "))
+            .nth(1)
+            .and_then(|r| r.split([',', '}']).next())
+            .and_then(|x| x.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{key} in {line}"));
+        assert!(v.is_finite() && v > 0.0, "{key}: {v}");
+    }
+    // The line is a parallel spec's hardware: the plan uses it.
+    let spec = scratch.path().join("p.yaml");
+    std::fs::write(&spec, format!("mesh: {{shard: 2}}\ngpus_per_node: 2\nmixed_precision: {{param: f32, reduce: f32}}\nbatch: {{per_rank: 2, seq_len: 16}}\n{line}")).unwrap();
+    let o = shardplan(&["plan", "--model", "tiny-llama", "--parallel", spec.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("cpu-2-ranks"), "{}", stdout(&o));
+}
+
+#[test]
+fn calibrate_refuses_impossible_arguments() {
+    bad(&["calibrate", "--ranks", "0"], "--ranks 0");
+    bad(&["calibrate", "--seconds=-1"], "--seconds -1");
+    bad(&["calibrate", "--seconds", "NaN"], "--seconds NaN");
+}

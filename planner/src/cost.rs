@@ -17,7 +17,9 @@
 //!   torchtitan's Llama) RMSNorm, rotary embeddings and the cross-entropy run as several
 //!   kernels through f32 temporaries, and move [`eager_traffic`]'s multiple of the fused
 //!   op's bytes.
-//! - **Launches**: every kernel takes at least `kernel_launch_us`.
+//! - **Launches**: under `kernels: eager` every kernel takes at least `kernel_launch_us`
+//!   (launches are asynchronous and hide behind longer work); under `kernels: fused` each
+//!   op's `kernel_launch_us` adds to its work (shardplan's executor runs one op at a time).
 //! - **Collectives**: a ring, alpha-beta, at `collective_efficiency` of the link rate. With
 //!   `n` ranks and `B` bytes in the full buffer, an all-gather or reduce-scatter takes
 //!   `(n-1) (alpha + B/n / bw)`, an all-reduce twice that. A group within one node uses
@@ -126,36 +128,49 @@ impl<'a> OpModel<'a> {
                 let batch = (numel(&out) / (m * n)).max(1.0);
                 let fill = self.tile_fill(m, n, batch);
                 let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
-                t.max(bytes / self.bw).max(self.launch)
+                self.launched(t.max(bytes / self.bw), 1.0)
             }
             Op::Attention { causal } => {
                 let q = dims(0);
                 let t = dims(1)[1];
                 let f = flops * self.kept(q[1], t, *causal);
-                (f / (self.peak * self.hw.attention_fwd_efficiency)).max(self.launch)
+                self.launched(f / (self.peak * self.hw.attention_fwd_efficiency), 1.0)
             }
             Op::AttnProbs { causal } => {
                 let q = dims(0);
                 let t = dims(1)[1];
                 let f = flops * self.kept(q[1], t, *causal);
-                (f / (self.peak * self.hw.attention_bwd_efficiency)).max(self.launch)
+                self.launched(f / (self.peak * self.hw.attention_bwd_efficiency), 1.0)
             }
             Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
                 // Operand 0 is the [b, h, s, t] probabilities or their gradient.
                 let p = dims(0);
                 let f = flops * self.kept(p[2], p[3], self.causal);
-                // Fused into flash attention's backward kernel: no launch of its own.
-                f / (self.peak * self.hw.attention_bwd_efficiency)
+                // Fused into flash attention's backward kernel under eager PyTorch; its own
+                // kernel in shardplan's executor.
+                let t = f / (self.peak * self.hw.attention_bwd_efficiency);
+                match self.hw.kernels {
+                    KernelMode::Eager => t,
+                    KernelMode::Fused => self.launched(t, 1.0),
+                }
             }
             op => {
                 let (kernels, factor) = match self.hw.kernels {
                     KernelMode::Eager => eager_traffic(op),
                     KernelMode::Fused => (1.0, 1.0),
                 };
-                (bytes * factor / self.bw)
-                    .max(flops / self.peak)
-                    .max(kernels * self.launch)
+                self.launched((bytes * factor / self.bw).max(flops / self.peak), kernels)
             }
+        }
+    }
+
+    /// `work` seconds of `kernels` kernels with their launch cost: eager PyTorch launches
+    /// asynchronously, so a kernel takes at least the launch time and longer work hides it;
+    /// shardplan's executor runs each op to completion before the next, so the cost adds.
+    fn launched(&self, work: f64, kernels: f64) -> f64 {
+        match self.hw.kernels {
+            KernelMode::Eager => work.max(kernels * self.launch),
+            KernelMode::Fused => work + kernels * self.launch,
         }
     }
 

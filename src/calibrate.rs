@@ -1,0 +1,298 @@
+//! `shardplan calibrate`: a hardware profile of this machine's CPU, measured with the
+//! executor's own kernels, for planning `shardplan train`'s CPU runs.
+//!
+//! With `--ranks N`, N threads run every measurement at once, as N ranks of a mesh share
+//! the machine, and the profile is one rank's share. Measured:
+//! - `f32_tflops` and `kernel_launch_us`: the slope and intercept of a linear layer's time
+//!   against its FLOPs (the executor's `gemm` path) between 64 x 384 x 384 and
+//!   512 x 1024 x 1024, so `matmul_efficiency` is 1 and no tile quantisation applies
+//!   (`matmul_tile_*` 1);
+//! - `hbm_gbps`: an add of two 64 MiB vectors (bytes read and written per second), so
+//!   `memory_efficiency` is 1;
+//! - `attention_fwd_efficiency` / `_bwd_`: the fused attention kernels on
+//!   `[2, 128, 4, 64]` with a causal mask, FLOPs counted as the planner counts them (the
+//!   blocks a causal mask keeps, in the executor's 64-row blocks), against `f32_tflops`;
+//! - `intra_node_gbps` and `intra_node_latency_us`: the Local backend's all-gather among
+//!   the N threads, of 4 MiB and of 4 bytes (not measured for one rank).
+//!
+//! `kernels: fused` (one kernel per graph op, each op's overhead added to its work).
+
+use crate::CliError;
+use candle_core::{Device, Tensor};
+use shardplan_executor::comm::{Abort, Collectives};
+use shardplan_executor::cpu::kernels::{apply, Ctx};
+use shardplan_frontends::{HardwareProfile, KernelMode};
+use shardplan_ir::{DType, Op, TensorType, WeightLayout};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug)]
+pub struct CalibrateArgs {
+    /// Ranks that will share this machine: this many threads run every measurement at once,
+    /// and the profile is one rank's share (the mesh's world size when all ranks run here).
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+    /// Seconds each measurement runs for.
+    #[arg(long, default_value_t = 0.3)]
+    pub seconds: f64,
+    /// Write the profile here as well: a parallel spec's `hardware:` line.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+/// One op to time, with its inputs made once.
+struct Bench {
+    op: Op,
+    ins: Vec<Tensor>,
+    out: TensorType,
+}
+
+impl Bench {
+    fn new(op: Op, shapes: &[&[u64]]) -> Result<Self, CliError> {
+        let types: Vec<TensorType> = shapes.iter().map(|s| TensorType::new(DType::F32, s.to_vec())).collect();
+        let refs: Vec<&TensorType> = types.iter().collect();
+        let out = op
+            .infer(&refs)
+            .map_err(|e| anyhow::anyhow!("calibration op {}: {e}", op.name()))?;
+        let ins = shapes
+            .iter()
+            .map(|s| {
+                let dims: Vec<usize> = s.iter().map(|&d| d as usize).collect();
+                Tensor::randn(0f32, 0.5, dims.as_slice(), &Device::Cpu)
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("calibration inputs: {e}"))?;
+        Ok(Bench { op, ins, out })
+    }
+
+    fn run(&self, ctx: &Ctx) -> Result<Tensor, CliError> {
+        let refs: Vec<&Tensor> = self.ins.iter().collect();
+        apply(ctx, &self.op, &refs, &self.out).map_err(|e| CliError::Other(anyhow::anyhow!("{}: {e}", self.op.name())))
+    }
+}
+
+/// Seconds per call of `f`, run for about `secs` by each of `ranks` threads at once (after
+/// a warm-up call); the mean over the threads.
+fn per_call(ranks: usize, secs: f64, f: &(dyn Fn(usize) -> Result<(), CliError> + Sync)) -> Result<f64, CliError> {
+    let barrier = Barrier::new(ranks);
+    let results: Vec<Result<f64, CliError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|r| {
+                let barrier = &barrier;
+                s.spawn(move || -> Result<f64, CliError> {
+                    f(r)?;
+                    barrier.wait();
+                    let start = Instant::now();
+                    let mut calls = 0u64;
+                    while calls < 3 || start.elapsed() < Duration::from_secs_f64(secs) {
+                        f(r)?;
+                        calls += 1;
+                    }
+                    Ok(start.elapsed().as_secs_f64() / calls as f64)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(CliError::Other(anyhow::anyhow!("a calibration thread failed"))))
+            })
+            .collect()
+    });
+    let times = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(times.iter().sum::<f64>() / times.len() as f64)
+}
+
+/// Times `bench` on `ranks` threads: seconds per call.
+fn time_op(ranks: usize, secs: f64, bench: &Bench) -> Result<f64, CliError> {
+    // A `Ctx` caches rotary tables behind a RefCell: each call makes its own (an empty
+    // map, no allocation), as none of these ops uses the cache.
+    per_call(ranks, secs, &|_| bench.run(&Ctx::new(Device::Cpu)).map(drop))
+}
+
+/// The fraction of an `s x s` causal score matrix the executor's attention computes
+/// (the planner's count, blocks of 64 rows).
+fn kept(s: u64, block: u64) -> f64 {
+    let nb = s.div_ceil(block) as f64;
+    (nb + 1.0) / (2.0 * nb)
+}
+
+pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
+    let ranks = args.ranks;
+    if ranks == 0 || ranks > 4096 {
+        return Err(CliError::Usage(format!("--ranks {ranks}: give 1 to 4096")));
+    }
+    if !(args.seconds.is_finite() && args.seconds > 0.0 && args.seconds <= 60.0) {
+        return Err(CliError::Usage(format!(
+            "--seconds {}: give more than 0 and at most 60",
+            args.seconds
+        )));
+    }
+    let secs = args.seconds;
+    // As `train` runs: freed memory is kept for reuse, not returned to the system and
+    // faulted in again by the next op.
+    shardplan_executor::cpu::host::retain_freed_memory();
+    let linear = |m: u64, k: u64, n: u64| {
+        Bench::new(
+            Op::Linear {
+                bias: false,
+                layout: WeightLayout::OutIn,
+            },
+            &[&[m, k], &[n, k]],
+        )
+    };
+    // Matmuls: an affine fit of time against FLOPs between a layer of a small model's
+    // shape (64 tokens, 384 wide) and a large one: the slope is the rate, the intercept what
+    // one op costs beyond its work (thread fork and join, dispatch).
+    let (small, large) = ((64u64, 384u64, 384u64), (512u64, 1024u64, 1024u64));
+    let f = |(m, k, n): (u64, u64, u64)| 2.0 * (m * k * n) as f64;
+    let t_s = time_op(ranks, secs, &linear(small.0, small.1, small.2)?)?;
+    let t_l = time_op(ranks, secs, &linear(large.0, large.1, large.2)?)?;
+    let per_flop = ((t_l - t_s) / (f(large) - f(small))).max(t_l / f(large) * 0.5);
+    let tflops = 1.0 / per_flop / 1e12;
+    let launch = (t_s - f(small) * per_flop).max(0.0);
+    // Memory bandwidth: an add of two 16 Mi-element vectors (beyond the caches) reads
+    // 128 MiB and writes 64 MiB.
+    let len = 1u64 << 24;
+    let t_add = time_op(ranks, secs, &Bench::new(Op::Add, &[&[len], &[len]])?)?;
+    let gbps = (12 * len) as f64 / (t_add - launch).max(t_add * 0.5) / 1e9;
+    // Attention, forward and backward parts, as the planner counts their FLOPs.
+    let (b, s, h, d) = (2u64, 128u64, 4u64, 64u64);
+    let q = [b, s, h, d];
+    let p = [b, h, s, s];
+    let att = |op: Op, shapes: &[&[u64]]| -> Result<f64, CliError> { time_op(ranks, secs, &Bench::new(op, shapes)?) };
+    let part = (2 * b * h * s * s * d) as f64 * kept(s, 64);
+    let t_fwd = att(Op::Attention { causal: true }, &[&q, &q, &q])? - launch;
+    let mut t_bwd = att(Op::AttnProbs { causal: true }, &[&q, &q])?;
+    t_bwd += att(Op::AttnGradV { kv_heads: h }, &[&p, &q])?;
+    t_bwd += att(Op::AttnGradScores, &[&p, &q, &q])?;
+    t_bwd += att(Op::AttnGradQ, &[&p, &q])?;
+    t_bwd += att(Op::AttnGradK { kv_heads: h }, &[&p, &q])?;
+    t_bwd -= 5.0 * launch;
+    let peak = tflops * 1e12;
+    let fwd_eff = (2.0 * part / t_fwd.max(1e-9) / peak).clamp(0.01, 1.0);
+    let bwd_eff = (5.0 * part / t_bwd.max(1e-9) / peak).clamp(0.01, 1.0);
+    // Collectives among the ranks (Local backend: threads of one process).
+    let (link_gbps, link_us) = if ranks > 1 {
+        let abort = Arc::new(Abort::default());
+        let group = shardplan_executor::comm::local::local_group(ranks, "calibrate", &abort);
+        let big = Tensor::zeros(1usize << 20, candle_core::DType::F32, &Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
+        let small = Tensor::zeros(1usize, candle_core::DType::F32, &Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
+        // Every rank makes the same calls with the same tags: fixed counts, not a time.
+        let gather = |t: &Tensor, base: u64, calls: u64| -> Result<f64, CliError> {
+            let times: Vec<Result<f64, CliError>> = std::thread::scope(|s| {
+                let handles: Vec<_> = group
+                    .iter()
+                    .map(|g| {
+                        s.spawn(move || -> Result<f64, CliError> {
+                            let call = |n: u64| {
+                                g.all_gather(base + n, t)
+                                    .map(drop)
+                                    .map_err(|e| CliError::Other(anyhow::anyhow!("all-gather: {e}")))
+                            };
+                            call(0)?;
+                            let start = Instant::now();
+                            for n in 1..=calls {
+                                call(n)?;
+                            }
+                            Ok(start.elapsed().as_secs_f64() / calls as f64)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| Err(CliError::Other(anyhow::anyhow!("a calibration thread failed"))))
+                    })
+                    .collect()
+            });
+            let times = times.into_iter().collect::<Result<Vec<_>, _>>()?;
+            Ok(times.iter().sum::<f64>() / times.len() as f64)
+        };
+        let t_small = gather(&small, 0, 2000)?;
+        let t_big = gather(&big, 1 << 20, 50)?;
+        let hops = (ranks - 1) as f64;
+        let alpha = t_small / hops;
+        let bytes = (4u64 << 20) as f64 * ranks as f64;
+        let bw = bytes / ranks as f64 * hops / (t_big - t_small).max(1e-9);
+        (bw / 1e9, alpha * 1e6)
+    } else {
+        (gbps, 1.0)
+    };
+    let mut hw = shardplan_frontends::builtin_hardware("h100-sxm").expect("built-in profile");
+    hw.name = format!("cpu-{ranks}-ranks");
+    hw.bf16_tflops = tflops;
+    hw.f32_tflops = tflops;
+    hw.hbm_gbps = gbps;
+    hw.hbm_gib = host_memory_gib();
+    hw.intra_node_gbps = link_gbps;
+    hw.inter_node_gbps = link_gbps;
+    hw.intra_node_latency_us = link_us;
+    hw.inter_node_latency_us = link_us;
+    hw.matmul_efficiency = 1.0;
+    hw.host_link_gbps = gbps;
+    hw.host_mem_gbps = gbps;
+    hw.cuda_context_mib = 0.0;
+    hw.nccl_channels = 0.0;
+    hw.sm_count = 1.0;
+    hw.matmul_tile_m = 1.0;
+    hw.matmul_tile_n = 1.0;
+    hw.attention_fwd_efficiency = fwd_eff;
+    hw.attention_bwd_efficiency = bwd_eff;
+    hw.attention_block = 64.0;
+    hw.memory_efficiency = 1.0;
+    hw.kernel_launch_us = launch * 1e6;
+    hw.collective_efficiency = 1.0;
+    hw.overlap_slowdown = 0.0;
+    hw.kernels = KernelMode::Fused;
+    Ok(hw)
+}
+
+/// Physical memory in GiB (from /proc/meminfo; 16 when it cannot be read).
+fn host_memory_gib() -> f64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
+        })
+        .map_or(16.0, |kib| kib / (1u64 << 20) as f64)
+}
+
+/// The profile as a parallel spec's `hardware:` line.
+pub fn spec_line(hw: &HardwareProfile) -> String {
+    let nums: Vec<String> = hw
+        .numbers()
+        .iter()
+        .map(|(k, v)| format!("{k}: {}", round(*v)))
+        .collect();
+    format!(
+        "hardware: {{name: {}, kernels: {}, {}}}\n",
+        hw.name,
+        hw.kernels.name(),
+        nums.join(", ")
+    )
+}
+
+/// Four significant digits.
+fn round(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return "0".into();
+    }
+    let digits = (3 - v.abs().log10().floor() as i32).max(0) as usize;
+    format!("{v:.digits$}")
+}
+
+pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
+    let hw = measure(args)?;
+    let line = spec_line(&hw);
+    if let Some(path) = &args.out {
+        std::fs::write(path, &line).map_err(|e| CliError::Usage(format!("{}: cannot write: {e}", path.display())))?;
+    }
+    crate::emit(&line)
+}
