@@ -22,7 +22,8 @@
 //!   op's `kernel_launch_us` adds to its work (shardplan's executor runs one op at a time).
 //! - **Collectives**: a ring, alpha-beta, at `collective_efficiency` of the link rate. With
 //!   `n` ranks and `B` bytes in the full buffer, an all-gather or reduce-scatter takes
-//!   `(n-1) (alpha + B/n / bw)`, an all-reduce twice that. A group within one node uses
+//!   `(n-1) (alpha + B/n / bw)`, an all-reduce twice that or, when faster, a double
+//!   binary tree's `2 (log2(n) alpha + B / bw)`. A group within one node uses
 //!   NVLink. A group across nodes runs one ring per GPU of a node, each leaving the node
 //!   through its own GPU's NIC (NCCL's rail-aligned rings), so its bandwidth is the lesser
 //!   of NVLink's and `inter_node_gbps` times the group's ranks per node, at the network's
@@ -252,14 +253,20 @@ pub fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
     }
 }
 
-/// Seconds of a ring collective moving `bytes` (the full buffer) over `n` ranks.
+/// Seconds of a collective moving `bytes` (the full buffer) over `n` ranks: a ring for
+/// all-gather and reduce-scatter; for all-reduce the faster of a ring (a reduce-scatter
+/// then an all-gather) and NCCL's double binary tree (a reduce up and a broadcast down,
+/// `log2 n` hops of latency each way, the buffer pipelined through at the link rate),
+/// which NCCL picks for small buffers on many ranks.
 pub fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: bool) -> f64 {
     if n <= 1 {
         return 0.0;
     }
     let t = (n - 1) as f64 * (alpha + bytes as f64 / n as f64 / bw);
     if all_reduce {
-        2.0 * t
+        let depth = (n as f64).log2().ceil();
+        let tree = 2.0 * (depth * alpha + bytes as f64 / bw);
+        (2.0 * t).min(tree)
     } else {
         t
     }
