@@ -50,6 +50,14 @@ pub struct ModelSpecFile {
     pub max_seq_len: Option<Spanned<u64>>,
     /// Output classes (mlp).
     pub n_classes: Option<Spanned<u64>>,
+    /// MLP activation (llama: default silu; gpt2: default gelu_tanh): silu, gelu (exact),
+    /// gelu_tanh, relu.
+    pub activation: Option<Spanned<shardplan_models::Activation>>,
+    /// RoPE frequency scaling (llama), Hugging Face's `rope_scaling` as a mapping:
+    /// `{rope_type: linear, factor}`, `{rope_type: llama3, factor, low_freq_factor,
+    /// high_freq_factor, original_max_position_embeddings}` or `{rope_type: yarn, factor,
+    /// original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate}`.
+    pub rope_scaling: Option<Spanned<shardplan_ir::RopeScaling>>,
 }
 
 /// Which fields each family takes.
@@ -68,6 +76,8 @@ fn allowed(family: Family) -> &'static [&'static str] {
             "tie_embeddings",
             "qkv_bias",
             "max_seq_len",
+            "activation",
+            "rope_scaling",
         ],
         Family::Gpt2 => &[
             "vocab_size",
@@ -77,6 +87,7 @@ fn allowed(family: Family) -> &'static [&'static str] {
             "ffn_dim",
             "norm_eps",
             "max_seq_len",
+            "activation",
         ],
         Family::Mlp => &["dim", "n_layers", "ffn_dim", "n_classes"],
     }
@@ -102,7 +113,9 @@ impl ModelSpecFile {
             tie_embeddings,
             qkv_bias,
             max_seq_len,
-            n_classes
+            n_classes,
+            activation,
+            rope_scaling
         );
         v
     }
@@ -138,6 +151,11 @@ impl ModelSpecFile {
         let val = |v: &Option<Spanned<u64>>| v.as_ref().map(|s| s.value);
         let fval = |v: &Option<Spanned<f64>>, d: f64| v.as_ref().map_or(d, |s| s.value);
         let name = self.name.clone().unwrap_or_else(|| file_stem(src));
+        let activation = self.activation.as_ref().map(|s| s.value);
+        let rope_scaling = match &self.rope_scaling {
+            Some(s) => check_rope_scaling(&origin, s.value)?,
+            None => Default::default(),
+        };
         let config = match family {
             Family::Llama => {
                 let n_heads = need(&self.n_heads, "n_heads")?;
@@ -152,8 +170,8 @@ impl ModelSpecFile {
                     ffn_dim: need(&self.ffn_dim, "ffn_dim")?,
                     norm_eps: fval(&self.norm_eps, 1e-5),
                     rope_theta: fval(&self.rope_theta, 10000.0),
-                    rope_scaling: Default::default(),
-                    activation: None,
+                    rope_scaling,
+                    activation,
                     tie_embeddings: self.tie_embeddings.as_ref().is_some_and(|s| s.value),
                     qkv_bias: self.qkv_bias.as_ref().is_some_and(|s| s.value),
                     max_seq_len: val(&self.max_seq_len).unwrap_or(4096),
@@ -170,7 +188,7 @@ impl ModelSpecFile {
                     ffn_dim: val(&self.ffn_dim).unwrap_or(dim.saturating_mul(4)),
                     max_seq_len: val(&self.max_seq_len).unwrap_or(1024),
                     norm_eps: fval(&self.norm_eps, 1e-5),
-                    activation: None,
+                    activation,
                 })
             }
             Family::Mlp => {
@@ -191,6 +209,71 @@ impl ModelSpecFile {
         })?;
         Ok((config, origin))
     }
+}
+
+/// `r` if every number of it is usable: factors, frequencies and the attention factor
+/// finite and positive, the original context at least 1, and the llama3 frequency factors
+/// in order.
+fn check_rope_scaling(origin: &Origin, r: shardplan_ir::RopeScaling) -> Result<shardplan_ir::RopeScaling, SpecError> {
+    use shardplan_ir::RopeScaling;
+    let bad = |what: &str, v: String| {
+        origin.error(
+            "rope_scaling",
+            format!("`{what}` must be a finite number above 0, got {v}"),
+            format!("set rope_scaling.{what} as the model's config.json has it"),
+        )
+    };
+    let pos = |what: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(bad(what, v.to_string()))
+        }
+    };
+    let ctx = |v: u64| {
+        if v > 0 {
+            Ok(())
+        } else {
+            Err(bad("original_max_position_embeddings", v.to_string()))
+        }
+    };
+    match r {
+        RopeScaling::Default => {}
+        RopeScaling::Linear { factor } => pos("factor", factor)?,
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            pos("factor", factor)?;
+            pos("low_freq_factor", low_freq_factor)?;
+            pos("high_freq_factor", high_freq_factor)?;
+            ctx(original_max_position_embeddings)?;
+            if high_freq_factor <= low_freq_factor {
+                return Err(origin.error(
+                    "rope_scaling",
+                    format!("high_freq_factor ({high_freq_factor}) must be above low_freq_factor ({low_freq_factor})"),
+                    "Llama 3.1 uses low_freq_factor: 1, high_freq_factor: 4",
+                ));
+            }
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            ..
+        } => {
+            pos("factor", factor)?;
+            pos("beta_fast", beta_fast)?;
+            pos("beta_slow", beta_slow)?;
+            pos("attention_factor", attention_factor)?;
+            ctx(original_max_position_embeddings)?;
+        }
+    }
+    Ok(r)
 }
 
 fn family_name(f: Family) -> &'static str {
