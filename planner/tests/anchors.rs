@@ -16,8 +16,8 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Rows whose speed the cost model does not yet predict within 15%, with the bound that
 /// holds today. The H100 rows (torchtitan pull request #165, early FSDP2, H100 SXM 96GB)
 /// run at 36-41% of the dense peak; the model, with cuBLAS's and flash attention's
-/// published H100 efficiencies and eager PyTorch's memory-bound kernels, gives 1.36-1.41x
-/// their speed. A figure measured on the GPU (`scripts/gpu-check.sh profile`) is what is
+/// published H100 efficiencies and eager PyTorch's memory-bound kernels, gives 1.39-1.46x
+/// their speed. A figure measured on the GPU (`scripts/gpu-check.sh --checks profile`) is what is
 /// missing; when it closes the gap, these entries go and the 15% rule holds for them too.
 const OPEN_SPEED_GAPS: &[(&str, f64)] = &[("P3", 1.45), ("P4", 1.50)];
 

@@ -37,6 +37,36 @@ pub(crate) fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R
     Ok(f(&data[start..end]))
 }
 
+/// The gradient of an embedding table `[vocab, dim]` from the gradient `g` of its rows
+/// looked up by `ids` (`[ids.len(), dim]`): one pass, each id's row added in token order
+/// (the sum does not depend on threads). An id outside the table is an error.
+pub fn embedding_grad(ids: &[u32], g: &Tensor, vocab: usize, dim: usize) -> Result<Tensor> {
+    let table = with_slice(g, |gs| -> Result<Vec<f32>> {
+        if gs.len() != ids.len() * dim {
+            return Err(ExecError::Internal(format!(
+                "embedding gradient of {} elements for {} ids of width {dim}",
+                gs.len(),
+                ids.len()
+            )));
+        }
+        let mut table = vec![0f32; vocab * dim];
+        for (t, &id) in ids.iter().enumerate() {
+            let row = id as usize;
+            if row >= vocab {
+                return Err(ExecError::Internal(format!(
+                    "token id {id} outside the embedding table of {vocab} rows"
+                )));
+            }
+            let dst = &mut table[row * dim..(row + 1) * dim];
+            for (d, s) in dst.iter_mut().zip(&gs[t * dim..(t + 1) * dim]) {
+                *d += s;
+            }
+        }
+        Ok(table)
+    })??;
+    Ok(Tensor::from_vec(table, (vocab, dim), g.device())?)
+}
+
 fn out(v: Vec<f32>, like: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(v, like.dims(), like.device())?)
 }
@@ -271,6 +301,27 @@ pub(crate) mod tests {
 
     fn randn(dims: &[usize]) -> Tensor {
         Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn embedding_grad_equals_index_add_bit_for_bit() {
+        let ids: Vec<u32> = (0..97u32).map(|i| (i * 31 + 7) % 13).collect();
+        let g = randn(&[97, 24]);
+        let got = embedding_grad(&ids, &g, 13, 24).unwrap();
+        let idx = Tensor::from_vec(ids.clone(), 97, &Device::Cpu).unwrap();
+        let want = Tensor::zeros((13, 24), candle_core::DType::F32, &Device::Cpu)
+            .unwrap()
+            .index_add(&idx, &g, 0)
+            .unwrap();
+        let (a, b) = (
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a, b);
+        assert!(
+            embedding_grad(&[13], &randn(&[1, 24]), 13, 24).is_err(),
+            "id past the table"
+        );
     }
 
     #[test]

@@ -288,6 +288,9 @@ fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
 
 fn embedding_grad(ids: &Tensor, g: &Tensor, out: &[usize]) -> Result<Tensor> {
     let flat = ids.flatten_all()?;
+    if fused::applies(&[g]) && flat.dtype() == CDType::U32 && out.len() == 2 {
+        return fused::embedding_grad(&flat.to_vec1::<u32>()?, g, out[0], out[1]);
+    }
     let g2 = wide(&rows(&g.contiguous()?)?)?;
     let zeros = Tensor::zeros(out, g2.dtype(), g.device())?;
     Ok(zeros.index_add(&flat, &g2, 0)?.to_dtype(g.dtype())?)
