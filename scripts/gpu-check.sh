@@ -18,6 +18,12 @@
 #              measured and planned peak bytes, and the GPU's memory in use (nvidia-smi)
 #   fsdp2      benches/fsdp2_step.py: PyTorch FSDP2 on the same model, batch and optimizer on
 #              the same GPU: tokens/s, torch.cuda peak allocated / reserved, nvidia-smi
+#   profile    benches/gpu_profile.py: the cost model's constants measured on this GPU
+#              (bf16 GEMMs at Llama's shapes, sustained GEMM throughput, flash attention
+#              forward and backward, HBM bandwidth, eager per-op cost, RMSNorm / rotary /
+#              cross-entropy against the planner's eager prediction; with 2+ GPUs the
+#              compute slowdown beside NCCL) and a `hardware:` line to paste into a
+#              parallel spec; nvidia-smi's SM clock, power and temperature meanwhile
 #   ratios     shardplan / PyTorch for tokens/s and peak memory (summary.json, summary.txt)
 #
 # Everything goes into one folder (--out, default $OUT/gpu-check when $OUT is set, else
@@ -25,8 +31,10 @@
 # checks.txt (one status line per check), summary.json and summary.txt. Each check writes its
 # result as soon as it ends, also when it fails, so a later failure loses nothing.
 #
-# Exit: 0 every check ran and parity passed; 1 a check failed; 2 bad arguments, no binary,
-# no GPU, or no PyTorch with CUDA libraries (nothing measured).
+# fsdp2 and profile need no shardplan binary: `--checks fsdp2,profile` runs without one.
+#
+# Exit: 0 every check ran and parity passed; 1 a check failed; 2 bad arguments, no binary
+# (when a check needs one), no GPU, or no PyTorch with CUDA libraries (nothing measured).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,13 +46,17 @@ Options:
                       a .gz file is unpacked into a temporary folder first
   --out DIR           output folder (created; default $OUT/gpu-check or target/gpu-check)
   --python PY         interpreter with torch (default $PYTHON or python3)
-  --checks LIST       comma-separated subset of parity,nccl,shardplan,fsdp2 (default: all)
+  --checks LIST       comma-separated subset of parity,nccl,shardplan,fsdp2,profile
+                      (default: all)
   --parity-steps N    training steps per parity run (default 20)
   --tol X             parity tolerance, relative, per step (default 1e-3)
   --batch N           sequences per step for the 1B runs (default 2)
   --warmup N          1B runs: steps before measuring (default 2)
   --steps N           1B runs: measured steps (default 5)
   --timeout S         seconds allowed to each 1B run (default 240)
+  --profile-timeout S seconds allowed to benches/gpu_profile.py (default 300)
+  --profile-args STR  more arguments for benches/gpu_profile.py, split at spaces (e.g.
+                      "--peak-tflops 756 --hbm-gbps 2000" for a GPU it does not know)
   -h, --help          this text
 EOF
 }
@@ -55,13 +67,15 @@ BIN=target/cuda/release/shardplan
 OUTDIR=
 if [ -n "${OUT:-}" ]; then OUTDIR=$OUT/gpu-check; else OUTDIR=target/gpu-check; fi
 PY=${PYTHON:-python3}
-CHECKS=parity,nccl,shardplan,fsdp2
+CHECKS=parity,nccl,shardplan,fsdp2,profile
 PARITY_STEPS=20
 TOL=1e-3
 BATCH=2
 WARMUP=2
 STEPS=5
 TIMEOUT=240
+PROFILE_TIMEOUT=300
+PROFILE_ARGS=
 MODEL=examples/models/llama-1b.yaml
 SPEC_1B=examples/parallel/gpu-check-llama-1b.yaml
 MESHES="1x1 1x2 2x2"
@@ -81,25 +95,30 @@ while [ $# -gt 0 ]; do
     --warmup) need_value "$@"; WARMUP=$2; shift 2 ;;
     --steps) need_value "$@"; STEPS=$2; shift 2 ;;
     --timeout) need_value "$@"; TIMEOUT=$2; shift 2 ;;
-    --bin=*|--out=*|--python=*|--checks=*|--parity-steps=*|--tol=*|--batch=*|--warmup=*|--steps=*|--timeout=*)
+    --profile-timeout) need_value "$@"; PROFILE_TIMEOUT=$2; shift 2 ;;
+    --profile-args) [ $# -ge 2 ] || die "--profile-args needs a value (see --help)"; PROFILE_ARGS=$2; shift 2 ;;
+    --bin=*|--out=*|--python=*|--checks=*|--parity-steps=*|--tol=*|--batch=*|--warmup=*|--steps=*|--timeout=*|--profile-timeout=*|--profile-args=*)
       k=${1%%=*}; v=${1#*=}; shift; set -- "$k" "$v" "$@" ;;
     *) die "unknown argument \`$1\` (see --help)" ;;
   esac
 done
-for n in PARITY_STEPS BATCH STEPS TIMEOUT; do
+for n in PARITY_STEPS BATCH STEPS TIMEOUT PROFILE_TIMEOUT; do
   is_uint "${!n}" && [ "${!n}" -ge 1 ] || die "--$(echo "$n" | tr 'A-Z_' 'a-z-') must be a whole number >= 1, not \`${!n}\`"
 done
 is_uint "$WARMUP" || die "--warmup must be a whole number, not \`$WARMUP\`"
 [[ $TOL =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "--tol must be a number, not \`$TOL\`"
 IFS=, read -r -a want <<<"$CHECKS"
 for c in "${want[@]}"; do
-  case $c in parity|nccl|shardplan|fsdp2) ;; *) die "--checks: unknown check \`$c\` (parity, nccl, shardplan, fsdp2)" ;; esac
+  case $c in parity|nccl|shardplan|fsdp2|profile) ;; *) die "--checks: unknown check \`$c\` (parity, nccl, shardplan, fsdp2, profile)" ;; esac
 done
 wants() { [[ ",$CHECKS," == *",$1,"* ]]; }
+# The checks that run shardplan itself.
+needs_bin() { wants parity || wants nccl || wants shardplan; }
+read -r -a profile_args <<<"$PROFILE_ARGS"
 
 # Preconditions, each exit 2 with what is missing.
-if [ ! -e "$BIN" ]; then
-  die "no shardplan binary at $BIN: build one with scripts/build-cuda.sh (then pass --bin target/cuda/release/shardplan, or copy it here)"
+if needs_bin && [ ! -e "$BIN" ]; then
+  die "no shardplan binary at $BIN: build one with scripts/build-cuda.sh (then pass --bin target/cuda/release/shardplan, or copy it here), or run only --checks fsdp2,profile"
 fi
 command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter \`$PY\` (set --python or PYTHON)"
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
@@ -110,13 +129,17 @@ fi
 
 mkdir -p "$OUTDIR" || die "cannot create $OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
-if [[ $BIN == *.gz ]]; then
-  unpacked=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-bin.XXXXXX") || die "cannot make a temporary folder"
-  gunzip -c "$BIN" >"$unpacked/shardplan" || die "cannot unpack $BIN"
-  BIN=$unpacked/shardplan
+if needs_bin; then
+  if [[ $BIN == *.gz ]]; then
+    unpacked=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-bin.XXXXXX") || die "cannot make a temporary folder"
+    gunzip -c "$BIN" >"$unpacked/shardplan" || die "cannot unpack $BIN"
+    BIN=$unpacked/shardplan
+  fi
+  [ -x "$BIN" ] || chmod +x "$BIN" 2>/dev/null || die "$BIN is not executable"
+  BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
+else
+  BIN=
 fi
-[ -x "$BIN" ] || chmod +x "$BIN" 2>/dev/null || die "$BIN is not executable"
-BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
 : >"$OUTDIR/checks.txt"
 status() { printf '%-10s %-8s %s\n' "$1" "$2" "$3" | tee -a "$OUTDIR/checks.txt"; }
 FAILED=0
@@ -138,8 +161,12 @@ for d in ("nvidia/cu13/lib", "nvidia/nccl/lib"):
 print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())
 EOF
   echo
-  echo "binary: $BIN ($(stat -c %s "$BIN") bytes)"
-  sp --version 2>&1
+  if [ -n "$BIN" ]; then
+    echo "binary: $BIN ($(stat -c %s "$BIN") bytes)"
+    sp --version 2>&1
+  else
+    echo "binary: none (no check here needs one)"
+  fi
 } >"$OUTDIR/env.txt" 2>&1
 "$PY" - "$OUTDIR/env.json" "$BIN" <<'EOF'
 import json, subprocess, sys, torch
@@ -148,10 +175,10 @@ q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,
 name, driver, mem, cap = ([s.strip() for s in q.splitlines()[0].split(",")] + [""] * 4)[:4]
 json.dump({"gpu": name, "driver": driver, "memory_total": mem, "compute_capability": cap,
            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "binary": sys.argv[2]},
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())), "binary": sys.argv[2] or None},
           open(sys.argv[1], "w"), indent=2)
 EOF
-if ! sp --version >/dev/null 2>&1; then
+if [ -n "$BIN" ] && ! sp --version >/dev/null 2>&1; then
   status binary fail "the binary does not start: see env.txt"
   exit 1
 fi
@@ -439,7 +466,64 @@ else
   status fsdp2 skipped "--checks"
 fi
 
-# --- (d) the ratio table ---------------------------------------------------------------------
+# --- (d) the cost model's constants measured on this GPU -----------------------------------
+if wants profile; then
+  d=$OUTDIR/profile
+  mkdir -p "$d"
+  rm -f "$d/report.json"
+  # SM clock, power and temperature of GPU 0 every 200 ms: a clock that sags under the
+  # sustained GEMMs is the power limit.
+  nvidia-smi -i 0 --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 200 \
+    >"$d/nvidia-smi.csv" 2>/dev/null &
+  CLK_PID=$!
+  timeout "$PROFILE_TIMEOUT" "$PY" benches/gpu_profile.py --device cuda --out "$d/report.json" ${profile_args[@]+"${profile_args[@]}"} \
+    >"$d/stdout.txt" 2>"$d/stderr.txt"
+  rc=$?
+  kill "$CLK_PID" 2>/dev/null; wait "$CLK_PID" 2>/dev/null
+  "$PY" - "$d" "$rc" <<'EOF'
+import json, os, statistics, sys
+d, rc = sys.argv[1], int(sys.argv[2])
+p = f"{d}/report.json"
+r = {}
+if os.path.exists(p):
+    try:
+        r = json.load(open(p))
+    except ValueError as e:
+        r = {"report_error": f"unreadable {p}: {e}"}
+r["exit"] = rc
+r["timed_out"] = rc in (124, 137)
+def num(v):
+    try:
+        return float(v)
+    except ValueError:
+        return None
+rows = []
+if os.path.exists(f"{d}/nvidia-smi.csv"):
+    for line in open(f"{d}/nvidia-smi.csv", errors="replace"):
+        v = [num(x.strip()) for x in line.split(",")]
+        if len(v) == 3 and v[0] is not None:
+            rows.append(v)
+if rows:
+    clk = [x[0] for x in rows]
+    pw = [x[1] for x in rows if x[1] is not None]
+    # The samples under load: power at least half its maximum.
+    busy = [x[0] for x in rows if x[1] is not None and x[1] >= 0.5 * max(pw)] if pw else clk
+    r["nvidia_smi"] = {"samples": len(rows), "sm_clock_mhz_max": max(clk), "sm_clock_mhz_min_busy": min(busy),
+                       "sm_clock_mhz_median_busy": statistics.median(busy), "power_w_max": max(pw) if pw else None,
+                       "temperature_c_max": max((x[2] for x in rows if x[2] is not None), default=None)}
+r["ok"] = rc == 0 and r.get("complete") is True
+if not r["ok"]:
+    r["error"] = "\n".join(open(f"{d}/stderr.txt", errors="replace").read().strip().splitlines()[-25:])
+json.dump(r, open(f"{d}/../profile.json", "w"), indent=2)
+sys.exit(0 if r["ok"] else 1)
+EOF
+  if [ $? = 0 ]; then status profile ok "$(grep -o '^hardware: {.*}' "$d/stdout.txt" | tail -1)"
+  else status profile FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+else
+  status profile skipped "--checks"
+fi
+
+# --- (e) the ratio table ---------------------------------------------------------------------
 "$PY" - "$OUTDIR" "$GPU_NAME" <<'EOF'
 import json, os, sys
 out, gpu = sys.argv[1], sys.argv[2]
@@ -447,6 +531,7 @@ def load(name):
     p = os.path.join(out, name)
     return json.load(open(p)) if os.path.exists(p) else None
 parity, ours, theirs, nccl = load("parity.json"), load("shardplan-1b.json"), load("fsdp2-1b.json"), load("nccl.json")
+profile = load("profile.json")
 gib = lambda b: None if b is None else b / 2**30
 s = {"gpu": gpu, "parity": None, "shardplan": None, "fsdp2": None, "ratios": {}}
 lines = [f"GPU: {gpu}", ""]
@@ -510,6 +595,24 @@ else:
         lines.append(f"  shardplan: {s['shardplan']['tokens_per_second']:.0f} tok/s")
     if s["fsdp2"]:
         lines.append(f"  FSDP2: {s['fsdp2']['tokens_per_second']:.0f} tok/s, peak allocated {gib(s['fsdp2']['peak_allocated_bytes'] or 0):.2f} GiB")
+if profile:
+    ref = profile.get("reference") or {}
+    s["profile"] = {"ok": profile.get("ok"), "measured": profile.get("profile"), "builtin": ref.get("builtin"),
+                    "yaml": profile.get("yaml"), "nvidia_smi": profile.get("nvidia_smi")}
+    lines.append("")
+    if profile.get("profile"):
+        lines.append(f"cost-model constants measured here ({'complete' if profile.get('ok') else 'INCOMPLETE: see profile.json'}; built-in {ref.get('base')} in brackets):")
+        for k, v in profile["profile"].items():
+            b = (ref.get("builtin") or {}).get(k)
+            lines.append(f"  {k:<26} {v:8.3f}" + (f"  [{b:.2f}]" if b is not None else ""))
+        if profile.get("yaml"):
+            lines.append("  " + profile["yaml"])
+        smi = profile.get("nvidia_smi")
+        if smi:
+            lines.append(f"  nvidia-smi meanwhile: SM clock {smi['sm_clock_mhz_min_busy']:.0f}-{smi['sm_clock_mhz_max']:.0f} MHz (median under load {smi['sm_clock_mhz_median_busy']:.0f}), "
+                         f"power up to {smi['power_w_max'] or 0:.0f} W, {smi['temperature_c_max'] or 0:.0f} C")
+    else:
+        lines.append("cost-model constants: not measured (see profile.json)")
 json.dump(s, open(os.path.join(out, "summary.json"), "w"), indent=2)
 open(os.path.join(out, "summary.txt"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
