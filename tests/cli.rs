@@ -370,7 +370,7 @@ fn train_refuses_bad_plans_and_specs_at_their_line() {
     std::fs::write(&edited, v.to_string()).unwrap();
     bad(
         &["train", "--plan", edited.to_str().unwrap()],
-        "the plan fails verification",
+        "`programs[0]`: the planned `",
     );
 }
 
