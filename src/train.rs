@@ -12,10 +12,7 @@ use shardplan_executor::comm::env::{Launcher, ProcessEnv};
 use shardplan_executor::comm::Placement;
 use shardplan_executor::runtime::device::DeviceMemory;
 use shardplan_executor::{ExecError, ShardedTrainer};
-use shardplan_frontends::{
-    load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, ParallelConfig, Source, SpecError,
-};
-use shardplan_models::ModelConfig;
+use shardplan_frontends::{load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, Source, SpecError};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -125,96 +122,11 @@ impl Specs {
     }
 }
 
-/// A plan file, checked: the plan, its model and parallel specs, and the joint graph it was
-/// made for.
-type CheckedPlan = (
-    shardplan_planner::Plan,
-    ModelConfig,
-    ParallelConfig,
-    shardplan_ir::JointGraph,
-);
-
-/// Reads a plan file and checks it against what it claims to be: JSON errors name the line,
-/// column and field path; a plan without its specs or of another format version is refused;
-/// the recorded specs are validated as spec files are; every derived field must equal the
-/// re-planned one and an edited schedule must do the planned work and pass the verifier
-/// (`shardplan_planner::rederive`). Every refusal names the JSON path.
-fn read_plan(path: &std::path::Path) -> Result<CheckedPlan, CliError> {
-    use shardplan_planner::rederive::{check_parallel, rederive, Refusal};
+/// Reads a plan file and checks it against what it claims to be
+/// (`shardplan_planner::rederive::read_plan`).
+fn read_plan(path: &std::path::Path) -> Result<shardplan_planner::rederive::CheckedPlan, CliError> {
     let src = Source::read(path)?;
-    let pos = |e: &serde_json::Error| {
-        Some(shardplan_frontends::Pos {
-            line: e.line() as u64,
-            column: e.column() as u64,
-        })
-    };
-    let rewrite = "write one with `shardplan plan --model ... --parallel ... --format json --out plan.json`";
-    let value: serde_json::Value = serde_json::from_str(&src.text).map_err(|e| {
-        SpecError::file(path, format!("not a shardplan plan: {e}"))
-            .at(pos(&e))
-            .help(rewrite)
-    })?;
-    let mut de = serde_json::Deserializer::from_str(&src.text);
-    let plan: shardplan_planner::Plan = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let field = e.path().to_string();
-        let inner = e.into_inner();
-        let err = SpecError::file(path, format!("not a shardplan plan: {inner}")).at(pos(&inner));
-        if field.is_empty() || field == "." {
-            err
-        } else {
-            err.field(field)
-        }
-        .help(rewrite)
-    })?;
-    if plan.version != shardplan_planner::PLAN_VERSION {
-        return Err(SpecError::file(
-            path,
-            format!(
-                "plan format version {} (this shardplan reads version {})",
-                plan.version,
-                shardplan_planner::PLAN_VERSION
-            ),
-        )
-        .field("version")
-        .help("re-run `shardplan plan` with this version")
-        .into());
-    }
-    let Some(source) = plan.source.clone() else {
-        return Err(SpecError::file(
-            path,
-            "the plan does not record the model and parallel specs it was made from",
-        )
-        .field("source")
-        .help("write it with `shardplan plan --format json`, which records them")
-        .into());
-    };
-    let refuse = |r: Refusal| -> CliError { SpecError::file(path, r.to_string()).help(r.help()).into() };
-    check_parallel(&source.parallel).map_err(refuse)?;
-    let graph = shardplan_models::trace(
-        &source.model,
-        shardplan_executor::train::sharded::trace_options(&source.parallel),
-    )
-    .map_err(|e| {
-        let (field, help) = match &e {
-            shardplan_models::TraceError::Config(c) => (format!("source.model.{}", c.field), c.help.clone()),
-            shardplan_models::TraceError::Shape { field, help, .. } => {
-                (format!("source.parallel.{field}"), help.clone())
-            }
-            _ => (
-                "source".to_string(),
-                "use realistic sizes in the recorded specs".to_string(),
-            ),
-        };
-        CliError::from(SpecError::file(path, format!("`{field}`: {e}")).help(help))
-    })?;
-    let joint = shardplan_ir::differentiate(&graph).map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
-    rederive(&value, &plan, &joint).map_err(refuse)?;
-    if let Err(e) = shardplan_planner::verify(&plan, None) {
-        return Err(SpecError::file(path, format!("the plan fails verification: {e}"))
-            .help("the file was edited or damaged; write it again with `shardplan plan`")
-            .into());
-    }
-    Ok((plan, source.model, source.parallel, joint))
+    Ok(shardplan_planner::rederive::read_plan(path, &src.text)?)
 }
 
 pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
@@ -377,7 +289,12 @@ fn train(
     shardplan_executor::cpu::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
-            let (plan, model, parallel, joint) = read_plan(p)?;
+            let shardplan_planner::rederive::CheckedPlan {
+                plan,
+                model,
+                parallel,
+                joint,
+            } = read_plan(p)?;
             let specs = Specs::Plan(p.clone());
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)

@@ -175,6 +175,9 @@ pub(crate) fn plan_passes(
     // 3. The schedule of one rank (every rank runs the same program: shards are padded).
     let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
 
+    // The memory passes add sizes up without checks: bound their total first.
+    rank_bytes_fit(&sched.buffers, &cached.acts)?;
+
     // 4. Timeline, memory, estimate.
     let forward_flops: f64 = *cache.forward_flops.get_or_insert_with(|| {
         (0..joint.forward_len)
@@ -224,6 +227,26 @@ pub(crate) fn plan_passes(
         verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
     }
     Ok((plan, cached))
+}
+
+/// Most bytes one rank's buffers and activations may add up to (1 EiB, beyond any device):
+/// the memory simulation and the allocator model (which replays up to three steps) add
+/// sizes and addresses in u64 and stay far from overflow below it.
+pub const MAX_RANK_BYTES: u64 = 1 << 60;
+
+/// Refuses a plan whose buffers and activations, summed, exceed [`MAX_RANK_BYTES`].
+fn rank_bytes_fit(buffers: &[Buffer], acts: &ActEvents) -> Result<(), PlanError> {
+    let total = buffers
+        .iter()
+        .map(|b| b.numel.checked_mul(b.dtype.size_bytes()))
+        .chain(acts.events.iter().map(|e| Some(e.bytes)))
+        .try_fold(0u64, |sum, x| sum.checked_add(x?));
+    match total {
+        Some(t) if t <= MAX_RANK_BYTES => Ok(()),
+        _ => Err(PlanError::Graph(format!(
+            "one rank's buffers and activations add up to more than {MAX_RANK_BYTES} bytes (1 EiB), the most shardplan plans for"
+        ))),
+    }
 }
 
 /// Pass 4 of [`plan`] on one program: its simulated timeline, memory and estimate.

@@ -21,8 +21,11 @@ use crate::plan::{Instr, Issued, Plan, Program, Stream};
 use crate::{plan_passes, simulate_program, verify, PlanCache, PlanError, VerifyError};
 use serde_json::Value;
 use shardplan_frontends::ParallelConfig;
+use shardplan_frontends::SpecError;
 use shardplan_ir::JointGraph;
+use shardplan_models::ModelConfig;
 use std::fmt::Write as _;
+use std::path::Path;
 use thiserror::Error;
 
 /// Why a plan file is refused.
@@ -146,6 +149,101 @@ pub fn check_parallel(config: &ParallelConfig) -> Result<(), Refusal> {
         }
     }
     Ok(())
+}
+
+/// A plan file, checked: the plan, its model and parallel specs, and the joint graph it was
+/// made for.
+pub struct CheckedPlan {
+    pub plan: Plan,
+    pub model: ModelConfig,
+    pub parallel: ParallelConfig,
+    pub joint: JointGraph,
+}
+
+/// Reads the plan file `path` holding `text` and checks it against what it claims to be:
+/// JSON errors name the line, column and field path; a plan without its specs or of
+/// another format version is refused; the recorded specs are validated as spec files are;
+/// then [`rederive`] and the verifier. Every refusal names the file and the JSON path.
+pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
+    let pos = |e: &serde_json::Error| {
+        Some(shardplan_frontends::Pos {
+            line: e.line() as u64,
+            column: e.column() as u64,
+        })
+    };
+    let rewrite = "write one with `shardplan plan --model ... --parallel ... --format json --out plan.json`";
+    let value: Value = serde_json::from_str(text).map_err(|e| {
+        SpecError::file(path, format!("not a shardplan plan: {e}"))
+            .at(pos(&e))
+            .help(rewrite)
+    })?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let plan: Plan = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let field = e.path().to_string();
+        let inner = e.into_inner();
+        let err = SpecError::file(path, format!("not a shardplan plan: {inner}")).at(pos(&inner));
+        if field.is_empty() || field == "." {
+            err
+        } else {
+            err.field(field)
+        }
+        .help(rewrite)
+    })?;
+    if plan.version != crate::PLAN_VERSION {
+        return Err(SpecError::file(
+            path,
+            format!(
+                "plan format version {} (this shardplan reads version {})",
+                plan.version,
+                crate::PLAN_VERSION
+            ),
+        )
+        .field("version")
+        .help("re-run `shardplan plan` with this version"));
+    }
+    let Some(source) = plan.source.clone() else {
+        return Err(SpecError::file(
+            path,
+            "the plan does not record the model and parallel specs it was made from",
+        )
+        .field("source")
+        .help("write it with `shardplan plan --format json`, which records them"));
+    };
+    let refuse = |r: Refusal| SpecError::file(path, r.to_string()).help(r.help());
+    check_parallel(&source.parallel).map_err(refuse)?;
+    let opts = shardplan_models::TraceOptions {
+        batch: source.parallel.batch.per_rank,
+        seq_len: source.parallel.batch.seq_len,
+        dtype: source.parallel.mixed_precision.param,
+    };
+    let graph = shardplan_models::trace(&source.model, opts).map_err(|e| {
+        let (field, help) = match &e {
+            shardplan_models::TraceError::Config(c) => (format!("source.model.{}", c.field), c.help.clone()),
+            shardplan_models::TraceError::Shape { field, help, .. } => {
+                (format!("source.parallel.{field}"), help.clone())
+            }
+            _ => (
+                "source".to_string(),
+                "use realistic sizes in the recorded specs".to_string(),
+            ),
+        };
+        SpecError::file(path, format!("`{field}`: {e}")).help(help)
+    })?;
+    let joint = shardplan_ir::differentiate(&graph).map_err(|e| {
+        SpecError::file(path, format!("`source.model`: the model cannot be differentiated: {e}"))
+            .help("use realistic sizes in the recorded specs")
+    })?;
+    rederive(&value, &plan, &joint).map_err(refuse)?;
+    if let Err(e) = verify(&plan, None) {
+        return Err(SpecError::file(path, format!("the plan fails verification: {e}"))
+            .help("the file was edited or damaged; write it again with `shardplan plan`"));
+    }
+    Ok(CheckedPlan {
+        plan,
+        model: source.model,
+        parallel: source.parallel,
+        joint,
+    })
 }
 
 fn to_value<T: serde::Serialize>(x: &T) -> Value {

@@ -425,12 +425,15 @@ impl ShardedTrainer {
                             format!("{prefix}.{}", names[pl.param.index()])
                         };
                         let t = by_name.get(name.as_str()).ok_or_else(|| {
-                            ExecError::Checkpoint(format!("{}: tensor `{name}` is missing", dir.display()))
+                            ExecError::Checkpoint(format!(
+                                "{}: tensor `{name}` is missing",
+                                dir.join("metadata.json").display()
+                            ))
                         })?;
                         if t.shape != pl.dims {
                             return Err(ExecError::Checkpoint(format!(
                                 "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
-                                dir.display(),
+                                dir.join("metadata.json").display(),
                                 t.shape,
                                 pl.dims
                             )));
