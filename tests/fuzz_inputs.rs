@@ -135,6 +135,13 @@ fn paths(v: &Value, at: &mut Vec<Seg>, out: &mut Vec<Vec<Seg>>) {
     }
 }
 
+fn get<'a>(v: &'a Value, path: &[Seg]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |cur, s| match s {
+        Seg::Key(k) => cur.get(k.as_str()),
+        Seg::Index(i) => cur.get(*i),
+    })
+}
+
 fn get_mut<'a>(v: &'a mut Value, path: &[Seg]) -> &'a mut Value {
     path.iter().fold(v, |cur, s| match s {
         Seg::Key(k) => &mut cur[k.as_str()],
@@ -213,10 +220,7 @@ fn mutate_json(v: &mut Value, rng: &mut Rng, focus: &[&str]) -> String {
             // A list entry swapped with, or duplicated over, another.
             let lists: Vec<&Vec<Seg>> = all
                 .iter()
-                .filter(|p| {
-                    let mut w = v.clone();
-                    matches!(get_mut(&mut w, p), Value::Array(a) if a.len() >= 2)
-                })
+                .filter(|p| matches!(get(v, p), Some(Value::Array(a)) if a.len() >= 2))
                 .collect();
             if lists.is_empty() {
                 return "nothing".into();
@@ -316,7 +320,7 @@ fn fuzz_plan_json() {
     let file = dir.path().join("fuzzed-plan.json");
     let base = shardplan_planner::rederive::read_plan(&file, &text).unwrap().plan;
     let mut rng = Rng(seed());
-    let n = cases(300);
+    let n = cases(1000);
     let mut spawned = 0;
     let mut accepted_edits = Vec::new();
     for k in 0..n {
@@ -550,7 +554,7 @@ fn fuzz_model_yaml() {
             "examples/models/llama3-8b.yaml",
         ],
         "examples/parallel/cpu-1.yaml",
-        250,
+        1000,
         false,
     );
 }
@@ -566,7 +570,7 @@ fn fuzz_parallel_yaml() {
             "examples/parallel/fsdp-64x8.yaml",
         ],
         "tiny-llama",
-        250,
+        1000,
         false,
     );
 }
@@ -582,7 +586,7 @@ fn fuzz_hf_config() {
             "examples/models/qwen2-0.5b.config.json",
         ],
         "examples/parallel/cpu-1.yaml",
-        250,
+        1000,
         true,
     );
 }
@@ -680,7 +684,7 @@ fn fuzz_checkpoints() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     let mut rng = Rng(seed() ^ 0xc4e0);
-    let n = cases(200);
+    let n = cases(600);
     let mut t = Some(t);
     for k in 0..n {
         let case_dir = dir.path().join(format!("case{k}"));
@@ -738,7 +742,7 @@ fn fuzz_safetensors_weights() {
     let model = shardplan_models::preset("tiny-llama").unwrap();
     let mut t = Some(ShardedTrainer::new(&model, &config(MESH_1X2), 4).unwrap());
     let mut rng = Rng(seed() ^ 0x5afe);
-    let n = cases(150);
+    let n = cases(1000);
     for k in 0..n {
         let (mutated, what) = mutate_safetensors(&bytes, &mut rng);
         let file = dir.path().join("fuzzed.safetensors");
@@ -772,7 +776,7 @@ fn fuzz_token_files() {
     };
     let good: Vec<u16> = (0..3000u32).map(|i| ((i * 7 + i / 13) % vocab as u32) as u16).collect();
     let mut rng = Rng(seed() ^ 0x70c);
-    let n = cases(30);
+    let n = cases(150);
     for k in 0..n {
         let mut bytes: Vec<u8> = good.iter().flat_map(|t| t.to_le_bytes()).collect();
         let dtype = if rng.below(4) == 0 { "u32" } else { "u16" };
