@@ -77,7 +77,40 @@ pub fn emit(text: &str) -> Result<(), CliError> {
     }
 }
 
+/// Where to report a bug.
+const BUG_REPORTS: &str = "https://github.com/shardplan/shardplan/issues";
+
+/// A panic is a bug in shardplan, whatever the input: print one line that says so and asks
+/// for a report, not a backtrace (unless `RUST_BACKTRACE` asks for one). The process exits
+/// with 101, Rust's code for a panic, when the main thread panics; a panic on a rank or
+/// stream thread stops the run with an error (exit 1) after the same line.
+fn install_panic_hook() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        let at = info
+            .location()
+            .map_or_else(|| "an unknown place".into(), |l| format!("{}:{}", l.file(), l.line()));
+        eprintln!(
+            "error: shardplan hit an internal error (a bug): {payload} at {at}; please report it at {BUG_REPORTS} with the command you ran (and RUST_BACKTRACE=1 for a backtrace)"
+        );
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+            default(info);
+        }
+    }));
+}
+
 fn main() -> ExitCode {
+    install_panic_hook();
+    // For the test of the hook only: a panic no input can cause (debug builds).
+    if cfg!(debug_assertions) && std::env::var_os("SHARDPLAN_TEST_PANIC").is_some() {
+        panic!("SHARDPLAN_TEST_PANIC is set");
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args).map(|()| None),

@@ -12,10 +12,7 @@ use shardplan_executor::comm::env::{Launcher, ProcessEnv};
 use shardplan_executor::comm::Placement;
 use shardplan_executor::runtime::device::DeviceMemory;
 use shardplan_executor::{ExecError, ShardedTrainer};
-use shardplan_frontends::{
-    load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, ParallelConfig, Source, SpecError,
-};
-use shardplan_models::ModelConfig;
+use shardplan_frontends::{load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, Source, SpecError};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -125,44 +122,11 @@ impl Specs {
     }
 }
 
-/// Reads a plan file: JSON errors name the line and column; a plan without its specs, of
-/// another format version, or failing the verifier is refused.
-fn read_plan(path: &std::path::Path) -> Result<(shardplan_planner::Plan, ModelConfig, ParallelConfig), CliError> {
+/// Reads a plan file and checks it against what it claims to be
+/// (`shardplan_planner::rederive::read_plan`).
+fn read_plan(path: &std::path::Path) -> Result<shardplan_planner::rederive::CheckedPlan, CliError> {
     let src = Source::read(path)?;
-    let plan: shardplan_planner::Plan = serde_json::from_str(&src.text).map_err(|e| {
-        SpecError::file(path, format!("not a shardplan plan: {e}"))
-            .at(Some(shardplan_frontends::Pos {
-                line: e.line() as u64,
-                column: e.column() as u64,
-            }))
-            .help("write one with `shardplan plan --model ... --parallel ... --format json --out plan.json`")
-    })?;
-    if plan.version != shardplan_planner::PLAN_VERSION {
-        return Err(SpecError::file(
-            path,
-            format!(
-                "plan format version {} (this shardplan reads version {})",
-                plan.version,
-                shardplan_planner::PLAN_VERSION
-            ),
-        )
-        .help("re-run `shardplan plan` with this version")
-        .into());
-    }
-    let Some(source) = plan.source.clone() else {
-        return Err(SpecError::file(
-            path,
-            "the plan does not record the model and parallel specs it was made from",
-        )
-        .help("write it with `shardplan plan --format json`, which records them")
-        .into());
-    };
-    if let Err(e) = shardplan_planner::verify(&plan, None) {
-        return Err(SpecError::file(path, format!("the plan fails verification: {e}"))
-            .help("the file was edited or damaged; write it again with `shardplan plan`")
-            .into());
-    }
-    Ok((plan, source.model, source.parallel))
+    Ok(shardplan_planner::rederive::read_plan(path, &src.text)?)
 }
 
 pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
@@ -325,11 +289,13 @@ fn train(
     shardplan_executor::cpu::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
-            let (plan, model, parallel) = read_plan(p)?;
+            let shardplan_planner::rederive::CheckedPlan {
+                plan,
+                model,
+                parallel,
+                joint,
+            } = read_plan(p)?;
             let specs = Specs::Plan(p.clone());
-            let graph = shardplan_models::trace(&model, shardplan_executor::train::sharded::trace_options(&parallel))
-                .map_err(|e| exec_error(ExecError::Trace(e), &specs))?;
-            let joint = shardplan_ir::differentiate(&graph).map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)
                 .map_err(|e| exec_error(e, &specs))?;

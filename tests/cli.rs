@@ -370,7 +370,7 @@ fn train_refuses_bad_plans_and_specs_at_their_line() {
     std::fs::write(&edited, v.to_string()).unwrap();
     bad(
         &["train", "--plan", edited.to_str().unwrap()],
-        "the plan fails verification",
+        "`programs[0]`: the planned `",
     );
 }
 
@@ -521,4 +521,32 @@ fn calibrate_refuses_impossible_arguments() {
     bad(&["calibrate", "--ranks", "0"], "--ranks 0");
     bad(&["calibrate", "--seconds=-1"], "--seconds -1");
     bad(&["calibrate", "--seconds", "NaN"], "--seconds NaN");
+
+fn a_panic_is_reported_as_a_bug_in_one_line() {
+    let run = |backtrace: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_shardplan"));
+        c.args(["plan", "--help"]).env("SHARDPLAN_TEST_PANIC", "1");
+        match backtrace {
+            Some(v) => c.env("RUST_BACKTRACE", v),
+            None => c.env_remove("RUST_BACKTRACE"),
+        };
+        c.output().unwrap()
+    };
+    let o = run(None);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(101), "{err}");
+    assert!(
+        err.starts_with("error: shardplan hit an internal error (a bug): SHARDPLAN_TEST_PANIC is set at src/main.rs:"),
+        "{err}"
+    );
+    assert!(err.contains("please report it at https://"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one line, no backtrace: {err}");
+    assert!(!err.contains("panicked at"), "{err}");
+    let o = run(Some("1"));
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(101), "{err}");
+    assert!(
+        err.contains("internal error (a bug)") && err.contains("stack backtrace"),
+        "{err}"
+    );
 }

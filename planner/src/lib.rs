@@ -14,6 +14,7 @@ pub mod layout;
 pub mod mesh;
 pub mod plan;
 pub mod print;
+pub mod rederive;
 pub mod schedule;
 pub mod simulate;
 pub mod steps;
@@ -174,34 +175,15 @@ pub(crate) fn plan_passes(
             x
         }
     };
-    let (steps, step_s) = (cached.steps.clone(), &cached.step_s);
+    let steps = cached.steps.clone();
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded).
     let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
 
+    // The memory passes add sizes up without checks: bound their total first.
+    rank_bytes_fit(&sched.buffers, &cached.acts)?;
+
     // 4. Timeline, memory, estimate.
-    let (timing, stall) = simulate::timeline(
-        &sched.program,
-        &sched.buffers,
-        step_s,
-        sched.events,
-        &mesh,
-        &config.hardware,
-        policy.optimizer_state_per_param,
-    );
-    let mut memory = simulate::memory(&sched.program, &sched.buffers, &steps, &timing);
-    if replay {
-        memory = simulate::device_memory(
-            memory,
-            &sched.program,
-            &sched.buffers,
-            &cached.acts,
-            &mesh,
-            &config.hardware,
-        );
-    } else {
-        memory.overhead = simulate::overhead(&sched.program, &mesh, &config.hardware);
-    }
     let forward_flops: f64 = *cache.forward_flops.get_or_insert_with(|| {
         (0..joint.forward_len)
             .map(|i| {
@@ -209,21 +191,18 @@ pub(crate) fn plan_passes(
                 c.fwd_flops as f64 + c.bwd_flops as f64
             })
             .sum::<f64>()
-    }) * policy.grad_accum as f64;
-    let peak_flops = if matches!(policy.mixed_precision.param, DType::F32 | DType::F64) {
-        config.hardware.f32_tflops
-    } else {
-        config.hardware.bf16_tflops
-    } * 1e12;
-    let tokens = (mesh.world() * policy.batch_per_rank * policy.seq_len * policy.grad_accum) as f64;
-    let estimate = simulate::estimate(
+    });
+    let (timing, memory, estimate) = simulate_program(
         &sched.program,
         &sched.buffers,
-        &timing,
-        &stall,
+        sched.events,
+        &steps,
+        &cached,
+        &mesh,
+        config,
+        &policy,
         forward_flops,
-        peak_flops,
-        tokens,
+        replay,
     );
 
     let plan = Plan {
@@ -253,6 +232,75 @@ pub(crate) fn plan_passes(
         verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
     }
     Ok((plan, cached))
+}
+
+/// Most bytes one rank's buffers and activations may add up to (1 EiB, beyond any device):
+/// the memory simulation and the allocator model (which replays up to three steps) add
+/// sizes and addresses in u64 and stay far from overflow below it.
+pub const MAX_RANK_BYTES: u64 = 1 << 60;
+
+/// Refuses a plan whose buffers and activations, summed, exceed [`MAX_RANK_BYTES`].
+fn rank_bytes_fit(buffers: &[Buffer], acts: &ActEvents) -> Result<(), PlanError> {
+    let total = buffers
+        .iter()
+        .map(|b| b.numel.checked_mul(b.dtype.size_bytes()))
+        .chain(acts.events.iter().map(|e| Some(e.bytes)))
+        .try_fold(0u64, |sum, x| sum.checked_add(x?));
+    match total {
+        Some(t) if t <= MAX_RANK_BYTES => Ok(()),
+        _ => Err(PlanError::Graph(format!(
+            "one rank's buffers and activations add up to more than {MAX_RANK_BYTES} bytes (1 EiB), the most shardplan plans for"
+        ))),
+    }
+}
+
+/// Pass 4 of [`plan`] on one program: its simulated timeline, memory and estimate.
+/// `forward_flops` is the forward+backward model FLOPs of one micro-batch. The plan
+/// re-derivation runs it on an edited program too, so those fields follow the file's schedule.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn simulate_program(
+    program: &Program,
+    buffers: &[Buffer],
+    events: u32,
+    steps: &[Step],
+    cached: &CachedSteps,
+    mesh: &Mesh,
+    config: &ParallelConfig,
+    policy: &Policy,
+    forward_flops: f64,
+    replay: bool,
+) -> (Timing, MemoryReport, Estimate) {
+    let (timing, stall) = simulate::timeline(
+        program,
+        buffers,
+        &cached.step_s,
+        events,
+        mesh,
+        &config.hardware,
+        policy.optimizer_state_per_param,
+    );
+    let mut memory = simulate::memory(program, buffers, steps, &timing);
+    if replay {
+        memory = simulate::device_memory(memory, program, buffers, &cached.acts, mesh, &config.hardware);
+    } else {
+        memory.overhead = simulate::overhead(program, mesh, &config.hardware);
+    }
+    let peak_flops = if matches!(policy.mixed_precision.param, DType::F32 | DType::F64) {
+        config.hardware.f32_tflops
+    } else {
+        config.hardware.bf16_tflops
+    } * 1e12;
+    let tokens = (mesh.world() * policy.batch_per_rank * policy.seq_len * policy.grad_accum) as f64;
+    let estimate = simulate::estimate(
+        program,
+        buffers,
+        &timing,
+        &stall,
+        forward_flops * policy.grad_accum as f64,
+        peak_flops,
+        tokens,
+    );
+    (timing, memory, estimate)
 }
 
 /// Resolves `{module: [modules]}` explicit prefetch lists to groups; every name must be a

@@ -102,7 +102,7 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
                 ),
             ));
         }
-        next = s.first + s.count;
+        next = s.first.saturating_add(s.count);
     }
     if next != world {
         return Err(err(
@@ -110,6 +110,20 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
             0,
             None,
             format!("rank spans cover {next} ranks, the mesh has {world}"),
+        ));
+    }
+    // Every event is recorded once: more events than instructions cannot all be recorded
+    // (and a count read from a file must not size the tables below unchecked).
+    let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
+    if plan.events as usize > instrs {
+        return Err(err(
+            "events",
+            0,
+            None,
+            format!(
+                "the plan declares {} events, more than its {instrs} instructions can record",
+                plan.events
+            ),
         ));
     }
     verify_collective_order(plan)?;

@@ -203,3 +203,28 @@ proptest! {
         }
     }
 }
+
+/// A model whose per-rank bytes would overflow the memory simulation's sums is refused, not
+/// a panic in the allocator model (found by tests/fuzz_inputs.rs: an MLP with ffn_dim 2^53).
+#[test]
+fn absurd_sizes_are_refused_before_the_memory_passes() {
+    let model = shardplan_models::ModelConfig::Mlp(shardplan_models::MlpConfig {
+        name: "huge".into(),
+        dim: 32,
+        ffn_dim: 1 << 53,
+        n_layers: 2,
+        n_classes: 10,
+    });
+    let g = trace(&model, TraceOptions::default()).unwrap();
+    let joint = shardplan_ir::differentiate(&g).unwrap();
+    let config = shardplan_frontends::parse_parallel_spec(&shardplan_frontends::Source::from_text(
+        "p.yaml",
+        "mesh: {shard: 1}\ngpus_per_node: 1\n",
+    ))
+    .unwrap()
+    .0;
+    match shardplan_planner::plan(&joint, &config) {
+        Err(PlanError::Graph(m)) => assert!(m.contains("1 EiB"), "{m}"),
+        other => panic!("{:?}", other.map(|p| p.memory.peak)),
+    }
+}

@@ -356,13 +356,31 @@ impl ShardedTrainer {
         let (dir, mut warnings) = resolve(path)?;
         let meta = read_metadata(&dir)?;
         if meta.model != self.model {
+            // Name the first field that differs: a whole config is hard to compare by eye.
+            let (a, b) = (
+                serde_json::to_value(&meta.model).unwrap_or_default(),
+                serde_json::to_value(&self.model).unwrap_or_default(),
+            );
+            let field = match (a.as_object(), b.as_object()) {
+                (Some(x), Some(y)) => x
+                    .keys()
+                    .chain(y.keys())
+                    .find(|k| x.get(*k) != y.get(*k))
+                    .map(|k| {
+                        format!(
+                            " (`model.{k}` is {}, this run's is {})",
+                            x.get(k).unwrap_or(&serde_json::Value::Null),
+                            y.get(k).unwrap_or(&serde_json::Value::Null)
+                        )
+                    })
+                    .unwrap_or_default(),
+                _ => String::new(),
+            };
             return Err(ExecError::Checkpoint(format!(
-                "{}: written for model `{}` ({}), not `{}` ({}): the model specs differ",
-                dir.display(),
+                "{}: written for model `{}`, not `{}`: the model specs differ{field}",
+                dir.join("metadata.json").display(),
                 meta.model.name(),
-                serde_json::to_string(&meta.model).unwrap_or_default(),
                 self.model.name(),
-                serde_json::to_string(&self.model).unwrap_or_default()
             )));
         }
         if meta.optimizer != self.shared.plan.policy.optimizer {
@@ -425,12 +443,15 @@ impl ShardedTrainer {
                             format!("{prefix}.{}", names[pl.param.index()])
                         };
                         let t = by_name.get(name.as_str()).ok_or_else(|| {
-                            ExecError::Checkpoint(format!("{}: tensor `{name}` is missing", dir.display()))
+                            ExecError::Checkpoint(format!(
+                                "{}: tensor `{name}` is missing",
+                                dir.join("metadata.json").display()
+                            ))
                         })?;
                         if t.shape != pl.dims {
                             return Err(ExecError::Checkpoint(format!(
                                 "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
-                                dir.display(),
+                                dir.join("metadata.json").display(),
                                 t.shape,
                                 pl.dims
                             )));

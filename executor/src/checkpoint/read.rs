@@ -29,10 +29,19 @@ pub(super) fn read_header(path: &Path) -> Result<Header, ExecError> {
     }
     let mut h = vec![0u8; n as usize];
     f.read_exact(&mut h).map_err(|e| io(path, "reading the header", e))?;
-    let json: serde_json::Value = serde_json::from_slice(&h)
-        .map_err(|e| ExecError::Checkpoint(format!("{}: bad safetensors header: {e}", path.display())))?;
+    let json: serde_json::Value = serde_json::from_slice(&h).map_err(|e| {
+        ExecError::Checkpoint(format!(
+            "{}: bad safetensors header (the JSON at bytes 8..{}): {e}",
+            path.display(),
+            8 + n
+        ))
+    })?;
     let entries = json.as_object().ok_or_else(|| {
-        ExecError::Checkpoint(format!("{}: bad safetensors header: not a JSON object", path.display()))
+        ExecError::Checkpoint(format!(
+            "{}: bad safetensors header: the JSON at bytes 8..{} is not an object",
+            path.display(),
+            8 + n
+        ))
     })?;
     // The header is untrusted: every field is checked, offsets in checked arithmetic.
     let data = 8 + n;

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod edit;
+
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::differentiate;
 use shardplan_models::{preset, trace, ModelConfig, TraceOptions};
