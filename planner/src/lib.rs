@@ -38,6 +38,22 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
     plan_with(joint, config, &mut PlanCache::default(), true)
 }
 
+/// The forward program of `joint` for `config`, for measuring a loss without training:
+/// `micro_batches` micro-batches, each gathering and running the forward steps of [`plan`]
+/// (same groups, layouts, prefetch and resharding), with no backward, gradient reduction,
+/// norm or optimizer step. Verified like every plan.
+pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: u64) -> Result<Plan, PlanError> {
+    Ok(passes(
+        joint,
+        config,
+        &mut PlanCache::default(),
+        true,
+        false,
+        Some(micro_batches.max(1)),
+    )?
+    .0)
+}
+
 /// Groups' parameters, checkpointing policy, hardware and compute dtype.
 type StepsKey = (Vec<Vec<ParamId>>, String, String);
 
@@ -79,6 +95,19 @@ pub(crate) fn plan_passes(
     cache: &mut PlanCache,
     verify_plan: bool,
     replay: bool,
+) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
+    passes(joint, config, cache, verify_plan, replay, None)
+}
+
+/// The pipeline; `forward_only: Some(m)` plans `m` forward-only micro-batches
+/// ([`plan_forward`]).
+fn passes(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+    verify_plan: bool,
+    replay: bool,
+    forward_only: Option<u64>,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
     let g = &joint.graph;
     let mesh = Mesh::new(
@@ -127,6 +156,11 @@ pub(crate) fn plan_passes(
         },
         grad_clip: config.grad_clip,
     };
+    let mut policy = policy;
+    if let Some(m) = forward_only {
+        policy.grad_accum = m;
+        policy.grad_clip = None;
+    }
 
     // 1. Groups and their layouts.
     let wrap = WrapPolicy {
@@ -149,7 +183,6 @@ pub(crate) fn plan_passes(
         })
         .collect();
     let fsdp: Vec<FsdpGroup> = groups.iter().map(|p| p.group.clone()).collect();
-    let mut policy = policy;
     policy.prefetch.explicit_forward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_forward)?;
     policy.prefetch.explicit_backward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_backward)?;
 
@@ -169,7 +202,17 @@ pub(crate) fn plan_passes(
             x
         }
     };
-    let (steps, step_s) = (cached.steps.clone(), &cached.step_s);
+    let (mut steps, mut step_s) = (cached.steps.clone(), cached.step_s.as_slice());
+    if forward_only.is_some() {
+        // The forward steps come first in execution order; the rest are backward (and
+        // recompute) steps, which a forward program leaves out.
+        let n = steps.iter().take_while(|s| s.phase == Phase::Forward).count();
+        if steps[n..].iter().any(|s| s.phase == Phase::Forward) {
+            return Err(PlanError::Bug("a forward step follows a backward one".into()));
+        }
+        steps.truncate(n);
+        step_s = &step_s[..n];
+    }
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded).
     let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
@@ -185,7 +228,8 @@ pub(crate) fn plan_passes(
         policy.optimizer_state_per_param,
     );
     let mut memory = simulate::memory(&sched.program, &sched.buffers, &steps, &timing);
-    if replay {
+    // The allocator replay follows the training step's activation events.
+    if replay && forward_only.is_none() {
         memory = simulate::device_memory(
             memory,
             &sched.program,
@@ -197,14 +241,21 @@ pub(crate) fn plan_passes(
     } else {
         memory.overhead = simulate::overhead(&sched.program, &mesh, &config.hardware);
     }
-    let forward_flops: f64 = *cache.forward_flops.get_or_insert_with(|| {
+    let forward_flops: f64 = if forward_only.is_some() {
         (0..joint.forward_len)
-            .map(|i| {
-                let c = g.node_cost(shardplan_ir::NodeId(i as u32));
-                c.fwd_flops as f64 + c.bwd_flops as f64
-            })
+            .map(|i| g.node_cost(shardplan_ir::NodeId(i as u32)).fwd_flops as f64)
             .sum::<f64>()
-    }) * policy.grad_accum as f64;
+            * policy.grad_accum as f64
+    } else {
+        *cache.forward_flops.get_or_insert_with(|| {
+            (0..joint.forward_len)
+                .map(|i| {
+                    let c = g.node_cost(shardplan_ir::NodeId(i as u32));
+                    c.fwd_flops as f64 + c.bwd_flops as f64
+                })
+                .sum::<f64>()
+        }) * policy.grad_accum as f64
+    };
     let peak_flops = if matches!(policy.mixed_precision.param, DType::F32 | DType::F64) {
         config.hardware.f32_tflops
     } else {
