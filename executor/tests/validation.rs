@@ -104,6 +104,7 @@ fn validation_loss_is_the_same_on_every_mesh_and_leaves_training_unchanged() {
                 match (va, want) {
                     (Some(x), Some(w)) => {
                         let e = rel(*x, w);
+                        eprintln!("{name} {r}x{s} {extra:?} step {}: val loss {x} vs 1x1 {w}: {e:.1e}", step + 1);
                         assert!(e < 1e-5, "{name} {r}x{s} {extra}: val loss {x} vs 1x1's {w} ({e:e})");
                     }
                     (None, None) => {}
@@ -182,6 +183,7 @@ fn validation_loss_equals_a_reference_forward_pass() {
     }
     let want = (sum / 3.0) as f32;
     let e = rel(ours, want);
+    eprintln!("validation loss {ours} vs reference forward {want}: {e:.1e}");
     assert!(
         e < 1e-5,
         "validation loss {ours} vs the reference forward's {want} ({e:e})"
