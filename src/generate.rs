@@ -183,24 +183,31 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
         seed: a.seed,
     };
     crate::emit(&a.prompt)?;
-    // Stream the text as it grows: decode everything so far and print what is new (a
-    // token may complete a character only together with the next one).
+    // Stream the text as it grows: decode everything so far and print what is new, holding
+    // back a trailing replacement character (a byte-level token may end inside a character
+    // that the next token completes).
     let mut ids = Vec::new();
     let mut shown = 0usize;
+    let print_new = |text: &str, shown: &mut usize| {
+        if text.len() > *shown && text.is_char_boundary(*shown) {
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(&text.as_bytes()[*shown..]).and_then(|()| o.flush());
+            *shown = text.len();
+        }
+    };
     let start = std::time::Instant::now();
     let out = model
         .generate(&prompt, &sampling, &stop, &mut |t| {
             ids.push(t);
             if let Ok(text) = tok.decode(&ids, true) {
-                if text.len() > shown && text.is_char_boundary(shown) {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(&text.as_bytes()[shown..]).and_then(|()| o.flush());
-                    shown = text.len();
-                }
+                print_new(text.trim_end_matches('\u{FFFD}'), &mut shown);
             }
             Ok(())
         })
         .map_err(exec)?;
+    if let Ok(text) = tok.decode(&out, true) {
+        print_new(&text, &mut shown);
+    }
     let secs = start.elapsed().as_secs_f64();
     crate::emit("\n")?;
     eprintln!(

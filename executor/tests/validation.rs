@@ -104,7 +104,10 @@ fn validation_loss_is_the_same_on_every_mesh_and_leaves_training_unchanged() {
                 match (va, want) {
                     (Some(x), Some(w)) => {
                         let e = rel(*x, w);
-                        eprintln!("{name} {r}x{s} {extra:?} step {}: val loss {x} vs 1x1 {w}: {e:.1e}", step + 1);
+                        eprintln!(
+                            "{name} {r}x{s} {extra:?} step {}: val loss {x} vs 1x1 {w}: {e:.1e}",
+                            step + 1
+                        );
                         assert!(e < 1e-5, "{name} {r}x{s} {extra}: val loss {x} vs 1x1's {w} ({e:e})");
                     }
                     (None, None) => {}
