@@ -13,9 +13,12 @@ token), writing into <out>/<variant>/:
     expected.safetensors             logits [4, 32, vocab]; loss [1]; grad.<name> and
                                      after.<name> (the weights after the step) per parameter
     meta.json                        lr, batch, versions
+    generate.json                    greedy generation: prompts (token ids) and the tokens
+                                     transformers' `generate` adds to each (KV cache on)
 
 executor/tests/hf_parity.rs trains the same step with shardplan on several meshes and
-compares the loss, the logits, and each parameter's update.
+compares the loss, the logits, and each parameter's update; executor/tests/generate.rs
+decodes the prompts greedily and compares the tokens.
 """
 import argparse
 import json
@@ -37,6 +40,13 @@ from transformers import (
 )
 
 BATCH, SEQ, LR, SEED = 4, 32, 0.1, 1234
+# Greedy generation: prompt lengths and new tokens per prompt (prompt + new stays within the
+# shortest context of any variant, Mistral's 32-token window).
+PROMPT_LENS, NEW_TOKENS = (1, 5, 11), 12
+# A prompt is kept only if at every step the chosen token's logit leads the runner-up by
+# this much (random tiny models have close logits; a near tie would make the comparison
+# depend on rounding).
+MIN_MARGIN = 1e-4
 
 LLAMA = dict(
     vocab_size=128,
@@ -150,7 +160,43 @@ def write(out, name, cls, config):
     }
     with open(os.path.join(d, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
+    write_generations(d, model, config)
     print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+
+
+def write_generations(d, model, config):
+    """Greedy `generate` (KV cache on) from a few random prompts, with the smallest lead of
+    the chosen token at any step."""
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(SEED + 2)
+    prompts, outputs, margins = [], [], []
+    for n in PROMPT_LENS:
+        for _ in range(20):
+            prompt = torch.randint(0, config.vocab_size, (1, n), generator=g)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    use_cache=True,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+            top2 = [s[0].topk(2).values for s in out.scores]
+            margin = min((t[0] - t[1]).item() for t in top2)
+            if margin >= MIN_MARGIN:
+                prompts.append(prompt[0].tolist())
+                outputs.append(out.sequences[0, n:].tolist())
+                margins.append(margin)
+                break
+        else:
+            raise SystemExit(f"{d}: no prompt of length {n} without a near tie")
+    with open(os.path.join(d, "generate.json"), "w") as f:
+        json.dump({"max_new_tokens": NEW_TOKENS, "prompts": prompts, "outputs": outputs, "min_margin": min(margins)}, f, indent=1)
 
 
 def main():

@@ -6,6 +6,7 @@ mod checkpoint;
 mod compare;
 mod data;
 mod fmt;
+mod generate;
 mod inspect;
 mod launch;
 mod plan;
@@ -41,6 +42,8 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// Train on any mesh: every rank as a thread of this process, or one rank per process under mpirun / srun (MPI); progress bar, JSON-lines metrics, measured trace, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
+    /// Continue a prompt with a trained model (a checkpoint or Hugging Face safetensors) on one CPU rank, with a KV cache: greedy or top-p sampling.
+    Generate(generate::GenerateArgs),
 }
 
 /// A failure of a command: bad user input (exit 2) or anything else (exit 1).
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
         Command::Launch(args) => launch::run(&args),
         Command::Data(cmd) => data::run(&cmd).map(|()| None),
         Command::Calibrate(args) => calibrate::run(&args).map(|()| None),
+        Command::Generate(args) => generate::run(&args).map(|()| None),
     };
     match result {
         Ok(None) => ExitCode::SUCCESS,

@@ -405,6 +405,8 @@ fn train(
     );
 
     let (mut first, mut last, mut tokens, mut secs) = (None, 0f32, 0u64, 0f64);
+    // First and latest validation loss.
+    let (mut first_val, mut last_val) = (None, None);
     let mut seen = Measured::default();
     while trainer.steps_done() < args.steps {
         let m = trainer.step().map_err(|e| exec_error(e, &specs))?;
@@ -424,8 +426,13 @@ fn train(
                 )
             })
             .unwrap_or_default();
+        if let Some(v) = m.val_loss {
+            first_val.get_or_insert(v);
+            last_val = Some(v);
+        }
+        let val = last_val.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
         bar.set_message(format!(
-            "rank-0 loss {:.4} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}",
+            "rank-0 loss {:.4}{val} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}",
             m.rank0_loss,
             m.tokens_per_second,
             m.step_seconds * 1e3,
@@ -468,6 +475,9 @@ fn train(
             last,
             tokens as f64 / secs.max(1e-9)
         );
+        if let (Some(a), Some(b)) = (first_val, last_val) {
+            summary.push_str(&format!("validation loss {a:.4} -> {b:.4}\n"));
+        }
         summary.push_str(&seen.versus(trainer.plan()));
         crate::emit(&summary)?;
     }

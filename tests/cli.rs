@@ -521,7 +521,9 @@ fn calibrate_refuses_impossible_arguments() {
     bad(&["calibrate", "--ranks", "0"], "--ranks 0");
     bad(&["calibrate", "--seconds=-1"], "--seconds -1");
     bad(&["calibrate", "--seconds", "NaN"], "--seconds NaN");
+}
 
+#[test]
 fn a_panic_is_reported_as_a_bug_in_one_line() {
     let run = |backtrace: Option<&str>| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_shardplan"));

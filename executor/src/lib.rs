@@ -5,7 +5,8 @@
 //!   environment, the TCP process world;
 //! - `runtime`: the reference interpreter and the rank runtime that executes a Plan;
 //! - `train`: the reference and sharded trainers, optimizers, data, initialisation;
-//! - `checkpoint`: sharded, resharding checkpoints and HF safetensors import/export.
+//! - `checkpoint`: sharded, resharding checkpoints and HF safetensors import/export;
+//! - `infer`: one-rank decoding with a KV cache and token sampling (`shardplan generate`).
 //!
 //! Architecture invariant: the executor never makes a planning decision; it runs the graph
 //! or Plan it is given, in the order it is given.
@@ -14,6 +15,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod cpu;
 mod error;
+pub mod infer;
 pub mod runtime;
 pub mod train;
 

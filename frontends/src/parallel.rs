@@ -52,6 +52,9 @@ struct LrScheduleFile {
 struct DataFile {
     tokens: Spanned<String>,
     dtype: Option<Spanned<TokenDType>>,
+    val: Option<Spanned<String>>,
+    eval_every: Option<Spanned<u64>>,
+    eval_batches: Option<Spanned<u64>>,
 }
 
 fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
@@ -362,7 +365,24 @@ pub enum DataSource {
     Tokens {
         path: std::path::PathBuf,
         dtype: TokenDType,
+        /// The validation loss, measured every few steps on a second token file.
+        #[serde(default)]
+        eval: Option<Eval>,
     },
+}
+
+/// Most validation batches one evaluation may take (each is a micro-batch of the forward
+/// program the planner makes for it).
+pub const MAX_EVAL_BATCHES: u64 = 1024;
+
+/// Validation: every `every` steps (and after the last), the loss of the model on the same
+/// `batches` global batches of the token file `path` (same `dtype` as the training file),
+/// forward only.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Eval {
+    pub path: std::path::PathBuf,
+    pub every: u64,
+    pub batches: u64,
 }
 
 /// A validated parallel spec.
@@ -720,12 +740,62 @@ impl ParallelSpecFile {
                     }
                     NameOr::Map(f) => {
                         o.insert("data.tokens", pos(&f.tokens));
-                        let rel = std::path::PathBuf::from(&f.tokens.value);
                         let base = src.path.parent().unwrap_or_else(|| std::path::Path::new(""));
-                        let path = if rel.is_absolute() { rel } else { base.join(rel) };
+                        let resolve = |written: &str| {
+                            let rel = std::path::PathBuf::from(written);
+                            if rel.is_absolute() {
+                                rel
+                            } else {
+                                base.join(rel)
+                            }
+                        };
+                        let path = resolve(&f.tokens.value);
+                        record(&mut o, "data.val", &f.val);
+                        record(&mut o, "data.eval_every", &f.eval_every);
+                        record(&mut o, "data.eval_batches", &f.eval_batches);
+                        let eval = match (&f.val, &f.eval_every, &f.eval_batches) {
+                            (None, None, None) => None,
+                            (None, every, _) => {
+                                let field = if every.is_some() {
+                                    "data.eval_every"
+                                } else {
+                                    "data.eval_batches"
+                                };
+                                return Err(o.error(
+                                    field,
+                                    "validation needs a validation token file",
+                                    "add `val: path/to/val.bin` to `data` (what `shardplan data prepare` writes beside train.bin)",
+                                ));
+                            }
+                            (Some(val), every, batches) => {
+                                let every = at_least_1(&o, "data.eval_every", every.as_ref().map_or(100, |s| s.value))?;
+                                let batches =
+                                    at_least_1(&o, "data.eval_batches", batches.as_ref().map_or(10, |s| s.value))?;
+                                if batches > MAX_EVAL_BATCHES {
+                                    return Err(o.error(
+                                        "data.eval_batches",
+                                        format!("{batches} batches per evaluation is more than the {MAX_EVAL_BATCHES} shardplan runs"),
+                                        format!("set `data.eval_batches` to at most {MAX_EVAL_BATCHES}"),
+                                    ));
+                                }
+                                if val.value.trim().is_empty() {
+                                    return Err(o.error(
+                                        "data.val",
+                                        "the validation file's path is empty",
+                                        "give the path of a token file, such as data/val.bin",
+                                    ));
+                                }
+                                Some(Eval {
+                                    path: resolve(&val.value),
+                                    every,
+                                    batches,
+                                })
+                            }
+                        };
                         DataSource::Tokens {
                             path,
                             dtype: f.dtype.map_or(TokenDType::U16, |d| d.value),
+                            eval,
                         }
                     }
                 }

@@ -412,3 +412,54 @@ fn memory_outside_the_allocator_has_documented_defaults_and_can_be_set() {
     let (c, _) = parse_parallel_spec(&Source::from_text("p.yaml", text.as_str())).unwrap();
     assert_eq!((c.hardware.cuda_context_bytes(), c.hardware.nccl_channels), (0, 8.0));
 }
+
+#[test]
+fn validation_data_fields() {
+    let ok = parse_parallel_spec(&Source::from_text(
+        "dir/p.yaml",
+        "mesh: {shard: 2}\ndata: {tokens: t.bin, val: v.bin, eval_every: 50, eval_batches: 4}\n",
+    ))
+    .unwrap()
+    .0;
+    match ok.data {
+        shardplan_frontends::DataSource::Tokens { eval: Some(e), .. } => {
+            assert_eq!((e.path, e.every, e.batches), (PathBuf::from("dir/v.bin"), 50, 4));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Defaults: every 100 steps, 10 batches.
+    let d = parse_parallel_spec(&Source::from_text(
+        "p.yaml",
+        "mesh: {shard: 2}\ndata: {tokens: t.bin, val: v.bin}\n",
+    ))
+    .unwrap()
+    .0;
+    assert!(matches!(
+        d.data,
+        shardplan_frontends::DataSource::Tokens {
+            eval: Some(shardplan_frontends::Eval {
+                every: 100,
+                batches: 10,
+                ..
+            }),
+            ..
+        }
+    ));
+    let e = parallel(&format!("{PAR_OK}data: {{tokens: t.bin, eval_every: 5}}\n"));
+    check(
+        &e,
+        2,
+        35,
+        &["`data.eval_every`", "needs a validation token file", "add `val: "],
+    );
+    let e = parallel(&format!("{PAR_OK}data: {{tokens: t.bin, val: v.bin, eval_every: 0}}\n"));
+    check(&e, 2, 47, &["`data.eval_every`", "at least 1"]);
+    let e = parallel(&format!(
+        "{PAR_OK}data: {{tokens: t.bin, val: v.bin, eval_batches: 5000}}\n"
+    ));
+    check(&e, 2, 49, &["`data.eval_batches`", "at most 1024"]);
+    let e = parallel(&format!("{PAR_OK}data: {{tokens: t.bin, vall: v.bin}}\n"));
+    check(&e, 2, 23, &["unknown field `vall`", "did you mean `val`?"]);
+    let e = parallel(&format!("{PAR_OK}data: {{tokens: t.bin, val: \"\"}}\n"));
+    check(&e, 2, 28, &["`data.val`", "empty"]);
+}

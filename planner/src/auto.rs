@@ -499,14 +499,24 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     ));
     match &c.data {
         shardplan_frontends::DataSource::Synthetic => y.push_str("data: synthetic\n"),
-        shardplan_frontends::DataSource::Tokens { path, dtype } => y.push_str(&format!(
-            "data: {{tokens: {:?}, dtype: {}}}\n",
-            path.display().to_string(),
-            match dtype {
-                shardplan_frontends::TokenDType::U16 => "u16",
-                shardplan_frontends::TokenDType::U32 => "u32",
-            }
-        )),
+        shardplan_frontends::DataSource::Tokens { path, dtype, eval } => {
+            let eval = eval.as_ref().map_or(String::new(), |e| {
+                format!(
+                    ", val: {:?}, eval_every: {}, eval_batches: {}",
+                    e.path.display().to_string(),
+                    e.every,
+                    e.batches
+                )
+            });
+            y.push_str(&format!(
+                "data: {{tokens: {:?}, dtype: {}{eval}}}\n",
+                path.display().to_string(),
+                match dtype {
+                    shardplan_frontends::TokenDType::U16 => "u16",
+                    shardplan_frontends::TokenDType::U32 => "u32",
+                }
+            ))
+        }
     }
     y
 }

@@ -39,6 +39,22 @@ pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanErr
     plan_with(joint, config, &mut PlanCache::default(), true)
 }
 
+/// The forward program of `joint` for `config`, for measuring a loss without training:
+/// `micro_batches` micro-batches, each gathering and running the forward steps of [`plan`]
+/// (same groups, layouts, prefetch and resharding), with no backward, gradient reduction,
+/// norm or optimizer step. Verified like every plan.
+pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: u64) -> Result<Plan, PlanError> {
+    Ok(passes(
+        joint,
+        config,
+        &mut PlanCache::default(),
+        true,
+        false,
+        Some(micro_batches.max(1)),
+    )?
+    .0)
+}
+
 /// Groups' parameters, checkpointing policy, hardware and compute dtype.
 type StepsKey = (Vec<Vec<ParamId>>, String, String);
 
@@ -80,6 +96,19 @@ pub(crate) fn plan_passes(
     cache: &mut PlanCache,
     verify_plan: bool,
     replay: bool,
+) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
+    passes(joint, config, cache, verify_plan, replay, None)
+}
+
+/// The pipeline; `forward_only: Some(m)` plans `m` forward-only micro-batches
+/// ([`plan_forward`]).
+fn passes(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+    verify_plan: bool,
+    replay: bool,
+    forward_only: Option<u64>,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
     let g = &joint.graph;
     let mesh = Mesh::new(
@@ -128,6 +157,11 @@ pub(crate) fn plan_passes(
         },
         grad_clip: config.grad_clip,
     };
+    let mut policy = policy;
+    if let Some(m) = forward_only {
+        policy.grad_accum = m;
+        policy.grad_clip = None;
+    }
 
     // 1. Groups and their layouts.
     let wrap = WrapPolicy {
@@ -150,7 +184,6 @@ pub(crate) fn plan_passes(
         })
         .collect();
     let fsdp: Vec<FsdpGroup> = groups.iter().map(|p| p.group.clone()).collect();
-    let mut policy = policy;
     policy.prefetch.explicit_forward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_forward)?;
     policy.prefetch.explicit_backward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_backward)?;
 
@@ -175,7 +208,16 @@ pub(crate) fn plan_passes(
             x
         }
     };
-    let steps = cached.steps.clone();
+    let mut steps = cached.steps.clone();
+    if forward_only.is_some() {
+        // The forward steps come first in execution order; the rest are backward (and
+        // recompute) steps, which a forward program leaves out.
+        let n = steps.iter().take_while(|s| s.phase == Phase::Forward).count();
+        if steps[n..].iter().any(|s| s.phase == Phase::Forward) {
+            return Err(PlanError::Bug("a forward step follows a backward one".into()));
+        }
+        steps.truncate(n);
+    }
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded).
     let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
@@ -184,14 +226,21 @@ pub(crate) fn plan_passes(
     rank_bytes_fit(&sched.buffers, &cached.acts)?;
 
     // 4. Timeline, memory, estimate.
-    let forward_flops: f64 = *cache.forward_flops.get_or_insert_with(|| {
+    let forward_flops: f64 = if forward_only.is_some() {
         (0..joint.forward_len)
-            .map(|i| {
-                let c = g.node_cost(shardplan_ir::NodeId(i as u32));
-                c.fwd_flops as f64 + c.bwd_flops as f64
-            })
+            .map(|i| g.node_cost(shardplan_ir::NodeId(i as u32)).fwd_flops as f64)
             .sum::<f64>()
-    });
+    } else {
+        *cache.forward_flops.get_or_insert_with(|| {
+            (0..joint.forward_len)
+                .map(|i| {
+                    let c = g.node_cost(shardplan_ir::NodeId(i as u32));
+                    c.fwd_flops as f64 + c.bwd_flops as f64
+                })
+                .sum::<f64>()
+        })
+    };
+    // The allocator replay follows the training step's activation events.
     let (timing, memory, estimate) = simulate_program(
         &sched.program,
         &sched.buffers,
@@ -202,7 +251,7 @@ pub(crate) fn plan_passes(
         config,
         &policy,
         forward_flops,
-        replay,
+        replay && forward_only.is_none(),
     );
 
     let plan = Plan {

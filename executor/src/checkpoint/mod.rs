@@ -570,6 +570,91 @@ impl ShardedTrainer {
     }
 }
 
+/// Whole tensors `wanted` (name, shape) as f32, from a shardplan checkpoint (a root or a
+/// `step-N` folder: every tensor assembled from the rank files, checksums checked) or from
+/// Hugging Face safetensors (one file, or a folder with `model.safetensors` or an index).
+/// Errors name the file and the tensor.
+pub fn read_weights(path: &Path, wanted: &[(String, Vec<u64>)]) -> Result<HashMap<String, Tensor>, ExecError> {
+    let mut out = HashMap::with_capacity(wanted.len());
+    if is_checkpoint(path) {
+        let (dir, _) = resolve(path)?;
+        let meta = read_metadata(&dir)?;
+        let mut headers = HashMap::new();
+        for (name, shape) in wanted {
+            let t = meta.tensors.iter().find(|t| &t.name == name).ok_or_else(|| {
+                ExecError::Checkpoint(format!("{}: the checkpoint has no tensor `{name}`", dir.display()))
+            })?;
+            if &t.shape != shape {
+                return Err(ExecError::Checkpoint(format!(
+                    "{}: tensor `{name}` has shape {:?}, the model needs {shape:?}",
+                    dir.display(),
+                    t.shape
+                )));
+            }
+            let vals = read_rows(&dir, t, 0..shape.first().copied().unwrap_or(1), &mut headers)?;
+            let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+            out.insert(name.clone(), Tensor::from_vec(vals, dims, &Device::Cpu)?);
+        }
+        return Ok(out);
+    }
+    let files = hf_files(path)?;
+    let mut headers: HashMap<PathBuf, Header> = HashMap::new();
+    for (name, shape) in wanted {
+        let file = files.get(name).or_else(|| files.get("*")).ok_or_else(|| {
+            ExecError::Checkpoint(format!(
+                "{}: no tensor `{name}` (the index lists no file for it)",
+                path.display()
+            ))
+        })?;
+        if !headers.contains_key(file) {
+            headers.insert(file.clone(), read_header(file)?);
+        }
+        let (dtype, got, begin, end) = headers[file]
+            .tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ExecError::Checkpoint(format!("{}: no tensor `{name}`", file.display())))?;
+        if &got != shape {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` has shape {got:?}, the model needs {shape:?}",
+                file.display()
+            )));
+        }
+        let size = dtype_size(&dtype).ok_or_else(|| {
+            ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` is {dtype}; use F32, BF16 or F16",
+                file.display()
+            ))
+        })?;
+        let numel: u64 = shape.iter().product();
+        if end - begin != numel * size {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {}",
+                file.display(),
+                end - begin,
+                numel * size
+            )));
+        }
+        let bytes = read_range(file, begin, end - begin, name)?;
+        let vals = to_f32(&bytes, &dtype).expect("dtype checked above");
+        let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+        out.insert(name.clone(), Tensor::from_vec(vals, dims, &Device::Cpu)?);
+    }
+    Ok(out)
+}
+
+/// Whether `path` is a shardplan checkpoint: a `step-N` folder with `metadata.json`, or a
+/// root holding such folders (complete or not).
+pub fn is_checkpoint(path: &Path) -> bool {
+    path.join("metadata.json").is_file()
+        || (path.is_dir()
+            && std::fs::read_dir(path).is_ok_and(|entries| {
+                entries
+                    .flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("step-") && e.path().is_dir())
+            }))
+}
+
 /// Which file holds each tensor of a Hugging Face checkpoint (`"*"`: one file holds all).
 fn hf_files(path: &Path) -> Result<HashMap<String, PathBuf>, ExecError> {
     let mut out = HashMap::new();

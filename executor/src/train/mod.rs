@@ -3,6 +3,7 @@
 //! initialisation.
 
 pub mod data;
+pub mod eval;
 pub mod init;
 pub mod optim;
 pub mod sharded;

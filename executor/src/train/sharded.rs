@@ -12,6 +12,7 @@ use crate::cpu::kernels::Ctx;
 pub use crate::runtime::rank::Fault;
 use crate::runtime::rank::{run_step, RankState, Shared};
 use crate::train::data::DataSource;
+use crate::train::eval::{step_starts, Validation};
 use crate::train::init::init_elements;
 use crate::train::optim::{base_lr, lr_at, OptState};
 use crate::train::trainer::data_source;
@@ -50,6 +51,10 @@ pub struct ShardedMetrics {
     pub exposed_seconds: f64,
     /// Some process asked to stop (Ctrl-C): every rank stops after this step.
     pub stop: bool,
+    /// The validation loss after this step, on the steps that evaluate (every
+    /// `data.eval_every` steps and the last).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
     /// Each rank's GPU memory as the device reports it over the step (its process's
     /// device: ranks sharing one GPU as threads report the same figures); `None` on the CPU.
     pub measured_device: Vec<Option<crate::runtime::device::DeviceMemory>>,
@@ -60,6 +65,8 @@ pub struct ShardedTrainer {
     pub(crate) shared: Shared,
     pub(crate) ranks: Vec<RankState>,
     pub(crate) data: Vec<Box<dyn DataSource>>,
+    /// The validation forward and data, when the spec's data has a `val` file.
+    validation: Option<Validation>,
     abort: std::sync::Arc<Abort>,
     /// One member per process, when ranks run in several processes.
     pub(crate) processes: Option<Box<dyn Collectives>>,
@@ -140,21 +147,7 @@ impl ShardedTrainer {
         }
         let exec = ExecOrder::new(&joint, config.activation_checkpointing);
         // The plan's steps must cover the execution order, in order.
-        let mut step_start = Vec::with_capacity(plan.steps.len());
-        let mut pos = 0usize;
-        for s in &plan.steps {
-            step_start.push(pos);
-            let copy = s.phase == shardplan_planner::Phase::Recompute;
-            for i in s.nodes.iter().flat_map(|r| r.clone()) {
-                if exec.order.get(pos) != Some(&(shardplan_ir::NodeId(i), copy)) {
-                    return Err(ExecError::Unsupported(format!(
-                        "the plan's step {} does not match this model's graph (node n{i}): was it made for another model or batch shape?",
-                        s.id
-                    )));
-                }
-                pos += 1;
-            }
-        }
+        let (step_start, pos) = step_starts(&plan, &exec)?;
         if pos != exec.order.len() {
             return Err(ExecError::Unsupported(
                 "the plan's steps do not cover this model's graph".into(),
@@ -205,6 +198,15 @@ impl ShardedTrainer {
             });
             data.push(data_source(model, config, per_rank * world as usize, seq)?);
         }
+        let validation = Validation::new(
+            model,
+            config,
+            &joint,
+            &plan,
+            ranks.len(),
+            per_rank * world as usize,
+            seq,
+        )?;
         let compute_waits = plan.programs[0]
             .instrs
             .iter()
@@ -226,6 +228,7 @@ impl ShardedTrainer {
             },
             ranks,
             data,
+            validation,
             abort,
             processes,
             backend,
@@ -396,7 +399,6 @@ impl ShardedTrainer {
         }
         let all = self.exchange(local, accum)?;
         let secs = start.elapsed().as_secs_f64();
-        let plan = &self.shared.plan;
         let mut sum = 0f64;
         let mut n = 0usize;
         for r in &all {
@@ -406,6 +408,12 @@ impl ShardedTrainer {
             }
         }
         let r0 = &all[0];
+        let due = self
+            .validation
+            .as_ref()
+            .is_some_and(|v| self.step.is_multiple_of(v.every) || self.step == self.total_steps);
+        let val_loss = if due { Some(self.evaluate()?) } else { None };
+        let plan = &self.shared.plan;
         Ok(ShardedMetrics {
             step: self.step,
             loss: (sum / n.max(1) as f64) as f32,
@@ -423,7 +431,63 @@ impl ShardedTrainer {
             exposed_seconds: r0.exposed,
             stop: all.iter().any(|r| r.stop),
             measured_device: all.iter().map(|o| o.dev).collect(),
+            val_loss,
         })
+    }
+
+    /// Whether the spec's data has a validation file (`data.val`).
+    pub fn has_validation(&self) -> bool {
+        self.validation.is_some()
+    }
+
+    /// The validation loss of the current weights: the forward program on every rank over
+    /// the validation batches, reduced over ranks (and processes). Changes no weight,
+    /// optimizer state or training data position. A collective: every process calls it.
+    pub fn evaluate(&mut self) -> Result<f32, ExecError> {
+        if let Some(r) = self.abort.reason() {
+            return Err(ExecError::Aborted(r));
+        }
+        let world = self.shared.plan.mesh.world() as usize;
+        let Some(v) = self.validation.as_mut() else {
+            return Err(ExecError::Unsupported(
+                "no validation data: add `val: path/to/val.bin` to the parallel spec's `data`".into(),
+            ));
+        };
+        let local = v.run(&mut self.ranks, &self.abort, world, &self.device)?;
+        let batches = local.first().map_or(0, |l| l.1.len());
+        let all = match self.processes.as_ref() {
+            None => local,
+            Some(procs) => {
+                let mut flat = Vec::with_capacity(local.len() * (1 + batches));
+                for (rank, losses) in &local {
+                    flat.push(*rank as f64);
+                    flat.extend(losses.iter().map(|&l| f64::from(l)));
+                }
+                let t = Tensor::from_vec(flat, local.len() * (1 + batches), &Device::Cpu)?;
+                self.sync_tag += 1;
+                let got = procs.all_gather(self.sync_tag, &t)?.to_vec1::<f64>()?;
+                got.chunks(1 + batches)
+                    .map(|c| (c[0] as u64, c[1..].iter().map(|&x| x as f32).collect()))
+                    .collect()
+            }
+        };
+        let mut sorted = all;
+        sorted.sort_by_key(|r| r.0);
+        if sorted.len() != world {
+            return Err(ExecError::Internal(format!(
+                "validation losses came from {} ranks of {world}",
+                sorted.len()
+            )));
+        }
+        // Sum in rank order, batch by batch: the same figure however ranks are placed.
+        let (mut sum, mut n) = (0f64, 0usize);
+        for (_, losses) in &sorted {
+            for &l in losses {
+                sum += f64::from(l);
+                n += 1;
+            }
+        }
+        Ok((sum / n.max(1) as f64) as f32)
     }
 
     /// Every rank's step figures, in rank order: this process's own, plus (across

@@ -313,10 +313,10 @@ pub fn data_source(
                 "token files feed language models; the mlp family trains on `data: synthetic`".into(),
             ))
         }
-        (DataSpec::Tokens { path, dtype }, ModelConfig::Llama(c)) => {
+        (DataSpec::Tokens { path, dtype, .. }, ModelConfig::Llama(c)) => {
             Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
         }
-        (DataSpec::Tokens { path, dtype }, ModelConfig::Gpt2(c)) => {
+        (DataSpec::Tokens { path, dtype, .. }, ModelConfig::Gpt2(c)) => {
             Box::new(TokenFile::open(path, *dtype, c.vocab_size, batch, seq, config.seed)?)
         }
     })
