@@ -102,7 +102,7 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata, ExecError> {
     })?;
     if m.format != CHECKPOINT_FORMAT {
         return Err(ExecError::Checkpoint(format!(
-            "{}: checkpoint format {} (this shardplan reads {CHECKPOINT_FORMAT})",
+            "{}: `format`: checkpoint format {} (this shardplan reads {CHECKPOINT_FORMAT})",
             path.display(),
             m.format
         )));

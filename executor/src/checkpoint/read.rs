@@ -38,7 +38,7 @@ pub(super) fn read_header(path: &Path) -> Result<Header, ExecError> {
     })?;
     let entries = json.as_object().ok_or_else(|| {
         ExecError::Checkpoint(format!(
-            "{}: bad safetensors header: the JSON at bytes 8..{} is not an object",
+            "{}: bad safetensors header (bytes 8..{}): not a JSON object",
             path.display(),
             8 + n
         ))
