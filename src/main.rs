@@ -80,9 +80,6 @@ pub fn emit(text: &str) -> Result<(), CliError> {
     }
 }
 
-/// Where to report a bug.
-const BUG_REPORTS: &str = "https://github.com/shardplan/shardplan/issues";
-
 /// A panic is a bug in shardplan, whatever the input: print one line that says so and asks
 /// for a report, not a backtrace (unless `RUST_BACKTRACE` asks for one). The process exits
 /// with 101, Rust's code for a panic, when the main thread panics; a panic on a rank or
@@ -100,7 +97,8 @@ fn install_panic_hook() {
             .location()
             .map_or_else(|| "an unknown place".into(), |l| format!("{}:{}", l.file(), l.line()));
         eprintln!(
-            "error: shardplan hit an internal error (a bug): {payload} at {at}; please report it at {BUG_REPORTS} with the command you ran (and RUST_BACKTRACE=1 for a backtrace)"
+            "error: shardplan {} hit an internal error (a bug): {payload} at {at}; please report it on the project's issue tracker with this line and the command you ran (RUST_BACKTRACE=1 adds a backtrace)",
+            env!("CARGO_PKG_VERSION")
         );
         if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
             default(info);

@@ -538,10 +538,13 @@ fn a_panic_is_reported_as_a_bug_in_one_line() {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(101), "{err}");
     assert!(
-        err.starts_with("error: shardplan hit an internal error (a bug): SHARDPLAN_TEST_PANIC is set at src/main.rs:"),
+        err.starts_with(&format!(
+            "error: shardplan {} hit an internal error (a bug): SHARDPLAN_TEST_PANIC is set at src/main.rs:",
+            env!("CARGO_PKG_VERSION")
+        )),
         "{err}"
     );
-    assert!(err.contains("please report it at https://"), "{err}");
+    assert!(err.contains("please report it on the project's issue tracker"), "{err}");
     assert_eq!(err.lines().count(), 1, "one line, no backtrace: {err}");
     assert!(!err.contains("panicked at"), "{err}");
     let o = run(Some("1"));
