@@ -80,12 +80,13 @@ cat > "$OUT/hf/config.json" <<'EOF'
 }
 EOF
 ours=$("$SHARDPLAN" generate --from "$OUT/hf" --tokenizer "$TOKENIZER" --prompt "The planner" \
-    --max-new-tokens 24 --temperature 0 --ignore-eos 2>/dev/null)
+    --max-new-tokens 24 --temperature 0 --ignore-eos --logits "$OUT/logits.json" 2>/dev/null)
 echo "$ours"
 
 if [[ -n "${PYTHON:-}" ]]; then
     echo "== transformers loads the export: greedy continuation"
-    theirs=$("$PYTHON" - "$OUT/hf" "$TOKENIZER" <<'EOF'
+    theirs=$("$PYTHON" - "$OUT/hf" "$TOKENIZER" "$OUT/logits.json" <<'EOF'
+import json
 import sys
 
 import torch
@@ -95,6 +96,16 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32).eval()
 tok = Tokenizer.from_file(sys.argv[2])
 ids = torch.tensor([tok.encode("The planner").ids])
+# The logits of the prompt, against shardplan's (`generate --logits`).
+ours = json.load(open(sys.argv[3]))
+assert ours["tokens"] == ids[0].tolist(), "the two tokenizations differ"
+with torch.no_grad():
+    logits = model(ids).logits[0].double()
+diff = (logits - torch.tensor(ours["logits"], dtype=torch.float64)).abs().max().item()
+rel = diff / logits.abs().max().item()
+print(f"logits of the {ids.shape[1]} prompt positions: max difference {diff:.3g} ({rel:.3g} of the largest)", file=sys.stderr)
+if rel > 1e-5:
+    sys.exit("transformers' logits differ from shardplan's")
 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
                      do_sample=False, eos_token_id=None, pad_token_id=0)
 print("The planner" + tok.decode(out[0, ids.shape[1]:].tolist()))

@@ -43,6 +43,11 @@ pub struct GenerateArgs {
     /// Keep going after the tokenizer's end-of-text token.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Also write the prompt's ids and the logits at every prompt position to this JSON
+    /// file (`{"tokens": [...], "logits": [[...], ...]}`, f32 as computed), to hold them
+    /// against another framework's.
+    #[arg(long, value_name = "FILE")]
+    pub logits: Option<PathBuf>,
 }
 
 fn refuse(path: &Path, msg: impl Into<String>, help: impl Into<String>) -> CliError {
@@ -176,6 +181,16 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             .filter_map(|t| tok.token_to_id(t))
             .collect()
     };
+    if let Some(path) = &a.logits {
+        let mut cache = shardplan_executor::infer::KvCache::default();
+        let logits = model.forward(&prompt, &mut cache).map_err(exec)?;
+        let rows: Vec<Vec<f32>> = logits
+            .to_vec2::<f32>()
+            .map_err(|e| CliError::Other(anyhow::anyhow!("logits: {e}")))?;
+        let json = serde_json::json!({"tokens": prompt, "logits": rows});
+        std::fs::write(path, json.to_string())
+            .map_err(|e| CliError::Usage(format!("--logits {}: cannot write it: {e}", path.display())))?;
+    }
     let sampling = Sampling {
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,

@@ -101,6 +101,31 @@ fn prepare_train_with_validation_and_generate() {
     );
     assert!(again.status.success(), "{}", stderr(&again));
     assert_eq!(stdout(&again), text);
+    // --logits writes the prompt's ids and one row of vocab logits per prompt position,
+    // the same from the checkpoint and from its export.
+    let logits = |from: &str, file: &str, extra: &[&str]| {
+        let mut args = vec!["--temperature", "0", "--logits", file];
+        args.extend_from_slice(extra);
+        let o = generate(from, &args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        v
+    };
+    let (l1, l2) = (p("l1.json"), p("l2.json"));
+    let a = logits(&p("ckpt"), &l1, &[]);
+    let b = logits(&p("model.safetensors"), &l2, &["--model", &p("m.yaml")]);
+    let tokens = a["tokens"].as_array().unwrap().len();
+    let rows = a["logits"].as_array().unwrap();
+    assert!(
+        tokens >= 1 && rows.len() == tokens,
+        "{tokens} tokens, {} rows",
+        rows.len()
+    );
+    assert!(
+        rows.iter().all(|r| r.as_array().unwrap().len() == 512),
+        "vocab-wide rows"
+    );
+    assert_eq!(a, b, "the export's logits equal the checkpoint's");
     // Sampling repeats with its seed.
     let a = generate(&p("ckpt"), &["--seed", "3"]);
     let b = generate(&p("ckpt"), &["--seed", "3"]);
