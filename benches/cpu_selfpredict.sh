@@ -21,6 +21,7 @@ for ranks in 1 4; do
   { grep -v '^hardware:' "$spec"; cat "$T/hw$ranks.txt"; } > "$T/p$ranks.yaml"
   for model in tiny-llama examples/models/llama-10m.yaml; do
     name="$(basename "$model" .yaml) 1x$ranks"
+    rm -f "$T/log.jsonl"   # train appends to an existing log
     "$B" train --model "$model" --parallel "$T/p$ranks.yaml" --steps 30 --log "$T/log.jsonl" > /dev/null 2>&1
     echo "== $name"
     "$B" plan --model "$model" --parallel "$T/p$ranks.yaml" --compare "$T/log.jsonl" | grep -E "step time|tokens/s"

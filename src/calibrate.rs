@@ -3,11 +3,11 @@
 //!
 //! With `--ranks N`, N threads run every measurement at once, as N ranks of a mesh share
 //! the machine, and the profile is one rank's share. Measured:
-//! - `f32_tflops` and `kernel_launch_us`: the slope and intercept of a linear layer's time
-//!   against its FLOPs (the executor's `gemm` path) between 64 x 384 x 384 and
-//!   512 x 1024 x 1024, so `matmul_efficiency` is 1 and no tile quantisation applies
-//!   (`matmul_tile_*` 1);
-//! - `hbm_gbps`: an add of two 64 MiB vectors (bytes read and written per second), so
+//! - `kernel_launch_us`: an add of 8 elements, through the same dispatch as every graph op;
+//! - `f32_tflops`: the slope of a linear layer's time against its FLOPs (the executor's
+//!   `gemm` path) between 64 x 384 x 384 and 512 x 1024 x 1024, so `matmul_efficiency` is
+//!   1 and no tile quantisation applies (`matmul_tile_*` 1);
+//! - `hbm_gbps`: an add of two 16 MiB vectors (bytes read and written per second), so
 //!   `memory_efficiency` is 1;
 //! - `attention_fwd_efficiency` / `_bwd_`: the fused attention kernels on
 //!   `[2, 128, 4, 64]` with a causal mask, FLOPs counted as the planner counts them (the
@@ -142,19 +142,20 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
             &[&[m, k], &[n, k]],
         )
     };
-    // Matmuls: an affine fit of time against FLOPs between a layer of a small model's
-    // shape (64 tokens, 384 wide) and a large one: the slope is the rate, the intercept what
-    // one op costs beyond its work (thread fork and join, dispatch).
+    // What one op costs beyond its work: an add of 8 elements through the same dispatch
+    // as every graph op.
+    let launch = time_op(ranks, secs, &Bench::new(Op::Add, &[&[8], &[8]])?)?;
+    // Matmul rate: the slope of a linear layer's time against its FLOPs between a small
+    // model's shape (64 tokens, 384 wide) and a large one.
     let (small, large) = ((64u64, 384u64, 384u64), (512u64, 1024u64, 1024u64));
     let f = |(m, k, n): (u64, u64, u64)| 2.0 * (m * k * n) as f64;
     let t_s = time_op(ranks, secs, &linear(small.0, small.1, small.2)?)?;
     let t_l = time_op(ranks, secs, &linear(large.0, large.1, large.2)?)?;
     let per_flop = ((t_l - t_s) / (f(large) - f(small))).max(t_l / f(large) * 0.5);
     let tflops = 1.0 / per_flop / 1e12;
-    let launch = (t_s - f(small) * per_flop).max(0.0);
-    // Memory bandwidth: an add of two 16 Mi-element vectors (beyond the caches) reads
-    // 128 MiB and writes 64 MiB.
-    let len = 1u64 << 24;
+    // Memory bandwidth: an add of two 4 Mi-element vectors (past the per-core caches, the
+    // size of a small model's parameter and optimizer tensors) reads 32 MiB and writes 16.
+    let len = 1u64 << 22;
     let t_add = time_op(ranks, secs, &Bench::new(Op::Add, &[&[len], &[len]])?)?;
     let gbps = (12 * len) as f64 / (t_add - launch).max(t_add * 0.5) / 1e9;
     // Attention, forward and backward parts, as the planner counts their FLOPs.
