@@ -419,7 +419,10 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         Some(n) => n.to_string(),
         None => {
             let nums: Vec<String> = hw.numbers().iter().map(|(k, v)| format!("{k}: {v:?}")).collect();
-            format!("{{name: {}, {}}}", hw.name, nums.join(", "))
+            // The name as a quoted scalar (a JSON string is one in YAML): it may hold `:`
+            // or `,`.
+            let name = serde_json::to_string(&hw.name).unwrap_or_else(|_| "\"custom\"".into());
+            format!("{{name: {name}, kernels: {}, {}}}", hw.kernels.name(), nums.join(", "))
         }
     };
     let wrap: Vec<&str> = c.wrap.iter().map(|k| k.name()).collect();

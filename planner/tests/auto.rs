@@ -136,3 +136,17 @@ fn more_ranks_at_a_fixed_global_batch_never_need_more_memory() {
         last = Some((least, winner_at));
     }
 }
+
+#[test]
+fn a_custom_profile_round_trips_through_the_emitted_spec() {
+    // A calibrated CPU profile: fused kernels, and a name YAML would split unquoted.
+    let yaml = "mesh: {shard: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 2, seq_len: 16}\nhardware: {base: h100-sxm, name: \"cpu: 2 cores, calibrated\", kernels: fused, f32_tflops: 0.2}\n";
+    let c = parse_parallel_spec(&Source::from_text("p.yaml", yaml)).unwrap().0;
+    assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Fused);
+    let emitted = spec_yaml(&c);
+    let back = parse_parallel_spec(&Source::from_text("emitted.yaml", emitted.clone()))
+        .unwrap_or_else(|e| panic!("{e}\n{emitted}"))
+        .0;
+    assert_eq!(back.hardware, c.hardware, "{emitted}");
+    assert_eq!(back, c, "{emitted}");
+}
