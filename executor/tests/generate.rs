@@ -7,47 +7,17 @@
 //!   position as the full sequence;
 //! - greedy generation gives exactly the tokens transformers' `generate` chose.
 
+mod hf_fixtures;
+
 use candle_core::{DType, Device, Tensor};
+use hf_fixtures::{config, dir, VARIANTS};
 use shardplan_executor::checkpoint::read_weights;
 use shardplan_executor::cpu::kernels::Ctx;
 use shardplan_executor::infer::{param_shapes, sample::Sampling, KvCache, Model};
 use shardplan_executor::runtime::interp::Interpreter;
-use shardplan_frontends::{parse_hf_config, Source};
 use shardplan_ir::Op;
-use shardplan_models::{trace, ModelConfig, TraceOptions};
+use shardplan_models::{trace, TraceOptions};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-const VARIANTS: [&str; 14] = [
-    "llama",
-    "llama-head-dim",
-    "llama-rope-llama3",
-    "llama-rope-linear",
-    "llama-rope-yarn",
-    "llama-gelu",
-    "llama-gelu-tanh",
-    "llama-relu",
-    "gpt2-gelu",
-    "mistral",
-    "mistral-window",
-    "qwen2",
-    "qwen2-tied",
-    "gpt2",
-];
-
-fn dir(variant: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/hf")
-        .join(variant)
-}
-
-fn config(variant: &str) -> ModelConfig {
-    let p = dir(variant).join("config.json");
-    let text = std::fs::read_to_string(&p).unwrap();
-    parse_hf_config(&Source::from_text(p, text))
-        .unwrap_or_else(|e| panic!("{variant}: {e}"))
-        .0
-}
 
 fn model(variant: &str) -> Model {
     let c = config(variant);

@@ -8,39 +8,18 @@
 //! relative of transformers' (updates, not only the loss: a loss can hide a wrong
 //! gradient).
 
+mod hf_fixtures;
+
 use candle_core::{DType, Device, Tensor};
+use hf_fixtures::{config, dir, VARIANTS};
 use shardplan_executor::cpu::kernels::Ctx;
 use shardplan_executor::runtime::interp::Interpreter;
 use shardplan_executor::train::data::FixedTokens;
 use shardplan_executor::ShardedTrainer;
-use shardplan_frontends::{parse_hf_config, parse_parallel_spec, Source};
+use shardplan_frontends::{parse_parallel_spec, Source};
 use shardplan_ir::Op;
 use shardplan_models::{trace, ModelConfig, TraceOptions};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-const VARIANTS: [&str; 14] = [
-    "llama",
-    "llama-head-dim",
-    "llama-rope-llama3",
-    "llama-rope-linear",
-    "llama-rope-yarn",
-    "llama-gelu",
-    "llama-gelu-tanh",
-    "llama-relu",
-    "gpt2-gelu",
-    "mistral",
-    "mistral-window",
-    "qwen2",
-    "qwen2-tied",
-    "gpt2",
-];
-
-fn dir(variant: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/hf")
-        .join(variant)
-}
 
 struct Fixture {
     model: ModelConfig,
@@ -55,9 +34,7 @@ struct Fixture {
 
 fn load(variant: &str) -> Fixture {
     let d = dir(variant);
-    let text = std::fs::read_to_string(d.join("config.json")).unwrap();
-    let (model, _) =
-        parse_hf_config(&Source::from_text(d.join("config.json"), text)).unwrap_or_else(|e| panic!("{variant}: {e}"));
+    let model = config(variant);
     let data = candle_core::safetensors::load(d.join("data.safetensors"), &Device::Cpu).unwrap();
     let ids = |k: &str| -> (Vec<u32>, usize, usize) {
         let t = &data[k];
