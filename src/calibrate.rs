@@ -71,27 +71,11 @@ impl Bench {
     }
 }
 
-/// Seconds per call of `f`, run for about `secs` by each of `ranks` threads at once (after
-/// a warm-up call); the mean over the threads.
-fn per_call(ranks: usize, secs: f64, f: &(dyn Fn(usize) -> Result<(), CliError> + Sync)) -> Result<f64, CliError> {
-    let barrier = Barrier::new(ranks);
+/// Runs `f(r)` for `r` in `0..ranks` on a thread each, at once; the mean of what they
+/// return.
+fn on_threads(ranks: usize, f: &(dyn Fn(usize) -> Result<f64, CliError> + Sync)) -> Result<f64, CliError> {
     let results: Vec<Result<f64, CliError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..ranks)
-            .map(|r| {
-                let barrier = &barrier;
-                s.spawn(move || -> Result<f64, CliError> {
-                    f(r)?;
-                    barrier.wait();
-                    let start = Instant::now();
-                    let mut calls = 0u64;
-                    while calls < 3 || start.elapsed() < Duration::from_secs_f64(secs) {
-                        f(r)?;
-                        calls += 1;
-                    }
-                    Ok(start.elapsed().as_secs_f64() / calls as f64)
-                })
-            })
-            .collect();
+        let handles: Vec<_> = (0..ranks).map(|r| s.spawn(move || f(r))).collect();
         handles
             .into_iter()
             .map(|h| {
@@ -102,6 +86,23 @@ fn per_call(ranks: usize, secs: f64, f: &(dyn Fn(usize) -> Result<(), CliError> 
     });
     let times = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     Ok(times.iter().sum::<f64>() / times.len() as f64)
+}
+
+/// Seconds per call of `f`, run for about `secs` by each of `ranks` threads at once (after
+/// a warm-up call); the mean over the threads.
+fn per_call(ranks: usize, secs: f64, f: &(dyn Fn(usize) -> Result<(), CliError> + Sync)) -> Result<f64, CliError> {
+    let barrier = Barrier::new(ranks);
+    on_threads(ranks, &|r| {
+        f(r)?;
+        barrier.wait();
+        let start = Instant::now();
+        let mut calls = 0u64;
+        while calls < 3 || start.elapsed() < Duration::from_secs_f64(secs) {
+            f(r)?;
+            calls += 1;
+        }
+        Ok(start.elapsed().as_secs_f64() / calls as f64)
+    })
 }
 
 /// Times `bench` on `ranks` threads: seconds per call.
@@ -184,35 +185,20 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
             .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
         // Every rank makes the same calls with the same tags: fixed counts, not a time.
         let gather = |t: &Tensor, base: u64, calls: u64| -> Result<f64, CliError> {
-            let times: Vec<Result<f64, CliError>> = std::thread::scope(|s| {
-                let handles: Vec<_> = group
-                    .iter()
-                    .map(|g| {
-                        s.spawn(move || -> Result<f64, CliError> {
-                            let call = |n: u64| {
-                                g.all_gather(base + n, t)
-                                    .map(drop)
-                                    .map_err(|e| CliError::Other(anyhow::anyhow!("all-gather: {e}")))
-                            };
-                            call(0)?;
-                            let start = Instant::now();
-                            for n in 1..=calls {
-                                call(n)?;
-                            }
-                            Ok(start.elapsed().as_secs_f64() / calls as f64)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err(CliError::Other(anyhow::anyhow!("a calibration thread failed"))))
-                    })
-                    .collect()
-            });
-            let times = times.into_iter().collect::<Result<Vec<_>, _>>()?;
-            Ok(times.iter().sum::<f64>() / times.len() as f64)
+            on_threads(ranks, &|r| {
+                let call = |n: u64| {
+                    group[r]
+                        .all_gather(base + n, t)
+                        .map(drop)
+                        .map_err(|e| CliError::Other(anyhow::anyhow!("all-gather: {e}")))
+                };
+                call(0)?;
+                let start = Instant::now();
+                for n in 1..=calls {
+                    call(n)?;
+                }
+                Ok(start.elapsed().as_secs_f64() / calls as f64)
+            })
         };
         let t_small = gather(&small, 0, 2000)?;
         let t_big = gather(&big, 1 << 20, 50)?;
