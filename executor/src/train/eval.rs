@@ -11,6 +11,7 @@
 
 use crate::runtime::rank::{run_step, RankState, Shared};
 use crate::train::data::{DataSource, TokenFile};
+use crate::train::sharded::rank_rows;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use shardplan_frontends::{DataSource as DataSpec, ParallelConfig};
@@ -135,15 +136,7 @@ impl Validation {
             let mut mine = Vec::with_capacity(self.batches as usize);
             for _ in 0..self.batches {
                 let b = d.next_batch(device)?;
-                let rows = b
-                    .inputs
-                    .into_iter()
-                    .map(|(name, t)| {
-                        let per = t.dim(0)? / world;
-                        Ok((name, t.narrow(0, rank * per, per)?))
-                    })
-                    .collect::<Result<HashMap<_, _>, ExecError>>()?;
-                mine.push(rows);
+                mine.push(rank_rows(b.inputs, rank, world)?);
             }
             batches.push(mine);
         }

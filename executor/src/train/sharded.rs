@@ -105,6 +105,22 @@ pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
     c
 }
 
+/// Rank `rank`'s rows (of `world` equal shares along dim 0) of every input of a global
+/// batch.
+pub(crate) fn rank_rows(
+    inputs: Vec<(String, Tensor)>,
+    rank: usize,
+    world: usize,
+) -> Result<HashMap<String, Tensor>, ExecError> {
+    inputs
+        .into_iter()
+        .map(|(name, t)| {
+            let per = t.dim(0)? / world;
+            Ok((name, t.narrow(0, rank * per, per)?))
+        })
+        .collect()
+}
+
 impl ShardedTrainer {
     /// Traces and differentiates `model`, plans it for `config` as this executor runs it
     /// ([`executor_config`]), and initialises every rank.
@@ -328,15 +344,7 @@ impl ShardedTrainer {
                 if k == 0 {
                     tokens += b.tokens;
                 }
-                let rows = b
-                    .inputs
-                    .into_iter()
-                    .map(|(name, t)| {
-                        let per = t.dim(0)? / world;
-                        Ok((name, t.narrow(0, rank * per, per)?))
-                    })
-                    .collect::<Result<HashMap<_, _>, ExecError>>()?;
-                mine.push(rows);
+                mine.push(rank_rows(b.inputs, rank, world)?);
             }
             batches.push(mine);
         }
