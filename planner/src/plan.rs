@@ -13,11 +13,11 @@ use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload};
-use shardplan_ir::DType;
+use shardplan_ir::{DType, ParamId};
 use std::fmt;
 
 /// Format version of [`Plan`]; bumped on every incompatible change.
-pub const PLAN_VERSION: u32 = 1;
+pub const PLAN_VERSION: u32 = 2;
 
 macro_rules! id {
     ($name:ident, $prefix:literal, $doc:literal) => {
@@ -188,6 +188,11 @@ pub struct Buffer {
     /// Lives across steps: allocated before the first instruction, never freed (sharded
     /// parameters, optimizer state). Its contents are written before the step and read after.
     pub persistent: bool,
+    /// A gradient piece (category unsharded grads): the parameters whose full, unpadded
+    /// gradients it holds one after another, in this order — those of its group that one
+    /// compute step makes. Empty for every other buffer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub params: Vec<ParamId>,
 }
 
 impl Buffer {
@@ -210,7 +215,8 @@ pub enum ReduceOp {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Instr {
     /// Run a segment of the joint graph on micro-batch `micro`: reads the unsharded
-    /// parameters in `reads`, accumulates parameter gradients into `writes`.
+    /// parameters in `reads`, accumulates the parameter gradients it makes into `writes`
+    /// (one gradient piece per group of the step's `grads`, in that order).
     Compute {
         step: StepId,
         micro: u32,
@@ -231,24 +237,31 @@ pub enum Instr {
     Wait {
         event: EventId,
     },
-    /// Copy-in `src` (cast to `dst`'s dtype) into `staging`, all-gather `staging` over
-    /// `comm` into `dst` (the group's flat unsharded buffer).
+    /// All-gather `src` (cast to `dst`'s dtype) over `comm` into `dst` (the group's flat
+    /// unsharded buffer). The input is copied into this rank's slice of `dst`, as FSDP2's
+    /// copy-in does, so it takes no buffer of its own.
     AllGather {
         group: GroupId,
         comm: Comm,
         src: BufId,
-        /// `None` when `src` already is the all-gather input (a post-forward shard).
-        staging: Option<BufId>,
         dst: BufId,
     },
-    /// Copy-in `src` (unsharded gradients, cast to the reduce dtype) into `staging`,
-    /// reduce-scatter it over `comm` and add this rank's shard into `dst`.
+    /// Lay the gradient pieces `srcs` out in `dst` (cast to its dtype): the group's
+    /// all-gather layout, rank-major padded shards, padding and missing parameters zero.
+    /// The reduce-scatter's input, made on the compute stream so the pieces can be freed
+    /// right after it (FSDP2's reduce-scatter copy-in).
+    PackGrads {
+        group: GroupId,
+        srcs: Vec<BufId>,
+        dst: BufId,
+    },
+    /// Reduce-scatter `src` (a packed gradient buffer) over `comm` and add this rank's
+    /// shard into `dst`.
     ReduceScatter {
         group: GroupId,
         comm: Comm,
         op: ReduceOp,
         src: BufId,
-        staging: BufId,
         dst: BufId,
     },
     /// All-reduce `buf` in place over `comm`.
@@ -286,8 +299,6 @@ pub enum Instr {
 pub enum Access {
     Read,
     Write,
-    /// Written and read inside the one instruction (collective staging).
-    Scratch,
 }
 
 impl Instr {
@@ -301,13 +312,14 @@ impl Instr {
                 .chain(writes.iter().map(|&b| (b, Write)))
                 .collect(),
             Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. } => Vec::new(),
-            Instr::AllGather { src, staging, dst, .. } => {
-                let mut v = vec![(*src, Read)];
-                v.extend(staging.map(|s| (s, Scratch)));
-                v.push((*dst, Write));
-                v
+            Instr::AllGather { src, dst, .. } | Instr::ReduceScatter { src, dst, .. } => {
+                vec![(*src, Read), (*dst, Write)]
             }
-            Instr::ReduceScatter { src, staging, dst, .. } => vec![(*src, Read), (*staging, Scratch), (*dst, Write)],
+            Instr::PackGrads { srcs, dst, .. } => srcs
+                .iter()
+                .map(|&b| (b, Read))
+                .chain(std::iter::once((*dst, Write)))
+                .collect(),
             Instr::AllReduce { buf, .. } => vec![(*buf, Read), (*buf, Write)],
             Instr::Copy { src, dst, .. } => vec![(*src, Read), (*dst, Write)],
             Instr::GradNorm { grads, dst } => grads

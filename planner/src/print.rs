@@ -101,6 +101,13 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
         Instr::AllGather { group, comm, .. } => {
             format!("all-gather {} over {}", group_name(plan, *group), over(*comm))
         }
+        Instr::PackGrads { group, srcs, dst } => format!(
+            "pack {} gradient piece{} of {} -> {}",
+            srcs.len(),
+            if srcs.len() == 1 { "" } else { "s" },
+            group_name(plan, *group),
+            buf(*dst)
+        ),
         Instr::ReduceScatter { group, comm, op, .. } => format!(
             "reduce-scatter {} {op:?} over {}",
             group_name(plan, *group),

@@ -21,7 +21,7 @@ use crate::plan::{
 };
 use crate::steps::{Phase, Step, StepId};
 use shardplan_frontends::{GradSync, Offload};
-use shardplan_ir::DType;
+use shardplan_ir::{DType, ParamId};
 
 /// Buffers, event count and program of one rank.
 pub struct Schedule {
@@ -47,7 +47,8 @@ struct Builder<'a> {
     optim: Vec<Option<BufId>>,
     gathered: Vec<Option<(BufId, EventId, bool)>>,
     post_forward: Vec<Option<BufId>>,
-    unsharded_grads: Vec<Option<BufId>>,
+    /// Per group, its gradient pieces made so far: (step position, buffer).
+    pieces: Vec<Vec<(usize, BufId)>>,
     sharded_grads: Vec<Option<BufId>>,
     grads_done: Vec<Option<(BufId, EventId)>>,
 }
@@ -64,6 +65,7 @@ impl Builder<'_> {
             numel,
             pool,
             persistent: false,
+            params: Vec::new(),
         });
         id
     }
@@ -127,57 +129,43 @@ impl Builder<'_> {
             full,
             Pool::Device,
         );
-        let (src, comm, staging, drop_src) = match self.post_forward[g.index()].take() {
+        let (src, comm, drop_src) = match self.post_forward[g.index()].take() {
             Some(pf) => {
                 let n = match self.groups[g.index()].reshard {
                     GroupReshard::ToGroupOf(n) => n,
                     _ => self.mesh.shard(),
                 };
                 self.emit(Stream::AllGather, Instr::Wait { event: gate });
-                (pf, Comm::Reshard(n), None, true)
+                (pf, Comm::Reshard(n), true)
             }
-            None => {
-                let shard = self.shard_numel(g);
-                let src = if self.offload() {
-                    let dev = self.buf(
-                        format!("{g}.params.device"),
-                        Category::ShardedParams,
-                        g,
-                        self.policy.mixed_precision.master,
-                        shard,
-                        Pool::Device,
-                    );
-                    self.emit(Stream::Copy, Instr::Wait { event: gate });
-                    self.emit(Stream::Copy, Instr::Alloc { buf: dev });
-                    self.emit(
-                        Stream::Copy,
-                        Instr::Copy {
-                            src: self.sharded[g.index()],
-                            dst: dev,
-                            accumulate: false,
-                        },
-                    );
-                    let copied = self.record(Stream::Copy);
-                    self.emit(Stream::AllGather, Instr::Wait { event: copied });
-                    dev
-                } else {
-                    self.emit(Stream::AllGather, Instr::Wait { event: gate });
-                    self.sharded[g.index()]
-                };
-                let staging = self.buf(
-                    format!("{g}.all_gather_in"),
-                    Category::CommBuffers,
+            None if self.offload() => {
+                let dev = self.buf(
+                    format!("{g}.params.device"),
+                    Category::ShardedParams,
                     g,
-                    p,
-                    shard,
+                    self.policy.mixed_precision.master,
+                    self.shard_numel(g),
                     Pool::Device,
                 );
-                (src, Comm::Shard, Some(staging), self.offload())
+                self.emit(Stream::Copy, Instr::Wait { event: gate });
+                self.emit(Stream::Copy, Instr::Alloc { buf: dev });
+                self.emit(
+                    Stream::Copy,
+                    Instr::Copy {
+                        src: self.sharded[g.index()],
+                        dst: dev,
+                        accumulate: false,
+                    },
+                );
+                let copied = self.record(Stream::Copy);
+                self.emit(Stream::AllGather, Instr::Wait { event: copied });
+                (dev, Comm::Shard, true)
+            }
+            None => {
+                self.emit(Stream::AllGather, Instr::Wait { event: gate });
+                (self.sharded[g.index()], Comm::Shard, false)
             }
         };
-        if let Some(s) = staging {
-            self.emit(Stream::AllGather, Instr::Alloc { buf: s });
-        }
         self.emit(Stream::AllGather, Instr::Alloc { buf: dst });
         self.emit(
             Stream::AllGather,
@@ -185,33 +173,55 @@ impl Builder<'_> {
                 group: g,
                 comm,
                 src,
-                staging,
                 dst,
             },
         );
         let done = self.record(Stream::AllGather);
         // Frees after a collective are issued one compute step later, so the allocations
         // issued meanwhile do not wait for the collective to finish.
-        self.deferring = true;
-        if let Some(s) = staging {
-            self.emit(Stream::AllGather, Instr::Free { buf: s });
-        }
         if drop_src {
+            self.deferring = true;
             self.emit(Stream::AllGather, Instr::Free { buf: src });
+            self.deferring = false;
         }
-        self.deferring = false;
         self.gathered[g.index()] = Some((dst, done, false));
     }
 
-    /// Reduce-scatters group `g`'s unsharded gradients; on the final micro-batch also the
-    /// replica all-reduce and the host copy.
+    /// Packs group `g`'s gradient pieces into the reduce-scatter input on the compute
+    /// stream and frees them there (FSDP2's copy-in), then reduce-scatters it; on the final
+    /// micro-batch also the replica all-reduce and the host copy.
     fn reduce(&mut self, g: GroupId, micro: u32, last_micro: bool) {
-        let Some(grads) = self.unsharded_grads[g.index()].take() else {
+        let pieces: Vec<BufId> = std::mem::take(&mut self.pieces[g.index()])
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect();
+        if pieces.is_empty() {
             return;
-        };
-        let ready = self.record(Stream::Compute);
+        }
         let master = self.policy.mixed_precision.master;
         let reduce = self.policy.mixed_precision.reduce;
+        let tag = self.suffix(micro, "rs");
+        let packed = self.buf(
+            format!("{g}.{tag}_in"),
+            Category::CommBuffers,
+            g,
+            reduce,
+            self.gathered_numel(g),
+            Pool::Device,
+        );
+        self.emit(Stream::Compute, Instr::Alloc { buf: packed });
+        self.emit(
+            Stream::Compute,
+            Instr::PackGrads {
+                group: g,
+                srcs: pieces.clone(),
+                dst: packed,
+            },
+        );
+        for p in pieces {
+            self.emit(Stream::Compute, Instr::Free { buf: p });
+        }
+        let ready = self.record(Stream::Compute);
         self.emit(Stream::ReduceScatter, Instr::Wait { event: ready });
         let acc = match self.sharded_grads[g.index()] {
             Some(b) => b,
@@ -229,32 +239,20 @@ impl Builder<'_> {
                 b
             }
         };
-        let tag = self.suffix(micro, "rs");
-        let staging = self.buf(
-            format!("{g}.{tag}_in"),
-            Category::CommBuffers,
-            g,
-            reduce,
-            self.gathered_numel(g),
-            Pool::Device,
-        );
-        self.emit(Stream::ReduceScatter, Instr::Alloc { buf: staging });
         self.emit(
             Stream::ReduceScatter,
             Instr::ReduceScatter {
                 group: g,
                 comm: Comm::Shard,
                 op: ReduceOp::Avg,
-                src: grads,
-                staging,
+                src: packed,
                 dst: acc,
             },
         );
-        // The tail (frees, replica all-reduce, host copy) is issued after the next compute
+        // The tail (free, replica all-reduce, host copy) is issued after the next compute
         // step: the allocations that step makes must not wait for this reduction to finish.
         self.deferring = true;
-        self.emit(Stream::ReduceScatter, Instr::Free { buf: staging });
-        self.emit(Stream::ReduceScatter, Instr::Free { buf: grads });
+        self.emit(Stream::ReduceScatter, Instr::Free { buf: packed });
         let mut done = self.record(Stream::ReduceScatter);
         if !last_micro {
             self.deferring = false;
@@ -382,7 +380,7 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
         optim: Vec::with_capacity(n),
         gathered: vec![None; n],
         post_forward: vec![None; n],
-        unsharded_grads: vec![None; n],
+        pieces: vec![Vec::new(); n],
         sharded_grads: vec![None; n],
         grads_done: vec![None; n],
     };
@@ -409,6 +407,13 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
     }
 
     let u = uses(steps, n);
+    // Steps that make gradients of each group: one gradient piece each.
+    let mut writers = vec![0usize; n];
+    for s in steps {
+        for g in &s.grads {
+            writers[g.index()] += 1;
+        }
+    }
     let need = needs(steps, groups, &u);
     let first_backward = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(0);
     // The step at which each gather is issued.
@@ -469,24 +474,43 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             }
             let mut writes = Vec::with_capacity(s.grads.len());
             for &g in &s.grads {
-                let buf = match b.unsharded_grads[g.index()] {
+                let existing = b.pieces[g.index()].iter().find(|(at, _)| *at == pos).map(|(_, buf)| *buf);
+                let buf = match existing {
                     Some(buf) => buf,
                     None => {
-                        let tag = if policy.grad_accum > 1 && policy.grad_sync == GradSync::EveryMicroBatch {
-                            format!("{micro}")
-                        } else {
-                            String::new()
-                        };
+                        let grp = &groups[g.index()];
+                        let params: Vec<ParamId> = grp
+                            .group
+                            .params
+                            .iter()
+                            .copied()
+                            .filter(|p| s.grad_params.binary_search(p).is_ok())
+                            .collect();
+                        let numel = grp
+                            .layout
+                            .params
+                            .iter()
+                            .filter(|l| params.contains(&l.param))
+                            .map(|l| l.numel())
+                            .sum();
+                        let mut tag = String::new();
+                        if policy.grad_accum > 1 && policy.grad_sync == GradSync::EveryMicroBatch {
+                            tag.push_str(&format!("{micro}"));
+                        }
+                        if writers[g.index()] > 1 {
+                            tag.push_str(&format!(".{}", StepId(pos as u32)));
+                        }
                         let buf = b.buf(
                             format!("{g}.unsharded_grads{tag}"),
                             Category::UnshardedGrads,
                             g,
                             policy.mixed_precision.param,
-                            b.gathered_numel(g),
+                            numel,
                             Pool::Device,
                         );
+                        b.buffers[buf.index()].params = params;
                         b.emit(Stream::Compute, Instr::Alloc { buf });
-                        b.unsharded_grads[g.index()] = Some(buf);
+                        b.pieces[g.index()].push((pos, buf));
                         buf
                     }
                 };
@@ -578,6 +602,7 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             numel: 1,
             pool: Pool::Device,
             persistent: false,
+            params: Vec::new(),
         });
         b.emit(opt, Instr::Alloc { buf: id });
         b.emit(

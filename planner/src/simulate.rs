@@ -249,8 +249,8 @@ pub fn estimate(
                 ag += buffers[dst.index()].bytes();
                 n += 1;
             }
-            Instr::ReduceScatter { staging, .. } => {
-                rs += buffers[staging.index()].bytes();
+            Instr::ReduceScatter { src, .. } => {
+                rs += buffers[src.index()].bytes();
                 n += 1;
             }
             Instr::AllReduce { buf, .. } => {

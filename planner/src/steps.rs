@@ -15,7 +15,7 @@
 use crate::group::{scope_groups, FsdpGroup, GroupId};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
-use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ScopeId};
+use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ParamId, ScopeId};
 use std::fmt;
 use std::ops::Range;
 
@@ -71,6 +71,9 @@ pub struct Step {
     pub reads: Vec<GroupId>,
     /// Groups whose parameter gradients it produces.
     pub grads: Vec<GroupId>,
+    /// The parameters whose final gradients it makes, in id order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grad_params: Vec<ParamId>,
     /// Most activation bytes held while it runs.
     pub act_peak: u64,
     /// Activation bytes held when it ends.
@@ -132,9 +135,11 @@ pub fn steps_and_events(
         }
     }
     let mut grad_group: Vec<Option<GroupId>> = vec![None; n];
+    let mut grad_param: Vec<Option<ParamId>> = vec![None; n];
     for (p, grad) in joint.param_grads.iter().enumerate() {
         if let Some(grad) = grad {
             grad_group[grad.index()] = Some(group_of_param[p]);
+            grad_param[grad.index()] = Some(ParamId(p as u32));
         }
     }
     let mut exec = ExecOrder::new(joint, ac);
@@ -172,8 +177,15 @@ pub fn steps_and_events(
             Phase::Forward
         };
         let grp = group_of_scope[node.scope.index()];
+        // A step also ends just before it first makes a gradient of a group, when it has
+        // done work before: the gradient piece is allocated there, not at the step's start
+        // (the loss backward's logits gradient exists before the output projection's).
+        let first_grad = match (copy, grad_group[id.index()], out.last()) {
+            (false, Some(gg), Some(s)) => !s.grads.contains(&gg) && !s.label.is_empty(),
+            _ => false,
+        };
         let start_new = match out.last() {
-            Some(s) => s.phase != phase || s.group != grp,
+            Some(s) => s.phase != phase || s.group != grp || first_grad,
             None => true,
         };
         if start_new {
@@ -186,6 +198,7 @@ pub fn steps_and_events(
                 nodes: Vec::new(),
                 reads: Vec::new(),
                 grads: Vec::new(),
+                grad_params: Vec::new(),
                 act_peak: live,
                 act_end: live,
             });
@@ -216,6 +229,9 @@ pub fn steps_and_events(
             if !step.grads.contains(&gg) {
                 step.grads.push(gg);
             }
+        }
+        if let (false, Some(p)) = (copy, grad_param[id.index()]) {
+            step.grad_params.push(p);
         }
         let own = ExecOrder::slot(id, copy);
         let made = bytes(id);
@@ -264,6 +280,7 @@ pub fn steps_and_events(
     for s in &mut out {
         s.reads.sort_unstable();
         s.grads.sort_unstable();
+        s.grad_params.sort_unstable();
     }
     (out, acts)
 }

@@ -363,8 +363,7 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                 if i == j {
                     continue;
                 }
-                let writes =
-                    ai == Access::Write || aj == Access::Write || ai == Access::Scratch || aj == Access::Scratch;
+                let writes = ai == Access::Write || aj == Access::Write;
                 if writes && !hb(i, j) && !hb(j, i) {
                     return Err(fail(
                         j,

@@ -464,12 +464,26 @@ impl StepCtx<'_> {
             }
         }
         lock(&self.memory).activations = c.live;
-        // Gradients into the unsharded gradient buffers, in the all-gather layout.
-        for (k, &b) in writes.iter().enumerate() {
-            let group = &plan.groups[s.grads[k].index()];
-            let per_param: Vec<Option<Tensor>> = group.group.params.iter().map(|p| grads.remove(&p.0)).collect();
-            let dtype = cdtype(plan.buffer(b).dtype);
-            let update = flatten(&group.layout, &per_param, dtype, &c.ctx.device)?;
+        // The gradients into their pieces: each piece's parameters, whole, one after another.
+        for &b in writes {
+            let buf = plan.buffer(b);
+            let dtype = cdtype(buf.dtype);
+            let mut parts = Vec::with_capacity(buf.params.len());
+            for p in &buf.params {
+                let t = grads.remove(&p.0).ok_or_else(|| {
+                    ExecError::Internal(format!("step s{step} made no gradient for {p}, which {} holds", buf.name))
+                })?;
+                parts.push(t.flatten_all()?.to_dtype(dtype)?);
+            }
+            let update = Tensor::cat(&parts, 0)?;
+            if update.elem_count() as u64 != buf.numel {
+                return Err(ExecError::Internal(format!(
+                    "{} holds {} elements, its gradients {}",
+                    buf.name,
+                    buf.numel,
+                    update.elem_count()
+                )));
+            }
             self.accumulate(b, update)?;
         }
         Ok(())
@@ -525,31 +539,32 @@ impl StepCtx<'_> {
                     .ok_or_else(|| ExecError::Internal("compute outside the compute stream".into()))?;
                 self.compute(c, step.index(), *micro, reads, writes)?;
             }
-            Instr::AllGather {
-                comm,
-                src,
-                staging,
-                dst,
-                ..
-            } => {
+            Instr::AllGather { comm, src, dst, .. } => {
                 let dtype = cdtype(plan.buffer(*dst).dtype);
                 let input = self.get(*src)?.to_dtype(dtype)?;
-                if let Some(s) = staging {
-                    self.set(*s, input.clone())?;
-                }
                 let out = self.comms.get(*comm, issued.stream)?.all_gather(self.tags[i], &input)?;
                 self.set(*dst, out)?;
             }
-            Instr::ReduceScatter {
-                comm,
-                op,
-                src,
-                staging,
-                dst,
-                ..
-            } => {
-                let input = self.get(*src)?.to_dtype(cdtype(plan.buffer(*staging).dtype))?;
-                self.set(*staging, input.clone())?;
+            Instr::PackGrads { group, srcs, dst } => {
+                let layout = &plan.groups[group.index()].layout;
+                let mut per_param: Vec<Option<Tensor>> = vec![None; layout.params.len()];
+                for &b in srcs {
+                    let piece = self.get(b)?;
+                    let mut off = 0usize;
+                    for p in &plan.buffer(b).params {
+                        let i = layout.params.iter().position(|l| l.param == *p).ok_or_else(|| {
+                            ExecError::Internal(format!("{p} of {} is not in {group}", plan.buffer(b).name))
+                        })?;
+                        let n = layout.params[i].numel() as usize;
+                        per_param[i] = Some(piece.narrow(0, off, n)?);
+                        off += n;
+                    }
+                }
+                let packed = flatten(layout, &per_param, cdtype(plan.buffer(*dst).dtype), &self.device)?;
+                self.set(*dst, packed)?;
+            }
+            Instr::ReduceScatter { comm, op, src, dst, .. } => {
+                let input = self.get(*src)?;
                 let part = self
                     .comms
                     .get(*comm, issued.stream)?

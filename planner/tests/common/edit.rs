@@ -23,22 +23,14 @@ pub fn renumber(program: &Program, from: &[Buffer], to: &[Buffer]) -> Option<Pro
         match &mut x.instr {
             Instr::Compute { reads, writes, .. } => reads.iter_mut().chain(writes.iter_mut()).for_each(m),
             Instr::Alloc { buf } | Instr::Free { buf } | Instr::AllReduce { buf, .. } => m(buf),
-            Instr::AllGather { src, staging, dst, .. } => {
-                m(src);
-                staging.iter_mut().for_each(m);
-                m(dst);
-            }
-            Instr::ReduceScatter { src, staging, dst, .. } => {
-                m(src);
-                m(staging);
-                m(dst);
-            }
-            Instr::Copy { src, dst, .. } => {
+            Instr::AllGather { src, dst, .. }
+            | Instr::ReduceScatter { src, dst, .. }
+            | Instr::Copy { src, dst, .. } => {
                 m(src);
                 m(dst);
             }
-            Instr::GradNorm { grads, dst } => {
-                grads.iter_mut().for_each(m);
+            Instr::GradNorm { grads: srcs, dst } | Instr::PackGrads { srcs, dst, .. } => {
+                srcs.iter_mut().for_each(m);
                 m(dst);
             }
             Instr::OptimizerStep {
