@@ -525,7 +525,14 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
                     writes,
                 },
             );
-            b.flush();
+            // A step split off before its group's gradients (see `steps`) is short: the
+            // deferred tails wait for the step after it.
+            let split_off = s.phase == Phase::Backward
+                && s.grads.is_empty()
+                && steps.get(pos + 1).is_some_and(|n| n.group == s.group && n.phase == s.phase);
+            if !split_off {
+                b.flush();
+            }
             for &g in &s.reads {
                 let gi = g.index();
                 let (buf, _, _) = b.gathered[gi].expect("read groups are gathered");

@@ -116,8 +116,11 @@ pub struct ActEvent {
     pub bytes: u64,
 }
 
-/// [`steps`], and the activation events of each step. With `flash_attention`, attention's
-/// backward holds no `[b, h, s, t]` probabilities (see [`ExecOrder::flash_attention`]).
+/// [`steps`], and the activation events of each step. With `flash_attention` (PyTorch
+/// eager's memory: `kernels: eager`), attention's backward holds no `[b, h, s, t]`
+/// probabilities (see [`ExecOrder::flash_attention`]), and the cross-entropy's backward
+/// holds one more tensor the size of the logits while it runs (eager's `log_softmax` +
+/// `nll_loss`).
 pub fn steps_and_events(
     joint: &JointGraph,
     groups: &[FsdpGroup],
@@ -177,11 +180,13 @@ pub fn steps_and_events(
             Phase::Forward
         };
         let grp = group_of_scope[node.scope.index()];
-        // A step also ends just before it first makes a gradient of a group, when it has
-        // done work before: the gradient piece is allocated there, not at the step's start
-        // (the loss backward's logits gradient exists before the output projection's).
+        // A step also ends just before it first makes a gradient of a group when the work
+        // before has held more than it holds now: the gradient piece is then allocated
+        // after that peak, not beside it (the loss backward: the logits and their gradient
+        // both live until the cross-entropy's backward ends, before the output projection
+        // makes its weight's gradient).
         let first_grad = match (copy, grad_group[id.index()], out.last()) {
-            (false, Some(gg), Some(s)) => !s.grads.contains(&gg) && !s.label.is_empty(),
+            (false, Some(gg), Some(s)) => !s.grads.contains(&gg) && s.act_peak > live,
             _ => false,
         };
         let start_new = match out.last() {
@@ -246,6 +251,22 @@ pub fn steps_and_events(
                 value: value_of[own],
                 bytes: made,
             });
+        }
+        if flash_attention && matches!(node.op, Op::CrossEntropyGrad) {
+            // PyTorch eager's cross-entropy is `log_softmax` then `nll_loss`: its backward
+            // makes the log-probabilities' gradient (as large as the logits) before the
+            // logits' gradient, beside it.
+            let extra = g.node(node.inputs[0]).ty.bytes().unwrap_or(u64::MAX);
+            step.act_peak = step.act_peak.max(live.saturating_add(extra));
+            acts.events.push(ActEvent {
+                value: acts.values,
+                bytes: extra,
+            });
+            acts.events.push(ActEvent {
+                value: acts.values,
+                bytes: 0,
+            });
+            acts.values += 1;
         }
         freed.clear();
         for &input in &node.inputs {

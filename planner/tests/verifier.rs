@@ -164,7 +164,7 @@ fn a_reduce_scatter_not_ordered_after_the_last_contribution_is_rejected() {
     };
     let producer = instrs
         .iter()
-        .position(|i| matches!(&i.instr, Instr::Compute { writes, .. } if writes.contains(&src)))
+        .position(|i| matches!(&i.instr, Instr::PackGrads { dst, .. } if *dst == src))
         .unwrap();
     // Record an event before the producer and make the RS stream wait on that instead.
     let rs_wait = instrs[..rs]
@@ -179,7 +179,7 @@ fn a_reduce_scatter_not_ordered_after_the_last_contribution_is_rejected() {
     instrs.insert(producer, r);
     let e = verify(&plan, None).unwrap_err();
     assert!(["race", "lost write", "use after free"].contains(&e.rule), "{e}");
-    assert!(e.message.contains("g1.unsharded_grads"), "{e}");
+    assert!(e.message.contains("g1.rs_in"), "{e}");
 }
 
 #[test]
