@@ -84,6 +84,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--port", type=int, default=29541)
+    ap.add_argument("--skip-train", action="store_true",
+                    help="do not run shardplan's executor on the same run")
     ap.add_argument("--skip-fsdp2", action="store_true",
                     help="reuse the fsdp2-<setting>.json files already in --out")
     a = ap.parse_args(argv)
@@ -306,24 +308,27 @@ def write_specs(a, out):
     parallel = {}
     for setting in a.settings:
         reshard, ac = SETTINGS[setting]
-        p = os.path.join(out, f"parallel-{setting}.yaml")
-        with open(p, "w") as f:
-            f.write(
-                f"# benches/fsdp2_memory.py, setting {setting}: FSDP2 on {a.ranks} CPU ranks.\n"
-                f"mesh: {{replicate: 1, shard: {a.ranks}}}\n"
-                f"gpus_per_node: {a.ranks}\n"
-                "# Memory depends on the profile only through `kernels`: eager = PyTorch's\n"
-                "# flash SDPA (no attention probabilities kept), as torch runs it on the CPU.\n"
-                "hardware: {base: h100-sxm, kernels: eager}\n"
-                "wrap: [block]\n"
-                f"reshard_after_forward: {'true' if reshard else 'false'}\n"
-                "prefetch: {forward: 1, backward: 1}\n"
-                "mixed_precision: {param: f32, reduce: f32}\n"
-                f"activation_checkpointing: {ac}\n"
-                f"batch: {{per_rank: {s.batch}, seq_len: {s.seq}, grad_accum: 1}}\n"
-                "optimizer: {adamw: {lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1}}\n"
-                "grad_clip: 1.0\n")
-        parallel[setting] = p
+        for kernels in ("fused", "eager"):
+            p = os.path.join(out, f"parallel-{setting}{'' if kernels == 'fused' else '-eager'}.yaml")
+            with open(p, "w") as f:
+                f.write(
+                    f"# benches/fsdp2_memory.py, setting {setting}: FSDP2 on {a.ranks} CPU ranks.\n"
+                    f"mesh: {{replicate: 1, shard: {a.ranks}}}\n"
+                    f"gpus_per_node: {a.ranks}\n"
+                    "# Memory depends on the profile only through `kernels`: fused = shardplan's own\n"
+                    "# executor (fused cross-entropy and RMSNorm, attention probabilities made in\n"
+                    "# backward); eager = the planner's model of PyTorch eager (flash SDPA, eager\n"
+                    "# cross-entropy), to hold the model against FSDP2's measured peak.\n"
+                    f"hardware: {{base: h100-sxm, kernels: {kernels}}}\n"
+                    "wrap: [block]\n"
+                    f"reshard_after_forward: {'true' if reshard else 'false'}\n"
+                    "prefetch: {forward: 1, backward: 1}\n"
+                    "mixed_precision: {param: f32, reduce: f32}\n"
+                    f"activation_checkpointing: {ac}\n"
+                    f"batch: {{per_rank: {s.batch}, seq_len: {s.seq}, grad_accum: 1}}\n"
+                    "optimizer: {adamw: {lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1}}\n"
+                    "grad_clip: 1.0\n")
+            parallel[(setting, kernels)] = p
     return model, parallel
 
 
@@ -337,6 +342,14 @@ def run_shardplan(binary, model, parallel, json_path):
     m = re.search(r"peak [^\n]*? at (#\d+ \([^\n]*\))", text)
     plan["_peak_where"] = m.group(1) if m else None
     return plan
+
+
+def run_train(binary, model, parallel):
+    """shardplan's executor on the same run (2 steps, Local ranks): its measured peak."""
+    r = subprocess.run([binary, "train", "--model", model, "--parallel", parallel, "--steps", "2"],
+                       check=True, capture_output=True, text=True)
+    m = re.search(r"peak \(all categories\)\s+([\d.]+ \w+)\s+([\d.]+ \w+)", r.stdout + r.stderr)
+    return {"planned": m.group(1), "measured": m.group(2)} if m else None
 
 
 # ---------------------------------------------------------------- tables
@@ -424,6 +437,11 @@ def print_table(c):
               f"{fm:>14}{fmt_bytes(r['shardplan_max']):>15}")
     print(f"   {'total (peak)':<27}{fmt_bytes(c['fsdp2_peak']):>14}{fmt_bytes(c['shardplan_peak']):>17}"
           f"{c['ratio']:>7.3f}")
+    print(f"   planned for PyTorch eager (kernels: eager): {fmt_bytes(c['eager_peak'])} = "
+          f"{c['eager_ratio']:.3f}x FSDP2's measured peak")
+    if c.get("train"):
+        print(f"   shardplan train (2 steps): peak planned {c['train']['planned']}, "
+              f"measured {c['train']['measured']}")
 
 
 def main(argv=None):
@@ -451,9 +469,15 @@ def main(argv=None):
         else:
             print(f"FSDP2 {setting}: {a.ranks} ranks (gloo) ...", file=sys.stderr, flush=True)
             fsdp = run_fsdp2(a, setting, fpath)
-        plan = run_shardplan(a.shardplan, model, parallel[setting],
+        plan = run_shardplan(a.shardplan, model, parallel[(setting, "fused")],
                              os.path.join(out, f"plan-{setting}.json"))
-        results.append(compare(setting, fsdp, plan))
+        eager = run_shardplan(a.shardplan, model, parallel[(setting, "eager")],
+                              os.path.join(out, f"plan-{setting}-eager.json"))
+        c = compare(setting, fsdp, plan)
+        c["eager_peak"] = eager["memory"]["peak"]
+        c["eager_ratio"] = eager["memory"]["peak"] / fsdp["peak"]
+        c["train"] = None if a.skip_train else run_train(a.shardplan, model, parallel[(setting, "fused")])
+        results.append(c)
     s = step_args(a)
     print(f"Per-rank memory, rank 0: FSDP2 measured (FSDPMemTracker, torch {torch.__version__}, CPU, "
           f"gloo, {a.ranks} ranks) vs shardplan planned; Llama dim {s.dim}, {s.layers} layers, "

@@ -297,7 +297,9 @@ pub fn instr_seconds(
         Instr::Compute { step, .. } => step_s[step.index()],
         Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. } => 0.0,
         Instr::AllGather { comm, dst, .. } => ring_seconds(comm.size(mesh), bytes(*dst), link(mesh, *comm, hw), false),
-        Instr::ReduceScatter { comm, src, .. } => ring_seconds(comm.size(mesh), bytes(*src), link(mesh, *comm, hw), false),
+        Instr::ReduceScatter { comm, src, .. } => {
+            ring_seconds(comm.size(mesh), bytes(*src), link(mesh, *comm, hw), false)
+        }
         Instr::PackGrads { srcs, dst, .. } => {
             // Read every piece, write the packed buffer (padding included).
             let read: u64 = srcs.iter().map(|&b| bytes(b)).sum();

@@ -474,7 +474,10 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             }
             let mut writes = Vec::with_capacity(s.grads.len());
             for &g in &s.grads {
-                let existing = b.pieces[g.index()].iter().find(|(at, _)| *at == pos).map(|(_, buf)| *buf);
+                let existing = b.pieces[g.index()]
+                    .iter()
+                    .find(|(at, _)| *at == pos)
+                    .map(|(_, buf)| *buf);
                 let buf = match existing {
                     Some(buf) => buf,
                     None => {
@@ -529,7 +532,9 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             // deferred tails wait for the step after it.
             let split_off = s.phase == Phase::Backward
                 && s.grads.is_empty()
-                && steps.get(pos + 1).is_some_and(|n| n.group == s.group && n.phase == s.phase);
+                && steps
+                    .get(pos + 1)
+                    .is_some_and(|n| n.group == s.group && n.phase == s.phase);
             if !split_off {
                 b.flush();
             }

@@ -471,7 +471,10 @@ impl StepCtx<'_> {
             let mut parts = Vec::with_capacity(buf.params.len());
             for p in &buf.params {
                 let t = grads.remove(&p.0).ok_or_else(|| {
-                    ExecError::Internal(format!("step s{step} made no gradient for {p}, which {} holds", buf.name))
+                    ExecError::Internal(format!(
+                        "step s{step} made no gradient for {p}, which {} holds",
+                        buf.name
+                    ))
                 })?;
                 parts.push(t.flatten_all()?.to_dtype(dtype)?);
             }
