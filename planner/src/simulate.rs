@@ -41,7 +41,9 @@ pub fn timeline(
     let mut start = Vec::with_capacity(n);
     let mut end = Vec::with_capacity(n);
     let mut stall = Vec::with_capacity(n);
-    let mut free_at = [0.0f64; Stream::ALL.len()];
+    // What a step costs before its first instruction runs (the executor's threads
+    // starting; 0 on the built-in GPU profiles).
+    let mut free_at = [hw.step_overhead_us * 1e-6; Stream::ALL.len()];
     let mut recorded = vec![0.0f64; events as usize];
     // Allocations and frees happen in issue order on every stream (the executor sequences
     // them), so memory over time follows issue order exactly.

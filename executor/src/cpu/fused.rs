@@ -16,7 +16,7 @@ use rayon::prelude::*;
 type Result<T> = std::result::Result<T, ExecError>;
 
 /// Rows below this many elements in total are not worth spreading over threads.
-const PAR_MIN: usize = 1 << 14;
+const PAR_MIN: usize = shardplan_planner::PARALLEL_MIN_ELEMS as usize;
 
 /// True when the fused kernels can take these tensors.
 pub fn applies(ts: &[&Tensor]) -> bool {
