@@ -7,8 +7,8 @@
 //! - `f32_tflops` and `matmul_tile_m`: a 640-wide linear layer (the executor's `gemm`
 //!   path) at 32 to 512 tokens, fitted to the cost model's row tiles ([`fit_tiles`]), so
 //!   `matmul_efficiency` is 1 (`matmul_tile_n` and `sm_count` 1);
-//! - `parallel_launch_us`: an add of `PARALLEL_MIN_ELEMS` elements (split over the thread
-//!   pool) less one of one element fewer (one thread);
+//! - `parallel_launch_us`: an RMSNorm of 64 rows of 64 (one task per row on the thread
+//!   pool, its work under a microsecond) less `kernel_launch_us`;
 //! - `copy_gbps`: concatenating two 8 MiB tensors (one thread), bytes written per second;
 //! - `step_overhead_us`: starting and joining a step's threads (one per rank, one per stream
 //!   of each rank);
@@ -166,12 +166,14 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     let len = 1u64 << 22;
     let t_add = time_op(ranks, secs, &Bench::new(Op::Add, &[&[len], &[len]])?)?;
     let gbps = (12 * len) as f64 / (t_add - launch).max(t_add * 0.5) / 1e9;
-    // Starting an op on the thread pool: an add just large enough to be split across it,
-    // against one just too small (the same work on one thread).
-    let par = shardplan_planner::PARALLEL_MIN_ELEMS;
-    let t_par = time_op(ranks, secs, &Bench::new(Op::Add, &[&[par], &[par]])?)?;
-    let t_one = time_op(ranks, secs, &Bench::new(Op::Add, &[&[par - 1], &[par - 1]])?)?;
-    let parallel_launch = (t_par - t_one).max(0.0);
+    // Starting an op on the thread pool: an RMSNorm of 64 rows of 64 (one task per row, the
+    // row-parallel kernels' way; its own work, 32 KiB moved, is under a microsecond).
+    let t_par = time_op(
+        ranks,
+        secs,
+        &Bench::new(Op::RmsNorm { eps: 1e-5 }, &[&[64, 64], &[64]])?,
+    )?;
+    let parallel_launch = (t_par - launch).max(0.0);
     // One thread copying: the concatenation that lays gradients out flat (and parameters out
     // of an all-gather), 16 MiB written.
     let copy = {

@@ -919,7 +919,11 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     &mut profile.collective_efficiency,
                 ),
                 ("overlap_slowdown", h.overlap_slowdown, &mut profile.overlap_slowdown),
-                ("parallel_launch_us", h.parallel_launch_us, &mut profile.parallel_launch_us),
+                (
+                    "parallel_launch_us",
+                    h.parallel_launch_us,
+                    &mut profile.parallel_launch_us,
+                ),
                 ("copy_gbps", h.copy_gbps, &mut profile.copy_gbps),
                 ("step_overhead_us", h.step_overhead_us, &mut profile.step_overhead_us),
             ];

@@ -18,7 +18,11 @@ fn cpu_fields_are_read_and_default_to_zero() {
     assert_eq!(c.hardware.step_overhead_us, 310.0);
     let d = parse("h100-sxm").unwrap();
     assert_eq!(
-        (d.hardware.parallel_launch_us, d.hardware.copy_gbps, d.hardware.step_overhead_us),
+        (
+            d.hardware.parallel_launch_us,
+            d.hardware.copy_gbps,
+            d.hardware.step_overhead_us
+        ),
         (0.0, 0.0, 0.0)
     );
     // Every built-in profile leaves them out of its model.
@@ -31,14 +35,17 @@ fn cpu_fields_are_read_and_default_to_zero() {
 #[test]
 fn cpu_fields_must_not_be_negative() {
     for field in ["parallel_launch_us", "copy_gbps", "step_overhead_us"] {
-        let e = parse(&format!("{{base: h100-sxm, {field}: -1}}")).unwrap_err().to_string();
+        let e = parse(&format!("{{base: h100-sxm, {field}: -1}}"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&format!("hardware.{field}")) && e.contains(">= 0"), "{e}");
     }
 }
 
 #[test]
 fn cpu_fields_round_trip_through_numbers() {
-    let c = parse("{base: h100-sxm, kernels: fused, parallel_launch_us: 3, copy_gbps: 4, step_overhead_us: 5}").unwrap();
+    let c =
+        parse("{base: h100-sxm, kernels: fused, parallel_launch_us: 3, copy_gbps: 4, step_overhead_us: 5}").unwrap();
     let nums = c.hardware.numbers();
     let line: Vec<String> = nums.iter().map(|(k, v)| format!("{k}: {v:?}")).collect();
     let back = parse(&format!("{{name: again, kernels: fused, {}}}", line.join(", "))).unwrap();

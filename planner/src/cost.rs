@@ -345,7 +345,9 @@ pub fn instr_seconds(
         hw.hbm_gbps * 1e9 * hw.memory_efficiency
     };
     match instr {
-        Instr::Compute { step, reads, writes, .. } => step_s[step.index()] + compute_copies(reads, writes, buffers, mesh, hw),
+        Instr::Compute {
+            step, reads, writes, ..
+        } => step_s[step.index()] + compute_copies(reads, writes, buffers, mesh, hw),
         Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. } => 0.0,
         Instr::AllGather { comm, dst, .. } => ring_seconds(comm.size(mesh), bytes(*dst), link(mesh, *comm, hw), false),
         Instr::ReduceScatter { comm, staging, .. } => {

@@ -91,12 +91,14 @@ fn compute_steps_pay_their_copies_at_copy_gbps() {
             let p = plan_preset("tiny-llama", &spec(mesh, &format!("copy_gbps: {gbps}")));
             let extra = p.estimate.compute_s - none.estimate.compute_s;
             let want = bytes / (gbps * 1e9);
-            assert!((extra - want).abs() < 1e-9 * want.max(1.0), "1x{mesh} at {gbps}: {extra} vs {want}");
+            assert!(
+                (extra - want).abs() < 1e-9 * want.max(1.0),
+                "1x{mesh} at {gbps}: {extra} vs {want}"
+            );
         }
         // With one shard the parameters are views: only gradients are copied.
         if mesh == 1 {
-            let grads: u64 = none
-                .programs[0]
+            let grads: u64 = none.programs[0]
                 .instrs
                 .iter()
                 .filter_map(|i| match &i.instr {
