@@ -33,6 +33,10 @@
 //! - Host copies move bytes at `host_link_gbps`; device-to-device copies read and write at
 //!   HBM speed; the gradient norm and the optimizer step stream their operands at HBM
 //!   speed, or at `host_mem_gbps` when they run on the host (CPU offload).
+//! - **shardplan's CPU executor** (`kernels: fused`, a profile from `shardplan calibrate`):
+//!   ops it splits over its thread pool ([`forks`]) pay `parallel_launch_us`; a compute step
+//!   copies its gradients (and, with shards, its parameters) on its own thread at
+//!   `copy_gbps` ([`compute_copies`]).
 
 use crate::mesh::Mesh;
 use crate::plan::{Buffer, Comm, Instr, Pool, Stream};

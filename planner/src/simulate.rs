@@ -6,7 +6,8 @@
 //! wait follows its record in issue order, one pass in issue order computes all times.
 //! A compute step that starts while collectives issued before it still run is
 //! `overlap_slowdown` slower for as long as they do (collectives issued after it are
-//! not counted, which one pass cannot see).
+//! not counted, which one pass cannot see). Every stream starts `step_overhead_us` into
+//! the step (the CPU executor's thread start; 0 on the built-in GPU profiles).
 //!
 //! Allocations and frees are sequenced in issue order across the streams (an `alloc` waits
 //! until every earlier-issued `free` has happened on its stream; the executor enforces the

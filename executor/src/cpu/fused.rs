@@ -15,7 +15,8 @@ use rayon::prelude::*;
 
 type Result<T> = std::result::Result<T, ExecError>;
 
-/// Rows below this many elements in total are not worth spreading over threads.
+/// Rows below this many elements in total are not worth spreading over threads (the
+/// planner's CPU cost model charges the pool's start from the same threshold).
 const PAR_MIN: usize = shardplan_planner::PARALLEL_MIN_ELEMS as usize;
 
 /// True when the fused kernels can take these tensors.
