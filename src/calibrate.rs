@@ -4,9 +4,14 @@
 //! With `--ranks N`, N threads run every measurement at once, as N ranks of a mesh share
 //! the machine, and the profile is one rank's share. Measured:
 //! - `kernel_launch_us`: an add of 8 elements, through the same dispatch as every graph op;
-//! - `f32_tflops`: the slope of a linear layer's time against its FLOPs (the executor's
-//!   `gemm` path) between 64 x 384 x 384 and 512 x 1024 x 1024, so `matmul_efficiency` is
-//!   1 and no tile quantisation applies (`matmul_tile_*` 1);
+//! - `f32_tflops` and `matmul_tile_m`: a 640-wide linear layer (the executor's `gemm`
+//!   path) at 32 to 512 tokens, fitted to the cost model's row tiles ([`fit_tiles`]), so
+//!   `matmul_efficiency` is 1 (`matmul_tile_n` and `sm_count` 1);
+//! - `parallel_launch_us`: an RMSNorm of 64 rows of 64 (one task per row on the thread
+//!   pool, its work under a microsecond) less `kernel_launch_us`;
+//! - `copy_gbps`: concatenating two 8 MiB tensors (one thread), bytes written per second;
+//! - `step_overhead_us`: starting and joining a step's threads (one per rank, one per stream
+//!   of each rank);
 //! - `hbm_gbps`: an add of two 16 MiB vectors (bytes read and written per second), so
 //!   `memory_efficiency` is 1;
 //! - `attention_fwd_efficiency` / `_bwd_`: the fused attention kernels on
@@ -146,25 +151,63 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     // What one op costs beyond its work: an add of 8 elements through the same dispatch
     // as every graph op.
     let launch = time_op(ranks, secs, &Bench::new(Op::Add, &[&[8], &[8]])?)?;
-    // Matmul rate: the slope of a linear layer's time against its FLOPs between a small
-    // model's shape (64 tokens, 384 wide) and a large one.
-    let (small, large) = ((64u64, 384u64, 384u64), (512u64, 1024u64, 1024u64));
-    let f = |(m, k, n): (u64, u64, u64)| 2.0 * (m * k * n) as f64;
-    let t_s = time_op(ranks, secs, &linear(small.0, small.1, small.2)?)?;
-    let t_l = time_op(ranks, secs, &linear(large.0, large.1, large.2)?)?;
-    let per_flop = ((t_l - t_s) / (f(large) - f(small))).max(t_l / f(large) * 0.5);
-    let tflops = 1.0 / per_flop / 1e12;
+    // Matmul rate and how it falls with fewer tokens: a 640-wide linear layer at 32 to 512
+    // tokens, fitted to the cost model's tiles (rows of `tile_m`, a partly filled tile costing
+    // a full one).
+    let width = 640u64;
+    let mut rates = Vec::new();
+    for m in [32u64, 64, 128, 256, 512] {
+        let t = time_op(ranks, secs, &linear(m, width, width)?)? - launch;
+        rates.push((m as f64, 2.0 * (m * width * width) as f64 / t.max(1e-9)));
+    }
+    let (tflops, tile_m) = fit_tiles(&rates);
     // Memory bandwidth: an add of two 4 Mi-element vectors (past the per-core caches, the
     // size of a small model's parameter and optimizer tensors) reads 32 MiB and writes 16.
     let len = 1u64 << 22;
     let t_add = time_op(ranks, secs, &Bench::new(Op::Add, &[&[len], &[len]])?)?;
     let gbps = (12 * len) as f64 / (t_add - launch).max(t_add * 0.5) / 1e9;
+    // Starting an op on the thread pool: an RMSNorm of 64 rows of 64 (one task per row, the
+    // row-parallel kernels' way; its own work, 32 KiB moved, is under a microsecond).
+    let t_par = time_op(
+        ranks,
+        secs,
+        &Bench::new(Op::RmsNorm { eps: 1e-5 }, &[&[64, 64], &[64]])?,
+    )?;
+    let parallel_launch = (t_par - launch).max(0.0);
+    // One thread copying: the concatenation that lays gradients out flat (and parameters out
+    // of an all-gather), 16 MiB written.
+    let copy = {
+        let half = Tensor::randn(0f32, 1.0, 1usize << 21, &Device::Cpu)
+            .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
+        let t = per_call(ranks, secs, &|_| {
+            Tensor::cat(&[&half, &half], 0)
+                .map(drop)
+                .map_err(|e| CliError::Other(anyhow::anyhow!("cat: {e}")))
+        })?;
+        (8u64 << 20) as f64 / t / 1e9
+    };
+    // A step's threads: each rank's thread starting one per stream of its program, joined.
+    let step_overhead = per_call(1, secs, &|_| {
+        std::thread::scope(|s| {
+            for _ in 0..ranks {
+                s.spawn(|| {
+                    std::thread::scope(|s2| {
+                        for _ in 0..shardplan_planner::Stream::ALL.len() {
+                            s2.spawn(|| ());
+                        }
+                    })
+                });
+            }
+        });
+        Ok(())
+    })?;
     // Attention, forward and backward parts, as the planner counts their FLOPs.
     let (b, s, h, d) = (2u64, 128u64, 4u64, 64u64);
     let q = [b, s, h, d];
     let p = [b, h, s, s];
     let att = |op: Op, shapes: &[&[u64]]| -> Result<f64, CliError> { time_op(ranks, secs, &Bench::new(op, shapes)?) };
     let part = (2 * b * h * s * s * d) as f64 * kept(s, 64);
+    let launch = launch + parallel_launch;
     let t_fwd = att(Op::Attention { causal: true }, &[&q, &q, &q])? - launch;
     let mut t_bwd = att(Op::AttnProbs { causal: true }, &[&q, &q])?;
     t_bwd += att(Op::AttnGradV { kv_heads: h }, &[&p, &q])?;
@@ -226,17 +269,39 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     hw.cuda_context_mib = 0.0;
     hw.nccl_channels = 0.0;
     hw.sm_count = 1.0;
-    hw.matmul_tile_m = 1.0;
+    hw.matmul_tile_m = tile_m;
     hw.matmul_tile_n = 1.0;
     hw.attention_fwd_efficiency = fwd_eff;
     hw.attention_bwd_efficiency = bwd_eff;
     hw.attention_block = 64.0;
     hw.memory_efficiency = 1.0;
-    hw.kernel_launch_us = launch * 1e6;
+    hw.kernel_launch_us = (launch - parallel_launch) * 1e6;
+    hw.parallel_launch_us = parallel_launch * 1e6;
+    hw.copy_gbps = copy;
+    hw.step_overhead_us = step_overhead * 1e6;
     hw.collective_efficiency = 1.0;
     hw.overlap_slowdown = 0.0;
     hw.kernels = KernelMode::Fused;
     Ok(hw)
+}
+
+/// The cost model's matmul rate and row tile from `(tokens, FLOP/s)` measurements: with
+/// one tile column and one unit, a linear layer of `m` tokens runs at
+/// `peak x m / (ceil(m / tile_m) x tile_m)`. The tile (a multiple of 8 up to 1024) that
+/// fits the rates best in log terms, and the peak that goes with it (the geometric mean of
+/// rate / fill). Returns (TFLOP/s, tile_m).
+pub fn fit_tiles(rates: &[(f64, f64)]) -> (f64, f64) {
+    let fill = |m: f64, tm: f64| m / ((m / tm).ceil() * tm);
+    let mut best = (f64::INFINITY, 1.0, 1.0);
+    for tm in (8..=1024).step_by(8).map(f64::from) {
+        let logs: Vec<f64> = rates.iter().map(|&(m, r)| (r / fill(m, tm)).ln()).collect();
+        let mean = logs.iter().sum::<f64>() / logs.len().max(1) as f64;
+        let err: f64 = logs.iter().map(|l| (l - mean).powi(2)).sum();
+        if err < best.0 - 1e-12 {
+            best = (err, mean.exp(), tm);
+        }
+    }
+    (best.1 / 1e12, best.2)
 }
 
 /// Physical memory in GiB (from /proc/meminfo; 16 when it cannot be read).

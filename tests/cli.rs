@@ -499,7 +499,15 @@ fn calibrate_writes_a_hardware_line_that_plans() {
         "{line}"
     );
     // Every measured figure is a positive, finite number.
-    for key in ["f32_tflops", "hbm_gbps", "intra_node_gbps", "attention_fwd_efficiency"] {
+    for key in [
+        "f32_tflops",
+        "hbm_gbps",
+        "intra_node_gbps",
+        "attention_fwd_efficiency",
+        "matmul_tile_m",
+        "copy_gbps",
+        "step_overhead_us",
+    ] {
         let v: f64 = line
             .split(&format!("{key}: "))
             .nth(1)

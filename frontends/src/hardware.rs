@@ -81,6 +81,20 @@ pub struct HardwareProfile {
     /// `nccl_channels / (sm_count - nccl_channels)` slower.
     #[serde(default = "default_overlap_slowdown")]
     pub overlap_slowdown: f64,
+    /// What starting an op on the executor's thread pool costs beyond `kernel_launch_us`,
+    /// microseconds: waking the pool's sleeping threads (`kernels: fused` on a CPU; 0 where
+    /// not measured). `shardplan calibrate` measures it.
+    #[serde(default)]
+    pub parallel_launch_us: f64,
+    /// GB/s at which one thread of the executor copies memory (bytes written): the gradient
+    /// copy into a group's flat buffer and the parameter copy out of an all-gather output,
+    /// both on the compute stream (`kernels: fused`; 0 where not measured: not modelled).
+    #[serde(default)]
+    pub copy_gbps: f64,
+    /// Microseconds every training step costs beyond its instructions: starting and joining
+    /// the rank and stream threads, making the batch (`kernels: fused`; 0 where not measured).
+    #[serde(default)]
+    pub step_overhead_us: f64,
     /// How the framework being planned runs memory-bound ops: `eager` (PyTorch eager, as
     /// FSDP2 and torchtitan run: an RMSNorm or a rotary embedding is several kernels
     /// through f32 temporaries) or `fused` (one kernel per graph op, as shardplan's
@@ -298,6 +312,9 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
         kernel_launch_us: KERNEL_LAUNCH_US,
         collective_efficiency: COLLECTIVE_EFFICIENCY,
         overlap_slowdown: NCCL_CHANNELS / (a.sms - NCCL_CHANNELS),
+        parallel_launch_us: 0.0,
+        copy_gbps: 0.0,
+        step_overhead_us: 0.0,
         kernels: KernelMode::Eager,
     };
     Some(match name {
@@ -315,7 +332,7 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
 
 impl HardwareProfile {
     /// `(field name, value)` of every number, for validation and printing.
-    pub fn numbers(&self) -> [(&'static str, f64); 24] {
+    pub fn numbers(&self) -> [(&'static str, f64); 27] {
         [
             ("bf16_tflops", self.bf16_tflops),
             ("f32_tflops", self.f32_tflops),
@@ -341,6 +358,9 @@ impl HardwareProfile {
             ("kernel_launch_us", self.kernel_launch_us),
             ("collective_efficiency", self.collective_efficiency),
             ("overlap_slowdown", self.overlap_slowdown),
+            ("parallel_launch_us", self.parallel_launch_us),
+            ("copy_gbps", self.copy_gbps),
+            ("step_overhead_us", self.step_overhead_us),
         ]
     }
 

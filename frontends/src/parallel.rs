@@ -98,6 +98,9 @@ struct HardwareFile {
     kernel_launch_us: Option<Spanned<f64>>,
     collective_efficiency: Option<Spanned<f64>>,
     overlap_slowdown: Option<Spanned<f64>>,
+    parallel_launch_us: Option<Spanned<f64>>,
+    copy_gbps: Option<Spanned<f64>>,
+    step_overhead_us: Option<Spanned<f64>>,
     kernels: Option<Spanned<crate::hardware::KernelMode>>,
 }
 
@@ -916,6 +919,13 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                     &mut profile.collective_efficiency,
                 ),
                 ("overlap_slowdown", h.overlap_slowdown, &mut profile.overlap_slowdown),
+                (
+                    "parallel_launch_us",
+                    h.parallel_launch_us,
+                    &mut profile.parallel_launch_us,
+                ),
+                ("copy_gbps", h.copy_gbps, &mut profile.copy_gbps),
+                ("step_overhead_us", h.step_overhead_us, &mut profile.step_overhead_us),
             ];
             if let Some(k) = &h.kernels {
                 o.insert("hardware.kernels", pos(k));
@@ -936,6 +946,9 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                                 | "nccl_channel_mib"
                                 | "kernel_launch_us"
                                 | "overlap_slowdown"
+                                | "parallel_launch_us"
+                                | "copy_gbps"
+                                | "step_overhead_us"
                         );
                         let fraction = name.ends_with("_efficiency");
                         let rule = if fraction {

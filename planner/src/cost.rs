@@ -33,6 +33,10 @@
 //! - Host copies move bytes at `host_link_gbps`; device-to-device copies read and write at
 //!   HBM speed; the gradient norm and the optimizer step stream their operands at HBM
 //!   speed, or at `host_mem_gbps` when they run on the host (CPU offload).
+//! - **shardplan's CPU executor** (`kernels: fused`, a profile from `shardplan calibrate`):
+//!   ops it splits over its thread pool ([`forks`]) pay `parallel_launch_us`; a compute step
+//!   copies its gradients (and, with shards, its parameters) on its own thread at
+//!   `copy_gbps` ([`compute_copies`]).
 
 use crate::mesh::Mesh;
 use crate::plan::{Buffer, Comm, Instr, Pool, Stream};
@@ -82,6 +86,47 @@ pub fn eager_traffic(op: &Op) -> (f64, f64) {
     }
 }
 
+/// Output elements from which shardplan's CPU executor splits an elementwise or row-wise
+/// kernel across its thread pool (below it, one thread runs it).
+pub const PARALLEL_MIN_ELEMS: u64 = 1 << 14;
+
+/// Whether shardplan's executor (`kernels: fused`) runs `op`, with `numel` output elements,
+/// on its thread pool, paying `parallel_launch_us` to start it: attention and its backward
+/// parts, RMSNorm and LayerNorm, rotary embeddings and RMSNorm's weight gradient always;
+/// elementwise ops, activations, RMSNorm's input gradient and the cross-entropy from
+/// [`PARALLEL_MIN_ELEMS`] output elements (the cross-entropy's from its logits'). Matmuls
+/// are gemm's own business: their rate, tiles included, is measured whole.
+pub fn forks(op: &Op, numel: Option<u64>) -> bool {
+    let big = numel.is_some_and(|n| n >= PARALLEL_MIN_ELEMS);
+    match op {
+        Op::Attention { .. }
+        | Op::AttnProbs { .. }
+        | Op::AttnGradV { .. }
+        | Op::AttnGradScores
+        | Op::AttnGradQ
+        | Op::AttnGradK { .. }
+        | Op::RmsNorm { .. }
+        | Op::LayerNorm { .. }
+        | Op::Rope { .. }
+        | Op::RopeGrad { .. }
+        | Op::RmsNormGrad {
+            wrt: NormWrt::Weight, ..
+        } => true,
+        // The loss is a scalar; its kernel splits by the logits' rows.
+        Op::CrossEntropy => true,
+        Op::Add
+        | Op::Mul
+        | Op::Silu
+        | Op::SiluGrad
+        | Op::Gelu
+        | Op::GeluGrad
+        | Op::GeluErfGrad
+        | Op::CrossEntropyGrad
+        | Op::RmsNormGrad { .. } => big,
+        _ => false,
+    }
+}
+
 /// The per-op cost model of one graph on one profile.
 pub struct OpModel<'a> {
     g: &'a Graph,
@@ -113,6 +158,16 @@ impl<'a> OpModel<'a> {
 
     /// Seconds of one node.
     pub fn seconds(&self, id: NodeId) -> f64 {
+        let t = self.work_seconds(id);
+        if t > 0.0 && self.hw.kernels == KernelMode::Fused && forks(&self.g.node(id).op, self.g.node(id).ty.numel()) {
+            t + self.hw.parallel_launch_us * 1e-6
+        } else {
+            t
+        }
+    }
+
+    /// Seconds of one node without the thread pool's start.
+    fn work_seconds(&self, id: NodeId) -> f64 {
         let node = self.g.node(id);
         let cost = self.g.node_cost(id);
         let (flops, bytes) = (cost.fwd_flops as f64, cost.fwd_bytes as f64);
@@ -294,7 +349,9 @@ pub fn instr_seconds(
         hw.hbm_gbps * 1e9 * hw.memory_efficiency
     };
     match instr {
-        Instr::Compute { step, .. } => step_s[step.index()],
+        Instr::Compute {
+            step, reads, writes, ..
+        } => step_s[step.index()] + compute_copies(reads, writes, buffers, mesh, hw),
         Instr::Alloc { .. } | Instr::Free { .. } | Instr::Record { .. } | Instr::Wait { .. } => 0.0,
         Instr::AllGather { comm, dst, .. } => ring_seconds(comm.size(mesh), bytes(*dst), link(mesh, *comm, hw), false),
         Instr::ReduceScatter { comm, src, .. } => {
@@ -321,6 +378,25 @@ pub fn instr_seconds(
             (bytes(*grads) + 2 * p + 2 * p * state_per_param) as f64 / mem_bw
         }
     }
+}
+
+/// Seconds a compute step of shardplan's executor (`kernels: fused`, `copy_gbps` measured)
+/// spends copying on its own thread: every gradient it makes into its group's flat
+/// gradient buffer (`writes`), and, when shards come from other ranks, the parameters it
+/// reads out of each all-gather output (`reads`; with one shard they are views).
+pub fn compute_copies(
+    reads: &[crate::plan::BufId],
+    writes: &[crate::plan::BufId],
+    buffers: &[Buffer],
+    mesh: &Mesh,
+    hw: &HardwareProfile,
+) -> f64 {
+    if hw.kernels != KernelMode::Fused || hw.copy_gbps <= 0.0 {
+        return 0.0;
+    }
+    let bytes = |bs: &[crate::plan::BufId]| bs.iter().map(|b| buffers[b.index()].bytes()).sum::<u64>() as f64;
+    let read = if mesh.shard() > 1 { bytes(reads) } else { 0.0 };
+    (read + bytes(writes)) / (hw.copy_gbps * 1e9)
 }
 
 /// Where a buffer lives, for printing.

@@ -21,7 +21,7 @@ pub mod steps;
 pub mod trace;
 pub mod verify;
 
-pub use cost::{intra_node, ring_seconds};
+pub use cost::{forks, intra_node, ring_seconds, OpModel, PARALLEL_MIN_ELEMS};
 pub use error::PlanError;
 pub use group::{group, scope_groups, FsdpGroup, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout, ParamLayout};

@@ -6,7 +6,8 @@
 //! wait follows its record in issue order, one pass in issue order computes all times.
 //! A compute step that starts while collectives issued before it still run is
 //! `overlap_slowdown` slower for as long as they do (collectives issued after it are
-//! not counted, which one pass cannot see).
+//! not counted, which one pass cannot see). Every stream starts `step_overhead_us` into
+//! the step (the CPU executor's thread start; 0 on the built-in GPU profiles).
 //!
 //! Allocations and frees are sequenced in issue order across the streams (an `alloc` waits
 //! until every earlier-issued `free` has happened on its stream; the executor enforces the
@@ -41,7 +42,9 @@ pub fn timeline(
     let mut start = Vec::with_capacity(n);
     let mut end = Vec::with_capacity(n);
     let mut stall = Vec::with_capacity(n);
-    let mut free_at = [0.0f64; Stream::ALL.len()];
+    // What a step costs before its first instruction runs (the executor's threads
+    // starting; 0 on the built-in GPU profiles).
+    let mut free_at = [hw.step_overhead_us * 1e-6; Stream::ALL.len()];
     let mut recorded = vec![0.0f64; events as usize];
     // Allocations and frees happen in issue order on every stream (the executor sequences
     // them), so memory over time follows issue order exactly.
