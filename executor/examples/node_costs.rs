@@ -2,9 +2,10 @@
 //! median of 20 steps) beside the planner's `OpModel` prediction on the spec's hardware, by
 //! op kind (`NODES=1` lists every node): `cargo run --release -p shardplan-executor
 //! --example node_costs -- MODEL PARALLEL.yaml` (a spec with `calibrate`'s `hardware:` line).
-use shardplan_executor::{Ctx, Interpreter};
+mod common;
+
 use shardplan_frontends::{load_model, load_parallel, trace_options};
-use shardplan_ir::{differentiate, Op};
+use shardplan_ir::differentiate;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
@@ -22,28 +23,12 @@ fn main() {
     let g = shardplan_models::trace(&model.config, opts).unwrap();
     let joint = differentiate(&g).unwrap();
     let om = shardplan_planner::OpModel::new(&joint.graph, &hw, shardplan_ir::DType::F32);
-    let mut keep = vec![joint.loss];
-    keep.extend(joint.graph.params().map(|(p, _)| joint.grad(p).unwrap()));
-    let interp = Interpreter::new(joint.graph.clone(), &keep);
-    let dev = candle_core::Device::Cpu;
-    let ctx = Ctx::new(dev.clone());
-    let mut feeds = std::collections::HashMap::new();
-    for (id, n) in joint.graph.nodes() {
-        let dims: Vec<usize> = n.ty.shape.dims().iter().map(|&d| d as usize).collect();
-        let t = match &n.op {
-            Op::Param { .. } => candle_core::Tensor::randn(0f32, 0.02, dims.as_slice(), &dev).unwrap(),
-            Op::Input { .. } => candle_core::Tensor::zeros(dims.as_slice(), candle_core::DType::U32, &dev).unwrap(),
-            _ => continue,
-        };
-        feeds.insert(id, t);
-    }
+    let step = common::TimedStep::new(&joint);
     let reps = 20u32;
     let mut all: Vec<Vec<Duration>> = vec![Vec::new(); joint.graph.node_count()];
     for r in 0..reps + 2 {
         let mut times = vec![Duration::ZERO; joint.graph.node_count()];
-        interp
-            .run_timed(&ctx, &keep, &mut |id| Ok(feeds[&id].clone()), Some(&mut times))
-            .unwrap();
+        step.run(&mut times);
         if r >= 2 {
             for (i, t) in times.into_iter().enumerate() {
                 all[i].push(t);

@@ -1,9 +1,10 @@
 //! Where a training step's time goes, by op kind: `cargo run --release -p
 //! shardplan-executor --example profile_step -- MODEL.yaml PARALLEL.yaml`.
 
-use shardplan_executor::{Ctx, Interpreter};
+mod common;
+
 use shardplan_frontends::{load_model, load_parallel, trace_options};
-use shardplan_ir::{differentiate, Op};
+use shardplan_ir::differentiate;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
@@ -18,26 +19,10 @@ fn main() {
     .unwrap();
     let g = shardplan_models::trace(&model.config, trace_options(Some(&par))).unwrap();
     let joint = differentiate(&g).unwrap();
-    let mut keep = vec![joint.loss];
-    keep.extend(joint.graph.params().map(|(p, _)| joint.grad(p).unwrap()));
-    let interp = Interpreter::new(joint.graph.clone(), &keep);
-    let dev = candle_core::Device::Cpu;
-    let ctx = Ctx::new(dev.clone());
-    let mut feeds = std::collections::HashMap::new();
-    for (id, n) in joint.graph.nodes() {
-        let dims: Vec<usize> = n.ty.shape.dims().iter().map(|&d| d as usize).collect();
-        let t = match &n.op {
-            Op::Param { .. } => candle_core::Tensor::randn(0f32, 0.02, dims.as_slice(), &dev).unwrap(),
-            Op::Input { .. } => candle_core::Tensor::zeros(dims.as_slice(), candle_core::DType::U32, &dev).unwrap(),
-            _ => continue,
-        };
-        feeds.insert(id, t);
-    }
+    let step = common::TimedStep::new(&joint);
     let mut times = vec![Duration::ZERO; joint.graph.node_count()];
     for _ in 0..3 {
-        interp
-            .run_timed(&ctx, &keep, &mut |id| Ok(feeds[&id].clone()), Some(&mut times))
-            .unwrap();
+        step.run(&mut times);
     }
     let mut by_op: BTreeMap<&str, (Duration, u64)> = BTreeMap::new();
     for (id, n) in joint.graph.nodes() {
