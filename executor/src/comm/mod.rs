@@ -76,6 +76,19 @@ pub trait Collectives: Send + Sync {
     fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
     /// Returns when every member has arrived.
     fn barrier(&self, tag: u64) -> Result<(), ExecError>;
+    /// Whether a call only enqueues its collective, which completes later on the device
+    /// (NCCL). A rank then launches the collectives of all its communicators in one order,
+    /// the plan's issue order, the same on every rank (`runtime::rank`), as NCCL requires of
+    /// communicators whose work may run concurrently. Blocking backends (Local, MPI, TCP)
+    /// complete each call before returning and need no such order.
+    fn enqueues(&self) -> bool {
+        false
+    }
+    /// Waits until everything enqueued so far has completed, under the collective timeout;
+    /// a failed or hung enqueued collective is reported here (at the end of a step).
+    fn flush(&self) -> Result<(), ExecError> {
+        Ok(())
+    }
 }
 
 /// Why the world stopped (the first failure any rank reported), and how long any wait may

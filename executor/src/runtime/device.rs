@@ -128,6 +128,24 @@ mod cuda_memory {
         Ok(())
     }
 
+    /// Makes the default pool keep what it reserved: its release threshold is 0 by default,
+    /// so every synchronisation handed freed memory back to the driver and the next step
+    /// mapped it again. PyTorch's caching allocator keeps its segments; so does this.
+    pub(super) fn keep_reserved(d: &CudaDevice) -> Result<(), ExecError> {
+        let pool = pool(d)?;
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: the release threshold is a cuuint64_t read from `threshold`.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| fail("cuMemPoolSetAttribute(release threshold)", e))
+    }
+
     pub(super) fn measure(d: &CudaDevice) -> Result<DeviceMemory, ExecError> {
         let pool = pool(d)?;
         let mut high = [0u64; 2];
@@ -157,14 +175,18 @@ fn cuda(ordinal: usize) -> Result<Device, ExecError> {
     // per-thread default stream and nothing orders those streams, so a rank's compute
     // thread could read a buffer its all-gather thread's kernels are still writing. On one
     // shared stream, device order is launch order, which the plan's record/wait orders.
-    Device::new_cuda_with_stream(ordinal).map_err(|e| {
+    let device = Device::new_cuda_with_stream(ordinal).map_err(|e| {
         // candle appends a backtrace when RUST_BACKTRACE is set; the first line is the cause.
         let cause = e.to_string();
         let cause = cause.lines().next().unwrap_or_default().to_string();
         ExecError::Unsupported(format!(
             "cannot open CUDA device {ordinal}: {cause} (is there an NVIDIA GPU and driver here?)"
         ))
-    })
+    })?;
+    if let Device::Cuda(d) = &device {
+        cuda_memory::keep_reserved(d)?;
+    }
+    Ok(device)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -35,6 +35,9 @@ pub struct Shared {
     pub clip: Option<f64>,
     /// Failures injected by tests: (rank, instruction, what).
     pub faults: Vec<(u64, usize, Fault)>,
+    /// Launch collectives in issue order even on blocking backends (tests of the order an
+    /// enqueueing backend gets; see `Collectives::enqueues`).
+    pub ordered_launch: bool,
 }
 
 /// A failure a test injects at one instruction of one rank.
@@ -157,6 +160,12 @@ struct StepCtx<'a> {
     events: Vec<Event>,
     /// Issue-order sequence number of each alloc/free, and the next one allowed to run.
     mem_seq: Vec<usize>,
+    /// Issue-order sequence number of each collective, and the next one allowed to launch,
+    /// when collectives launch in issue order (`ordered`).
+    launch_seq: Vec<usize>,
+    launch_turn: Mutex<usize>,
+    launch_cv: Condvar,
+    ordered: bool,
     /// Each collective's position in its group's issue order (within the run).
     tags: Vec<u64>,
     mem_turn: Mutex<usize>,
@@ -168,6 +177,11 @@ struct StepCtx<'a> {
     out: Mutex<RankStepOut>,
     /// Start and end of each instruction (written by the stream that runs it).
     times: Vec<Mutex<[f64; 2]>>,
+    /// The reduced sum of squares of the gradients when it lives on a GPU, read after the
+    /// step (the one host wait of a step).
+    norm: Mutex<Option<Tensor>>,
+    /// Each micro-batch's loss when it lives on a GPU (and its node), read after the step.
+    device_losses: Mutex<Vec<(Tensor, NodeId)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -263,6 +277,35 @@ impl StepCtx<'_> {
         *turn += 1;
         self.mem_cv.notify_all();
         Ok(())
+    }
+
+    /// Launches collective `i` with `f`: when this rank launches in issue order, only after
+    /// every earlier-issued collective of the rank was launched. Every rank runs the same
+    /// program, so every rank launches its collectives on all its communicators in the same
+    /// order. Deadlock-free even when a launch blocks until the collective completes:
+    /// whatever collective `i` waits for (its stream's earlier instructions, the events it
+    /// waits on, earlier launches) was issued before it, so by induction over issue order
+    /// every earlier collective is launched on every rank.
+    fn launch<T>(&self, i: usize, f: impl FnOnce() -> Result<T, ExecError>) -> Result<T, ExecError> {
+        if !self.ordered {
+            return f();
+        }
+        let q = self.launch_seq[i];
+        let deadline = Instant::now() + self.abort.timeout();
+        let mut turn = lock(&self.launch_turn);
+        while *turn != q {
+            self.wait_until(deadline, "waiting for an earlier collective's launch")?;
+            turn = self
+                .launch_cv
+                .wait_timeout(turn, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(turn);
+        let r = f();
+        *lock(&self.launch_turn) += 1;
+        self.launch_cv.notify_all();
+        r
     }
 
     fn record(&self, e: usize) {
@@ -422,7 +465,10 @@ impl StepCtx<'_> {
                         apply(c.ctx, &node.op, &refs, &node.ty)?
                     }
                 };
-                if !copy && id == sh.joint.loss {
+                if !copy && id == sh.joint.loss && !value.device().is_cpu() {
+                    // Read after the step, not here: reading a GPU value waits for the device.
+                    lock(&self.device_losses).push((value.clone(), id));
+                } else if !copy && id == sh.joint.loss {
                     let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
                     if !loss.is_finite() {
                         return Err(ExecError::NonFinite {
@@ -545,7 +591,8 @@ impl StepCtx<'_> {
             Instr::AllGather { comm, src, dst, .. } => {
                 let dtype = cdtype(plan.buffer(*dst).dtype);
                 let input = self.get(*src)?.to_dtype(dtype)?;
-                let out = self.comms.get(*comm, issued.stream)?.all_gather(self.tags[i], &input)?;
+                let c = self.comms.get(*comm, issued.stream)?;
+                let out = self.launch(i, || c.all_gather(self.tags[i], &input))?;
                 self.set(*dst, out)?;
             }
             Instr::PackGrads { group, srcs, dst } => {
@@ -568,18 +615,14 @@ impl StepCtx<'_> {
             }
             Instr::ReduceScatter { comm, op, src, dst, .. } => {
                 let input = self.get(*src)?;
-                let part = self
-                    .comms
-                    .get(*comm, issued.stream)?
-                    .reduce_scatter(self.tags[i], &input, reduce(*op))?;
+                let c = self.comms.get(*comm, issued.stream)?;
+                let part = self.launch(i, || c.reduce_scatter(self.tags[i], &input, reduce(*op)))?;
                 self.accumulate(*dst, part)?;
             }
             Instr::AllReduce { comm, op, buf, .. } => {
                 let t = self.get(*buf)?;
-                let r = self
-                    .comms
-                    .get(*comm, issued.stream)?
-                    .all_reduce(self.tags[i], &t, reduce(*op))?;
+                let c = self.comms.get(*comm, issued.stream)?;
+                let r = self.launch(i, || c.all_reduce(self.tags[i], &t, reduce(*op)))?;
                 self.set(*buf, r)?;
             }
             Instr::Copy { src, dst, accumulate } => {
@@ -604,16 +647,8 @@ impl StepCtx<'_> {
             }
             Instr::GradNorm { grads, dst } => {
                 let scale = 1.0 / plan.policy.grad_accum as f64;
-                let mut sq = 0f64;
-                for g in grads {
-                    let t = self.get(*g)?;
-                    sq += if fused::applies(&[&t]) {
-                        fused::sum_squares(&t)?
-                    } else {
-                        t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
-                    };
-                }
-                self.set(*dst, Tensor::new(&[sq * scale * scale], &candle_core::Device::Cpu)?)?;
+                let norm = self.sum_squares(grads, scale)?;
+                self.set(*dst, norm)?;
             }
             Instr::OptimizerStep {
                 group,
@@ -622,28 +657,99 @@ impl StepCtx<'_> {
                 norm,
                 ..
             } => {
-                let mut scale = 1.0 / plan.policy.grad_accum as f64;
-                if let Some(n) = norm {
-                    let sq = self.get(*n)?.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()?[0];
-                    let total = sq.sqrt();
-                    lock(&self.out).grad_norm = Some(total);
-                    if !total.is_finite() {
-                        return Err(ExecError::Internal(format!("the global gradient norm is {total}")));
+                let accum = 1.0 / plan.policy.grad_accum as f64;
+                let scale = match norm {
+                    None => GradScale::Host(accum),
+                    Some(n) => self.clip_scale(&self.get(*n)?, accum)?,
+                };
+                let mut g = self.get(*grads)?;
+                let host_scale = match scale {
+                    GradScale::Host(s) => s,
+                    GradScale::Device(s) => {
+                        g = g.broadcast_mul(&s.to_dtype(g.dtype())?)?;
+                        1.0
                     }
-                    if let Some(clip) = self.shared.clip {
-                        if total > clip {
-                            scale *= clip / (total + 1e-6);
-                        }
-                    }
-                }
-                let g = self.get(*grads)?;
+                };
                 let mut p = [self.get(*params)?];
-                lock(&self.opt)[group.index()].step_scaled(&mut p, &[g], self.lr, scale)?;
+                lock(&self.opt)[group.index()].step_scaled(&mut p, &[g], self.lr, host_scale)?;
                 let [p] = p;
                 self.set(*params, p)?;
             }
         }
         Ok(())
+    }
+}
+
+/// The factor an optimizer step multiplies its gradients by: averaging over micro-batches
+/// times the clipping factor. On the CPU it is a number; on a GPU it stays a one-element
+/// device tensor, so the host never waits for the norm inside a step.
+enum GradScale {
+    Host(f64),
+    Device(Tensor),
+}
+
+impl StepCtx<'_> {
+    /// The sum of squares of `grads`, times `scale` squared, as a one-element f64 tensor on
+    /// the buffers' device. On the host it is summed in f64 as it goes (the fused kernel
+    /// for f32); on a GPU every tensor is reduced there and nothing is read back.
+    fn sum_squares(&self, grads: &[BufId], scale: f64) -> Result<Tensor, ExecError> {
+        let mut host = 0f64;
+        let mut device: Option<Tensor> = None;
+        for g in grads {
+            let t = self.get(*g)?;
+            if t.device().is_cpu() {
+                host += if fused::applies(&[&t]) {
+                    fused::sum_squares(&t)?
+                } else {
+                    t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
+                };
+            } else {
+                let part = t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.reshape(1)?;
+                device = Some(match device {
+                    Some(acc) => (acc + part)?,
+                    None => part,
+                });
+            }
+        }
+        Ok(match device {
+            // `(sq * scale) * scale`, as the host computes it.
+            Some(d) => ((d + host)?.affine(scale, 0.0)?).affine(scale, 0.0)?,
+            None => Tensor::new(&[host * scale * scale], &candle_core::Device::Cpu)?.to_device(&self.device)?,
+        })
+    }
+
+    /// The gradient factor from the reduced sum of squares `sq`: `accum` times the clipping
+    /// factor `clip / (norm + 1e-6)` when the norm exceeds the clip. A host tensor is read
+    /// here (and a non-finite norm refused before any update); a device tensor is kept
+    /// there and read once, after the step (`run_step`).
+    fn clip_scale(&self, sq: &Tensor, accum: f64) -> Result<GradScale, ExecError> {
+        if !sq.device().is_cpu() {
+            *lock(&self.norm) = Some(sq.clone());
+            let total = sq.to_dtype(CDType::F64)?.flatten_all()?.sqrt()?;
+            let Some(clip) = self.shared.clip else {
+                return Ok(GradScale::Device(Tensor::full(accum, 1, sq.device())?));
+            };
+            let clip_t = Tensor::full(clip, 1, sq.device())?;
+            let factor = (&clip_t / (&total + 1e-6)?)?;
+            let factor = total
+                .gt(&clip_t)?
+                .where_cond(&factor, &Tensor::ones(1, CDType::F64, sq.device())?)?;
+            // `accum * factor`, in the host's order.
+            return Ok(GradScale::Device(factor.affine(accum, 0.0)?));
+        }
+        let sq = sq.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()?[0];
+        let total = sq.sqrt();
+        lock(&self.out).grad_norm = Some(total);
+        if !total.is_finite() {
+            return Err(ExecError::Internal(format!("the global gradient norm is {total}")));
+        }
+        let mut scale = accum;
+        if let Some(clip) = self.shared.clip {
+            if total > clip {
+                scale *= clip / (total + 1e-6);
+            }
+        }
+        Ok(GradScale::Host(scale))
     }
 }
 
@@ -667,8 +773,11 @@ pub fn run_step(
     let plan = &shared.plan;
     let program = &plan.programs[0];
     let mut mem_seq = vec![usize::MAX; program.instrs.len()];
+    let mut launch_seq = vec![usize::MAX; program.instrs.len()];
     let mut tags = vec![0u64; program.instrs.len()];
     let mut q = 0;
+    let mut launches = 0;
+    let mut ordered = shared.ordered_launch;
     let mut per_comm: HashMap<Comm, u64> = HashMap::new();
     for (i, x) in program.instrs.iter().enumerate() {
         if matches!(x.instr, Instr::Alloc { .. } | Instr::Free { .. }) {
@@ -679,6 +788,9 @@ pub fn run_step(
             let n = per_comm.entry(comm).or_insert(0);
             tags[i] = (step_no << 32) | *n;
             *n += 1;
+            launch_seq[i] = launches;
+            launches += 1;
+            ordered |= state.comms.get(comm, x.stream)?.enqueues();
         }
     }
     let RankState {
@@ -730,6 +842,10 @@ pub fn run_step(
             })
             .collect(),
         mem_seq,
+        launch_seq,
+        launch_turn: Mutex::new(0),
+        launch_cv: Condvar::new(),
+        ordered,
         tags,
         mem_turn: Mutex::new(0),
         mem_cv: Condvar::new(),
@@ -739,6 +855,8 @@ pub fn run_step(
         lr,
         out: Mutex::new(RankStepOut::default()),
         times: (0..program.instrs.len()).map(|_| Mutex::new([0.0; 2])).collect(),
+        norm: Mutex::new(None),
+        device_losses: Mutex::new(Vec::new()),
     };
     let n_values = shared.joint.graph.node_count() * 2;
     let result: Result<(), ExecError> = std::thread::scope(|scope| {
@@ -818,6 +936,14 @@ pub fn run_step(
         }
         first
     });
+    // Collectives that were only enqueued complete here: the step's end is the one place
+    // the host waits for the device (and where their failures surface).
+    let result = result.and_then(|()| {
+        for (comm, stream) in program.communicators() {
+            cx.comms.get(comm, stream)?.flush()?;
+        }
+        Ok(())
+    });
     if let Err(e) = result {
         return Err(match abort.reason() {
             Some(r) => ExecError::Aborted(r),
@@ -828,8 +954,34 @@ pub fn run_step(
     for (p, b) in params.iter_mut().zip(&sharded) {
         *p = cx.get(*b)?;
     }
+    let norm = cx.norm.into_inner().unwrap_or_else(|e| e.into_inner());
+    let device_losses = cx.device_losses.into_inner().unwrap_or_else(|e| e.into_inner());
     let memory = cx.memory.into_inner().unwrap_or_else(|e| e.into_inner());
     let mut out = cx.out.into_inner().unwrap_or_else(|e| e.into_inner());
+    for (value, id) in device_losses {
+        let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
+        if !loss.is_finite() {
+            let g = &shared.joint.graph;
+            let node = g.node(id);
+            return Err(ExecError::NonFinite {
+                step: 0,
+                loss,
+                module: g.scope(node.scope).display_path().to_string(),
+                node: id.to_string(),
+                op: node.op.name().to_string(),
+            });
+        }
+        out.losses.push(loss);
+    }
+    if let Some(sq) = norm {
+        // The step's one read of the device: its gradient norm, for the log. The update
+        // has been made by now; a non-finite norm still stops the run here.
+        let total = sq.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()?[0].sqrt();
+        if !total.is_finite() {
+            return Err(ExecError::Internal(format!("the global gradient norm is {total}")));
+        }
+        out.grad_norm = Some(total);
+    }
     out.max_by_category = memory.max;
     out.peak = memory.peak;
     out.host = memory.host_max;

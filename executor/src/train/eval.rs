@@ -112,6 +112,7 @@ impl Validation {
                 step_start,
                 clip: None,
                 faults: Vec::new(),
+                ordered_launch: false,
             },
             data,
             every: e.every,

@@ -241,6 +241,7 @@ impl ShardedTrainer {
                 step_start,
                 clip: config.grad_clip,
                 faults: Vec::new(),
+                ordered_launch: false,
             },
             ranks,
             data,
@@ -302,6 +303,12 @@ impl ShardedTrainer {
     /// failure paths).
     pub fn inject_fault(&mut self, rank: u64, instr: usize, fault: Fault) {
         self.shared.faults.push((rank, instr, fault));
+    }
+
+    /// Launches every rank's collectives in issue order, as an enqueueing backend (NCCL)
+    /// does, on any backend (for tests of that order).
+    pub fn set_ordered_launch(&mut self, on: bool) {
+        self.shared.ordered_launch = on;
     }
 
     /// The plan being run.

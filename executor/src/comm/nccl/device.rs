@@ -1,6 +1,8 @@
 //! The GPU part of the NCCL backend (feature `cuda`): a CUDA stream per collective plan
-//! stream, an NCCL communicator per (process group, stream), and each collective issued on
-//! its stream and waited for under the collective timeout. Everything it decides comes
+//! stream, an NCCL communicator per (process group, stream), and each collective enqueued on
+//! its stream without the host waiting (`Collectives::enqueues`: the rank launches them in
+//! issue order); the host waits once, at the step's end (`flush`), under the collective
+//! timeout. Everything it decides comes
 //! from the plain, CPU-tested parts of `comm::nccl`.
 
 use super::{comm_specs, comm_streams, exchange_ids, wait_done, ID_BYTES};
@@ -110,7 +112,9 @@ impl NcclGroup {
         r
     }
 
-    fn run(&self, kind: Kind, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+    /// Enqueues `kind` on this group's stream and returns its output at once; the host
+    /// waits only when `wait` is set (the barrier) or at the step's end (`flush`).
+    fn run(&self, kind: Kind, tag: u64, input: &Tensor, wait: bool) -> Result<Tensor, ExecError> {
         if let Some(r) = self.abort.reason() {
             return Err(ExecError::Aborted(r));
         }
@@ -143,6 +147,13 @@ impl NcclGroup {
             )));
         };
         let dev = cs.device().clone();
+        // The input may come from a kernel just launched on the compute stream (the bf16
+        // cast before an all-gather, the packed reduce-scatter input, shards the optimizer
+        // wrote), which candle's kernels need not mark with a write event: order this
+        // stream after the compute stream's work so far.
+        self.stream
+            .join(&dev.cuda_stream())
+            .map_err(|e| cuda_err("ordering a collective after its input", e))?;
         let off = layout.start_offset();
         let out = by_dtype!(input.dtype(), T => {
             let src = cs.as_cuda_slice::<T>()?.slice(off..off + n);
@@ -162,7 +173,9 @@ impl NcclGroup {
                 }
                 .map_err(|e| nccl_err(&self.name, what, e))?;
             }
-            self.finish(what, tag)?;
+            if wait {
+                self.finish(what, tag)?;
+            }
             Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)))
         })?;
         drop(storage);
@@ -184,24 +197,32 @@ impl Collectives for NcclGroup {
     }
 
     fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
-        self.run(Kind::AllGather, tag, input)
+        self.run(Kind::AllGather, tag, input, false)
     }
 
     fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
-        self.run(Kind::ReduceScatter(op), tag, input)
+        self.run(Kind::ReduceScatter(op), tag, input, false)
     }
 
     fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
-        self.run(Kind::AllReduce(op), tag, input)
+        self.run(Kind::AllReduce(op), tag, input, false)
     }
 
     fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
-        self.run(Kind::Broadcast, tag, input)
+        self.run(Kind::Broadcast, tag, input, true)
     }
 
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {
         let one = Tensor::zeros(1, DType::F32, &Device::Cuda(self.device.clone()))?;
-        self.run(Kind::AllReduce(Reduce::Sum), tag, &one).map(|_| ())
+        self.run(Kind::AllReduce(Reduce::Sum), tag, &one, true).map(|_| ())
+    }
+
+    fn enqueues(&self) -> bool {
+        true
+    }
+
+    fn flush(&self) -> Result<(), ExecError> {
+        self.finish("the step's collectives", 0)
     }
 }
 
