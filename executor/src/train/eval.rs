@@ -112,6 +112,7 @@ impl Validation {
                 step_start,
                 clip: None,
                 faults: Vec::new(),
+                profile: false,
             },
             data,
             every: e.every,

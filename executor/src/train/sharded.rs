@@ -79,6 +79,8 @@ pub struct ShardedTrainer {
     compute_waits: Vec<usize>,
     /// Per step, per local rank: the measured instruction times (when tracing).
     pub(crate) times: Option<Vec<Vec<Vec<[f64; 2]>>>>,
+    /// Per local rank, instruction and op times summed over the steps (`--profile`).
+    pub(crate) profile: Option<crate::train::profile::Recorder>,
     pub(crate) config: ParallelConfig,
     pub(crate) model: ModelConfig,
     total_steps: u64,
@@ -241,6 +243,7 @@ impl ShardedTrainer {
                 step_start,
                 clip: config.grad_clip,
                 faults: Vec::new(),
+                profile: false,
             },
             ranks,
             data,
@@ -252,6 +255,7 @@ impl ShardedTrainer {
             sync_tag: 0,
             compute_waits,
             times: None,
+            profile: None,
             config: config.clone(),
             model: model.clone(),
             total_steps,
@@ -402,6 +406,9 @@ impl ShardedTrainer {
                 dev,
             })
             .collect();
+        if let Some(p) = self.profile.as_mut() {
+            p.add(&self.shared, self.step, &outs);
+        }
         if let Some(t) = self.times.as_mut() {
             t.push(outs.into_iter().map(|o| o.times).collect());
         }
