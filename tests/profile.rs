@@ -55,7 +55,7 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
     let spec = spec_1x2(dir.path());
     let path = dir.path().join("profile.json");
     let out = train(&spec, &path, "3");
-    for want in ["profile (host timers; mean of 2 rank(s), steps 2-3, cpu", "instruction kind", "compute by op", "linear"] {
+    for want in ["profile (host timers; mean of 2 rank(s), steps 2-3, cpu", "instruction kind", "compute by op", "(compute outside ops)"] {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
     }
     let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
