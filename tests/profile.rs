@@ -55,7 +55,12 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
     let spec = spec_1x2(dir.path());
     let path = dir.path().join("profile.json");
     let out = train(&spec, &path, "3");
-    for want in ["profile (host timers; mean of 2 rank(s), steps 2-3, cpu", "instruction kind", "compute by op", "(compute outside ops)"] {
+    for want in [
+        "profile (host timers; mean of 2 rank(s), steps 2-3, cpu",
+        "instruction kind",
+        "compute by op",
+        "(compute outside ops)",
+    ] {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
     }
     let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -68,7 +73,10 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
     assert_eq!(p["backend"], "local");
     assert_eq!(p["clock"], "host timers");
     // The warm-up step is left out.
-    assert_eq!((p["steps"]["first"].as_u64(), p["steps"]["last"].as_u64()), (Some(2), Some(3)));
+    assert_eq!(
+        (p["steps"]["first"].as_u64(), p["steps"]["last"].as_u64()),
+        (Some(2), Some(3))
+    );
     assert_eq!(p["steps"]["run"], 3);
     let ranks = p["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 2);
@@ -81,13 +89,26 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
         assert!(step > 0.0);
         let kinds = rows(&f["by_instruction"]);
         let names: Vec<&str> = kinds.iter().map(|r| r.0.as_str()).collect();
-        for want in ["compute", "pack", "all-gather", "reduce-scatter", "grad norm", "optimizer", "alloc/free", "wait", "record"] {
+        for want in [
+            "compute",
+            "pack",
+            "all-gather",
+            "reduce-scatter",
+            "grad norm",
+            "optimizer",
+            "alloc/free",
+            "wait",
+            "record",
+        ] {
             assert!(names.contains(&want), "{want} not in {names:?}");
         }
         // Every instruction of the program is counted once per step.
         assert_eq!(kinds.iter().map(|r| r.2).sum::<u64>(), instructions);
         for (name, secs, _, share) in &kinds {
-            assert!((share - secs / step).abs() < 1e-9 * (1.0 + share), "{name}: share {share} vs {secs} / {step}");
+            assert!(
+                (share - secs / step).abs() < 1e-9 * (1.0 + share),
+                "{name}: share {share} vs {secs} / {step}"
+            );
         }
         let compute = kinds.iter().find(|r| r.0 == "compute").unwrap().1;
         let ops = rows(&f["by_op"]);
@@ -142,7 +163,11 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
         path.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("measured on tiny-llama 1x2, this plan is tiny-llama 1x4"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("measured on tiny-llama 1x2, this plan is tiny-llama 1x4"),
+        "{}",
+        stdout(&o)
+    );
 }
 
 #[test]
@@ -152,7 +177,10 @@ fn one_step_is_its_own_profile() {
     let path = dir.path().join("one.json");
     train(&spec, &path, "1");
     let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    assert_eq!((p["steps"]["first"].as_u64(), p["steps"]["last"].as_u64()), (Some(1), Some(1)));
+    assert_eq!(
+        (p["steps"]["first"].as_u64(), p["steps"]["last"].as_u64()),
+        (Some(1), Some(1))
+    );
 }
 
 #[test]
@@ -183,7 +211,10 @@ fn bad_profiles_are_refused_at_their_line_and_field() {
         (
             "kind.json",
             text.replacen("\"name\": \"compute\"", "\"name\": \"teleport\"", 1),
-            vec!["`mean.by_instruction`".into(), "row 0: `teleport` is not an instruction kind".into()],
+            vec![
+                "`mean.by_instruction`".into(),
+                "row 0: `teleport` is not an instruction kind".into(),
+            ],
         ),
         (
             "version.json",

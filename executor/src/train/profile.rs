@@ -466,7 +466,10 @@ impl ShardedTrainer {
         let Some((first, last, sums)) = self.profile.as_ref().and_then(Recorder::covered) else {
             return Ok(None);
         };
-        let run = self.profile.as_ref().map_or(0, |r| r.last + 1 - r.first.as_ref().map_or(0, |f| f.0));
+        let run = self
+            .profile
+            .as_ref()
+            .map_or(0, |r| r.last + 1 - r.first.as_ref().map_or(0, |f| f.0));
         let mine: Vec<Figures> = sums.iter().map(|(rank, s)| s.figures(Some(*rank))).collect();
         let bytes = serde_json::to_vec(&mine).map_err(|e| ExecError::Internal(e.to_string()))?;
         let mut ranks: Vec<Figures> = Vec::new();
@@ -548,7 +551,11 @@ pub fn summary(p: &Profile, path: &Path) -> String {
         ms(step),
         path.display()
     );
-    let _ = writeln!(o, "  {:<30} {:>10} {:>8} {:>7}", "instruction kind", "ms/step", "count", "share");
+    let _ = writeln!(
+        o,
+        "  {:<30} {:>10} {:>8} {:>7}",
+        "instruction kind", "ms/step", "count", "share"
+    );
     for r in &m.by_instruction.0 {
         let _ = writeln!(
             o,
@@ -559,7 +566,11 @@ pub fn summary(p: &Profile, path: &Path) -> String {
             r.share.0 * 100.0
         );
     }
-    let _ = writeln!(o, "  {:<30} {:>10} {:>8} {:>7}", "compute by op", "ms/step", "count", "share");
+    let _ = writeln!(
+        o,
+        "  {:<30} {:>10} {:>8} {:>7}",
+        "compute by op", "ms/step", "count", "share"
+    );
     const TOP: usize = 8;
     for r in m.by_op.0.iter().take(TOP) {
         let _ = writeln!(
@@ -638,7 +649,10 @@ pub fn read(path: &Path, text: &str) -> Result<Profile, SpecError> {
             .help(help)
     })?;
     if !is_profile(&value) {
-        return Err(refuse("format", format!("`format` is not \"{FORMAT}\": not a shardplan profile")));
+        return Err(refuse(
+            "format",
+            format!("`format` is not \"{FORMAT}\": not a shardplan profile"),
+        ));
     }
     if value.get("version").and_then(|v| v.as_u64()) != Some(u64::from(VERSION)) {
         return Err(refuse(
