@@ -185,6 +185,9 @@ impl Sums {
     }
 }
 
+/// The first and last step covered, and each local rank with its sums over them.
+type Covered<'a> = (u64, u64, Vec<(u64, &'a Sums)>);
+
 /// Each local rank's sums: the first step this process ran (warm-up) apart from the rest.
 #[derive(Debug)]
 pub struct Recorder {
@@ -226,7 +229,7 @@ impl Recorder {
 
     /// The steps covered (first and last, 1-based) and each local rank's sums over them:
     /// the steps after the warm-up, or the warm-up alone when it is all that ran.
-    fn covered(&self) -> Option<(u64, u64, Vec<(u64, &Sums)>)> {
+    fn covered(&self) -> Option<Covered<'_>> {
         let (first, warm) = self.first.as_ref()?;
         let (from, sums) = if self.last > *first {
             (first + 1, &self.rest)
