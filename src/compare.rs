@@ -3,11 +3,14 @@
 //! FILE is a `shardplan train --log` file (JSON lines, one per step), or one JSON object from
 //! any framework: `tokens_per_second` (all ranks together; or `tokens_per_second_per_gpu`),
 //! `step_seconds`, `peak_allocated` and `peak_reserved` (bytes per rank). The output of
-//! `benches/fsdp2_step.py` reads as it is (`memory.peak_allocated_bytes`, ...). Every file
-//! is untrusted: it is read with a size bound, and a value that is not a finite,
-//! non-negative number is refused naming the file, the line and the field.
+//! `benches/fsdp2_step.py` reads as it is (`memory.peak_allocated_bytes`, ...), or a
+//! `shardplan train --profile` file, whose totals by instruction kind print beside the
+//! plan's predicted durations of the same kinds. Every file is untrusted: it is read with a
+//! size bound, and a value that is not a finite, non-negative number is refused naming the
+//! file, the line and the field.
 
 use crate::fmt::bytes;
+use shardplan_executor::train::profile::{self, Kind, Profile};
 use shardplan_frontends::{Pos, SpecError};
 use shardplan_planner::Plan;
 use std::fmt::Write as _;
@@ -28,6 +31,8 @@ pub struct Measured {
     pub peak_allocated: Option<(u64, &'static str)>,
     /// Most bytes the allocator reserved on one rank.
     pub peak_reserved: Option<u64>,
+    /// A `train --profile` file: time per step by instruction kind and by op.
+    pub profile: Option<Profile>,
 }
 
 fn refuse(path: &Path, line: Option<u64>, field: &str, msg: String) -> SpecError {
@@ -113,6 +118,21 @@ pub fn read(path: &Path) -> Result<Measured, SpecError> {
             ),
         )
     })?;
+    // A profile is one (pretty-printed) object; its own reader places any error in it.
+    if text.contains(&format!("\"{}\"", profile::FORMAT)) {
+        let p = profile::read(path, &text)?;
+        return Ok(Measured {
+            what: format!(
+                "train profile, mean of {} rank(s), steps {}-{}",
+                p.ranks.len(),
+                p.steps.first,
+                p.steps.last
+            ),
+            step_seconds: Some(p.mean.step_seconds.0),
+            profile: Some(p),
+            ..Measured::default()
+        });
+    }
     // One JSON value for the whole file, or JSON lines.
     if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
         if v.is_object() && v.get("step").is_none() {
@@ -173,6 +193,7 @@ fn one_object(path: &Path, v: &serde_json::Value) -> Result<Measured, SpecError>
         step_seconds: step,
         peak_allocated: alloc,
         peak_reserved: reserved,
+        profile: None,
     })
 }
 
@@ -260,6 +281,7 @@ fn log_lines(path: &Path, text: &str) -> Result<Measured, SpecError> {
         step_seconds: steady(step),
         peak_allocated: alloc,
         peak_reserved: dev_reserved,
+        profile: None,
     })
 }
 
@@ -321,7 +343,60 @@ pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
     if let Some((_, src)) = m.peak_allocated {
         let _ = writeln!(o, "  (measured allocation: {src}; ratio = measured / predicted)");
     }
+    if let Some(p) = &m.profile {
+        by_kind(&mut o, plan, p, &dur, &ratio);
+    }
     o
+}
+
+/// The profile's time per step by instruction kind beside the plan's predicted time of the
+/// same kinds (each instruction from the previous one's end on its stream to its own end).
+fn by_kind(o: &mut String, plan: &Plan, p: &Profile, dur: &dyn Fn(f64) -> String, ratio: &dyn Fn(f64, f64) -> String) {
+    let (rep, shard) = (plan.mesh.replicate(), plan.mesh.shard());
+    if p.model.0 != plan.model || (p.mesh.replicate, p.mesh.shard) != (rep, shard) {
+        let _ = writeln!(
+            o,
+            "  note: the profile was measured on {} {}x{}, this plan is {} {rep}x{shard}: the kinds below compare different programs",
+            p.model.0, p.mesh.replicate, p.mesh.shard, plan.model
+        );
+    }
+    let predicted = profile::predicted(plan);
+    let _ = writeln!(
+        o,
+        "  {:<30} {:>14} {:>14} {:>7}",
+        "time per step, by instruction", "predicted", "measured", "ratio"
+    );
+    let mut counts_differ = Vec::new();
+    for k in Kind::ALL {
+        let (ps, pn) = predicted[k.index()];
+        let row = p.mean.kind(k);
+        if pn == 0 && row.is_none() {
+            continue;
+        }
+        let ms = row.map(|r| r.seconds.0);
+        if row.map_or(0, |r| r.count) != pn {
+            counts_differ.push(format!("{} {} vs {pn}", k.name(), row.map_or(0, |r| r.count)));
+        }
+        let _ = writeln!(
+            o,
+            "  {:<30} {:>14} {:>14} {:>7}",
+            format!("  {}", k.name()),
+            dur(ps),
+            ms.map_or("-".into(), dur),
+            ms.map_or("-".into(), |x| ratio(x, ps))
+        );
+    }
+    if !counts_differ.is_empty() {
+        let _ = writeln!(
+            o,
+            "  note: instructions per step differ (measured vs planned): {}",
+            counts_differ.join(", ")
+        );
+    }
+    let _ = writeln!(
+        o,
+        "  (waits and alloc/free include the time they wait; streams overlap, so the kinds add up to more than the step)"
+    );
 }
 
 #[cfg(test)]

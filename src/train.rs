@@ -67,6 +67,11 @@ pub struct TrainArgs {
     /// on every stream of every rank (the track layout of `plan --format trace`).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
+    /// Write each instruction's measured time totalled by instruction kind, and the compute
+    /// stream's time by IR op, per rank and the mean over ranks, as JSON (the steps after
+    /// the first); the end of the run prints the mean. `plan --compare FILE` reads it.
+    #[arg(long, value_name = "FILE")]
+    pub profile: Option<PathBuf>,
     /// Seconds a collective or a cross-stream wait may take before the run stops with an
     /// error naming it (a rank that died or hung).
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
@@ -284,6 +289,7 @@ fn train(
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
+    let device_name = device;
     let device =
         shardplan_executor::runtime::device::open(device).map_err(|e| CliError::Usage(format!("--device: {e}")))?;
     shardplan_executor::cpu::host::retain_freed_memory();
@@ -365,6 +371,9 @@ fn train(
     }
     if args.trace.is_some() {
         trainer.record_times();
+    }
+    if args.profile.is_some() {
+        trainer.record_profile();
     }
     let save = |trainer: &mut ShardedTrainer| -> Result<(), CliError> {
         if let Some(dir) = &args.checkpoint_dir {
@@ -451,6 +460,9 @@ fn train(
             bar.abandon();
             save(&mut trainer)?;
             write_trace(args, &mut trainer)?;
+            if let Some(text) = write_profile(args, &mut trainer, device_name)? {
+                crate::emit(&text)?;
+            }
             if leader {
                 eprintln!("interrupted: stopped cleanly after step {}", trainer.steps_done());
             }
@@ -466,6 +478,7 @@ fn train(
     bar.finish_and_clear();
     save(&mut trainer)?;
     write_trace(args, &mut trainer)?;
+    let profile = write_profile(args, &mut trainer, device_name)?;
     if leader {
         let mut summary = format!(
             "trained {} steps of {}: loss {:.4} -> {:.4}, {:.0} tokens/s\n",
@@ -479,6 +492,9 @@ fn train(
             summary.push_str(&format!("validation loss {a:.4} -> {b:.4}\n"));
         }
         summary.push_str(&seen.versus(trainer.plan()));
+        if let Some(text) = profile {
+            summary.push_str(&text);
+        }
         crate::emit(&summary)?;
     }
     Ok(None)
@@ -497,6 +513,26 @@ fn write_trace(args: &TrainArgs, trainer: &mut ShardedTrainer) -> Result<(), Cli
         std::fs::write(path, text).with_context(|| format!("cannot write the trace {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Writes the profile (`--profile`): every process takes part, the leader writes the file
+/// and gets back the summary table to print.
+fn write_profile(args: &TrainArgs, trainer: &mut ShardedTrainer, device: &str) -> Result<Option<String>, CliError> {
+    let Some(path) = &args.profile else {
+        return Ok(None);
+    };
+    let Some(profile) = trainer
+        .profile(device)
+        .map_err(|e| CliError::Other(anyhow::Error::new(e)))?
+    else {
+        return Ok(None);
+    };
+    if !trainer.is_leader() {
+        return Ok(None);
+    }
+    let text = serde_json::to_string_pretty(&profile).context("serialising the profile")?;
+    std::fs::write(path, text + "\n").with_context(|| format!("cannot write the profile {}", path.display()))?;
+    Ok(Some(shardplan_executor::train::profile::summary(&profile, path)))
 }
 
 /// What the run measured, for the predicted-against-measured table at its end.

@@ -829,3 +829,78 @@ fn fuzz_token_files() {
     }
     eprintln!("token files: {n} cases");
 }
+
+// ---- profiles (`train --profile`, read by `plan --compare`) ----
+
+#[test]
+fn fuzz_profiles() {
+    use shardplan_executor::train::profile;
+    let dir = scratch();
+    let spec = dir.path().join("p.yaml");
+    std::fs::write(&spec, MESH_1X2).unwrap();
+    let good = dir.path().join("good-profile.json");
+    let o = common::shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--profile",
+        good.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let text = std::fs::read_to_string(&good).unwrap();
+    let original: Value = serde_json::from_str(&text).unwrap();
+    let file = dir.path().join("fuzzed-profile.json");
+    let mut rng = Rng(seed() ^ 0x960f);
+    let n = cases(1000);
+    let (mut accepted, mut spawned) = (0, 0);
+    for k in 0..n {
+        let (mutated, what) = if rng.below(6) == 0 {
+            mutate_text(&text, &mut rng)
+        } else {
+            let mut v = original.clone();
+            let what = mutate_json(&mut v, &mut rng, &["mean", "ranks", "steps", "mesh"]);
+            // Pretty, as train writes it, so errors have lines to name.
+            (serde_json::to_string_pretty(&v).unwrap(), what)
+        };
+        let case = format!("profile case {k}: {what}");
+        let (f, t, c) = (file.clone(), mutated.clone(), case.clone());
+        let r = guarded(&case, Duration::from_secs(60), move || {
+            profile::read(&f, &t)
+                .map(|p| profile::summary(&p, &f))
+                .map_err(|e| e.to_string())
+        });
+        match r {
+            Err(msg) => assert_located(&c, &msg, "fuzzed-profile.json"),
+            Ok(_) => accepted += 1,
+        }
+        // The binary on a sample: `plan --compare` reads it (or, with its format
+        // changed, as another metrics file) and prints or refuses.
+        if k % 25 == 0 {
+            spawned += 1;
+            std::fs::write(&file, &mutated).unwrap();
+            let o = common::shardplan(&[
+                "plan",
+                "--model",
+                "tiny-llama",
+                "--parallel",
+                spec.to_str().unwrap(),
+                "--compare",
+                file.to_str().unwrap(),
+            ]);
+            let err = common::stderr(&o);
+            assert!(
+                matches!(o.status.code(), Some(0) | Some(2)),
+                "{case}: exit {:?}: {err}",
+                o.status.code()
+            );
+            if o.status.code() == Some(2) {
+                assert_located(&case, &err, "fuzzed-profile.json");
+            }
+        }
+    }
+    eprintln!("profiles: {n} cases, {accepted} accepted, {spawned} through the binary");
+}

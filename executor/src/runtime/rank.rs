@@ -38,6 +38,9 @@ pub struct Shared {
     /// Launch collectives in issue order even on blocking backends (tests of the order an
     /// enqueueing backend gets; see `Collectives::enqueues`).
     pub ordered_launch: bool,
+    /// Time every node the compute stream runs (`RankStepOut::node_seconds`); off, the
+    /// node loop reads no clock.
+    pub profile: bool,
 }
 
 /// A failure a test injects at one instruction of one rank.
@@ -96,6 +99,9 @@ pub struct RankStepOut {
     /// Measured start and end of every instruction, in seconds since the Unix epoch (one
     /// clock for every rank of a node, so ranks' timelines line up).
     pub times: Vec<[f64; 2]>,
+    /// With `Shared::profile`: each node the compute stream ran and its host time, seconds
+    /// (its inputs gathered, its kernel, its frees), in the order run.
+    pub node_seconds: Vec<(NodeId, f64)>,
 }
 
 /// Seconds since the Unix epoch, as an f64 (microsecond resolution for centuries).
@@ -434,8 +440,10 @@ impl StepCtx<'_> {
         let mut grads: HashMap<u32, Tensor> = HashMap::new();
         let copy = s.phase == shardplan_planner::Phase::Recompute;
         let mut pos = sh.step_start[step];
+        let mut node_seconds = Vec::new();
         for r in &s.nodes {
             for i in r.clone() {
+                let started = sh.profile.then(Instant::now);
                 let id = NodeId(i);
                 let node = g.node(id);
                 let value = match &node.op {
@@ -507,7 +515,13 @@ impl StepCtx<'_> {
                     c.live -= sh.exec.value_bytes(g, id);
                 }
                 pos += 1;
+                if let Some(t) = started {
+                    node_seconds.push((id, t.elapsed().as_secs_f64()));
+                }
             }
+        }
+        if sh.profile {
+            lock(&self.out).node_seconds.extend(node_seconds);
         }
         lock(&self.memory).activations = c.live;
         // The gradients into their pieces: each piece's parameters, whole, one after another.

@@ -113,6 +113,7 @@ impl Validation {
                 clip: None,
                 faults: Vec::new(),
                 ordered_launch: false,
+                profile: false,
             },
             data,
             every: e.every,

@@ -6,6 +6,7 @@ pub mod data;
 pub mod eval;
 pub mod init;
 pub mod optim;
+pub mod profile;
 pub mod sharded;
 pub mod trace;
 pub mod trainer;

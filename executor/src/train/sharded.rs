@@ -79,6 +79,8 @@ pub struct ShardedTrainer {
     compute_waits: Vec<usize>,
     /// Per step, per local rank: the measured instruction times (when tracing).
     pub(crate) times: Option<Vec<Vec<Vec<[f64; 2]>>>>,
+    /// Per local rank, instruction and op times summed over the steps (`--profile`).
+    pub(crate) profile: Option<crate::train::profile::Recorder>,
     pub(crate) config: ParallelConfig,
     pub(crate) model: ModelConfig,
     total_steps: u64,
@@ -242,6 +244,7 @@ impl ShardedTrainer {
                 clip: config.grad_clip,
                 faults: Vec::new(),
                 ordered_launch: false,
+                profile: false,
             },
             ranks,
             data,
@@ -253,6 +256,7 @@ impl ShardedTrainer {
             sync_tag: 0,
             compute_waits,
             times: None,
+            profile: None,
             config: config.clone(),
             model: model.clone(),
             total_steps,
@@ -409,6 +413,9 @@ impl ShardedTrainer {
                 dev,
             })
             .collect();
+        if let Some(p) = self.profile.as_mut() {
+            p.add(&self.shared, self.step, &outs);
+        }
         if let Some(t) = self.times.as_mut() {
             t.push(outs.into_iter().map(|o| o.times).collect());
         }
