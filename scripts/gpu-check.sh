@@ -14,7 +14,7 @@
 #              peak; a measured trace
 #   shardplan  `shardplan train --device cuda` of examples/models/llama-1b.yaml (~1.1B
 #              params, seq 2048, bf16 compute, f32 reduce, one FSDP unit per block, mesh 1x1):
-#              tokens/s and step time (median after --warmup steps), the executor's
+#              `--profile` (profile.json, and compare.txt: `plan --compare` of it), tokens/s and step time (median after --warmup steps), the executor's
 #              measured and planned peak bytes, and the GPU's memory in use (nvidia-smi)
 #   fsdp2      benches/fsdp2_step.py: PyTorch FSDP2 on the same model, batch and optimizer on
 #              the same GPU: tokens/s, torch.cuda peak allocated / reserved, nvidia-smi
@@ -368,10 +368,14 @@ if wants shardplan; then
   smi_start "$d/nvidia-smi.csv"
   start=$(date +%s%N)
   timeout "$TIMEOUT" "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
-    --steps $((WARMUP + STEPS)) --device cuda --log "$d/log.jsonl" >"$d/train.out" 2>"$d/train.err"
+    --steps $((WARMUP + STEPS)) --device cuda --log "$d/log.jsonl" --profile "$d/profile.json" \
+    >"$d/train.out" 2>"$d/train.err"
   rc=$?
   wall=$(( ($(date +%s%N) - start) / 1000000 ))
   smi_stop
+  # Measured time per instruction kind beside the plan's prediction (profile.json).
+  [ -s "$d/profile.json" ] && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
+    --compare "$d/profile.json" >"$d/compare.txt" 2>&1
   "$PY" - "$d" "$rc" "$WARMUP" "$STEPS" "$base" "$wall" "$BATCH" <<'EOF'
 import json, os, statistics, sys
 d, rc, warmup, steps, base, wall, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) / 1e3, int(sys.argv[7])
