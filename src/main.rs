@@ -5,6 +5,7 @@ mod calibrate;
 mod checkpoint;
 mod compare;
 mod data;
+mod export;
 mod fmt;
 mod generate;
 mod inspect;
@@ -35,6 +36,9 @@ enum Command {
     /// Prepare training data: tokenize text into the token files `train` reads.
     #[command(subcommand)]
     Data(data::DataCommand),
+    /// Export a plan to run elsewhere: `export fsdp2` writes it as a PyTorch FSDP2 program.
+    #[command(subcommand)]
+    Export(export::ExportCommand),
     /// Work with checkpoints: export one as a Hugging Face safetensors file.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(&args).map(|()| None),
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(&cmd).map(|()| None),
+        Command::Export(cmd) => export::run(&cmd).map(|()| None),
         Command::Launch(args) => launch::run(&args),
         Command::Data(cmd) => data::run(&cmd).map(|()| None),
         Command::Calibrate(args) => calibrate::run(&args).map(|()| None),

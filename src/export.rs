@@ -1,0 +1,698 @@
+//! `shardplan export fsdp2`: a plan as a self-contained PyTorch FSDP2 program.
+//!
+//! The program (`src/export/fsdp2_train.py`, the same for every plan) reads the plan's
+//! decisions from literals written at its top: the model as shardplan traces it, every
+//! parameter's Hugging Face name, shape and initialisation, the FSDP groups with their
+//! `reshard_after_forward`, the prefetch lists, mixed precision, offload, checkpointing,
+//! gradient accumulation, optimizer, schedule, clipping, seed and data. This module derives
+//! those literals from the plan and refuses, naming the field, any plan FSDP2's hooks cannot
+//! run exactly as planned.
+//!
+//! Prefetch is read from the program itself, so a hand-edited issue order is honoured: every
+//! all-gather waits (through events) for some point of the compute stream; the compute step
+//! issued next is where FSDP2 must issue it. A gather at the first step of its own group in
+//! a pass is the group's own unshard (FSDP2's pre-forward / pre-backward hook); one at the
+//! first step of another group is in that group's explicit prefetch list; anywhere else no
+//! hook can issue it, and the plan is refused.
+
+use crate::CliError;
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+use shardplan_executor::train::init::{rule, InitRule};
+use shardplan_frontends::{
+    load_model, load_parallel, ActivationCheckpointing, DataSource, GradSync, Offload, Optimizer, ParallelConfig,
+    SpecError,
+};
+use shardplan_ir::{Graph, JointGraph, ModuleKind, ScopeId};
+use shardplan_models::{Activation, ModelConfig};
+use shardplan_planner::{GroupReshard, Instr, Phase, Plan, Program, Stream};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// The program every export writes, with its two markers.
+const TEMPLATE: &str = include_str!("export/fsdp2_train.py");
+
+#[derive(Subcommand, Debug)]
+pub enum ExportCommand {
+    /// Write the plan as a PyTorch FSDP2 training program (DIR/train.py): fully_shard per
+    /// planned group, the planned resharding, prefetch, precision, offload, checkpointing,
+    /// accumulation, optimizer and the same batches as `shardplan train`.
+    Fsdp2(Fsdp2Args),
+}
+
+#[derive(Args, Debug)]
+pub struct Fsdp2Args {
+    /// Model: a YAML model spec, a Hugging Face config.json, or a preset name.
+    #[arg(long, value_name = "FILE", required_unless_present = "plan")]
+    pub model: Option<PathBuf>,
+    /// Parallel spec (YAML).
+    #[arg(long, value_name = "FILE", required_unless_present = "plan")]
+    pub parallel: Option<PathBuf>,
+    /// A plan written by `shardplan plan --format json` (its issue order is exported as is).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "parallel"])]
+    pub plan: Option<PathBuf>,
+    /// Directory to write train.py into (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+}
+
+pub fn run(cmd: &ExportCommand) -> Result<(), CliError> {
+    match cmd {
+        ExportCommand::Fsdp2(args) => fsdp2(args),
+    }
+}
+
+/// Where a refusal points: the parallel spec (field and line) or the plan file (JSON path).
+enum Origin {
+    Spec(shardplan_frontends::LoadedParallel, shardplan_frontends::LoadedModel),
+    PlanFile(PathBuf),
+}
+
+impl Origin {
+    fn refuse(&self, field: &str, message: String, help: &str) -> CliError {
+        CliError::Input(match self {
+            Origin::Spec(_, m) if field == "family" => m.origin.error(field, message, help),
+            Origin::Spec(p, _) => p.origin.error(field, message, help),
+            Origin::PlanFile(path) => {
+                let f = if field.starts_with("programs") {
+                    field.to_string()
+                } else {
+                    format!("source.parallel.{field}")
+                };
+                SpecError::file(path, message).field(f).help(help)
+            }
+        })
+    }
+}
+
+fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
+    let (plan, model, parallel, joint, origin) = match (&args.plan, &args.model, &args.parallel) {
+        (Some(path), _, _) => {
+            let src = shardplan_frontends::Source::read(path)?;
+            let c = shardplan_planner::rederive::read_plan(path, &src.text)?;
+            (c.plan, c.model, c.parallel, c.joint, Origin::PlanFile(path.clone()))
+        }
+        (None, Some(m), Some(p)) => {
+            let lm = load_model(m)?;
+            let lp = load_parallel(p)?;
+            let (plan, joint) = crate::plan::make_plan_and_graph(&lm, &lp, &lp.config)?;
+            let (model, parallel) = (lm.config.clone(), lp.config.clone());
+            (plan, model, parallel, joint, Origin::Spec(lp, lm))
+        }
+        _ => {
+            return Err(CliError::Usage(
+                "give --model and --parallel, or --plan (a `shardplan plan --format json` file)".into(),
+            ))
+        }
+    };
+    let text = render(&plan, &model, &parallel, &joint, &origin, &command_line())?;
+    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    let file = args.out.join("train.py");
+    std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
+    let world = plan.mesh.world();
+    crate::emit(&format!(
+        "wrote {} (plan {}: {} groups, mesh {} x {})\nrun it: torchrun --nproc-per-node {world} {} --steps 10 --log-file fsdp2.jsonl [--device cuda]\ncompare: shardplan plan ... --compare fsdp2.jsonl\n",
+        file.display(),
+        plan_hash(&plan),
+        plan.groups.len(),
+        plan.mesh.replicate(),
+        plan.mesh.shard(),
+        file.display()
+    ))
+}
+
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            if a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:@".contains(c)) && !a.is_empty() {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The first 16 hex digits of the SHA-256 of the plan's JSON.
+fn plan_hash(plan: &Plan) -> String {
+    let json = serde_json::to_string(plan).unwrap_or_default();
+    let digest = Sha256::digest(json.as_bytes());
+    digest.iter().take(8).fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// The whole program for `plan`.
+fn render(
+    plan: &Plan,
+    model: &ModelConfig,
+    parallel: &ParallelConfig,
+    joint: &JointGraph,
+    origin: &Origin,
+    command: &str,
+) -> Result<String, CliError> {
+    let g = &joint.graph;
+    let mut lits: Vec<(&str, &str, Value)> = Vec::new();
+    lits.push((
+        "MODEL",
+        "the model, as shardplan traces it",
+        model_literal(model, origin)?,
+    ));
+    lits.push((
+        "PARAMS",
+        "every parameter: Hugging Face name, shape, initialisation (constant, or normal with std and stream)",
+        params_literal(g),
+    ));
+    lits.push((
+        "MESH",
+        "replicate x shard (HSDP when replicate > 1)",
+        json!({"replicate": plan.mesh.replicate(), "shard": plan.mesh.shard()}),
+    ));
+    lits.push((
+        "GROUPS",
+        "fully_shard units in the plan's order (the root last), with reshard_after_forward",
+        groups_literal(plan, g, origin)?,
+    ));
+    let (fwd, bwd) = prefetch_lists(plan, g, parallel, joint, origin)?;
+    lits.push((
+        "FORWARD_PREFETCH",
+        "module -> modules whose all-gathers its pre-forward issues, in the plan's order",
+        fwd,
+    ));
+    lits.push((
+        "BACKWARD_PREFETCH",
+        "module -> modules whose all-gathers its pre-backward issues (a module listing itself: no prefetch)",
+        bwd,
+    ));
+    lits.push((
+        "MIXED_PRECISION",
+        "unsharded parameter (compute) dtype and gradient reduction dtype; master weights f32",
+        json!({"param": parallel.mixed_precision.param.name(), "reduce": parallel.mixed_precision.reduce.name()}),
+    ));
+    lits.push((
+        "OFFLOAD",
+        "sharded parameters, gradients and optimizer state on the host",
+        Value::Bool(parallel.offload == Offload::Cpu),
+    ));
+    lits.push((
+        "CHECKPOINTING",
+        "activation checkpointing: kind, the blocks it wraps, what a selective block saves",
+        checkpointing_literal(g, parallel),
+    ));
+    lits.push((
+        "BATCH",
+        "per rank and micro-batch; gradient accumulation and when gradients are reduced",
+        json!({
+            "per_rank": plan.policy.batch_per_rank,
+            "seq_len": plan.policy.seq_len,
+            "grad_accum": plan.policy.grad_accum,
+            "grad_sync": match parallel.batch.grad_sync {
+                GradSync::EveryMicroBatch => "every_micro_batch",
+                GradSync::FinalMicroBatch => "final_micro_batch",
+            },
+        }),
+    ));
+    lits.push((
+        "DATA",
+        "where batches come from (as `shardplan train` reads them)",
+        data_literal(parallel),
+    ));
+    lits.push(("SEED", "initialisation and data order", json!(parallel.seed)));
+    lits.push(("OPTIMIZER", "the optimizer", optimizer_literal(&parallel.optimizer)));
+    lits.push((
+        "LR_SCHEDULE",
+        "linear warmup, then cosine decay to min_lr_ratio * lr at the last step",
+        json!({"warmup_steps": parallel.lr_schedule.warmup_steps, "min_lr_ratio": parallel.lr_schedule.min_lr_ratio}),
+    ));
+    lits.push((
+        "GRAD_CLIP",
+        "global gradient-norm clip (None: no clipping)",
+        json!(parallel.grad_clip),
+    ));
+    lits.push((
+        "PREDICTED",
+        "the dry run's prediction for this plan, per rank (bytes, seconds)",
+        json!({
+            "peak_allocated": plan.memory.peak,
+            "peak_reserved": plan.memory.reserved_peak,
+            "step_seconds": plan.estimate.step_s,
+            "tokens_per_second": plan.estimate.tokens_per_s,
+        }),
+    ));
+
+    let mut block = String::new();
+    for (name, what, v) in &lits {
+        let _ = writeln!(block, "# {what}");
+        let _ = writeln!(block, "{name} = {}\n", python(v, 0));
+    }
+    let header = format!(
+        "Generated by shardplan {} from plan {} (the SHA-256 of its JSON, first 16 digits):\n#   {}\n# {} on {} ranks ({} x {}), {} FSDP groups.",
+        env!("CARGO_PKG_VERSION"),
+        plan_hash(plan),
+        command,
+        plan.model,
+        plan.mesh.world(),
+        plan.mesh.replicate(),
+        plan.mesh.shard(),
+        plan.groups.len()
+    );
+    let header = header.replace("\n#   \n", "\n");
+    Ok(TEMPLATE
+        .replacen("# @@HEADER@@", &format!("# {header}"), 1)
+        .replacen("# @@PLAN@@\n", &block, 1))
+}
+
+fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError> {
+    let act = |a: Option<Activation>, default: &str| {
+        a.map_or(default.to_string(), |a| {
+            match a {
+                Activation::Silu => "silu",
+                Activation::Gelu => "gelu",
+                Activation::GeluTanh => "gelu_tanh",
+                Activation::Relu => "relu",
+            }
+            .to_string()
+        })
+    };
+    Ok(match model {
+        ModelConfig::Llama(c) => {
+            let hd = c.head_dim();
+            let inv: Vec<f64> = (0..hd / 2)
+                .map(|i| c.rope_scaling.inv_freq(c.rope_theta, hd as usize, i as usize))
+                .collect();
+            json!({
+                "family": "llama",
+                "vocab_size": c.vocab_size,
+                "dim": c.dim,
+                "n_layers": c.n_layers,
+                "n_heads": c.n_heads,
+                "n_kv_heads": c.n_kv_heads,
+                "head_dim": hd,
+                "ffn_dim": c.ffn_dim,
+                "norm_eps": c.norm_eps,
+                "activation": act(c.activation, "silu"),
+                "qkv_bias": c.qkv_bias,
+                "tie_embeddings": c.tie_embeddings,
+                "rope_inv_freq": inv,
+                "rope_attention_factor": c.rope_scaling.attention_factor(),
+                "max_seq_len": c.max_seq_len,
+            })
+        }
+        ModelConfig::Gpt2(c) => json!({
+            "family": "gpt2",
+            "vocab_size": c.vocab_size,
+            "dim": c.dim,
+            "n_layers": c.n_layers,
+            "n_heads": c.n_heads,
+            "ffn_dim": c.ffn_dim,
+            "norm_eps": c.norm_eps,
+            "activation": act(c.activation, "gelu_tanh"),
+            "max_seq_len": c.max_seq_len,
+        }),
+        ModelConfig::Mlp(_) => return Err(origin.refuse(
+            "family",
+            "`export fsdp2` writes language models (the llama and gpt2 families); the mlp family has no FSDP2 program"
+                .into(),
+            "export a llama or gpt2 model, or train the mlp with `shardplan train`",
+        )),
+    })
+}
+
+fn params_literal(g: &Graph) -> Value {
+    Value::Array(
+        g.params()
+            .map(|(id, p)| {
+                let init = match rule(g, id) {
+                    InitRule::Constant(c) => json!(["constant", f64::from(c)]),
+                    InitRule::Normal { std } => json!(["normal", std, id.0]),
+                };
+                json!([p.name, p.ty.shape.dims(), init])
+            })
+            .collect(),
+    )
+}
+
+fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliError> {
+    // A tied weight read by the head outside its own group: FSDP2 would hand the head the
+    // sharded parameter once its group reshards, where shardplan gathers it again.
+    for (k, grp) in plan.groups.iter().enumerate() {
+        if grp.group.is_root() || matches!(grp.reshard, GroupReshard::Keep) {
+            continue;
+        }
+        let foreign = plan
+            .steps
+            .iter()
+            .filter(|s| s.group.index() != k && s.phase == Phase::Forward)
+            .any(|s| s.reads.iter().any(|r| r.index() == k));
+        if foreign {
+            return Err(origin.refuse(
+                "wrap_modules",
+                format!(
+                    "group `{}` is read by another group's forward (a tied weight): FSDP2 reshards it after its own forward and cannot gather it again for another module",
+                    grp.group.module
+                ),
+                "keep the tied embedding in the root group (do not wrap it on its own), or set reshard_after_forward: false",
+            ));
+        }
+    }
+    Ok(Value::Array(
+        plan.groups
+            .iter()
+            .map(|grp| {
+                let modules: Vec<&str> = grp.group.scopes.iter().map(|&s| g.scope(s).display_path()).collect();
+                let reshard = match grp.reshard {
+                    GroupReshard::Free => json!(true),
+                    GroupReshard::Keep => json!(false),
+                    GroupReshard::ToGroupOf(n) => json!(n),
+                };
+                json!({"modules": modules, "reshard_after_forward": reshard})
+            })
+            .collect(),
+    ))
+}
+
+fn checkpointing_literal(g: &Graph, parallel: &ParallelConfig) -> Value {
+    let blocks: Vec<&str> = g
+        .scopes()
+        .filter(|(_, s)| s.kind == ModuleKind::Block)
+        .map(|(_, s)| s.display_path())
+        .collect();
+    let every = |k: u64| -> Vec<&str> {
+        blocks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| (*i as u64).is_multiple_of(k))
+            .map(|(_, b)| *b)
+            .collect()
+    };
+    match parallel.activation_checkpointing {
+        ActivationCheckpointing::None => json!({"kind": "none", "blocks": [], "save": []}),
+        ActivationCheckpointing::Full => json!({"kind": "full", "blocks": blocks, "save": []}),
+        ActivationCheckpointing::Every(k) => json!({"kind": "full", "blocks": every(k), "save": []}),
+        ActivationCheckpointing::Selective(p) => json!({"kind": "selective", "blocks": blocks, "save": p.names()}),
+    }
+}
+
+fn data_literal(parallel: &ParallelConfig) -> Value {
+    let abs = |p: &Path| {
+        std::fs::canonicalize(p)
+            .unwrap_or_else(|_| p.to_path_buf())
+            .display()
+            .to_string()
+    };
+    match &parallel.data {
+        DataSource::Synthetic => json!({"kind": "synthetic"}),
+        DataSource::Tokens { path, dtype, eval } => json!({
+            "kind": "tokens",
+            "path": abs(path),
+            "dtype": match dtype {
+                shardplan_frontends::TokenDType::U16 => "u16",
+                shardplan_frontends::TokenDType::U32 => "u32",
+            },
+            "eval": eval.as_ref().map(|e| json!({"path": abs(&e.path), "every": e.every, "batches": e.batches})),
+        }),
+    }
+}
+
+fn optimizer_literal(o: &Optimizer) -> Value {
+    match *o {
+        Optimizer::AdamW {
+            lr,
+            betas,
+            eps,
+            weight_decay,
+        } => json!({"name": "adamw", "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}),
+        Optimizer::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => json!({"name": "sgd", "lr": lr, "momentum": momentum, "weight_decay": weight_decay}),
+    }
+}
+
+/// Per instruction of `prog`: the number of compute-stream instructions issued before the
+/// point of the compute stream it waits for, through events and its stream's order (`None`:
+/// it waits for none). A compute instruction's own is its position on the compute stream.
+fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
+    let idx = |s: Stream| Stream::ALL.iter().position(|&x| x == s).unwrap_or(0);
+    let mut stream_gate: Vec<Option<usize>> = vec![None; Stream::ALL.len()];
+    let mut event_gate: Vec<Option<usize>> = vec![None; events as usize];
+    let mut computed = 0usize;
+    let mut out = Vec::with_capacity(prog.instrs.len());
+    for x in &prog.instrs {
+        let s = idx(x.stream);
+        if x.stream == Stream::Compute {
+            stream_gate[s] = Some(computed);
+        }
+        match &x.instr {
+            Instr::Record { event } => {
+                if let Some(slot) = event_gate.get_mut(event.index()) {
+                    *slot = stream_gate[s];
+                }
+            }
+            Instr::Wait { event } => {
+                let e = event_gate.get(event.index()).copied().flatten();
+                stream_gate[s] = stream_gate[s].max(e);
+            }
+            _ => {}
+        }
+        out.push(stream_gate[s]);
+        if x.stream == Stream::Compute {
+            computed += 1;
+        }
+    }
+    out
+}
+
+/// The pass a step belongs to for FSDP2's hooks: forward, or backward (recompute included).
+fn pass(p: Phase) -> usize {
+    usize::from(p != Phase::Forward)
+}
+
+type Lists = BTreeMap<(u32, usize, usize), Vec<usize>>;
+
+/// The explicit prefetch lists one program implies: `(micro, pass, trigger group) -> groups`.
+fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Result<Lists, CliError> {
+    let gates = compute_gates(prog, plan.events);
+    // Compute instructions in compute-stream order: (issue index, step, micro).
+    let computes: Vec<(usize, usize, u32)> = prog
+        .instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| x.stream == Stream::Compute)
+        .map(|(i, x)| match &x.instr {
+            Instr::Compute { step, micro, .. } => (i, step.index(), *micro),
+            _ => (i, usize::MAX, u32::MAX),
+        })
+        .collect();
+    // The first step of each (micro, pass, group): where FSDP2's pre-hooks fire.
+    let mut first: BTreeMap<(u32, usize, usize), usize> = BTreeMap::new();
+    for &(_, st, micro) in &computes {
+        if let Some(s) = plan.steps.get(st) {
+            first.entry((micro, pass(s.phase), s.group.index())).or_insert(st);
+        }
+    }
+    let mut lists: Lists = BTreeMap::new();
+    for (i, x) in prog.instrs.iter().enumerate() {
+        let Instr::AllGather { group, dst, .. } = &x.instr else {
+            continue;
+        };
+        let g = group.index();
+        let at = |why: String| {
+            origin.refuse(
+                &format!("programs[{pi}].instrs[{i}]"),
+                why,
+                "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; re-plan with `shardplan plan`, or move the all-gather to the start of a group's step",
+            )
+        };
+        // The step that reads the gathered buffer first, and the compute step issued next
+        // after the point the gather waits for.
+        let reader = computes.iter().find(|&&(ci, _, _)| {
+            ci > i && matches!(&prog.instrs[ci].instr, Instr::Compute { reads, .. } if reads.contains(dst))
+        });
+        let Some(&(_, rstep, rmicro)) = reader else {
+            return Err(at(format!("the all-gather of group {g} is never read")));
+        };
+        let trigger_pos = gates[i].unwrap_or(0);
+        let Some(&(_, tstep, tmicro)) = computes[trigger_pos.min(computes.len())..]
+            .iter()
+            .find(|c| c.1 != usize::MAX)
+        else {
+            return Err(at(format!("the all-gather of group {g} waits for no compute step")));
+        };
+        let (ts, rs) = (&plan.steps[tstep], &plan.steps[rstep]);
+        if tmicro != rmicro || pass(ts.phase) != pass(rs.phase) {
+            return Err(at(format!(
+                "group {g}'s all-gather for `{}` is issued during another pass or micro-batch (at `{}`)",
+                rs.label, ts.label
+            )));
+        }
+        let key = (tmicro, pass(ts.phase), ts.group.index());
+        if first.get(&key) != Some(&tstep) {
+            return Err(at(format!(
+                "group {g}'s all-gather is issued at `{}`, inside group {}'s {} but not at its start",
+                ts.label,
+                ts.group.index(),
+                if pass(ts.phase) == 0 { "forward" } else { "backward" }
+            )));
+        }
+        if ts.group.index() != g {
+            lists.entry(key).or_default().push(g);
+        }
+    }
+    Ok(lists)
+}
+
+/// The non-gather instructions' compute gates per stream, for comparing two programs that
+/// issue the same instructions on every stream.
+fn other_gates(prog: &Program, events: u32) -> Vec<(Stream, Option<usize>)> {
+    let gates = compute_gates(prog, events);
+    prog.instrs
+        .iter()
+        .zip(gates)
+        .filter(|(x, _)| {
+            x.stream != Stream::Compute
+                && !matches!(
+                    x.instr,
+                    Instr::AllGather { .. } | Instr::Record { .. } | Instr::Wait { .. }
+                )
+                && x.stream != Stream::AllGather
+        })
+        .map(|(x, g)| (x.stream, g))
+        .collect()
+}
+
+/// FSDP2's explicit prefetch lists, as Python literals `[(module, [modules]), ...]`.
+fn prefetch_lists(
+    plan: &Plan,
+    g: &Graph,
+    parallel: &ParallelConfig,
+    joint: &JointGraph,
+    origin: &Origin,
+) -> Result<(Value, Value), CliError> {
+    let key_of = |k: usize| -> String {
+        plan.groups[k]
+            .group
+            .scopes
+            .first()
+            .map_or("<root>".to_string(), |&s: &ScopeId| {
+                g.scope(s).display_path().to_string()
+            })
+    };
+    // Reductions, all-reduces and copies must wait where the plan's own schedule has them:
+    // FSDP2's post-backward hooks issue them, and nothing moves them.
+    if let Origin::PlanFile(_) = origin {
+        if let Ok(fresh) = shardplan_planner::plan(joint, parallel) {
+            for (pi, prog) in plan.programs.iter().enumerate() {
+                let Some(mine) = fresh.programs.get(pi) else { continue };
+                if other_gates(prog, plan.events) != other_gates(mine, fresh.events) {
+                    return Err(origin.refuse(
+                        &format!("programs[{pi}]"),
+                        "the edited program moves a reduce-scatter, all-reduce or copy away from the point FSDP2's hooks issue it".into(),
+                        "edit only where all-gathers are issued (prefetch), or re-plan with `shardplan plan`",
+                    ));
+                }
+            }
+        }
+    }
+    let mut lists: Option<Lists> = None;
+    for (pi, prog) in plan.programs.iter().enumerate() {
+        let l = program_lists(plan, prog, pi, origin)?;
+        // Every micro-batch must prefetch alike (the lists are set once).
+        let per_micro: Vec<Lists> = (0..plan.policy.grad_accum as u32)
+            .map(|m| {
+                l.iter()
+                    .filter(|((mi, _, _), _)| *mi == m)
+                    .map(|(&(_, p, t), v)| ((0, p, t), v.clone()))
+                    .collect()
+            })
+            .collect();
+        if per_micro.windows(2).any(|w| w[0] != w[1]) {
+            return Err(origin.refuse(
+                &format!("programs[{pi}]"),
+                "the micro-batches of the step prefetch differently; FSDP2's prefetch lists are the same for every micro-batch".into(),
+                "prefetch alike in every micro-batch, or re-plan with `shardplan plan`",
+            ));
+        }
+        let l = per_micro.into_iter().next().unwrap_or_default();
+        match &lists {
+            None => lists = Some(l),
+            Some(prev) if *prev != l => {
+                return Err(origin.refuse(
+                    &format!("programs[{pi}]"),
+                    "ranks prefetch differently; FSDP2 runs one program on every rank".into(),
+                    "give every rank the same issue order",
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let lists = lists.unwrap_or_default();
+    let mut fwd = Vec::new();
+    let mut bwd = Vec::new();
+    for ((_, p, t), v) in &lists {
+        let entry = json!([key_of(*t), v.iter().map(|&k| key_of(k)).collect::<Vec<_>>()]);
+        if *p == 0 {
+            fwd.push(entry);
+        } else {
+            bwd.push(entry);
+        }
+    }
+    // FSDP2 prefetches the next module in backward by itself when a module has no list;
+    // every group the plan does not prefetch from lists itself (a no-op), so nothing is
+    // gathered earlier than planned.
+    for k in 0..plan.groups.len() {
+        if !lists.contains_key(&(0, 1, k))
+            && plan
+                .steps
+                .iter()
+                .any(|s| s.group.index() == k && s.phase != Phase::Forward)
+        {
+            bwd.push(json!([key_of(k), [key_of(k)]]));
+        }
+    }
+    Ok((Value::Array(fwd), Value::Array(bwd)))
+}
+
+/// A JSON value as a Python literal: one top-level item per line for lists of rows and
+/// dicts, the rest inline.
+fn python(v: &Value, depth: usize) -> String {
+    match v {
+        Value::Null => "None".into(),
+        Value::Bool(b) => if *b { "True" } else { "False" }.into(),
+        Value::Number(n) => n.to_string(),
+        Value::String(_) => v.to_string(),
+        Value::Array(a) => {
+            let items: Vec<String> = a.iter().map(|x| python(x, depth + 1)).collect();
+            if depth == 0 && a.iter().any(|x| x.is_array() || x.is_object()) {
+                format!(
+                    "[\n{}]",
+                    items.iter().map(|i| format!("    {i},\n")).collect::<String>()
+                )
+            } else {
+                format!("[{}]", items.join(", "))
+            }
+        }
+        Value::Object(o) => dict(o, depth),
+    }
+}
+
+fn dict(o: &Map<String, Value>, depth: usize) -> String {
+    let items: Vec<String> = o
+        .iter()
+        .map(|(k, x)| format!("{}: {}", Value::String(k.clone()), python(x, depth + 1)))
+        .collect();
+    if depth == 0 && items.len() > 3 {
+        format!(
+            "{{\n{}}}",
+            items.iter().map(|i| format!("    {i},\n")).collect::<String>()
+        )
+    } else {
+        format!("{{{}}}", items.join(", "))
+    }
+}

@@ -1,0 +1,745 @@
+#!/usr/bin/env python3
+# @@HEADER@@
+#
+# Run it with one process per rank:
+#   torchrun --nproc-per-node N train.py [--steps K] [--log-file FILE] [--init-from W.safetensors]
+#            [--device cpu|cuda] [--track-memory]
+# (`--log FILE` works when the script is started without torchrun, whose parser reads `--log`
+# as its own `--log-dir`.) gloo on the CPU, NCCL on GPUs. It needs torch (2.6 or later: the public FSDP2 API) and,
+# for --init-from, safetensors. One JSON line per step goes to --log-file (and the last one to
+# stdout): step, loss, step_seconds, tokens_per_second, peak_allocated, peak_reserved
+# (bytes; on a GPU torch.cuda.max_memory_*, on the CPU with --track-memory FSDPMemTracker's
+# peak, else null). `shardplan plan --compare FILE` reads that file as it is.
+#
+# Everything the plan decided is written below as literals; the code after them is the same
+# for every plan. Editing a literal changes the run, and the run is then no longer the plan.
+
+# @@PLAN@@
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 / 2.5
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+MASK64 = (1 << 64) - 1
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="Train the model of a shardplan plan under PyTorch FSDP2, as planned.")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps (the learning-rate schedule spans them)")
+    # `--log-file`: torchrun's own parser takes `--log` for an abbreviation of its `--log-dir`.
+    ap.add_argument("--log-file", "--log", dest="log", default=None,
+                    help="append one JSON line per step to this file (rank 0)")
+    ap.add_argument("--init-from", default=None, help="initial weights: a safetensors file with Hugging Face names")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--track-memory", action="store_true",
+                    help="CPU: measure each step's peak with FSDPMemTracker (slower)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
+    a = ap.parse_args(argv)
+    if a.steps < 1:
+        ap.error("--steps must be at least 1")
+    return a
+
+
+# ---------------------------------------------------------------- shardplan's counter-based generator
+# Every initial weight and every batch is a pure function of (seed, stream, index), as in
+# `shardplan train`, so both runs see the same numbers on any mesh.
+
+def _signed(x):
+    x &= MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(z, k):
+    """Logical right shift of int64 tensors holding uint64 bits."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z):
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic)."""
+    z = (z ^ _srl(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ _srl(z, 31)
+
+
+def _mix_int(z):
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed, stream, index):
+    """Uniforms in (0, 1), float64, for an int64 tensor of indices."""
+    base = (_mix_int(_mix_int(seed ^ 0x5851F42D4C957F2D) + stream)) & MASK64
+    h = _mix(index + _signed(base))
+    return (_srl(h, 11).to(torch.float64) + 0.5) / float(1 << 53)
+
+
+def normal(seed, stream, index):
+    """Standard normals (Box-Muller on each even/odd pair), float64."""
+    pair = index & ~1
+    u1, u2 = uniform(seed, stream, pair), uniform(seed, stream, pair + 1)
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    angle = 2.0 * math.pi * u2
+    return torch.where((index & 1) == 0, r * torch.cos(angle), r * torch.sin(angle))
+
+
+# ---------------------------------------------------------------- the model, as shardplan traces it
+# Module paths are shardplan's scopes (what `wrap_modules` and the groups name); parameter
+# names are Hugging Face's, mapped in hf_names().
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        # Computed in f32 and rounded once, as shardplan's kernel does.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight.float()
+        return y.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: weight [in, out], y = x @ W + b."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(n_out))
+
+    def forward(self, x):
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def activation(name):
+    return {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "relu": F.relu,
+    }[name]
+
+
+def attention(q, k, v):
+    """Causal attention; q [b, s, h, d], k and v [b, s, kv, d] -> [b, s, h, d]."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class Rope:
+    """Rotary tables (rotate-half), from the plan's inverse frequencies, in f64 then cast."""
+
+    def __init__(self, inv_freq, factor):
+        self.inv_freq, self.factor, self.cache = inv_freq, factor, {}
+
+    def tables(self, seq, dtype, device):
+        key = (seq, dtype, str(device))
+        if key not in self.cache:
+            pos = torch.arange(seq, dtype=torch.float64)
+            ang = torch.outer(pos, torch.tensor(self.inv_freq, dtype=torch.float64))
+            cos, sin = (ang.cos() * self.factor), (ang.sin() * self.factor)
+            self.cache[key] = (cos.to(dtype).to(device)[:, None, :], sin.to(dtype).to(device)[:, None, :])
+        return self.cache[key]
+
+    def apply(self, x):
+        """x [b, s, h, d]."""
+        cos, sin = self.tables(x.shape[1], x.dtype, x.device)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, m, rope):
+        super().__init__()
+        hd = m["head_dim"]
+        self.heads, self.kv_heads, self.head_dim, self.rope = m["n_heads"], m["n_kv_heads"], hd, rope
+        bias = m["qkv_bias"]
+        self.q_proj = nn.Linear(m["dim"], m["n_heads"] * hd, bias=bias)
+        self.k_proj = nn.Linear(m["dim"], m["n_kv_heads"] * hd, bias=bias)
+        self.v_proj = nn.Linear(m["dim"], m["n_kv_heads"] * hd, bias=bias)
+        self.o_proj = nn.Linear(m["n_heads"] * hd, m["dim"], bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        a = attention(self.rope.apply(q), self.rope.apply(k), v)
+        return self.o_proj(a.reshape(b, s, self.heads * self.head_dim))
+
+
+class LlamaMlp(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.gate_proj = nn.Linear(m["dim"], m["ffn_dim"], bias=False)
+        self.up_proj = nn.Linear(m["dim"], m["ffn_dim"], bias=False)
+        self.down_proj = nn.Linear(m["ffn_dim"], m["dim"], bias=False)
+        self.act = activation(m["activation"])
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """A transformer block; `checkpoint` (set by apply_checkpointing) recomputes it in backward."""
+
+    checkpoint = None
+
+    def forward(self, x):
+        if self.checkpoint is None:
+            return self.body(x)
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.body, x, use_reentrant=False, **self.checkpoint())
+
+
+class LlamaBlock(Block):
+    def __init__(self, m, rope):
+        super().__init__()
+        self.attention_norm = RMSNorm(m["dim"], m["norm_eps"])
+        self.attention = LlamaAttention(m, rope)
+        self.ffn_norm = RMSNorm(m["dim"], m["norm_eps"])
+        self.feed_forward = LlamaMlp(m)
+
+    def body(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Head(nn.Module):
+    """The output projection; tied to the token embedding when `table` is given."""
+
+    def __init__(self, dim, vocab, table=None):
+        super().__init__()
+        self.table = [table] if table is not None else None  # a list: not a submodule
+        if table is None:
+            self.weight = nn.Parameter(torch.empty(vocab, dim))
+
+    def forward(self, x):
+        w = self.table[0].weight if self.table is not None else self.weight
+        return F.linear(x, w)
+
+
+class Loss(nn.Module):
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class Llama(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        rope = Rope(m["rope_inv_freq"], m["rope_attention_factor"])
+        self.tok_embeddings = nn.Embedding(m["vocab_size"], m["dim"])
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(m, rope) for i in range(m["n_layers"])})
+        self.norm = RMSNorm(m["dim"], m["norm_eps"])
+        self.output = Head(m["dim"], m["vocab_size"], self.tok_embeddings if m["tie_embeddings"] else None)
+        self.loss = Loss()
+
+    def forward(self, tokens, targets):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.loss(self.output(self.norm(x)), targets)
+
+    @staticmethod
+    def hf_names(m):
+        """shardplan module path of each parameter -> its Hugging Face name."""
+        names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+        if not m["tie_embeddings"]:
+            names["output.weight"] = "lm_head.weight"
+        for i in range(m["n_layers"]):
+            p, q = f"layers.{i}", f"model.layers.{i}"
+            names[f"{p}.attention_norm.weight"] = f"{q}.input_layernorm.weight"
+            names[f"{p}.ffn_norm.weight"] = f"{q}.post_attention_layernorm.weight"
+            for proj in ["q_proj", "k_proj", "v_proj", "o_proj"]:
+                names[f"{p}.attention.{proj}.weight"] = f"{q}.self_attn.{proj}.weight"
+            if m["qkv_bias"]:
+                for proj in ["q_proj", "k_proj", "v_proj"]:
+                    names[f"{p}.attention.{proj}.bias"] = f"{q}.self_attn.{proj}.bias"
+            for proj in ["gate_proj", "up_proj", "down_proj"]:
+                names[f"{p}.feed_forward.{proj}.weight"] = f"{q}.mlp.{proj}.weight"
+        return names
+
+
+class Gpt2Attention(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.heads, self.dim = m["n_heads"], m["dim"]
+        self.c_attn = Conv1D(m["dim"], 3 * m["dim"])
+        self.c_proj = Conv1D(m["dim"], m["dim"])
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads) for t in self.c_attn(x).split(d, dim=2))
+        return self.c_proj(attention(q, k, v).reshape(b, s, d))
+
+
+class Gpt2Mlp(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.c_fc = Conv1D(m["dim"], m["ffn_dim"])
+        self.c_proj = Conv1D(m["ffn_dim"], m["dim"])
+        self.act = activation(m["activation"])
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Gpt2Block(Block):
+    def __init__(self, m):
+        super().__init__()
+        self.ln_1 = LayerNorm(m["dim"], m["norm_eps"])
+        self.attn = Gpt2Attention(m)
+        self.ln_2 = LayerNorm(m["dim"], m["norm_eps"])
+        self.mlp = Gpt2Mlp(m)
+
+    def body(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gpt2(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.wte = nn.Embedding(m["vocab_size"], m["dim"])
+        self.wpe = nn.Embedding(m["max_seq_len"], m["dim"])
+        self.h = nn.ModuleDict({str(i): Gpt2Block(m) for i in range(m["n_layers"])})
+        self.ln_f = LayerNorm(m["dim"], m["norm_eps"])
+        self.lm_head = Head(m["dim"], m["vocab_size"], self.wte)
+        self.loss = Loss()
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
+        for layer in self.h.values():
+            x = layer(x)
+        return self.loss(self.lm_head(self.ln_f(x)), targets)
+
+    @staticmethod
+    def hf_names(m):
+        names = {
+            "wte.weight": "transformer.wte.weight",
+            "wpe.weight": "transformer.wpe.weight",
+            "ln_f.weight": "transformer.ln_f.weight",
+            "ln_f.bias": "transformer.ln_f.bias",
+        }
+        for i in range(m["n_layers"]):
+            for sub in ["ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]:
+                for leaf in ["weight", "bias"]:
+                    names[f"h.{i}.{sub}.{leaf}"] = f"transformer.h.{i}.{sub}.{leaf}"
+        return names
+
+
+FAMILIES = {"llama": Llama, "gpt2": Gpt2}
+
+
+def build_model():
+    """The model on the meta device (weights are made after sharding, on each rank's shard)."""
+    cls = FAMILIES[MODEL["family"]]
+    with torch.device("meta"):
+        model = cls(MODEL)
+    names = cls.hf_names(MODEL)
+    have = dict(model.named_parameters())
+    planned = {name: shape for name, shape, _ in PARAMS}
+    if set(names) != set(have) or set(names.values()) != set(planned):
+        raise SystemExit("error: the model's parameters differ from the plan's PARAMS (was the program edited?)")
+    for path, hf in names.items():
+        if list(have[path].shape) != planned[hf]:
+            raise SystemExit(f"error: {hf} has shape {list(have[path].shape)}, the plan says {planned[hf]}")
+    return model, names
+
+
+def module_at(model, path):
+    return model if path == "<root>" else model.get_submodule(path)
+
+
+# ---------------------------------------------------------------- the plan's decisions
+
+def selective_policy(save):
+    """torch.utils.checkpoint's op policy: keep attention and/or every (or every odd) matmul."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    attention_ops = {
+        getattr(aten, n).default
+        for n in [
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        ]
+        if hasattr(aten, n)
+    }
+    matmul_ops = {aten.mm.default, aten.addmm.default}
+
+    def contexts():
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            if func in attention_ops and "attention" in save:
+                return CheckpointPolicy.MUST_SAVE
+            if func in matmul_ops:
+                mode = "recompute" if ctx.is_recompute else "forward"
+                counts[mode] += 1
+                if "matmuls" in save or ("odd_matmuls" in save and counts[mode] % 2 == 1):
+                    return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return {"context_fn": lambda: create_selective_checkpoint_contexts(policy)}
+
+    return contexts
+
+
+def apply_checkpointing(model):
+    """Activation checkpointing of the blocks the plan names, before sharding."""
+    kind = CHECKPOINTING["kind"]
+    if kind == "none":
+        return
+    make = selective_policy(CHECKPOINTING["save"]) if kind == "selective" else (lambda: {})
+    for path in CHECKPOINTING["blocks"]:
+        module_at(model, path).checkpoint = make
+
+
+def make_mesh(device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if MESH["replicate"] > 1:
+        return init_device_mesh(device.type, (MESH["replicate"], MESH["shard"]), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (MESH["shard"],), mesh_dim_names=("shard",))
+
+
+def apply_fully_shard(model, mesh, device):
+    """fully_shard per planned group, innermost modules first, the root last."""
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
+                              reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])
+    kw = {"mesh": mesh, "mp_policy": mp}
+    if OFFLOAD:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    order = sorted(range(len(GROUPS)), key=lambda i: (GROUPS[i]["modules"] == [],
+                                                      -max((m.count(".") for m in GROUPS[i]["modules"]), default=0), i))
+    for i in order:
+        g = GROUPS[i]
+        modules = [module_at(model, m) for m in g["modules"]] or [model]
+        fully_shard(modules if len(modules) > 1 else modules[0],
+                    reshard_after_forward=g["reshard_after_forward"], **kw)
+
+
+def set_prefetch(model):
+    """The plan's all-gather issue order as FSDP2's explicit prefetch lists."""
+    for key, targets in FORWARD_PREFETCH:
+        module_at(model, key).set_modules_to_forward_prefetch([module_at(model, t) for t in targets])
+    for key, targets in BACKWARD_PREFETCH:
+        module_at(model, key).set_modules_to_backward_prefetch([module_at(model, t) for t in targets])
+
+
+def local_rows(param):
+    """The rows of the full parameter this rank holds (FSDP2 shards dim 0 as torch.chunk)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    n = param.shape[0]
+    if not hasattr(param, "device_mesh"):
+        return 0, n, local
+    mesh = param.device_mesh
+    shard_dim = mesh.ndim - 1
+    ws = mesh.size(shard_dim)
+    r = mesh.get_local_rank(shard_dim)
+    chunk = -(-n // ws)
+    start = min(r * chunk, n)
+    return start, min(start + local.shape[0], n), local
+
+
+def init_weights(model, names, init_from):
+    """Each rank writes its own rows: shardplan's initialisation, or a safetensors file's."""
+    by_hf = {hf: (shape, init) for hf, shape, init in PARAMS}
+    reader = None
+    if init_from:
+        from safetensors import safe_open
+
+        reader = safe_open(init_from, framework="pt", device="cpu")
+        missing = sorted(set(by_hf) - set(reader.keys()))
+        if missing:
+            raise SystemExit(f"error: {init_from} lacks {len(missing)} parameters, e.g. {missing[0]}")
+    with torch.no_grad():
+        for path, p in model.named_parameters():
+            hf = names[path]
+            shape, init = by_hf[hf]
+            start, end, local = local_rows(p)
+            if end <= start:
+                continue
+            if reader is not None:
+                t = reader.get_slice(hf)
+                if list(t.get_shape()) != shape:
+                    raise SystemExit(f"error: {init_from}: {hf} has shape {t.get_shape()}, the model needs {shape}")
+                local.copy_(t[start:end].to(local.dtype))
+                continue
+            if init[0] == "constant":
+                local.fill_(init[1])
+                continue
+            _, std, stream = init
+            row = math.prod(shape[1:])
+            flat = local.view(-1)
+            step = 1 << 22
+            for lo in range(0, flat.numel(), step):
+                idx = torch.arange(start * row + lo, start * row + min(lo + step, flat.numel()),
+                                   dtype=torch.int64, device=flat.device)
+                flat[lo: lo + idx.numel()].copy_((std * normal(SEED, stream, idx)).to(torch.float32))
+
+
+# ---------------------------------------------------------------- the batches of `shardplan train`
+
+class Batches:
+    """This rank's rows of each global micro-batch (`per_rank x world` rows, split by rank)."""
+
+    def __init__(self, source, rank, world, rows_per_rank, seq, vocab):
+        self.source, self.rank, self.world = source, rank, world
+        self.per, self.seq, self.vocab = rows_per_rank, seq, vocab
+        self.rows = rows_per_rank * world
+        self.position = 0
+        if source["kind"] == "synthetic":
+            self.perm = self.permutation()
+        else:
+            self.file = open(source["path"], "rb")
+            self.width = 2 if source["dtype"] == "u16" else 4
+            n = os.fstat(self.file.fileno()).st_size // self.width
+            if n <= seq:
+                raise SystemExit(f"error: {source['path']} holds {n} tokens; a sequence of {seq} needs {seq + 1}")
+            self.starts = n - seq
+
+    def permutation(self):
+        v = self.vocab
+        u = uniform(SEED, _signed(MASK64), torch.arange(v, dtype=torch.int64)).tolist()
+        perm = list(range(v))
+        for i in range(v - 1, 0, -1):
+            j = min(int(u[i] * (i + 1)), i)
+            perm[i], perm[j] = perm[j], perm[i]
+        return torch.tensor(perm, dtype=torch.int64)
+
+    def window(self, start):
+        self.file.seek(start * self.width)
+        raw = self.file.read((self.seq + 1) * self.width)
+        ids = struct.unpack(f"<{self.seq + 1}{'H' if self.width == 2 else 'I'}", raw)
+        if max(ids) >= self.vocab:
+            raise SystemExit(f"error: {self.source['path']}: token id {max(ids)} is outside the vocabulary of {self.vocab}")
+        return ids
+
+    def at(self, position):
+        """(tokens [per, seq], targets [per, seq]) of this rank at micro-batch `position`."""
+        streams = torch.arange(self.per, dtype=torch.int64) + position * self.rows + self.rank * self.per
+        if self.source["kind"] == "synthetic":
+            u = uniform(SEED, _signed(MASK64 - 1), streams)
+            t = (u * self.vocab).to(torch.int64).clamp(max=self.vocab - 1)
+            out = [t]
+            for _ in range(self.seq):
+                t = self.perm[t]
+                out.append(t)
+            ids = torch.stack(out, dim=1)
+        else:
+            u = uniform(SEED, _signed(MASK64 - 4), streams).tolist()
+            ids = torch.tensor([self.window(min(int(x * self.starts), self.starts - 1)) for x in u], dtype=torch.int64)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+    def next(self):
+        b = self.at(self.position)
+        self.position += 1
+        return b
+
+
+# ---------------------------------------------------------------- optimizer and schedule
+
+def make_optimizer(model):
+    o = OPTIMIZER
+    if o["name"] == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                                 weight_decay=o["weight_decay"])
+    return torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
+
+
+def lr_at(step, total):
+    """Linear warmup from 0, then cosine decay to min_lr_ratio * lr at the last step (0-based step)."""
+    base, s = OPTIMIZER["lr"], LR_SCHEDULE
+    if step < s["warmup_steps"]:
+        return base * (step + 1) / s["warmup_steps"]
+    span = max(total - s["warmup_steps"] - 1, 1)
+    progress = min((step - s["warmup_steps"]) / span, 1.0)
+    low = base * s["min_lr_ratio"]
+    return low + (base - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------- one step
+
+def train_step(model, opt, batches, step, total, device):
+    """grad_accum micro-batches, gradient sync as planned, clipping, one optimizer step."""
+    accum = BATCH["grad_accum"]
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, total)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for micro in range(accum):
+        last = micro + 1 == accum
+        if accum > 1:
+            if BATCH["grad_sync"] == "final_micro_batch":
+                model.set_requires_gradient_sync(last)
+            elif MESH["replicate"] > 1:
+                model.set_requires_all_reduce(last)
+        tokens, targets = (t.to(device) for t in batches.next())
+        loss = model(tokens, targets)
+        (loss / accum).backward()
+        loss_sum += loss.detach().double()
+    if GRAD_CLIP is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    # The loss of the global batch: the mean over every rank and micro-batch.
+    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    return loss_sum.item() / (accum * dist.get_world_size())
+
+
+def evaluate(model, device, rank, world):
+    """The validation loss: the mean over the first `batches` global batches of the val file."""
+    ev = DATA["eval"]
+    val = Batches({"kind": "tokens", "path": ev["path"], "dtype": DATA["dtype"]}, rank, world,
+                  BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for k in range(ev["batches"]):
+            tokens, targets = (t.to(device) for t in val.at(k))
+            total += model(tokens, targets).double()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (ev["batches"] * world)
+
+
+class MemoryMeter:
+    """Each step's peak: the CUDA allocator's, or FSDPMemTracker's on the CPU."""
+
+    def __init__(self, model, opt, device, track):
+        self.device, self.tracker = device, None
+        if device.type == "cpu" and track:
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            self.tracker = FSDPMemTracker(model, opt)
+
+    def run(self, fn):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            out = fn()
+            return out, torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+        if self.tracker is None:
+            return fn(), None, None
+        self.tracker.reset_mod_stats()
+        with self.tracker:
+            out = fn()
+        peak = self.tracker.get_tracker_snapshot("peak")
+        return out, max((s.get("Total", 0) for s in peak.values()), default=0), None
+
+
+def start(device_kind):
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != MESH["replicate"] * MESH["shard"]:
+        raise SystemExit(f"error: the plan's mesh is {MESH['replicate']} x {MESH['shard']} ranks; started with {world} "
+                         f"(run torchrun --nproc-per-node {MESH['replicate'] * MESH['shard']})")
+    if device_kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    return device, rank, world
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device, rank, world = start(a.device)
+    try:
+        run(a, device, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(a, device, rank, world):
+    model, names = build_model()
+    apply_checkpointing(model)
+    mesh = make_mesh(device)
+    apply_fully_shard(model, mesh, device)
+    set_prefetch(model)
+    model.to_empty(device="cpu" if OFFLOAD else device)
+    init_weights(model, names, a.init_from)
+    opt = make_optimizer(model)
+    batches = Batches(DATA, rank, world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
+    meter = MemoryMeter(model, opt, device, a.track_memory)
+    tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * world * BATCH["grad_accum"]
+    log = open(a.log, "a") if a.log and rank == 0 else None
+    for step in range(a.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss, alloc, reserved = meter.run(lambda: train_step(model, opt, batches, step, a.steps, device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        peaks = torch.tensor([alloc or 0, reserved or 0], dtype=torch.float64)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        line = {
+            "step": step + 1,
+            "loss": loss,
+            "step_seconds": seconds,
+            "tokens_per_second": tokens_per_step / seconds,
+            "peak_allocated": int(peaks[0]) if alloc is not None else None,
+            "peak_reserved": int(peaks[1]) if reserved is not None else None,
+        }
+        ev = DATA.get("eval")
+        if ev and ((step + 1) % ev["every"] == 0 or step + 1 == a.steps):
+            line["val_loss"] = evaluate(model, device, rank, world)
+        if not math.isfinite(loss):
+            raise SystemExit(f"error: non-finite loss {loss} at step {step + 1}")
+        if rank == 0:
+            text = json.dumps(line)
+            if log:
+                log.write(text + "\n")
+                log.flush()
+            if step + 1 == a.steps:
+                print(text)
+            else:
+                print(text, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
