@@ -598,7 +598,7 @@ def lr_at(step, total):
 
 # ---------------------------------------------------------------- one step
 
-def train_step(model, opt, batches, step, total, device):
+def train_step(model, opt, batches, step, total, device, meter):
     """grad_accum micro-batches, gradient sync as planned, clipping, one optimizer step."""
     accum = BATCH["grad_accum"]
     for group in opt.param_groups:
@@ -611,6 +611,8 @@ def train_step(model, opt, batches, step, total, device):
                 model.set_requires_gradient_sync(last)
             elif MESH["replicate"] > 1:
                 model.set_requires_all_reduce(last)
+        if micro > 0:
+            meter.next_micro_batch()
         tokens, targets = (t.to(device) for t in batches.next())
         loss = model(tokens, targets)
         (loss / accum).backward()
@@ -647,6 +649,11 @@ class MemoryMeter:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             self.tracker = FSDPMemTracker(model, opt)
+
+    def next_micro_batch(self):
+        # FSDPMemTracker takes one forward per module; its peak survives this reset.
+        if self.tracker is not None:
+            self.tracker.reset_mod_stats()
 
     def run(self, fn):
         if self.device.type == "cuda":
@@ -711,7 +718,7 @@ def run(a, device, rank, world):
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
-        loss, alloc, reserved = meter.run(lambda: train_step(model, opt, batches, step, a.steps, device))
+        loss, alloc, reserved = meter.run(lambda: train_step(model, opt, batches, step, a.steps, device, meter))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0

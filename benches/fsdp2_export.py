@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""`shardplan export fsdp2` held against `shardplan train` and the dry run, on 4 CPU ranks.
+
+  python3 benches/fsdp2_export.py [--shardplan target/debug/shardplan] [--python PYTHON]
+      [--size tiny|small] [--steps 10] [--configs a,b] [--models llama,gpt2] [--out DIR]
+
+For each model (a Llama with GQA, and GPT-2) and each configuration it writes a parallel
+spec, exports it (`shardplan export fsdp2`), runs the program under torchrun (4 processes,
+gloo, FSDPMemTracker on every rank: `--track-memory`), runs `shardplan train` on the same
+spec, and compares:
+  - the losses of every step: the largest relative difference;
+  - FSDPMemTracker's peak (the largest over the steps after the first: AdamW's state exists
+    from then on) against the dry run's FSDP2 prediction (`runtime: fsdp2` when this
+    shardplan knows it, else `kernels: eager`) and against shardplan's own plan.
+Configurations: 1x4, HSDP 2x2, reshard_after_forward false, prefetch 2, full and selective
+checkpointing, grad_accum 2 with both grad_sync settings, bf16 parameters with f32
+reduction, CPU offload, and 1x4 started from a safetensors file (`--init-from`).
+
+Prints a table and writes DIR/summary.json; exits 1 when a loss differs by more than the
+tolerance (1e-4 relative; 2e-2 for bf16) or a peak misses its bound (--memory-check: 5% for
+f32, 10% for bf16), 0 with a message when torch cannot be imported by --python.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+MODELS = {
+    "tiny": {
+        "llama": "family: llama\nname: llama-check\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n"
+                 "n_kv_heads: 2\nffn_dim: 128\nnorm_eps: 1.0e-5\nrope_theta: 10000\nmax_seq_len: 128\n",
+        "gpt2": "family: gpt2\nname: gpt2-check\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n"
+                "ffn_dim: 256\nmax_seq_len: 128\n",
+        "batch": "batch: {per_rank: 2, seq_len: 16",
+    },
+    "small": {
+        "llama": "family: llama\nname: llama-check\nvocab_size: 4096\ndim: 256\nn_layers: 4\nn_heads: 4\n"
+                 "n_kv_heads: 2\nffn_dim: 688\nnorm_eps: 1.0e-5\nrope_theta: 10000\nmax_seq_len: 512\n",
+        "gpt2": "family: gpt2\nname: gpt2-check\nvocab_size: 4096\ndim: 256\nn_layers: 4\nn_heads: 4\n"
+                "ffn_dim: 1024\nmax_seq_len: 512\n",
+        "batch": "batch: {per_rank: 2, seq_len: 256",
+    },
+}
+
+# name: (extra spec lines, batch extras, bf16?)
+CONFIGS = {
+    "1x4": ("", "", False),
+    "hsdp-2x2": ("mesh: {replicate: 2, shard: 2}\n", "", False),
+    "no-reshard": ("reshard_after_forward: false\n", "", False),
+    "prefetch-2": ("prefetch: {forward: 2, backward: 2}\n", "", False),
+    "full-ac": ("activation_checkpointing: full\n", "", False),
+    "selective-ac": ("activation_checkpointing: selective\n", "", False),
+    "accum-2-every": ("", ", grad_accum: 2, grad_sync: every_micro_batch", False),
+    "accum-2-final": ("", ", grad_accum: 2, grad_sync: final_micro_batch", False),
+    "bf16": ("mixed_precision: {param: bf16, reduce: f32}\n", "", True),
+    "offload": ("offload: cpu\n", "", False),
+    "init-from": ("", "", False),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shardplan", default=os.path.join(ROOT, "target", "debug", "shardplan"))
+    ap.add_argument("--python", default=sys.executable, help="the Python that has torch")
+    ap.add_argument("--size", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--models", default="llama,gpt2")
+    ap.add_argument("--out", default=os.path.join(ROOT, "target", "fsdp2-export"))
+    ap.add_argument("--memory-check", action="store_true", help="also fail when a peak misses its bound")
+    ap.add_argument("--port", type=int, default=29640)
+    return ap.parse_args(argv)
+
+
+def spec(size, name):
+    extra, batch, _ = CONFIGS[name]
+    mesh = "" if "mesh:" in extra else "mesh: {shard: 4}\n"
+    return (f"{mesh}gpus_per_node: 4\n{extra}{MODELS[size]['batch']}{batch}}}\n"
+            "optimizer: {adamw: {lr: 1.0e-3, weight_decay: 0.1}}\ngrad_clip: 1.0\nseed: 7\n")
+
+
+def run(cmd, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p
+
+
+def losses(path):
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def predicted_peak(a, model, parallel, fsdp2_lines):
+    """The plan's peak per rank for `parallel` plus `fsdp2_lines` (None if it is refused)."""
+    path = parallel.replace(".yaml", "-fsdp2.yaml")
+    with open(parallel) as f, open(path, "w") as g:
+        g.write(f.read() + fsdp2_lines)
+    p = subprocess.run([a.shardplan, "plan", "--model", model, "--parallel", path, "--format", "json"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        return None
+    return json.loads(p.stdout)["memory"]["peak"]
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    probe = subprocess.run([a.python, "-c", "import torch, safetensors"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        print(f"{a.python} cannot import torch and safetensors: nothing to check")
+        return 0
+    os.makedirs(a.out, exist_ok=True)
+    torchrun = [a.python, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    rows, failed = [], []
+    port = a.port
+    for model_name in a.models.split(","):
+        model = os.path.join(a.out, f"{model_name}.yaml")
+        with open(model, "w") as f:
+            f.write(MODELS[a.size][model_name])
+        for name in a.configs.split(","):
+            try:
+                row = check(a, model, model_name, name, torchrun, env, port + len(rows))
+            except RuntimeError as e:
+                print(f"{model_name:6} {name:14} FAILED: {e}", flush=True)
+                failed.append(f"{model_name}/{name}")
+                rows.append({"model": model_name, "config": name, "error": str(e)[-2000:]})
+                continue
+            rows.append(row)
+            if row["failed"]:
+                failed.append(f"{model_name}/{name}")
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    if failed:
+        print("FAILED: " + ", ".join(failed))
+        return 1
+    print(f"all {len(rows)} runs within tolerance")
+    return 0
+
+
+def check(a, model, model_name, name, torchrun, env, port):
+    """One model and configuration: export, run both, compare."""
+    if True:
+        if True:
+            d = os.path.join(a.out, f"{model_name}-{name}")
+            os.makedirs(d, exist_ok=True)
+            parallel = os.path.join(d, "parallel.yaml")
+            with open(parallel, "w") as f:
+                f.write(spec(a.size, name))
+            init = []
+            if name == "init-from":
+                weights = os.path.join(d, "weights.safetensors")
+                run([a.python, "-c", WEIGHTS, model_name, MODELS[a.size][model_name], weights])
+                init = ["--init-from", weights]
+            run([a.shardplan, "export", "fsdp2", "--model", model, "--parallel", parallel, "--out", d])
+            for f in ["fsdp2.jsonl", "shardplan.jsonl"]:
+                if os.path.exists(os.path.join(d, f)):
+                    os.remove(os.path.join(d, f))
+            t0 = time.time()
+            run(torchrun + ["--master-port", str(port), os.path.join(d, "train.py"), "--steps", str(a.steps),
+                            "--log-file", os.path.join(d, "fsdp2.jsonl"), "--track-memory"] + init, env=env)
+            t_torch = time.time() - t0
+            run([a.shardplan, "train", "--model", model, "--parallel", parallel, "--steps", str(a.steps),
+                 "--log", os.path.join(d, "shardplan.jsonl")] + init)
+            ours, theirs = losses(os.path.join(d, "shardplan.jsonl")), losses(os.path.join(d, "fsdp2.jsonl"))
+            rel = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(ours, theirs))
+            bf16 = CONFIGS[name][2]
+            tol = 2e-2 if bf16 else 1e-4
+            peaks = [x["peak_allocated"] for x in theirs[1:] or theirs if x.get("peak_allocated") is not None]
+            measured = max(peaks) if peaks else None
+            fsdp2 = predicted_peak(a, model, parallel, "runtime: fsdp2\n")
+            model_used = "runtime: fsdp2"
+            if fsdp2 is None:
+                fsdp2 = predicted_peak(a, model, parallel, "hardware: {base: h100-sxm, kernels: eager}\n")
+                model_used = "kernels: eager"
+            own = predicted_peak(a, model, parallel, "")
+            ratio = measured / fsdp2 if measured and fsdp2 else None
+            bound = 0.10 if bf16 else 0.05
+            row = {
+                "model": model_name, "config": name, "steps": len(theirs),
+                "loss_first": theirs[0]["loss"], "loss_last": theirs[-1]["loss"],
+                "max_rel_loss_diff": rel, "tolerance": tol,
+                "fsdp2_measured_peak": measured, "fsdp2_predicted_peak": fsdp2, "prediction_model": model_used,
+                "measured_over_predicted": ratio, "shardplan_predicted_peak": own, "torchrun_seconds": t_torch,
+            }
+            bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
+            if a.memory_check and (ratio is None or abs(ratio - 1) > bound):
+                bad = True
+            row["failed"] = bad
+            print(f"{model_name:6} {name:14} loss {theirs[0]['loss']:.4f} -> {theirs[-1]['loss']:.4f}  "
+                  f"max rel diff {rel:.1e} (tol {tol:.0e})  peak {measured} / predicted {fsdp2} "
+                  f"({model_used}) = {ratio:.3f}  shardplan's own {own}  [{t_torch:.0f} s]"
+                  if ratio else f"{model_name:6} {name:14} max rel diff {rel:.1e}", flush=True)
+            return row
+
+
+# Random weights with Hugging Face names, written by the exported program's own model.
+WEIGHTS = r"""
+import sys, torch
+from safetensors.torch import save_file
+family, spec, out = sys.argv[1], sys.argv[2], sys.argv[3]
+cfg = {}
+for line in spec.splitlines():
+    k, v = line.split(": ", 1)
+    cfg[k] = v
+g = torch.Generator().manual_seed(11)
+d, L, V, H = int(cfg["dim"]), int(cfg["n_layers"]), int(cfg["vocab_size"]), int(cfg["n_heads"])
+F = int(cfg["ffn_dim"])
+t = {}
+def w(name, *shape, scale=0.02):
+    t[name] = (torch.randn(*shape, generator=g) * scale).contiguous()
+if family == "llama":
+    kv = int(cfg["n_kv_heads"]); hd = d // H
+    w("model.embed_tokens.weight", V, d); w("lm_head.weight", V, d); w("model.norm.weight", d, scale=1.0)
+    for i in range(L):
+        p = f"model.layers.{i}"
+        w(f"{p}.input_layernorm.weight", d, scale=1.0); w(f"{p}.post_attention_layernorm.weight", d, scale=1.0)
+        w(f"{p}.self_attn.q_proj.weight", H * hd, d); w(f"{p}.self_attn.k_proj.weight", kv * hd, d)
+        w(f"{p}.self_attn.v_proj.weight", kv * hd, d); w(f"{p}.self_attn.o_proj.weight", d, H * hd)
+        w(f"{p}.mlp.gate_proj.weight", F, d); w(f"{p}.mlp.up_proj.weight", F, d); w(f"{p}.mlp.down_proj.weight", d, F)
+else:
+    P = int(cfg["max_seq_len"])
+    w("transformer.wte.weight", V, d); w("transformer.wpe.weight", P, d)
+    w("transformer.ln_f.weight", d, scale=1.0); w("transformer.ln_f.bias", d)
+    for i in range(L):
+        p = f"transformer.h.{i}"
+        for ln in ["ln_1", "ln_2"]:
+            w(f"{p}.{ln}.weight", d, scale=1.0); w(f"{p}.{ln}.bias", d)
+        w(f"{p}.attn.c_attn.weight", d, 3 * d); w(f"{p}.attn.c_attn.bias", 3 * d)
+        w(f"{p}.attn.c_proj.weight", d, d); w(f"{p}.attn.c_proj.bias", d)
+        w(f"{p}.mlp.c_fc.weight", d, F); w(f"{p}.mlp.c_fc.bias", F)
+        w(f"{p}.mlp.c_proj.weight", F, d); w(f"{p}.mlp.c_proj.bias", d)
+save_file(t, out)
+"""
+
+if __name__ == "__main__":
+    sys.exit(main())
