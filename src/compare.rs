@@ -200,6 +200,8 @@ fn one_object(path: &Path, v: &serde_json::Value) -> Result<Measured, SpecError>
 fn log_lines(path: &Path, text: &str) -> Result<Measured, SpecError> {
     let (mut tps, mut step) = (Vec::new(), Vec::new());
     let (mut own_peak, mut dev_alloc, mut dev_reserved) = (None::<u64>, None::<u64>, None::<u64>);
+    // Another framework's log (`export fsdp2`'s train.py): top-level peaks per step.
+    let (mut logged_alloc, mut logged_reserved) = (None::<u64>, None::<u64>);
     let mut rows = 0u64;
     for (i, line) in text.lines().enumerate() {
         let n = Some(i as u64 + 1);
@@ -239,6 +241,12 @@ fn log_lines(path: &Path, text: &str) -> Result<Measured, SpecError> {
                 own_peak = Some(own_peak.map_or(x, |m| m.max(x)));
             }
         }
+        for (key, slot) in [("peak_allocated", &mut logged_alloc), ("peak_reserved", &mut logged_reserved)] {
+            if let Some(x) = number(path, n, &v, key)? {
+                let x = byte_count(path, n, key, x)?;
+                *slot = Some(slot.map_or(x, |m: u64| m.max(x)));
+            }
+        }
         if let Some(devs) = v.get("measured_device").and_then(|p| p.as_array()) {
             for (r, d) in devs.iter().enumerate() {
                 if d.is_null() {
@@ -266,11 +274,13 @@ fn log_lines(path: &Path, text: &str) -> Result<Measured, SpecError> {
                 .collect(),
         )
     };
-    let alloc = match (dev_alloc, own_peak) {
-        (Some(d), _) => Some((d, "CUDA allocator")),
-        (None, Some(o)) => Some((o, "executor's own accounting")),
+    let alloc = match (dev_alloc, own_peak, logged_alloc) {
+        (Some(d), _, _) => Some((d, "CUDA allocator")),
+        (None, Some(o), _) => Some((o, "executor's own accounting")),
+        (None, None, Some(l)) => Some((l, "the log's peak_allocated")),
         _ => None,
     };
+    let dev_reserved = dev_reserved.or(logged_reserved);
     Ok(Measured {
         what: format!(
             "train log, {rows} step{}{}",
@@ -407,6 +417,23 @@ mod tests {
         let p = dir.join(name);
         std::fs::write(&p, text).unwrap();
         p
+    }
+
+    #[test]
+    fn an_exported_programs_log_reads_as_it_is() {
+        let d = tempfile::tempdir().unwrap();
+        let log = "{\"step\": 1, \"loss\": 5.5, \"step_seconds\": 2.0, \"tokens_per_second\": 64.0, \"peak_allocated\": 900, \"peak_reserved\": null}\n\
+                   {\"step\": 2, \"loss\": 5.4, \"step_seconds\": 1.0, \"tokens_per_second\": 128.0, \"peak_allocated\": 1000, \"peak_reserved\": null}\n";
+        let m = read(&write(d.path(), "fsdp2.jsonl", log)).unwrap();
+        assert_eq!(m.tokens_per_second, Some(128.0));
+        assert_eq!(m.peak_allocated, Some((1000, "the log's peak_allocated")));
+        assert_eq!(m.peak_reserved, None);
+        let gpu = "{\"step\": 1, \"step_seconds\": 1.0, \"tokens_per_second\": 1.0, \"peak_allocated\": 5, \"peak_reserved\": 8}\n";
+        let m = read(&write(d.path(), "gpu.jsonl", gpu)).unwrap();
+        assert_eq!(m.peak_reserved, Some(8));
+        let bad = "{\"step\": 1, \"peak_allocated\": -3}\n";
+        let e = read(&write(d.path(), "bad.jsonl", bad)).unwrap_err().to_string();
+        assert!(e.contains("peak_allocated"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,245 @@
+//! `shardplan export fsdp2`: every bundled example exports to a Python program that
+//! compiles; plans FSDP2 cannot run as planned are refused naming the field; and, where
+//! PyTorch is installed, the exported programs train exactly as `shardplan train` does
+//! (benches/fsdp2_export.py, every configuration the issue lists, on 4 CPU ranks).
+
+mod common;
+
+use common::{shardplan, stderr};
+use std::path::Path;
+use std::process::Command;
+
+fn export(model: &str, parallel: &str, out: &Path) -> std::process::Output {
+    shardplan(&[
+        "export",
+        "fsdp2",
+        "--model",
+        model,
+        "--parallel",
+        parallel,
+        "--out",
+        out.to_str().unwrap(),
+    ])
+}
+
+fn have_python() -> bool {
+    Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+fn py_compile(file: &Path) {
+    if !have_python() {
+        return;
+    }
+    let o = Command::new("python3")
+        .args(["-m", "py_compile"])
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}: {}", file.display(), String::from_utf8_lossy(&o.stderr));
+}
+
+fn files(dir: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn every_bundled_example_exports_a_program_that_compiles() {
+    let d = tempfile::tempdir().unwrap();
+    let mut written = 0;
+    // Every model with a parallel spec its sequence fits; every parallel spec with a model.
+    let fallbacks = [
+        "examples/parallel/fsdp-8-seq1024.yaml",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+    ];
+    let models = ["examples/models/tiny-llama.yaml", "examples/models/llama3-8b.yaml"];
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for m in files("examples/models") {
+        for p in fallbacks {
+            pairs.push((m.clone(), p.to_string()));
+        }
+    }
+    for p in files("examples/parallel") {
+        for m in models {
+            pairs.push((m.to_string(), p.clone()));
+        }
+    }
+    let mut done = std::collections::BTreeSet::new();
+    for (m, p) in pairs {
+        let key_m = format!("m:{m}");
+        let key_p = format!("p:{p}");
+        if done.contains(&key_m) && done.contains(&key_p) {
+            continue;
+        }
+        let out = d.path().join(format!("ex{written}"));
+        let o = export(&m, &p, &out);
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{m} {p}: {err}");
+        if m.ends_with("mlp.yaml") {
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            assert!(err.contains("`family`") && err.contains("mlp.yaml:"), "{err}");
+            done.insert(key_m);
+            continue;
+        }
+        if !o.status.success() {
+            // The sequence does not fit this model: the pairing, not the export, failed.
+            assert!(err.contains("batch.seq_len"), "{m} {p}: {err}");
+            continue;
+        }
+        let file = out.join("train.py");
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains("from plan "), "header names the plan");
+        assert!(text.contains("\nGROUPS = ["), "groups written as literals");
+        assert!(!text.contains("@@"), "every marker replaced");
+        py_compile(&file);
+        written += 1;
+        done.insert(key_m);
+        done.insert(key_p);
+    }
+    for f in files("examples/models").into_iter().map(|f| format!("m:{f}")) {
+        assert!(done.contains(&f), "{f} never exported");
+    }
+    for f in files("examples/parallel").into_iter().map(|f| format!("p:{f}")) {
+        assert!(done.contains(&f), "{f} never exported");
+    }
+    assert!(written > 10, "{written}");
+}
+
+#[test]
+fn the_literals_are_the_plans_decisions() {
+    let d = tempfile::tempdir().unwrap();
+    let spec = d.path().join("p.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {replicate: 2, shard: 2}\ngpus_per_node: 4\nreshard_after_forward: false\n\
+         prefetch: {forward: 2, backward: 1}\nactivation_checkpointing: {every: 2}\n\
+         mixed_precision: {param: bf16, reduce: f32}\noffload: cpu\n\
+         batch: {per_rank: 2, seq_len: 16, grad_accum: 2, grad_sync: final_micro_batch}\n",
+    )
+    .unwrap();
+    let o = export("examples/models/tiny-llama.yaml", spec.to_str().unwrap(), d.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(d.path().join("train.py")).unwrap();
+    for want in [
+        "MESH = {\"replicate\": 2, \"shard\": 2}",
+        "{\"modules\": [\"layers.0\"], \"reshard_after_forward\": False}",
+        // The root keeps its parameters, as FSDP2's root does.
+        "{\"modules\": [], \"reshard_after_forward\": False}",
+        // Prefetch depth 2 in forward: the root's pre-forward gathers both blocks.
+        "[\"<root>\", [\"layers.0\", \"layers.1\"]]",
+        "\"kind\": \"full\", \"save\": []",
+        "\"blocks\": [\"layers.0\"]",
+        "MIXED_PRECISION = {\"param\": \"bf16\", \"reduce\": \"f32\"}",
+        "OFFLOAD = True",
+        "\"grad_sync\": \"final_micro_batch\"",
+        "[\"model.layers.0.self_attn.k_proj.weight\", [32, 64], [\"normal\", 0.02, 3]]",
+    ] {
+        assert!(text.contains(want), "`{want}` not in the program:\n{text}");
+    }
+}
+
+#[test]
+fn a_plan_file_exports_as_its_specs_do() {
+    let d = tempfile::tempdir().unwrap();
+    let plan = d.path().join("plan.json");
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "examples/models/tiny-gpt2.yaml",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--format",
+        "json",
+        "--out",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (a, b) = (d.path().join("a"), d.path().join("b"));
+    let o = export(
+        "examples/models/tiny-gpt2.yaml",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        &a,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardplan(&[
+        "export",
+        "fsdp2",
+        "--plan",
+        plan.to_str().unwrap(),
+        "--out",
+        b.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Everything but the command line in the header is the same.
+    let body = |p: &Path| {
+        let t = std::fs::read_to_string(p.join("train.py")).unwrap();
+        t.lines().skip(3).collect::<Vec<_>>().join("\n")
+    };
+    assert_eq!(body(&a), body(&b));
+}
+
+#[test]
+fn plans_fsdp2_cannot_run_as_planned_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    // GPT-2's head reads the token embedding: wrapped on its own, FSDP2 would reshard it
+    // after the embedding's forward and hand the head a sharded weight.
+    let spec = d.path().join("tied.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {shard: 4}\ngpus_per_node: 4\nwrap_modules: [wte]\nbatch: {per_rank: 2, seq_len: 16}\n",
+    )
+    .unwrap();
+    let o = export("examples/models/tiny-gpt2.yaml", spec.to_str().unwrap(), d.path());
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("tied.yaml") && err.contains("wrap_modules") && err.contains("help:"), "{err}");
+    assert!(!d.path().join("train.py").exists(), "nothing written for a refused plan");
+    // A missing --out or specs is a usage error, not a panic.
+    let o = shardplan(&["export", "fsdp2", "--model", "examples/models/tiny-gpt2.yaml"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+/// The Python with torch and safetensors: SHARDPLAN_TORCH_PYTHON, else `python3` if it has them.
+fn torch_python() -> Option<String> {
+    let candidates = std::env::var("SHARDPLAN_TORCH_PYTHON")
+        .ok()
+        .into_iter()
+        .chain(["python3".to_string()]);
+    for py in candidates {
+        let ok = Command::new(&py)
+            .args(["-c", "import torch, safetensors"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return Some(py);
+        }
+    }
+    None
+}
+
+#[test]
+fn exported_programs_train_as_shardplan_does() {
+    let Some(py) = torch_python() else {
+        eprintln!("skipped: no Python with torch and safetensors (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let out = tempfile::tempdir().unwrap();
+    let o = Command::new("python3")
+        .args(["benches/fsdp2_export.py", "--steps", "3", "--python", &py, "--shardplan"])
+        .arg(env!("CARGO_BIN_EXE_shardplan"))
+        .arg("--out")
+        .arg(out.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(text.contains("all 22 runs within tolerance"), "{text}");
+}
