@@ -18,6 +18,9 @@
 #              measured and planned peak bytes, and the GPU's memory in use (nvidia-smi)
 #   fsdp2      benches/fsdp2_step.py: PyTorch FSDP2 on the same model, batch and optimizer on
 #              the same GPU: tokens/s, torch.cuda peak allocated / reserved, nvidia-smi
+#   export     `shardplan export fsdp2` of the same 1B plan, run under torchrun on this GPU
+#              (PyTorch FSDP2 exactly as planned): tokens/s and torch.cuda peak allocated /
+#              reserved beside the plan's prediction (`plan --compare` of its log: compare.txt)
 #   profile    benches/gpu_profile.py: the cost model's constants measured on this GPU
 #              (bf16 GEMMs at Llama's shapes, sustained GEMM throughput, flash attention
 #              forward and backward, HBM bandwidth, eager per-op cost, RMSNorm / rotary /
@@ -46,7 +49,7 @@ Options:
                       a .gz file is unpacked into a temporary folder first
   --out DIR           output folder (created; default $OUT/gpu-check or target/gpu-check)
   --python PY         interpreter with torch (default $PYTHON or python3)
-  --checks LIST       comma-separated subset of parity,nccl,shardplan,fsdp2,profile
+  --checks LIST       comma-separated subset of parity,nccl,shardplan,fsdp2,export,profile
                       (default: all)
   --parity-steps N    training steps per parity run (default 20)
   --tol X             parity tolerance, relative, per step (default 1e-3)
@@ -67,7 +70,7 @@ BIN=target/cuda/release/shardplan
 OUTDIR=
 if [ -n "${OUT:-}" ]; then OUTDIR=$OUT/gpu-check; else OUTDIR=target/gpu-check; fi
 PY=${PYTHON:-python3}
-CHECKS=parity,nccl,shardplan,fsdp2,profile
+CHECKS=parity,nccl,shardplan,fsdp2,export,profile
 PARITY_STEPS=20
 TOL=1e-3
 BATCH=2
@@ -109,11 +112,11 @@ is_uint "$WARMUP" || die "--warmup must be a whole number, not \`$WARMUP\`"
 [[ $TOL =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "--tol must be a number, not \`$TOL\`"
 IFS=, read -r -a want <<<"$CHECKS"
 for c in "${want[@]}"; do
-  case $c in parity|nccl|shardplan|fsdp2|profile) ;; *) die "--checks: unknown check \`$c\` (parity, nccl, shardplan, fsdp2, profile)" ;; esac
+  case $c in parity|nccl|shardplan|fsdp2|export|profile) ;; *) die "--checks: unknown check \`$c\` (parity, nccl, shardplan, fsdp2, export, profile)" ;; esac
 done
 wants() { [[ ",$CHECKS," == *",$1,"* ]]; }
 # The checks that run shardplan itself.
-needs_bin() { wants parity || wants nccl || wants shardplan; }
+needs_bin() { wants parity || wants nccl || wants shardplan || wants export; }
 read -r -a profile_args <<<"$PROFILE_ARGS"
 
 # Preconditions, each exit 2 with what is missing.
@@ -468,6 +471,59 @@ EOF
   else status fsdp2 FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
 else
   status fsdp2 skipped "--checks"
+fi
+
+# --- (c2) the same 1B plan exported to PyTorch FSDP2 and run as planned --------------------
+if wants export; then
+  d=$OUTDIR/export-1b
+  mkdir -p "$d"
+  sed -E "s/per_rank: *[0-9]+/per_rank: $BATCH/" "$SPEC_1B" >"$d/parallel.yaml"
+  cp "$MODEL" "$d/model.yaml"
+  rm -f "$d/fsdp2.jsonl"
+  sp export fsdp2 --model "$d/model.yaml" --parallel "$d/parallel.yaml" --out "$d" >"$d/export.out" 2>"$d/export.err"
+  rc=$?
+  if [ $rc = 0 ]; then
+    timeout "$TIMEOUT" "$PY" -m torch.distributed.run --nproc-per-node 1 "$d/train.py" --device cuda \
+      --steps $((WARMUP + STEPS)) --log-file "$d/fsdp2.jsonl" >"$d/stdout.txt" 2>"$d/stderr.txt"
+    rc=$?
+  fi
+  [ -s "$d/fsdp2.jsonl" ] && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
+    --compare "$d/fsdp2.jsonl" >"$d/compare.txt" 2>&1
+  "$PY" - "$d" "$rc" "$WARMUP" <<'EOF'
+import ast, json, os, statistics, sys
+d, rc, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rows = [json.loads(l) for l in open(f"{d}/fsdp2.jsonl")] if os.path.exists(f"{d}/fsdp2.jsonl") else []
+pred = {}
+if os.path.exists(f"{d}/train.py"):
+    for node in ast.parse(open(f"{d}/train.py").read()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PREDICTED":
+            pred = ast.literal_eval(node.value)
+r = {"framework": "pytorch-fsdp2 (exported plan)", "exit": rc, "timed_out": rc in (124, 137), "steps_logged": len(rows),
+     "predicted": pred}
+if rows:
+    meas = rows[warmup:] or rows[-1:]
+    r["losses"] = [x["loss"] for x in rows]
+    r["tokens_per_second"] = statistics.median(x["tokens_per_second"] for x in meas)
+    r["peak_allocated_bytes"] = max(x["peak_allocated"] for x in rows)
+    r["peak_reserved_bytes"] = max(x["peak_reserved"] for x in rows)
+    if pred:
+        r["tokens_per_second_over_predicted"] = r["tokens_per_second"] / pred["tokens_per_second"]
+        r["reserved_over_predicted"] = r["peak_reserved_bytes"] / pred["peak_reserved"]
+r["ok"] = rc == 0 and bool(rows)
+if not r["ok"]:
+    err = open(f"{d}/stderr.txt", errors="replace").read() if os.path.exists(f"{d}/stderr.txt") else ""
+    err += open(f"{d}/export.err", errors="replace").read() if os.path.exists(f"{d}/export.err") else ""
+    r["error"] = "\n".join(err.strip().splitlines()[-25:])
+json.dump(r, open(f"{d}/../export-1b.json", "w"), indent=2)
+if r["ok"]:
+    print(f"exported FSDP2 1B: {r['tokens_per_second']:.0f} tok/s ({r.get('tokens_per_second_over_predicted', 0):.2f}x predicted), "
+          f"reserved {r['peak_reserved_bytes']/2**30:.2f} GiB ({r.get('reserved_over_predicted', 0):.2f}x predicted)")
+sys.exit(0 if r["ok"] else 1)
+EOF
+  if [ $? = 0 ]; then status export ok "$(grep -o '"tokens_per_second": [0-9.]*' "$OUTDIR/export-1b.json" | head -1)"
+  else status export FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" "$d/export.err" 2>/dev/null | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+else
+  status export skipped "--checks"
 fi
 
 # --- (d) the cost model's constants measured on this GPU -----------------------------------
