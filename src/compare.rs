@@ -241,7 +241,10 @@ fn log_lines(path: &Path, text: &str) -> Result<Measured, SpecError> {
                 own_peak = Some(own_peak.map_or(x, |m| m.max(x)));
             }
         }
-        for (key, slot) in [("peak_allocated", &mut logged_alloc), ("peak_reserved", &mut logged_reserved)] {
+        for (key, slot) in [
+            ("peak_allocated", &mut logged_alloc),
+            ("peak_reserved", &mut logged_reserved),
+        ] {
             if let Some(x) = number(path, n, &v, key)? {
                 let x = byte_count(path, n, key, x)?;
                 *slot = Some(slot.map_or(x, |m: u64| m.max(x)));

@@ -67,15 +67,15 @@ pub fn run(cmd: &ExportCommand) -> Result<(), CliError> {
 
 /// Where a refusal points: the parallel spec (field and line) or the plan file (JSON path).
 enum Origin {
-    Spec(shardplan_frontends::LoadedParallel, shardplan_frontends::LoadedModel),
+    Spec(Box<(shardplan_frontends::LoadedParallel, shardplan_frontends::LoadedModel)>),
     PlanFile(PathBuf),
 }
 
 impl Origin {
     fn refuse(&self, field: &str, message: String, help: &str) -> CliError {
         CliError::Input(match self {
-            Origin::Spec(_, m) if field == "family" => m.origin.error(field, message, help),
-            Origin::Spec(p, _) => p.origin.error(field, message, help),
+            Origin::Spec(b) if field == "family" => b.1.origin.error(field, message, help),
+            Origin::Spec(b) => b.0.origin.error(field, message, help),
             Origin::PlanFile(path) => {
                 let f = if field.starts_with("programs") {
                     field.to_string()
@@ -100,7 +100,7 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             let lp = load_parallel(p)?;
             let (plan, joint) = crate::plan::make_plan_and_graph(&lm, &lp, &lp.config)?;
             let (model, parallel) = (lm.config.clone(), lp.config.clone());
-            (plan, model, parallel, joint, Origin::Spec(lp, lm))
+            (plan, model, parallel, joint, Origin::Spec(Box::new((lp, lm))))
         }
         _ => {
             return Err(CliError::Usage(
@@ -435,9 +435,9 @@ fn optimizer_literal(o: &Optimizer) -> Value {
     }
 }
 
-/// Per instruction of `prog`: the number of compute-stream instructions issued before the
-/// point of the compute stream it waits for, through events and its stream's order (`None`:
-/// it waits for none). A compute instruction's own is its position on the compute stream.
+/// Per instruction of `prog`: the number of compute-stream instructions (records and waits
+/// aside) issued before the point of the compute stream it waits for, through events and
+/// its stream's order (`None`: it waits for none).
 fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
     let idx = |s: Stream| Stream::ALL.iter().position(|&x| x == s).unwrap_or(0);
     let mut stream_gate: Vec<Option<usize>> = vec![None; Stream::ALL.len()];
@@ -446,6 +446,8 @@ fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
     let mut out = Vec::with_capacity(prog.instrs.len());
     for x in &prog.instrs {
         let s = idx(x.stream);
+        // Records and waits are the schedule's choices: positions count the work only.
+        let work = x.stream == Stream::Compute && !matches!(x.instr, Instr::Record { .. } | Instr::Wait { .. });
         if x.stream == Stream::Compute {
             stream_gate[s] = Some(computed);
         }
@@ -462,7 +464,7 @@ fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
             _ => {}
         }
         out.push(stream_gate[s]);
-        if x.stream == Stream::Compute {
+        if work {
             computed += 1;
         }
     }
@@ -484,7 +486,7 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
         .instrs
         .iter()
         .enumerate()
-        .filter(|(_, x)| x.stream == Stream::Compute)
+        .filter(|(_, x)| x.stream == Stream::Compute && !matches!(x.instr, Instr::Record { .. } | Instr::Wait { .. }))
         .map(|(i, x)| match &x.instr {
             Instr::Compute { step, micro, .. } => (i, step.index(), *micro),
             _ => (i, usize::MAX, u32::MAX),
@@ -694,5 +696,93 @@ fn dict(o: &Map<String, Value>, depth: usize) -> String {
         )
     } else {
         format!("{{{}}}", items.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardplan_planner::{EventId, Issued};
+
+    fn tiny_plan() -> (Plan, PathBuf) {
+        let model = load_model(Path::new("examples/models/tiny-llama.yaml")).unwrap();
+        let parallel = load_parallel(Path::new("examples/parallel/fsdp-1x4-cpu.yaml")).unwrap();
+        let (plan, _) = crate::plan::make_plan_and_graph(&model, &parallel, &parallel.config).unwrap();
+        (plan, PathBuf::from("edited.json"))
+    }
+
+    #[test]
+    fn gathers_map_to_the_hooks_that_issue_them() {
+        let (plan, path) = tiny_plan();
+        let lists = program_lists(&plan, &plan.programs[0], 0, &Origin::PlanFile(path)).unwrap();
+        let root = plan.groups.len() - 1;
+        // Forward: the root's pre-forward gathers layers.0, layers.0's gathers layers.1.
+        assert_eq!(lists.get(&(0, 0, root)), Some(&vec![0]));
+        assert_eq!(lists.get(&(0, 0, 0)), Some(&vec![1]));
+        // Backward: the root's pre-backward gathers layers.1, layers.1's gathers layers.0.
+        assert_eq!(lists.get(&(0, 1, root)), Some(&vec![1]));
+        assert_eq!(lists.get(&(0, 1, 1)), Some(&vec![0]));
+        assert_eq!(lists.len(), 4);
+    }
+
+    #[test]
+    fn a_gather_inside_a_groups_step_sequence_is_refused() {
+        let (mut plan, path) = tiny_plan();
+        let prog = &mut plan.programs[0];
+        // The root's second backward step (`backward output, norm`) is not where any FSDP2
+        // hook fires: record an event just before it and gate layers.0's backward gather on it.
+        let root = plan.groups.len() - 1;
+        let backward: Vec<usize> = prog
+            .instrs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, x)| match &x.instr {
+                Instr::Compute { step, .. }
+                    if plan.steps[step.index()].group.index() == root
+                        && plan.steps[step.index()].phase != Phase::Forward =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            })
+            .collect();
+        let second = backward[1];
+        let event = EventId(plan.events);
+        plan.events += 1;
+        prog.instrs.insert(
+            second,
+            Issued {
+                stream: Stream::Compute,
+                instr: Instr::Record { event },
+            },
+        );
+        // Layers.0's backward gather (wait, alloc, all-gather, record on its stream) moves
+        // right after that record and waits for it.
+        let ag = prog
+            .instrs
+            .iter()
+            .rposition(|x| matches!(x.instr, Instr::AllGather { group, .. } if group.index() == 0))
+            .unwrap();
+        let wait = ag - 2;
+        assert!(matches!(prog.instrs[wait].instr, Instr::Wait { .. }));
+        let mut block: Vec<Issued> = prog.instrs.drain(wait..=ag + 1).collect();
+        assert!(block.iter().all(|x| x.stream == Stream::AllGather));
+        block[0].instr = Instr::Wait { event };
+        let at = prog
+            .instrs
+            .iter()
+            .position(|x| x.instr == Instr::Record { event })
+            .unwrap()
+            + 1;
+        prog.instrs.splice(at..at, block);
+        let err = program_lists(&plan, &plan.programs[0], 0, &Origin::PlanFile(path));
+        let Err(CliError::Input(e)) = err else {
+            panic!("accepted a gather FSDP2 cannot issue")
+        };
+        let text = e.to_string();
+        assert!(
+            text.contains("programs[0].instrs[") && text.contains("not at its start"),
+            "{text}"
+        );
     }
 }

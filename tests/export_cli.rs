@@ -5,6 +5,9 @@
 
 mod common;
 
+#[path = "../planner/tests/common/edit.rs"]
+mod edit;
+
 use common::{shardplan, stderr};
 use std::path::Path;
 use std::process::Command;
@@ -23,7 +26,10 @@ fn export(model: &str, parallel: &str, out: &Path) -> std::process::Output {
 }
 
 fn have_python() -> bool {
-    Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success())
+    Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 fn py_compile(file: &Path) {
@@ -35,7 +41,12 @@ fn py_compile(file: &Path) {
         .arg(file)
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}: {}", file.display(), String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{}: {}",
+        file.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 fn files(dir: &str) -> Vec<String> {
@@ -183,6 +194,62 @@ fn a_plan_file_exports_as_its_specs_do() {
 }
 
 #[test]
+fn a_hand_edited_issue_order_is_exported_as_edited() {
+    let d = tempfile::tempdir().unwrap();
+    let base = "examples/parallel/fsdp-1x4-cpu.yaml";
+    let deep = d.path().join("deep.yaml");
+    std::fs::write(
+        &deep,
+        format!(
+            "{}prefetch: {{forward: 2, backward: 2}}\n",
+            std::fs::read_to_string(base).unwrap()
+        ),
+    )
+    .unwrap();
+    let plan_of = |parallel: &str, name: &str| {
+        let out = d.path().join(name);
+        let o = shardplan(&[
+            "plan",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            parallel,
+            "--format",
+            "json",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let p: shardplan_planner::Plan = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        (out, p)
+    };
+    let (p1_path, p1) = plan_of(base, "p1.json");
+    let (_, p2) = plan_of(deep.to_str().unwrap(), "p2.json");
+    // The depth-1 spec with the depth-2 issue order written into its program.
+    let edited = d.path().join("edited.json");
+    std::fs::write(&edited, edit::with_schedule_of(&p1, &p2).to_string()).unwrap();
+    let program = |plan: &Path, out: &str| {
+        let dir = d.path().join(out);
+        let o = shardplan(&[
+            "export",
+            "fsdp2",
+            "--plan",
+            plan.to_str().unwrap(),
+            "--out",
+            dir.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        std::fs::read_to_string(dir.join("train.py")).unwrap()
+    };
+    let (plain, deeper) = (program(&p1_path, "plain"), program(&edited, "edited"));
+    assert!(plain.contains("[\"<root>\", [\"layers.0\"]]"), "{plain}");
+    assert!(
+        deeper.contains("[\"<root>\", [\"layers.0\", \"layers.1\"]]"),
+        "{deeper}"
+    );
+}
+
+#[test]
 fn plans_fsdp2_cannot_run_as_planned_are_refused() {
     let d = tempfile::tempdir().unwrap();
     // GPT-2's head reads the token embedding: wrapped on its own, FSDP2 would reshard it
@@ -196,8 +263,14 @@ fn plans_fsdp2_cannot_run_as_planned_are_refused() {
     let o = export("examples/models/tiny-gpt2.yaml", spec.to_str().unwrap(), d.path());
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("tied.yaml") && err.contains("wrap_modules") && err.contains("help:"), "{err}");
-    assert!(!d.path().join("train.py").exists(), "nothing written for a refused plan");
+    assert!(
+        err.contains("tied.yaml") && err.contains("wrap_modules") && err.contains("help:"),
+        "{err}"
+    );
+    assert!(
+        !d.path().join("train.py").exists(),
+        "nothing written for a refused plan"
+    );
     // A missing --out or specs is a usage error, not a panic.
     let o = shardplan(&["export", "fsdp2", "--model", "examples/models/tiny-gpt2.yaml"]);
     assert_eq!(o.status.code(), Some(2));
@@ -229,17 +302,20 @@ fn exported_programs_train_as_shardplan_does() {
     };
     let out = tempfile::tempdir().unwrap();
     let o = Command::new("python3")
-        .args(["benches/fsdp2_export.py", "--steps", "3", "--python", &py, "--shardplan"])
+        .args([
+            "benches/fsdp2_export.py",
+            "--steps",
+            "3",
+            "--python",
+            &py,
+            "--shardplan",
+        ])
         .arg(env!("CARGO_BIN_EXE_shardplan"))
         .arg("--out")
         .arg(out.path())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert!(o.status.success(), "{text}\n{}", String::from_utf8_lossy(&o.stderr));
     assert!(text.contains("all 22 runs within tolerance"), "{text}");
 }
