@@ -14,7 +14,8 @@ spec, and compares:
     shardplan knows it, else `kernels: eager`) and against shardplan's own plan.
 Configurations: 1x4, HSDP 2x2, reshard_after_forward false, prefetch 2, full and selective
 checkpointing, grad_accum 2 with both grad_sync settings, bf16 parameters with f32
-reduction, CPU offload, and 1x4 started from a safetensors file (`--init-from`).
+reduction, CPU offload, 1x4 started from a safetensors file (`--init-from`), and 1x4 on
+token files with a validation loss every 2 steps (`tokens`; validation losses compared too).
 
 Prints a table and writes DIR/summary.json; exits 1 when a loss differs by more than the
 tolerance (1e-4 relative; 2e-2 for bf16) or a peak misses its bound (--memory-check: 5% for
@@ -61,6 +62,7 @@ CONFIGS = {
     "bf16": ("mixed_precision: {param: bf16, reduce: f32}\n", "", True),
     "offload": ("offload: cpu\n", "", False),
     "init-from": ("", "", False),
+    "tokens": ("data: {tokens: train.bin, dtype: u16, val: val.bin, eval_every: 2, eval_batches: 2}\n", "", False),
 }
 
 
@@ -83,6 +85,16 @@ def spec(size, name):
     mesh = "" if "mesh:" in extra else "mesh: {shard: 4}\n"
     return (f"{mesh}gpus_per_node: 4\n{extra}{MODELS[size]['batch']}{batch}}}\n"
             "optimizer: {adamw: {lr: 1.0e-3, weight_decay: 0.1}}\ngrad_clip: 1.0\nseed: 7\n")
+
+
+def write_tokens(path, n, seed):
+    """A u16 token file of `n` ids below 256 (a small LCG: the same file on every machine)."""
+    x, out = seed, bytearray()
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out += ((x >> 16) % 256).to_bytes(2, "little")
+    with open(path, "wb") as f:
+        f.write(out)
 
 
 def run(cmd, **kw):
@@ -145,58 +157,65 @@ def main(argv=None):
 
 def check(a, model, model_name, name, torchrun, env, port):
     """One model and configuration: export, run both, compare."""
-    if True:
-        if True:
-            d = os.path.join(a.out, f"{model_name}-{name}")
-            os.makedirs(d, exist_ok=True)
-            parallel = os.path.join(d, "parallel.yaml")
-            with open(parallel, "w") as f:
-                f.write(spec(a.size, name))
-            init = []
-            if name == "init-from":
-                weights = os.path.join(d, "weights.safetensors")
-                run([a.python, "-c", WEIGHTS, model_name, MODELS[a.size][model_name], weights])
-                init = ["--init-from", weights]
-            run([a.shardplan, "export", "fsdp2", "--model", model, "--parallel", parallel, "--out", d])
-            for f in ["fsdp2.jsonl", "shardplan.jsonl"]:
-                if os.path.exists(os.path.join(d, f)):
-                    os.remove(os.path.join(d, f))
-            t0 = time.time()
-            run(torchrun + ["--master-port", str(port), os.path.join(d, "train.py"), "--steps", str(a.steps),
-                            "--log-file", os.path.join(d, "fsdp2.jsonl"), "--track-memory"] + init, env=env)
-            t_torch = time.time() - t0
-            run([a.shardplan, "train", "--model", model, "--parallel", parallel, "--steps", str(a.steps),
-                 "--log", os.path.join(d, "shardplan.jsonl")] + init)
-            ours, theirs = losses(os.path.join(d, "shardplan.jsonl")), losses(os.path.join(d, "fsdp2.jsonl"))
-            rel = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(ours, theirs))
-            bf16 = CONFIGS[name][2]
-            tol = 2e-2 if bf16 else 1e-4
-            peaks = [x["peak_allocated"] for x in theirs[1:] or theirs if x.get("peak_allocated") is not None]
-            measured = max(peaks) if peaks else None
-            fsdp2 = predicted_peak(a, model, parallel, "runtime: fsdp2\n")
-            model_used = "runtime: fsdp2"
-            if fsdp2 is None:
-                fsdp2 = predicted_peak(a, model, parallel, "hardware: {base: h100-sxm, kernels: eager}\n")
-                model_used = "kernels: eager"
-            own = predicted_peak(a, model, parallel, "")
-            ratio = measured / fsdp2 if measured and fsdp2 else None
-            bound = 0.10 if bf16 else 0.05
-            row = {
-                "model": model_name, "config": name, "steps": len(theirs),
-                "loss_first": theirs[0]["loss"], "loss_last": theirs[-1]["loss"],
-                "max_rel_loss_diff": rel, "tolerance": tol,
-                "fsdp2_measured_peak": measured, "fsdp2_predicted_peak": fsdp2, "prediction_model": model_used,
-                "measured_over_predicted": ratio, "shardplan_predicted_peak": own, "torchrun_seconds": t_torch,
-            }
-            bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
-            if a.memory_check and (ratio is None or abs(ratio - 1) > bound):
-                bad = True
-            row["failed"] = bad
-            print(f"{model_name:6} {name:14} loss {theirs[0]['loss']:.4f} -> {theirs[-1]['loss']:.4f}  "
-                  f"max rel diff {rel:.1e} (tol {tol:.0e})  peak {measured} / predicted {fsdp2} "
-                  f"({model_used}) = {ratio:.3f}  shardplan's own {own}  [{t_torch:.0f} s]"
-                  if ratio else f"{model_name:6} {name:14} max rel diff {rel:.1e}", flush=True)
-            return row
+    d = os.path.join(a.out, f"{model_name}-{name}")
+    os.makedirs(d, exist_ok=True)
+    parallel = os.path.join(d, "parallel.yaml")
+    with open(parallel, "w") as f:
+        f.write(spec(a.size, name))
+    init = []
+    if name == "tokens":
+        write_tokens(os.path.join(d, "train.bin"), 20000, 7)
+        write_tokens(os.path.join(d, "val.bin"), 5000, 8)
+    if name == "init-from":
+        weights = os.path.join(d, "weights.safetensors")
+        run([a.python, "-c", WEIGHTS, model_name, MODELS[a.size][model_name], weights])
+        init = ["--init-from", weights]
+    run([a.shardplan, "export", "fsdp2", "--model", model, "--parallel", parallel, "--out", d])
+    for f in ["fsdp2.jsonl", "shardplan.jsonl"]:
+        if os.path.exists(os.path.join(d, f)):
+            os.remove(os.path.join(d, f))
+    t0 = time.time()
+    run(torchrun + ["--master-port", str(port), os.path.join(d, "train.py"), "--steps", str(a.steps),
+                    "--log-file", os.path.join(d, "fsdp2.jsonl"), "--track-memory"] + init, env=env)
+    t_torch = time.time() - t0
+    run([a.shardplan, "train", "--model", model, "--parallel", parallel, "--steps", str(a.steps),
+         "--log", os.path.join(d, "shardplan.jsonl")] + init)
+    ours, theirs = losses(os.path.join(d, "shardplan.jsonl")), losses(os.path.join(d, "fsdp2.jsonl"))
+    rel = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(ours, theirs))
+    # Validation losses, where the spec has a validation file.
+    vals = [(x["val_loss"], y["val_loss"]) for x, y in zip(ours, theirs) if x.get("val_loss") is not None]
+    if name == "tokens" and (not vals or any(y.get("val_loss") is None for x, y in zip(ours, theirs)
+                                              if x.get("val_loss") is not None)):
+        raise RuntimeError("validation losses missing from a log")
+    rel = max([rel] + [abs(x - y) / abs(x) for x, y in vals])
+    bf16 = CONFIGS[name][2]
+    tol = 2e-2 if bf16 else 1e-4
+    peaks = [x["peak_allocated"] for x in theirs[1:] or theirs if x.get("peak_allocated") is not None]
+    measured = max(peaks) if peaks else None
+    fsdp2 = predicted_peak(a, model, parallel, "runtime: fsdp2\n")
+    model_used = "runtime: fsdp2"
+    if fsdp2 is None:
+        fsdp2 = predicted_peak(a, model, parallel, "hardware: {base: h100-sxm, kernels: eager}\n")
+        model_used = "kernels: eager"
+    own = predicted_peak(a, model, parallel, "")
+    ratio = measured / fsdp2 if measured and fsdp2 else None
+    bound = 0.10 if bf16 else 0.05
+    row = {
+        "model": model_name, "config": name, "steps": len(theirs),
+        "loss_first": theirs[0]["loss"], "loss_last": theirs[-1]["loss"],
+        "max_rel_loss_diff": rel, "tolerance": tol,
+        "fsdp2_measured_peak": measured, "fsdp2_predicted_peak": fsdp2, "prediction_model": model_used,
+        "measured_over_predicted": ratio, "shardplan_predicted_peak": own, "torchrun_seconds": t_torch,
+    }
+    bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
+    if a.memory_check and (ratio is None or abs(ratio - 1) > bound):
+        bad = True
+    row["failed"] = bad
+    print(f"{model_name:6} {name:14} loss {theirs[0]['loss']:.4f} -> {theirs[-1]['loss']:.4f}  "
+          f"max rel diff {rel:.1e} (tol {tol:.0e})  peak {measured} / predicted {fsdp2} "
+          f"({model_used}) = {ratio:.3f}  shardplan's own {own}  [{t_torch:.0f} s]"
+          if ratio else f"{model_name:6} {name:14} max rel diff {rel:.1e}", flush=True)
+    return row
 
 
 # Random weights with Hugging Face names, written by the exported program's own model.

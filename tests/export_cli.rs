@@ -317,5 +317,5 @@ fn exported_programs_train_as_shardplan_does() {
         .unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{text}\n{}", String::from_utf8_lossy(&o.stderr));
-    assert!(text.contains("all 22 runs within tolerance"), "{text}");
+    assert!(text.contains("all 24 runs within tolerance"), "{text}");
 }
