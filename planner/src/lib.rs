@@ -156,6 +156,7 @@ fn passes(
             shardplan_frontends::Optimizer::Sgd { .. } => "sgd".into(),
         },
         grad_clip: config.grad_clip,
+        runtime: config.runtime,
     };
     let mut policy = policy;
     if let Some(m) = forward_only {
@@ -191,16 +192,19 @@ fn passes(
     let key = (
         fsdp.iter().map(|f| f.params.clone()).collect::<Vec<_>>(),
         format!("{:?}", config.activation_checkpointing),
-        format!("{:?} {:?}", config.hardware, policy.mixed_precision.param),
+        format!(
+            "{:?} {:?} {:?}",
+            config.hardware, policy.mixed_precision.param, config.runtime
+        ),
     );
     let cached = match cache.steps.get(&key) {
         Some(x) => x.clone(),
         None => {
-            let (steps, acts) = steps::steps_and_events(
+            let (steps, acts) = steps::steps_and_events_for(
                 joint,
                 &fsdp,
                 config.activation_checkpointing,
-                config.hardware.kernels == shardplan_frontends::KernelMode::Eager,
+                steps::Kernels::of(config),
             );
             let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
             let x = std::sync::Arc::new(CachedSteps { steps, acts, step_s });

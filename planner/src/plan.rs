@@ -12,7 +12,7 @@ use crate::layout::GroupLayout;
 use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
-use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload};
+use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload, Runtime};
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
 
@@ -433,6 +433,10 @@ pub struct Policy {
     pub optimizer_state_per_param: u64,
     pub optimizer: String,
     pub grad_clip: Option<f64>,
+    /// Whose run the schedule models: shardplan's executor, or PyTorch FSDP2's buffers and
+    /// hooks (`runtime: fsdp2`; see `schedule`). Absent from the JSON for `shardplan`.
+    #[serde(default, skip_serializing_if = "Runtime::is_shardplan")]
+    pub runtime: Runtime,
 }
 
 /// Prefetch depths, and FSDP2-style explicit prefetch lists by group.
