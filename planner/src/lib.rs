@@ -279,7 +279,18 @@ fn passes(
         timing,
         memory,
         estimate,
+        shardplan_executor: None,
     };
+    let mut plan = plan;
+    if !config.runtime.is_shardplan() && forward_only.is_none() && replay {
+        // The same spec as shardplan's executor runs it (its own schedule, one kernel per
+        // op), so the two predictions can be read side by side.
+        let mut own = config.clone();
+        own.runtime = shardplan_frontends::Runtime::Shardplan;
+        own.hardware.kernels = shardplan_frontends::KernelMode::Fused;
+        let (p, _) = passes(joint, &own, cache, verify_plan, true, None)?;
+        plan.shardplan_executor = Some(RuntimePrediction::of(&p));
+    }
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
     if verify_plan {
         verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;

@@ -145,7 +145,8 @@ pub enum Kernels {
     /// normalised rows in bf16 instead of the input: 4 bytes per element either way);
     /// `scaled_dot_product_attention` keeps its logsumexp (f32, one per query row and
     /// head). Saved until the backward of the op that saved them; an op of a recomputed
-    /// (checkpointed) block saves them only in its recompute.
+    /// (checkpointed) block saves them only in its recompute. Token ids are int64 tensors,
+    /// and the loss the training loop holds lives through backward.
     Autograd,
 }
 
@@ -228,7 +229,19 @@ pub fn steps_and_events_for(
     // (free position, value, bytes) of the saved tensors held now.
     let mut saved_live: Vec<(usize, u32, u64)> = Vec::new();
     let param_of_node = &exec.param_of_node;
-    let bytes = |id: NodeId| exec.value_bytes(g, id);
+    let bytes = |id: NodeId| {
+        let b = exec.value_bytes(g, id);
+        let node = g.node(id);
+        // PyTorch holds token ids as int64, twice shardplan's u32.
+        if kernels == Kernels::Autograd
+            && matches!(node.op, Op::Input { .. })
+            && node.ty.dtype == shardplan_ir::DType::U32
+        {
+            b.saturating_mul(2)
+        } else {
+            b
+        }
+    };
 
     let label_of = |grp: GroupId, id: NodeId| -> String {
         let group = &groups[grp.index()];
@@ -347,10 +360,13 @@ pub fn steps_and_events_for(
             });
             acts.values += 1;
         }
-        let extra = if id.index() < joint.forward_len {
-            kernels.saved_bytes(g, id)
-        } else {
+        let extra = if id.index() >= joint.forward_len {
             0
+        } else if kernels == Kernels::Autograd && id == joint.loss && !copy {
+            // The loss a training loop keeps (`loss = model(...)`) lives through backward.
+            g.node(id).ty.bytes().unwrap_or(0)
+        } else {
+            kernels.saved_bytes(g, id)
         };
         if extra > 0 {
             // Made with the op; kept until its backward unless the block recomputes it.
@@ -360,7 +376,11 @@ pub fn steps_and_events_for(
             acts.values += 1;
             acts.events.push(ActEvent { value, bytes: extra });
             let kept = copy || !exec.recomputed(id);
-            let until = last_grad_pos.get(id.index()).copied().unwrap_or(usize::MAX);
+            let until = if id == joint.loss {
+                order.len() - 1
+            } else {
+                last_grad_pos.get(id.index()).copied().unwrap_or(usize::MAX)
+            };
             if kept && until != usize::MAX && until > pos {
                 saved_live.push((until, value, extra));
             } else {
