@@ -357,13 +357,7 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
         "p.yaml",
         "mesh: {shard: 2}\ngpus_per_node: 2\nruntime: fsdp2\nbatch: {per_rank: 2, seq_len: 16}\n",
     );
-    let args = [
-        "plan",
-        "--model",
-        "tiny-llama",
-        "--parallel",
-        par.to_str().unwrap(),
-    ];
+    let args = ["plan", "--model", "tiny-llama", "--parallel", par.to_str().unwrap()];
     let o = shardplan(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
@@ -385,7 +379,10 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
     // shardplan's executor does not run FSDP2's buffers: a clear refusal, exit 2.
     bad(
         &["train", "--plan", json.to_str().unwrap(), "--steps", "1"],
-        &["predicts PyTorch FSDP2's run (runtime: fsdp2)", "--model M --parallel P"],
+        &[
+            "predicts PyTorch FSDP2's run (runtime: fsdp2)",
+            "--model M --parallel P",
+        ],
     );
     // From the specs it trains, planned for its own runtime.
     let o = shardplan(&[
@@ -407,7 +404,10 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
     let o = shardplan(&[&args[..], &["--compare", m.to_str().unwrap()]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    assert!(out.contains("predicted for PyTorch FSDP2 (runtime: fsdp2) vs measured"), "{out}");
+    assert!(
+        out.contains("predicted for PyTorch FSDP2 (runtime: fsdp2) vs measured"),
+        "{out}"
+    );
     assert!(out.contains("shardplan's executor on the same spec predicts"), "{out}");
     // A spec that asks for fused kernels as well is refused at the field.
     let fused = temp(

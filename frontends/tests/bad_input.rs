@@ -470,13 +470,17 @@ fn runtime_field() {
     // Absent: shardplan's executor, and the profile's kernels as written.
     let c = ok(PAR_OK);
     assert_eq!(c.runtime, shardplan_frontends::Runtime::Shardplan);
-    let c = ok(&format!("{PAR_OK}runtime: shardplan\nhardware: {{base: h100-sxm, kernels: fused}}\n"));
+    let c = ok(&format!(
+        "{PAR_OK}runtime: shardplan\nhardware: {{base: h100-sxm, kernels: fused}}\n"
+    ));
     assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Fused);
     // fsdp2 implies eager kernels.
     let c = ok(&format!("{PAR_OK}runtime: fsdp2\n"));
     assert_eq!(c.runtime, shardplan_frontends::Runtime::Fsdp2);
     assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Eager);
-    let c = ok(&format!("{PAR_OK}runtime: fsdp2\nhardware: {{base: a100-80gb, kernels: eager}}\n"));
+    let c = ok(&format!(
+        "{PAR_OK}runtime: fsdp2\nhardware: {{base: a100-80gb, kernels: eager}}\n"
+    ));
     assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Eager);
     // Unknown runtimes, with a suggestion.
     let e = parallel(&format!("{PAR_OK}runtime: fsdp\n"));

@@ -195,7 +195,14 @@ impl Builder<'_> {
         let cast = (self.fsdp2 && p != self.policy.mixed_precision.master).then(|| {
             let numel = self.buffers[src.index()].numel;
             let tag = tag.clone();
-            let cast = self.buf(format!("{g}.ag_in.{tag}"), Category::CommBuffers, g, p, numel, Pool::Device);
+            let cast = self.buf(
+                format!("{g}.ag_in.{tag}"),
+                Category::CommBuffers,
+                g,
+                p,
+                numel,
+                Pool::Device,
+            );
             self.emit(Stream::AllGather, Instr::Alloc { buf: cast });
             self.emit(
                 Stream::AllGather,
@@ -668,8 +675,7 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             }
             let mut reads = Vec::with_capacity(s.reads.len());
             for &g in &s.reads {
-                let (mut buf, event, waited) =
-                    b.gathered[g.index()].expect("every read group is gathered by its need");
+                let (mut buf, event, waited) = b.gathered[g.index()].expect("every read group is gathered by its need");
                 if !waited {
                     b.emit(Stream::Compute, Instr::Wait { event });
                     if b.fsdp2 {

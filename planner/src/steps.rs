@@ -127,7 +127,11 @@ pub fn steps_and_events(
     ac: ActivationCheckpointing,
     flash_attention: bool,
 ) -> (Vec<Step>, ActEvents) {
-    let kernels = if flash_attention { Kernels::Eager } else { Kernels::Fused };
+    let kernels = if flash_attention {
+        Kernels::Eager
+    } else {
+        Kernels::Fused
+    };
     steps_and_events_for(joint, groups, ac, kernels)
 }
 

@@ -65,7 +65,11 @@ fn copy_outs(p: &Plan) -> Vec<(usize, BufId, BufId)> {
 
 #[test]
 fn copy_out_holds_the_flat_output_and_the_per_parameter_tensors_at_once() {
-    for extra in ["", "mixed_precision: {param: bf16, reduce: f32}\n", "reshard_after_forward: false\n"] {
+    for extra in [
+        "",
+        "mixed_precision: {param: bf16, reduce: f32}\n",
+        "reshard_after_forward: false\n",
+    ] {
         let p = fsdp2(extra);
         let life = lifetimes(&p);
         let outs = copy_outs(&p);
@@ -92,7 +96,11 @@ fn copy_out_holds_the_flat_output_and_the_per_parameter_tensors_at_once() {
         for w in fwd.windows(2) {
             let (kept, next) = (w[0].1, w[1].0);
             let freed = life[kept.index()].1.unwrap();
-            assert!(freed < next && freed > w[0].0, "{extra}: {} freed at #{freed}", name(&p, kept));
+            assert!(
+                freed < next && freed > w[0].0,
+                "{extra}: {} freed at #{freed}",
+                name(&p, kept)
+            );
             assert!(
                 life[w[1].1.index()].0.unwrap() < freed,
                 "{extra}: the next all-gather output exists before the kept one is freed"
@@ -158,7 +166,10 @@ fn a_reduce_dtype_other_than_the_masters_is_cast_into_the_sharded_gradient() {
     assert_eq!(outs.len(), 2 * p.groups.len());
     for (k, &out) in outs.iter().enumerate() {
         let b = p.buffer(out);
-        assert_eq!((b.category, b.dtype), (Category::CommBuffers, shardplan_ir::DType::BF16));
+        assert_eq!(
+            (b.category, b.dtype),
+            (Category::CommBuffers, shardplan_ir::DType::BF16)
+        );
         // Cast (first micro-batch) or added (second) into the f32 gradient, then freed.
         let copy = instrs
             .iter()
@@ -217,7 +228,12 @@ fn fsdp2_holds_at_least_what_shardplan_holds() {
         let f = fsdp2(extra);
         // The same schedule on PyTorch eager kernels, as shardplan's executor lays it out.
         let s = own(&format!("{extra}hardware: {{base: h100-sxm, kernels: eager}}\n"));
-        assert!(f.memory.peak >= s.memory.peak, "{extra}: {} < {}", f.memory.peak, s.memory.peak);
+        assert!(
+            f.memory.peak >= s.memory.peak,
+            "{extra}: {} < {}",
+            f.memory.peak,
+            s.memory.peak
+        );
         for c in Category::ALL {
             if c != Category::CommBuffers && c != Category::UnshardedParams {
                 assert!(
@@ -234,7 +250,10 @@ fn fsdp2_holds_at_least_what_shardplan_holds() {
                 >= s.memory.max_by_category.unsharded_params
         );
         // Activations: autograd's saved norms and logsumexp on top of the eager model.
-        assert!(f.memory.max_by_category.activations > s.memory.max_by_category.activations, "{extra}");
+        assert!(
+            f.memory.max_by_category.activations > s.memory.max_by_category.activations,
+            "{extra}"
+        );
         assert!(f.shardplan_executor.is_some());
     }
 }
@@ -249,7 +268,10 @@ fn the_plan_carries_shardplans_own_prediction_for_the_same_spec() {
     assert!(x.peak < p.memory.peak);
     let text = shardplan_planner::print::text(&p, 0);
     assert!(text.contains("runtime: fsdp2"), "{text}");
-    assert!(text.contains("shardplan's executor on the same spec (kernels fused)"), "{text}");
+    assert!(
+        text.contains("shardplan's executor on the same spec (kernels fused)"),
+        "{text}"
+    );
     // Without the field nothing changes: no runtime in the JSON, no second prediction.
     let v = serde_json::to_value(&q).unwrap();
     assert!(v.get("shardplan_executor").is_none());
@@ -282,8 +304,7 @@ fn an_fsdp2_plan_from_a_file_is_re_derived() {
     let back: Plan = serde_json::from_value(v.clone()).unwrap();
     assert_eq!(back, p);
     rederive(&v, &back, &joint).unwrap_or_else(|e| panic!("{e}"));
-    shardplan_planner::rederive::check_parallel(&p.source.as_ref().unwrap().parallel)
-        .unwrap_or_else(|e| panic!("{e}"));
+    shardplan_planner::rederive::check_parallel(&p.source.as_ref().unwrap().parallel).unwrap_or_else(|e| panic!("{e}"));
     // Its companion prediction, edited, is refused like any derived field.
     let mut edited = v.clone();
     edited["shardplan_executor"]["peak"] = serde_json::Value::from(1u64);
