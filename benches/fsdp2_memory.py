@@ -17,7 +17,11 @@ shardplan / FSDP2, and both per-category maxima (`memory.max_by_category`).
 
 Settings: `plain` (one fully_shard per block + root, reshard_after_forward=True),
 `no-reshard` (reshard_after_forward=False), `full-ac` (plain, with every block wrapped in
-torch.utils.checkpoint, non-reentrant, as torchtitan's full activation checkpointing).
+torch.utils.checkpoint, non-reentrant, as torchtitan's full activation checkpointing),
+`bf16` (plain with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)). Each is
+planned three ways: shardplan's executor (`kernels: fused`), the PyTorch eager model on
+shardplan's schedule (`kernels: eager`) and the model of FSDP2's own run (`runtime: fsdp2`,
+`prefetch: {forward: 0, backward: 1}` as FSDP2's defaults), each against the measured peak.
 Model: dim 256, 4 layers, 4 heads, ffn 688, vocab 8192, untied head (7.36M parameters);
 batch 2 x 256 per rank, f32 parameters and reduction, AdamW (lr 3e-4, betas 0.9/0.95,
 eps 1e-8, weight decay 0.1), gradient clipping at 1.0.
@@ -48,11 +52,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 SETTINGS = {
-    # name: (reshard_after_forward, activation checkpointing)
-    "plain": (True, "none"),
-    "no-reshard": (False, "none"),
-    "full-ac": (True, "full"),
+    # name: (reshard_after_forward, activation checkpointing, parameter dtype)
+    "plain": (True, "none", "f32"),
+    "no-reshard": (False, "none", "f32"),
+    "full-ac": (True, "full", "f32"),
+    "bf16": (True, "none", "bf16"),
 }
+
+# The plans made per setting: shardplan's executor (fused kernels), the planner's PyTorch
+# eager model on shardplan's schedule, and its model of FSDP2's own run (`runtime: fsdp2`).
+VARIANTS = ("fused", "eager", "fsdp2")
 
 # shardplan category -> FSDPMemTracker categories (their `_FSDPRefType` values).
 CATEGORIES = [
@@ -125,7 +134,7 @@ def worker(rank, a, setting, path):
                       WORLD_SIZE=str(a.ranks), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
     try:
-        reshard, ac = SETTINGS[setting]
+        reshard, ac, dtype = SETTINGS[setting]
         s = step_args(a)
         torch.manual_seed(0)
         mesh = init_device_mesh("cpu", (a.ranks,))
@@ -141,7 +150,8 @@ def worker(rank, a, setting, path):
             for i, block in enumerate(model.layers):
                 model.layers[i] = checkpoint_wrapper(
                     block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
-        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        param_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
@@ -252,6 +262,7 @@ def worker(rank, a, setting, path):
                 "world": a.ranks,
                 "reshard_after_forward": reshard,
                 "activation_checkpointing": ac,
+                "param_dtype": dtype,
                 "params": sum(p.numel() for p in model.parameters()),
                 "losses": [warm_loss, loss],
                 "peak": dev_snap["Total"],
@@ -307,9 +318,18 @@ def write_specs(a, out):
             f"max_seq_len: {s.seq}\n")
     parallel = {}
     for setting in a.settings:
-        reshard, ac = SETTINGS[setting]
-        for kernels in ("fused", "eager"):
-            p = os.path.join(out, f"parallel-{setting}{'' if kernels == 'fused' else '-eager'}.yaml")
+        reshard, ac, dtype = SETTINGS[setting]
+        for variant in VARIANTS:
+            p = os.path.join(out, f"parallel-{setting}{'' if variant == 'fused' else '-' + variant}.yaml")
+            if variant == "fsdp2":
+                # FSDP2's own run: its buffers and hooks, eager kernels (implied). The run
+                # above sets no explicit forward prefetch: FSDP2's default, depth 0 forward
+                # and one group in backward.
+                runtime = ("hardware: {base: h100-sxm}\nruntime: fsdp2\n"
+                           "prefetch: {forward: 0, backward: 1}\n")
+            else:
+                runtime = (f"hardware: {{base: h100-sxm, kernels: {variant}}}\n"
+                           "prefetch: {forward: 1, backward: 1}\n")
             with open(p, "w") as f:
                 f.write(
                     f"# benches/fsdp2_memory.py, setting {setting}: FSDP2 on {a.ranks} CPU ranks.\n"
@@ -318,17 +338,17 @@ def write_specs(a, out):
                     "# Memory depends on the profile only through `kernels`: fused = shardplan's own\n"
                     "# executor (fused cross-entropy and RMSNorm, attention probabilities made in\n"
                     "# backward); eager = the planner's model of PyTorch eager (flash SDPA, eager\n"
-                    "# cross-entropy), to hold the model against FSDP2's measured peak.\n"
-                    f"hardware: {{base: h100-sxm, kernels: {kernels}}}\n"
+                    "# cross-entropy) on shardplan's schedule; `runtime: fsdp2` = its model of\n"
+                    "# FSDP2's own run, to hold against FSDP2's measured peak.\n"
+                    + runtime +
                     "wrap: [block]\n"
                     f"reshard_after_forward: {'true' if reshard else 'false'}\n"
-                    "prefetch: {forward: 1, backward: 1}\n"
-                    "mixed_precision: {param: f32, reduce: f32}\n"
+                    f"mixed_precision: {{param: {dtype}, reduce: f32}}\n"
                     f"activation_checkpointing: {ac}\n"
                     f"batch: {{per_rank: {s.batch}, seq_len: {s.seq}, grad_accum: 1}}\n"
                     "optimizer: {adamw: {lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1}}\n"
                     "grad_clip: 1.0\n")
-            parallel[(setting, kernels)] = p
+            parallel[(setting, variant)] = p
     return model, parallel
 
 
@@ -439,6 +459,15 @@ def print_table(c):
           f"{c['ratio']:>7.3f}")
     print(f"   planned for PyTorch eager (kernels: eager): {fmt_bytes(c['eager_peak'])} = "
           f"{c['eager_ratio']:.3f}x FSDP2's measured peak")
+    print(f"   planned for FSDP2's run (runtime: fsdp2): {fmt_bytes(c['fsdp2_model_peak'])} = "
+          f"{c['fsdp2_model_ratio']:.4f}x FSDP2's measured peak")
+    print(f"   {'runtime: fsdp2 by category':<27}{'FSDP2 @peak':>14}{'model @peak':>17}{'ratio':>7}"
+          f"{'FSDP2 max':>14}{'model max':>15}")
+    for r in c["fsdp2_model_rows"]:
+        print(f"   {r['category']:<27}{fmt_bytes(r['fsdp2_at_peak']):>14}"
+              f"{fmt_bytes(r['shardplan_at_peak']):>17}"
+              f"{ratio(r['shardplan_at_peak'], r['fsdp2_at_peak']):>7}"
+              f"{fmt_bytes(r['fsdp2_max']):>14}{fmt_bytes(r['shardplan_max']):>15}")
     if c.get("train"):
         print(f"   shardplan train (2 steps): peak planned {c['train']['planned']}, "
               f"measured {c['train']['measured']}")
@@ -473,16 +502,25 @@ def main(argv=None):
                              os.path.join(out, f"plan-{setting}.json"))
         eager = run_shardplan(a.shardplan, model, parallel[(setting, "eager")],
                               os.path.join(out, f"plan-{setting}-eager.json"))
+        model_run = run_shardplan(a.shardplan, model, parallel[(setting, "fsdp2")],
+                                  os.path.join(out, f"plan-{setting}-fsdp2.json"))
         c = compare(setting, fsdp, plan)
         c["eager_peak"] = eager["memory"]["peak"]
         c["eager_ratio"] = eager["memory"]["peak"] / fsdp["peak"]
+        m = compare(setting, fsdp, model_run)
+        c["fsdp2_model_peak"] = m["shardplan_peak"]
+        c["fsdp2_model_ratio"] = m["ratio"]
+        c["fsdp2_model_rows"] = m["rows"]
+        c["fsdp2_model_phase_peaks"] = m["phase_peaks"]["shardplan"]
+        c["fsdp2_model_peak_where"] = m["shardplan_peak_where"]
         c["train"] = None if a.skip_train else run_train(a.shardplan, model, parallel[(setting, "fused")])
         results.append(c)
     s = step_args(a)
     print(f"Per-rank memory, rank 0: FSDP2 measured (FSDPMemTracker, torch {torch.__version__}, CPU, "
           f"gloo, {a.ranks} ranks) vs shardplan planned; Llama dim {s.dim}, {s.layers} layers, "
           f"{s.heads} heads, ffn {s.ffn}, vocab {s.vocab}; batch {s.batch} x {s.seq} per rank; "
-          "f32; AdamW; clip 1.0. Bytes; ratio = shardplan / FSDP2.")
+          "f32 masters (bf16 setting: bf16 parameters, f32 reduction); AdamW; clip 1.0. Bytes; "
+          "ratio = shardplan / FSDP2.")
     for c in results:
         print_table(c)
     with open(os.path.join(out, "summary.json"), "w") as f:

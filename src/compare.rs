@@ -301,7 +301,17 @@ fn log_lines(path: &Path, text: &str) -> Result<Measured, SpecError> {
 /// The comparison table: predicted, measured, and measured / predicted.
 pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "predicted vs measured ({}: {}):", file.display(), m.what);
+    if plan.policy.runtime.is_shardplan() {
+        let _ = writeln!(o, "predicted vs measured ({}: {}):", file.display(), m.what);
+    } else {
+        let _ = writeln!(
+            o,
+            "predicted for PyTorch FSDP2 (runtime: {}) vs measured ({}: {}):",
+            plan.policy.runtime.name(),
+            file.display(),
+            m.what
+        );
+    }
     let _ = writeln!(o, "  {:<30} {:>14} {:>14} {:>7}", "", "predicted", "measured", "ratio");
     let ratio = |m: f64, p: f64| if p > 0.0 { format!("{:.2}x", m / p) } else { "-".into() };
     let dur = |s: f64| {
@@ -355,6 +365,17 @@ pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
     );
     if let Some((_, src)) = m.peak_allocated {
         let _ = writeln!(o, "  (measured allocation: {src}; ratio = measured / predicted)");
+    }
+    if let Some(x) = &plan.shardplan_executor {
+        let _ = writeln!(
+            o,
+            "  (shardplan's executor on the same spec predicts {:.0} tokens/s, {} per step, peak {} allocated / {} reserved; a `shardplan train` run compares with a plan without `runtime: {}`)",
+            x.tokens_per_s,
+            dur(x.step_s),
+            bytes(x.peak),
+            bytes(x.reserved_peak),
+            plan.policy.runtime.name()
+        );
     }
     if let Some(p) = &m.profile {
         by_kind(&mut o, plan, p, &dur, &ratio);

@@ -301,6 +301,13 @@ fn train(
                 parallel,
                 joint,
             } = read_plan(p)?;
+            if !plan.policy.runtime.is_shardplan() {
+                return Err(CliError::Usage(format!(
+                    "{}: this plan predicts PyTorch FSDP2's run (runtime: {}), whose buffers and hooks shardplan's executor does not run; train from the specs instead (`shardplan train --model M --parallel P` plans the same spec for this executor), or plan without `runtime: fsdp2` and pass that plan",
+                    p.display(),
+                    plan.policy.runtime.name()
+                )));
+            }
             let specs = Specs::Plan(p.clone());
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)

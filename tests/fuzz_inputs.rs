@@ -573,6 +573,7 @@ fn fuzz_parallel_yaml() {
             "examples/parallel/fsdp-8.yaml",
             "examples/parallel/hsdp-2x8.yaml",
             "examples/parallel/fsdp-64x8.yaml",
+            "examples/parallel/fsdp2-8.yaml",
         ],
         "tiny-llama",
         1000,

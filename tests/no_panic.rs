@@ -6,6 +6,7 @@ use shardplan_models::{trace, TraceOptions};
 
 const MODEL: &str = include_str!("../examples/models/tiny-llama.yaml");
 const PARALLEL: &str = include_str!("../examples/parallel/hsdp-2x8.yaml");
+const PARALLEL_FSDP2: &str = include_str!("../examples/parallel/fsdp2-8.yaml");
 const HF: &str = include_str!("../examples/models/qwen2-0.5b.config.json");
 
 /// Replaces the `n`-th number-like token of `text` with `value`.
@@ -65,6 +66,7 @@ proptest! {
             let _ = trace(&m, TraceOptions { seq_len: Some(2), ..TraceOptions::default() });
         }
         let _ = parse_parallel_spec(&Source::from_text("p.yaml", mutate(PARALLEL, n, &value)));
+        let _ = parse_parallel_spec(&Source::from_text("p.yaml", mutate(PARALLEL_FSDP2, n, &value)));
         if let Ok((m, _)) = parse_hf_config(&Source::from_text("c.json", mutate(HF, n, &value))) {
             let _ = trace(&m, TraceOptions { seq_len: Some(2), ..TraceOptions::default() });
         }

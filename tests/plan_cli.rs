@@ -348,3 +348,75 @@ fn auto_says_by_how_much_nothing_fits_and_what_would() {
         ],
     );
 }
+
+#[test]
+fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
+    let dir = tempfile::tempdir().unwrap();
+    let par = temp(
+        dir.path(),
+        "p.yaml",
+        "mesh: {shard: 2}\ngpus_per_node: 2\nruntime: fsdp2\nbatch: {per_rank: 2, seq_len: 16}\n",
+    );
+    let args = ["plan", "--model", "tiny-llama", "--parallel", par.to_str().unwrap()];
+    let o = shardplan(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for want in [
+        "runtime: fsdp2 — the figures above predict PyTorch FSDP2",
+        "shardplan's executor on the same spec (kernels fused): peak ",
+        " tokens/s",
+        "copy g0.ag.fwd -> g0.unsharded.fwd",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    let json = dir.path().join("plan.json");
+    let o = shardplan(&[&args[..], &["--format", "json", "--out", json.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["policy"]["runtime"], "fsdp2");
+    assert!(v["shardplan_executor"]["peak"].as_u64().unwrap() > 0);
+    assert_eq!(v["shardplan_executor"]["kernels"], "fused");
+    // shardplan's executor does not run FSDP2's buffers: a clear refusal, exit 2.
+    bad(
+        &["train", "--plan", json.to_str().unwrap(), "--steps", "1"],
+        &[
+            "predicts PyTorch FSDP2's run (runtime: fsdp2)",
+            "--model M --parallel P",
+        ],
+    );
+    // From the specs it trains, planned for its own runtime.
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        par.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // --compare reads against the FSDP2 prediction and names it.
+    let m = temp(
+        dir.path(),
+        "m.json",
+        "{\"tokens_per_second\": 1000, \"step_seconds\": 0.1, \"peak_allocated\": 1000000}",
+    );
+    let o = shardplan(&[&args[..], &["--compare", m.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("predicted for PyTorch FSDP2 (runtime: fsdp2) vs measured"),
+        "{out}"
+    );
+    assert!(out.contains("shardplan's executor on the same spec predicts"), "{out}");
+    // A spec that asks for fused kernels as well is refused at the field.
+    let fused = temp(
+        dir.path(),
+        "fused.yaml",
+        "mesh: {shard: 2}\nruntime: fsdp2\nhardware: {base: h100-sxm, kernels: fused}\n",
+    );
+    bad(
+        &["plan", "--model", "tiny-llama", "--parallel", fused.to_str().unwrap()],
+        &["fused.yaml:3:", "hardware.kernels", "runtime: fsdp2"],
+    );
+}

@@ -24,7 +24,7 @@ pub use model_spec::{parse_model_spec, Family, ModelSpecFile};
 pub use origin::Origin;
 pub use parallel::{
     parse_parallel_spec, ActivationCheckpointing, Batch, DataSource, Eval, GradSync, LrSchedule, MeshShape,
-    MixedPrecision, Offload, Optimizer, ParallelConfig, Prefetch, Reshard, SavePolicy, SavedMatmuls, TokenDType,
-    MAX_EVAL_BATCHES, MAX_WORLD,
+    MixedPrecision, Offload, Optimizer, ParallelConfig, Prefetch, Reshard, Runtime, SavePolicy, SavedMatmuls,
+    TokenDType, MAX_EVAL_BATCHES, MAX_WORLD,
 };
 pub use source::{Source, MAX_SPEC_BYTES};

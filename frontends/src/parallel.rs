@@ -38,6 +38,7 @@ struct ParallelSpecFile {
     seed: Option<Spanned<u64>>,
     lr_schedule: Option<Spanned<LrScheduleFile>>,
     data: Option<Spanned<NameOr<DataFile>>>,
+    runtime: Option<Spanned<Runtime>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -388,6 +389,33 @@ pub struct Eval {
     pub batches: u64,
 }
 
+/// Which framework runs the plan, and so whose buffers and hooks the planner models.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Runtime {
+    /// shardplan's own executor (`shardplan train`).
+    #[default]
+    Shardplan,
+    /// PyTorch FSDP2 running the plan as a torch program (`fully_shard` per planned group):
+    /// its flat all-gather output copied out into per-parameter tensors, its reduce-scatter
+    /// buffers and the collective state it keeps between groups, PyTorch eager kernels and
+    /// autograd's saved tensors. Implies `hardware.kernels: eager`.
+    Fsdp2,
+}
+
+impl Runtime {
+    pub fn is_shardplan(&self) -> bool {
+        *self == Runtime::Shardplan
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Shardplan => "shardplan",
+            Runtime::Fsdp2 => "fsdp2",
+        }
+    }
+}
+
 /// A validated parallel spec.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParallelConfig {
@@ -413,6 +441,10 @@ pub struct ParallelConfig {
     pub seed: u64,
     pub lr_schedule: LrSchedule,
     pub data: DataSource,
+    /// Whose run the plan predicts; absent from a serialised config when `shardplan`, so
+    /// plans made before the field existed read (and print) as they did.
+    #[serde(default, skip_serializing_if = "Runtime::is_shardplan")]
+    pub runtime: Runtime,
 }
 
 // ---- conversion ----
@@ -494,7 +526,21 @@ impl ParallelSpecFile {
             ));
         }
 
-        let hardware = hardware(&mut o, self.hardware)?;
+        let mut hardware = hardware(&mut o, self.hardware)?;
+        record(&mut o, "runtime", &self.runtime);
+        let runtime = self.runtime.map_or(Runtime::Shardplan, |s| s.value);
+        if runtime == Runtime::Fsdp2 {
+            // FSDP2 runs PyTorch eager kernels whatever the profile says; a spec that asks
+            // for fused kernels as well contradicts itself, so it is refused, not overridden.
+            if o.has("hardware.kernels") && hardware.kernels == crate::hardware::KernelMode::Fused {
+                return Err(o.error(
+                    "hardware.kernels",
+                    "`runtime: fsdp2` runs PyTorch eager kernels, but the hardware asks for `kernels: fused`",
+                    "remove `kernels: fused` (or write `kernels: eager`); `kernels: fused` is shardplan's own executor, `runtime: shardplan`",
+                ));
+            }
+            hardware.kernels = crate::hardware::KernelMode::Eager;
+        }
 
         let wrap = match self.wrap {
             None => vec![ModuleKind::Block],
@@ -823,6 +869,7 @@ impl ParallelSpecFile {
             seed,
             lr_schedule,
             data,
+            runtime,
         };
         Ok((config, o))
     }

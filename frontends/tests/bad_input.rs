@@ -463,3 +463,44 @@ fn validation_data_fields() {
     let e = parallel(&format!("{PAR_OK}data: {{tokens: t.bin, val: \"\"}}\n"));
     check(&e, 2, 28, &["`data.val`", "empty"]);
 }
+
+#[test]
+fn runtime_field() {
+    let ok = |text: &str| parse_parallel_spec(&Source::from_text("p.yaml", text)).unwrap().0;
+    // Absent: shardplan's executor, and the profile's kernels as written.
+    let c = ok(PAR_OK);
+    assert_eq!(c.runtime, shardplan_frontends::Runtime::Shardplan);
+    let c = ok(&format!(
+        "{PAR_OK}runtime: shardplan\nhardware: {{base: h100-sxm, kernels: fused}}\n"
+    ));
+    assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Fused);
+    // fsdp2 implies eager kernels.
+    let c = ok(&format!("{PAR_OK}runtime: fsdp2\n"));
+    assert_eq!(c.runtime, shardplan_frontends::Runtime::Fsdp2);
+    assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Eager);
+    let c = ok(&format!(
+        "{PAR_OK}runtime: fsdp2\nhardware: {{base: a100-80gb, kernels: eager}}\n"
+    ));
+    assert_eq!(c.hardware.kernels, shardplan_frontends::KernelMode::Eager);
+    // Unknown runtimes, with a suggestion.
+    let e = parallel(&format!("{PAR_OK}runtime: fsdp\n"));
+    check(&e, 2, 10, &["unknown variant `fsdp`", "did you mean `fsdp2`?"]);
+    assert_eq!(e.field.as_deref(), Some("runtime"));
+    let e = parallel(&format!("{PAR_OK}runtime: shardpaln\n"));
+    check(&e, 2, 10, &["did you mean `shardplan`?"]);
+    let e = parallel(&format!("{PAR_OK}runtime: 2\n"));
+    assert_eq!(e.field.as_deref(), Some("runtime"), "{e}");
+    let e = parallel(&format!("{PAR_OK}runtimes: fsdp2\n"));
+    check(&e, 2, 1, &["unknown field `runtimes`", "did you mean `runtime`?"]);
+    // fsdp2 runs eager kernels: asking for fused ones as well is refused where written.
+    let e = parallel(&format!(
+        "{PAR_OK}runtime: fsdp2\nhardware: {{base: h100-sxm, kernels: fused}}\n"
+    ));
+    check(
+        &e,
+        3,
+        37,
+        &["`runtime: fsdp2` runs PyTorch eager kernels", "remove `kernels: fused`"],
+    );
+    assert_eq!(e.field.as_deref(), Some("hardware.kernels"));
+}

@@ -460,6 +460,9 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     ));
     y.push_str(&format!("gpus_per_node: {}\n", c.gpus_per_node));
     y.push_str(&format!("hardware: {hardware}\n"));
+    if !c.runtime.is_shardplan() {
+        y.push_str(&format!("runtime: {}\n", c.runtime.name()));
+    }
     y.push_str(&format!("wrap: [{}]\n", wrap.join(", ")));
     if !c.wrap_modules.is_empty() {
         y.push_str(&format!("wrap_modules: [{}]\n", c.wrap_modules.join(", ")));

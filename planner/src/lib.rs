@@ -156,6 +156,7 @@ fn passes(
             shardplan_frontends::Optimizer::Sgd { .. } => "sgd".into(),
         },
         grad_clip: config.grad_clip,
+        runtime: config.runtime,
     };
     let mut policy = policy;
     if let Some(m) = forward_only {
@@ -191,16 +192,19 @@ fn passes(
     let key = (
         fsdp.iter().map(|f| f.params.clone()).collect::<Vec<_>>(),
         format!("{:?}", config.activation_checkpointing),
-        format!("{:?} {:?}", config.hardware, policy.mixed_precision.param),
+        format!(
+            "{:?} {:?} {:?}",
+            config.hardware, policy.mixed_precision.param, config.runtime
+        ),
     );
     let cached = match cache.steps.get(&key) {
         Some(x) => x.clone(),
         None => {
-            let (steps, acts) = steps::steps_and_events(
+            let (steps, acts) = steps::steps_and_events_for(
                 joint,
                 &fsdp,
                 config.activation_checkpointing,
-                config.hardware.kernels == shardplan_frontends::KernelMode::Eager,
+                steps::Kernels::of(config),
             );
             let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
             let x = std::sync::Arc::new(CachedSteps { steps, acts, step_s });
@@ -275,7 +279,18 @@ fn passes(
         timing,
         memory,
         estimate,
+        shardplan_executor: None,
     };
+    let mut plan = plan;
+    if !config.runtime.is_shardplan() && forward_only.is_none() && replay {
+        // The same spec as shardplan's executor runs it (its own schedule, one kernel per
+        // op), so the two predictions can be read side by side.
+        let mut own = config.clone();
+        own.runtime = shardplan_frontends::Runtime::Shardplan;
+        own.hardware.kernels = shardplan_frontends::KernelMode::Fused;
+        let (p, _) = passes(joint, &own, cache, verify_plan, true, None)?;
+        plan.shardplan_executor = Some(RuntimePrediction::of(&p));
+    }
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
     if verify_plan {
         verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;

@@ -12,7 +12,7 @@ use crate::layout::GroupLayout;
 use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
-use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload};
+use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload, Runtime};
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
 
@@ -433,6 +433,10 @@ pub struct Policy {
     pub optimizer_state_per_param: u64,
     pub optimizer: String,
     pub grad_clip: Option<f64>,
+    /// Whose run the schedule models: shardplan's executor, or PyTorch FSDP2's buffers and
+    /// hooks (`runtime: fsdp2`; see `schedule`). Absent from the JSON for `shardplan`.
+    #[serde(default, skip_serializing_if = "Runtime::is_shardplan")]
+    pub runtime: Runtime,
 }
 
 /// Prefetch depths, and FSDP2-style explicit prefetch lists by group.
@@ -630,6 +634,37 @@ pub struct PlanSource {
     pub parallel: shardplan_frontends::ParallelConfig,
 }
 
+/// The headline prediction of one runtime's run of a spec: what `shardplan plan` prints
+/// for shardplan's own executor beside a `runtime: fsdp2` plan's FSDP2 prediction.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RuntimePrediction {
+    pub runtime: Runtime,
+    pub kernels: shardplan_frontends::KernelMode,
+    /// Allocated peak per rank ([`MemoryReport::peak`]).
+    pub peak: u64,
+    /// The caching allocator's reserved peak per rank.
+    pub reserved_peak: u64,
+    /// Reserved peak plus the CUDA context and NCCL's buffers.
+    pub device_total: u64,
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+}
+
+impl RuntimePrediction {
+    /// The headline figures of `plan`.
+    pub fn of(plan: &Plan) -> Self {
+        RuntimePrediction {
+            runtime: plan.policy.runtime,
+            kernels: plan.hardware.kernels,
+            peak: plan.memory.peak,
+            reserved_peak: plan.memory.reserved_peak,
+            device_total: plan.memory.device_total,
+            step_s: plan.estimate.step_s,
+            tokens_per_s: plan.estimate.tokens_per_s,
+        }
+    }
+}
+
 /// A complete plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -651,6 +686,10 @@ pub struct Plan {
     pub timing: Timing,
     pub memory: MemoryReport,
     pub estimate: Estimate,
+    /// For a plan of another runtime (`runtime: fsdp2`): shardplan's own executor's
+    /// prediction for the same spec (`kernels: fused`, its own schedule). Absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shardplan_executor: Option<RuntimePrediction>,
 }
 
 impl Plan {

@@ -307,6 +307,24 @@ pub fn summary(o: &mut String, plan: &Plan) {
         e.mfu * 100.0,
         thousands(e.tokens_per_s.round() as u64)
     );
+    if !p.runtime.is_shardplan() {
+        let _ = writeln!(
+            o,
+            "runtime: {} — the figures above predict PyTorch FSDP2 running this plan (its buffers and hooks, eager kernels)",
+            p.runtime.name()
+        );
+        if let Some(x) = &plan.shardplan_executor {
+            let _ = writeln!(
+                o,
+                "  shardplan's executor on the same spec (kernels {}): peak {} allocated / {} reserved per rank, step {}, {} tokens/s",
+                x.kernels.name(),
+                bytes(x.peak),
+                bytes(x.reserved_peak),
+                ms(x.step_s),
+                thousands(x.tokens_per_s.round() as u64)
+            );
+        }
+    }
 }
 
 /// The groups table.

@@ -12,6 +12,25 @@
 //!   (HSDP), and under CPU offload copied to the host;
 //! - at the end: the gradient norm (partial sums all-reduced over the shard group) and the
 //!   optimizer step of each group on its shards.
+//!
+//! Under `runtime: fsdp2` the same decisions are laid out as PyTorch FSDP2's hooks hold
+//! memory (torch 2.15's `_fully_shard`):
+//! - an all-gather writes a flat output (`gN.ag`, all-gather/reduce-scatter buffers); with
+//!   a parameter dtype other than the master's, the cast shard is first copied into a flat
+//!   input of its own (`gN.ag_in`), freed once the collective has its input;
+//! - where the group is first read (its pre-forward / pre-backward `wait_for_unshard`) the
+//!   compute stream copies the flat output out into the per-parameter tensors
+//!   (`split_with_sizes_copy`; `gN.unsharded`, unsharded params), both alive meanwhile. In
+//!   backward and recompute the flat output is freed right after the copy-out; in forward
+//!   it is kept in the communication context (`all_gather_state`) until the next group's
+//!   copy-out, or the root's post-forward, frees it;
+//! - a group's post-backward frees the previous group's reduce-scatter input once that
+//!   reduce-scatter is done (`reduce_scatter_states`, one buffer in flight), packs its
+//!   gradients into its own (`chunk_cat`; `gN.rs_in`), and reduce-scatters into a new output
+//!   (`gN.rs_out`) that becomes the sharded gradient when the reduce dtype is the master's;
+//!   otherwise it is cast into, or added to, the sharded gradient and freed. The last input
+//!   is freed at the end of each backward (the root's final callback);
+//! - AdamW keeps one 4-byte `step` tensor per parameter (`gN.optim.step`).
 
 use crate::group::GroupId;
 use crate::mesh::Mesh;
@@ -20,7 +39,7 @@ use crate::plan::{
     Stream,
 };
 use crate::steps::{Phase, Step, StepId};
-use shardplan_frontends::{GradSync, Offload};
+use shardplan_frontends::{GradSync, Offload, Runtime};
 use shardplan_ir::{DType, ParamId};
 
 /// Buffers, event count and program of one rank.
@@ -51,6 +70,13 @@ struct Builder<'a> {
     pieces: Vec<Vec<(usize, BufId)>>,
     sharded_grads: Vec<Option<BufId>>,
     grads_done: Vec<Option<(BufId, EventId)>>,
+    /// `runtime: fsdp2`: FSDP2's buffers and hooks (see the module doc).
+    fsdp2: bool,
+    /// FSDP2's `all_gather_state`: the last forward all-gather's flat output, kept until the
+    /// next copy-out.
+    ag_state: Option<BufId>,
+    /// FSDP2's `reduce_scatter_states`: the last reduce-scatter input and its end.
+    rs_state: Option<(BufId, EventId)>,
 }
 
 impl Builder<'_> {
@@ -121,14 +147,12 @@ impl Builder<'_> {
         let p = self.policy.mixed_precision.param;
         let full = self.gathered_numel(g);
         let tag = self.suffix(micro, if phase == Phase::Forward { "fwd" } else { "bwd" });
-        let dst = self.buf(
-            format!("{g}.unsharded.{tag}"),
-            Category::UnshardedParams,
-            g,
-            p,
-            full,
-            Pool::Device,
-        );
+        let (name, category) = if self.fsdp2 {
+            (format!("{g}.ag.{tag}"), Category::CommBuffers)
+        } else {
+            (format!("{g}.unsharded.{tag}"), Category::UnshardedParams)
+        };
+        let dst = self.buf(name, category, g, p, full, Pool::Device);
         let (src, comm, drop_src) = match self.post_forward[g.index()].take() {
             Some(pf) => {
                 let n = match self.groups[g.index()].reshard {
@@ -166,16 +190,43 @@ impl Builder<'_> {
                 (self.sharded[g.index()], Comm::Shard, false)
             }
         };
+        // FSDP2 copies a shard to be cast into a flat input of the parameter dtype first
+        // (`_get_param_all_gather_inputs`), freed once the all-gather has its input.
+        let cast = (self.fsdp2 && p != self.policy.mixed_precision.master).then(|| {
+            let numel = self.buffers[src.index()].numel;
+            let tag = tag.clone();
+            let cast = self.buf(
+                format!("{g}.ag_in.{tag}"),
+                Category::CommBuffers,
+                g,
+                p,
+                numel,
+                Pool::Device,
+            );
+            self.emit(Stream::AllGather, Instr::Alloc { buf: cast });
+            self.emit(
+                Stream::AllGather,
+                Instr::Copy {
+                    src,
+                    dst: cast,
+                    accumulate: false,
+                },
+            );
+            cast
+        });
         self.emit(Stream::AllGather, Instr::Alloc { buf: dst });
         self.emit(
             Stream::AllGather,
             Instr::AllGather {
                 group: g,
                 comm,
-                src,
+                src: cast.unwrap_or(src),
                 dst,
             },
         );
+        if let Some(cast) = cast {
+            self.emit(Stream::AllGather, Instr::Free { buf: cast });
+        }
         let done = self.record(Stream::AllGather);
         // Frees after a collective are issued one compute step later, so the allocations
         // issued meanwhile do not wait for the collective to finish.
@@ -185,6 +236,59 @@ impl Builder<'_> {
             self.deferring = false;
         }
         self.gathered[g.index()] = Some((dst, done, false));
+    }
+
+    /// FSDP2's `wait_for_unshard` for group `g`, whose all-gather output `flat` the compute
+    /// stream has waited for: in forward, free the previous all-gather's output it kept;
+    /// copy `flat` out into the per-parameter tensors; keep `flat` (forward) or free it.
+    /// Returns the unsharded buffer the group's steps read.
+    fn copy_out(&mut self, g: GroupId, flat: BufId, micro: u32, phase: Phase) -> BufId {
+        let forward = phase == Phase::Forward;
+        if forward {
+            self.release_ag_state();
+        }
+        let tag = self.suffix(micro, if forward { "fwd" } else { "bwd" });
+        let numel = self.gathered_numel(g);
+        let p = self.policy.mixed_precision.param;
+        let dst = self.buf(
+            format!("{g}.unsharded.{tag}"),
+            Category::UnshardedParams,
+            g,
+            p,
+            numel,
+            Pool::Device,
+        );
+        self.emit(Stream::Compute, Instr::Alloc { buf: dst });
+        self.emit(
+            Stream::Compute,
+            Instr::Copy {
+                src: flat,
+                dst,
+                accumulate: false,
+            },
+        );
+        if forward {
+            self.ag_state = Some(flat);
+        } else {
+            self.emit(Stream::Compute, Instr::Free { buf: flat });
+        }
+        dst
+    }
+
+    /// Frees the all-gather output FSDP2 keeps after a forward copy-out.
+    fn release_ag_state(&mut self) {
+        if let Some(flat) = self.ag_state.take() {
+            self.emit(Stream::Compute, Instr::Free { buf: flat });
+        }
+    }
+
+    /// Frees the reduce-scatter input FSDP2 keeps until the next post-backward (or the end
+    /// of backward), after the compute stream waits for its reduce-scatter.
+    fn release_rs_state(&mut self) {
+        if let Some((buf, done)) = self.rs_state.take() {
+            self.emit(Stream::Compute, Instr::Wait { event: done });
+            self.emit(Stream::Compute, Instr::Free { buf });
+        }
     }
 
     /// Packs group `g`'s gradient pieces into the reduce-scatter input on the compute
@@ -200,6 +304,9 @@ impl Builder<'_> {
         }
         let master = self.policy.mixed_precision.master;
         let reduce = self.policy.mixed_precision.reduce;
+        if self.fsdp2 {
+            self.release_rs_state();
+        }
         let tag = self.suffix(micro, "rs");
         let packed = self.buf(
             format!("{g}.{tag}_in"),
@@ -223,6 +330,10 @@ impl Builder<'_> {
         }
         let ready = self.record(Stream::Compute);
         self.emit(Stream::ReduceScatter, Instr::Wait { event: ready });
+        if self.fsdp2 {
+            self.reduce_fsdp2(g, micro, last_micro, packed);
+            return;
+        }
         let acc = match self.sharded_grads[g.index()] {
             Some(b) => b,
             None => {
@@ -253,11 +364,19 @@ impl Builder<'_> {
         // step: the allocations that step makes must not wait for this reduction to finish.
         self.deferring = true;
         self.emit(Stream::ReduceScatter, Instr::Free { buf: packed });
-        let mut done = self.record(Stream::ReduceScatter);
+        let done = self.record(Stream::ReduceScatter);
         if !last_micro {
             self.deferring = false;
             return;
         }
+        self.finish_grads(g, acc, done);
+        self.deferring = false;
+    }
+
+    /// The final micro-batch's tail of a group's reduction, from its sharded gradients `acc`
+    /// ready at `done`: the replica all-reduce (HSDP), the host copy (offload).
+    fn finish_grads(&mut self, g: GroupId, acc: BufId, mut done: EventId) {
+        let master = self.policy.mixed_precision.master;
         if self.mesh.replicate() > 1 {
             self.emit(Stream::AllReduce, Instr::Wait { event: done });
             self.emit(
@@ -297,6 +416,74 @@ impl Builder<'_> {
         }
         self.sharded_grads[g.index()] = None;
         self.grads_done[g.index()] = Some((final_buf, done));
+    }
+
+    /// FSDP2's `foreach_reduce` after the copy-in: a reduce-scatter output of the reduce
+    /// dtype that is the sharded gradient, or is cast into / added to it and freed; the input
+    /// `packed` kept until the next post-backward.
+    fn reduce_fsdp2(&mut self, g: GroupId, micro: u32, last_micro: bool, packed: BufId) {
+        let master = self.policy.mixed_precision.master;
+        let reduce = self.policy.mixed_precision.reduce;
+        let existing = self.sharded_grads[g.index()];
+        let becomes_grad = existing.is_none() && reduce == master;
+        let (name, category) = if becomes_grad {
+            (format!("{g}.grads"), Category::ShardedGrads)
+        } else {
+            (format!("{g}.{}_out", self.suffix(micro, "rs")), Category::CommBuffers)
+        };
+        let out = self.buf(name, category, g, reduce, self.shard_numel(g), Pool::Device);
+        self.emit(Stream::ReduceScatter, Instr::Alloc { buf: out });
+        self.emit(
+            Stream::ReduceScatter,
+            Instr::ReduceScatter {
+                group: g,
+                comm: Comm::Shard,
+                op: ReduceOp::Avg,
+                src: packed,
+                dst: out,
+            },
+        );
+        let rs_done = self.record(Stream::ReduceScatter);
+        self.rs_state = Some((packed, rs_done));
+        // The cast / accumulation and the rest follow on the reduce-scatter stream, issued
+        // after the next compute step as the other runtime's tails are.
+        self.deferring = true;
+        let acc = if becomes_grad {
+            out
+        } else {
+            let acc = match existing {
+                Some(acc) => acc,
+                None => {
+                    let acc = self.buf(
+                        format!("{g}.grads"),
+                        Category::ShardedGrads,
+                        g,
+                        master,
+                        self.shard_numel(g),
+                        Pool::Device,
+                    );
+                    self.emit(Stream::ReduceScatter, Instr::Alloc { buf: acc });
+                    acc
+                }
+            };
+            self.emit(
+                Stream::ReduceScatter,
+                Instr::Copy {
+                    src: out,
+                    dst: acc,
+                    accumulate: existing.is_some(),
+                },
+            );
+            self.emit(Stream::ReduceScatter, Instr::Free { buf: out });
+            acc
+        };
+        self.sharded_grads[g.index()] = Some(acc);
+        let done = self.record(Stream::ReduceScatter);
+        if !last_micro {
+            self.deferring = false;
+            return;
+        }
+        self.finish_grads(g, acc, done);
         self.deferring = false;
     }
 
@@ -383,6 +570,9 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
         pieces: vec![Vec::new(); n],
         sharded_grads: vec![None; n],
         grads_done: vec![None; n],
+        fsdp2: policy.runtime == Runtime::Fsdp2,
+        ag_state: None,
+        rs_state: None,
     };
     for grp in groups {
         let g = grp.group.id;
@@ -404,6 +594,18 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             o
         });
         b.optim.push(o);
+        if b.fsdp2 && policy.optimizer == "adamw" {
+            // torch's AdamW: a 4-byte `step` tensor per parameter.
+            let steps = b.buf(
+                format!("{g}.optim.step"),
+                Category::OptimizerState,
+                g,
+                DType::F32,
+                grp.group.params.len() as u64,
+                pool,
+            );
+            b.buffers[steps.index()].persistent = true;
+        }
     }
 
     let u = uses(steps, n);
@@ -417,7 +619,8 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
     let need = needs(steps, groups, &u);
     let first_backward = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(0);
     // The step at which each gather is issued.
-    let mut gate_at: Vec<Vec<(GroupId, Phase)>> = vec![Vec::new(); steps.len()];
+    // The step at which each gather is issued: (group, phase, step that needs it).
+    let mut gate_at: Vec<Vec<(GroupId, Phase, usize)>> = vec![Vec::new(); steps.len()];
     let (fwd, bwd): (Vec<_>, Vec<_>) = need.iter().partition(|(pos, _)| steps[*pos].phase == Phase::Forward);
     for (list, depth, start, explicit) in [
         (
@@ -448,29 +651,45 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
                 None if i >= depth => list[i - depth].0,
                 None => start.min(pos),
             };
-            gate_at[at].push((g, steps[pos].phase));
+            gate_at[at].push((g, steps[pos].phase, pos));
         }
     }
 
+    let last_forward = steps.iter().rposition(|s| s.phase == Phase::Forward);
     let micros = policy.grad_accum as u32;
     for micro in 0..micros {
         let last_micro = micro + 1 == micros;
         let sync = last_micro || policy.grad_sync == GradSync::EveryMicroBatch;
         for (pos, s) in steps.iter().enumerate() {
-            if !gate_at[pos].is_empty() {
+            // FSDP2 issues a group's own all-gather in its pre-hook, copies out, and only
+            // then prefetches the next groups; shardplan issues them all before the step.
+            let (now, ahead): (Vec<_>, Vec<_>) = gate_at[pos]
+                .iter()
+                .copied()
+                .partition(|&(_, _, need)| !b.fsdp2 || need == pos);
+            if !now.is_empty() {
                 let gate = b.record(Stream::Compute);
-                for &(g, phase) in &gate_at[pos] {
+                for &(g, phase, _) in &now {
                     b.gather(g, gate, micro, phase);
                 }
             }
             let mut reads = Vec::with_capacity(s.reads.len());
             for &g in &s.reads {
-                let (buf, event, waited) = b.gathered[g.index()].expect("every read group is gathered by its need");
+                let (mut buf, event, waited) = b.gathered[g.index()].expect("every read group is gathered by its need");
                 if !waited {
                     b.emit(Stream::Compute, Instr::Wait { event });
+                    if b.fsdp2 {
+                        buf = b.copy_out(g, buf, micro, s.phase);
+                    }
                     b.gathered[g.index()] = Some((buf, event, true));
                 }
                 reads.push(buf);
+            }
+            if !ahead.is_empty() {
+                let gate = b.record(Stream::Compute);
+                for &(g, phase, _) in &ahead {
+                    b.gather(g, gate, micro, phase);
+                }
             }
             let mut writes = Vec::with_capacity(s.grads.len());
             for &g in &s.grads {
@@ -578,6 +797,10 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
                     }
                 }
             }
+            if b.fsdp2 && last_forward == Some(pos) {
+                // The root's post-forward frees the all-gather output kept for overlap.
+                b.release_ag_state();
+            }
             if sync {
                 for &g in &s.grads {
                     if u.last_grad[g.index()] == Some(pos) {
@@ -586,6 +809,8 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
                 }
             }
         }
+        // The end of FSDP2's backward frees the last reduce-scatter input.
+        b.release_rs_state();
     }
 
     b.flush();

@@ -127,6 +127,72 @@ pub fn steps_and_events(
     ac: ActivationCheckpointing,
     flash_attention: bool,
 ) -> (Vec<Step>, ActEvents) {
+    let kernels = if flash_attention {
+        Kernels::Eager
+    } else {
+        Kernels::Fused
+    };
+    steps_and_events_for(joint, groups, ac, kernels)
+}
+
+/// What a rank's compute holds beside the graph's own values, by what runs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// shardplan's executor (`kernels: fused`): every graph value as a tensor, nothing more.
+    Fused,
+    /// PyTorch eager (`kernels: eager`): flash attention, eager cross-entropy.
+    Eager,
+    /// PyTorch eager under autograd, as FSDP2 runs a plan (`runtime: fsdp2`): `Eager`, plus
+    /// what autograd saves that the graph does not name. An RMSNorm written as PyTorch ops
+    /// (`x * rsqrt(mean(x^2) + eps)` in f32, then `* weight`) keeps its `rsqrt` (f32, one
+    /// per row) and the normalised rows (in bf16 it keeps the f32 copy of its input and the
+    /// normalised rows in bf16 instead of the input: 4 bytes per element either way);
+    /// `scaled_dot_product_attention` keeps its logsumexp (f32, one per query row and
+    /// head). Saved until the backward of the op that saved them; an op of a recomputed
+    /// (checkpointed) block saves them only in its recompute. Token ids are int64 tensors,
+    /// and the loss the training loop holds lives through backward.
+    Autograd,
+}
+
+impl Kernels {
+    /// The kernels a parallel spec's run uses.
+    pub fn of(config: &shardplan_frontends::ParallelConfig) -> Self {
+        match (config.runtime, config.hardware.kernels) {
+            (shardplan_frontends::Runtime::Fsdp2, _) => Kernels::Autograd,
+            (_, shardplan_frontends::KernelMode::Eager) => Kernels::Eager,
+            (_, shardplan_frontends::KernelMode::Fused) => Kernels::Fused,
+        }
+    }
+
+    /// Bytes autograd saves for forward node `id` beyond the graph's values (see
+    /// [`Kernels::Autograd`]); 0 for other kernels and ops.
+    pub fn saved_bytes(self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
+        if self != Kernels::Autograd {
+            return 0;
+        }
+        let node = g.node(id);
+        let shape = &node.ty.shape;
+        let numel = shape.numel().unwrap_or(0);
+        let last = shape.dims().last().copied().unwrap_or(1).max(1);
+        let rows = numel / last;
+        match node.op {
+            // rsqrt per row, and 4 bytes per element (normalised rows / f32 input copy).
+            Op::RmsNorm { .. } => rows.saturating_add(numel).saturating_mul(4),
+            // logsumexp: one f32 per (batch, query position, head).
+            Op::Attention { .. } => rows.saturating_mul(4),
+            _ => 0,
+        }
+    }
+}
+
+/// [`steps_and_events`] for the compute `kernels` runs.
+pub fn steps_and_events_for(
+    joint: &JointGraph,
+    groups: &[FsdpGroup],
+    ac: ActivationCheckpointing,
+    kernels: Kernels,
+) -> (Vec<Step>, ActEvents) {
+    let flash_attention = kernels != Kernels::Fused;
     let g = &joint.graph;
     let n = g.node_count();
     let group_of_scope = scope_groups(g, groups);
@@ -148,8 +214,38 @@ pub fn steps_and_events(
     let mut exec = ExecOrder::new(joint, ac);
     exec.flash_attention = flash_attention;
     let order = &exec.order;
+    // Autograd's saved tensors beyond the graph's values: freed after the last backward
+    // node of the forward node that saved them.
+    let mut last_grad_pos: Vec<usize> = Vec::new();
+    if kernels == Kernels::Autograd {
+        last_grad_pos = vec![usize::MAX; joint.forward_len];
+        for (pos, &(id, copy)) in order.iter().enumerate() {
+            if copy || id.index() < joint.forward_len {
+                continue;
+            }
+            if let Some(f) = g.node(id).grad_of {
+                if let Some(slot) = last_grad_pos.get_mut(f.index()) {
+                    *slot = pos;
+                }
+            }
+        }
+    }
+    // (free position, value, bytes) of the saved tensors held now.
+    let mut saved_live: Vec<(usize, u32, u64)> = Vec::new();
     let param_of_node = &exec.param_of_node;
-    let bytes = |id: NodeId| exec.value_bytes(g, id);
+    let bytes = |id: NodeId| {
+        let b = exec.value_bytes(g, id);
+        let node = g.node(id);
+        // PyTorch holds token ids as int64, twice shardplan's u32.
+        if kernels == Kernels::Autograd
+            && matches!(node.op, Op::Input { .. })
+            && node.ty.dtype == shardplan_ir::DType::U32
+        {
+            b.saturating_mul(2)
+        } else {
+            b
+        }
+    };
 
     let label_of = |grp: GroupId, id: NodeId| -> String {
         let group = &groups[grp.index()];
@@ -267,6 +363,46 @@ pub fn steps_and_events(
                 bytes: 0,
             });
             acts.values += 1;
+        }
+        let extra = if id.index() >= joint.forward_len {
+            0
+        } else if kernels == Kernels::Autograd && id == joint.loss && !copy {
+            // The loss a training loop keeps (`loss = model(...)`) lives through backward.
+            g.node(id).ty.bytes().unwrap_or(0)
+        } else {
+            kernels.saved_bytes(g, id)
+        };
+        if extra > 0 {
+            // Made with the op; kept until its backward unless the block recomputes it.
+            live = live.saturating_add(extra);
+            step.act_peak = step.act_peak.max(live);
+            let value = acts.values;
+            acts.values += 1;
+            acts.events.push(ActEvent { value, bytes: extra });
+            let kept = copy || !exec.recomputed(id);
+            let until = if id == joint.loss {
+                order.len() - 1
+            } else {
+                last_grad_pos.get(id.index()).copied().unwrap_or(usize::MAX)
+            };
+            if kept && until != usize::MAX && until > pos {
+                saved_live.push((until, value, extra));
+            } else {
+                live = live.saturating_sub(extra);
+                acts.events.push(ActEvent { value, bytes: 0 });
+            }
+        }
+        if !saved_live.is_empty() {
+            let mut i = 0;
+            while i < saved_live.len() {
+                if saved_live[i].0 == pos {
+                    let (_, value, b) = saved_live.swap_remove(i);
+                    live = live.saturating_sub(b);
+                    acts.events.push(ActEvent { value, bytes: 0 });
+                } else {
+                    i += 1;
+                }
+            }
         }
         freed.clear();
         for &input in &node.inputs {
@@ -449,6 +585,12 @@ impl ExecOrder {
             }
         }
         exec
+    }
+
+    /// Whether forward node `id` runs again in its block's recompute (checkpointed and not
+    /// saved), so what its original run saves dies with it.
+    pub fn recomputed(&self, id: NodeId) -> bool {
+        id.index() < self.forward_len && self.ckpt[id.index()].is_some() && !self.saved[id.index()]
     }
 
     /// Index of a value (a node's original or its recomputed copy).

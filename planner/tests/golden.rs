@@ -91,3 +91,10 @@ fn activation_checkpointing_full() {
 fn gpt2_fsdp_1x4() {
     golden("gpt2_fsdp_1x4", "tiny-gpt2", "mesh: {shard: 4}\n");
 }
+
+#[test]
+fn fsdp2_runtime() {
+    // PyTorch FSDP2's run of the fsdp_1x4 layout: flat all-gather outputs copied out,
+    // all-gather and reduce-scatter state, AdamW step tensors, shardplan's own prediction.
+    golden("fsdp2_1x4", "tiny-llama", "mesh: {shard: 4}\nruntime: fsdp2\n");
+}

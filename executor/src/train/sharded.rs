@@ -99,11 +99,13 @@ pub fn trace_options(config: &ParallelConfig) -> TraceOptions {
 }
 
 /// `config` as this executor runs it: one kernel per graph op, attention's probabilities
-/// made as tensors (`kernels: fused`), so that the plan's memory and time are this
-/// executor's rather than PyTorch eager's.
+/// made as tensors (`kernels: fused`), its own schedule (`runtime: shardplan`, whatever the
+/// spec predicts for), so that the plan's memory and time are this executor's rather than
+/// PyTorch eager's or FSDP2's.
 pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
     let mut c = config.clone();
     c.hardware.kernels = shardplan_frontends::KernelMode::Fused;
+    c.runtime = shardplan_frontends::Runtime::Shardplan;
     c
 }
 
@@ -156,6 +158,14 @@ impl ShardedTrainer {
         total_steps: u64,
         place: Placement,
     ) -> Result<Self, ExecError> {
+        if !plan.policy.runtime.is_shardplan() {
+            // FSDP2's buffers (flat all-gather outputs, its reduce-scatter state) are a
+            // prediction of another framework's run, not this executor's schedule.
+            return Err(ExecError::Unsupported(format!(
+                "the plan models PyTorch FSDP2's run (runtime: {}); shardplan's executor runs only its own schedule (runtime: shardplan)",
+                plan.policy.runtime.name()
+            )));
+        }
         shardplan_planner::verify(&plan, None)
             .map_err(|e| ExecError::Unsupported(format!("the plan is not safe to run: {e}")))?;
         if plan.programs.len() != 1 {

@@ -1,0 +1,312 @@
+//! `runtime: fsdp2`: the schedule holds what PyTorch FSDP2's hooks hold — the flat
+//! all-gather output beside its per-parameter copy-out, the all-gather state kept through
+//! the next forward copy-out, the reduce-scatter input kept until the next post-backward —
+//! and the plan stays verified, re-derivable, and beside shardplan's own prediction.
+
+mod common;
+
+use common::{parallel, plan_preset};
+use shardplan_ir::differentiate;
+use shardplan_models::{preset, trace, TraceOptions};
+use shardplan_planner::rederive::rederive;
+use shardplan_planner::{plan, BufId, Category, Instr, Plan, PlanSource, Stream};
+
+const BASE: &str = "mesh: {shard: 4}\ngpus_per_node: 4\n";
+
+fn spec(extra: &str) -> String {
+    let batch = if extra.contains("batch:") {
+        ""
+    } else {
+        "batch: {per_rank: 2, seq_len: 16}\n"
+    };
+    format!("{BASE}{batch}{extra}")
+}
+
+fn fsdp2(extra: &str) -> Plan {
+    plan_preset("tiny-llama", &spec(&format!("runtime: fsdp2\n{extra}")))
+}
+
+fn own(extra: &str) -> Plan {
+    plan_preset("tiny-llama", &spec(extra))
+}
+
+fn name(p: &Plan, b: BufId) -> &str {
+    &p.buffer(b).name
+}
+
+/// Issue index of each buffer's alloc and free (program 0).
+fn lifetimes(p: &Plan) -> Vec<(Option<usize>, Option<usize>)> {
+    let mut out = vec![(None, None); p.buffers.len()];
+    for (i, x) in p.programs[0].instrs.iter().enumerate() {
+        match x.instr {
+            Instr::Alloc { buf } => out[buf.index()].0 = Some(i),
+            Instr::Free { buf } => out[buf.index()].1 = Some(i),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The copy-outs: (issue index, flat all-gather output, per-parameter buffer).
+fn copy_outs(p: &Plan) -> Vec<(usize, BufId, BufId)> {
+    p.programs[0]
+        .instrs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, x)| match x.instr {
+            Instr::Copy { src, dst, .. } if name(p, src).contains(".ag.") => {
+                assert_eq!(x.stream, Stream::Compute, "copy-out runs on the compute stream");
+                Some((i, src, dst))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn copy_out_holds_the_flat_output_and_the_per_parameter_tensors_at_once() {
+    for extra in [
+        "",
+        "mixed_precision: {param: bf16, reduce: f32}\n",
+        "reshard_after_forward: false\n",
+    ] {
+        let p = fsdp2(extra);
+        let life = lifetimes(&p);
+        let outs = copy_outs(&p);
+        // One copy-out per all-gather, flat output and per-parameter buffer of one size.
+        let gathers = p.programs[0]
+            .instrs
+            .iter()
+            .filter(|x| matches!(x.instr, Instr::AllGather { .. }))
+            .count();
+        assert_eq!(outs.len(), gathers, "{extra}");
+        for &(i, flat, params) in &outs {
+            let (f, u) = (p.buffer(flat), p.buffer(params));
+            assert_eq!(f.category, Category::CommBuffers);
+            assert_eq!(u.category, Category::UnshardedParams);
+            assert_eq!(f.bytes(), u.bytes());
+            // Both alive at the copy.
+            assert!(life[flat.index()].0.unwrap() < i && life[flat.index()].1.unwrap() > i);
+            assert!(life[params.index()].0.unwrap() < i);
+        }
+        // Backward copy-outs free the flat output right after; forward ones keep it until
+        // the next copy-out (all_gather_state), the last one until the end of forward.
+        let fwd: Vec<_> = outs.iter().filter(|(_, f, _)| name(&p, *f).ends_with("fwd")).collect();
+        assert!(fwd.len() >= 2);
+        for w in fwd.windows(2) {
+            let (kept, next) = (w[0].1, w[1].0);
+            let freed = life[kept.index()].1.unwrap();
+            assert!(
+                freed < next && freed > w[0].0,
+                "{extra}: {} freed at #{freed}",
+                name(&p, kept)
+            );
+            assert!(
+                life[w[1].1.index()].0.unwrap() < freed,
+                "{extra}: the next all-gather output exists before the kept one is freed"
+            );
+        }
+        for (i, flat, _) in outs.iter().filter(|(_, f, _)| name(&p, *f).ends_with("bwd")) {
+            assert_eq!(life[flat.index()].1, Some(i + 1), "{extra}");
+        }
+        // At the copy-out of the largest group, memory holds both: the category maxima
+        // show it.
+        let biggest = outs.iter().map(|(_, f, _)| p.buffer(*f).bytes()).max().unwrap();
+        assert!(p.memory.max_by_category.comm_buffers >= biggest);
+    }
+}
+
+#[test]
+fn the_reduce_scatter_input_is_kept_until_the_next_post_backward() {
+    let p = fsdp2("");
+    let life = lifetimes(&p);
+    let instrs = &p.programs[0].instrs;
+    let packs: Vec<(usize, BufId)> = instrs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, x)| match x.instr {
+            Instr::PackGrads { dst, .. } => Some((i, dst)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(packs.len(), p.groups.len());
+    for (k, &(at, input)) in packs.iter().enumerate() {
+        let freed = life[input.index()].1.expect("every reduce-scatter input is freed");
+        assert!(freed > at);
+        // Freed on the compute stream after waiting for its reduce-scatter...
+        assert_eq!(instrs[freed].stream, Stream::Compute);
+        assert!(matches!(instrs[freed - 1].instr, Instr::Wait { .. }));
+        // ...just before the next group's input is allocated, or at the end of backward.
+        match packs.get(k + 1) {
+            Some(&(_, next)) => assert_eq!(life[next.index()].0, Some(freed + 1)),
+            None => assert!(instrs[freed + 1..]
+                .iter()
+                .all(|x| !matches!(x.instr, Instr::Compute { .. }))),
+        }
+    }
+    // With f32 reduction the reduce-scatter output is the sharded gradient.
+    for x in instrs {
+        if let Instr::ReduceScatter { dst, .. } = x.instr {
+            assert_eq!(p.buffer(dst).category, Category::ShardedGrads);
+        }
+    }
+}
+
+#[test]
+fn a_reduce_dtype_other_than_the_masters_is_cast_into_the_sharded_gradient() {
+    let p = fsdp2("mixed_precision: {param: bf16, reduce: bf16}\nbatch: {per_rank: 1, seq_len: 16, grad_accum: 2}\n");
+    let instrs = &p.programs[0].instrs;
+    let outs: Vec<BufId> = instrs
+        .iter()
+        .filter_map(|x| match x.instr {
+            Instr::ReduceScatter { dst, .. } => Some(dst),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outs.len(), 2 * p.groups.len());
+    for (k, &out) in outs.iter().enumerate() {
+        let b = p.buffer(out);
+        assert_eq!(
+            (b.category, b.dtype),
+            (Category::CommBuffers, shardplan_ir::DType::BF16)
+        );
+        // Cast (first micro-batch) or added (second) into the f32 gradient, then freed.
+        let copy = instrs
+            .iter()
+            .find_map(|x| match x.instr {
+                Instr::Copy { src, dst, accumulate } if src == out => Some((dst, accumulate)),
+                _ => None,
+            })
+            .expect("the output is copied into the sharded gradient");
+        assert_eq!(p.buffer(copy.0).category, Category::ShardedGrads);
+        assert_eq!(p.buffer(copy.0).dtype, shardplan_ir::DType::F32);
+        assert_eq!(copy.1, k >= p.groups.len(), "micro-batch {}", k / p.groups.len());
+    }
+}
+
+#[test]
+fn adamw_keeps_a_step_tensor_per_parameter() {
+    let p = fsdp2("");
+    let q = own("");
+    let params: usize = p.groups.iter().map(|g| g.group.params.len()).sum();
+    let steps: u64 = p
+        .buffers
+        .iter()
+        .filter(|b| b.name.ends_with("optim.step"))
+        .map(|b| {
+            assert!(b.persistent);
+            assert_eq!(b.category, Category::OptimizerState);
+            b.bytes()
+        })
+        .sum();
+    assert_eq!(steps, 4 * params as u64);
+    assert_eq!(
+        p.memory.max_by_category.optimizer_state,
+        q.memory.max_by_category.optimizer_state + steps
+    );
+    let sgd = fsdp2("optimizer: {sgd: {lr: 0.1, momentum: 0.9}}\n");
+    assert!(sgd.buffers.iter().all(|b| !b.name.ends_with("optim.step")));
+}
+
+#[test]
+fn fsdp2_holds_at_least_what_shardplan_holds() {
+    for extra in [
+        "",
+        "reshard_after_forward: false\n",
+        "reshard_after_forward: 2\n",
+        "activation_checkpointing: full\n",
+        "activation_checkpointing: selective\n",
+        "mixed_precision: {param: bf16, reduce: f32}\n",
+        "mixed_precision: {param: bf16, reduce: bf16}\n",
+        "batch: {per_rank: 1, seq_len: 16, grad_accum: 3}\n",
+        "batch: {per_rank: 1, seq_len: 16, grad_accum: 2, grad_sync: final_micro_batch}\n",
+        "prefetch: {forward: 2, backward: 2}\n",
+        "prefetch: {forward: 0, backward: 0}\n",
+        "offload: cpu\n",
+        "grad_clip: null\n",
+    ] {
+        let f = fsdp2(extra);
+        // The same schedule on PyTorch eager kernels, as shardplan's executor lays it out.
+        let s = own(&format!("{extra}hardware: {{base: h100-sxm, kernels: eager}}\n"));
+        assert!(
+            f.memory.peak >= s.memory.peak,
+            "{extra}: {} < {}",
+            f.memory.peak,
+            s.memory.peak
+        );
+        for c in Category::ALL {
+            if c != Category::CommBuffers && c != Category::UnshardedParams {
+                assert!(
+                    f.memory.max_by_category.get(c) >= s.memory.max_by_category.get(c),
+                    "{extra}: {}",
+                    c.name()
+                );
+            }
+        }
+        // Per group: its unsharded parameters (per-parameter tensors or flat output) are
+        // never held in fewer bytes.
+        assert!(
+            f.memory.max_by_category.unsharded_params + f.memory.max_by_category.comm_buffers
+                >= s.memory.max_by_category.unsharded_params
+        );
+        // Activations: autograd's saved norms and logsumexp on top of the eager model.
+        assert!(
+            f.memory.max_by_category.activations > s.memory.max_by_category.activations,
+            "{extra}"
+        );
+        assert!(f.shardplan_executor.is_some());
+    }
+}
+
+#[test]
+fn the_plan_carries_shardplans_own_prediction_for_the_same_spec() {
+    let p = fsdp2("");
+    let x = p.shardplan_executor.clone().unwrap();
+    let q = own("hardware: {base: h100-sxm, kernels: fused}\n");
+    assert_eq!(x, shardplan_planner::RuntimePrediction::of(&q));
+    assert!(x.runtime.is_shardplan());
+    assert!(x.peak < p.memory.peak);
+    let text = shardplan_planner::print::text(&p, 0);
+    assert!(text.contains("runtime: fsdp2"), "{text}");
+    assert!(
+        text.contains("shardplan's executor on the same spec (kernels fused)"),
+        "{text}"
+    );
+    // Without the field nothing changes: no runtime in the JSON, no second prediction.
+    let v = serde_json::to_value(&q).unwrap();
+    assert!(v.get("shardplan_executor").is_none());
+    assert!(v["policy"].get("runtime").is_none());
+    assert!(!shardplan_planner::print::text(&q, 0).contains("runtime"));
+}
+
+#[test]
+fn an_fsdp2_plan_from_a_file_is_re_derived() {
+    let config = parallel(&spec("runtime: fsdp2\nactivation_checkpointing: full\n"));
+    let model = preset("tiny-llama").unwrap();
+    let g = trace(
+        &model,
+        TraceOptions {
+            batch: config.batch.per_rank,
+            seq_len: config.batch.seq_len,
+            dtype: config.mixed_precision.param,
+        },
+    )
+    .unwrap();
+    let joint = differentiate(&g).unwrap();
+    let mut p = plan(&joint, &config).unwrap();
+    p.source = Some(PlanSource {
+        model,
+        parallel: config,
+    });
+    let v = serde_json::to_value(&p).unwrap();
+    assert_eq!(v["policy"]["runtime"], "fsdp2");
+    assert_eq!(v["source"]["parallel"]["runtime"], "fsdp2");
+    let back: Plan = serde_json::from_value(v.clone()).unwrap();
+    assert_eq!(back, p);
+    rederive(&v, &back, &joint).unwrap_or_else(|e| panic!("{e}"));
+    shardplan_planner::rederive::check_parallel(&p.source.as_ref().unwrap().parallel).unwrap_or_else(|e| panic!("{e}"));
+    // Its companion prediction, edited, is refused like any derived field.
+    let mut edited = v.clone();
+    edited["shardplan_executor"]["peak"] = serde_json::Value::from(1u64);
+    assert!(rederive(&edited, &back, &joint).is_err());
+}
