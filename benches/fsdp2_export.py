@@ -100,7 +100,10 @@ def write_tokens(path, n, seed):
 def run(cmd, **kw):
     p = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+        # A rank's own error lines first (torchrun's summary after them says little).
+        own = [line for line in p.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line]
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n" + "\n".join(own[:10])
+                           + f"\n{p.stderr[-1500:]}")
     return p
 
 

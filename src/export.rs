@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 use shardplan_executor::train::init::{rule, InitRule};
 use shardplan_frontends::{
     load_model, load_parallel, ActivationCheckpointing, DataSource, GradSync, Offload, Optimizer, ParallelConfig,
-    SpecError,
+    Runtime, SpecError,
 };
 use shardplan_ir::{Graph, JointGraph, ModuleKind, ScopeId};
 use shardplan_models::{Activation, ModelConfig};
@@ -236,13 +236,8 @@ fn render(
     ));
     lits.push((
         "PREDICTED",
-        "the dry run's prediction for this plan, per rank (bytes, seconds)",
-        json!({
-            "peak_allocated": plan.memory.peak,
-            "peak_reserved": plan.memory.reserved_peak,
-            "step_seconds": plan.estimate.step_s,
-            "tokens_per_second": plan.estimate.tokens_per_s,
-        }),
+        "the dry run's prediction of this program's run (`runtime: fsdp2`), per rank (bytes, seconds)",
+        fsdp2_prediction(plan, parallel, joint),
     ));
 
     let mut block = String::new();
@@ -265,6 +260,30 @@ fn render(
     Ok(TEMPLATE
         .replacen("# @@HEADER@@", &format!("# {header}"), 1)
         .replacen("# @@PLAN@@\n", &block, 1))
+}
+
+/// What the planner predicts for FSDP2 running this plan: the plan's own figures when it was
+/// made for `runtime: fsdp2`, else those of the same spec planned for it.
+fn fsdp2_prediction(plan: &Plan, parallel: &ParallelConfig, joint: &JointGraph) -> Value {
+    let of = |p: &Plan| {
+        json!({
+            "peak_allocated": p.memory.peak,
+            "peak_reserved": p.memory.reserved_peak,
+            "step_seconds": p.estimate.step_s,
+            "tokens_per_second": p.estimate.tokens_per_s,
+        })
+    };
+    if parallel.runtime == Runtime::Fsdp2 {
+        return of(plan);
+    }
+    let mut c = parallel.clone();
+    c.runtime = Runtime::Fsdp2;
+    c.hardware.kernels = shardplan_frontends::KernelMode::Eager;
+    match shardplan_planner::plan(joint, &c) {
+        Ok(p) => of(&p),
+        // Planning the same spec again cannot fail where it planned once; if it does, say so.
+        Err(_) => Value::Null,
+    }
 }
 
 fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError> {
@@ -512,11 +531,18 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
                 "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; re-plan with `shardplan plan`, or move the all-gather to the start of a group's step",
             )
         };
-        // The step that reads the gathered buffer first, and the compute step issued next
-        // after the point the gather waits for.
-        let reader = computes.iter().find(|&&(ci, _, _)| {
-            ci > i && matches!(&prog.instrs[ci].instr, Instr::Compute { reads, .. } if reads.contains(dst))
+        // The compute-stream instruction that reads the gathered buffer first (a step, or
+        // FSDP2's copy-out into per-parameter tensors), the step at or after it, and the
+        // compute step issued next after the point the gather waits for.
+        let read_at = computes.iter().position(|&(ci, _, _)| {
+            ci > i
+                && prog.instrs[ci]
+                    .instr
+                    .accesses()
+                    .iter()
+                    .any(|&(b, a)| b == *dst && a == shardplan_planner::Access::Read)
         });
+        let reader = read_at.and_then(|k| computes[k..].iter().find(|c| c.1 != usize::MAX));
         let Some(&(_, rstep, rmicro)) = reader else {
             return Err(at(format!("the all-gather of group {g} is never read")));
         };
