@@ -25,6 +25,7 @@ f32, 10% for bf16), 0 with a message when torch cannot be imported by --python.
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -76,7 +77,6 @@ def parse_args(argv=None):
     ap.add_argument("--models", default="llama,gpt2")
     ap.add_argument("--out", default=os.path.join(ROOT, "target", "fsdp2-export"))
     ap.add_argument("--memory-check", action="store_true", help="also fail when a peak misses its bound")
-    ap.add_argument("--port", type=int, default=29640)
     return ap.parse_args(argv)
 
 
@@ -85,6 +85,13 @@ def spec(size, name):
     mesh = "" if "mesh:" in extra else "mesh: {shard: 4}\n"
     return (f"{mesh}gpus_per_node: 4\n{extra}{MODELS[size]['batch']}{batch}}}\n"
             "optimizer: {adamw: {lr: 1.0e-3, weight_decay: 0.1}}\ngrad_clip: 1.0\nseed: 7\n")
+
+
+def free_port():
+    """A TCP port nothing listens on now, for torchrun's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_tokens(path, n, seed):
@@ -133,14 +140,13 @@ def main(argv=None):
     torchrun = [a.python, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     rows, failed = [], []
-    port = a.port
     for model_name in a.models.split(","):
         model = os.path.join(a.out, f"{model_name}.yaml")
         with open(model, "w") as f:
             f.write(MODELS[a.size][model_name])
         for name in a.configs.split(","):
             try:
-                row = check(a, model, model_name, name, torchrun, env, port + len(rows))
+                row = check(a, model, model_name, name, torchrun, env)
             except RuntimeError as e:
                 print(f"{model_name:6} {name:14} FAILED: {e}", flush=True)
                 failed.append(f"{model_name}/{name}")
@@ -158,7 +164,7 @@ def main(argv=None):
     return 0
 
 
-def check(a, model, model_name, name, torchrun, env, port):
+def check(a, model, model_name, name, torchrun, env):
     """One model and configuration: export, run both, compare."""
     d = os.path.join(a.out, f"{model_name}-{name}")
     os.makedirs(d, exist_ok=True)
@@ -178,7 +184,7 @@ def check(a, model, model_name, name, torchrun, env, port):
         if os.path.exists(os.path.join(d, f)):
             os.remove(os.path.join(d, f))
     t0 = time.time()
-    run(torchrun + ["--master-port", str(port), os.path.join(d, "train.py"), "--steps", str(a.steps),
+    run(torchrun + ["--master-port", str(free_port()), os.path.join(d, "train.py"), "--steps", str(a.steps),
                     "--log-file", os.path.join(d, "fsdp2.jsonl"), "--track-memory"] + init, env=env)
     t_torch = time.time() - t0
     run([a.shardplan, "train", "--model", model, "--parallel", parallel, "--steps", str(a.steps),

@@ -110,10 +110,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
-        # Computed in f32 and rounded once, as shardplan's kernel does.
+        # Normalised in f32, then scaled in the compute dtype (torchtitan's and HF's order;
+        # shardplan's fused kernel rounds once, after the scale: equal in f32).
         xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight.float()
-        return y.to(x.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
 
 
 class LayerNorm(nn.Module):
@@ -153,9 +154,8 @@ def attention(q, k, v):
     """Causal attention; q [b, s, h, d], k and v [b, s, kv, d] -> [b, s, h, d]."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+        # Each k/v head serves heads / kv_heads query heads, read in place (torch >= 2.5).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
 
@@ -170,16 +170,16 @@ class Rope:
         if key not in self.cache:
             pos = torch.arange(seq, dtype=torch.float64)
             ang = torch.outer(pos, torch.tensor(self.inv_freq, dtype=torch.float64))
+            ang = torch.cat((ang, ang), dim=-1)
             cos, sin = (ang.cos() * self.factor), (ang.sin() * self.factor)
             self.cache[key] = (cos.to(dtype).to(device)[:, None, :], sin.to(dtype).to(device)[:, None, :])
         return self.cache[key]
 
     def apply(self, x):
-        """x [b, s, h, d]."""
+        """x [b, s, h, d]: x * cos + rotate_half(x) * sin."""
         cos, sin = self.tables(x.shape[1], x.dtype, x.device)
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class LlamaAttention(nn.Module):
