@@ -1,7 +1,8 @@
 //! `shardplan export fsdp2`: every bundled example exports to a Python program that
 //! compiles; plans FSDP2 cannot run as planned are refused naming the field; and, where
-//! PyTorch is installed, the exported programs train exactly as `shardplan train` does
-//! (benches/fsdp2_export.py, every configuration the issue lists, on 4 CPU ranks).
+//! PyTorch is installed, the exported programs train exactly as `shardplan train` does and
+//! peak where the dry run's FSDP2 model says (benches/fsdp2_export.py: a small Llama and a
+//! small GPT-2 in every configuration it lists, on 4 CPU ranks).
 
 mod common;
 
@@ -306,6 +307,9 @@ fn exported_programs_train_as_shardplan_does() {
             "benches/fsdp2_export.py",
             "--steps",
             "3",
+            "--size",
+            "small",
+            "--memory-check",
             "--python",
             &py,
             "--shardplan",
