@@ -141,9 +141,11 @@ def predicted_peak(a, model, parallel, fsdp2_lines):
 
 def main(argv=None):
     a = parse_args(argv)
-    probe = subprocess.run([a.python, "-c", "import torch, safetensors"], capture_output=True, text=True)
+    # numpy: only for writing the `init-from` weights (safetensors' torch saver needs it);
+    # the exported program itself reads them with torch and safetensors alone.
+    probe = subprocess.run([a.python, "-c", "import torch, safetensors, numpy"], capture_output=True, text=True)
     if probe.returncode != 0:
-        print(f"{a.python} cannot import torch and safetensors: nothing to check")
+        print(f"{a.python} cannot import torch, safetensors and numpy: nothing to check")
         return 0
     os.makedirs(a.out, exist_ok=True)
     torchrun = [a.python, "-m", "torch.distributed.run", "--nproc-per-node", "4"]

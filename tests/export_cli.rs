@@ -277,7 +277,8 @@ fn plans_fsdp2_cannot_run_as_planned_are_refused() {
     assert_eq!(o.status.code(), Some(2));
 }
 
-/// The Python with torch and safetensors: SHARDPLAN_TORCH_PYTHON, else `python3` if it has them.
+/// The Python with torch, safetensors and numpy (the check's weight writer):
+/// SHARDPLAN_TORCH_PYTHON, else `python3` if it has them.
 fn torch_python() -> Option<String> {
     let candidates = std::env::var("SHARDPLAN_TORCH_PYTHON")
         .ok()
@@ -285,7 +286,7 @@ fn torch_python() -> Option<String> {
         .chain(["python3".to_string()]);
     for py in candidates {
         let ok = Command::new(&py)
-            .args(["-c", "import torch, safetensors"])
+            .args(["-c", "import torch, safetensors, numpy"])
             .output()
             .is_ok_and(|o| o.status.success());
         if ok {
@@ -298,7 +299,7 @@ fn torch_python() -> Option<String> {
 #[test]
 fn exported_programs_train_as_shardplan_does() {
     let Some(py) = torch_python() else {
-        eprintln!("skipped: no Python with torch and safetensors (set SHARDPLAN_TORCH_PYTHON)");
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
         return;
     };
     let out = tempfile::tempdir().unwrap();
@@ -306,7 +307,7 @@ fn exported_programs_train_as_shardplan_does() {
         .args([
             "benches/fsdp2_export.py",
             "--steps",
-            "3",
+            "2",
             "--size",
             "small",
             "--memory-check",
