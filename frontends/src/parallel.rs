@@ -26,7 +26,7 @@ struct ParallelSpecFile {
     wrap_modules: Option<Spanned<Vec<Spanned<String>>>>,
     bucket_mib: Option<Spanned<u64>>,
     reshard_after_forward: Option<Spanned<BoolOrInt>>,
-    prefetch: Option<Spanned<PrefetchFile>>,
+    prefetch: Option<Spanned<NameOr<PrefetchFile>>>,
     mixed_precision: Option<Spanned<MixedPrecisionFile>>,
     offload: Option<Spanned<Offload>>,
     activation_checkpointing: Option<Spanned<NameOr<AcEveryFile>>>,
@@ -111,6 +111,7 @@ struct PrefetchFile {
     forward: Option<Spanned<u32>>,
     backward: Option<Spanned<u32>>,
     explicit: Option<Spanned<ExplicitPrefetchFile>>,
+    peak_aware: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -212,6 +213,25 @@ pub struct Prefetch {
     pub explicit_forward: BTreeMap<String, Vec<String>>,
     /// FSDP2's `set_modules_to_backward_prefetch`, for the backward pass.
     pub explicit_backward: BTreeMap<String, Vec<String>>,
+    /// The planner moves an all-gather later than the depths put it wherever that lowers
+    /// the step's peak without lengthening the simulated step (`prefetch: auto`, the
+    /// default: depths 1 / 1 and peak-aware; a mapping turns it off unless it says
+    /// `peak_aware: true`).
+    #[serde(default)]
+    pub peak_aware: bool,
+}
+
+impl Prefetch {
+    /// `prefetch: auto`: depth 1 each way (FSDP2's order), then peak-aware.
+    pub fn auto() -> Self {
+        Prefetch {
+            forward: 1,
+            backward: 1,
+            explicit_forward: BTreeMap::new(),
+            explicit_backward: BTreeMap::new(),
+            peak_aware: true,
+        }
+    }
 }
 
 /// Dtypes of the unsharded parameters (and compute) and of gradient reduction.
@@ -591,22 +611,31 @@ impl ParallelSpecFile {
             }
         };
 
-        let mut prefetch = Prefetch {
-            forward: 1,
-            backward: 1,
-            explicit_forward: BTreeMap::new(),
-            explicit_backward: BTreeMap::new(),
-        };
+        let mut prefetch = Prefetch::auto();
         if let Some(p) = self.prefetch {
             o.insert("prefetch", pos(&p));
-            record(&mut o, "prefetch.forward", &p.value.forward);
-            record(&mut o, "prefetch.backward", &p.value.backward);
-            prefetch.forward = p.value.forward.map_or(1, |s| s.value);
-            prefetch.backward = p.value.backward.map_or(1, |s| s.value);
-            if let Some(e) = p.value.explicit {
-                o.insert("prefetch.explicit", pos(&e));
-                prefetch.explicit_forward = e.value.forward;
-                prefetch.explicit_backward = e.value.backward;
+            match p.value {
+                NameOr::Name(n) if n == "auto" => {}
+                NameOr::Name(n) => {
+                    return Err(o.error(
+                        "prefetch",
+                        format!("unknown prefetch `{n}`"),
+                        "use auto (the default) or {forward: N, backward: N}",
+                    ));
+                }
+                NameOr::Map(m) => {
+                    record(&mut o, "prefetch.forward", &m.forward);
+                    record(&mut o, "prefetch.backward", &m.backward);
+                    record(&mut o, "prefetch.peak_aware", &m.peak_aware);
+                    prefetch.forward = m.forward.map_or(1, |s| s.value);
+                    prefetch.backward = m.backward.map_or(1, |s| s.value);
+                    prefetch.peak_aware = m.peak_aware.is_some_and(|s| s.value);
+                    if let Some(e) = m.explicit {
+                        o.insert("prefetch.explicit", pos(&e));
+                        prefetch.explicit_forward = e.value.forward;
+                        prefetch.explicit_backward = e.value.backward;
+                    }
+                }
             }
             for (field, v) in [
                 ("prefetch.forward", prefetch.forward),

@@ -365,6 +365,18 @@ fn parallel_spec_rules() {
             "> 0 (or null for no clipping)",
         ),
         ("mesh: {shard: 8}\nprefetch: {forward: 100}\n", 2, 21, "more than 64"),
+        (
+            "mesh: {shard: 8}\nprefetch: sometimes\n",
+            2,
+            11,
+            "use auto (the default)",
+        ),
+        (
+            "mesh: {shard: 8}\nprefetch: {peak_aware: 2}\n",
+            2,
+            24,
+            "expected true or false",
+        ),
         ("mesh: {shard: 8}\nmesh: {shard: 4}\n", 2, 1, "duplicate"),
         ("wrap: [block]\n", 1, 1, "missing field `mesh`"),
     ];

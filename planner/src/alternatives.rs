@@ -51,12 +51,18 @@ pub fn plan_alternatives(c: &ParallelConfig) -> Vec<Alternative> {
     push("reshard_after_forward: true".into(), &|n| {
         n.reshard_after_forward = Reshard::AfterForward
     });
-    push("prefetch: {forward: 1, backward: 1}".into(), &|n| {
+    let depth_one = if c.prefetch.peak_aware {
+        "prefetch: auto"
+    } else {
+        "prefetch: {forward: 1, backward: 1}"
+    };
+    push(depth_one.into(), &|n| {
         n.prefetch = Prefetch {
             forward: n.prefetch.forward.min(1),
             backward: n.prefetch.backward.min(1),
             explicit_forward: Default::default(),
             explicit_backward: Default::default(),
+            peak_aware: n.prefetch.peak_aware,
         }
     });
     push("batch.grad_sync: every_micro_batch".into(), &|n| {

@@ -410,6 +410,43 @@ pub fn knob_effects(candidates: &[Candidate]) -> Vec<String> {
 
 /// The parallel spec of `c` as YAML (the fields the planner and trainer read), so a run
 /// is reproducible without `--auto`.
+/// The `prefetch:` value that reads back as `p`.
+fn prefetch_yaml(p: &Prefetch) -> String {
+    if p.peak_aware
+        && p.forward == 1
+        && p.backward == 1
+        && p.explicit_forward.is_empty()
+        && p.explicit_backward.is_empty()
+    {
+        return "auto".into();
+    }
+    let list = |m: &std::collections::BTreeMap<String, Vec<String>>| -> String {
+        let items: Vec<String> = m
+            .iter()
+            .map(|(k, v)| {
+                // Module names as quoted scalars (a JSON string is one in YAML).
+                let q = |x: &String| serde_json::to_string(x).unwrap_or_else(|_| "\"\"".into());
+                let vs: Vec<String> = v.iter().map(q).collect();
+                format!("{}: [{}]", q(k), vs.join(", "))
+            })
+            .collect();
+        format!("{{{}}}", items.join(", "))
+    };
+    let mut y = format!("{{forward: {}, backward: {}", p.forward, p.backward);
+    if p.peak_aware {
+        y.push_str(", peak_aware: true");
+    }
+    if !p.explicit_forward.is_empty() || !p.explicit_backward.is_empty() {
+        y.push_str(&format!(
+            ", explicit: {{forward: {}, backward: {}}}",
+            list(&p.explicit_forward),
+            list(&p.explicit_backward)
+        ));
+    }
+    y.push('}');
+    y
+}
+
 pub fn spec_yaml(c: &ParallelConfig) -> String {
     let hw = &c.hardware;
     let builtin = shardplan_frontends::HARDWARE_NAMES
@@ -471,10 +508,7 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         y.push_str(&format!("bucket_mib: {b}\n"));
     }
     y.push_str(&format!("reshard_after_forward: {reshard}\n"));
-    y.push_str(&format!(
-        "prefetch: {{forward: {}, backward: {}}}\n",
-        c.prefetch.forward, c.prefetch.backward
-    ));
+    y.push_str(&format!("prefetch: {}\n", prefetch_yaml(&c.prefetch)));
     y.push_str(&format!(
         "mixed_precision: {{param: {}, reduce: {}}}\n",
         c.mixed_precision.param, c.mixed_precision.reduce

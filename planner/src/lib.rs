@@ -13,6 +13,7 @@ pub mod group;
 pub mod layout;
 pub mod mesh;
 pub mod plan;
+pub mod prefetch;
 pub mod print;
 pub mod rederive;
 pub mod schedule;
@@ -138,6 +139,9 @@ fn passes(
             backward: config.prefetch.backward,
             explicit_forward: Vec::new(),
             explicit_backward: Vec::new(),
+            // FSDP2 issues its gathers from its hooks; only shardplan's executor runs a
+            // program whose gathers the planner places freely.
+            peak_aware: config.prefetch.peak_aware && config.runtime.is_shardplan(),
         },
         mixed_precision: config.mixed_precision.into(),
         offload: config.offload,
@@ -223,11 +227,26 @@ fn passes(
         steps.truncate(n);
     }
 
-    // 3. The schedule of one rank (every rank runs the same program: shards are padded).
-    let sched = schedule::schedule(&steps, &groups, &policy, &mesh);
+    // 3. The schedule of one rank (every rank runs the same program: shards are padded),
+    // its all-gathers placed for the peak under `prefetch: auto`.
+    let gates = schedule::gates(&steps, &groups, &policy);
+    let sched = schedule::schedule_gated(&steps, &groups, &policy, &mesh, &gates);
 
     // The memory passes add sizes up without checks: bound their total first.
     rank_bytes_fit(&sched.buffers, &cached.acts)?;
+    let (sched, prefetch_moves) = if policy.prefetch.peak_aware {
+        let ctx = prefetch::Ctx {
+            steps: &steps,
+            groups: &groups,
+            policy: &policy,
+            mesh: &mesh,
+            hw: &config.hardware,
+            step_s: &cached.step_s,
+        };
+        prefetch::peak_aware(&ctx, gates, sched)
+    } else {
+        (sched, Vec::new())
+    };
 
     // 4. Timeline, memory, estimate.
     let forward_flops: f64 = if forward_only.is_some() {
@@ -280,6 +299,7 @@ fn passes(
         memory,
         estimate,
         shardplan_executor: None,
+        prefetch_moves,
     };
     let mut plan = plan;
     if !config.runtime.is_shardplan() && forward_only.is_none() && replay {

@@ -448,6 +448,23 @@ pub struct PrefetchDepth {
     pub explicit_forward: Vec<(GroupId, Vec<GroupId>)>,
     /// When the first group's backward starts, gather the others.
     pub explicit_backward: Vec<(GroupId, Vec<GroupId>)>,
+    /// `prefetch: auto`: all-gathers issued later than the depths put them wherever that
+    /// lowers the peak without lengthening the step ([`Plan::prefetch_moves`]).
+    #[serde(default)]
+    pub peak_aware: bool,
+}
+
+/// One all-gather the peak-aware prefetch issued later than the depths put it: group
+/// `group`'s gather for its read at step `need` now starts with step `to` instead of
+/// `from`, which took the step's allocated peak from `peak_before` to `peak_after` bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefetchMove {
+    pub group: GroupId,
+    pub need: StepId,
+    pub from: StepId,
+    pub to: StepId,
+    pub peak_before: u64,
+    pub peak_after: u64,
 }
 
 /// Dtypes: unsharded parameters and compute, gradient reduction, sharded master copy.
@@ -690,6 +707,9 @@ pub struct Plan {
     /// prediction for the same spec (`kernels: fused`, its own schedule). Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shardplan_executor: Option<RuntimePrediction>,
+    /// The all-gathers `prefetch: auto` moved, in the order it moved them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefetch_moves: Vec<PrefetchMove>,
 }
 
 impl Plan {

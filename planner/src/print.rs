@@ -167,9 +167,14 @@ pub fn summary(o: &mut String, plan: &Plan) {
         wrap.push_str(&format!(", buckets up to {b} MiB"));
     }
     let mut prefetch = format!(
-        "prefetch forward {} / backward {}",
-        p.prefetch.forward, p.prefetch.backward
+        "prefetch {}forward {} / backward {}",
+        if p.prefetch.peak_aware { "auto: " } else { "" },
+        p.prefetch.forward,
+        p.prefetch.backward
     );
+    if p.prefetch.peak_aware {
+        prefetch.push_str(", peak-aware");
+    }
     for (pass, list) in [
         ("forward", &p.prefetch.explicit_forward),
         ("backward", &p.prefetch.explicit_backward),
@@ -237,6 +242,7 @@ pub fn summary(o: &mut String, plan: &Plan) {
         );
     }
     let _ = writeln!(o, "  {:<36} {:>12}", "total", bytes(mem.at_peak.total()));
+    prefetch_moves(o, plan);
     let _ = writeln!(
         o,
         "  allocated peak {} ({} in allocator blocks), reserved peak {} (PyTorch's caching allocator)",
@@ -328,6 +334,40 @@ pub fn summary(o: &mut String, plan: &Plan) {
 }
 
 /// The groups table.
+/// What `prefetch: auto` moved, and what each move saved.
+fn prefetch_moves(o: &mut String, plan: &Plan) {
+    let moves = &plan.prefetch_moves;
+    if moves.is_empty() {
+        return;
+    }
+    let step = |id: crate::StepId| {
+        let s = plan.step(id);
+        format!("{} {} [{id}]", s.phase.name(), s.label)
+    };
+    let first = moves[0].peak_before;
+    let last = moves[moves.len() - 1].peak_after;
+    let _ = writeln!(
+        o,
+        "  prefetch auto moved {} all-gather{} later, peak {} -> {} (-{}), step time not longer:",
+        moves.len(),
+        if moves.len() == 1 { "" } else { "s" },
+        bytes(first),
+        bytes(last),
+        bytes(first.saturating_sub(last))
+    );
+    for m in moves {
+        let _ = writeln!(
+            o,
+            "    {} (read by {}): issued with {} instead of {}, -{}",
+            group_name(plan, m.group),
+            step(m.need),
+            step(m.to),
+            step(m.from),
+            bytes(m.peak_before.saturating_sub(m.peak_after))
+        );
+    }
+}
+
 pub fn groups_table(o: &mut String, plan: &Plan) {
     let p = &plan.policy.mixed_precision;
     let _ = writeln!(

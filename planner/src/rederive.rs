@@ -92,30 +92,7 @@ impl Refusal {
 /// Checks the recorded parallel spec by writing it as YAML and reading it back through the
 /// spec parser, which holds every bound a spec must satisfy; `spec_yaml` covers every field.
 pub fn check_parallel(config: &ParallelConfig) -> Result<(), Refusal> {
-    let mut yaml = crate::auto::spec_yaml(config);
-    let list = |m: &std::collections::BTreeMap<String, Vec<String>>| -> String {
-        let items: Vec<String> = m
-            .iter()
-            .map(|(k, v)| {
-                let vs: Vec<String> = v.iter().map(|x| format!("{x:?}")).collect();
-                format!("{k:?}: [{}]", vs.join(", "))
-            })
-            .collect();
-        format!("{{{}}}", items.join(", "))
-    };
-    let p = &config.prefetch;
-    if !p.explicit_forward.is_empty() || !p.explicit_backward.is_empty() {
-        yaml = yaml.replace(
-            &format!("prefetch: {{forward: {}, backward: {}}}\n", p.forward, p.backward),
-            &format!(
-                "prefetch: {{forward: {}, backward: {}, explicit: {{forward: {}, backward: {}}}}}\n",
-                p.forward,
-                p.backward,
-                list(&p.explicit_forward),
-                list(&p.explicit_backward)
-            ),
-        );
-    }
+    let yaml = crate::auto::spec_yaml(config);
     // A path without a folder: a relative token-file path stays as recorded.
     let src = shardplan_frontends::Source::from_text("source.parallel", yaml);
     let parsed = match shardplan_frontends::parse_parallel_spec(&src) {

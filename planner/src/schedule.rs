@@ -544,8 +544,80 @@ fn needs(steps: &[Step], groups: &[PlannedGroup], u: &Uses) -> Vec<(usize, Group
     out
 }
 
-/// The schedule of one rank.
+/// Where one all-gather is issued: when the compute stream starts step `at`, for the first
+/// read of `group` at step `need` (`at <= need`), in pass `phase`. Every micro-batch
+/// issues its gathers at the same points.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gate {
+    pub group: GroupId,
+    pub phase: Phase,
+    pub need: usize,
+    pub at: usize,
+}
+
+/// The all-gathers of one micro-batch at the points the prefetch depths and explicit lists
+/// put them (FSDP2's order): a gather is issued when the step needing the gather `depth`
+/// gathers earlier starts, or when its trigger group's first step of the pass starts.
+pub fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Gate> {
+    let u = uses(steps, groups.len());
+    let need = needs(steps, groups, &u);
+    let first_backward = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(0);
+    let (fwd, bwd): (Vec<_>, Vec<_>) = need.iter().partition(|(pos, _)| steps[*pos].phase == Phase::Forward);
+    let mut out = Vec::with_capacity(need.len());
+    for (list, depth, start, explicit) in [
+        (
+            &fwd,
+            policy.prefetch.forward as usize,
+            0,
+            &policy.prefetch.explicit_forward,
+        ),
+        (
+            &bwd,
+            policy.prefetch.backward as usize,
+            first_backward,
+            &policy.prefetch.explicit_backward,
+        ),
+    ] {
+        for (i, &(pos, g)) in list.iter().enumerate() {
+            // An explicit list: gather when the trigger group's first step of this pass starts.
+            let trigger = explicit
+                .iter()
+                .filter(|(_, targets)| targets.contains(&g))
+                .filter_map(|(t, _)| {
+                    (start..steps.len())
+                        .find(|&k| steps[k].group == *t && (steps[k].phase == Phase::Forward) == (start == 0))
+                })
+                .min();
+            let at = match trigger {
+                Some(k) => k.min(pos),
+                None if i >= depth => list[i - depth].0,
+                None => start.min(pos),
+            };
+            out.push(Gate {
+                group: g,
+                phase: steps[pos].phase,
+                need: pos,
+                at,
+            });
+        }
+    }
+    out
+}
+
+/// The schedule of one rank, its all-gathers issued at [`gates`].
 pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: &Mesh) -> Schedule {
+    schedule_gated(steps, groups, policy, mesh, &gates(steps, groups, policy))
+}
+
+/// The schedule of one rank with its all-gathers issued at `gates` (one per gather of a
+/// micro-batch, as [`gates`] lists them, with any `at` in `..=need`).
+pub fn schedule_gated(
+    steps: &[Step],
+    groups: &[PlannedGroup],
+    policy: &Policy,
+    mesh: &Mesh,
+    gates: &[Gate],
+) -> Schedule {
     let n = groups.len();
     let pool = if policy.offload == Offload::Cpu {
         Pool::Host
@@ -616,43 +688,14 @@ pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: 
             writers[g.index()] += 1;
         }
     }
-    let need = needs(steps, groups, &u);
-    let first_backward = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(0);
     // The step at which each gather is issued.
-    // The step at which each gather is issued: (group, phase, step that needs it).
     let mut gate_at: Vec<Vec<(GroupId, Phase, usize)>> = vec![Vec::new(); steps.len()];
-    let (fwd, bwd): (Vec<_>, Vec<_>) = need.iter().partition(|(pos, _)| steps[*pos].phase == Phase::Forward);
-    for (list, depth, start, explicit) in [
-        (
-            &fwd,
-            policy.prefetch.forward as usize,
-            0,
-            &policy.prefetch.explicit_forward,
-        ),
-        (
-            &bwd,
-            policy.prefetch.backward as usize,
-            first_backward,
-            &policy.prefetch.explicit_backward,
-        ),
-    ] {
-        for (i, &(pos, g)) in list.iter().enumerate() {
-            // An explicit list: gather when the trigger group's first step of this pass starts.
-            let trigger = explicit
-                .iter()
-                .filter(|(_, targets)| targets.contains(&g))
-                .filter_map(|(t, _)| {
-                    (start..steps.len())
-                        .find(|&k| steps[k].group == *t && (steps[k].phase == Phase::Forward) == (start == 0))
-                })
-                .min();
-            let at = match trigger {
-                Some(k) => k.min(pos),
-                None if i >= depth => list[i - depth].0,
-                None => start.min(pos),
-            };
-            gate_at[at].push((g, steps[pos].phase, pos));
-        }
+    for gate in gates {
+        gate_at[gate.at].push((gate.group, gate.phase, gate.need));
+    }
+    for at in &mut gate_at {
+        // Gathers issued at one point go out in the order they are needed.
+        at.sort_by_key(|&(_, _, need)| need);
     }
 
     let last_forward = steps.iter().rposition(|s| s.phase == Phase::Forward);

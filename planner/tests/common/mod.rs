@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod edit;
+pub mod gen;
 
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::differentiate;

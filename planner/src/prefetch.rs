@@ -1,0 +1,119 @@
+//! Peak-aware issue points (`prefetch: auto`, the default).
+//!
+//! FSDP2 issues a group's all-gather from a hook a fixed number of groups ahead
+//! (`prefetch` depths), whatever the memory is doing at that moment. At the loss backward,
+//! for instance, it gathers the last block while the logits' gradient is still alive, so
+//! the step's peak holds both. A compile-ahead planner sees the peak coming: starting from
+//! the depths' order ([`schedule::gates`]), it moves an all-gather that is in flight or
+//! held unread across the peak to the step after the peak, and keeps the move when the
+//! simulated peak falls and the simulated step is no longer than the depths' order's. It
+//! repeats at the new peak until no gather there can move.
+//!
+//! Moves only ever issue a gather later, never after the step that needs it, so the loop
+//! ends (after at most the number of gathers times the number of steps moves, in practice a
+//! few) and the result is never worse than FSDP2's order on either measure. Allocations and
+//! frees other than the gathers' own stay where the schedule puts them: at first write and
+//! right after the last read, which is already as late and as early as they can be.
+
+use crate::mesh::Mesh;
+use crate::plan::{Instr, PlannedGroup, Policy, PrefetchMove};
+use crate::schedule::{schedule_gated, Gate, Schedule};
+use crate::simulate::{memory, timeline};
+use crate::steps::{Step, StepId};
+use shardplan_frontends::HardwareProfile;
+
+/// Relative slack on "no longer": moving work between steps re-associates float sums, and a
+/// move that changes the step time by one rounding step is not a slower step.
+pub const STEP_TOLERANCE: f64 = 1e-9;
+
+/// What one rank's schedule is built and simulated from.
+pub struct Ctx<'a> {
+    pub steps: &'a [Step],
+    pub groups: &'a [PlannedGroup],
+    pub policy: &'a Policy,
+    pub mesh: &'a Mesh,
+    pub hw: &'a HardwareProfile,
+    pub step_s: &'a [f64],
+}
+
+/// A schedule with its simulated step time, allocated peak and the instruction at the peak.
+struct Scored {
+    sched: Schedule,
+    step_s: f64,
+    peak: u64,
+    peak_instr: usize,
+}
+
+fn score(ctx: &Ctx, sched: Schedule) -> Scored {
+    let (timing, _) = timeline(
+        &sched.program,
+        &sched.buffers,
+        ctx.step_s,
+        sched.events,
+        ctx.mesh,
+        ctx.hw,
+        ctx.policy.optimizer_state_per_param,
+    );
+    let mem = memory(&sched.program, &sched.buffers, ctx.steps, &timing);
+    Scored {
+        step_s: timing.end.iter().copied().fold(0.0, f64::max),
+        peak: mem.peak,
+        peak_instr: mem.peak_instr as usize,
+        sched,
+    }
+}
+
+/// The compute step running at instruction `i`, or the next one to run after it.
+fn step_at(sched: &Schedule, i: usize) -> Option<usize> {
+    sched.program.instrs.get(i..)?.iter().find_map(|x| match x.instr {
+        Instr::Compute { step, .. } => Some(step.index()),
+        _ => None,
+    })
+}
+
+/// `base` (the schedule of `gates`, the depths' order) with its all-gathers moved later
+/// where that lowers the peak without lengthening the step, and the moves made.
+pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule, Vec<PrefetchMove>) {
+    let mut best = score(ctx, base);
+    let limit = best.step_s * (1.0 + STEP_TOLERANCE);
+    let mut moves = Vec::new();
+    // Each accepted move issues one gather at least one step later, and none later than its
+    // need: this bounds the loop; the cap only guards against a planner bug.
+    let cap = gates.len().saturating_mul(ctx.steps.len()).max(1);
+    while moves.len() < cap {
+        let Some(at_peak) = step_at(&best.sched, best.peak_instr) else {
+            break;
+        };
+        // Gathers issued at or before the peak's step and first read after it hold their
+        // unsharded buffer across the peak. Largest first: they save the most.
+        let mut held: Vec<usize> = (0..gates.len())
+            .filter(|&i| gates[i].at <= at_peak && at_peak < gates[i].need)
+            .collect();
+        held.sort_by_key(|&i| std::cmp::Reverse(ctx.groups[gates[i].group.index()].layout.shard_numel));
+        let mut moved = false;
+        for i in held {
+            let mut trial = gates.clone();
+            trial[i].at = at_peak + 1;
+            let sched = schedule_gated(ctx.steps, ctx.groups, ctx.policy, ctx.mesh, &trial);
+            let s = score(ctx, sched);
+            if s.peak < best.peak && s.step_s <= limit {
+                moves.push(PrefetchMove {
+                    group: gates[i].group,
+                    need: StepId(gates[i].need as u32),
+                    from: StepId(gates[i].at as u32),
+                    to: StepId(trial[i].at as u32),
+                    peak_before: best.peak,
+                    peak_after: s.peak,
+                });
+                gates = trial;
+                best = s;
+                moved = true;
+                break;
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    (best.sched, moves)
+}
