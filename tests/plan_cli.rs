@@ -36,7 +36,9 @@ fn text_plan_of_the_bundled_example() {
     for want in [
         "plan: llama3-8b (8,030,261,248 params) on 8 ranks: mesh 1 replicate x 8 shard",
         "memory per rank (device): peak",
-        "allocated peak 40.95 GiB",
+        "allocated peak 40.54 GiB",
+        "prefetch auto moved 1 all-gather later, peak 40.95 GiB -> 40.54 GiB (-416.02 MiB), step time not longer:",
+        "g31 layers.31 (read by recompute layers.31 [s36]): issued with backward output, norm [s35] instead of backward loss, output [s34], -416.02 MiB",
         "reserved peak 54.47 GiB (PyTorch's caching allocator)",
         "device total 55.52 GiB = reserved 54.47 GiB + CUDA context 635.75 MiB + NCCL 441.00 MiB (3 communicators)",
         "fits h100-sxm's 79.60 GiB (24.08 GiB spare)",
