@@ -44,37 +44,25 @@ use crate::steps::Step;
 use shardplan_frontends::{HardwareProfile, KernelMode};
 use shardplan_ir::{DType, Graph, NodeId, NormWrt, Op};
 
-/// Seconds to run each step (segment) once.
-pub fn step_seconds(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> Vec<f64> {
+/// Seconds to run each step (segment) once (the sum of its ops' [`OpModel::seconds`]), and
+/// the same seconds by kind of work, each op's time split into its work and the launches it
+/// does not hide ([`OpModel::parts`]).
+pub fn step_costs(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> (Vec<f64>, Vec<Breakdown>) {
     let model = OpModel::new(g, hw, compute_dtype);
     steps
         .iter()
         .map(|s| {
-            s.nodes
-                .iter()
-                .flat_map(|r| r.clone())
-                .map(|i| model.seconds(NodeId(i)))
-                .sum()
-        })
-        .collect()
-}
-
-/// Seconds of each step (segment) by kind of work: the same per-op figures as
-/// [`step_seconds`], each op's time split into its work and the launches it does not hide.
-pub fn step_parts(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> Vec<Breakdown> {
-    let model = OpModel::new(g, hw, compute_dtype);
-    steps
-        .iter()
-        .map(|s| {
+            let mut total = 0.0;
             let mut b = Breakdown::default();
             for i in s.nodes.iter().flat_map(|r| r.clone()) {
-                let (kind, work, launch) = model.parts(NodeId(i));
+                let (seconds, kind, work, launch) = model.timed(NodeId(i));
+                total += seconds;
                 b.add(kind, work);
                 b.add(WorkKind::Launch, launch);
             }
-            b
+            (total, b)
         })
-        .collect()
+        .unzip()
 }
 
 /// The kind of work `op` is, for the estimate's breakdown.
@@ -224,9 +212,16 @@ impl<'a> OpModel<'a> {
     /// One node's seconds in parts: its kind, the time its work takes, and the time its
     /// launches add beyond the work (which [`OpModel::seconds`] sums with it).
     pub fn parts(&self, id: NodeId) -> (WorkKind, f64, f64) {
+        let (_, kind, work, launch) = self.timed(id);
+        (kind, work, launch)
+    }
+
+    /// [`OpModel::seconds`] and [`OpModel::parts`] of one node at once.
+    fn timed(&self, id: NodeId) -> (f64, WorkKind, f64, f64) {
         let (t, work) = self.launched_seconds(id);
+        let start = self.pool_start(id, t);
         let work = work.min(t);
-        (work_kind(&self.g.node(id).op), work, t - work + self.pool_start(id, t))
+        (t + start, work_kind(&self.g.node(id).op), work, t - work + start)
     }
 
     /// The thread pool's start for a node that takes `t` seconds (`kernels: fused`).
@@ -406,7 +401,7 @@ pub fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: boo
     }
 }
 
-/// Seconds of one instruction. `step_s` comes from [`step_seconds`].
+/// Seconds of one instruction. `step_s` comes from [`step_costs`].
 pub fn instr_seconds(
     instr: &Instr,
     stream: Stream,

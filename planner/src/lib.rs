@@ -207,8 +207,7 @@ fn passes(
                 config.activation_checkpointing,
                 steps::Kernels::of(config),
             );
-            let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
-            let step_parts = cost::step_parts(g, &steps, &config.hardware, policy.mixed_precision.param);
+            let (step_s, step_parts) = cost::step_costs(g, &steps, &config.hardware, policy.mixed_precision.param);
             let x = std::sync::Arc::new(CachedSteps {
                 steps,
                 acts,
