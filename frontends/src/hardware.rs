@@ -221,7 +221,23 @@ pub const KERNEL_LAUNCH_US: f64 = 5.0;
 pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
 
 /// Built-in profile names.
-pub const HARDWARE_NAMES: &[&str] = &["h100-sxm", "h100-sxm-96gb", "h200", "a100-40gb", "a100-80gb", "b200"];
+pub const HARDWARE_NAMES: &[&str] = &[
+    "h100-sxm",
+    "h100-sxm-96gb",
+    "h100-96gb-500w",
+    "h200",
+    "a100-40gb",
+    "a100-80gb",
+    "b200",
+];
+
+/// The dense bf16 peak of `h100-96gb-500w`, TFLOP/s, as far as it is known: at least the
+/// H100 NVL's 835 (the same 132-SM die, specified for a 350-400 W card), at most the H100
+/// SXM's 989 (specified at 700 W). torchtitan's benchmark notes
+/// (`benchmarks/llama3_h100_202412_torchtitan.md`, footnote 2) say the peak of these GPUs
+/// lies between the two and that its exact value is not known. The profile takes the
+/// lower end; set `bf16_tflops` to try another.
+pub const H100_96GB_500W_TFLOPS: (f64, f64) = (835.0, 989.0);
 
 /// One GPU generation's figures that its memory variants share.
 struct Arch {
@@ -321,6 +337,16 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
         "h100-sxm" => p(&HOPPER, 79.6, 3350.0),
         // 95,830 MiB as the driver reports it.
         "h100-sxm-96gb" => p(&HOPPER, 93.6, 3350.0),
+        // The H100s of torchtitan's published H100 runs (Meta's Grand Teton hosts; see
+        // `benchmarks/llama3_h100_202412_torchtitan.md`): SXM H100s with 96 GB of HBM2e at
+        // 2.4 TB/s, run at a 500 W power limit (700 W is the SXM part's TDP), 8 per host on
+        // NVLink, 400 Gb/s RDMA per GPU. Their bf16 peak is not known: it lies within
+        // [`H100_96GB_500W_TFLOPS`], and this profile takes the lower end. Its memory size is
+        // taken as the 96 GB H100s report it (95,830 MiB), not measured on this part.
+        "h100-96gb-500w" => HardwareProfile {
+            bf16_tflops: H100_96GB_500W_TFLOPS.0,
+            ..p(&HOPPER, 93.6, 2400.0)
+        },
         "h200" => p(&HOPPER, 140.4, 4800.0),
         "a100-40gb" => p(&AMPERE, 40.0, 1555.0),
         "a100-80gb" => p(&AMPERE, 80.0, 2039.0),

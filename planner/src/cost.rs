@@ -39,24 +39,71 @@
 //!   `copy_gbps` ([`compute_copies`]).
 
 use crate::mesh::Mesh;
-use crate::plan::{Buffer, Comm, Instr, Pool, Stream};
+use crate::plan::{Breakdown, Buffer, Comm, Instr, Pool, Stream, WorkKind};
 use crate::steps::Step;
 use shardplan_frontends::{HardwareProfile, KernelMode};
 use shardplan_ir::{DType, Graph, NodeId, NormWrt, Op};
 
-/// Seconds to run each step (segment) once.
-pub fn step_seconds(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> Vec<f64> {
+/// Seconds to run each step (segment) once (the sum of its ops' [`OpModel::seconds`]), and
+/// the same seconds by kind of work, each op's time split into its work and the launches it
+/// does not hide ([`OpModel::parts`]).
+pub fn step_costs(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> (Vec<f64>, Vec<Breakdown>) {
     let model = OpModel::new(g, hw, compute_dtype);
     steps
         .iter()
         .map(|s| {
-            s.nodes
-                .iter()
-                .flat_map(|r| r.clone())
-                .map(|i| model.seconds(NodeId(i)))
-                .sum()
+            let mut total = 0.0;
+            let mut b = Breakdown::default();
+            for i in s.nodes.iter().flat_map(|r| r.clone()) {
+                let (seconds, kind, work, launch) = model.timed(NodeId(i));
+                total += seconds;
+                b.add(kind, work);
+                b.add(WorkKind::Launch, launch);
+            }
+            (total, b)
         })
-        .collect()
+        .unzip()
+}
+
+/// The kind of work `op` is, for the estimate's breakdown.
+pub fn work_kind(op: &Op) -> WorkKind {
+    match op {
+        Op::Linear { .. } | Op::MatMul | Op::WeightGrad { .. } => WorkKind::Matmul,
+        Op::Attention { .. }
+        | Op::AttnProbs { .. }
+        | Op::AttnGradV { .. }
+        | Op::AttnGradScores
+        | Op::AttnGradQ
+        | Op::AttnGradK { .. } => WorkKind::Attention,
+        Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } => WorkKind::Norm,
+        Op::Rope { .. } | Op::RopeGrad { .. } => WorkKind::Rotary,
+        Op::Embedding | Op::EmbeddingGrad { .. } => WorkKind::Embedding,
+        Op::CrossEntropy | Op::CrossEntropyGrad => WorkKind::CrossEntropy,
+        Op::Add
+        | Op::Mul
+        | Op::Silu
+        | Op::SiluGrad
+        | Op::Gelu
+        | Op::GeluGrad
+        | Op::GeluErf
+        | Op::GeluErfGrad
+        | Op::Relu
+        | Op::ReluGrad
+        | Op::Softmax { .. }
+        | Op::SoftmaxGrad { .. } => WorkKind::Elementwise,
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Narrow { .. }
+        | Op::Concat { .. }
+        | Op::Cast { .. }
+        | Op::Sum
+        | Op::Fill { .. }
+        | Op::SumTo { .. }
+        | Op::BroadcastTo { .. }
+        | Op::Pad { .. } => WorkKind::Layout,
+    }
 }
 
 /// Kernels and the multiple of its fused bytes that an op moves in PyTorch eager mode, as
@@ -158,16 +205,36 @@ impl<'a> OpModel<'a> {
 
     /// Seconds of one node.
     pub fn seconds(&self, id: NodeId) -> f64 {
-        let t = self.work_seconds(id);
+        let t = self.launched_seconds(id).0;
+        t + self.pool_start(id, t)
+    }
+
+    /// One node's seconds in parts: its kind, the time its work takes, and the time its
+    /// launches add beyond the work (which [`OpModel::seconds`] sums with it).
+    pub fn parts(&self, id: NodeId) -> (WorkKind, f64, f64) {
+        let (_, kind, work, launch) = self.timed(id);
+        (kind, work, launch)
+    }
+
+    /// [`OpModel::seconds`] and [`OpModel::parts`] of one node at once.
+    fn timed(&self, id: NodeId) -> (f64, WorkKind, f64, f64) {
+        let (t, work) = self.launched_seconds(id);
+        let start = self.pool_start(id, t);
+        let work = work.min(t);
+        (t + start, work_kind(&self.g.node(id).op), work, t - work + start)
+    }
+
+    /// The thread pool's start for a node that takes `t` seconds (`kernels: fused`).
+    fn pool_start(&self, id: NodeId, t: f64) -> f64 {
         if t > 0.0 && self.hw.kernels == KernelMode::Fused && forks(&self.g.node(id).op, self.g.node(id).ty.numel()) {
-            t + self.hw.parallel_launch_us * 1e-6
+            self.hw.parallel_launch_us * 1e-6
         } else {
-            t
+            0.0
         }
     }
 
-    /// Seconds of one node without the thread pool's start.
-    fn work_seconds(&self, id: NodeId) -> f64 {
+    /// Seconds of one node without the thread pool's start, with its launches and without.
+    fn launched_seconds(&self, id: NodeId) -> (f64, f64) {
         let node = self.g.node(id);
         let cost = self.g.node_cost(id);
         let (flops, bytes) = (cost.fwd_flops as f64, cost.fwd_bytes as f64);
@@ -175,7 +242,7 @@ impl<'a> OpModel<'a> {
         let out = node.ty.shape.dims().to_vec();
         let numel = |d: &[u64]| d.iter().map(|&x| x as f64).product::<f64>();
         match &node.op {
-            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => 0.0,
+            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => (0.0, 0.0),
             Op::Linear { .. } | Op::MatMul | Op::WeightGrad { .. } => {
                 // The output's last two dims are the tiled M x N; leading dims batch.
                 let (m, n) = match out.len() {
@@ -211,7 +278,7 @@ impl<'a> OpModel<'a> {
                 // kernel in shardplan's executor.
                 let t = f / (self.peak * self.hw.attention_bwd_efficiency);
                 match self.hw.kernels {
-                    KernelMode::Eager => t,
+                    KernelMode::Eager => (t, t),
                     KernelMode::Fused => self.launched(t, 1.0),
                 }
             }
@@ -228,11 +295,13 @@ impl<'a> OpModel<'a> {
     /// `work` seconds of `kernels` kernels with their launch cost: eager PyTorch launches
     /// asynchronously, so a kernel takes at least the launch time and longer work hides it;
     /// shardplan's executor runs each op to completion before the next, so the cost adds.
-    fn launched(&self, work: f64, kernels: f64) -> f64 {
-        match self.hw.kernels {
+    /// Returns the op's seconds and, of them, its work's.
+    fn launched(&self, work: f64, kernels: f64) -> (f64, f64) {
+        let t = match self.hw.kernels {
             KernelMode::Eager => work.max(kernels * self.launch),
             KernelMode::Fused => work + kernels * self.launch,
-        }
+        };
+        (t, work)
     }
 
     /// The fraction of tile slots an `m x n` output (`batch` of them) fills.
@@ -332,7 +401,7 @@ pub fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: boo
     }
 }
 
-/// Seconds of one instruction. `step_s` comes from [`step_seconds`].
+/// Seconds of one instruction. `step_s` comes from [`step_costs`].
 pub fn instr_seconds(
     instr: &Instr,
     stream: Stream,

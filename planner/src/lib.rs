@@ -64,6 +64,7 @@ pub(crate) struct CachedSteps {
     steps: Vec<Step>,
     pub(crate) acts: ActEvents,
     step_s: Vec<f64>,
+    step_parts: Vec<crate::plan::Breakdown>,
 }
 
 /// What does not change between plans of one graph that differ only in mesh, resharding,
@@ -210,8 +211,13 @@ fn passes(
                 config.activation_checkpointing,
                 steps::Kernels::of(config),
             );
-            let step_s = cost::step_seconds(g, &steps, &config.hardware, policy.mixed_precision.param);
-            let x = std::sync::Arc::new(CachedSteps { steps, acts, step_s });
+            let (step_s, step_parts) = cost::step_costs(g, &steps, &config.hardware, policy.mixed_precision.param);
+            let x = std::sync::Arc::new(CachedSteps {
+                steps,
+                acts,
+                step_s,
+                step_parts,
+            });
             cache.steps.insert(key, x.clone());
             x
         }
@@ -380,6 +386,11 @@ pub(crate) fn simulate_program(
         buffers,
         &timing,
         &stall,
+        &simulate::Costed {
+            step_parts: &cached.step_parts,
+            mesh,
+            hw: &config.hardware,
+        },
         forward_flops * policy.grad_accum as f64,
         peak_flops,
         tokens,

@@ -642,6 +642,139 @@ pub struct Estimate {
     pub reduce_scatter_bytes: u64,
     pub all_reduce_bytes: u64,
     pub collectives: u64,
+    /// Where `compute_s` goes, by kind of work; its parts sum to `compute_s`, and with
+    /// `exposed_comm_s` and `step_overhead_s` to `step_s`.
+    #[serde(default)]
+    pub breakdown: Breakdown,
+    /// Time before the first instruction of a step runs (`step_overhead_us`).
+    #[serde(default)]
+    pub step_overhead_s: f64,
+}
+
+/// The kinds of work the cost model times on the compute stream, in [`Breakdown`]'s order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkKind {
+    /// Linear layers, their input and weight gradients, batched matmuls.
+    Matmul,
+    /// Flash attention, forward and backward.
+    Attention,
+    /// RMSNorm and LayerNorm, forward and backward.
+    Norm,
+    /// Adds, multiplies, activations, softmax and their gradients.
+    Elementwise,
+    /// Rotary embeddings, forward and backward.
+    Rotary,
+    /// The embedding lookup and its gradient.
+    Embedding,
+    /// The loss and its gradient.
+    CrossEntropy,
+    /// Casts, transposes, concatenations, narrows, pads, fills and reductions.
+    Layout,
+    /// Kernel launches the work does not hide (eager: an op shorter than its launches;
+    /// fused: every launch, and the thread pool's start).
+    Launch,
+    /// FSDP's copies on the compute stream: all-gather copy-out, gradient packing
+    /// (reduce-scatter copy-in), the executor's gradient and parameter copies.
+    FsdpCopies,
+    /// The gradient norm and the optimizer step.
+    Optimizer,
+    /// Compute slowed by collectives running beside it (`overlap_slowdown`).
+    Overlap,
+}
+
+impl WorkKind {
+    pub const ALL: [WorkKind; 12] = [
+        WorkKind::Matmul,
+        WorkKind::Attention,
+        WorkKind::Norm,
+        WorkKind::Elementwise,
+        WorkKind::Rotary,
+        WorkKind::Embedding,
+        WorkKind::CrossEntropy,
+        WorkKind::Layout,
+        WorkKind::Launch,
+        WorkKind::FsdpCopies,
+        WorkKind::Optimizer,
+        WorkKind::Overlap,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkKind::Matmul => "matmul",
+            WorkKind::Attention => "attention",
+            WorkKind::Norm => "norms",
+            WorkKind::Elementwise => "elementwise",
+            WorkKind::Rotary => "rotary",
+            WorkKind::Embedding => "embedding",
+            WorkKind::CrossEntropy => "cross-entropy",
+            WorkKind::Layout => "casts/layout",
+            WorkKind::Launch => "launch",
+            WorkKind::FsdpCopies => "fsdp copies",
+            WorkKind::Optimizer => "optimizer",
+            WorkKind::Overlap => "overlap slowdown",
+        }
+    }
+}
+
+/// Seconds of the compute stream by [`WorkKind`], from the cost model's per-op figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Breakdown {
+    pub matmul_s: f64,
+    pub attention_s: f64,
+    pub norm_s: f64,
+    pub elementwise_s: f64,
+    pub rotary_s: f64,
+    pub embedding_s: f64,
+    pub cross_entropy_s: f64,
+    pub layout_s: f64,
+    pub launch_s: f64,
+    pub fsdp_copies_s: f64,
+    pub optimizer_s: f64,
+    pub overlap_s: f64,
+}
+
+impl Breakdown {
+    /// The seconds of `kind`.
+    pub fn get(&self, kind: WorkKind) -> f64 {
+        let mut b = *self;
+        *b.slot(kind)
+    }
+
+    /// Adds `s` seconds to `kind`.
+    pub fn add(&mut self, kind: WorkKind, s: f64) {
+        *self.slot(kind) += s;
+    }
+
+    /// Adds every part of `other`, `times` over.
+    pub fn add_all(&mut self, other: &Breakdown, times: f64) {
+        for k in WorkKind::ALL {
+            self.add(k, other.get(k) * times);
+        }
+    }
+
+    /// The sum of the parts.
+    pub fn total(&self) -> f64 {
+        WorkKind::ALL.iter().map(|&k| self.get(k)).sum()
+    }
+
+    fn slot(&mut self, kind: WorkKind) -> &mut f64 {
+        match kind {
+            WorkKind::Matmul => &mut self.matmul_s,
+            WorkKind::Attention => &mut self.attention_s,
+            WorkKind::Norm => &mut self.norm_s,
+            WorkKind::Elementwise => &mut self.elementwise_s,
+            WorkKind::Rotary => &mut self.rotary_s,
+            WorkKind::Embedding => &mut self.embedding_s,
+            WorkKind::CrossEntropy => &mut self.cross_entropy_s,
+            WorkKind::Layout => &mut self.layout_s,
+            WorkKind::Launch => &mut self.launch_s,
+            WorkKind::FsdpCopies => &mut self.fsdp_copies_s,
+            WorkKind::Optimizer => &mut self.optimizer_s,
+            WorkKind::Overlap => &mut self.overlap_s,
+        }
+    }
 }
 
 /// The specs a plan was made from, so `shardplan train --plan` can run it alone.

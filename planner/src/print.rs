@@ -313,6 +313,7 @@ pub fn summary(o: &mut String, plan: &Plan) {
         e.mfu * 100.0,
         thousands(e.tokens_per_s.round() as u64)
     );
+    breakdown(o, e);
     if !p.runtime.is_shardplan() {
         let _ = writeln!(
             o,
@@ -330,6 +331,35 @@ pub fn summary(o: &mut String, plan: &Plan) {
                 thousands(x.tokens_per_s.round() as u64)
             );
         }
+    }
+}
+
+/// Where the predicted step goes: the compute stream's time by kind of work, then its
+/// waits on communication and the step's fixed overhead, each with its share of the step.
+/// Kinds that take no time are left out.
+pub fn breakdown(o: &mut String, e: &crate::Estimate) {
+    let share = |s: f64| if e.step_s > 0.0 { s / e.step_s * 100.0 } else { 0.0 };
+    let _ = writeln!(o, "step by kind of work (compute stream, then waits):");
+    let rows = crate::WorkKind::ALL
+        .iter()
+        .map(|&k| (k.name(), e.breakdown.get(k)))
+        .chain([
+            ("exposed communication", e.exposed_comm_s),
+            ("step overhead", e.step_overhead_s),
+        ]);
+    for (name, s) in rows.filter(|&(_, s)| s > 0.0) {
+        let _ = writeln!(o, "  {name:<22} {:>12} {:>6.1}%", duration(s), share(s));
+    }
+}
+
+/// `s` seconds in the unit that shows it best: s, ms or us, three decimals.
+pub fn duration(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.3} us", s * 1e6)
     }
 }
 

@@ -19,10 +19,11 @@
 //! all. Samples carry the simulated time of the instruction for the trace's counter track.
 
 use crate::allocator::replay;
-use crate::cost::instr_seconds;
+use crate::cost::{compute_copies, instr_seconds};
 use crate::mesh::Mesh;
 use crate::plan::{
-    Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Overhead, Pool, Program, Stream, Timing,
+    Breakdown, Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Overhead, Pool, Program,
+    Stream, Timing, WorkKind,
 };
 use crate::steps::{ActEvents, Step};
 use shardplan_frontends::HardwareProfile;
@@ -228,12 +229,25 @@ fn max_each(a: ByCategory, b: ByCategory) -> ByCategory {
     out
 }
 
-/// Step time, exposed communication, MFU and communication volume.
+/// The timed program's cost figures: the compute steps' parts by kind of work (from
+/// [`crate::cost::step_parts`]), the mesh and the profile it was timed on.
+pub struct Costed<'a> {
+    pub step_parts: &'a [Breakdown],
+    pub mesh: &'a Mesh,
+    pub hw: &'a HardwareProfile,
+}
+
+/// Step time, exposed communication, MFU, communication volume, and where the compute
+/// stream's time goes: each compute step's parts as the cost model timed its ops, the
+/// copies it makes (`kernels: fused`), the slowdown from collectives beside it (what the
+/// timeline added beyond those), and the copies and optimizer work between steps.
+#[allow(clippy::too_many_arguments)]
 pub fn estimate(
     program: &Program,
     buffers: &[Buffer],
     timing: &Timing,
     stall: &[f64],
+    costed: &Costed,
     model_flops_per_rank: f64,
     peak_flops: f64,
     tokens_per_step: f64,
@@ -241,11 +255,29 @@ pub fn estimate(
     let step_s = timing.end.iter().copied().fold(0.0, f64::max);
     let mut compute_s = 0.0;
     let mut exposed = 0.0;
+    let mut breakdown = Breakdown::default();
     let (mut ag, mut rs, mut ar, mut n) = (0u64, 0u64, 0u64, 0u64);
     for (i, issued) in program.instrs.iter().enumerate() {
         if issued.stream == Stream::Compute {
-            compute_s += timing.end[i] - timing.start[i];
+            let d = timing.end[i] - timing.start[i];
+            compute_s += d;
             exposed += stall[i];
+            match &issued.instr {
+                Instr::Compute {
+                    step, reads, writes, ..
+                } => {
+                    let parts = costed.step_parts.get(step.index()).copied().unwrap_or_default();
+                    let copies = compute_copies(reads, writes, buffers, costed.mesh, costed.hw);
+                    breakdown.add_all(&parts, 1.0);
+                    breakdown.add(WorkKind::FsdpCopies, copies);
+                    breakdown.add(WorkKind::Overlap, d - parts.total() - copies);
+                }
+                Instr::Copy { .. } | Instr::PackGrads { .. } => breakdown.add(WorkKind::FsdpCopies, d),
+                Instr::GradNorm { .. } | Instr::OptimizerStep { .. } => breakdown.add(WorkKind::Optimizer, d),
+                // Allocs, frees and events take no time; a collective on the compute stream
+                // (none today) would count as its overlap-free remainder.
+                _ => breakdown.add(WorkKind::Overlap, d),
+            }
         }
         match &issued.instr {
             Instr::AllGather { dst, .. } => {
@@ -287,5 +319,7 @@ pub fn estimate(
         reduce_scatter_bytes: rs,
         all_reduce_bytes: ar,
         collectives: n,
+        breakdown,
+        step_overhead_s: costed.hw.step_overhead_us * 1e-6,
     }
 }

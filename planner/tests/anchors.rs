@@ -4,22 +4,32 @@
 //! and the verdict that the run fits its GPU (every row ran).
 //!
 //! One profile per GPU predicts every row of that GPU; no constant is set from a row (the
-//! README says where each comes from).
+//! README says where each comes from). The H100 rows ran on 96 GB HBM2e H100s at 500 W
+//! (`h100-96gb-500w`), whose bf16 peak is known only to lie between the H100 NVL's and the
+//! SXM part's: those rows are planned, and checked, at both ends. Row T4 (tensor
+//! parallelism, which shardplan does not plan) is read and left out. Each plan's step by
+//! kind of work is printed and must add up to its compute time.
 
 mod common;
 
 use common::plan_preset;
+use shardplan_frontends::H100_96GB_500W_TFLOPS;
+use shardplan_planner::{Plan, WorkKind};
 
 const ANCHORS: &str = include_str!("fixtures/anchors.md");
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Rows whose speed the cost model does not yet predict within 15%, with the bound that
-/// holds today. The H100 rows (torchtitan pull request #165, early FSDP2, H100 SXM 96GB)
-/// run at 36-41% of the dense peak; the model, with cuBLAS's and flash attention's
-/// published H100 efficiencies and eager PyTorch's memory-bound kernels, gives 1.39-1.46x
-/// their speed. A figure measured on the GPU (`scripts/gpu-check.sh --checks profile`) is what is
-/// missing; when it closes the gap, these entries go and the 15% rule holds for them too.
-const OPEN_SPEED_GAPS: &[(&str, f64)] = &[("P3", 1.45), ("P4", 1.50)];
+/// How far a row's predicted tokens/s may be from the published figure (or the nearest end
+/// of a published range), at every end of its GPU's known peak.
+const TOLERANCE: f64 = 0.10;
+
+/// Rows the model does not yet predict within [`TOLERANCE`], with the bound that holds
+/// today (the most the prediction may exceed the published speed by, at either end of the
+/// GPU's peak). Every row is predicted fast; the step by kind of work puts 62-84% of each
+/// step in matmuls, and nothing else in the model is large enough to carry a shared 8-16%
+/// (README, "Held against the published runs"). The H100 rows' bounds are at the SXM end
+/// of their peak (989 TFLOP/s); at the NVL end (835) they are 1.12 and 1.16x.
+const OPEN_SPEED_GAPS: &[(&str, f64)] = &[("A1", 1.12), ("A4", 1.13), ("P3", 1.27), ("P4", 1.31)];
 
 struct Row {
     id: String,
@@ -27,6 +37,9 @@ struct Row {
     gpus: u64,
     per_node: u64,
     hardware: &'static str,
+    /// The bf16 peaks to plan the row at: the ends of its GPU's known range, or the
+    /// profile's own (`None`).
+    peaks: Vec<Option<f64>>,
     batch: u64,
     seq: u64,
     ac: &'static str,
@@ -41,8 +54,10 @@ fn number(s: &str) -> f64 {
         .unwrap_or_else(|_| panic!("not a number: {s:?}"))
 }
 
-fn rows() -> Vec<Row> {
+/// The rows of the fixture, and the ids of those shardplan cannot plan (tensor parallelism).
+fn rows() -> (Vec<Row>, Vec<String>) {
     let mut out = Vec::new();
+    let mut unplanned = Vec::new();
     for line in ANCHORS.lines() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         // | id | model | GPUs (per node) | hardware | batch x seq | AC | tokens/s/GPU | memory |
@@ -50,6 +65,11 @@ fn rows() -> Vec<Row> {
             continue;
         }
         if cells[1].len() > 3 || !cells[1][1..].chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        if cells[3].contains("TP") {
+            // Tensor parallelism: shardplan plans FSDP and HSDP meshes only.
+            unplanned.push(cells[1].to_string());
             continue;
         }
         let preset = match cells[2] {
@@ -61,9 +81,12 @@ fn rows() -> Vec<Row> {
             m => panic!("row {}: no preset for {m}", cells[1]),
         };
         let (gpus, per_node) = cells[3].split_once('(').expect("GPUs (per node)");
-        let hardware = match cells[4] {
-            "A100 80GB SXM" => "a100-80gb",
-            "H100 SXM 96GB" => "h100-sxm-96gb",
+        let (hardware, peaks) = match cells[4] {
+            "A100 80GB SXM" => ("a100-80gb", vec![None]),
+            "H100 96GB (see below)" => (
+                "h100-96gb-500w",
+                vec![Some(H100_96GB_500W_TFLOPS.0), Some(H100_96GB_500W_TFLOPS.1)],
+            ),
             h => panic!("row {}: no profile for {h}", cells[1]),
         };
         let (batch, seq) = cells[5].split_once(" x ").expect("batch x seq");
@@ -86,6 +109,7 @@ fn rows() -> Vec<Row> {
             gpus: number(gpus) as u64,
             per_node: number(per_node.trim_end_matches(')')) as u64,
             hardware,
+            peaks,
             batch: number(batch) as u64,
             seq: number(seq) as u64,
             ac,
@@ -93,63 +117,120 @@ fn rows() -> Vec<Row> {
             reserved_gib,
         });
     }
-    out
+    (out, unplanned)
+}
+
+/// The plan's step by kind of work, as `shardplan plan` prints it, on one line.
+fn breakdown(p: &Plan) -> String {
+    let e = &p.estimate;
+    let share = |s: f64| s / e.step_s * 100.0;
+    let mut parts: Vec<String> = WorkKind::ALL
+        .iter()
+        .map(|&k| (k.name(), e.breakdown.get(k)))
+        .filter(|&(_, s)| s > 0.0)
+        .map(|(n, s)| format!("{n} {:.0} ms ({:.1}%)", s * 1e3, share(s)))
+        .collect();
+    parts.push(format!(
+        "exposed communication {:.0} ms ({:.1}%)",
+        e.exposed_comm_s * 1e3,
+        share(e.exposed_comm_s)
+    ));
+    parts.join(", ")
 }
 
 #[test]
 fn every_published_row_is_predicted() {
-    let rows = rows();
+    let (rows, unplanned) = rows();
     assert_eq!(rows.len(), 6, "rows read from the fixture");
+    assert_eq!(
+        unplanned,
+        ["T4"],
+        "rows with tensor parallelism, which shardplan does not plan"
+    );
     let mut failures = Vec::new();
+    // Per row: whether its prediction is within TOLERANCE at every end of its range.
+    let mut within: Vec<(String, bool)> = Vec::new();
     for r in &rows {
-        let spec = format!(
-            "mesh: {{shard: {}}}\ngpus_per_node: {}\nhardware: {}\nwrap: [block]\nreshard_after_forward: true\nmixed_precision: {{param: bf16, reduce: f32}}\nactivation_checkpointing: {}\nbatch: {{per_rank: {}, seq_len: {}}}\n",
-            r.gpus, r.per_node, r.hardware, r.ac, r.batch, r.seq
-        );
-        let p = plan_preset(r.preset, &spec);
-        let tps = p.estimate.tokens_per_s / r.gpus as f64;
-        // Within 15% of the published figure, or of the nearest end of a published range.
-        let ratio = if tps < r.tokens.0 {
-            tps / r.tokens.0
-        } else if tps > r.tokens.1 {
-            tps / r.tokens.1
-        } else {
-            1.0
-        };
-        let bound = OPEN_SPEED_GAPS.iter().find(|(id, _)| *id == r.id).map(|&(_, b)| b);
-        let m = &p.memory;
-        let reserved = m.reserved_peak as f64 / GIB;
-        let total = m.device_total as f64 / GIB;
-        let hbm = p.hardware.hbm_bytes() as f64 / GIB;
-        eprintln!(
-            "{}: {:.0} tokens/s/GPU (published {:.0}-{:.0}, {ratio:.3}x), reserved {reserved:.1} GiB{}, device total {total:.1} of {hbm:.1} GiB",
-            r.id,
-            tps,
-            r.tokens.0,
-            r.tokens.1,
-            r.reserved_gib.map(|x| format!(" (published {x})")).unwrap_or_default()
-        );
-        match bound {
-            None if !(0.85..=1.15).contains(&ratio) => failures.push(format!("{}: speed {ratio:.3}x", r.id)),
-            Some(b) if ratio > b || ratio < 0.85 => {
-                failures.push(format!("{}: speed {ratio:.3}x, outside its open gap ({b}x)", r.id))
+        within.push((r.id.clone(), true));
+        for (i, peak) in r.peaks.iter().enumerate() {
+            let hardware = match peak {
+                Some(t) => format!("{{base: {}, bf16_tflops: {t}}}", r.hardware),
+                None => r.hardware.to_string(),
+            };
+            let spec = format!(
+                "mesh: {{shard: {}}}\ngpus_per_node: {}\nhardware: {hardware}\nwrap: [block]\nreshard_after_forward: true\nmixed_precision: {{param: bf16, reduce: f32}}\nactivation_checkpointing: {}\nbatch: {{per_rank: {}, seq_len: {}}}\n",
+                r.gpus, r.per_node, r.ac, r.batch, r.seq
+            );
+            let p = plan_preset(r.preset, &spec);
+            let tps = p.estimate.tokens_per_s / r.gpus as f64;
+            // Against the published figure, or the nearest end of a published range.
+            let ratio = if tps < r.tokens.0 {
+                tps / r.tokens.0
+            } else if tps > r.tokens.1 {
+                tps / r.tokens.1
+            } else {
+                1.0
+            };
+            let at = peak.map(|t| format!(" at {t} TFLOP/s")).unwrap_or_default();
+            eprintln!(
+                "{}{at}: {tps:.0} tokens/s/GPU (published {:.0}-{:.0}, {ratio:.3}x), step {:.3} s: {}",
+                r.id,
+                r.tokens.0,
+                r.tokens.1,
+                p.estimate.step_s,
+                breakdown(&p)
+            );
+            let parts = p.estimate.breakdown.total();
+            if (parts - p.estimate.compute_s).abs() > 1e-9 * p.estimate.compute_s {
+                failures.push(format!(
+                    "{}: breakdown sums to {parts} s, compute is {} s",
+                    r.id, p.estimate.compute_s
+                ));
             }
-            Some(_) if (0.85..=1.15).contains(&ratio) => failures.push(format!(
-                "{}: speed {ratio:.3}x is now within 15%: remove it from OPEN_SPEED_GAPS",
-                r.id
+            let ok = (1.0 - TOLERANCE..=1.0 + TOLERANCE).contains(&ratio);
+            if !ok {
+                within.last_mut().expect("this row").1 = false;
+            }
+            match OPEN_SPEED_GAPS.iter().find(|(id, _)| *id == r.id).map(|&(_, b)| b) {
+                None if !ok => failures.push(format!("{}{at}: speed {ratio:.3}x", r.id)),
+                Some(b) if ratio > b || ratio < 1.0 - TOLERANCE => {
+                    failures.push(format!("{}{at}: speed {ratio:.3}x, outside its open gap ({b}x)", r.id))
+                }
+                _ => {}
+            }
+            if i > 0 {
+                continue;
+            }
+            let m = &p.memory;
+            let reserved = m.reserved_peak as f64 / GIB;
+            let total = m.device_total as f64 / GIB;
+            let hbm = p.hardware.hbm_bytes() as f64 / GIB;
+            eprintln!(
+                "{}: reserved {reserved:.1} GiB{}, device total {total:.1} of {hbm:.1} GiB",
+                r.id,
+                r.reserved_gib.map(|x| format!(" (published {x})")).unwrap_or_default()
+            );
+            if let Some(pub_r) = r.reserved_gib {
+                if (reserved / pub_r - 1.0).abs() > 0.10 {
+                    failures.push(format!("{}: reserved {reserved:.2} GiB vs published {pub_r}", r.id));
+                }
+            }
+            if m.device_total > p.hardware.hbm_bytes() {
+                failures.push(format!(
+                    "{}: predicted not to fit ({total:.1} of {hbm:.1} GiB), but it ran",
+                    r.id
+                ));
+            }
+        }
+    }
+    // An open gap that every end of its row's range now closes is stale.
+    for (id, _) in OPEN_SPEED_GAPS {
+        match within.iter().find(|(r, _)| r == id) {
+            None => failures.push(format!("{id}: in OPEN_SPEED_GAPS but not in the fixture")),
+            Some((_, true)) => failures.push(format!(
+                "{id}: now within {TOLERANCE} at every end of its range: remove it from OPEN_SPEED_GAPS"
             )),
             _ => {}
-        }
-        if let Some(pub_r) = r.reserved_gib {
-            if (reserved / pub_r - 1.0).abs() > 0.10 {
-                failures.push(format!("{}: reserved {reserved:.2} GiB vs published {pub_r}", r.id));
-            }
-        }
-        if m.device_total > p.hardware.hbm_bytes() {
-            failures.push(format!(
-                "{}: predicted not to fit ({total:.1} of {hbm:.1} GiB), but it ran",
-                r.id
-            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
