@@ -98,8 +98,13 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
         (None, Some(m), Some(p)) => {
             let lm = load_model(m)?;
             let lp = load_parallel(p)?;
-            let (plan, joint) = crate::plan::make_plan_and_graph(&lm, &lp, &lp.config)?;
-            let (model, parallel) = (lm.config.clone(), lp.config.clone());
+            // FSDP2 issues an all-gather only from a module's pre-forward or pre-backward
+            // hook; `prefetch: auto` may move one into the middle of a module's steps, which
+            // no prefetch list can say. The export plans the depths' order (FSDP2's own).
+            let mut config = lp.config.clone();
+            config.prefetch.peak_aware = false;
+            let (plan, joint) = crate::plan::make_plan_and_graph(&lm, &lp, &config)?;
+            let (model, parallel) = (lm.config.clone(), config);
             (plan, model, parallel, joint, Origin::Spec(Box::new((lp, lm))))
         }
         _ => {
