@@ -55,7 +55,7 @@ pub struct Graph {
 }
 
 impl Graph {
-    /// An empty graph whose root scope has id `s0`.
+    /// An empty graph whose root scope has id `m0`.
     pub fn new(name: impl Into<String>) -> Self {
         Graph {
             name: name.into(),
@@ -74,7 +74,7 @@ impl Graph {
 
     /// The root scope.
     pub fn root(&self) -> ScopeId {
-        ScopeId(0)
+        ScopeId::new(0)
     }
 
     pub fn name(&self) -> &str {
@@ -94,7 +94,7 @@ impl Graph {
             kind,
             parent: Some(parent),
         });
-        ScopeId::from_index(self.scopes.len() - 1)
+        ScopeId::new(self.scopes.len() - 1)
     }
 
     /// A data input of the given type.
@@ -111,7 +111,7 @@ impl Graph {
         if !self.param_names.insert(name.to_string()) {
             return Err(IrError::DuplicateParam(name.to_string()));
         }
-        let param = ParamId::from_index(self.params.len());
+        let param = ParamId::new(self.params.len());
         let node = self.push(Op::Param { param }, Vec::new(), ty.clone(), scope);
         self.params.push(Param {
             name: name.to_string(),
@@ -188,7 +188,7 @@ impl Graph {
         for (pos, src) in operands.iter().enumerate() {
             self.dag.add_edge(NodeIndex::new(src.index()), idx, pos as u32);
         }
-        NodeId::from_index(idx.index())
+        NodeId::new(idx.index())
     }
 
     pub fn node(&self, id: NodeId) -> &Node {
@@ -197,10 +197,7 @@ impl Graph {
 
     /// All nodes in id (topological) order.
     pub fn nodes(&self) -> impl Iterator<Item = (NodeId, &Node)> + '_ {
-        self.dag
-            .node_weights()
-            .enumerate()
-            .map(|(i, n)| (NodeId::from_index(i), n))
+        self.dag.node_weights().enumerate().map(|(i, n)| (NodeId::new(i), n))
     }
 
     pub fn node_count(&self) -> usize {
@@ -216,7 +213,7 @@ impl Graph {
         let mut users: Vec<NodeId> = self
             .dag
             .neighbors_directed(NodeIndex::new(id.index()), Direction::Outgoing)
-            .map(|n| NodeId::from_index(n.index()))
+            .map(|n| NodeId::new(n.index()))
             .collect();
         users.sort_unstable();
         users.dedup();
@@ -228,7 +225,7 @@ impl Graph {
     }
 
     pub fn params(&self) -> impl ExactSizeIterator<Item = (ParamId, &Param)> + '_ {
-        self.params.iter().enumerate().map(|(i, p)| (ParamId::from_index(i), p))
+        self.params.iter().enumerate().map(|(i, p)| (ParamId::new(i), p))
     }
 
     pub fn scope(&self, id: ScopeId) -> &Scope {
@@ -236,7 +233,7 @@ impl Graph {
     }
 
     pub fn scopes(&self) -> impl ExactSizeIterator<Item = (ScopeId, &Scope)> + '_ {
-        self.scopes.iter().enumerate().map(|(i, s)| (ScopeId::from_index(i), s))
+        self.scopes.iter().enumerate().map(|(i, s)| (ScopeId::new(i), s))
     }
 
     /// The outermost non-root ancestor of `id` (itself when it is top level), or the root.
@@ -273,8 +270,8 @@ impl Graph {
     pub fn edges(&self) -> impl Iterator<Item = (NodeId, NodeId, u32)> + '_ {
         self.dag.raw_edges().iter().map(|e| {
             (
-                NodeId::from_index(e.source().index()),
-                NodeId::from_index(e.target().index()),
+                NodeId::new(e.source().index()),
+                NodeId::new(e.target().index()),
                 e.weight,
             )
         })

@@ -10,23 +10,10 @@
 use crate::PlanError;
 use serde::{Deserialize, Serialize};
 use shardplan_ir::{DType, Graph, ModuleKind, NodeId, ParamId, ScopeId};
-use std::fmt;
 
-/// An FSDP unit (printed `g3`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct GroupId(pub u32);
-
-impl GroupId {
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-}
-
-impl fmt::Display for GroupId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "g{}", self.0)
-    }
+shardplan_ir::entity! {
+    /// An FSDP unit (printed `g3`).
+    pub struct GroupId("g");
 }
 
 /// One FSDP unit: the parameters gathered, freed and reduced together.

@@ -16,24 +16,11 @@ use crate::group::{scope_groups, FsdpGroup, GroupId};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
 use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ParamId, ScopeId};
-use std::fmt;
 use std::ops::Range;
 
-/// A compute segment (printed `s4`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct StepId(pub u32);
-
-impl StepId {
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-}
-
-impl fmt::Display for StepId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "s{}", self.0)
-    }
+shardplan_ir::entity! {
+    /// A compute segment (printed `s4`).
+    pub struct StepId("s");
 }
 
 /// Which pass a segment belongs to.
