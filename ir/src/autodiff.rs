@@ -8,7 +8,7 @@
 //! Architecture invariant: autodiff only appends nodes; forward node ids are unchanged, so a
 //! plan can refer to forward values of the joint graph by their forward ids.
 
-use crate::{DType, Graph, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, WeightLayout};
+use crate::{DType, Graph, IdVec, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, WeightLayout};
 
 /// A forward+backward graph and where its results are.
 #[derive(Clone, Debug)]
@@ -17,7 +17,8 @@ pub struct JointGraph {
     /// The scalar loss (a forward node).
     pub loss: NodeId,
     /// Gradient of each parameter, indexed by [`ParamId`]; `None` for a parameter the loss
-    /// does not depend on.
+    /// does not depend on. A plain `Vec` (not an `IdVec`) because the executor searches it
+    /// as a slice.
     pub param_grads: Vec<Option<NodeId>>,
     /// Number of forward nodes: ids below this are forward, from it on backward.
     pub forward_len: usize,
@@ -69,48 +70,46 @@ pub fn differentiate(forward: &Graph) -> Result<JointGraph, IrError> {
     let forward_len = forward.node_count();
 
     // A node needs a gradient when it depends on a parameter and the loss depends on it.
-    let mut depends_on_param = vec![false; forward_len];
+    let mut depends_on_param: IdVec<NodeId, bool> = IdVec::from_elem(false, forward_len);
     for (id, n) in forward.nodes() {
-        depends_on_param[id.index()] =
-            matches!(n.op, Op::Param { .. }) || n.inputs.iter().any(|i| depends_on_param[i.index()]);
+        depends_on_param[id] = matches!(n.op, Op::Param { .. }) || n.inputs.iter().any(|&i| depends_on_param[i]);
     }
-    let mut reaches_loss = vec![false; forward_len];
-    reaches_loss[loss.index()] = true;
+    let mut reaches_loss: IdVec<NodeId, bool> = IdVec::from_elem(false, forward_len);
+    reaches_loss[loss] = true;
     for (id, n) in forward.nodes().collect::<Vec<_>>().into_iter().rev() {
-        if reaches_loss[id.index()] {
-            for i in &n.inputs {
-                reaches_loss[i.index()] = true;
+        if reaches_loss[id] {
+            for &i in &n.inputs {
+                reaches_loss[i] = true;
             }
         }
     }
-    let wants = |id: NodeId| depends_on_param[id.index()] && reaches_loss[id.index()];
+    let wants = |id: NodeId| depends_on_param[id] && reaches_loss[id];
 
     let mut g = forward.clone();
-    let mut contributions: Vec<Vec<NodeId>> = vec![Vec::new(); forward_len];
-    contributions[loss.index()].push(g.add_fill(1.0, loss_ty, loss)?);
-    let mut param_grads = vec![None; forward.params().len()];
+    let mut contributions: IdVec<NodeId, Vec<NodeId>> = IdVec::from_elem(Vec::new(), forward_len);
+    contributions[loss].push(g.add_fill(1.0, loss_ty, loss)?);
+    let mut param_grads: IdVec<ParamId, Option<NodeId>> = IdVec::from_elem(None, forward.params().len());
 
-    for idx in (0..forward_len).rev() {
-        let id = NodeId(idx as u32);
-        let parts = std::mem::take(&mut contributions[idx]);
+    for id in contributions.keys().rev() {
+        let parts = std::mem::take(&mut contributions[id]);
         if parts.is_empty() {
             continue;
         }
         let grad = sum_all(&mut g, &parts, id)?;
         let node = g.node(id).clone();
         if let Op::Param { param } = node.op {
-            param_grads[param.index()] = Some(grad);
+            param_grads[param] = Some(grad);
             continue;
         }
         let wanted: Vec<bool> = node.inputs.iter().map(|&i| wants(i)).collect();
         for (operand, dx) in vjp(&mut g, id, grad, &wanted)? {
-            contributions[node.inputs[operand].index()].push(dx);
+            contributions[node.inputs[operand]].push(dx);
         }
     }
     Ok(JointGraph {
         graph: g,
         loss,
-        param_grads,
+        param_grads: param_grads.into_vec(),
         forward_len,
     })
 }

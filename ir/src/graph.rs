@@ -1,6 +1,6 @@
 //! The graph: nodes on petgraph, with parameter and scope side tables.
 
-use crate::{IrError, ModuleKind, NodeId, Op, ParamId, Scope, ScopeId, TensorType};
+use crate::{IdVec, IrError, ModuleKind, NodeId, Op, ParamId, Scope, ScopeId, TensorType};
 use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::Direction;
 use std::collections::HashSet;
@@ -46,27 +46,27 @@ pub struct Param {
 pub struct Graph {
     name: String,
     dag: DiGraph<Node, u32, u32>,
-    params: Vec<Param>,
+    params: IdVec<ParamId, Param>,
     /// Names in `params`, for the uniqueness check.
     param_names: HashSet<String>,
-    scopes: Vec<Scope>,
+    scopes: IdVec<ScopeId, Scope>,
     inputs: Vec<NodeId>,
     outputs: Vec<NodeId>,
 }
 
 impl Graph {
-    /// An empty graph whose root scope has id `s0`.
+    /// An empty graph whose root scope has id `m0`.
     pub fn new(name: impl Into<String>) -> Self {
         Graph {
             name: name.into(),
             dag: DiGraph::default(),
-            params: Vec::new(),
+            params: IdVec::new(),
             param_names: HashSet::new(),
-            scopes: vec![Scope {
+            scopes: IdVec::from(vec![Scope {
                 path: String::new(),
                 kind: ModuleKind::Root,
                 parent: None,
-            }],
+            }]),
             inputs: Vec::new(),
             outputs: Vec::new(),
         }
@@ -74,7 +74,7 @@ impl Graph {
 
     /// The root scope.
     pub fn root(&self) -> ScopeId {
-        ScopeId(0)
+        ScopeId::new(0)
     }
 
     pub fn name(&self) -> &str {
@@ -83,7 +83,7 @@ impl Graph {
 
     /// A child scope of `parent` named `segment` (paths join with `.`).
     pub fn add_scope(&mut self, parent: ScopeId, segment: &str, kind: ModuleKind) -> ScopeId {
-        let parent_path = &self.scopes[parent.index()].path;
+        let parent_path = &self.scopes[parent].path;
         let path = if parent_path.is_empty() {
             segment.to_string()
         } else {
@@ -93,8 +93,7 @@ impl Graph {
             path,
             kind,
             parent: Some(parent),
-        });
-        ScopeId::from_index(self.scopes.len() - 1)
+        })
     }
 
     /// A data input of the given type.
@@ -111,14 +110,15 @@ impl Graph {
         if !self.param_names.insert(name.to_string()) {
             return Err(IrError::DuplicateParam(name.to_string()));
         }
-        let param = ParamId::from_index(self.params.len());
+        let param = self.params.next_key();
         let node = self.push(Op::Param { param }, Vec::new(), ty.clone(), scope);
-        self.params.push(Param {
+        let pushed = self.params.push(Param {
             name: name.to_string(),
             ty,
             scope,
             node,
         });
+        debug_assert_eq!(pushed, param);
         Ok(node)
     }
 
@@ -188,7 +188,7 @@ impl Graph {
         for (pos, src) in operands.iter().enumerate() {
             self.dag.add_edge(NodeIndex::new(src.index()), idx, pos as u32);
         }
-        NodeId::from_index(idx.index())
+        NodeId::new(idx.index())
     }
 
     pub fn node(&self, id: NodeId) -> &Node {
@@ -197,10 +197,7 @@ impl Graph {
 
     /// All nodes in id (topological) order.
     pub fn nodes(&self) -> impl Iterator<Item = (NodeId, &Node)> + '_ {
-        self.dag
-            .node_weights()
-            .enumerate()
-            .map(|(i, n)| (NodeId::from_index(i), n))
+        self.dag.node_weights().enumerate().map(|(i, n)| (NodeId::new(i), n))
     }
 
     pub fn node_count(&self) -> usize {
@@ -216,7 +213,7 @@ impl Graph {
         let mut users: Vec<NodeId> = self
             .dag
             .neighbors_directed(NodeIndex::new(id.index()), Direction::Outgoing)
-            .map(|n| NodeId::from_index(n.index()))
+            .map(|n| NodeId::new(n.index()))
             .collect();
         users.sort_unstable();
         users.dedup();
@@ -224,19 +221,19 @@ impl Graph {
     }
 
     pub fn param(&self, id: ParamId) -> &Param {
-        &self.params[id.index()]
+        &self.params[id]
     }
 
     pub fn params(&self) -> impl ExactSizeIterator<Item = (ParamId, &Param)> + '_ {
-        self.params.iter().enumerate().map(|(i, p)| (ParamId::from_index(i), p))
+        self.params.iter()
     }
 
     pub fn scope(&self, id: ScopeId) -> &Scope {
-        &self.scopes[id.index()]
+        &self.scopes[id]
     }
 
     pub fn scopes(&self) -> impl ExactSizeIterator<Item = (ScopeId, &Scope)> + '_ {
-        self.scopes.iter().enumerate().map(|(i, s)| (ScopeId::from_index(i), s))
+        self.scopes.iter()
     }
 
     /// The outermost non-root ancestor of `id` (itself when it is top level), or the root.
@@ -273,8 +270,8 @@ impl Graph {
     pub fn edges(&self) -> impl Iterator<Item = (NodeId, NodeId, u32)> + '_ {
         self.dag.raw_edges().iter().map(|e| {
             (
-                NodeId::from_index(e.source().index()),
-                NodeId::from_index(e.target().index()),
+                NodeId::new(e.source().index()),
+                NodeId::new(e.target().index()),
                 e.weight,
             )
         })

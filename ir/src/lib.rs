@@ -22,7 +22,9 @@ pub use dot::to_dot;
 pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{Graph, Node, Param};
-pub use ids::{NodeId, ParamId, ScopeId};
+#[doc(hidden)]
+pub use ids::__private;
+pub use ids::{Entity, IdVec, IdVecIter, NodeId, ParamId, ScopeId};
 pub use op::{NormWrt, Op, RopeScaling, WeightLayout};
 pub use print::to_text;
 pub use scope::{ModuleKind, Scope};

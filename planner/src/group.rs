@@ -9,24 +9,11 @@
 
 use crate::PlanError;
 use serde::{Deserialize, Serialize};
-use shardplan_ir::{DType, Graph, ModuleKind, NodeId, ParamId, ScopeId};
-use std::fmt;
+use shardplan_ir::{DType, Graph, IdVec, ModuleKind, NodeId, ParamId, ScopeId};
 
-/// An FSDP unit (printed `g3`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct GroupId(pub u32);
-
-impl GroupId {
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-}
-
-impl fmt::Display for GroupId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "g{}", self.0)
-    }
+shardplan_ir::entity! {
+    /// An FSDP unit (printed `g3`).
+    pub struct GroupId("g");
 }
 
 /// One FSDP unit: the parameters gathered, freed and reduced together.
@@ -152,7 +139,7 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
         .into_iter()
         .enumerate()
         .map(|(i, (scopes, params))| FsdpGroup {
-            id: GroupId(i as u32),
+            id: GroupId::new(i),
             module: scopes
                 .iter()
                 .map(|&s| g.scope(s).display_path())
@@ -164,7 +151,7 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
         .collect();
     if !root.is_empty() || groups.is_empty() {
         groups.push(FsdpGroup {
-            id: GroupId(groups.len() as u32),
+            id: GroupId::new(groups.len()),
             module: "<root>".into(),
             scopes: Vec::new(),
             params: root,
@@ -173,22 +160,22 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
     Ok(groups)
 }
 
-/// The group whose parameters a node of each scope belongs to, indexed by `ScopeId`: the
-/// group of its innermost wrapped ancestor, else the root group (the last).
-pub fn scope_groups(g: &Graph, groups: &[FsdpGroup]) -> Vec<GroupId> {
-    let root = groups.last().map_or(GroupId(0), |r| r.id);
-    let mut unit = vec![None; g.scopes().len()];
+/// The group whose parameters a node of each scope belongs to: the group of its innermost
+/// wrapped ancestor, else the root group (the last).
+pub fn scope_groups(g: &Graph, groups: &[FsdpGroup]) -> IdVec<ScopeId, GroupId> {
+    let root = groups.last().map_or(GroupId::new(0), |r| r.id);
+    let mut unit: IdVec<ScopeId, Option<GroupId>> = IdVec::from_elem(None, g.scopes().len());
     for grp in groups {
-        for s in &grp.scopes {
-            unit[s.index()] = Some(grp.id);
+        for &s in &grp.scopes {
+            unit[s] = Some(grp.id);
         }
     }
     // Scopes are created after their parents, so one pass in id order resolves ancestors.
-    let mut out = Vec::with_capacity(unit.len());
+    let mut out: IdVec<ScopeId, GroupId> = IdVec::with_capacity(unit.len());
     for (id, s) in g.scopes() {
-        let own = unit[id.index()];
-        let inherited = s.parent.map(|p| out[p.index()]);
-        out.push(own.or(inherited.filter(|&p: &GroupId| p != root)).unwrap_or(root));
+        let own = unit[id];
+        let inherited = s.parent.map(|p| out[p]);
+        out.push(own.or(inherited.filter(|&p| p != root)).unwrap_or(root));
     }
     out
 }

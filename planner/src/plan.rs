@@ -19,29 +19,14 @@ use std::fmt;
 /// Format version of [`Plan`]; bumped on every incompatible change.
 pub const PLAN_VERSION: u32 = 2;
 
-macro_rules! id {
-    ($name:ident, $prefix:literal, $doc:literal) => {
-        #[doc = $doc]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-        #[serde(transparent)]
-        pub struct $name(pub u32);
-
-        impl $name {
-            pub fn index(self) -> usize {
-                self.0 as usize
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, concat!($prefix, "{}"), self.0)
-            }
-        }
-    };
+shardplan_ir::entity! {
+    /// A buffer (printed `b7`).
+    pub struct BufId("b");
 }
-
-id!(BufId, "b", "A buffer (printed `b7`).");
-id!(EventId, "e", "An event between streams (printed `e3`).");
+shardplan_ir::entity! {
+    /// An event between streams (printed `e3`).
+    pub struct EventId("e");
+}
 
 /// The streams of one rank. Collectives of each kind have their own, as FSDP2 does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

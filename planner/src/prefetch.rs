@@ -99,9 +99,9 @@ pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule,
             if s.peak < best.peak && s.step_s <= limit {
                 moves.push(PrefetchMove {
                     group: gates[i].group,
-                    need: StepId(gates[i].need as u32),
-                    from: StepId(gates[i].at as u32),
-                    to: StepId(trial[i].at as u32),
+                    need: StepId::new(gates[i].need),
+                    from: StepId::new(gates[i].at),
+                    to: StepId::new(trial[i].at),
                     peak_before: best.peak,
                     peak_after: s.peak,
                 });

@@ -40,7 +40,7 @@ use crate::plan::{
 };
 use crate::steps::{Phase, Step, StepId};
 use shardplan_frontends::{GradSync, Offload, Runtime};
-use shardplan_ir::{DType, ParamId};
+use shardplan_ir::{DType, IdVec, ParamId};
 
 /// Buffers, event count and program of one rank.
 pub struct Schedule {
@@ -53,7 +53,7 @@ struct Builder<'a> {
     groups: &'a [PlannedGroup],
     policy: &'a Policy,
     mesh: &'a Mesh,
-    buffers: Vec<Buffer>,
+    buffers: IdVec<BufId, Buffer>,
     events: u32,
     instrs: Vec<Issued>,
     last_wait: [Option<EventId>; Stream::ALL.len()],
@@ -62,14 +62,14 @@ struct Builder<'a> {
     deferring: bool,
     deferred: Vec<(Stream, Instr)>,
     // Per group:
-    sharded: Vec<BufId>,
-    optim: Vec<Option<BufId>>,
-    gathered: Vec<Option<(BufId, EventId, bool)>>,
-    post_forward: Vec<Option<BufId>>,
+    sharded: IdVec<GroupId, BufId>,
+    optim: IdVec<GroupId, Option<BufId>>,
+    gathered: IdVec<GroupId, Option<(BufId, EventId, bool)>>,
+    post_forward: IdVec<GroupId, Option<BufId>>,
     /// Per group, its gradient pieces made so far: (step position, buffer).
-    pieces: Vec<Vec<(usize, BufId)>>,
-    sharded_grads: Vec<Option<BufId>>,
-    grads_done: Vec<Option<(BufId, EventId)>>,
+    pieces: IdVec<GroupId, Vec<(usize, BufId)>>,
+    sharded_grads: IdVec<GroupId, Option<BufId>>,
+    grads_done: IdVec<GroupId, Option<(BufId, EventId)>>,
     /// `runtime: fsdp2`: FSDP2's buffers and hooks (see the module doc).
     fsdp2: bool,
     /// FSDP2's `all_gather_state`: the last forward all-gather's flat output, kept until the
@@ -81,7 +81,7 @@ struct Builder<'a> {
 
 impl Builder<'_> {
     fn buf(&mut self, name: String, category: Category, group: GroupId, dtype: DType, numel: u64, pool: Pool) -> BufId {
-        let id = BufId(self.buffers.len() as u32);
+        let id = self.buffers.next_key();
         self.buffers.push(Buffer {
             id,
             name,
@@ -92,13 +92,12 @@ impl Builder<'_> {
             pool,
             persistent: false,
             params: Vec::new(),
-        });
-        id
+        })
     }
 
     fn event(&mut self) -> EventId {
         self.events += 1;
-        EventId(self.events - 1)
+        EventId::new(self.events as usize - 1)
     }
 
     fn emit(&mut self, stream: Stream, instr: Instr) {
@@ -153,7 +152,7 @@ impl Builder<'_> {
             (format!("{g}.unsharded.{tag}"), Category::UnshardedParams)
         };
         let dst = self.buf(name, category, g, p, full, Pool::Device);
-        let (src, comm, drop_src) = match self.post_forward[g.index()].take() {
+        let (src, comm, drop_src) = match self.post_forward[g].take() {
             Some(pf) => {
                 let n = match self.groups[g.index()].reshard {
                     GroupReshard::ToGroupOf(n) => n,
@@ -176,7 +175,7 @@ impl Builder<'_> {
                 self.emit(
                     Stream::Copy,
                     Instr::Copy {
-                        src: self.sharded[g.index()],
+                        src: self.sharded[g],
                         dst: dev,
                         accumulate: false,
                     },
@@ -187,13 +186,13 @@ impl Builder<'_> {
             }
             None => {
                 self.emit(Stream::AllGather, Instr::Wait { event: gate });
-                (self.sharded[g.index()], Comm::Shard, false)
+                (self.sharded[g], Comm::Shard, false)
             }
         };
         // FSDP2 copies a shard to be cast into a flat input of the parameter dtype first
         // (`_get_param_all_gather_inputs`), freed once the all-gather has its input.
         let cast = (self.fsdp2 && p != self.policy.mixed_precision.master).then(|| {
-            let numel = self.buffers[src.index()].numel;
+            let numel = self.buffers[src].numel;
             let tag = tag.clone();
             let cast = self.buf(
                 format!("{g}.ag_in.{tag}"),
@@ -235,7 +234,7 @@ impl Builder<'_> {
             self.emit(Stream::AllGather, Instr::Free { buf: src });
             self.deferring = false;
         }
-        self.gathered[g.index()] = Some((dst, done, false));
+        self.gathered[g] = Some((dst, done, false));
     }
 
     /// FSDP2's `wait_for_unshard` for group `g`, whose all-gather output `flat` the compute
@@ -295,7 +294,7 @@ impl Builder<'_> {
     /// stream and frees them there (FSDP2's copy-in), then reduce-scatters it; on the final
     /// micro-batch also the replica all-reduce and the host copy.
     fn reduce(&mut self, g: GroupId, micro: u32, last_micro: bool) {
-        let pieces: Vec<BufId> = std::mem::take(&mut self.pieces[g.index()])
+        let pieces: Vec<BufId> = std::mem::take(&mut self.pieces[g])
             .into_iter()
             .map(|(_, b)| b)
             .collect();
@@ -334,7 +333,7 @@ impl Builder<'_> {
             self.reduce_fsdp2(g, micro, last_micro, packed);
             return;
         }
-        let acc = match self.sharded_grads[g.index()] {
+        let acc = match self.sharded_grads[g] {
             Some(b) => b,
             None => {
                 let b = self.buf(
@@ -346,7 +345,7 @@ impl Builder<'_> {
                     Pool::Device,
                 );
                 self.emit(Stream::ReduceScatter, Instr::Alloc { buf: b });
-                self.sharded_grads[g.index()] = Some(b);
+                self.sharded_grads[g] = Some(b);
                 b
             }
         };
@@ -414,8 +413,8 @@ impl Builder<'_> {
             done = self.record(Stream::Copy);
             final_buf = host;
         }
-        self.sharded_grads[g.index()] = None;
-        self.grads_done[g.index()] = Some((final_buf, done));
+        self.sharded_grads[g] = None;
+        self.grads_done[g] = Some((final_buf, done));
     }
 
     /// FSDP2's `foreach_reduce` after the copy-in: a reduce-scatter output of the reduce
@@ -424,7 +423,7 @@ impl Builder<'_> {
     fn reduce_fsdp2(&mut self, g: GroupId, micro: u32, last_micro: bool, packed: BufId) {
         let master = self.policy.mixed_precision.master;
         let reduce = self.policy.mixed_precision.reduce;
-        let existing = self.sharded_grads[g.index()];
+        let existing = self.sharded_grads[g];
         let becomes_grad = existing.is_none() && reduce == master;
         let (name, category) = if becomes_grad {
             (format!("{g}.grads"), Category::ShardedGrads)
@@ -477,7 +476,7 @@ impl Builder<'_> {
             self.emit(Stream::ReduceScatter, Instr::Free { buf: out });
             acc
         };
-        self.sharded_grads[g.index()] = Some(acc);
+        self.sharded_grads[g] = Some(acc);
         let done = self.record(Stream::ReduceScatter);
         if !last_micro {
             self.deferring = false;
@@ -497,26 +496,26 @@ impl Builder<'_> {
 
 /// Where each group is used within one micro-batch.
 struct Uses {
-    last_forward: Vec<Option<usize>>,
-    last: Vec<Option<usize>>,
-    last_grad: Vec<Option<usize>>,
+    last_forward: IdVec<GroupId, Option<usize>>,
+    last: IdVec<GroupId, Option<usize>>,
+    last_grad: IdVec<GroupId, Option<usize>>,
 }
 
 fn uses(steps: &[Step], n_groups: usize) -> Uses {
     let mut u = Uses {
-        last_forward: vec![None; n_groups],
-        last: vec![None; n_groups],
-        last_grad: vec![None; n_groups],
+        last_forward: IdVec::from_elem(None, n_groups),
+        last: IdVec::from_elem(None, n_groups),
+        last_grad: IdVec::from_elem(None, n_groups),
     };
     for (pos, s) in steps.iter().enumerate() {
-        for g in &s.reads {
+        for &g in &s.reads {
             if s.phase == Phase::Forward {
-                u.last_forward[g.index()] = Some(pos);
+                u.last_forward[g] = Some(pos);
             }
-            u.last[g.index()] = Some(pos);
+            u.last[g] = Some(pos);
         }
-        for g in &s.grads {
-            u.last_grad[g.index()] = Some(pos);
+        for &g in &s.grads {
+            u.last_grad[g] = Some(pos);
         }
     }
     u
@@ -524,20 +523,20 @@ fn uses(steps: &[Step], n_groups: usize) -> Uses {
 
 /// Gathers one micro-batch needs, in order: (step position, group).
 fn needs(steps: &[Step], groups: &[PlannedGroup], u: &Uses) -> Vec<(usize, GroupId)> {
-    let mut gathered = vec![false; groups.len()];
+    let mut gathered: IdVec<GroupId, bool> = IdVec::from_elem(false, groups.len());
     let mut out = Vec::new();
     for (pos, s) in steps.iter().enumerate() {
         for &g in &s.reads {
-            if !gathered[g.index()] {
-                gathered[g.index()] = true;
+            if !gathered[g] {
+                gathered[g] = true;
                 out.push((pos, g));
             }
         }
         for &g in &s.reads {
-            let gi = g.index();
-            if u.last[gi] == Some(pos) || (u.last_forward[gi] == Some(pos) && groups[gi].reshard != GroupReshard::Keep)
+            if u.last[g] == Some(pos)
+                || (u.last_forward[g] == Some(pos) && groups[g.index()].reshard != GroupReshard::Keep)
             {
-                gathered[gi] = false;
+                gathered[g] = false;
             }
         }
     }
@@ -629,19 +628,19 @@ pub fn schedule_gated(
         groups,
         policy,
         mesh,
-        buffers: Vec::new(),
+        buffers: IdVec::new(),
         events: 0,
         instrs: Vec::new(),
         last_wait: [None; Stream::ALL.len()],
         deferring: false,
         deferred: Vec::new(),
-        sharded: Vec::with_capacity(n),
-        optim: Vec::with_capacity(n),
-        gathered: vec![None; n],
-        post_forward: vec![None; n],
-        pieces: vec![Vec::new(); n],
-        sharded_grads: vec![None; n],
-        grads_done: vec![None; n],
+        sharded: IdVec::with_capacity(n),
+        optim: IdVec::with_capacity(n),
+        gathered: IdVec::from_elem(None, n),
+        post_forward: IdVec::from_elem(None, n),
+        pieces: IdVec::from_elem(Vec::new(), n),
+        sharded_grads: IdVec::from_elem(None, n),
+        grads_done: IdVec::from_elem(None, n),
         fsdp2: policy.runtime == Runtime::Fsdp2,
         ag_state: None,
         rs_state: None,
@@ -650,8 +649,9 @@ pub fn schedule_gated(
         let g = grp.group.id;
         let shard = grp.layout.shard_numel;
         let p = b.buf(format!("{g}.params"), Category::ShardedParams, g, master, shard, pool);
-        b.buffers[p.index()].persistent = true;
-        b.sharded.push(p);
+        b.buffers[p].persistent = true;
+        let pushed = b.sharded.push(p);
+        debug_assert_eq!(pushed, g, "groups are in id order");
         let k = policy.optimizer_state_per_param;
         let o = (k > 0).then(|| {
             let o = b.buf(
@@ -662,7 +662,7 @@ pub fn schedule_gated(
                 shard * k,
                 pool,
             );
-            b.buffers[o.index()].persistent = true;
+            b.buffers[o].persistent = true;
             o
         });
         b.optim.push(o);
@@ -676,16 +676,16 @@ pub fn schedule_gated(
                 grp.group.params.len() as u64,
                 pool,
             );
-            b.buffers[steps.index()].persistent = true;
+            b.buffers[steps].persistent = true;
         }
     }
 
     let u = uses(steps, n);
     // Steps that make gradients of each group: one gradient piece each.
-    let mut writers = vec![0usize; n];
+    let mut writers: IdVec<GroupId, usize> = IdVec::from_elem(0, n);
     for s in steps {
-        for g in &s.grads {
-            writers[g.index()] += 1;
+        for &g in &s.grads {
+            writers[g] += 1;
         }
     }
     // The step at which each gather is issued.
@@ -718,13 +718,13 @@ pub fn schedule_gated(
             }
             let mut reads = Vec::with_capacity(s.reads.len());
             for &g in &s.reads {
-                let (mut buf, event, waited) = b.gathered[g.index()].expect("every read group is gathered by its need");
+                let (mut buf, event, waited) = b.gathered[g].expect("every read group is gathered by its need");
                 if !waited {
                     b.emit(Stream::Compute, Instr::Wait { event });
                     if b.fsdp2 {
                         buf = b.copy_out(g, buf, micro, s.phase);
                     }
-                    b.gathered[g.index()] = Some((buf, event, true));
+                    b.gathered[g] = Some((buf, event, true));
                 }
                 reads.push(buf);
             }
@@ -736,10 +736,7 @@ pub fn schedule_gated(
             }
             let mut writes = Vec::with_capacity(s.grads.len());
             for &g in &s.grads {
-                let existing = b.pieces[g.index()]
-                    .iter()
-                    .find(|(at, _)| *at == pos)
-                    .map(|(_, buf)| *buf);
+                let existing = b.pieces[g].iter().find(|(at, _)| *at == pos).map(|(_, buf)| *buf);
                 let buf = match existing {
                     Some(buf) => buf,
                     None => {
@@ -762,8 +759,8 @@ pub fn schedule_gated(
                         if policy.grad_accum > 1 && policy.grad_sync == GradSync::EveryMicroBatch {
                             tag.push_str(&format!("{micro}"));
                         }
-                        if writers[g.index()] > 1 {
-                            tag.push_str(&format!(".{}", StepId(pos as u32)));
+                        if writers[g] > 1 {
+                            tag.push_str(&format!(".{}", StepId::new(pos)));
                         }
                         let buf = b.buf(
                             format!("{g}.unsharded_grads{tag}"),
@@ -773,9 +770,9 @@ pub fn schedule_gated(
                             numel,
                             Pool::Device,
                         );
-                        b.buffers[buf.index()].params = params;
+                        b.buffers[buf].params = params;
                         b.emit(Stream::Compute, Instr::Alloc { buf });
-                        b.pieces[g.index()].push((pos, buf));
+                        b.pieces[g].push((pos, buf));
                         buf
                     }
                 };
@@ -784,7 +781,7 @@ pub fn schedule_gated(
             b.emit(
                 Stream::Compute,
                 Instr::Compute {
-                    step: StepId(pos as u32),
+                    step: StepId::new(pos),
                     micro,
                     reads,
                     writes,
@@ -801,17 +798,16 @@ pub fn schedule_gated(
                 b.flush();
             }
             for &g in &s.reads {
-                let gi = g.index();
-                let (buf, _, _) = b.gathered[gi].expect("read groups are gathered");
-                if u.last[gi] == Some(pos) {
+                let (buf, _, _) = b.gathered[g].expect("read groups are gathered");
+                if u.last[g] == Some(pos) {
                     b.emit(Stream::Compute, Instr::Free { buf });
-                    b.gathered[gi] = None;
-                } else if u.last_forward[gi] == Some(pos) {
-                    match groups[gi].reshard {
+                    b.gathered[g] = None;
+                } else if u.last_forward[g] == Some(pos) {
+                    match groups[g.index()].reshard {
                         GroupReshard::Keep => {}
                         GroupReshard::Free => {
                             b.emit(Stream::Compute, Instr::Free { buf });
-                            b.gathered[gi] = None;
+                            b.gathered[g] = None;
                         }
                         GroupReshard::ToGroupOf(k) => {
                             let numel = b.gathered_numel(g) / k;
@@ -834,8 +830,8 @@ pub fn schedule_gated(
                                 },
                             );
                             b.emit(Stream::Compute, Instr::Free { buf });
-                            b.gathered[gi] = None;
-                            b.post_forward[gi] = Some(pf);
+                            b.gathered[g] = None;
+                            b.post_forward[g] = Some(pf);
                         }
                     }
                 }
@@ -846,7 +842,7 @@ pub fn schedule_gated(
             }
             if sync {
                 for &g in &s.grads {
-                    if u.last_grad[g.index()] == Some(pos) {
+                    if u.last_grad[g] == Some(pos) {
                         b.reduce(g, micro, last_micro);
                     }
                 }
@@ -865,13 +861,13 @@ pub fn schedule_gated(
     };
     let finals: Vec<(GroupId, BufId, EventId)> = groups
         .iter()
-        .filter_map(|grp| b.grads_done[grp.group.id.index()].map(|(buf, e)| (grp.group.id, buf, e)))
+        .filter_map(|grp| b.grads_done[grp.group.id].map(|(buf, e)| (grp.group.id, buf, e)))
         .collect();
     for &(_, _, e) in &finals {
         b.emit(opt, Instr::Wait { event: e });
     }
     let norm = policy.grad_clip.map(|_| {
-        let id = BufId(b.buffers.len() as u32);
+        let id = b.buffers.next_key();
         b.buffers.push(Buffer {
             id,
             name: "grad_norm".into(),
@@ -912,8 +908,8 @@ pub fn schedule_gated(
             opt,
             Instr::OptimizerStep {
                 group: g,
-                params: b.sharded[g.index()],
-                state: b.optim[g.index()],
+                params: b.sharded[g],
+                state: b.optim[g],
                 grads,
                 norm,
             },
@@ -924,7 +920,7 @@ pub fn schedule_gated(
         b.emit(opt, Instr::Free { buf: n });
     }
     Schedule {
-        buffers: b.buffers,
+        buffers: b.buffers.into_vec(),
         events: b.events,
         program: Program { instrs: b.instrs },
     }

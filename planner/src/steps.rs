@@ -15,25 +15,12 @@
 use crate::group::{scope_groups, FsdpGroup, GroupId};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
-use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ParamId, ScopeId};
-use std::fmt;
+use shardplan_ir::{IdVec, JointGraph, ModuleKind, NodeId, Op, ParamId, ScopeId};
 use std::ops::Range;
 
-/// A compute segment (printed `s4`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct StepId(pub u32);
-
-impl StepId {
-    pub fn index(self) -> usize {
-        self.0 as usize
-    }
-}
-
-impl fmt::Display for StepId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "s{}", self.0)
-    }
+shardplan_ir::entity! {
+    /// A compute segment (printed `s4`).
+    pub struct StepId("s");
 }
 
 /// Which pass a segment belongs to.
@@ -197,18 +184,18 @@ pub fn steps_and_events_for(
     let n = g.node_count();
     let group_of_scope = scope_groups(g, groups);
 
-    let mut group_of_param = vec![GroupId(0); g.params().len()];
+    let mut group_of_param: IdVec<ParamId, GroupId> = IdVec::from_elem(GroupId::new(0), g.params().len());
     for grp in groups {
-        for p in &grp.params {
-            group_of_param[p.index()] = grp.id;
+        for &p in &grp.params {
+            group_of_param[p] = grp.id;
         }
     }
-    let mut grad_group: Vec<Option<GroupId>> = vec![None; n];
-    let mut grad_param: Vec<Option<ParamId>> = vec![None; n];
-    for (p, grad) in joint.param_grads.iter().enumerate() {
-        if let Some(grad) = grad {
-            grad_group[grad.index()] = Some(group_of_param[p]);
-            grad_param[grad.index()] = Some(ParamId(p as u32));
+    let mut grad_group: IdVec<NodeId, Option<GroupId>> = IdVec::from_elem(None, n);
+    let mut grad_param: IdVec<NodeId, Option<ParamId>> = IdVec::from_elem(None, n);
+    for (p, _) in g.params() {
+        if let Some(grad) = joint.grad(p) {
+            grad_group[grad] = Some(group_of_param[p]);
+            grad_param[grad] = Some(p);
         }
     }
     let mut exec = ExecOrder::new(joint, ac);
@@ -216,15 +203,15 @@ pub fn steps_and_events_for(
     let order = &exec.order;
     // Autograd's saved tensors beyond the graph's values: freed after the last backward
     // node of the forward node that saved them.
-    let mut last_grad_pos: Vec<usize> = Vec::new();
+    let mut last_grad_pos: IdVec<NodeId, usize> = IdVec::new();
     if kernels == Kernels::Autograd {
-        last_grad_pos = vec![usize::MAX; joint.forward_len];
+        last_grad_pos = IdVec::from_elem(usize::MAX, joint.forward_len);
         for (pos, &(id, copy)) in order.iter().enumerate() {
             if copy || id.index() < joint.forward_len {
                 continue;
             }
             if let Some(f) = g.node(id).grad_of {
-                if let Some(slot) = last_grad_pos.get_mut(f.index()) {
+                if let Some(slot) = last_grad_pos.get_mut(f) {
                     *slot = pos;
                 }
             }
@@ -275,13 +262,13 @@ pub fn steps_and_events_for(
         } else {
             Phase::Forward
         };
-        let grp = group_of_scope[node.scope.index()];
+        let grp = group_of_scope[node.scope];
         // A step also ends just before it first makes a gradient of a group when the work
         // before has held more than it holds now: the gradient piece is then allocated
         // after that peak, not beside it (the loss backward: the logits and their gradient
         // both live until the cross-entropy's backward ends, before the output projection
         // makes its weight's gradient).
-        let first_grad = match (copy, grad_group[id.index()], out.last()) {
+        let first_grad = match (copy, grad_group[id], out.last()) {
             (false, Some(gg), Some(s)) => !s.grads.contains(&gg) && s.act_peak > live,
             _ => false,
         };
@@ -292,7 +279,7 @@ pub fn steps_and_events_for(
         if start_new {
             acts.starts.push(acts.events.len() as u32);
             out.push(Step {
-                id: StepId(out.len() as u32),
+                id: StepId::new(out.len()),
                 phase,
                 group: grp,
                 label: String::new(),
@@ -320,18 +307,18 @@ pub fn steps_and_events_for(
         }
         for &input in &node.inputs {
             if let Some(p) = param_of_node[input.index()] {
-                let pg = group_of_param[p as usize];
+                let pg = group_of_param[ParamId(p)];
                 if !step.reads.contains(&pg) {
                     step.reads.push(pg);
                 }
             }
         }
-        if let Some(gg) = grad_group[id.index()] {
+        if let Some(gg) = grad_group[id] {
             if !step.grads.contains(&gg) {
                 step.grads.push(gg);
             }
         }
-        if let (false, Some(p)) = (copy, grad_param[id.index()]) {
+        if let (false, Some(p)) = (copy, grad_param[id]) {
             step.grad_params.push(p);
         }
         let own = ExecOrder::slot(id, copy);
@@ -383,7 +370,7 @@ pub fn steps_and_events_for(
             let until = if id == joint.loss {
                 order.len() - 1
             } else {
-                last_grad_pos.get(id.index()).copied().unwrap_or(usize::MAX)
+                last_grad_pos.get(id).copied().unwrap_or(usize::MAX)
             };
             if kept && until != usize::MAX && until > pos {
                 saved_live.push((until, value, extra));
@@ -455,10 +442,10 @@ pub struct ExecOrder {
     /// `usize::MAX` for values nothing reads.
     pub last_use: Vec<usize>,
     /// The checkpointed block each node belongs to, if any.
-    ckpt: Vec<Option<ScopeId>>,
+    ckpt: IdVec<NodeId, Option<ScopeId>>,
     /// Forward nodes of checkpointed blocks whose outputs are kept (selective
     /// checkpointing), so nothing recomputes them.
-    saved: Vec<bool>,
+    saved: IdVec<NodeId, bool>,
     forward_len: usize,
     /// Attention's backward runs as one flash-attention kernel (PyTorch's
     /// `scaled_dot_product_attention`): the probabilities and their gradient, the
@@ -476,9 +463,9 @@ impl ExecOrder {
         let n = g.node_count();
         // Checkpointed block of each scope (the nearest block ancestor, if checkpointed).
         let mut block_index = 0u64;
-        let mut ckpt_of_scope: Vec<Option<ScopeId>> = Vec::with_capacity(g.scopes().len());
+        let mut ckpt_of_scope: IdVec<ScopeId, Option<ScopeId>> = IdVec::with_capacity(g.scopes().len());
         for (id, s) in g.scopes() {
-            let inherited = s.parent.and_then(|p| ckpt_of_scope[p.index()]);
+            let inherited = s.parent.and_then(|p| ckpt_of_scope[p]);
             let own = if s.kind == ModuleKind::Block {
                 let chosen = match ac {
                     ActivationCheckpointing::None => false,
@@ -492,21 +479,19 @@ impl ExecOrder {
             };
             ckpt_of_scope.push(own.or(inherited));
         }
-        let ckpt: Vec<Option<ScopeId>> = (0..n)
-            .map(|i| ckpt_of_scope[g.node(NodeId(i as u32)).scope.index()])
-            .collect();
+        let ckpt: IdVec<NodeId, Option<ScopeId>> = g.nodes().map(|(_, node)| ckpt_of_scope[node.scope]).collect();
         let mut param_of_node: Vec<Option<u32>> = vec![None; n];
         for (p, param) in g.params() {
             param_of_node[param.node.index()] = Some(p.0);
         }
         // Selective checkpointing: the forward nodes whose outputs a block keeps (they are
         // not recomputed; its recompute and backward read the originals).
-        let mut saved = vec![false; n];
+        let mut saved: IdVec<NodeId, bool> = IdVec::from_elem(false, n);
         if let ActivationCheckpointing::Selective(policy) = ac {
             let mut matmuls: Vec<(ScopeId, u64)> = Vec::new();
-            for j in 0..joint.forward_len.min(n) {
+            for j in saved.keys().take(joint.forward_len) {
                 let Some(block) = ckpt[j] else { continue };
-                saved[j] = match &g.node(NodeId(j as u32)).op {
+                saved[j] = match &g.node(j).op {
                     Op::Attention { .. } => policy.attention,
                     Op::Linear { .. } | Op::MatMul => {
                         let count = match matmuls.iter_mut().find(|(b, _)| *b == block) {
@@ -529,6 +514,7 @@ impl ExecOrder {
                 };
             }
         }
+        // A plain `Vec` (as `param_of_node`): public, and the executor indexes it by `usize`.
         let mut is_param_grad = vec![false; n];
         for grad in joint.param_grads.iter().flatten() {
             is_param_grad[grad.index()] = true;
@@ -536,11 +522,11 @@ impl ExecOrder {
         // The forward nodes each checkpointed block recomputes, in order.
         let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
         for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
-            let f = NodeId(j as u32);
-            if param.is_some() || g.node(f).op.is_leaf() || saved[j] {
+            let f = NodeId::new(j);
+            if param.is_some() || g.node(f).op.is_leaf() || saved[f] {
                 continue;
             }
-            if let Some(block) = ckpt[j] {
+            if let Some(block) = ckpt[f] {
                 match block_nodes.iter_mut().find(|(b, _)| *b == block) {
                     Some((_, v)) => v.push(f),
                     None => block_nodes.push((block, vec![f])),
@@ -550,11 +536,12 @@ impl ExecOrder {
         let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
         let mut recomputed: Vec<ScopeId> = Vec::new();
         for (i, param) in param_of_node.iter().enumerate() {
+            let id = NodeId::new(i);
             if param.is_some() {
                 continue;
             }
             if i >= joint.forward_len {
-                if let Some(block) = ckpt[i] {
+                if let Some(block) = ckpt[id] {
                     if !recomputed.contains(&block) {
                         recomputed.push(block);
                         if let Some((_, nodes)) = block_nodes.iter().find(|(b, _)| *b == block) {
@@ -563,7 +550,7 @@ impl ExecOrder {
                     }
                 }
             }
-            order.push((NodeId(i as u32), false));
+            order.push((id, false));
         }
         let mut exec = ExecOrder {
             order,
@@ -590,7 +577,7 @@ impl ExecOrder {
     /// Whether forward node `id` runs again in its block's recompute (checkpointed and not
     /// saved), so what its original run saves dies with it.
     pub fn recomputed(&self, id: NodeId) -> bool {
-        id.index() < self.forward_len && self.ckpt[id.index()].is_some() && !self.saved[id.index()]
+        id.index() < self.forward_len && self.ckpt[id].is_some() && !self.saved[id]
     }
 
     /// Index of a value (a node's original or its recomputed copy).
@@ -601,12 +588,12 @@ impl ExecOrder {
     /// Whether `reader` (itself a copy or not) reads the recomputed copy of `input`: inside
     /// a checkpointed block, its recompute and backward read the block's recomputed values.
     pub fn reads_copy(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> bool {
-        if self.saved[input.index()] {
+        if self.saved[input] {
             return false;
         }
-        match self.ckpt[input.index()] {
+        match self.ckpt[input] {
             Some(block) if input.index() < self.forward_len => {
-                (reader_copy || reader.index() >= self.forward_len) && self.ckpt[reader.index()] == Some(block)
+                (reader_copy || reader.index() >= self.forward_len) && self.ckpt[reader] == Some(block)
             }
             _ => false,
         }

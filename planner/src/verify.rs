@@ -16,8 +16,9 @@
 //! - memory: the device memory the plan needs (the allocator's reserved peak, the CUDA
 //!   context and NCCL's buffers) fits the budget, when one is given.
 
-use crate::plan::{Access, BufId, Comm, Instr, Plan, Program, Stream};
+use crate::plan::{Access, BufId, Comm, EventId, Instr, Plan, Program, Stream};
 use crate::print::describe;
+use shardplan_ir::IdVec;
 use std::fmt;
 
 /// A broken invariant, naming the instruction.
@@ -157,13 +158,13 @@ fn clocks(plan: &Plan, p: usize, program: &Program) -> Result<(Vec<[u32; STREAMS
     let mut clock = Vec::with_capacity(n);
     let mut pos = Vec::with_capacity(n);
     let mut stream_clock = [[0u32; STREAMS]; STREAMS];
-    let mut recorded: Vec<Option<[u32; STREAMS]>> = vec![None; plan.events as usize];
+    let mut recorded: IdVec<EventId, Option<[u32; STREAMS]>> = IdVec::from_elem(None, plan.events as usize);
     for (i, issued) in program.instrs.iter().enumerate() {
         let s = issued.stream.index();
         let mut c = stream_clock[s];
         c[s] += 1;
         match issued.instr {
-            Instr::Wait { event } => match recorded.get(event.index()) {
+            Instr::Wait { event } => match recorded.get(event) {
                 Some(Some(r)) => {
                     for k in 0..STREAMS {
                         c[k] = c[k].max(r[k]);
@@ -189,7 +190,7 @@ fn clocks(plan: &Plan, p: usize, program: &Program) -> Result<(Vec<[u32; STREAMS
                     })
                 }
             },
-            Instr::Record { event } => match recorded.get_mut(event.index()) {
+            Instr::Record { event } => match recorded.get_mut(event) {
                 Some(slot @ None) => *slot = Some(c),
                 Some(Some(_)) => {
                     return Err(VerifyError {
@@ -251,9 +252,9 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
     let (clock, pos) = clocks(plan, p, program)?;
     let hb = |a: usize, b: usize| -> bool { a != b && clock[b][program.instrs[a].stream.index()] > pos[a] };
 
-    let mut alloc: Vec<Option<usize>> = vec![None; n_buf];
-    let mut free: Vec<Option<usize>> = vec![None; n_buf];
-    let mut accesses: Vec<Vec<(usize, Access)>> = vec![Vec::new(); n_buf];
+    let mut alloc: IdVec<BufId, Option<usize>> = IdVec::from_elem(None, n_buf);
+    let mut free: IdVec<BufId, Option<usize>> = IdVec::from_elem(None, n_buf);
+    let mut accesses: IdVec<BufId, Vec<(usize, Access)>> = IdVec::from_elem(Vec::new(), n_buf);
     for (i, issued) in program.instrs.iter().enumerate() {
         match issued.instr {
             Instr::Alloc { buf } | Instr::Free { buf } => {
@@ -271,7 +272,7 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                     ));
                 }
                 let slot = if is_alloc { &mut alloc } else { &mut free };
-                if slot[buf.index()].is_some() {
+                if slot[buf].is_some() {
                     return Err(fail(
                         i,
                         "buffers",
@@ -283,16 +284,18 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                         ),
                     ));
                 }
-                slot[buf.index()] = Some(i);
+                slot[buf] = Some(i);
             }
             ref other => {
                 for (b, a) in other.accesses() {
-                    accesses[b.index()].push((i, a));
+                    accesses[b].push((i, a));
                 }
             }
         }
     }
+    // `plan.buffers` is a plain `Vec` (the Plan's JSON); slot `i` is buffer `b{i}`.
     for (bi, buf) in plan.buffers.iter().enumerate() {
+        let bi = BufId::new(bi);
         let acc = &accesses[bi];
         if buf.persistent {
             continue;
@@ -357,7 +360,7 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
         }
     }
     for (bi, buf) in plan.buffers.iter().enumerate() {
-        let acc = &accesses[bi];
+        let acc = &accesses[BufId::new(bi)];
         for (x, &(i, ai)) in acc.iter().enumerate() {
             for &(j, aj) in &acc[x + 1..] {
                 if i == j {
