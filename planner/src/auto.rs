@@ -360,7 +360,15 @@ pub fn search(
 
 /// `p`'s memory with the caching allocator replayed over its program.
 fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
-    simulate::device_memory(p.memory.clone(), &p.programs[0], &p.buffers, acts, &p.mesh, &p.hardware)
+    simulate::device_memory(
+        p.memory.clone(),
+        &p.programs[0],
+        &p.buffers,
+        acts,
+        &p.mesh,
+        &p.hardware,
+        p.policy.allocator,
+    )
 }
 
 /// For the winner, one line per knob: what it bought against the best candidate that
@@ -499,6 +507,12 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         None => y.push_str("grad_clip: null\n"),
     }
     y.push_str(&format!("seed: {}\n", c.seed));
+    if !c.allocator.is_default() {
+        y.push_str(&format!(
+            "allocator: {{expandable_segments: {}}}\n",
+            c.allocator.expandable_segments
+        ));
+    }
     y.push_str(&format!(
         "lr_schedule: {{warmup_steps: {}, min_lr_ratio: {:?}}}\n",
         c.lr_schedule.warmup_steps, c.lr_schedule.min_lr_ratio

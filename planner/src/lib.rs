@@ -157,6 +157,7 @@ fn passes(
         },
         grad_clip: config.grad_clip,
         runtime: config.runtime,
+        allocator: config.allocator,
     };
     let mut policy = policy;
     if let Some(m) = forward_only {
@@ -345,7 +346,15 @@ pub(crate) fn simulate_program(
     );
     let mut memory = simulate::memory(program, buffers, steps, &timing);
     if replay {
-        memory = simulate::device_memory(memory, program, buffers, &cached.acts, mesh, &config.hardware);
+        memory = simulate::device_memory(
+            memory,
+            program,
+            buffers,
+            &cached.acts,
+            mesh,
+            &config.hardware,
+            policy.allocator,
+        );
     } else {
         memory.overhead = simulate::overhead(program, mesh, &config.hardware);
     }

@@ -150,3 +150,17 @@ fn a_custom_profile_round_trips_through_the_emitted_spec() {
     assert_eq!(back.hardware, c.hardware, "{emitted}");
     assert_eq!(back, c, "{emitted}");
 }
+
+#[test]
+fn the_emitted_spec_keeps_a_non_default_allocator() {
+    let c = spec(8, 2);
+    assert!(!spec_yaml(&c).contains("allocator"), "the default is not written");
+    let mut off = c.clone();
+    off.allocator.expandable_segments = false;
+    let yaml = spec_yaml(&off);
+    assert!(yaml.contains("allocator: {expandable_segments: false}"), "{yaml}");
+    let back = parse_parallel_spec(&Source::from_text("emitted.yaml", yaml.clone()))
+        .unwrap_or_else(|e| panic!("{e}\n{yaml}"))
+        .0;
+    assert_eq!(back, off, "{yaml}");
+}
