@@ -462,3 +462,64 @@ pub fn replay(
         steps,
     }
 }
+
+/// A lower bound on what [`replay`] reserves, without replaying: the sum over streams of
+/// each stream's own peak of requested bytes. Every allocation comes from the pool of the
+/// stream it is made on and goes back to it when freed (whichever stream frees it); a
+/// stream's blocks lie in segments (or its expandable segment's mapping) of its own that are
+/// never given back; so each stream holds at least its own peak at the end, and the streams'
+/// holdings are disjoint. Activations are the compute stream's, at a step's activation peak
+/// while it runs and its end level after (as the memory model counts them, and as the
+/// replay's requested bytes reach them).
+pub fn stream_peaks(
+    program: &crate::plan::Program,
+    buffers: &[crate::plan::Buffer],
+    steps: &[crate::steps::Step],
+) -> u64 {
+    use crate::plan::{Instr, Pool, Stream};
+    let n = Stream::ALL.len();
+    let compute = Stream::Compute.index();
+    let mut level = vec![0u64; n];
+    let mut peak = vec![0u64; n];
+    let mut owner: Vec<Option<usize>> = vec![None; buffers.len()];
+    for b in buffers.iter().filter(|b| b.persistent && b.pool == Pool::Device) {
+        level[compute] = level[compute].saturating_add(b.bytes());
+    }
+    peak[compute] = level[compute];
+    let mut acts = 0u64;
+    for issued in &program.instrs {
+        let s = issued.stream.index();
+        match &issued.instr {
+            Instr::Alloc { buf } => {
+                let Some(b) = buffers.get(buf.index()) else { continue };
+                if b.pool != Pool::Device {
+                    continue;
+                }
+                if let Some(o) = owner[buf.index()].take() {
+                    level[o] = level[o].saturating_sub(b.bytes());
+                }
+                owner[buf.index()] = Some(s);
+                level[s] = level[s].saturating_add(b.bytes());
+                peak[s] = peak[s].max(level[s]);
+            }
+            Instr::Free { buf } => {
+                if let (Some(b), Some(o)) = (
+                    buffers.get(buf.index()),
+                    owner.get_mut(buf.index()).and_then(Option::take),
+                ) {
+                    level[o] = level[o].saturating_sub(b.bytes());
+                }
+            }
+            Instr::Compute { step, .. } => {
+                let Some(st) = steps.get(step.index()) else { continue };
+                let base = level[compute].saturating_sub(acts);
+                peak[compute] = peak[compute].max(base.saturating_add(st.act_peak));
+                acts = st.act_end;
+                level[compute] = base.saturating_add(acts);
+                peak[compute] = peak[compute].max(level[compute]);
+            }
+            _ => {}
+        }
+    }
+    peak.iter().fold(0u64, |a, &p| a.saturating_add(p))
+}
