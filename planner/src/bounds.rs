@@ -89,8 +89,8 @@ pub struct BoundCache {
     groupings: HashMap<Option<u64>, Grouping>,
     facts: HashMap<FactsKey, StepFacts>,
     /// Per step facts and resharding (0: free, 1: keep, n: post-forward shard of n): most
-    /// bytes held in backward (see `held_in_backward`).
-    held: HashMap<(FactsKey, u64), Vec<Held>>,
+    /// bytes held in backward (see `held_while_running`).
+    held: HashMap<(FactsKey, u64, u32, u32), Vec<Held>>,
 }
 
 impl BoundCache {
@@ -211,10 +211,19 @@ impl BoundCache {
             Reshard::ToGroupOf(n) if n == shard => 0,
             Reshard::ToGroupOf(n) => n,
         };
+        // Prefetch depths as the schedule applies them to shardplan's runtime (FSDP2 issues
+        // prefetches after a step's own gather; explicit lists replace the depth).
+        let p = &config.prefetch;
+        let depths = if config.runtime.is_shardplan() && p.explicit_forward.is_empty() && p.explicit_backward.is_empty()
+        {
+            (p.forward, p.backward)
+        } else {
+            (0, 0)
+        };
         let held = self
             .held
-            .entry((fkey, mode))
-            .or_insert_with(|| held_in_backward(grouping, facts, mode));
+            .entry((fkey, mode, depths.0, depths.1))
+            .or_insert_with(|| held_while_running(grouping, facts, mode, depths));
         Ok(bounds_of(config, grouping, facts, held))
     }
 }
@@ -233,10 +242,52 @@ impl BoundCache {
 /// end, the kept groups and post-forward shards, the group's gradient pieces and the
 /// reduce-scatter input they are packed into (the group's elements in the reduce dtype;
 /// counted by the caller).
-fn held_in_backward(grouping: &Grouping, facts: &StepFacts, mode: u64) -> Vec<Held> {
-    let Some(first) = facts.first_backward else {
-        return Vec::new();
-    };
+fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths: (u32, u32)) -> Vec<Held> {
+    let n = grouping.groups.len();
+    let steps = facts.reads.len();
+    // The schedule's gathers: a group is gathered where it is read and not held, and held
+    // until its last read, or its last forward read unless it keeps (the root always keeps;
+    // every group under `false`). Per pass, the gather of the i-th is issued before the
+    // step of the (i - depth)-th starts, so while the step of the i-th runs, the outputs of
+    // the next `depth` gathers of its pass are allocated too.
+    let keeps = |g: usize| grouping.groups[g].is_root() || mode == 1;
+    let mut last_forward = vec![None; n];
+    for (i, r) in facts.reads.iter().enumerate() {
+        if facts.first_backward.is_none_or(|b| i < b) {
+            for &g in r {
+                last_forward[g] = Some(i);
+            }
+        }
+    }
+    let mut gathered = vec![false; n];
+    let mut need: Vec<(usize, usize)> = Vec::new();
+    for (pos, r) in facts.reads.iter().enumerate() {
+        for &g in r {
+            if !gathered[g] {
+                gathered[g] = true;
+                need.push((pos, g));
+            }
+        }
+        for &g in r {
+            if facts.last_read[g] == Some(pos) || (last_forward[g] == Some(pos) && !keeps(g)) {
+                gathered[g] = false;
+            }
+        }
+    }
+    let backward = |pos: usize| facts.first_backward.is_some_and(|b| pos >= b);
+    let mut ahead: Vec<Vec<usize>> = vec![Vec::new(); steps];
+    for pass in [false, true] {
+        let list: Vec<(usize, usize)> = need.iter().copied().filter(|&(pos, _)| backward(pos) == pass).collect();
+        let depth = if pass { depths.1 } else { depths.0 } as usize;
+        for (i, &(pos, _)) in list.iter().enumerate() {
+            for &(_, g) in list.iter().skip(i + 1).take(depth) {
+                if !facts.reads[pos].contains(&g) && !ahead[pos].contains(&g) {
+                    ahead[pos].push(g);
+                }
+            }
+        }
+    }
+    let first = 0;
     let kept = |s: usize, skip: &[usize]| -> u64 {
         let mut elems = 0;
         for g in 0..grouping.groups.len() {
@@ -257,7 +308,9 @@ fn held_in_backward(grouping: &Grouping, facts: &StepFacts, mode: u64) -> Vec<He
         let reads = &facts.reads[s];
         let read: u64 = reads.iter().map(|&g| grouping.numel[g]).sum();
         let (act_end, made) = facts.ends[s];
-        out.push((read + kept(s, reads) + made, facts.per_step[s].0, 0));
+        let early: u64 = ahead[s].iter().map(|&g| grouping.numel[g]).sum();
+        let skip: Vec<usize> = reads.iter().chain(&ahead[s]).copied().collect();
+        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, 0));
         for g in (0..grouping.groups.len()).filter(|&g| facts.last_grad[g] == Some(s)) {
             // (elements in the parameter dtype, bytes, elements in the reduce dtype)
             out.push((kept(s, &[g]).saturating_add(made), act_end, grouping.numel[g]));
@@ -303,7 +356,7 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
         facts.act_max
     };
     // In backward, groups kept after forward add to the groups a step reads
-    // (`held_in_backward`).
+    // (`held_while_running`).
     let kept = if shard > 1 {
         held.iter()
             .map(|&(elems, bytes, reduced)| {
