@@ -228,20 +228,20 @@ impl BoundCache {
     }
 }
 
-/// Most bytes live in backward, apart from persistent buffers, under resharding `mode` (0:
-/// free after forward, 1: keep, n: keep a post-forward shard of n ranks), when the shard
-/// axis has more than one rank: (bytes in the parameter dtype's elements, other bytes)
-/// per point, the larger `elements x parameter size + bytes` counts.
+/// What is live, apart from persistent buffers, at points of the program under resharding
+/// `mode` (0: free after forward, 1: keep, n: keep a post-forward shard of n ranks) and
+/// prefetch `depths` (forward, backward; 0 where the depth is not what the schedule
+/// applies), when the shard axis has more than one rank: [`Held`] per point.
 ///
-/// While a backward step runs: its activation peak; the unsharded parameters of every group
-/// it reads; the gradient pieces it writes (allocated, in the parameter dtype, before it
-/// runs); every group kept after forward (every group under `false`, the root group always)
-/// from its forward gather to its last read; under `n`, every other group's post-forward
-/// shard (a `1/n` slice) until backward gathers it again. After the step that last makes a
-/// group's gradients, where the group is reduce-scattered: the step's activations at its
-/// end, the kept groups and post-forward shards, the group's gradient pieces and the
-/// reduce-scatter input they are packed into (the group's elements in the reduce dtype;
-/// counted by the caller).
+/// While a step runs: its activation peak; the unsharded parameters of every group it reads
+/// and of the groups whose gathers are issued ahead of it; the gradient pieces it writes
+/// (allocated, in the parameter dtype, before it runs); every group kept after forward
+/// (every group under `false`, the root group always) from its forward gather to its last
+/// read; under `n`, every other group's post-forward shard (a `1/n` slice) until backward
+/// gathers it again. After the step that last makes a group's gradients, where the group
+/// is reduce-scattered: the step's activations at its end, the kept groups and post-forward
+/// shards, the step's gradient pieces and the reduce-scatter input they are packed into
+/// (the group's elements in the reduce dtype).
 fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths: (u32, u32)) -> Vec<Held> {
     let n = grouping.groups.len();
     let steps = facts.reads.len();
@@ -287,7 +287,6 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
             }
         }
     }
-    let first = 0;
     let kept = |s: usize, skip: &[usize]| -> u64 {
         let mut elems = 0;
         for g in 0..grouping.groups.len() {
@@ -304,12 +303,11 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
         elems
     };
     let mut out = Vec::new();
-    for s in first..facts.reads.len() {
-        let reads = &facts.reads[s];
+    for (s, (reads, early_groups)) in facts.reads.iter().zip(&ahead).enumerate() {
         let read: u64 = reads.iter().map(|&g| grouping.numel[g]).sum();
         let (act_end, made) = facts.ends[s];
-        let early: u64 = ahead[s].iter().map(|&g| grouping.numel[g]).sum();
-        let skip: Vec<usize> = reads.iter().chain(&ahead[s]).copied().collect();
+        let early: u64 = early_groups.iter().map(|&g| grouping.numel[g]).sum();
+        let skip: Vec<usize> = reads.iter().chain(early_groups).copied().collect();
         out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, 0));
         for g in (0..grouping.groups.len()).filter(|&g| facts.last_grad[g] == Some(s)) {
             // (elements in the parameter dtype, bytes, elements in the reduce dtype)
