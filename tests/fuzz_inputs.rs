@@ -574,6 +574,7 @@ fn fuzz_parallel_yaml() {
             "examples/parallel/hsdp-2x8.yaml",
             "examples/parallel/fsdp-64x8.yaml",
             "examples/parallel/fsdp2-8.yaml",
+            "examples/parallel/fsdp-8-cudamalloc.yaml",
         ],
         "tiny-llama",
         1000,

@@ -39,6 +39,13 @@ struct ParallelSpecFile {
     lr_schedule: Option<Spanned<LrScheduleFile>>,
     data: Option<Spanned<NameOr<DataFile>>>,
     runtime: Option<Spanned<Runtime>>,
+    allocator: Option<Spanned<AllocatorFile>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AllocatorFile {
+    expandable_segments: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -436,6 +443,37 @@ impl Runtime {
     }
 }
 
+/// PyTorch's CUDA caching allocator as the run configures it (`PYTORCH_ALLOC_CONF`): the
+/// planner replays the step's allocations through a model of it for the reserved peak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorConfig {
+    /// `expandable_segments:True`: one growing mapping per stream and pool, extended in
+    /// pages (2 MiB small pool, 20 MiB large pool) instead of one `cudaMalloc` segment per
+    /// miss. On by default, as torchtitan launches (`run_train.sh`).
+    pub expandable_segments: bool,
+}
+
+impl AllocatorConfig {
+    /// What torchtitan launches with: `PYTORCH_ALLOC_CONF=expandable_segments:True`.
+    pub const TORCHTITAN: AllocatorConfig = AllocatorConfig {
+        expandable_segments: true,
+    };
+    /// PyTorch's own default: one `cudaMalloc` segment per cache miss.
+    pub const CUDA_MALLOC: AllocatorConfig = AllocatorConfig {
+        expandable_segments: false,
+    };
+
+    pub fn is_default(&self) -> bool {
+        *self == AllocatorConfig::default()
+    }
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig::TORCHTITAN
+    }
+}
+
 /// A validated parallel spec.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParallelConfig {
@@ -465,6 +503,10 @@ pub struct ParallelConfig {
     /// plans made before the field existed read (and print) as they did.
     #[serde(default, skip_serializing_if = "Runtime::is_shardplan")]
     pub runtime: Runtime,
+    /// The caching allocator's settings; absent from a serialised config when default
+    /// (expandable segments on).
+    #[serde(default, skip_serializing_if = "AllocatorConfig::is_default")]
+    pub allocator: AllocatorConfig,
 }
 
 // ---- conversion ----
@@ -880,6 +922,15 @@ impl ParallelSpecFile {
             }
         };
 
+        let mut allocator = AllocatorConfig::default();
+        if let Some(a) = self.allocator {
+            o.insert("allocator", pos(&a));
+            if let Some(e) = &a.value.expandable_segments {
+                o.insert("allocator.expandable_segments", pos(e));
+                allocator.expandable_segments = e.value;
+            }
+        }
+
         let config = ParallelConfig {
             mesh,
             gpus_per_node,
@@ -899,6 +950,7 @@ impl ParallelSpecFile {
             lr_schedule,
             data,
             runtime,
+            allocator,
         };
         Ok((config, o))
     }

@@ -516,3 +516,61 @@ fn runtime_field() {
     );
     assert_eq!(e.field.as_deref(), Some("hardware.kernels"));
 }
+
+#[test]
+fn allocator_field() {
+    let ok = |text: &str| parse_parallel_spec(&Source::from_text("p.yaml", text)).unwrap().0;
+    // Absent: expandable segments, as torchtitan launches.
+    let c = ok(PAR_OK);
+    assert!(c.allocator.expandable_segments);
+    assert_eq!(c.allocator, shardplan_frontends::AllocatorConfig::TORCHTITAN);
+    let c = ok(&format!("{PAR_OK}allocator: {{expandable_segments: false}}\n"));
+    assert!(!c.allocator.expandable_segments);
+    let c = ok(&format!("{PAR_OK}allocator: {{}}\n"));
+    assert!(c.allocator.expandable_segments);
+    for (text, line, col, texts) in [
+        (
+            "allocator: {expandable_segment: false}\n",
+            2,
+            13,
+            &[
+                "unknown field `expandable_segment`",
+                "did you mean `expandable_segments`?",
+            ][..],
+        ),
+        (
+            "allocator: {expandable_segments: maybe}\n",
+            2,
+            34,
+            &["`allocator.expandable_segments`", "expected true or false"][..],
+        ),
+        (
+            "allocator: {expandable_segments: 1}\n",
+            2,
+            34,
+            &["`allocator.expandable_segments`", "expected true or false"][..],
+        ),
+        // PyTorch's environment-variable form is not the spec's.
+        (
+            "allocator: \"expandable_segments:True\"\n",
+            2,
+            12,
+            &["`allocator`", "expected a mapping"][..],
+        ),
+        (
+            "allocator: {max_split_size_mb: 512}\n",
+            2,
+            13,
+            &["unknown field `max_split_size_mb`"][..],
+        ),
+        (
+            "allocater: {expandable_segments: true}\n",
+            2,
+            1,
+            &["did you mean `allocator`?"][..],
+        ),
+    ] {
+        let e = parallel(&format!("{PAR_OK}{text}"));
+        check(&e, line, col, texts);
+    }
+}

@@ -35,10 +35,21 @@ fn main() {
     let flash = p.config.hardware.kernels == shardplan_frontends::KernelMode::Eager;
     let (_, acts) =
         shardplan_planner::steps::steps_and_events(&joint, &groups, p.config.activation_checkpointing, flash);
-    let mut replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts);
-    time("caching-allocator replay", 20, || {
-        replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts);
-    });
+    let mut replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts, p.config.allocator);
+    for (label, settings) in [
+        (
+            "caching-allocator replay, expandable segments",
+            shardplan_frontends::AllocatorConfig::TORCHTITAN,
+        ),
+        (
+            "caching-allocator replay, cudaMalloc segments",
+            shardplan_frontends::AllocatorConfig::CUDA_MALLOC,
+        ),
+    ] {
+        time(label, 20, || {
+            replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts, settings);
+        });
+    }
     time("verify", 20, || shardplan_planner::verify(&plan, None).expect("verify"));
     println!(
         "{} nodes, {} steps, {} instructions, {} buffers, {} activation events x {} replayed steps",

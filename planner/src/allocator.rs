@@ -1,24 +1,40 @@
 //! A model of PyTorch's CUDA caching allocator: what a program's allocations reserve from
 //! the device, fragmentation included.
 //!
-//! The rules, as `c10/cuda/CUDACachingAllocator.cpp` applies them with its default settings
-//! (no `max_split_size`, no power-of-two rounding, no expandable segments, no
-//! `empty_cache`):
+//! The rules, as `c10/cuda/CUDACachingAllocator.cpp` applies them (no `max_split_size`, no
+//! power-of-two rounding, no `empty_cache`), in both of its ways to get device memory:
 //! - a request is rounded up to a multiple of [`MIN_BLOCK`] (512 bytes; a 0-byte request
 //!   allocates nothing);
 //! - requests up to [`SMALL_SIZE`] (1 MiB) come from the small pool, larger ones from the
 //!   large pool; each pool keeps the free blocks of every stream apart, and a block freed
 //!   goes back to the stream it was allocated on;
 //! - a request takes the smallest free block of its pool and stream that is large enough
-//!   (ties to the lowest address); without one, a new segment is reserved from the device:
-//!   [`SMALL_SEGMENT`] (2 MiB) for small requests, [`LARGE_SEGMENT`] (20 MiB) for requests
-//!   below [`MIN_LARGE_ALLOC`] (10 MiB), otherwise the request rounded up to
-//!   [`ROUND_LARGE`] (2 MiB);
-//! - the block taken is split when what is left stays useful: in the small pool when at
-//!   least 512 bytes remain, in the large pool when more than 1 MiB remains; the remainder
-//!   stays a free block of the same segment (after the allocated part);
+//!   (ties to the lowest address);
 //! - a freed block merges with free neighbours of its segment;
-//! - segments are never given back, so the reserved peak is the reserved total at the end.
+//! - nothing is given back (no `empty_cache`, and the replay never runs out of memory, so
+//!   the allocator's release-and-retry path never runs): the reserved peak is the reserved
+//!   total at the end.
+//!
+//! Without expandable segments (PyTorch's default, `expandable_segments: false`), a miss
+//! reserves a new segment with `cudaMalloc`: [`SMALL_SEGMENT`] (2 MiB) for small requests,
+//! [`LARGE_SEGMENT`] (20 MiB) for requests below [`MIN_LARGE_ALLOC`] (10 MiB), otherwise
+//! the request rounded up to [`ROUND_LARGE`] (2 MiB). The block taken is split when what is
+//! left stays useful: in the small pool when at least 512 bytes remain, in the large pool
+//! when more than 1 MiB remains (so a large block may hold up to 1 MiB it was not asked
+//! for); the remainder stays a free block of the same segment, after the allocated part.
+//!
+//! With expandable segments (`expandable_segments: true`, what torchtitan launches with),
+//! each pool of each stream has one segment: a virtual range far larger than the device,
+//! of which a prefix is mapped to physical memory in pages of [`SMALL_PAGE`] (2 MiB, small
+//! pool) or [`LARGE_PAGE`] (20 MiB, large pool). Blocks tile the mapped prefix. A miss
+//! maps just enough pages after the prefix's end to serve the request, from the start of
+//! the free block that ends the prefix when there is one (that block grows by the pages
+//! mapped) or else from the old end; the rest of the last page is a free block of the
+//! prefix. Every block is split when at least 512 bytes would remain, in either pool. In
+//! best fit, the free block that ends the prefix counts as the size it could grow to: it
+//! is taken only when no other free block of its pool and stream is large enough. So
+//! reserved is what was allocated at the worst moment plus the holes between live blocks
+//! and less than a page per pool and stream.
 //!
 //! Addresses are a counter (segments in the order they are reserved), so ties between equal
 //! free blocks go to the older segment, as they do on a device that hands out rising
@@ -39,6 +55,13 @@ pub const LARGE_SEGMENT: u64 = 20 << 20;
 pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Rounding of segments made for large requests (2 MiB).
 pub const ROUND_LARGE: u64 = 2 << 20;
+/// Mapping granularity of an expandable segment of the small pool (2 MiB).
+pub const SMALL_PAGE: u64 = 2 << 20;
+/// Mapping granularity of an expandable segment of the large pool (20 MiB).
+pub const LARGE_PAGE: u64 = 20 << 20;
+
+/// Pool-and-stream classes: the small flag and 3 bits of stream.
+const CLASSES: usize = 16;
 
 const NONE: u32 = u32::MAX;
 
@@ -86,13 +109,25 @@ fn class(k: Key) -> u8 {
     (k >> 124) as u8
 }
 
+/// The class of a block's pool and stream (as [`class`] reads it from a key).
+fn class_of(small: bool, stream: u8) -> usize {
+    (usize::from(small) << 3) | usize::from(stream & 7)
+}
+
 /// The allocator's state and its counters, in bytes.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct CachingAllocator {
     blocks: Vec<Block>,
     spare: Vec<u32>,
     free: BTreeMap<Key, u32>,
     next_addr: u64,
+    /// Expandable segments: one segment per pool and stream.
+    expandable: bool,
+    /// Expandable segments: each class's last block (the end of its mapped prefix), or
+    /// `NONE` before its first mapping.
+    last: [u32; CLASSES],
+    /// Expandable segments: each class's mapped bytes (the end of its prefix).
+    mapped: [u64; CLASSES],
     /// Bytes in segments (PyTorch's "reserved").
     pub reserved: u64,
     /// Bytes in allocated blocks, as rounded and split (PyTorch's "allocated"/"active").
@@ -101,8 +136,15 @@ pub struct CachingAllocator {
     pub requested: u64,
     pub allocated_peak: u64,
     pub requested_peak: u64,
-    /// Segments reserved so far.
+    /// Segments reserved so far (with expandable segments: mappings grown).
     pub segments: u64,
+}
+
+impl Default for CachingAllocator {
+    /// PyTorch's default allocator: one `cudaMalloc` segment per miss.
+    fn default() -> Self {
+        CachingAllocator::new(false)
+    }
 }
 
 /// A live allocation (the block it holds).
@@ -113,6 +155,25 @@ pub struct Allocation {
 }
 
 impl CachingAllocator {
+    /// An empty allocator; `expandable_segments` as PyTorch's setting of that name.
+    pub fn new(expandable_segments: bool) -> Self {
+        CachingAllocator {
+            blocks: Vec::new(),
+            spare: Vec::new(),
+            free: BTreeMap::new(),
+            next_addr: 0,
+            expandable: expandable_segments,
+            last: [NONE; CLASSES],
+            mapped: [0; CLASSES],
+            reserved: 0,
+            allocated: 0,
+            requested: 0,
+            allocated_peak: 0,
+            requested_peak: 0,
+            segments: 0,
+        }
+    }
+
     /// Allocates `bytes` for `stream`; `None` for a 0-byte request, which takes nothing.
     pub fn alloc(&mut self, stream: u8, bytes: u64) -> Option<Allocation> {
         if bytes == 0 {
@@ -121,17 +182,28 @@ impl CachingAllocator {
         let size = round(bytes);
         let small = size <= SMALL_SIZE;
         let want = key(small, stream, size, 0);
-        let found = self
+        let mut fits = self
             .free
             .range(want..)
-            .next()
             .map(|(&k, &b)| (k, b))
-            .filter(|&(k, _)| class(k) == class(want));
+            .take_while(|&(k, _)| class(k) == class(want));
+        let mut found = fits.next();
+        if self.expandable {
+            // The block that ends the mapped prefix counts as the size it could grow to:
+            // any other block large enough is a better fit.
+            let c = class_of(small, stream);
+            if found.is_some_and(|(_, b)| b == self.last[c]) {
+                if let Some(other) = fits.next() {
+                    found = Some(other);
+                }
+            }
+        }
         let b = match found {
             Some((k, b)) => {
                 self.free.remove(&k);
                 b
             }
+            None if self.expandable => self.grow(small, stream, size),
             None => {
                 let seg = segment_size(size);
                 let addr = self.next_addr;
@@ -151,7 +223,7 @@ impl CachingAllocator {
         };
         let block = self.blocks[b as usize];
         let remaining = block.size - size;
-        let split = if small {
+        let split = if small || self.expandable {
             remaining >= MIN_BLOCK
         } else {
             remaining > SMALL_SIZE
@@ -173,6 +245,10 @@ impl CachingAllocator {
             blk.next = rest;
             blk.size = size;
             self.free.insert(key(small, stream, remaining, block.addr + size), rest);
+            let c = class_of(small, stream);
+            if self.expandable && self.last[c] == b {
+                self.last[c] = rest;
+            }
         }
         let blk = &mut self.blocks[b as usize];
         blk.live = true;
@@ -222,6 +298,51 @@ impl CachingAllocator {
         self.blocks[b as usize] = merged;
         self.free
             .insert(key(merged.small, merged.stream, merged.size, merged.addr), b);
+        if self.expandable && merged.next == NONE {
+            // It absorbed the block that ended the mapped prefix (or was it).
+            self.last[class_of(merged.small, merged.stream)] = b;
+        }
+    }
+
+    /// Expandable segments: maps the pages a request of `size` needs at the end of its
+    /// class's prefix; returns the (unindexed) free block that now holds them.
+    fn grow(&mut self, small: bool, stream: u8, size: u64) -> u32 {
+        let c = class_of(small, stream);
+        let page = if small { SMALL_PAGE } else { LARGE_PAGE };
+        let last = self.last[c];
+        let tail = (last != NONE && !self.blocks[last as usize].live).then_some(last);
+        // The free block at the end of the prefix is extended; otherwise a block starts at
+        // the end.
+        let have = tail.map_or(0, |t| self.blocks[t as usize].size);
+        let grown = (size - have).div_ceil(page).saturating_mul(page);
+        self.reserved = self.reserved.saturating_add(grown);
+        self.segments += 1;
+        let end = self.mapped[c];
+        self.mapped[c] = end.saturating_add(grown);
+        match tail {
+            Some(t) => {
+                let blk = self.blocks[t as usize];
+                self.free.remove(&key(small, stream, blk.size, blk.addr));
+                self.blocks[t as usize].size += grown;
+                t
+            }
+            None => {
+                let b = self.new_block(Block {
+                    addr: end,
+                    size: grown,
+                    prev: last,
+                    next: NONE,
+                    stream,
+                    small,
+                    live: false,
+                });
+                if last != NONE {
+                    self.blocks[last as usize].next = b;
+                }
+                self.last[c] = b;
+                b
+            }
+        }
     }
 
     /// Free bytes held in segments (reserved but not allocated).
@@ -268,7 +389,7 @@ pub struct Replay {
     /// Peak of the requested bytes themselves (the plan's own accounting).
     pub requested_peak: u64,
     pub segments: u64,
-    /// Steps replayed: until one reserves no new segment, at most [`MAX_REPLAYS`].
+    /// Steps replayed: until one reserves nothing more, at most [`MAX_REPLAYS`].
     pub steps: u32,
 }
 
@@ -276,14 +397,15 @@ pub struct Replay {
 /// compute stream, as they are made at start-up), then the program's allocs and frees in
 /// issue order (the host issues them, and the allocator sees them, in that order), each
 /// compute step's activations made and freed where it runs, on the compute stream. Host
-/// buffers are not device memory and are left out.
+/// buffers are not device memory and are left out. `settings` are the allocator's.
 pub fn replay(
     program: &crate::plan::Program,
     buffers: &[crate::plan::Buffer],
     acts: &crate::steps::ActEvents,
+    settings: shardplan_frontends::AllocatorConfig,
 ) -> Replay {
     use crate::plan::{Instr, Pool, Stream};
-    let mut a = CachingAllocator::default();
+    let mut a = CachingAllocator::new(settings.expandable_segments);
     let mut bufs: Vec<Option<Allocation>> = vec![None; buffers.len()];
     let mut values: Vec<Option<Allocation>> = vec![None; acts.values as usize];
     let compute = Stream::Compute.index() as u8;
@@ -294,7 +416,7 @@ pub fn replay(
     }
     let mut steps = 0;
     while steps < MAX_REPLAYS {
-        let before = a.segments;
+        let before = a.reserved;
         for issued in &program.instrs {
             match &issued.instr {
                 Instr::Alloc { buf } => {
@@ -328,7 +450,7 @@ pub fn replay(
             }
         }
         steps += 1;
-        if steps > 1 && a.segments == before {
+        if steps > 1 && a.reserved == before {
             break;
         }
     }
@@ -339,4 +461,65 @@ pub fn replay(
         segments: a.segments,
         steps,
     }
+}
+
+/// A lower bound on what [`replay`] reserves, without replaying: the sum over streams of
+/// each stream's own peak of requested bytes. Every allocation comes from the pool of the
+/// stream it is made on and goes back to it when freed (whichever stream frees it); a
+/// stream's blocks lie in segments (or its expandable segment's mapping) of its own that are
+/// never given back; so each stream holds at least its own peak at the end, and the streams'
+/// holdings are disjoint. Activations are the compute stream's, at a step's activation peak
+/// while it runs and its end level after (as the memory model counts them, and as the
+/// replay's requested bytes reach them).
+pub fn stream_peaks(
+    program: &crate::plan::Program,
+    buffers: &[crate::plan::Buffer],
+    steps: &[crate::steps::Step],
+) -> u64 {
+    use crate::plan::{Instr, Pool, Stream};
+    let n = Stream::ALL.len();
+    let compute = Stream::Compute.index();
+    let mut level = vec![0u64; n];
+    let mut peak = vec![0u64; n];
+    let mut owner: Vec<Option<usize>> = vec![None; buffers.len()];
+    for b in buffers.iter().filter(|b| b.persistent && b.pool == Pool::Device) {
+        level[compute] = level[compute].saturating_add(b.bytes());
+    }
+    peak[compute] = level[compute];
+    let mut acts = 0u64;
+    for issued in &program.instrs {
+        let s = issued.stream.index();
+        match &issued.instr {
+            Instr::Alloc { buf } => {
+                let Some(b) = buffers.get(buf.index()) else { continue };
+                if b.pool != Pool::Device {
+                    continue;
+                }
+                if let Some(o) = owner[buf.index()].take() {
+                    level[o] = level[o].saturating_sub(b.bytes());
+                }
+                owner[buf.index()] = Some(s);
+                level[s] = level[s].saturating_add(b.bytes());
+                peak[s] = peak[s].max(level[s]);
+            }
+            Instr::Free { buf } => {
+                if let (Some(b), Some(o)) = (
+                    buffers.get(buf.index()),
+                    owner.get_mut(buf.index()).and_then(Option::take),
+                ) {
+                    level[o] = level[o].saturating_sub(b.bytes());
+                }
+            }
+            Instr::Compute { step, .. } => {
+                let Some(st) = steps.get(step.index()) else { continue };
+                let base = level[compute].saturating_sub(acts);
+                peak[compute] = peak[compute].max(base.saturating_add(st.act_peak));
+                acts = st.act_end;
+                level[compute] = base.saturating_add(acts);
+                peak[compute] = peak[compute].max(level[compute]);
+            }
+            _ => {}
+        }
+    }
+    peak.iter().fold(0u64, |a, &p| a.saturating_add(p))
 }

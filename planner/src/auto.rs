@@ -1,34 +1,25 @@
 //! Auto-planning: search the knobs the user left open for the fastest plan that fits a
 //! per-rank memory budget.
 //!
-//! The space: mesh split (replicate x shard of the fixed world, the shard axis a divisor or
-//! a multiple of `gpus_per_node`), bucketing of consecutive blocks (1, 2 or 4 per group),
-//! `reshard_after_forward` (true, the node size, false), forward and backward prefetch
-//! (1 or 2 each), activation checkpointing (full, every 2nd block, selective by op, none),
-//! and CPU offload
-//! only when nothing else fits. Every candidate is a full plan (groups, schedule,
-//! simulation), so the objective is the cost model's step time; ties go to lower memory.
-//! Candidates share the compute steps of equal groups and checkpointing; the winner is
-//! planned again from scratch and verified.
+//! The space ([`grid`]): mesh split (replicate x shard of the fixed world, the shard axis a
+//! divisor or a multiple of `gpus_per_node`), bucketing of consecutive blocks (1, 2 or 4 per
+//! group), `reshard_after_forward` (true, the node size, false), forward and backward
+//! prefetch (1 or 2 each), activation checkpointing (full, every 2nd block, selective by
+//! op, none), and CPU offload only when nothing else fits. A candidate is a full plan
+//! (groups, schedule, simulation), so the objective is the cost model's step time; ties go
+//! to lower device memory, then to the earlier candidate. Candidates share the compute
+//! steps of equal groups and checkpointing; the winner is planned again from scratch and
+//! verified.
 //!
 //! A candidate fits when its device total (the caching allocator's reserved peak, the CUDA
-//! context, NCCL's buffers) is within the budget. Fragmentation makes the reserved peak
-//! no monotone function of a knob, but the allocated peak is, and no plan needs less than
-//! its allocated peak plus the CUDA context; the pruning rules cut on that bound (each
-//! sound because allocated memory is monotone in the knob, other knobs equal):
-//! - checkpointing is tried from most to least saving (full; every 2 and selective, which
-//!   are not ordered against each other; none); once no candidate of a level is within the
-//!   bound, the levels that keep more are skipped (none after either middle level,
-//!   everything after full);
-//! - resharding is tried from most to least freeing (true, node size, false); once no
-//!   candidate of one is within the bound, the rest are skipped;
-//! - prefetch is tried from (1, 1) upward; if (1, 1) is not within the bound, deeper ones
-//!   are skipped.
-//!
-//! A test compares the pruned search with exhaustive enumeration on small models.
+//! context, NCCL's buffers) is within the budget. The search plans only candidates that
+//! could win ([`search`]): lower bounds on step time and device memory
+//! ([`crate::bounds`]) rule the others out unplanned, and the allocator replay runs only
+//! for planned candidates that could still fit and win. A test enumerates every candidate
+//! of a grid with full plans and compares winners and scores.
 
-use crate::plan::Plan;
-use crate::{plan, plan_passes, simulate, PlanCache, PlanError};
+use crate::bounds::{BoundCache, Bounds};
+use crate::{plan, plan_passes, simulate, Plan, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, HardwareProfile, MeshShape, Offload, Origin, ParallelConfig, Prefetch, Reshard,
@@ -130,16 +121,6 @@ fn reshard_name(r: Reshard) -> String {
     }
 }
 
-/// Checkpointing levels by the activation memory they keep: a level keeps at least as much
-/// as every level of a lower rank (every 2nd block and selective are not ordered).
-fn ac_memory_rank(a: ActivationCheckpointing) -> u8 {
-    match a {
-        ActivationCheckpointing::Full => 0,
-        ActivationCheckpointing::Every(_) | ActivationCheckpointing::Selective(_) => 1,
-        ActivationCheckpointing::None => 2,
-    }
-}
-
 fn ac_name(a: ActivationCheckpointing) -> String {
     a.to_string()
 }
@@ -161,15 +142,11 @@ fn block_bytes(joint: &JointGraph, dtype: shardplan_ir::DType) -> u64 {
     per_block.values().copied().max().unwrap_or(0)
 }
 
-/// Searches the open knobs of `base` for the fastest plan within `budget` bytes per rank.
-/// `prune` applies the module's pruning rules (tests turn it off to compare).
-pub fn search(
-    joint: &JointGraph,
-    base: &ParallelConfig,
-    fixed: Fixed,
-    budget: u64,
-    prune: bool,
-) -> Result<Result<AutoResult, NoFit>, PlanError> {
+/// Every candidate of the search space of `base` with the knobs `fixed` kept, in the
+/// order the search enumerates them (offload outermost, then mesh split, bucketing,
+/// resharding, checkpointing, prefetch): its knobs and its config. Ties between equally
+/// fast and equally large candidates go to the earlier one.
+pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Knobs, ParallelConfig)> {
     let world = base.mesh.world();
     let gpn = base.gpus_per_node;
     let splits: Vec<MeshShape> = if fixed.mesh_split {
@@ -216,14 +193,8 @@ pub fn search(
     } else {
         vec![Offload::None, Offload::Cpu]
     };
-
-    let mut cache = PlanCache::default();
-    let mut candidates: Vec<(Candidate, ParallelConfig)> = Vec::new();
-    let (mut evaluated, mut pruned) = (0usize, 0usize);
+    let mut out = Vec::new();
     for &offload in &offloads {
-        if offload == Offload::Cpu && candidates.iter().any(|c| c.0.fits) {
-            break; // offload only when nothing else fits
-        }
         for &mesh in &splits {
             let reshard_options: Vec<Reshard> = if fixed.reshard {
                 vec![base.reshard_after_forward]
@@ -236,18 +207,9 @@ pub fn search(
                 v
             };
             for &(blocks, bucket) in &bucket_options {
-                'reshard: for (ri, &reshard) in reshard_options.iter().enumerate() {
-                    let mut any_within_this_reshard = false;
-                    // The memory rank of the lightest checkpointing level none of whose
-                    // candidates was within the bound.
-                    let mut failed_rank: Option<u8> = None;
+                for &reshard in &reshard_options {
                     for &ac in &ac_options {
-                        if prune && failed_rank.is_some_and(|f| ac_memory_rank(ac) > f) {
-                            pruned += prefetch_options.len();
-                            continue;
-                        }
-                        let mut any_within_this_ac = false;
-                        for (pi, &(pf, pb)) in prefetch_options.iter().enumerate() {
+                        for &(pf, pb) in &prefetch_options {
                             let mut c = base.clone();
                             c.mesh = mesh;
                             c.bucket_mib = bucket;
@@ -259,100 +221,250 @@ pub fn search(
                                 ..base.prefetch.clone()
                             };
                             c.offload = offload;
-                            let (mut p, steps) = plan_passes(joint, &c, &mut cache, false, false)?;
-                            evaluated += 1;
-                            // The allocator replay costs more than the rest of a candidate;
-                            // it runs only where the bound leaves the fit open.
-                            let lower = p.memory.peak.saturating_add(p.memory.overhead.total());
-                            let device_exact = lower <= budget;
-                            if device_exact {
-                                p.memory = replayed(&p, &steps.acts);
-                            }
-                            let device = if device_exact { p.memory.device_total } else { lower };
-                            let fits = device_exact && device <= budget;
-                            // No plan with more memory of this knob fits either.
-                            let beyond = p.memory.peak.saturating_add(p.memory.overhead.cuda_context) > budget;
-                            candidates.push((
-                                Candidate {
-                                    knobs: Knobs {
-                                        replicate: mesh.replicate,
-                                        shard: mesh.shard,
-                                        blocks_per_group: blocks,
-                                        reshard_after_forward: reshard_name(reshard),
-                                        prefetch_forward: pf,
-                                        prefetch_backward: pb,
-                                        activation_checkpointing: ac_name(ac),
-                                        offload: offload == Offload::Cpu,
-                                    },
-                                    step_s: p.estimate.step_s,
-                                    mfu: p.estimate.mfu,
-                                    exposed_comm_s: p.estimate.exposed_comm_s,
-                                    peak: p.memory.peak,
-                                    device,
-                                    device_exact,
-                                    fits,
-                                },
-                                c,
-                            ));
-                            any_within_this_ac |= !beyond;
-                            if prune && beyond && pi == 0 {
-                                pruned += prefetch_options.len() - 1;
-                                break;
-                            }
+                            let knobs = Knobs {
+                                replicate: mesh.replicate,
+                                shard: mesh.shard,
+                                blocks_per_group: blocks,
+                                reshard_after_forward: reshard_name(reshard),
+                                prefetch_forward: pf,
+                                prefetch_backward: pb,
+                                activation_checkpointing: ac_name(ac),
+                                offload: offload == Offload::Cpu,
+                            };
+                            out.push((knobs, c));
                         }
-                        any_within_this_reshard |= any_within_this_ac;
-                        if !any_within_this_ac {
-                            let r = ac_memory_rank(ac);
-                            failed_rank = Some(failed_rank.map_or(r, |f| f.min(r)));
-                        }
-                    }
-                    if prune && !any_within_this_reshard {
-                        let left = reshard_options.len() - ri - 1;
-                        pruned += left * ac_options.len() * prefetch_options.len();
-                        break 'reshard;
                     }
                 }
             }
         }
     }
-    // Best first: fitting before not, then faster, then smaller; stable for equal keys.
-    candidates.sort_by(|a, b| {
-        (!a.0.fits)
-            .cmp(&!b.0.fits)
-            .then(a.0.step_s.total_cmp(&b.0.step_s))
-            .then(a.0.device.cmp(&b.0.device))
-    });
-    match candidates.first() {
-        Some((c, config)) if c.fits => {
-            let config = config.clone();
+    out
+}
+
+/// A candidate as far as it has been evaluated.
+struct Entry {
+    knobs: Knobs,
+    config: ParallelConfig,
+    bounds: Bounds,
+    /// Planned (without the replay unless `device_exact`).
+    planned: Option<Candidate>,
+}
+
+impl Entry {
+    /// The best known lower bound on its device total (exact once replayed).
+    fn device(&self) -> u64 {
+        self.planned.as_ref().map_or(self.bounds.device, |c| c.device)
+    }
+}
+
+/// Plans `config`; replays the allocator only when `replay_if` says the fit is open.
+fn evaluate(
+    joint: &JointGraph,
+    knobs: &Knobs,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+    budget: u64,
+    replay_if: impl Fn(f64, u64) -> bool,
+) -> Result<Candidate, PlanError> {
+    let (mut p, steps) = plan_passes(joint, config, cache, false, false)?;
+    // The allocator replay costs more than the rest of a candidate; it runs only where the
+    // allocated peak plus the fixed overheads (a lower bound of the device total) leaves
+    // the fit open, and where the caller still cares.
+    // So does the sum of the streams' own peaks (`allocator::stream_peaks`), which is far
+    // cheaper than the replay and often far above the allocated peak.
+    let streams = crate::allocator::stream_peaks(&p.programs[0], &p.buffers, &p.steps);
+    let lower = p.memory.peak.max(streams).saturating_add(p.memory.overhead.total());
+    let device_exact = lower <= budget && replay_if(p.estimate.step_s, lower);
+    if device_exact {
+        p.memory = replayed(&p, &steps.acts);
+    }
+    let device = if device_exact { p.memory.device_total } else { lower };
+    Ok(Candidate {
+        knobs: knobs.clone(),
+        step_s: p.estimate.step_s,
+        mfu: p.estimate.mfu,
+        exposed_comm_s: p.estimate.exposed_comm_s,
+        peak: p.memory.peak,
+        device,
+        device_exact,
+        fits: device_exact && device <= budget,
+    })
+}
+
+/// Whether a planned candidate that differs from `entries[i]` only in a prefetch no deeper
+/// in either direction already needs more than `budget` with its allocated peak plus the
+/// CUDA context. Deeper prefetch only issues all-gathers earlier (allocating their outputs
+/// sooner) with every free where it was, so at every point of the program at least the
+/// same buffers are live: the allocated peak does not fall, and neither candidate fits.
+/// (The search plans the shallower one first: prefetch is the innermost knob of [`grid`],
+/// and equal time bounds are taken in grid order.)
+fn shallower_prefetch_too_large(entries: &[Entry], i: usize, budget: u64) -> bool {
+    let k = &entries[i].knobs;
+    entries[i.saturating_sub(3)..i].iter().any(|e| {
+        let o = &e.knobs;
+        o.prefetch_forward <= k.prefetch_forward
+            && o.prefetch_backward <= k.prefetch_backward
+            && Knobs {
+                prefetch_forward: k.prefetch_forward,
+                prefetch_backward: k.prefetch_backward,
+                ..o.clone()
+            } == *k
+            && e.planned
+                .as_ref()
+                .is_some_and(|c| c.peak.saturating_add(e.config.hardware.cuda_context_bytes()) > budget)
+    })
+}
+
+/// Searches the open knobs of `base` for the fastest plan within `budget` bytes per rank:
+/// the least step time among candidates whose device total fits, then the least device
+/// total, then the earliest in [`grid`] order. CPU offload is tried only when no candidate
+/// without it fits. `prune: false` plans every candidate (tests compare the two).
+///
+/// The pruned search is a best-first branch and bound over [`grid`] that finds the same
+/// winner: every candidate gets [`Bounds`] (lower bounds on its step time and device
+/// total, from its groups, layouts and compute steps, no schedule); one whose memory bound
+/// exceeds the budget cannot fit and is never planned; the rest are planned in order of
+/// their time bound, and once a candidate fits, every candidate whose time bound exceeds
+/// its step time is slower than it and is dropped, unplanned. A planned candidate is
+/// replayed through the allocator model only if it could still win: its allocated peak
+/// plus overheads fits, and it is not slower than the best so far (nor, at equal speed,
+/// larger than the best's device total by that bound already).
+pub fn search(
+    joint: &JointGraph,
+    base: &ParallelConfig,
+    fixed: Fixed,
+    budget: u64,
+    prune: bool,
+) -> Result<Result<AutoResult, NoFit>, PlanError> {
+    let points = grid(joint, base, fixed);
+    if points.is_empty() {
+        return Err(PlanError::Graph("the search space is empty".into()));
+    }
+    let mut cache = PlanCache::default();
+    let mut bound_cache = BoundCache::default();
+    let mut entries: Vec<Entry> = Vec::with_capacity(points.len());
+    for (knobs, config) in points {
+        let bounds = if prune {
+            bound_cache.bounds(joint, &config, &mut cache)?
+        } else {
+            Bounds { step_s: 0.0, device: 0 }
+        };
+        entries.push(Entry {
+            knobs,
+            config,
+            bounds,
+            planned: None,
+        });
+    }
+    let mut evaluated = 0usize;
+    // The winner so far: (step time, device total, index).
+    let mut best: Option<(f64, u64, usize)> = None;
+    for offload in [false, true] {
+        if best.is_some() {
+            break; // offload only when nothing else fits
+        }
+        let mut order: Vec<usize> = (0..entries.len())
+            .filter(|&i| entries[i].knobs.offload == offload)
+            .collect();
+        if prune {
+            // A memory bound over the budget cannot fit; the rest by time bound.
+            order.retain(|&i| entries[i].bounds.device <= budget);
+            order.sort_by(|&a, &b| {
+                entries[a]
+                    .bounds
+                    .step_s
+                    .total_cmp(&entries[b].bounds.step_s)
+                    .then(a.cmp(&b))
+            });
+        }
+        for i in order {
+            if prune && best.is_some_and(|(t, _, _)| entries[i].bounds.step_s > t) {
+                break; // every later candidate is bounded slower than the winner so far
+            }
+            if prune && shallower_prefetch_too_large(&entries, i, budget) {
+                continue;
+            }
+            let e = &entries[i];
+            let c = evaluate(joint, &e.knobs, &e.config, &mut cache, budget, |step_s, lower| {
+                !prune
+                    || match best {
+                        None => true,
+                        Some((t, d, _)) => step_s < t || (step_s == t && lower <= d),
+                    }
+            })?;
+            evaluated += 1;
+            if c.fits {
+                let key = (c.step_s, c.device, i);
+                let better = best.is_none_or(|(t, d, j)| {
+                    key.0.total_cmp(&t).then(key.1.cmp(&d)).then(key.2.cmp(&j)) == std::cmp::Ordering::Less
+                });
+                if better {
+                    best = Some(key);
+                }
+            }
+            entries[i].planned = Some(c);
+        }
+    }
+    let pruned = entries.len() - evaluated;
+    match best {
+        Some((_, _, i)) => {
+            let config = entries[i].config.clone();
             let winner = plan(joint, &config)?;
+            // Best first: fitting before not, then faster, then smaller, then earlier.
+            let mut planned: Vec<(usize, Candidate)> = entries
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, e)| e.planned.map(|c| (i, c)))
+                .collect();
+            planned.sort_by(|(i, a), (j, b)| {
+                (!a.fits)
+                    .cmp(&!b.fits)
+                    .then(a.step_s.total_cmp(&b.step_s))
+                    .then(a.device.cmp(&b.device))
+                    .then(i.cmp(j))
+            });
             Ok(Ok(AutoResult {
                 winner,
                 config,
-                candidates: candidates.into_iter().map(|c| c.0).collect(),
+                candidates: planned.into_iter().map(|(_, c)| c).collect(),
                 evaluated,
                 pruned,
             }))
         }
-        _ => {
-            // The least device memory of any candidate: replay the one with the least bound
-            // until the least is exact (a bound never exceeds its candidate's total).
+        None => {
+            // The least device memory of any candidate: plan and replay the candidate with
+            // the least bound until the least is exact (a bound never exceeds its
+            // candidate's total); among equal totals, the fastest, then the earliest.
             loop {
-                let (i, least) = candidates
-                    .iter()
-                    .enumerate()
-                    .min_by_key(|(_, c)| c.0.device)
-                    .ok_or_else(|| PlanError::Graph("the search space is empty".into()))?;
-                if least.0.device_exact {
+                let least = entries.iter().map(Entry::device).min().unwrap_or(0);
+                let open: Vec<usize> = (0..entries.len())
+                    .filter(|&i| {
+                        entries[i].device() == least && !entries[i].planned.as_ref().is_some_and(|c| c.device_exact)
+                    })
+                    .collect();
+                if open.is_empty() {
+                    let (_, c) = entries
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, e)| e.planned.as_ref().filter(|c| c.device == least).map(|c| (i, c)))
+                        .min_by(|(i, a), (j, b)| a.step_s.total_cmp(&b.step_s).then(i.cmp(j)))
+                        .ok_or_else(|| PlanError::Bug("no candidate holds the least device total".into()))?;
                     return Ok(Err(NoFit {
-                        best: least.0.clone(),
+                        best: c.clone(),
                         budget,
                     }));
                 }
-                let (p, steps) = plan_passes(joint, &candidates[i].1, &mut cache, false, false)?;
-                let m = replayed(&p, &steps.acts);
-                let c = &mut candidates[i].0;
-                (c.device, c.device_exact) = (m.device_total, true);
+                for i in open {
+                    let e = &entries[i];
+                    let mut c = evaluate(joint, &e.knobs, &e.config, &mut cache, budget, |_, _| true)?;
+                    if !c.device_exact {
+                        // Over the budget by its bound: replay it anyway for its total.
+                        let (p, steps) = plan_passes(joint, &e.config, &mut cache, false, false)?;
+                        c.device = replayed(&p, &steps.acts).device_total;
+                        c.device_exact = true;
+                    }
+                    entries[i].planned = Some(c);
+                }
             }
         }
     }
@@ -360,7 +472,15 @@ pub fn search(
 
 /// `p`'s memory with the caching allocator replayed over its program.
 fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
-    simulate::device_memory(p.memory.clone(), &p.programs[0], &p.buffers, acts, &p.mesh, &p.hardware)
+    simulate::device_memory(
+        p.memory.clone(),
+        &p.programs[0],
+        &p.buffers,
+        acts,
+        &p.mesh,
+        &p.hardware,
+        p.policy.allocator,
+    )
 }
 
 /// For the winner, one line per knob: what it bought against the best candidate that
@@ -533,6 +653,12 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         None => y.push_str("grad_clip: null\n"),
     }
     y.push_str(&format!("seed: {}\n", c.seed));
+    if !c.allocator.is_default() {
+        y.push_str(&format!(
+            "allocator: {{expandable_segments: {}}}\n",
+            c.allocator.expandable_segments
+        ));
+    }
     y.push_str(&format!(
         "lr_schedule: {{warmup_steps: {}, min_lr_ratio: {:?}}}\n",
         c.lr_schedule.warmup_steps, c.lr_schedule.min_lr_ratio

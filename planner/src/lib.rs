@@ -7,6 +7,7 @@
 pub mod allocator;
 pub mod alternatives;
 pub mod auto;
+pub mod bounds;
 mod cost;
 mod error;
 pub mod group;
@@ -61,9 +62,9 @@ type StepsKey = (Vec<Vec<ParamId>>, String, String);
 
 /// The steps of one key, their activation events and durations.
 pub(crate) struct CachedSteps {
-    steps: Vec<Step>,
+    pub(crate) steps: Vec<Step>,
     pub(crate) acts: ActEvents,
-    step_s: Vec<f64>,
+    pub(crate) step_s: Vec<f64>,
     step_parts: Vec<crate::plan::Breakdown>,
 }
 
@@ -75,6 +76,48 @@ pub(crate) struct CachedSteps {
 pub struct PlanCache {
     steps: std::collections::HashMap<StepsKey, std::sync::Arc<CachedSteps>>,
     forward_flops: Option<f64>,
+}
+
+impl PlanCache {
+    /// The compute steps of `fsdp` under `config`'s checkpointing, with their activation
+    /// events and durations: made once per groups, checkpointing and hardware.
+    pub(crate) fn steps_for(
+        &mut self,
+        joint: &JointGraph,
+        config: &ParallelConfig,
+        fsdp: &[FsdpGroup],
+    ) -> std::sync::Arc<CachedSteps> {
+        let param = config.mixed_precision.param;
+        let key = (
+            fsdp.iter().map(|f| f.params.clone()).collect::<Vec<_>>(),
+            format!("{:?}", config.activation_checkpointing),
+            format!("{:?} {:?} {:?}", config.hardware, param, config.runtime),
+        );
+        if let Some(x) = self.steps.get(&key) {
+            return x.clone();
+        }
+        let (steps, acts) =
+            steps::steps_and_events_for(joint, fsdp, config.activation_checkpointing, steps::Kernels::of(config));
+        let (step_s, step_parts) = cost::step_costs(&joint.graph, &steps, &config.hardware, param);
+        let x = std::sync::Arc::new(CachedSteps {
+            steps,
+            acts,
+            step_s,
+            step_parts,
+        });
+        self.steps.insert(key, x.clone());
+        x
+    }
+}
+
+/// The wrap policy `config` groups by.
+pub(crate) fn wrap_policy(config: &ParallelConfig) -> WrapPolicy {
+    WrapPolicy {
+        kinds: config.wrap.clone(),
+        modules: config.wrap_modules.clone(),
+        bucket_bytes: config.bucket_mib.map(|m| m.saturating_mul(1 << 20)),
+        bucket_dtype: config.mixed_precision.param,
+    }
 }
 
 /// [`plan`] with a cache; `verify_plan: false` skips the verifier (the auto search verifies
@@ -162,6 +205,7 @@ fn passes(
         },
         grad_clip: config.grad_clip,
         runtime: config.runtime,
+        allocator: config.allocator,
     };
     let mut policy = policy;
     if let Some(m) = forward_only {
@@ -170,13 +214,7 @@ fn passes(
     }
 
     // 1. Groups and their layouts.
-    let wrap = WrapPolicy {
-        kinds: config.wrap.clone(),
-        modules: config.wrap_modules.clone(),
-        bucket_bytes: config.bucket_mib.map(|m| m.saturating_mul(1 << 20)),
-        bucket_dtype: policy.mixed_precision.param,
-    };
-    let groups: Vec<PlannedGroup> = group(g, &wrap)?
+    let groups: Vec<PlannedGroup> = group(g, &wrap_policy(config))?
         .into_iter()
         .map(|grp| {
             let layout = layout(g, &grp, mesh.shard());
@@ -194,34 +232,7 @@ fn passes(
     policy.prefetch.explicit_backward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_backward)?;
 
     // 2. Compute steps with activation memory.
-    let key = (
-        fsdp.iter().map(|f| f.params.clone()).collect::<Vec<_>>(),
-        format!("{:?}", config.activation_checkpointing),
-        format!(
-            "{:?} {:?} {:?}",
-            config.hardware, policy.mixed_precision.param, config.runtime
-        ),
-    );
-    let cached = match cache.steps.get(&key) {
-        Some(x) => x.clone(),
-        None => {
-            let (steps, acts) = steps::steps_and_events_for(
-                joint,
-                &fsdp,
-                config.activation_checkpointing,
-                steps::Kernels::of(config),
-            );
-            let (step_s, step_parts) = cost::step_costs(g, &steps, &config.hardware, policy.mixed_precision.param);
-            let x = std::sync::Arc::new(CachedSteps {
-                steps,
-                acts,
-                step_s,
-                step_parts,
-            });
-            cache.steps.insert(key, x.clone());
-            x
-        }
-    };
+    let cached = cache.steps_for(joint, config, &fsdp);
     let mut steps = cached.steps.clone();
     if forward_only.is_some() {
         // The forward steps come first in execution order; the rest are backward (and
@@ -371,7 +382,15 @@ pub(crate) fn simulate_program(
     );
     let mut memory = simulate::memory(program, buffers, steps, &timing);
     if replay {
-        memory = simulate::device_memory(memory, program, buffers, &cached.acts, mesh, &config.hardware);
+        memory = simulate::device_memory(
+            memory,
+            program,
+            buffers,
+            &cached.acts,
+            mesh,
+            &config.hardware,
+            policy.allocator,
+        );
     } else {
         memory.overhead = simulate::overhead(program, mesh, &config.hardware);
     }

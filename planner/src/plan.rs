@@ -12,7 +12,9 @@ use crate::layout::GroupLayout;
 use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
-use shardplan_frontends::{ActivationCheckpointing, GradSync, HardwareProfile, MixedPrecision, Offload, Runtime};
+use shardplan_frontends::{
+    ActivationCheckpointing, AllocatorConfig, GradSync, HardwareProfile, MixedPrecision, Offload, Runtime,
+};
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
 
@@ -422,6 +424,14 @@ pub struct Policy {
     /// hooks (`runtime: fsdp2`; see `schedule`). Absent from the JSON for `shardplan`.
     #[serde(default, skip_serializing_if = "Runtime::is_shardplan")]
     pub runtime: Runtime,
+    /// The caching allocator's settings the reserved peak was replayed under. A plan file
+    /// written before the field existed was replayed without expandable segments.
+    #[serde(default = "cuda_malloc")]
+    pub allocator: AllocatorConfig,
+}
+
+fn cuda_malloc() -> AllocatorConfig {
+    AllocatorConfig::CUDA_MALLOC
 }
 
 /// Prefetch depths, and FSDP2-style explicit prefetch lists by group.

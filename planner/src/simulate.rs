@@ -26,7 +26,7 @@ use crate::plan::{
     Stream, Timing, WorkKind,
 };
 use crate::steps::{ActEvents, Step};
-use shardplan_frontends::HardwareProfile;
+use shardplan_frontends::{AllocatorConfig, HardwareProfile};
 
 /// The timeline of `program`, and how long the compute stream waited before each
 /// instruction (non-zero only for waits).
@@ -174,7 +174,8 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
 }
 
 /// Device memory as the GPU sees it: `report` (from [`memory`]) with the caching
-/// allocator's peaks for `program`, the process's fixed overheads on `hw` and their total.
+/// allocator's peaks for `program` under `allocator`'s settings, the process's fixed
+/// overheads on `hw` and their total.
 pub fn device_memory(
     mut report: MemoryReport,
     program: &Program,
@@ -182,8 +183,9 @@ pub fn device_memory(
     acts: &ActEvents,
     mesh: &Mesh,
     hw: &HardwareProfile,
+    allocator: AllocatorConfig,
 ) -> MemoryReport {
-    let r = replay(program, buffers, acts);
+    let r = replay(program, buffers, acts, allocator);
     report.active_peak = r.allocated_peak;
     report.reserved_peak = r.reserved;
     report.overhead = overhead(program, mesh, hw);

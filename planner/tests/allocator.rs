@@ -1,8 +1,10 @@
 //! The caching-allocator model on hand-made sequences: rounding, pools, segment sizes,
 //! splitting, best-fit reuse, merging, per-stream pools, and fragmentation reserving more
-//! than is allocated.
+//! than is allocated; with expandable segments, pages mapped at the end of one segment per
+//! pool and stream, and generated traces against properties with known answers.
 
-use shardplan_planner::allocator::{round, segment_size, CachingAllocator};
+use proptest::prelude::*;
+use shardplan_planner::allocator::{round, segment_size, CachingAllocator, LARGE_PAGE, SMALL_PAGE};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -176,3 +178,175 @@ fn peaks_are_kept_after_frees() {
     a.free(x);
     assert_eq!(a.allocated, 0, "a second free of the same allocation changes nothing");
 }
+
+// ---- expandable segments ----
+
+fn expandable() -> CachingAllocator {
+    CachingAllocator::new(true)
+}
+
+#[test]
+fn expandable_segments_map_pages_of_2_and_20_mib() {
+    assert_eq!((SMALL_PAGE, LARGE_PAGE), (2 * MIB, 20 * MIB));
+    let mut a = expandable();
+    a.alloc(0, KIB).unwrap();
+    assert_eq!(a.reserved, 2 * MIB, "one small page");
+    // Five 5 MiB requests: four tile the first large page, the fifth maps a second.
+    for i in 0..5 {
+        a.alloc(0, 5 * MIB).unwrap();
+        let pages = if i < 4 { 1 } else { 2 };
+        assert_eq!(a.reserved, 2 * MIB + pages * 20 * MIB, "request {i}");
+    }
+    assert_eq!(
+        a.free_blocks(),
+        vec![(false, 0, 15 * MIB), (true, 0, 2 * MIB - KIB)],
+        "the rest of the last page of each pool"
+    );
+    // A 48 MiB request extends that free block by 2 pages instead of a segment of its own.
+    a.alloc(0, 48 * MIB).unwrap();
+    assert_eq!(a.reserved, 2 * MIB + 4 * 20 * MIB);
+    assert_eq!(a.free_blocks(), vec![(false, 0, 7 * MIB), (true, 0, 2 * MIB - KIB)]);
+}
+
+#[test]
+fn expandable_blocks_split_down_to_512_bytes_in_the_large_pool() {
+    // Without expandable segments 11 MiB holds a 12 MiB segment whole; here the 9 MiB left
+    // of the page stays free, and every block is exactly its rounded request.
+    let mut a = expandable();
+    a.alloc(0, 11 * MIB).unwrap();
+    assert_eq!((a.allocated, a.reserved), (11 * MIB, 20 * MIB));
+    a.alloc(0, 9 * MIB - 512).unwrap();
+    assert_eq!(a.free_blocks(), vec![(false, 0, 512)]);
+    assert_eq!(a.allocated, 20 * MIB - 512);
+}
+
+#[test]
+fn best_fit_takes_the_end_of_the_mapping_last() {
+    let mut a = expandable();
+    let _x = a.alloc(0, 10 * MIB).unwrap();
+    let y = a.alloc(0, 6 * MIB).unwrap();
+    let _z = a.alloc(0, 2 * MIB).unwrap();
+    a.free(y);
+    // Free: a 6 MiB hole, and the 2 MiB at the end of the page, which could grow.
+    assert_eq!(a.free_blocks(), vec![(false, 0, 2 * MIB), (false, 0, 6 * MIB)]);
+    // By size the 2 MiB block fits 1.5 MiB best, but it counts as all it could grow to.
+    a.alloc(0, 3 * MIB / 2).unwrap();
+    assert_eq!(
+        a.free_blocks(),
+        vec![(false, 0, 2 * MIB), (false, 0, 9 * MIB / 2)],
+        "the hole served it"
+    );
+    a.alloc(0, 9 * MIB / 2).unwrap();
+    // With no other block large enough, the end of the mapping serves without growing.
+    a.alloc(0, 2 * MIB).unwrap();
+    assert!(a.free_blocks().is_empty());
+    assert_eq!((a.reserved, a.allocated), (20 * MIB, 20 * MIB));
+}
+
+#[test]
+fn a_freed_block_at_the_end_grows_with_the_next_mapping() {
+    let mut a = expandable();
+    let _x = a.alloc(0, 10 * MIB).unwrap();
+    let y = a.alloc(0, 5 * MIB).unwrap();
+    a.free(y);
+    assert_eq!(a.free_blocks(), vec![(false, 0, 10 * MIB)], "merged into the end");
+    // 12 MiB needs 2 more: one page, appended to the free 10.
+    a.alloc(0, 12 * MIB).unwrap();
+    assert_eq!((a.reserved, a.segments), (40 * MIB, 2));
+    assert_eq!(a.free_blocks(), vec![(false, 0, 18 * MIB)]);
+}
+
+#[test]
+fn expandable_segments_are_per_stream_and_pool() {
+    let mut a = expandable();
+    let g = a.alloc(1, 8 * MIB).unwrap();
+    a.free(g);
+    a.alloc(0, 8 * MIB).unwrap();
+    assert_eq!(a.reserved, 40 * MIB, "stream 1's free page is not stream 0's");
+    a.alloc(1, 12 * MIB).unwrap();
+    assert_eq!(a.reserved, 40 * MIB, "stream 1 reuses its page");
+    a.alloc(0, 4 * KIB).unwrap();
+    assert_eq!(a.reserved, 42 * MIB, "the small pool maps its own page");
+}
+
+#[test]
+fn expandable_holes_still_fragment() {
+    // Alternating lifetimes leave holes a larger request cannot use: the mapping grows.
+    let mut a = expandable();
+    let blocks: Vec<_> = (0..8).map(|_| a.alloc(0, 60 * MIB).unwrap()).collect();
+    assert_eq!(a.reserved, 480 * MIB, "eight 60 MiB blocks tile 24 pages exactly");
+    for b in blocks.into_iter().step_by(2) {
+        a.free(b);
+    }
+    a.alloc(0, 100 * MIB).unwrap();
+    assert_eq!(a.reserved, 580 * MIB);
+    assert_eq!(a.cached(), 4 * 60 * MIB);
+}
+
+/// One step of a generated trace: allocate on (stream, small?) or free the i-th live block.
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { stream: u8, bytes: u64 },
+    Free(usize),
+}
+
+fn ops() -> impl Strategy<Value = Vec<Op>> {
+    let op = prop_oneof![
+        (0u8..3, prop_oneof![1u64..2 * MIB, 1u64..200 * MIB]).prop_map(|(stream, bytes)| Op::Alloc { stream, bytes }),
+        any::<usize>().prop_map(Op::Free),
+    ];
+    proptest::collection::vec(op, 1..200)
+}
+
+proptest! {
+    /// Reserved never falls below allocated, which (expandable: exactly the rounded
+    /// requests) never falls below the requests; both allocators agree on the requests.
+    #[test]
+    fn expandable_reserves_at_least_what_is_allocated(trace in ops()) {
+        let mut a = expandable();
+        let mut b = CachingAllocator::default();
+        let mut live: Vec<(_, _, u64)> = Vec::new();
+        for op in trace {
+            match op {
+                Op::Alloc { stream, bytes } => {
+                    live.push((a.alloc(stream, bytes).unwrap(), b.alloc(stream, bytes).unwrap(), bytes));
+                }
+                Op::Free(i) if !live.is_empty() => {
+                    let (x, y, _) = live.swap_remove(i % live.len());
+                    a.free(x);
+                    b.free(y);
+                }
+                Op::Free(_) => {}
+            }
+            let rounded: u64 = live.iter().map(|l| round(l.2)).sum();
+            prop_assert_eq!(a.allocated, rounded);
+            prop_assert!(b.allocated >= rounded);
+            prop_assert!(a.reserved >= a.allocated && a.reserved >= a.allocated_peak);
+            prop_assert_eq!(a.requested, b.requested);
+            prop_assert_eq!(a.reserved % SMALL_PAGE, 0);
+        }
+    }
+
+    /// Freed in reverse order of allocation, blocks of one pool and stream always form a
+    /// prefix of the mapping: what is reserved is the allocated peak rounded up to a page.
+    #[test]
+    fn a_stack_of_allocations_reserves_its_peak_rounded_to_a_page(
+        trace in proptest::collection::vec((any::<bool>(), 1u64..100 * MIB, 0usize..4), 1..100)
+    ) {
+        let mut a = expandable();
+        let mut stack = Vec::new();
+        for (push, bytes, pops) in trace {
+            if push || stack.is_empty() {
+                stack.push(a.alloc(0, bytes.max(SMALL_SIZE_PLUS)).unwrap());
+            } else {
+                for _ in 0..pops.min(stack.len()) {
+                    a.free(stack.pop().unwrap());
+                }
+            }
+        }
+        prop_assert_eq!(a.reserved, a.allocated_peak.div_ceil(LARGE_PAGE) * LARGE_PAGE);
+    }
+}
+
+/// The smallest request of the large pool.
+const SMALL_SIZE_PLUS: u64 = MIB + 1;

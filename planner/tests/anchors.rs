@@ -157,8 +157,13 @@ fn every_published_row_is_predicted() {
                 Some(t) => format!("{{base: {}, bf16_tflops: {t}}}", r.hardware),
                 None => r.hardware.to_string(),
             };
+            // Every row ran before torchtitan's launch script set
+            // `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (torchtitan commit a5e57e4,
+            // pull request #643, 2024-10-22; the H100 rows are pull request #165, 2024-03-28,
+            // the A100 rows docs/performance.md, 2024-04-18), so they ran PyTorch's default
+            // allocator: one `cudaMalloc` segment per miss.
             let spec = format!(
-                "mesh: {{shard: {}}}\ngpus_per_node: {}\nhardware: {hardware}\nwrap: [block]\nreshard_after_forward: true\nmixed_precision: {{param: bf16, reduce: f32}}\nactivation_checkpointing: {}\nbatch: {{per_rank: {}, seq_len: {}}}\n",
+                "mesh: {{shard: {}}}\ngpus_per_node: {}\nhardware: {hardware}\nwrap: [block]\nreshard_after_forward: true\nmixed_precision: {{param: bf16, reduce: f32}}\nactivation_checkpointing: {}\nbatch: {{per_rank: {}, seq_len: {}}}\nallocator: {{expandable_segments: false}}\n",
                 r.gpus, r.per_node, r.ac, r.batch, r.seq
             );
             let p = plan_preset(r.preset, &spec);

@@ -7,8 +7,10 @@ use common::parallel;
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{preset, trace, TraceOptions};
-use shardplan_planner::auto::{search, spec_yaml, AutoResult, Fixed};
-use shardplan_planner::{plan, verify};
+use shardplan_planner::allocator::stream_peaks;
+use shardplan_planner::auto::{grid, search, spec_yaml, AutoResult, Fixed};
+use shardplan_planner::bounds::BoundCache;
+use shardplan_planner::{plan, verify, Plan, PlanCache};
 
 fn joint(model: &str, c: &ParallelConfig) -> JointGraph {
     let g = trace(
@@ -65,6 +67,133 @@ fn pruned_search_finds_the_brute_force_optimum() {
                     "{model} budget {b}: pruned found {}, exhaustive found {}",
                     p.is_some(),
                     f.is_some()
+                ),
+            }
+        }
+    }
+}
+
+/// Every candidate of the grid, planned in full (`plan`: the allocator replayed, the plan
+/// verified), with its index.
+fn every_plan(j: &JointGraph, c: &ParallelConfig) -> Vec<(usize, Plan)> {
+    grid(j, c, Fixed::default())
+        .into_iter()
+        .enumerate()
+        .map(|(i, (_, config))| (i, plan(j, &config).unwrap()))
+        .collect()
+}
+
+/// The winner by definition: the least (step time, device total, grid index) among the
+/// candidates without offload that fit, or among those with it when none does.
+fn brute_force<'a>(
+    j: &JointGraph,
+    c: &ParallelConfig,
+    plans: &'a [(usize, Plan)],
+    budget: u64,
+) -> Option<&'a (usize, Plan)> {
+    let g = grid(j, c, Fixed::default());
+    let g = &g;
+    let fitting = |offload: bool| {
+        plans
+            .iter()
+            .filter(move |(i, p)| g[*i].0.offload == offload && p.memory.device_total <= budget)
+            .min_by(|(i, a), (k, b)| {
+                a.estimate
+                    .step_s
+                    .total_cmp(&b.estimate.step_s)
+                    .then(a.memory.device_total.cmp(&b.memory.device_total))
+                    .then(i.cmp(k))
+            })
+    };
+    fitting(false).or_else(|| fitting(true))
+}
+
+#[test]
+fn the_search_finds_the_brute_force_winner_and_its_bounds_hold() {
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        let c = spec(8, 2);
+        let j = joint(model, &c);
+        let points = grid(&j, &c, Fixed::default());
+        let plans = every_plan(&j, &c);
+        // The bounds the search prunes on hold for every candidate.
+        let (mut bounds, mut cache) = (BoundCache::default(), PlanCache::default());
+        for ((knobs, config), (_, p)) in points.iter().zip(&plans) {
+            let b = bounds.bounds(&j, config, &mut cache).unwrap();
+            let m = &p.memory;
+            assert!(
+                b.step_s <= p.estimate.step_s,
+                "{model} {knobs:?}: time bound {} > {}",
+                b.step_s,
+                p.estimate.step_s
+            );
+            assert!(
+                b.device <= m.device_total,
+                "{model} {knobs:?}: memory bound {} > {}",
+                b.device,
+                m.device_total
+            );
+            assert!(
+                b.device <= m.peak + p.hardware.cuda_context_bytes(),
+                "{model} {knobs:?}: memory bound {} above the allocated peak",
+                b.device
+            );
+            let streams = stream_peaks(&p.programs[0], &p.buffers, &p.steps);
+            assert!(
+                streams <= m.reserved_peak,
+                "{model} {knobs:?}: stream peaks {streams} > reserved {}",
+                m.reserved_peak
+            );
+        }
+        // A deeper prefetch never lowers the allocated peak, other knobs equal.
+        for (i, (k, _)) in points.iter().enumerate() {
+            for (o, _) in &points[i.saturating_sub(3)..i] {
+                let same = shardplan_planner::auto::Knobs {
+                    prefetch_forward: k.prefetch_forward,
+                    prefetch_backward: k.prefetch_backward,
+                    ..o.clone()
+                } == *k;
+                if same && o.prefetch_forward <= k.prefetch_forward && o.prefetch_backward <= k.prefetch_backward {
+                    let at = |x: &shardplan_planner::auto::Knobs| {
+                        plans[points.iter().position(|(y, _)| y == x).unwrap()].1.memory.peak
+                    };
+                    assert!(at(o) <= at(k), "{model}: {k:?} peaks below {o:?}");
+                }
+            }
+        }
+        // Budgets at every distinct device total (each one just fits a candidate), and
+        // between them.
+        let mut totals: Vec<u64> = plans.iter().map(|(_, p)| p.memory.device_total).collect();
+        totals.sort_unstable();
+        totals.dedup();
+        let step = totals.len().div_ceil(24).max(1);
+        let budgets: Vec<u64> = totals
+            .iter()
+            .step_by(step)
+            .flat_map(|&t| [t - 1, t])
+            .chain([totals[0] / 2, u64::MAX])
+            .collect();
+        for b in budgets {
+            let fast = run(&j, &c, b, true);
+            match (brute_force(&j, &c, &plans, b), fast) {
+                (Some((i, p)), Some(r)) => {
+                    let w = &r.candidates[0];
+                    assert_eq!(w.knobs, points[*i].0, "{model} budget {b}");
+                    assert_eq!(
+                        (w.step_s, w.peak, w.device),
+                        (p.estimate.step_s, p.memory.peak, p.memory.device_total),
+                        "{model} budget {b}"
+                    );
+                    assert_eq!(r.winner.estimate.step_s, p.estimate.step_s);
+                    assert!(
+                        r.evaluated < plans.len() || b == u64::MAX,
+                        "{model} budget {b}: nothing pruned"
+                    );
+                }
+                (None, None) => {}
+                (bf, fast) => panic!(
+                    "{model} budget {b}: brute force found {}, the search {}",
+                    bf.is_some(),
+                    fast.is_some()
                 ),
             }
         }
@@ -149,4 +278,18 @@ fn a_custom_profile_round_trips_through_the_emitted_spec() {
         .0;
     assert_eq!(back.hardware, c.hardware, "{emitted}");
     assert_eq!(back, c, "{emitted}");
+}
+
+#[test]
+fn the_emitted_spec_keeps_a_non_default_allocator() {
+    let c = spec(8, 2);
+    assert!(!spec_yaml(&c).contains("allocator"), "the default is not written");
+    let mut off = c.clone();
+    off.allocator.expandable_segments = false;
+    let yaml = spec_yaml(&off);
+    assert!(yaml.contains("allocator: {expandable_segments: false}"), "{yaml}");
+    let back = parse_parallel_spec(&Source::from_text("emitted.yaml", yaml.clone()))
+        .unwrap_or_else(|e| panic!("{e}\n{yaml}"))
+        .0;
+    assert_eq!(back, off, "{yaml}");
 }

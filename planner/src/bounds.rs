@@ -1,0 +1,459 @@
+//! Lower bounds on a plan's step time and device memory, from what the auto search can
+//! compute without scheduling it: its groups, their layouts on the shard axis, and the
+//! compute steps of its groups and checkpointing (which [`PlanCache`] shares between
+//! candidates). The search skips a candidate whose bounds already rule it out, so every
+//! bound here must hold for the plan [`crate::plan`] would make; why each does is said
+//! where it is computed, and `planner/tests/auto.rs` checks them against full plans of
+//! every candidate of its grid.
+
+use crate::cost::{link, ring_seconds};
+use crate::group::{group, FsdpGroup};
+use crate::layout::layout;
+use crate::mesh::Mesh;
+use crate::plan::{Comm, Precision};
+use crate::steps::Phase;
+use crate::{wrap_policy, PlanCache, PlanError};
+use shardplan_frontends::{Offload, ParallelConfig, Reshard};
+use shardplan_ir::JointGraph;
+use std::collections::HashMap;
+
+/// What no plan of a config can beat.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bounds {
+    /// Seconds: at most the plan's `estimate.step_s`.
+    pub step_s: f64,
+    /// Bytes: at most the plan's `memory.device_total` (and its allocated peak plus the
+    /// CUDA context).
+    pub device: u64,
+}
+
+/// Relative slack taken off the time bound: it sums the same per-step seconds as the
+/// timeline, but not necessarily in the same order, and float addition is not associative.
+const SLACK: f64 = 1e-9;
+
+/// Per grouping: the groups and what bounds read of them.
+struct Grouping {
+    groups: Vec<FsdpGroup>,
+    /// Elements of each group's parameters.
+    numel: Vec<u64>,
+    /// Per shard-axis size: elements of each group's flat shard (padded).
+    shard_numel: HashMap<u64, Vec<u64>>,
+}
+
+/// Per grouping and checkpointing: what the compute steps give.
+struct StepFacts {
+    /// Seconds of every compute step once (one micro-batch).
+    compute_s: f64,
+    /// Groups the first step reads.
+    first_reads: Vec<usize>,
+    /// Groups whose gradients the last step makes.
+    last_grads: Vec<usize>,
+    /// The first step that is not a forward one.
+    first_backward: Option<usize>,
+    /// Groups some step reads.
+    read: Vec<bool>,
+    /// Groups read by a backward (or recompute) step.
+    read_in_backward: Vec<bool>,
+    /// Groups whose gradients some step makes.
+    has_grads: Vec<bool>,
+    /// Most activation bytes of any step.
+    act_max: u64,
+    /// Per step: its activation peak and the elements of the groups it reads.
+    per_step: Vec<(u64, u64)>,
+    /// Per step: the groups it reads.
+    reads: Vec<Vec<usize>>,
+    /// Per step: its activation bytes when it ends, and the elements of the gradients it
+    /// makes.
+    ends: Vec<(u64, u64)>,
+    /// Per group: the last step that makes its gradients, and how many elements it has.
+    last_grad: Vec<Option<usize>>,
+    /// Per group: the first and last step that reads it, and its first backward reader.
+    first_read: Vec<Option<usize>>,
+    last_read: Vec<Option<usize>>,
+    first_backward_read: Vec<Option<usize>>,
+}
+
+/// Bucketing and checkpointing (as printed): what the steps of a search's candidates
+/// depend on.
+type FactsKey = (Option<u64>, String);
+
+/// Held at one point of backward: (elements in the parameter dtype, bytes, elements in the
+/// reduce dtype).
+type Held = (u64, u64, u64);
+
+/// Memoised bounds for the candidates of one search (one graph; configs that differ only in
+/// the knobs the search varies): the groupings, layouts and step facts are computed once
+/// per distinct input.
+#[derive(Default)]
+pub struct BoundCache {
+    groupings: HashMap<Option<u64>, Grouping>,
+    facts: HashMap<FactsKey, StepFacts>,
+    /// Per step facts and resharding (0: free, 1: keep, n: post-forward shard of n): most
+    /// bytes held in backward (see `held_while_running`).
+    held: HashMap<(FactsKey, u64, u32, u32), Vec<Held>>,
+}
+
+impl BoundCache {
+    /// Lower bounds on the plan of `joint` for `config` (steps shared through `cache`).
+    pub fn bounds(
+        &mut self,
+        joint: &JointGraph,
+        config: &ParallelConfig,
+        cache: &mut PlanCache,
+    ) -> Result<Bounds, PlanError> {
+        // A cache serves one search: its configs differ only in the searched knobs, of which
+        // bucketing and checkpointing change groups and steps.
+        let gkey = config.bucket_mib;
+        let grouping = match self.groupings.entry(gkey) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let groups = group(&joint.graph, &wrap_policy(config))?;
+                let numel = groups
+                    .iter()
+                    .map(|f| {
+                        f.params
+                            .iter()
+                            .map(|&p| joint.graph.param(p).ty.numel().unwrap_or(0))
+                            .sum()
+                    })
+                    .collect();
+                e.insert(Grouping {
+                    groups,
+                    numel,
+                    shard_numel: HashMap::new(),
+                })
+            }
+        };
+        let shard = config.mesh.shard;
+        if !grouping.shard_numel.contains_key(&shard) {
+            let sn = grouping
+                .groups
+                .iter()
+                .map(|f| layout(&joint.graph, f, shard).shard_numel)
+                .collect();
+            grouping.shard_numel.insert(shard, sn);
+        }
+        let fkey = (gkey, format!("{:?}", config.activation_checkpointing));
+        if !self.facts.contains_key(&fkey) {
+            let cached = cache.steps_for(joint, config, &grouping.groups);
+            let n = grouping.groups.len();
+            let mut read = vec![false; n];
+            let mut read_in_backward = vec![false; n];
+            let mut has_grads = vec![false; n];
+            let mut per_step = Vec::with_capacity(cached.steps.len());
+            let mut reads = Vec::with_capacity(cached.steps.len());
+            let mut first_read = vec![None; n];
+            let mut last_read = vec![None; n];
+            let mut first_backward_read = vec![None; n];
+            let mut ends = Vec::with_capacity(cached.steps.len());
+            let mut last_grad = vec![None; n];
+            let numel_of = |p: &shardplan_ir::ParamId| joint.graph.param(*p).ty.numel().unwrap_or(0);
+            for (i, s) in cached.steps.iter().enumerate() {
+                for g in &s.grads {
+                    last_grad[g.index()] = Some(i);
+                }
+                ends.push((s.act_end, s.grad_params.iter().map(numel_of).sum::<u64>()));
+                for g in &s.reads {
+                    let g = g.index();
+                    first_read[g] = first_read[g].or(Some(i));
+                    last_read[g] = Some(i);
+                    if s.phase != Phase::Forward {
+                        first_backward_read[g] = first_backward_read[g].or(Some(i));
+                    }
+                }
+                reads.push(s.reads.iter().map(|g| g.index()).collect());
+                for g in &s.reads {
+                    read[g.index()] = true;
+                    if s.phase != Phase::Forward {
+                        read_in_backward[g.index()] = true;
+                    }
+                }
+                for g in &s.grads {
+                    has_grads[g.index()] = true;
+                }
+                let read: u64 = s.reads.iter().map(|g| grouping.numel[g.index()]).sum();
+                per_step.push((s.act_peak, read));
+            }
+            self.facts.insert(
+                fkey.clone(),
+                StepFacts {
+                    compute_s: cached.step_s.iter().sum(),
+                    first_reads: cached
+                        .steps
+                        .first()
+                        .map(|s| s.reads.iter().map(|g| g.index()).collect())
+                        .unwrap_or_default(),
+                    read,
+                    read_in_backward,
+                    has_grads,
+                    last_grads: cached
+                        .steps
+                        .last()
+                        .map(|s| s.grads.iter().map(|g| g.index()).collect())
+                        .unwrap_or_default(),
+                    first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
+                    act_max: cached.steps.iter().map(|s| s.act_peak).max().unwrap_or(0),
+                    per_step,
+                    reads,
+                    ends,
+                    last_grad,
+                    first_read,
+                    last_read,
+                    first_backward_read,
+                },
+            );
+        }
+        let grouping = &self.groupings[&gkey];
+        let facts = &self.facts[&fkey];
+        let mode = match config.reshard_after_forward {
+            Reshard::AfterForward => 0,
+            Reshard::Keep => 1,
+            Reshard::ToGroupOf(n) if n == shard => 0,
+            Reshard::ToGroupOf(n) => n,
+        };
+        // Prefetch depths as the schedule applies them to shardplan's runtime (FSDP2 issues
+        // prefetches after a step's own gather; explicit lists replace the depth; `prefetch:
+        // auto` may issue any gather as late as the step that needs it).
+        let p = &config.prefetch;
+        let depths = if config.runtime.is_shardplan()
+            && !p.peak_aware
+            && p.explicit_forward.is_empty()
+            && p.explicit_backward.is_empty()
+        {
+            (p.forward, p.backward)
+        } else {
+            (0, 0)
+        };
+        let held = self
+            .held
+            .entry((fkey, mode, depths.0, depths.1))
+            .or_insert_with(|| held_while_running(grouping, facts, mode, depths));
+        Ok(bounds_of(config, grouping, facts, held))
+    }
+}
+
+/// What is live, apart from persistent buffers, at points of the program under resharding
+/// `mode` (0: free after forward, 1: keep, n: keep a post-forward shard of n ranks) and
+/// prefetch `depths` (forward, backward; 0 where the depth is not what the schedule
+/// applies), when the shard axis has more than one rank: [`Held`] per point.
+///
+/// While a step runs: its activation peak; the unsharded parameters of every group it reads
+/// and of the groups whose gathers are issued ahead of it; the gradient pieces it writes
+/// (allocated, in the parameter dtype, before it runs); every group kept after forward
+/// (every group under `false`, the root group always) from its forward gather to its last
+/// read; under `n`, every other group's post-forward shard (a `1/n` slice) until backward
+/// gathers it again. After the step that last makes a group's gradients, where the group
+/// is reduce-scattered: the step's activations at its end, the kept groups and post-forward
+/// shards, the step's gradient pieces and the reduce-scatter input they are packed into
+/// (the group's elements in the reduce dtype).
+fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths: (u32, u32)) -> Vec<Held> {
+    let n = grouping.groups.len();
+    let steps = facts.reads.len();
+    // The schedule's gathers: a group is gathered where it is read and not held, and held
+    // until its last read, or its last forward read unless it keeps (the root always keeps;
+    // every group under `false`). Per pass, the gather of the i-th is issued before the
+    // step of the (i - depth)-th starts, so while the step of the i-th runs, the outputs of
+    // the next `depth` gathers of its pass are allocated too.
+    let keeps = |g: usize| grouping.groups[g].is_root() || mode == 1;
+    let mut last_forward = vec![None; n];
+    for (i, r) in facts.reads.iter().enumerate() {
+        if facts.first_backward.is_none_or(|b| i < b) {
+            for &g in r {
+                last_forward[g] = Some(i);
+            }
+        }
+    }
+    let mut gathered = vec![false; n];
+    let mut need: Vec<(usize, usize)> = Vec::new();
+    for (pos, r) in facts.reads.iter().enumerate() {
+        for &g in r {
+            if !gathered[g] {
+                gathered[g] = true;
+                need.push((pos, g));
+            }
+        }
+        for &g in r {
+            if facts.last_read[g] == Some(pos) || (last_forward[g] == Some(pos) && !keeps(g)) {
+                gathered[g] = false;
+            }
+        }
+    }
+    let backward = |pos: usize| facts.first_backward.is_some_and(|b| pos >= b);
+    let mut ahead: Vec<Vec<usize>> = vec![Vec::new(); steps];
+    for pass in [false, true] {
+        let list: Vec<(usize, usize)> = need.iter().copied().filter(|&(pos, _)| backward(pos) == pass).collect();
+        let depth = if pass { depths.1 } else { depths.0 } as usize;
+        for (i, &(pos, _)) in list.iter().enumerate() {
+            for &(_, g) in list.iter().skip(i + 1).take(depth) {
+                if !facts.reads[pos].contains(&g) && !ahead[pos].contains(&g) {
+                    ahead[pos].push(g);
+                }
+            }
+        }
+    }
+    let kept = |s: usize, skip: &[usize]| -> u64 {
+        let mut elems = 0;
+        for g in 0..grouping.groups.len() {
+            if skip.contains(&g) || facts.first_read[g].is_none_or(|f| f >= s) {
+                continue;
+            }
+            let root = grouping.groups[g].is_root();
+            if (root || mode == 1) && facts.last_read[g].is_some_and(|l| l > s) {
+                elems += grouping.numel[g];
+            } else if !root && mode > 1 && facts.first_backward_read[g].is_some_and(|b| b > s) {
+                elems += grouping.numel[g] / mode;
+            }
+        }
+        elems
+    };
+    let mut out = Vec::new();
+    for (s, (reads, early_groups)) in facts.reads.iter().zip(&ahead).enumerate() {
+        let read: u64 = reads.iter().map(|&g| grouping.numel[g]).sum();
+        let (act_end, made) = facts.ends[s];
+        let early: u64 = early_groups.iter().map(|&g| grouping.numel[g]).sum();
+        let skip: Vec<usize> = reads.iter().chain(early_groups).copied().collect();
+        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, 0));
+        for g in (0..grouping.groups.len()).filter(|&g| facts.last_grad[g] == Some(s)) {
+            // (elements in the parameter dtype, bytes, elements in the reduce dtype)
+            out.push((kept(s, &[g]).saturating_add(made), act_end, grouping.numel[g]));
+        }
+    }
+    out
+}
+
+fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, held: &[Held]) -> Bounds {
+    let hw = &config.hardware;
+    let precision = Precision::from(config.mixed_precision);
+    let (param_b, reduce_b, master_b) = (
+        precision.param.size_bytes(),
+        precision.reduce.size_bytes(),
+        precision.master.size_bytes(),
+    );
+    let (replicate, shard) = (config.mesh.replicate, config.mesh.shard);
+    let shard_numel = &grouping.shard_numel[&shard];
+    let micro = config.batch.grad_accum as f64;
+
+    // Memory. Every group's flat shard of master parameters, and its optimizer state, are
+    // persistent device buffers without offload (allocated before the first instruction,
+    // never freed). While a compute step runs, the memory model holds its activation peak
+    // on top of every live buffer; with more than one shard, the unsharded parameters of
+    // every group it reads are live then too (the verifier's first invariant: a read comes
+    // after the group's all-gather and before its free), at least their elements in the
+    // parameter dtype. The allocator reserves at least what is requested (its requested
+    // peak is the model's peak) and the CUDA context comes on top.
+    let persistent = if config.offload == Offload::None {
+        let k = config.optimizer.state_per_param();
+        shard_numel.iter().sum::<u64>().saturating_mul(master_b * (1 + k))
+    } else {
+        0
+    };
+    let during_steps = if shard > 1 {
+        facts
+            .per_step
+            .iter()
+            .map(|&(act, read)| act.saturating_add(read.saturating_mul(param_b)))
+            .max()
+            .unwrap_or(0)
+    } else {
+        facts.act_max
+    };
+    // In backward, groups kept after forward add to the groups a step reads
+    // (`held_while_running`).
+    let kept = if shard > 1 {
+        held.iter()
+            .map(|&(elems, bytes, reduced)| {
+                bytes
+                    .saturating_add(elems.saturating_mul(param_b))
+                    .saturating_add(reduced.saturating_mul(reduce_b))
+            })
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    let device = persistent
+        .saturating_add(during_steps.max(kept))
+        .saturating_add(hw.cuda_context_bytes());
+
+    // Time. Each stream runs its instructions one after another, so the step lasts at
+    // least as long as any stream is busy: the compute stream runs every compute step once
+    // per micro-batch, each at least its step's seconds (overlap only slows it), and
+    // cannot start the first before the all-gathers of the groups it reads have ended; the
+    // all-gather stream gathers every group at least once, and again in backward when it is
+    // freed after forward (`true`, or a post-forward group as large as the shard axis) and
+    // read in backward, the root group excepted (it always keeps); the reduce-scatter stream
+    // reduces every group with gradients at least once; with replicas, the all-reduce stream
+    // all-reduces each group's gradient shard at least once. Collective times are the cost
+    // model's ring times of the unpadded bytes (padding only adds), which rise with bytes.
+    //
+    // The chain at the ends of the step: the first compute step waits for its groups'
+    // all-gathers; the last compute step makes the gradients of its groups, which are then
+    // reduce-scattered and all-reduced over replicas, one after the other; the stream that
+    // runs the optimizer (the host's under offload, else the compute stream) waits for every
+    // group's reduced gradients, then runs the gradient norm (reading every gradient shard,
+    // its partial sum all-reduced over the shard axis) and every group's optimizer step (its
+    // gradient read, parameters and state read and written), in turn.
+    let compute = micro * facts.compute_s;
+    let mut step_s = compute * (1.0 - SLACK);
+    let Ok(mesh) = Mesh::new(replicate, shard, config.mesh.world(), config.gpus_per_node) else {
+        return Bounds { step_s, device };
+    };
+    let shard_link = link(&mesh, Comm::Shard, hw);
+    let rep_link = link(&mesh, Comm::Replicate, hw);
+    let grad_b = reduce_b.min(master_b);
+    let rs = |g: usize| ring_seconds(shard, grouping.numel[g].saturating_mul(reduce_b), shard_link, false);
+    let ar = |g: usize| {
+        ring_seconds(
+            replicate,
+            (grouping.numel[g] / shard).saturating_mul(grad_b),
+            rep_link,
+            true,
+        )
+    };
+    let ag = |g: usize| ring_seconds(shard, grouping.numel[g].saturating_mul(param_b), shard_link, false);
+    let first = facts.first_reads.iter().map(|&g| ag(g)).fold(0.0, f64::max);
+    let last = facts.last_grads.iter().map(|&g| rs(g) + ar(g)).fold(0.0, f64::max);
+    let mem_bw = if config.offload == Offload::Cpu {
+        hw.host_mem_gbps * 1e9
+    } else {
+        hw.hbm_gbps * 1e9 * hw.memory_efficiency
+    };
+    let k = config.optimizer.state_per_param();
+    let with_grads = || (0..grouping.groups.len()).filter(|&g| facts.has_grads[g]);
+    let grad_bytes: u64 = with_grads().map(|g| shard_numel[g].saturating_mul(grad_b)).sum();
+    let mut tail: f64 = with_grads()
+        .map(|g| {
+            let p = shard_numel[g].saturating_mul(master_b);
+            (shard_numel[g].saturating_mul(grad_b) + 2 * p + 2 * p * k) as f64 / mem_bw
+        })
+        .sum();
+    if config.grad_clip.is_some() {
+        tail += grad_bytes as f64 / mem_bw + ring_seconds(shard, 8, shard_link, true);
+    }
+    step_s = step_s.max((first + compute + last + tail) * (1.0 - SLACK));
+    if shard > 1 {
+        let frees_after_forward = match config.reshard_after_forward {
+            Reshard::AfterForward => true,
+            Reshard::ToGroupOf(n) => n == shard,
+            Reshard::Keep => false,
+        };
+        let n = grouping.groups.len();
+        let mut gathers = 0.0;
+        let mut scatters = 0.0;
+        for g in 0..n {
+            if facts.read[g] {
+                let again = frees_after_forward && !grouping.groups[g].is_root() && facts.read_in_backward[g];
+                gathers += ag(g) * if again { 2.0 } else { 1.0 };
+            }
+            if facts.has_grads[g] {
+                scatters += rs(g);
+            }
+        }
+        step_s = step_s.max(gathers * (1.0 - SLACK)).max(scatters * (1.0 - SLACK));
+    }
+    if replicate > 1 {
+        let reduces: f64 = with_grads().map(ar).sum();
+        step_s = step_s.max(reduces * (1.0 - SLACK));
+    }
+    Bounds { step_s, device }
+}
