@@ -293,7 +293,8 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
         "candidates planned (",
         "  #  mesh",
         "the winner, knob by knob:",
-        "activation_checkpointing none (vs selective)",
+        // Knobs compare only against candidates the search planned (bounds skip the rest).
+        "reshard_after_forward false (vs true)",
         "plan: llama3-8b",
     ] {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
