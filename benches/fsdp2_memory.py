@@ -120,12 +120,96 @@ def step_args(a):
 # ---------------------------------------------------------------- FSDP2 under FSDPMemTracker
 
 
+def tracker_class():
+    """FSDPMemTracker that also keeps each category's maximum, the peak of every phase of the
+    step and the op at which the peak happens (a class made on demand: torch is imported
+    only where it runs)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Tracker(FSDPMemTracker):
+        phase = "start"
+        last_op = None
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.cat_max = {}
+            self.phase_peak = {}
+            self.where = None
+            self.phase_start = {}
+            self.group_max = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.last_op = str(func)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _update_peak_stats(self, peak_state):
+            old = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            for dev, snap in self._curr_mem_snap.items():
+                named = {getattr(k, "value", k): v for k, v in snap.items()}
+                for name, v in named.items():
+                    self.cat_max[name] = max(self.cat_max.get(name, 0), v)
+                for key, _, theirs in CATEGORIES:
+                    v = sum(named.get(c, 0) for c in theirs)
+                    self.group_max[key] = max(self.group_max.get(key, 0), v)
+                tot = snap["Total"]
+                pp = self.phase_peak.get(self.phase)
+                if pp is None or tot > pp["total"]:
+                    self.phase_peak[self.phase] = {
+                        "total": tot,
+                        "categories": {getattr(k, "value", k): v for k, v in snap.items()},
+                        "op": self.last_op,
+                    }
+                if self._peak_mem.get(dev, 0) != old.get(dev, 0):
+                    self.where = {
+                        "phase": self.phase,
+                        "op": self.last_op,
+                        "modules": sorted(self._mod_tracker.parents - {"Global"}),
+                        "fsdp_state": self._fsdp_state.name,
+                        "live": self.live_storages(),
+                    }
+
+        def live_storages(self):
+            """Live tracked storages as {category: {bytes: count}}."""
+            out = {}
+            for winfo, _ in list(self._WINFO.values()):
+                if winfo.mem_consumed:
+                    by = out.setdefault(winfo.reftype.value, {})
+                    by[winfo.mem_consumed] = by.get(winfo.mem_consumed, 0) + 1
+            return {k: dict(sorted(v.items(), reverse=True)) for k, v in out.items()}
+
+        def set_phase(self, p):
+            self.phase = p
+            self.phase_start[p] = {
+                getattr(k, "value", k): v
+                for snap in self._curr_mem_snap.values() for k, v in snap.items()
+            }
+
+    return Tracker
+
+
+def tracker_report(tracker):
+    """What a tracked step measured on this rank: the peak, the categories at it, each
+    category's maximum, where the peak happened and the peak of every phase."""
+    peak = tracker.get_tracker_snapshot("peak")
+    (dev_snap,) = peak.values()
+    return {
+        "peak": dev_snap["Total"],
+        "at_peak": {getattr(k, "value", k): v for k, v in dev_snap.items() if k != "Total"},
+        "max_by_category": {k: v for k, v in tracker.cat_max.items() if k != "Total"},
+        # The maximum over the step of each shardplan category's FSDP2 sum.
+        "max_by_shardplan_category": tracker.group_max,
+        "peak_where": tracker.where,
+        "phase_peaks": tracker.phase_peak,
+        "phase_start": tracker.phase_start,
+        "modules": module_snapshots(tracker),
+    }
+
+
 def worker(rank, a, setting, path):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     import fsdp2_step
     from fsdp2_step import MixedPrecisionPolicy, fully_shard
 
@@ -167,68 +251,6 @@ def worker(rank, a, setting, path):
                 perm, torch.randint(0, s.vocab, (s.batch,), generator=starts), s.seq)
             return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
 
-        class Tracker(FSDPMemTracker):
-            """FSDPMemTracker that also keeps each category's maximum, the peak of every phase
-            of the step and the op at which the peak happens."""
-
-            phase = "start"
-            last_op = None
-
-            def __init__(self, *args, **kw):
-                super().__init__(*args, **kw)
-                self.cat_max = {}
-                self.phase_peak = {}
-                self.where = None
-                self.phase_start = {}
-                self.group_max = {}
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.last_op = str(func)
-                return super().__torch_dispatch__(func, types, args, kwargs)
-
-            def _update_peak_stats(self, peak_state):
-                old = dict(self._peak_mem)
-                super()._update_peak_stats(peak_state)
-                for dev, snap in self._curr_mem_snap.items():
-                    named = {getattr(k, "value", k): v for k, v in snap.items()}
-                    for name, v in named.items():
-                        self.cat_max[name] = max(self.cat_max.get(name, 0), v)
-                    for key, _, theirs in CATEGORIES:
-                        v = sum(named.get(c, 0) for c in theirs)
-                        self.group_max[key] = max(self.group_max.get(key, 0), v)
-                    tot = snap["Total"]
-                    pp = self.phase_peak.get(self.phase)
-                    if pp is None or tot > pp["total"]:
-                        self.phase_peak[self.phase] = {
-                            "total": tot,
-                            "categories": {getattr(k, "value", k): v for k, v in snap.items()},
-                            "op": self.last_op,
-                        }
-                    if self._peak_mem.get(dev, 0) != old.get(dev, 0):
-                        self.where = {
-                            "phase": self.phase,
-                            "op": self.last_op,
-                            "modules": sorted(self._mod_tracker.parents - {"Global"}),
-                            "fsdp_state": self._fsdp_state.name,
-                            "live": self.live_storages(),
-                        }
-
-            def live_storages(self):
-                """Live tracked storages as {category: {bytes: count}}."""
-                out = {}
-                for winfo, _ in list(self._WINFO.values()):
-                    if winfo.mem_consumed:
-                        by = out.setdefault(winfo.reftype.value, {})
-                        by[winfo.mem_consumed] = by.get(winfo.mem_consumed, 0) + 1
-                return {k: dict(sorted(v.items(), reverse=True)) for k, v in out.items()}
-
-            def set_phase(self, p):
-                self.phase = p
-                self.phase_start[p] = {
-                    getattr(k, "value", k): v
-                    for snap in self._curr_mem_snap.values() for k, v in snap.items()
-                }
-
         def step(tracker=None):
             def phase(p):
                 if tracker is not None:
@@ -250,11 +272,9 @@ def worker(rank, a, setting, path):
             return loss.item()
 
         warm_loss = step()  # AdamW's state exists from here on
-        tracker = Tracker(model, opt)
+        tracker = tracker_class()(model, opt)
         with tracker:
             loss = step(tracker)
-        peak = tracker.get_tracker_snapshot("peak")
-        (dev_snap,) = peak.values()
         if rank == 0:
             report = {
                 "setting": setting,
@@ -265,15 +285,7 @@ def worker(rank, a, setting, path):
                 "param_dtype": dtype,
                 "params": sum(p.numel() for p in model.parameters()),
                 "losses": [warm_loss, loss],
-                "peak": dev_snap["Total"],
-                "at_peak": {getattr(k, "value", k): v for k, v in dev_snap.items() if k != "Total"},
-                "max_by_category": {k: v for k, v in tracker.cat_max.items() if k != "Total"},
-                # The maximum over the step of each shardplan category's FSDP2 sum.
-                "max_by_shardplan_category": tracker.group_max,
-                "peak_where": tracker.where,
-                "phase_peaks": tracker.phase_peak,
-                "phase_start": tracker.phase_start,
-                "modules": module_snapshots(tracker),
+                **tracker_report(tracker),
             }
             with open(path, "w") as f:
                 json.dump(report, f, indent=2)
@@ -306,6 +318,35 @@ def run_fsdp2(a, setting, path):
 # ---------------------------------------------------------------- shardplan
 
 
+def parallel_spec(ranks, variant, reshard, ac, dtype, batch, seq):
+    """The parallel spec of one run: mesh {shard: ranks}, one FSDP unit per block, AdamW and
+    clipping as the FSDP2 runs; `variant` picks what the plan models (see VARIANTS)."""
+    if variant == "fsdp2":
+        # FSDP2's own run: its buffers and hooks, eager kernels (implied). The measured runs
+        # set no explicit forward prefetch: FSDP2's default, depth 0 forward and one group
+        # in backward.
+        runtime = "hardware: {base: h100-sxm}\nruntime: fsdp2\nprefetch: {forward: 0, backward: 1}\n"
+    else:
+        runtime = (f"hardware: {{base: h100-sxm, kernels: {variant}}}\n"
+                   "prefetch: {forward: 1, backward: 1}\n")
+    return (
+        f"mesh: {{replicate: 1, shard: {ranks}}}\n"
+        f"gpus_per_node: {ranks}\n"
+        "# Memory depends on the profile only through `kernels`: fused = shardplan's own\n"
+        "# executor (fused cross-entropy and RMSNorm, attention probabilities made in\n"
+        "# backward); eager = the planner's model of PyTorch eager (flash SDPA, eager\n"
+        "# cross-entropy) on shardplan's schedule; `runtime: fsdp2` = its model of\n"
+        "# FSDP2's own run, to hold against FSDP2's measured peak.\n"
+        + runtime
+        + "wrap: [block]\n"
+        f"reshard_after_forward: {'true' if reshard else 'false'}\n"
+        f"mixed_precision: {{param: {dtype}, reduce: f32}}\n"
+        f"activation_checkpointing: {ac}\n"
+        f"batch: {{per_rank: {batch}, seq_len: {seq}, grad_accum: 1}}\n"
+        "optimizer: {adamw: {lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1}}\n"
+        "grad_clip: 1.0\n")
+
+
 def write_specs(a, out):
     s = step_args(a)
     model = os.path.join(out, "model.yaml")
@@ -321,33 +362,9 @@ def write_specs(a, out):
         reshard, ac, dtype = SETTINGS[setting]
         for variant in VARIANTS:
             p = os.path.join(out, f"parallel-{setting}{'' if variant == 'fused' else '-' + variant}.yaml")
-            if variant == "fsdp2":
-                # FSDP2's own run: its buffers and hooks, eager kernels (implied). The run
-                # above sets no explicit forward prefetch: FSDP2's default, depth 0 forward
-                # and one group in backward.
-                runtime = ("hardware: {base: h100-sxm}\nruntime: fsdp2\n"
-                           "prefetch: {forward: 0, backward: 1}\n")
-            else:
-                runtime = (f"hardware: {{base: h100-sxm, kernels: {variant}}}\n"
-                           "prefetch: {forward: 1, backward: 1}\n")
             with open(p, "w") as f:
-                f.write(
-                    f"# benches/fsdp2_memory.py, setting {setting}: FSDP2 on {a.ranks} CPU ranks.\n"
-                    f"mesh: {{replicate: 1, shard: {a.ranks}}}\n"
-                    f"gpus_per_node: {a.ranks}\n"
-                    "# Memory depends on the profile only through `kernels`: fused = shardplan's own\n"
-                    "# executor (fused cross-entropy and RMSNorm, attention probabilities made in\n"
-                    "# backward); eager = the planner's model of PyTorch eager (flash SDPA, eager\n"
-                    "# cross-entropy) on shardplan's schedule; `runtime: fsdp2` = its model of\n"
-                    "# FSDP2's own run, to hold against FSDP2's measured peak.\n"
-                    + runtime +
-                    "wrap: [block]\n"
-                    f"reshard_after_forward: {'true' if reshard else 'false'}\n"
-                    f"mixed_precision: {{param: {dtype}, reduce: f32}}\n"
-                    f"activation_checkpointing: {ac}\n"
-                    f"batch: {{per_rank: {s.batch}, seq_len: {s.seq}, grad_accum: 1}}\n"
-                    "optimizer: {adamw: {lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1}}\n"
-                    "grad_clip: 1.0\n")
+                f.write(f"# benches/fsdp2_memory.py, setting {setting}: FSDP2 on {a.ranks} CPU ranks.\n"
+                        + parallel_spec(a.ranks, variant, reshard, ac, dtype, s.batch, s.seq))
             parallel[(setting, variant)] = p
     return model, parallel
 

@@ -127,17 +127,13 @@ pub fn steps_and_events(
 pub enum Kernels {
     /// shardplan's executor (`kernels: fused`): every graph value as a tensor, nothing more.
     Fused,
-    /// PyTorch eager (`kernels: eager`): flash attention, eager cross-entropy.
+    /// PyTorch eager (`kernels: eager`): flash attention, eager cross-entropy, and what
+    /// autograd saves beyond the graph's values (see [`Kernels::saved_bytes`]): the model
+    /// written as PyTorch ops, as the exported program and FSDP2 run it.
     Eager,
     /// PyTorch eager under autograd, as FSDP2 runs a plan (`runtime: fsdp2`): `Eager`, plus
-    /// what autograd saves that the graph does not name. An RMSNorm written as PyTorch ops
-    /// (`x * rsqrt(mean(x^2) + eps)` in f32, then `* weight`) keeps its `rsqrt` (f32, one
-    /// per row) and the normalised rows (in bf16 it keeps the f32 copy of its input and the
-    /// normalised rows in bf16 instead of the input: 4 bytes per element either way);
-    /// `scaled_dot_product_attention` keeps its logsumexp (f32, one per query row and
-    /// head). Saved until the backward of the op that saved them; an op of a recomputed
-    /// (checkpointed) block saves them only in its recompute. Token ids are int64 tensors,
-    /// and the loss the training loop holds lives through backward.
+    /// what the training loop holds that the graph does not name: token ids are int64
+    /// tensors, and the loss the loop keeps lives through backward.
     Autograd,
 }
 
@@ -151,10 +147,13 @@ impl Kernels {
         }
     }
 
-    /// Bytes autograd saves for forward node `id` beyond the graph's values (see
-    /// [`Kernels::Autograd`]); 0 for other kernels and ops.
+    /// Bytes PyTorch's autograd saves for forward node `id` beyond the graph's values, as
+    /// the exported program writes the op (`kernels: eager` and `runtime: fsdp2`; 0 for
+    /// shardplan's own kernels and for ops that save only graph values). Saved until the
+    /// backward of the op that saved them; an op of a recomputed (checkpointed) block
+    /// saves them only in its recompute.
     pub fn saved_bytes(self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
-        if self != Kernels::Autograd {
+        if self == Kernels::Fused {
             return 0;
         }
         let node = g.node(id);
@@ -163,9 +162,15 @@ impl Kernels {
         let last = shape.dims().last().copied().unwrap_or(1).max(1);
         let rows = numel / last;
         match node.op {
-            // rsqrt per row, and 4 bytes per element (normalised rows / f32 input copy).
+            // `x * rsqrt(mean(x^2) + eps)` in f32, then `* weight`: the `rsqrt` (f32, one per
+            // row) and the normalised rows (4 bytes per element; in bf16 the f32 copy of the
+            // input and the normalised rows in bf16 instead of the input, 4 bytes either way).
             Op::RmsNorm { .. } => rows.saturating_add(numel).saturating_mul(4),
-            // logsumexp: one f32 per (batch, query position, head).
+            // `F.layer_norm` (`native_layer_norm`): its mean and reciprocal standard deviation,
+            // one f32 each per row.
+            Op::LayerNorm { .. } => rows.saturating_mul(8),
+            // `scaled_dot_product_attention`'s logsumexp: one f32 per (batch, query position,
+            // head).
             Op::Attention { .. } => rows.saturating_mul(4),
             _ => 0,
         }
@@ -204,7 +209,7 @@ pub fn steps_and_events_for(
     // Autograd's saved tensors beyond the graph's values: freed after the last backward
     // node of the forward node that saved them.
     let mut last_grad_pos: IdVec<NodeId, usize> = IdVec::new();
-    if kernels == Kernels::Autograd {
+    if kernels != Kernels::Fused {
         last_grad_pos = IdVec::from_elem(usize::MAX, joint.forward_len);
         for (pos, &(id, copy)) in order.iter().enumerate() {
             if copy || id.index() < joint.forward_len {

@@ -249,7 +249,8 @@ fn fsdp2_holds_at_least_what_shardplan_holds() {
             f.memory.max_by_category.unsharded_params + f.memory.max_by_category.comm_buffers
                 >= s.memory.max_by_category.unsharded_params
         );
-        // Activations: autograd's saved norms and logsumexp on top of the eager model.
+        // Activations: int64 token ids and the loop's loss on top of the eager model (both
+        // keep autograd's saved norms and logsumexp).
         assert!(
             f.memory.max_by_category.activations > s.memory.max_by_category.activations,
             "{extra}"
@@ -309,4 +310,54 @@ fn an_fsdp2_plan_from_a_file_is_re_derived() {
     let mut edited = v.clone();
     edited["shardplan_executor"]["peak"] = serde_json::Value::from(1u64);
     assert!(rederive(&edited, &back, &joint).is_err());
+}
+
+/// Each eager op's saved bytes beyond the graph's values, as autograd saves them for the
+/// exported program's modules (checked with `torch.autograd.graph.saved_tensors_hooks`):
+/// RMSNorm its `rsqrt` and normalised rows, `F.layer_norm` its mean and `rstd`, SDPA its
+/// logsumexp; shardplan's fused kernels none.
+#[test]
+fn eager_kernels_save_what_autograd_saves() {
+    use shardplan_ir::Op;
+    use shardplan_planner::steps::Kernels;
+    for (name, norms) in [("tiny-llama", "rms_norm"), ("tiny-gpt2", "layer_norm")] {
+        let (batch, seq) = (2u64, 16u64);
+        let g = trace(
+            &preset(name).unwrap(),
+            TraceOptions {
+                batch,
+                seq_len: Some(seq),
+                dtype: shardplan_ir::DType::F32,
+            },
+        )
+        .unwrap();
+        let (mut seen_norm, mut seen_attn) = (0, 0);
+        for (id, node) in g.nodes() {
+            let dims = node.ty.shape.dims();
+            let rows = batch * seq;
+            let expect = match node.op {
+                Op::RmsNorm { .. } => (rows + rows * dims[dims.len() - 1]) * 4,
+                Op::LayerNorm { .. } => rows * 8,
+                // [b, s, heads, head_dim]: one f32 per (batch, position, head).
+                Op::Attention { .. } => rows * dims[2] * 4,
+                _ => 0,
+            };
+            seen_norm += usize::from(node.op.name() == norms);
+            seen_attn += usize::from(matches!(node.op, Op::Attention { .. }));
+            assert_eq!(Kernels::Eager.saved_bytes(&g, id), expect, "{name}: {}", node.op.name());
+            assert_eq!(
+                Kernels::Autograd.saved_bytes(&g, id),
+                expect,
+                "{name}: {}",
+                node.op.name()
+            );
+            assert_eq!(Kernels::Fused.saved_bytes(&g, id), 0, "{name}: {}", node.op.name());
+        }
+        assert!(seen_norm > 0 && seen_attn > 0, "{name}");
+    }
+    // On the plan: every norm's saved tensors live from its forward to its backward, so the
+    // eager plan holds more activations than the fused one.
+    let eager = own("hardware: {base: h100-sxm, kernels: eager}\n");
+    let fused = own("hardware: {base: h100-sxm, kernels: fused}\n");
+    assert!(eager.memory.max_by_category.activations > fused.memory.max_by_category.activations);
 }
