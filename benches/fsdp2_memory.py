@@ -326,8 +326,12 @@ def parallel_spec(ranks, variant, reshard, ac, dtype, batch, seq):
         # set no explicit forward prefetch: FSDP2's default, depth 0 forward and one group
         # in backward.
         runtime = "hardware: {base: h100-sxm}\nruntime: fsdp2\nprefetch: {forward: 0, backward: 1}\n"
+    elif variant == "fused":
+        # shardplan's executor runs its own default order: `prefetch: auto`, one group
+        # ahead each way, then all-gathers moved off the peak.
+        runtime = "hardware: {base: h100-sxm, kernels: fused}\nprefetch: auto\n"
     else:
-        runtime = (f"hardware: {{base: h100-sxm, kernels: {variant}}}\n"
+        runtime = ("hardware: {base: h100-sxm, kernels: eager}\n"
                    "prefetch: {forward: 1, backward: 1}\n")
     return (
         f"mesh: {{replicate: 1, shard: {ranks}}}\n"
