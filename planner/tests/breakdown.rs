@@ -4,24 +4,15 @@
 
 mod common;
 
-use common::parallel;
-use shardplan_ir::{differentiate, JointGraph, NodeId};
-use shardplan_models::{preset, trace, TraceOptions};
+use common::{joint_of, parallel};
+use shardplan_ir::{JointGraph, NodeId};
+use shardplan_models::preset;
 use shardplan_planner::{plan, Breakdown, Instr, OpModel, Plan, Stream, WorkKind};
 
 /// The joint graph and plan of `model` under `yaml`.
 fn planned(model: &str, yaml: &str) -> (JointGraph, Plan) {
     let config = parallel(yaml);
-    let g = trace(
-        &preset(model).unwrap(),
-        TraceOptions {
-            batch: config.batch.per_rank,
-            seq_len: config.batch.seq_len,
-            dtype: config.mixed_precision.param,
-        },
-    )
-    .unwrap();
-    let joint = differentiate(&g).unwrap();
+    let joint = joint_of(&preset(model).unwrap(), &config);
     let p = plan(&joint, &config).unwrap_or_else(|e| panic!("{e}"));
     (joint, p)
 }

@@ -5,8 +5,7 @@
 
 mod common;
 
-use common::{parallel, plan_preset};
-use shardplan_ir::differentiate;
+use common::{joint_of, parallel, plan_preset};
 use shardplan_models::{preset, trace, TraceOptions};
 use shardplan_planner::rederive::rederive;
 use shardplan_planner::{plan, BufId, Category, Instr, Plan, PlanSource, Stream};
@@ -284,16 +283,7 @@ fn the_plan_carries_shardplans_own_prediction_for_the_same_spec() {
 fn an_fsdp2_plan_from_a_file_is_re_derived() {
     let config = parallel(&spec("runtime: fsdp2\nactivation_checkpointing: full\n"));
     let model = preset("tiny-llama").unwrap();
-    let g = trace(
-        &model,
-        TraceOptions {
-            batch: config.batch.per_rank,
-            seq_len: config.batch.seq_len,
-            dtype: config.mixed_precision.param,
-        },
-    )
-    .unwrap();
-    let joint = differentiate(&g).unwrap();
+    let joint = joint_of(&model, &config);
     let mut p = plan(&joint, &config).unwrap();
     p.source = Some(PlanSource {
         model,

@@ -6,7 +6,7 @@ pub mod edit;
 pub mod gen;
 
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
-use shardplan_ir::differentiate;
+use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{preset, trace, ModelConfig, TraceOptions};
 use shardplan_planner::{plan, Plan};
 
@@ -17,9 +17,8 @@ pub fn parallel(yaml: &str) -> ParallelConfig {
         .0
 }
 
-/// Plans `model` under the YAML parallel spec.
-pub fn plan_model(model: &ModelConfig, yaml: &str) -> Plan {
-    let config = parallel(yaml);
+/// The joint graph of `model` traced at `config`'s micro-batch shape and parameter dtype.
+pub fn joint_of(model: &ModelConfig, config: &ParallelConfig) -> JointGraph {
     let g = trace(
         model,
         TraceOptions {
@@ -29,8 +28,13 @@ pub fn plan_model(model: &ModelConfig, yaml: &str) -> Plan {
         },
     )
     .unwrap();
-    let joint = differentiate(&g).unwrap();
-    plan(&joint, &config).unwrap_or_else(|e| panic!("{e}"))
+    differentiate(&g).unwrap()
+}
+
+/// Plans `model` under the YAML parallel spec.
+pub fn plan_model(model: &ModelConfig, yaml: &str) -> Plan {
+    let config = parallel(yaml);
+    plan(&joint_of(model, &config), &config).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Plans a preset.
