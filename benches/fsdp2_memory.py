@@ -494,13 +494,21 @@ def print_table(c):
               f"measured {c['train']['measured']}")
 
 
-def main(argv=None):
-    a = parse_args(argv)
+def tracker_unavailable():
+    """Why this Python cannot run the FSDP2 side (a message), or None when it can."""
     try:
         import torch  # noqa: F401
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
     except Exception as e:  # ImportError, or a torch without FSDP2 / the tracker
-        print(f"skipped: PyTorch with FSDP2's FSDPMemTracker is not importable by {sys.executable} ({e})")
+        return f"skipped: PyTorch with FSDP2's FSDPMemTracker is not importable by {sys.executable} ({e})"
+    return None
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    missing = tracker_unavailable()
+    if missing:
+        print(missing)
         return 0
     sys.path.insert(0, HERE)
     if not os.path.exists(a.shardplan):

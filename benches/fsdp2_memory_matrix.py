@@ -319,12 +319,11 @@ def markdown(results, torch_version, a):
 
 def main(argv=None):
     a = parse_args(argv)
-    try:
-        import torch
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
-    except Exception as e:  # ImportError, or a torch without FSDP2 / the tracker
-        print(f"skipped: PyTorch with FSDP2's FSDPMemTracker is not importable by {sys.executable} ({e})")
+    missing = fsdp2_memory.tracker_unavailable()
+    if missing:
+        print(missing)
         return 0
+    import torch
     if not os.path.exists(a.shardplan):
         print(f"error: no shardplan binary at {a.shardplan} (cargo build, or --shardplan)", file=sys.stderr)
         return 2
