@@ -274,8 +274,9 @@ impl<'a> OpModel<'a> {
                 // Operand 0 is the [b, h, s, t] probabilities or their gradient.
                 let p = dims(0);
                 let f = flops * self.kept(p[2], p[3], self.causal);
-                // Fused into flash attention's backward kernel under eager PyTorch; its own
-                // kernel in shardplan's executor.
+                // Fused into flash attention's backward kernel under eager PyTorch; in
+                // shardplan's executor one of the five kernels its blockwise backward runs
+                // (`ExecOrder::blockwise_attention`), each with its launch.
                 let t = f / (self.peak * self.hw.attention_bwd_efficiency);
                 match self.hw.kernels {
                     KernelMode::Eager => (t, t),

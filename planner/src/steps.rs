@@ -10,7 +10,9 @@
 //! makes it to its last reader: parameters are not activations (they live in the groups'
 //! unsharded buffers), nor are final parameter gradients (they live in the unsharded
 //! gradient buffers). A backward node of a checkpointed block reads the recomputed copy of
-//! that block's forward values, so the originals die at their last forward use.
+//! that block's forward values, so the originals die at their last forward use. Attention's
+//! backward holds no `[b, h, s, t]` value: flash attention under PyTorch, a blockwise
+//! kernel in shardplan's executor ([`ExecOrder::blockwise_attention`]).
 
 use crate::group::{scope_groups, FsdpGroup, GroupId};
 use serde::{Deserialize, Serialize};
@@ -103,11 +105,12 @@ pub struct ActEvent {
     pub bytes: u64,
 }
 
-/// [`steps`], and the activation events of each step. With `flash_attention` (PyTorch
-/// eager's memory: `kernels: eager`), attention's backward holds no `[b, h, s, t]`
-/// probabilities (see [`ExecOrder::flash_attention`]), and the cross-entropy's backward
-/// holds one more tensor the size of the logits while it runs (eager's `log_softmax` +
-/// `nll_loss`).
+/// [`steps`], and the activation events of each step. Attention's backward holds no
+/// `[b, h, s, t]` probabilities either way (flash attention under PyTorch, see
+/// [`ExecOrder::flash_attention`]; shardplan's blockwise kernel otherwise, see
+/// [`ExecOrder::blockwise_attention`]). With `flash_attention` (PyTorch eager's memory:
+/// `kernels: eager`) the cross-entropy's backward holds one more tensor the size of the
+/// logits while it runs (eager's `log_softmax` + `nll_loss`).
 pub fn steps_and_events(
     joint: &JointGraph,
     groups: &[FsdpGroup],
@@ -125,7 +128,9 @@ pub fn steps_and_events(
 /// What a rank's compute holds beside the graph's own values, by what runs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
-    /// shardplan's executor (`kernels: fused`): every graph value as a tensor, nothing more.
+    /// shardplan's executor (`kernels: fused`): every graph value as a tensor, except the
+    /// attention backward's `[b, h, s, t]` placeholders (its blockwise kernel, see
+    /// [`ExecOrder::blockwise_attention`]), nothing more.
     Fused,
     /// PyTorch eager (`kernels: eager`): flash attention, eager cross-entropy, and what
     /// autograd saves beyond the graph's values (see [`Kernels::saved_bytes`]): the model
@@ -184,7 +189,8 @@ pub fn steps_and_events_for(
     ac: ActivationCheckpointing,
     kernels: Kernels,
 ) -> (Vec<Step>, ActEvents) {
-    let flash_attention = kernels != Kernels::Fused;
+    // PyTorch eager's cross-entropy (see below).
+    let eager_cross_entropy = kernels != Kernels::Fused;
     let g = &joint.graph;
     let n = g.node_count();
     let group_of_scope = scope_groups(g, groups);
@@ -204,7 +210,11 @@ pub fn steps_and_events_for(
         }
     }
     let mut exec = ExecOrder::new(joint, ac);
-    exec.flash_attention = flash_attention;
+    if kernels == Kernels::Fused {
+        exec.blockwise_attention(g);
+    } else {
+        exec.flash_attention = true;
+    }
     let order = &exec.order;
     // Autograd's saved tensors beyond the graph's values: freed after the last backward
     // node of the forward node that saved them.
@@ -340,7 +350,7 @@ pub fn steps_and_events_for(
                 bytes: made,
             });
         }
-        if flash_attention && matches!(node.op, Op::CrossEntropyGrad) {
+        if eager_cross_entropy && matches!(node.op, Op::CrossEntropyGrad) {
             // PyTorch eager's cross-entropy is `log_softmax` then `nll_loss`: its backward
             // makes the log-probabilities' gradient (as large as the logits) before the
             // logits' gradient, beside it.
@@ -397,7 +407,7 @@ pub fn steps_and_events_for(
             }
         }
         freed.clear();
-        for &input in &node.inputs {
+        for &input in node.inputs.iter().chain(exec.extra_reads(g, id)) {
             if param_of_node[input.index()].is_some() {
                 continue;
             }
@@ -455,8 +465,47 @@ pub struct ExecOrder {
     /// Attention's backward runs as one flash-attention kernel (PyTorch's
     /// `scaled_dot_product_attention`): the probabilities and their gradient, the
     /// `[b, h, s, t]` values the graph names, live only in its on-chip tiles, so they hold
-    /// no memory. False for shardplan's executor, which makes them as tensors.
+    /// no memory. Set by [`ExecOrder::blockwise_attention`] for shardplan's executor too.
     pub flash_attention: bool,
+    /// Attention backwards shardplan's executor runs blockwise (see
+    /// [`ExecOrder::blockwise_attention`]); empty otherwise.
+    pub blockwise: Vec<BlockwiseAttention>,
+    /// Index into `blockwise` of each node that is part of one: its probabilities, their
+    /// gradient and its outputs.
+    blockwise_of: Vec<Option<u32>>,
+}
+
+/// One attention backward as shardplan's executor runs it under
+/// [`ExecOrder::blockwise_attention`]: the probabilities and their gradient are
+/// placeholders, and the first of its outputs in order computes all of them in blocks of
+/// query rows from the forward operands and the output gradient.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockwiseAttention {
+    /// The `attn_probs` node (a placeholder).
+    pub probs: NodeId,
+    /// The `attn_grad_scores` node (a placeholder), when q or k needs a gradient.
+    pub scores: Option<NodeId>,
+    /// q, k, v and the output gradient, the values the blockwise kernel reads.
+    pub operands: [NodeId; 4],
+    /// The forward operands and the output gradient.
+    pub q: NodeId,
+    pub k: NodeId,
+    pub v: NodeId,
+    pub dy: NodeId,
+    pub causal: bool,
+    /// The gradient nodes, where the graph has them.
+    pub dq: Option<NodeId>,
+    pub dk: Option<NodeId>,
+    pub dv: Option<NodeId>,
+}
+
+impl BlockwiseAttention {
+    /// The gradient nodes the graph has, in node order; the first computes them all.
+    pub fn outputs(&self) -> impl Iterator<Item = NodeId> {
+        let mut out = [self.dv, self.dq, self.dk];
+        out.sort_unstable();
+        out.into_iter().flatten()
+    }
 }
 
 impl ExecOrder {
@@ -566,6 +615,8 @@ impl ExecOrder {
             saved,
             forward_len: joint.forward_len,
             flash_attention: false,
+            blockwise: Vec::new(),
+            blockwise_of: Vec::new(),
         };
         for pos in 0..exec.order.len() {
             let (id, copy) = exec.order[pos];
@@ -577,6 +628,145 @@ impl ExecOrder {
             }
         }
         exec
+    }
+
+    /// Runs attention's backward as shardplan's executor does: blockwise, as flash
+    /// attention does, with no `[b, h, s, t]` value in memory.
+    ///
+    /// For each `attn_probs` node whose readers are only `attn_grad_v` and
+    /// `attn_grad_scores` (and whose `attn_grad_scores` is read only by `attn_grad_q` and
+    /// `attn_grad_k`), the probabilities and their gradient become placeholders that hold
+    /// no memory, and the first gradient node in order computes dq, dk and dv together in
+    /// blocks of query rows, recomputing each block's probabilities from q and k. So the
+    /// gradient nodes read q, k, v and the output gradient, which live until the last of
+    /// them (as a flash-attention backward kernel holds its operands until it ends).
+    ///
+    /// The executor holds dq and dk from the first gradient node on, the plan from their
+    /// own nodes; the nodes between make only placeholders and free nothing (every operand
+    /// lives to the last gradient node), so both see the same peak.
+    pub fn blockwise_attention(&mut self, g: &shardplan_ir::Graph) {
+        let n = g.node_count();
+        let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); n];
+        for (id, node) in g.nodes() {
+            if matches!(
+                node.op,
+                Op::AttnProbs { .. } | Op::AttnGradScores | Op::AttnGradV { .. } | Op::AttnGradQ | Op::AttnGradK { .. }
+            ) {
+                for &i in &node.inputs {
+                    readers[i.index()].push(id);
+                }
+            } else {
+                for &i in &node.inputs {
+                    if matches!(g.node(i).op, Op::AttnProbs { .. } | Op::AttnGradScores) {
+                        readers[i.index()].push(id);
+                    }
+                }
+            }
+        }
+        self.blockwise.clear();
+        self.blockwise_of = vec![None; n];
+        for (probs, node) in g.nodes() {
+            let Op::AttnProbs { causal } = node.op else { continue };
+            let (q, k) = (node.inputs[0], node.inputs[1]);
+            let mut b = BlockwiseAttention {
+                probs,
+                scores: None,
+                operands: [q; 4],
+                q,
+                k,
+                v: q,
+                dy: q,
+                causal,
+                dq: None,
+                dk: None,
+                dv: None,
+            };
+            let (mut dy, mut v, mut ok) = (None, None, true);
+            for &r in &readers[probs.index()] {
+                let rn = g.node(r);
+                match rn.op {
+                    Op::AttnGradV { .. } if rn.inputs[0] == probs && b.dv.is_none() => {
+                        b.dv = Some(r);
+                        ok &= *dy.get_or_insert(rn.inputs[1]) == rn.inputs[1];
+                    }
+                    Op::AttnGradScores if rn.inputs[0] == probs && b.scores.is_none() => {
+                        b.scores = Some(r);
+                        ok &= *dy.get_or_insert(rn.inputs[1]) == rn.inputs[1];
+                        v = Some(rn.inputs[2]);
+                        for &r2 in &readers[r.index()] {
+                            let r2n = g.node(r2);
+                            match r2n.op {
+                                Op::AttnGradQ if r2n.inputs == [r, k] && b.dq.is_none() => b.dq = Some(r2),
+                                Op::AttnGradK { .. } if r2n.inputs == [r, q] && b.dk.is_none() => b.dk = Some(r2),
+                                _ => ok = false,
+                            }
+                        }
+                    }
+                    _ => ok = false,
+                }
+            }
+            // v: the attention's own third operand; `attn_grad_v` alone does not name it.
+            let forward = node.grad_of.map(|f| g.node(f));
+            let fv = forward
+                .filter(|f| matches!(f.op, Op::Attention { .. }) && f.inputs[..2] == [q, k])
+                .map(|f| f.inputs[2]);
+            match (v, fv) {
+                (Some(a), Some(b)) if a != b => ok = false,
+                (None, None) => ok = false,
+                _ => {}
+            }
+            let (Some(dy), Some(v)) = (dy, v.or(fv)) else { continue };
+            if !ok || (b.dv.is_none() && b.dq.is_none() && b.dk.is_none()) {
+                continue;
+            }
+            b.dy = dy;
+            b.v = v;
+            b.operands = [q, k, v, dy];
+            let index = Some(self.blockwise.len() as u32);
+            for x in [Some(b.probs), b.scores, b.dq, b.dk, b.dv].into_iter().flatten() {
+                self.blockwise_of[x.index()] = index;
+            }
+            self.blockwise.push(b);
+        }
+        self.flash_attention = true;
+        // The gradient nodes read the operands through the placeholders.
+        for pos in 0..self.order.len() {
+            let (id, copy) = self.order[pos];
+            let Some(operands) = self.blockwise_group(id).map(|b| b.operands) else {
+                continue;
+            };
+            if matches!(g.node(id).op, Op::AttnProbs { .. } | Op::AttnGradScores) {
+                continue;
+            }
+            for x in operands {
+                if self.param_of_node[x.index()].is_none() {
+                    let s = Self::slot(x, self.reads_copy(id, copy, x));
+                    self.last_use[s] = self.last_use[s].max(pos);
+                }
+            }
+        }
+    }
+
+    /// The blockwise attention backward `id` is part of, if any.
+    pub fn blockwise_group(&self, id: NodeId) -> Option<&BlockwiseAttention> {
+        let i = (*self.blockwise_of.get(id.index())?)?;
+        self.blockwise.get(i as usize)
+    }
+
+    /// Values `id` reads beyond its graph inputs: a blockwise attention's gradient node
+    /// reads q, k, v and the output gradient (through the placeholders); nothing else does.
+    /// Frees at a node's position go over its inputs and these.
+    pub fn extra_reads(&self, g: &shardplan_ir::Graph, id: NodeId) -> &[NodeId] {
+        match self.blockwise_group(id) {
+            Some(b) if !matches!(g.node(id).op, Op::AttnProbs { .. } | Op::AttnGradScores) => &b.operands,
+            _ => &[],
+        }
+    }
+
+    /// Whether `id` is a placeholder of a blockwise attention backward (no memory).
+    pub fn placeholder(&self, id: NodeId) -> bool {
+        self.blockwise_group(id)
+            .is_some_and(|b| b.probs == id || b.scores == Some(id))
     }
 
     /// Whether forward node `id` runs again in its block's recompute (checkpointed and not
@@ -610,10 +800,12 @@ impl ExecOrder {
         if self.param_of_node[id.index()].is_some()
             || self.is_param_grad[id.index()]
             || (self.flash_attention
+                && self.blockwise_of.is_empty()
                 && matches!(
                     g.node(id).op,
                     shardplan_ir::Op::AttnProbs { .. } | shardplan_ir::Op::AttnGradScores
                 ))
+            || self.placeholder(id)
         {
             0
         } else {

@@ -70,6 +70,161 @@ impl Ctx {
     }
 }
 
+/// One of attention's backward ops (`attn_probs`, `attn_grad_{v,scores,q,k}`) on `ins`.
+fn attention_backward_op(op: &Op, ins: &[&Tensor]) -> Result<Tensor> {
+    let t = match op {
+        Op::AttnProbs { causal } if fused::applies(&ins[..2]) => attention::probs(ins[0], ins[1], *causal)?,
+        Op::AttnProbs { causal } => attn_probs(ins[0], ins[1], *causal)?,
+        Op::AttnGradV { kv_heads } if fused::applies(&ins[..2]) => {
+            attention::grad_v(ins[0], ins[1], *kv_heads as usize)?
+        }
+        Op::AttnGradScores if fused::applies(&ins[..3]) => attention::grad_scores(ins[0], ins[1], ins[2])?,
+        Op::AttnGradQ if fused::applies(&ins[..2]) => attention::grad_q(ins[0], ins[1])?,
+        Op::AttnGradK { kv_heads } if fused::applies(&ins[..2]) => {
+            attention::grad_k(ins[0], ins[1], *kv_heads as usize)?
+        }
+        Op::AttnGradV { kv_heads } => {
+            // dv[b, t, kv, :] = sum over the kv head's query heads and s of p * g
+            let p = grouped(ins[0], *kv_heads as usize)?;
+            let g = grouped(&heads_first(ins[1])?, *kv_heads as usize)?;
+            heads_first(&p.transpose(2, 3)?.matmul(&g)?)?
+        }
+        Op::AttnGradScores => {
+            let (p, g, v) = (ins[0], ins[1], ins[2]);
+            let kv = v.dim(2)?;
+            let h = p.dim(1)?;
+            let dp = grouped(&heads_first(g)?, kv)?.matmul(&heads_first(v)?.transpose(2, 3)?)?;
+            let dp = ungroup(&dp, h)?;
+            if fused::applies(&[p, &dp]) {
+                return fused::softmax_backward(p, &dp);
+            }
+            let (pw, dpw) = (wide(p)?, wide(&dp)?);
+            let row = (&dpw * &pw)?.sum_keepdim(D::Minus1)?;
+            (pw * dpw.broadcast_sub(&row)?)?.to_dtype(p.dtype())?
+        }
+        Op::AttnGradQ => {
+            let (ds, k) = (ins[0], ins[1]);
+            let scale = 1.0 / (k.dim(3)? as f64).sqrt();
+            let dq = grouped(ds, k.dim(2)?)?.matmul(&heads_first(k)?)?;
+            ungroup_heads(&dq, ds.dim(1)?)?.affine(scale, 0.0)?
+        }
+        Op::AttnGradK { kv_heads } => {
+            let (ds, q) = (ins[0], ins[1]);
+            let scale = 1.0 / (q.dim(3)? as f64).sqrt();
+            let ds = grouped(ds, *kv_heads as usize)?;
+            let q = grouped(&heads_first(q)?, *kv_heads as usize)?;
+            heads_first(&ds.transpose(2, 3)?.matmul(&q)?)?.affine(scale, 0.0)?
+        }
+        _ => {
+            return Err(ExecError::Internal(format!(
+                "{} is not an attention backward op",
+                op.name()
+            )))
+        }
+    };
+    Ok(t)
+}
+
+/// Rows of f32 scores (`[b, h, rows, t]`) one block of [`attention_backward_blockwise`]
+/// holds at most: 1 MiB per `[b, h, rows, t]` tensor, in whole 64-row blocks.
+const BLOCKWISE_SCORES: usize = 1 << 18;
+
+/// Attention's gradients `[dq, dk, dv]` (each only where `want` asks) from its operands
+/// `q [b, s, h, d]`, `k`, `v [b, t, kv, d]` and the output gradient `dy [b, s, h, d]`,
+/// without the `[b, h, s, t]` probabilities or their gradient: blocks of query rows, each
+/// recomputing its probabilities from q and k (as flash attention's backward does) and
+/// holding at most [`BLOCKWISE_SCORES`] scores. A causal block reads only the keys its last
+/// row sees. dk and dv sum the blocks' parts in f32.
+pub fn attention_backward_blockwise(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dy: &Tensor,
+    causal: bool,
+    want: [bool; 3],
+) -> Result<[Option<Tensor>; 3]> {
+    let (b, s, h, _) = q.dims4()?;
+    let t = k.dim(1)?;
+    let per_row = (b * h * t).max(1);
+    let rows = ((BLOCKWISE_SCORES / per_row) / 64 * 64).clamp(64, s.max(64));
+    blockwise_in_rows(q, k, v, dy, causal, want, rows)
+}
+
+/// [`attention_backward_blockwise`] in blocks of `rows` query rows.
+fn blockwise_in_rows(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dy: &Tensor,
+    causal: bool,
+    want: [bool; 3],
+    rows: usize,
+) -> Result<[Option<Tensor>; 3]> {
+    let s = q.dim(1)?;
+    let (_, t, kv, _) = k.dims4()?;
+    let rows = rows.max(1);
+    let wide_dtype = if q.dtype() == CDType::F64 {
+        CDType::F64
+    } else {
+        CDType::F32
+    };
+    let mut dq_parts = Vec::new();
+    let (mut dk, mut dv): (Option<Tensor>, Option<Tensor>) = (None, None);
+    let kv_heads = kv as u64;
+    for r0 in (0..s).step_by(rows) {
+        let r1 = (r0 + rows).min(s);
+        let c = r1 - r0;
+        // Keys the block's last row sees (rows aligned to the end of the keys).
+        let tk = if causal { (r1 + t).saturating_sub(s).min(t) } else { t };
+        if tk == 0 {
+            if want[0] {
+                dq_parts.push(q.narrow(1, r0, c)?.zeros_like()?);
+            }
+            continue;
+        }
+        let qc = q.narrow(1, r0, c)?.contiguous()?;
+        let dyc = dy.narrow(1, r0, c)?.contiguous()?;
+        let kc = k.narrow(1, 0, tk)?.contiguous()?;
+        let vc = v.narrow(1, 0, tk)?.contiguous()?;
+        let p = attention_backward_op(&Op::AttnProbs { causal }, &[&qc, &kc])?;
+        let add = |acc: &mut Option<Tensor>, part: Tensor| -> Result<()> {
+            let part = part.to_dtype(wide_dtype)?.pad_with_zeros(1, 0, t - tk)?;
+            *acc = Some(match acc.take() {
+                Some(a) => (a + part)?,
+                None => part,
+            });
+            Ok(())
+        };
+        if want[2] {
+            add(
+                &mut dv,
+                attention_backward_op(&Op::AttnGradV { kv_heads }, &[&p, &dyc])?,
+            )?;
+        }
+        if want[0] || want[1] {
+            let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dyc, &vc])?;
+            drop(p);
+            if want[0] {
+                dq_parts.push(attention_backward_op(&Op::AttnGradQ, &[&ds, &kc])?);
+            }
+            if want[1] {
+                add(
+                    &mut dk,
+                    attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &qc])?,
+                )?;
+            }
+        }
+    }
+    let dq = if want[0] {
+        Some(Tensor::cat(&dq_parts, 1)?)
+    } else {
+        None
+    };
+    let dk = dk.map(|x| x.to_dtype(k.dtype())).transpose()?;
+    let dv = dv.map(|x| x.to_dtype(v.dtype())).transpose()?;
+    Ok([dq, dk, dv])
+}
+
 /// The wide float type reductions run in: f64 stays f64, everything else uses f32.
 fn wide(t: &Tensor) -> Result<Tensor> {
     Ok(if t.dtype() == CDType::F64 {
@@ -160,47 +315,8 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         },
         Op::RmsNormGrad { eps, wrt } => rms_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
         Op::LayerNormGrad { eps, wrt } => layer_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
-        Op::AttnProbs { causal } if fused::applies(&ins[..2]) => attention::probs(ins[0], ins[1], *causal)?,
-        Op::AttnProbs { causal } => attn_probs(ins[0], ins[1], *causal)?,
-        Op::AttnGradV { kv_heads } if fused::applies(&ins[..2]) => {
-            attention::grad_v(ins[0], ins[1], *kv_heads as usize)?
-        }
-        Op::AttnGradScores if fused::applies(&ins[..3]) => attention::grad_scores(ins[0], ins[1], ins[2])?,
-        Op::AttnGradQ if fused::applies(&ins[..2]) => attention::grad_q(ins[0], ins[1])?,
-        Op::AttnGradK { kv_heads } if fused::applies(&ins[..2]) => {
-            attention::grad_k(ins[0], ins[1], *kv_heads as usize)?
-        }
-        Op::AttnGradV { kv_heads } => {
-            // dv[b, t, kv, :] = sum over the kv head's query heads and s of p * g
-            let p = grouped(ins[0], *kv_heads as usize)?;
-            let g = grouped(&heads_first(ins[1])?, *kv_heads as usize)?;
-            heads_first(&p.transpose(2, 3)?.matmul(&g)?)?
-        }
-        Op::AttnGradScores => {
-            let (p, g, v) = (ins[0], ins[1], ins[2]);
-            let kv = v.dim(2)?;
-            let h = p.dim(1)?;
-            let dp = grouped(&heads_first(g)?, kv)?.matmul(&heads_first(v)?.transpose(2, 3)?)?;
-            let dp = ungroup(&dp, h)?;
-            if fused::applies(&[p, &dp]) {
-                return fused::softmax_backward(p, &dp);
-            }
-            let (pw, dpw) = (wide(p)?, wide(&dp)?);
-            let row = (&dpw * &pw)?.sum_keepdim(D::Minus1)?;
-            (pw * dpw.broadcast_sub(&row)?)?.to_dtype(p.dtype())?
-        }
-        Op::AttnGradQ => {
-            let (ds, k) = (ins[0], ins[1]);
-            let scale = 1.0 / (k.dim(3)? as f64).sqrt();
-            let dq = grouped(ds, k.dim(2)?)?.matmul(&heads_first(k)?)?;
-            ungroup_heads(&dq, ds.dim(1)?)?.affine(scale, 0.0)?
-        }
-        Op::AttnGradK { kv_heads } => {
-            let (ds, q) = (ins[0], ins[1]);
-            let scale = 1.0 / (q.dim(3)? as f64).sqrt();
-            let ds = grouped(ds, *kv_heads as usize)?;
-            let q = grouped(&heads_first(q)?, *kv_heads as usize)?;
-            heads_first(&ds.transpose(2, 3)?.matmul(&q)?)?.affine(scale, 0.0)?
+        Op::AttnProbs { .. } | Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
+            attention_backward_op(op, ins)?
         }
         Op::SiluGrad | Op::GeluGrad if fused::applies(&[ins[0], ins[1]]) => {
             fused::activation_grad(ins[0], ins[1], matches!(op, Op::GeluGrad))?
@@ -522,5 +638,55 @@ mod tests {
         let b = causal_mask(2, 3, CDType::BF16, &Device::Cpu).unwrap();
         assert_eq!(b.dtype(), CDType::BF16);
         assert_ne!(b.id(), m.id());
+    }
+
+    #[test]
+    fn blockwise_attention_backward_equals_the_materialised_one() {
+        use candle_core::DType as CD;
+        // s = t = 100 in blocks of 32 (a partial last block); GQA (4 query heads on 2 k/v
+        // heads) and MHA; causal and not; f32 (the fused kernels) and f64 (the composed ones).
+        for (dtype, tol) in [(CD::F32, 1e-5), (CD::F64, 1e-12)] {
+            for (h, kv) in [(4usize, 2usize), (2, 2)] {
+                for causal in [true, false] {
+                    let (b, s, d) = (2usize, 100usize, 8usize);
+                    let dev = Device::Cpu;
+                    let r = |n: &[usize]| Tensor::randn(0f32, 1.0, n, &dev).unwrap().to_dtype(dtype).unwrap();
+                    let (q, k, v, dy) = (r(&[b, s, h, d]), r(&[b, s, kv, d]), r(&[b, s, kv, d]), r(&[b, s, h, d]));
+                    let kv_heads = kv as u64;
+                    let p = attention_backward_op(&Op::AttnProbs { causal }, &[&q, &k]).unwrap();
+                    let dv = attention_backward_op(&Op::AttnGradV { kv_heads }, &[&p, &dy]).unwrap();
+                    let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dy, &v]).unwrap();
+                    let dq = attention_backward_op(&Op::AttnGradQ, &[&ds, &k]).unwrap();
+                    let dk = attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &q]).unwrap();
+                    for rows in [32, 64, 100, 1000] {
+                        let got = blockwise_in_rows(&q, &k, &v, &dy, causal, [true, true, true], rows).unwrap();
+                        for (name, want, got) in [("dq", &dq, &got[0]), ("dk", &dk, &got[1]), ("dv", &dv, &got[2])] {
+                            let got = got.as_ref().unwrap();
+                            assert_eq!(got.dims(), want.dims(), "{name}");
+                            assert_eq!(got.dtype(), want.dtype(), "{name}");
+                            let err = (got - want)
+                                .unwrap()
+                                .abs()
+                                .unwrap()
+                                .flatten_all()
+                                .unwrap()
+                                .max(0)
+                                .unwrap()
+                                .to_dtype(CD::F64)
+                                .unwrap()
+                                .to_scalar::<f64>()
+                                .unwrap();
+                            assert!(
+                                err <= tol,
+                                "{name} differs by {err} (h {h}, kv {kv}, causal {causal}, rows {rows}, {dtype:?})"
+                            );
+                        }
+                    }
+                    // Only what is asked for is made.
+                    let only_v = blockwise_in_rows(&q, &k, &v, &dy, causal, [false, false, true], 32).unwrap();
+                    assert!(only_v[0].is_none() && only_v[1].is_none() && only_v[2].is_some());
+                }
+            }
+        }
     }
 }

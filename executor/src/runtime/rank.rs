@@ -8,7 +8,9 @@
 //!   into the flat unsharded-gradient buffer in the same (padded, rank-major) layout, which
 //!   the reduce-scatter reduces.
 //! - The compute stream runs each step's nodes in the planner's execution order and frees a
-//!   value after its last reader (`ExecOrder`), recompute copies included.
+//!   value after its last reader (`ExecOrder`), recompute copies included. Attention's
+//!   backward runs blockwise (`ExecOrder::blockwise_attention`): its `[b, h, s, t]` values
+//!   are empty placeholders, and its first gradient node makes all of its gradients.
 
 use crate::comm::{tensor_bytes, Abort, Collectives, Reduce};
 
@@ -396,12 +398,55 @@ fn flatten(
 struct Compute<'c> {
     ctx: &'c mut Ctx,
     values: Vec<Option<Tensor>>,
+    /// Gradients a blockwise attention backward made before their own nodes run (see
+    /// `ExecOrder::blockwise_attention`); counted in `live` from when they are made.
+    early: HashMap<NodeId, Tensor>,
     live: u64,
     micro: Option<u32>,
     params: HashMap<BufId, Vec<Tensor>>,
 }
 
 impl StepCtx<'_> {
+    /// The first gradient node `id` of a blockwise attention backward: computes all of its
+    /// gradients, keeps the others in `c.early` (counted in `c.live` now) and returns `id`'s.
+    fn blockwise_attention(&self, c: &mut Compute, id: NodeId, copy: bool) -> Result<Tensor, ExecError> {
+        let sh = self.shared;
+        let g = &sh.joint.graph;
+        let b = sh
+            .exec
+            .blockwise_group(id)
+            .ok_or_else(|| ExecError::Internal(format!("{id} is not part of a blockwise attention")))?;
+        let mut ops = Vec::with_capacity(4);
+        for x in b.operands {
+            let slot = ExecOrder::slot(x, sh.exec.reads_copy(id, copy, x));
+            ops.push(
+                c.values[slot]
+                    .clone()
+                    .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?,
+            );
+        }
+        let outs = [b.dq, b.dk, b.dv];
+        let made = crate::cpu::kernels::attention_backward_blockwise(
+            &ops[0],
+            &ops[1],
+            &ops[2],
+            &ops[3],
+            b.causal,
+            outs.map(|o| o.is_some()),
+        )?;
+        let mut own = None;
+        for (node, t) in outs.into_iter().zip(made) {
+            let (Some(node), Some(t)) = (node, t) else { continue };
+            if node == id {
+                own = Some(t);
+            } else {
+                c.live += sh.exec.value_bytes(g, node);
+                c.early.insert(node, t);
+            }
+        }
+        own.ok_or_else(|| ExecError::Internal(format!("{id} is not an output of its blockwise attention")))
+    }
+
     fn compute(
         &self,
         c: &mut Compute,
@@ -419,6 +464,7 @@ impl StepCtx<'_> {
             .ok_or_else(|| ExecError::Internal(format!("no step s{step}")))?;
         if c.micro != Some(micro) {
             c.values.iter_mut().for_each(|v| *v = None);
+            c.early.clear();
             c.live = 0;
             c.micro = Some(micro);
         }
@@ -446,11 +492,22 @@ impl StepCtx<'_> {
                 let started = sh.profile.then(Instant::now);
                 let id = NodeId(i);
                 let node = g.node(id);
+                // Bytes already in `live` for this value (made early by a blockwise attention).
+                let mut counted = false;
                 let value = match &node.op {
                     Op::Input { name } => batch
                         .get(name)
                         .cloned()
                         .ok_or_else(|| ExecError::Internal(format!("no data for input `{name}`")))?,
+                    _ if sh.exec.placeholder(id) => Tensor::zeros(0, cdtype(node.ty.dtype), &c.ctx.device)?,
+                    _ if sh.exec.blockwise_group(id).is_some() => {
+                        if let Some(t) = c.early.remove(&id) {
+                            counted = true;
+                            t
+                        } else {
+                            self.blockwise_attention(c, id, copy)?
+                        }
+                    }
                     _ => {
                         let mut ins = Vec::with_capacity(node.inputs.len());
                         for &input in &node.inputs {
@@ -494,14 +551,16 @@ impl StepCtx<'_> {
                         grads.insert(p as u32, value.clone());
                     }
                 }
-                c.live += sh.exec.value_bytes(g, id);
+                if !counted {
+                    c.live += sh.exec.value_bytes(g, id);
+                }
                 c.values[ExecOrder::slot(id, copy)] = Some(value);
                 {
                     let mut m = lock(&self.memory);
                     m.activations = c.live;
                     m.observe();
                 }
-                for &input in &node.inputs {
+                for &input in node.inputs.iter().chain(sh.exec.extra_reads(g, id)) {
                     if sh.exec.param_of_node[input.index()].is_some() {
                         continue;
                     }
@@ -898,6 +957,7 @@ pub fn run_step(
                 let mut compute = mine.map(|ctx| Compute {
                     ctx,
                     values: vec![None; n_values],
+                    early: HashMap::new(),
                     live: 0,
                     micro: None,
                     params: HashMap::new(),

@@ -173,7 +173,8 @@ impl ShardedTrainer {
                 "plans with per-rank programs are not supported by the executor".into(),
             ));
         }
-        let exec = ExecOrder::new(&joint, config.activation_checkpointing);
+        let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
+        exec.blockwise_attention(&joint.graph);
         // The plan's steps must cover the execution order, in order.
         let (step_start, pos) = step_starts(&plan, &exec)?;
         if pos != exec.order.len() {
