@@ -187,3 +187,24 @@ fn collectives_launched_in_issue_order_give_the_same_run() {
         assert_eq!(run(true), run(false), "{extra:?}");
     }
 }
+
+#[test]
+fn attention_backward_holds_no_probabilities_and_measured_memory_equals_the_plan() {
+    // 128 positions on 4 heads: each `[b, h, s, t]` value would be 512 KiB per rank, more
+    // than any other activation of tiny-llama; the blockwise backward holds none of them.
+    let m = preset("tiny-llama").unwrap();
+    for extra in [
+        "",
+        "activation_checkpointing: full\n",
+        "activation_checkpointing: selective\n",
+    ] {
+        let c = config(&base(&format!("batch: {{per_rank: 2, seq_len: 128}}\n{extra}")));
+        let mut t = ShardedTrainer::new(&m, &c, 1).unwrap();
+        let s = t.step().unwrap();
+        let plan = t.plan();
+        let want = plan.memory.max_by_category.activations;
+        for (rank, got) in s.measured.iter().enumerate() {
+            assert_eq!(got.activations, want, "{extra:?} rank {rank}: activations");
+        }
+    }
+}
