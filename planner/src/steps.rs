@@ -211,7 +211,7 @@ pub fn steps_and_events_for(
     }
     let mut exec = ExecOrder::new(joint, ac);
     if kernels == Kernels::Fused {
-        exec.blockwise_attention(g);
+        exec.shardplan_kernels(g);
     } else {
         exec.flash_attention = true;
     }
@@ -337,6 +337,20 @@ pub fn steps_and_events_for(
             step.grad_params.push(p);
         }
         let own = ExecOrder::slot(id, copy);
+        // An in-place op's input is gone before its value is made.
+        let mut overwritten = None;
+        if let Some(x) = exec.in_place(id) {
+            let s = ExecOrder::slot(x, exec.reads_copy(id, copy, x));
+            let b = bytes(x);
+            live = live.saturating_sub(b);
+            if b > 0 && value_of[s] != u32::MAX {
+                acts.events.push(ActEvent {
+                    value: value_of[s],
+                    bytes: 0,
+                });
+            }
+            overwritten = Some(s);
+        }
         let made = bytes(id);
         live = live.saturating_add(made);
         step.act_peak = step.act_peak.max(live);
@@ -412,7 +426,7 @@ pub fn steps_and_events_for(
                 continue;
             }
             let s = ExecOrder::slot(input, exec.reads_copy(id, copy, input));
-            if exec.last_use[s] == pos && !freed.contains(&s) {
+            if exec.last_use[s] == pos && !freed.contains(&s) && overwritten != Some(s) {
                 freed.push(s);
                 let b = bytes(input);
                 live = live.saturating_sub(b);
@@ -473,6 +487,9 @@ pub struct ExecOrder {
     /// Index into `blockwise` of each node that is part of one: its probabilities, their
     /// gradient and its outputs.
     blockwise_of: Vec<Option<u32>>,
+    /// Per node: the input whose memory it writes its value into (see
+    /// [`ExecOrder::in_place_cross_entropy`]); empty when none does.
+    in_place: Vec<Option<NodeId>>,
 }
 
 /// One attention backward as shardplan's executor runs it under
@@ -617,6 +634,7 @@ impl ExecOrder {
             flash_attention: false,
             blockwise: Vec::new(),
             blockwise_of: Vec::new(),
+            in_place: Vec::new(),
         };
         for pos in 0..exec.order.len() {
             let (id, copy) = exec.order[pos];
@@ -745,6 +763,76 @@ impl ExecOrder {
                 }
             }
         }
+    }
+
+    /// How shardplan's executor runs the graph (`kernels: fused`): attention's backward
+    /// blockwise ([`ExecOrder::blockwise_attention`]) and the cross-entropy's backward in
+    /// place ([`ExecOrder::in_place_cross_entropy`]).
+    pub fn shardplan_kernels(&mut self, g: &shardplan_ir::Graph) {
+        self.blockwise_attention(g);
+        self.in_place_cross_entropy(g);
+    }
+
+    /// Runs the cross-entropy's backward in place, as fused cross-entropy kernels do: a
+    /// `cross_entropy_grad` whose logits die at it, of its own type, writes the gradient
+    /// over them, so the loss backward holds one logits-sized tensor, not two. Only where
+    /// nothing else can share the logits' memory: they and every value they view (through
+    /// reshapes, transposes, narrows, broadcasts, casts and sums to a shape) die at or
+    /// before it, and none of them is a parameter or a fed input.
+    pub fn in_place_cross_entropy(&mut self, g: &shardplan_ir::Graph) {
+        let n = g.node_count();
+        let mut pos_of = vec![usize::MAX; n];
+        for (pos, &(id, copy)) in self.order.iter().enumerate() {
+            if !copy {
+                pos_of[id.index()] = pos;
+            }
+        }
+        self.in_place = vec![None; n];
+        for (id, node) in g.nodes() {
+            if !matches!(node.op, Op::CrossEntropyGrad) {
+                continue;
+            }
+            let pos = pos_of[id.index()];
+            let x = node.inputs[0];
+            if pos == usize::MAX || g.node(x).ty != node.ty {
+                continue;
+            }
+            let dies_here = |v: NodeId, read_copy: bool| {
+                let lu = self.last_use[Self::slot(v, read_copy)];
+                lu == usize::MAX || lu <= pos
+            };
+            if self.last_use[Self::slot(x, self.reads_copy(id, false, x))] != pos {
+                continue;
+            }
+            let mut v = x;
+            let ok = loop {
+                let vn = g.node(v);
+                if self.param_of_node[v.index()].is_some() || vn.op.is_leaf() {
+                    break false;
+                }
+                if !(dies_here(v, false) && (!self.recomputed(v) || dies_here(v, true))) {
+                    break false;
+                }
+                match vn.op {
+                    Op::Reshape { .. }
+                    | Op::Transpose { .. }
+                    | Op::Narrow { .. }
+                    | Op::BroadcastTo { .. }
+                    | Op::Cast { .. }
+                    | Op::SumTo { .. } => v = vn.inputs[0],
+                    _ => break true,
+                }
+            };
+            if ok {
+                self.in_place[id.index()] = Some(x);
+            }
+        }
+    }
+
+    /// The input whose memory `id` writes its value into, if any
+    /// ([`ExecOrder::in_place_cross_entropy`]).
+    pub fn in_place(&self, id: NodeId) -> Option<NodeId> {
+        self.in_place.get(id.index()).copied().flatten()
     }
 
     /// The blockwise attention backward `id` is part of, if any.

@@ -1,5 +1,7 @@
-//! Attention's backward under shardplan's executor (`kernels: fused`): blockwise, with no
-//! `[b, h, s, t]` value in memory (`ExecOrder::blockwise_attention`).
+//! shardplan's executor's kernels (`kernels: fused`) as the plan's memory sees them:
+//! attention's backward blockwise, with no `[b, h, s, t]` value in memory
+//! (`ExecOrder::blockwise_attention`), and the cross-entropy's backward over its logits
+//! (`ExecOrder::in_place_cross_entropy`).
 
 mod common;
 
@@ -60,4 +62,48 @@ fn every_attention_backward_runs_blockwise_holding_no_scores() {
             }
         }
     }
+}
+
+#[test]
+fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them() {
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        for extra in ["", "mixed_precision: {param: bf16, reduce: f32}\n", "activation_checkpointing: full\n"] {
+            let config = parallel(&format!("mesh: {{shard: 2}}\nbatch: {{per_rank: 2, seq_len: 32}}\n{extra}"));
+            let joint = joint_of(&preset(model).unwrap(), &config);
+            let g = &joint.graph;
+            let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
+            exec.shardplan_kernels(g);
+            let what = format!("{model} {extra:?}");
+            let mut seen = 0;
+            for (id, node) in g.nodes() {
+                match exec.in_place(id) {
+                    Some(x) => {
+                        seen += 1;
+                        assert!(matches!(node.op, Op::CrossEntropyGrad), "{what}: {id}");
+                        assert_eq!(x, node.inputs[0]);
+                        assert_eq!(g.node(x).ty, node.ty);
+                        // The logits die here.
+                        let pos = exec.order.iter().position(|&(n, c)| n == id && !c).unwrap();
+                        assert_eq!(exec.last_use[ExecOrder::slot(x, false)], pos, "{what}");
+                    }
+                    None => assert!(!matches!(node.op, Op::CrossEntropyGrad), "{what}: {id} not in place"),
+                }
+            }
+            assert_eq!(seen, 1, "{what}");
+        }
+    }
+    // A cross-entropy whose logits are read again later is not overwritten.
+    let config = parallel("mesh: {shard: 2}\nbatch: {per_rank: 2, seq_len: 32}\n");
+    let joint = joint_of(&preset("tiny-llama").unwrap(), &config);
+    let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
+    let ce = joint
+        .graph
+        .nodes()
+        .find(|(_, n)| matches!(n.op, Op::CrossEntropyGrad))
+        .map(|(id, _)| id)
+        .unwrap();
+    let x = joint.graph.node(ce).inputs[0];
+    exec.last_use[ExecOrder::slot(x, false)] = exec.order.len() - 1;
+    exec.in_place_cross_entropy(&joint.graph);
+    assert_eq!(exec.in_place(ce), None);
 }

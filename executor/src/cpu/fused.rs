@@ -187,6 +187,56 @@ pub fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Resu
     out(out_v, logits)
 }
 
+/// [`cross_entropy_grad`] written over the logits: after it, `logits` holds the gradient
+/// (a fused cross-entropy's in-place backward, so the loss backward never holds the logits
+/// and their gradient at once). The caller owns the logits' storage: no other live tensor
+/// may share it.
+pub fn cross_entropy_grad_in_place(logits: &Tensor, targets: &Tensor, g: &Tensor) -> Result<()> {
+    let (n, v) = logits.dims2()?;
+    let ids = targets_of(targets, v)?;
+    let scale = g.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? / n as f32;
+    logits.inplace_op1(&CrossEntropyGradInPlace { ids, scale, v })?;
+    Ok(())
+}
+
+struct CrossEntropyGradInPlace {
+    ids: Vec<usize>,
+    scale: f32,
+    v: usize,
+}
+
+impl candle_core::InplaceOp1 for CrossEntropyGradInPlace {
+    fn name(&self) -> &'static str {
+        "cross_entropy_grad_in_place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &candle_core::Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(data) = storage else {
+            candle_core::bail!("cross_entropy_grad_in_place takes f32 logits");
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("cross_entropy_grad_in_place takes contiguous logits");
+        };
+        let (v, scale) = (self.v, self.scale);
+        let rows = &mut data[start..end];
+        if v == 0 || rows.len() != self.ids.len() * v {
+            candle_core::bail!("cross_entropy_grad_in_place: {} elements for {} rows of {v}", rows.len(), self.ids.len());
+        }
+        let row = |(r, o): (usize, &mut [f32])| {
+            let m = vmath::max(o);
+            let sum = vmath::exp_shifted(o, 1.0, m);
+            vmath::scale(o, scale / sum);
+            o[self.ids[r]] -= scale;
+        };
+        if rows.len() >= PAR_MIN {
+            rows.par_chunks_mut(v).enumerate().for_each(row);
+        } else {
+            rows.chunks_mut(v).enumerate().for_each(row);
+        }
+        Ok(())
+    }
+}
+
 /// `1 / sqrt(mean(x^2) + eps)` of one row.
 fn rms_inv(row: &[f32], eps: f64) -> f32 {
     let ms = vmath::sum_sq_f64(row) / row.len() as f64;

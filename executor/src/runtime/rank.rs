@@ -447,6 +447,20 @@ impl StepCtx<'_> {
         own.ok_or_else(|| ExecError::Internal(format!("{id} is not an output of its blockwise attention")))
     }
 
+    /// Whether node `id` runs in place over its first input
+    /// (`ExecOrder::in_place_cross_entropy`): where the fused CPU kernel takes it; other
+    /// devices and dtypes make the gradient beside the logits.
+    fn overwritable(&self, c: &Compute, id: NodeId, copy: bool) -> bool {
+        let sh = self.shared;
+        let Some(x) = sh.exec.in_place(id) else { return false };
+        let node = sh.joint.graph.node(id);
+        let slot = ExecOrder::slot(x, sh.exec.reads_copy(id, copy, x));
+        matches!(node.op, Op::CrossEntropyGrad)
+            && node.inputs.len() == 3
+            && node.inputs[0] == x
+            && c.values[slot].as_ref().is_some_and(|t| fused::applies(&[t]) && t.is_contiguous())
+    }
+
     fn compute(
         &self,
         c: &mut Compute,
@@ -500,6 +514,24 @@ impl StepCtx<'_> {
                         .cloned()
                         .ok_or_else(|| ExecError::Internal(format!("no data for input `{name}`")))?,
                     _ if sh.exec.placeholder(id) => Tensor::zeros(0, cdtype(node.ty.dtype), &c.ctx.device)?,
+                    _ if self.overwritable(c, id, copy) => {
+                        // The cross-entropy's gradient over its logits, which die here.
+                        let x = node.inputs[0];
+                        let slot = ExecOrder::slot(x, sh.exec.reads_copy(id, copy, x));
+                        let logits = c.values[slot]
+                            .take()
+                            .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?;
+                        c.live -= sh.exec.value_bytes(g, x);
+                        let mut rest = Vec::with_capacity(2);
+                        for &input in &node.inputs[1..] {
+                            let slot = ExecOrder::slot(input, sh.exec.reads_copy(id, copy, input));
+                            rest.push(c.values[slot].clone().ok_or_else(|| {
+                                ExecError::Internal(format!("{id} reads {input} after it was freed"))
+                            })?);
+                        }
+                        fused::cross_entropy_grad_in_place(&logits, &rest[0], &rest[1])?;
+                        logits
+                    }
                     _ if sh.exec.blockwise_group(id).is_some() => {
                         if let Some(t) = c.early.remove(&id) {
                             counted = true;

@@ -174,7 +174,7 @@ impl ShardedTrainer {
             ));
         }
         let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
-        exec.blockwise_attention(&joint.graph);
+        exec.shardplan_kernels(&joint.graph);
         // The plan's steps must cover the execution order, in order.
         let (step_start, pos) = step_starts(&plan, &exec)?;
         if pos != exec.order.len() {
