@@ -81,7 +81,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         format!("mesh: {{shard: {n}}}\ngpus_per_node: {n}\nbatch: {{per_rank: 2, seq_len: 16}}\n"),
     ))?;
     let model = shardplan_models::preset("tiny-llama").ok_or("no tiny-llama preset")?;
-    let graph = shardplan_models::trace(&model, shardplan_executor::train::sharded::trace_options(&config))?;
+    let graph = shardplan_models::trace(&model, config.trace_options())?;
     let joint = shardplan_ir::differentiate(&graph)?;
     let plan = shardplan_planner::plan(&joint, &config)?;
     let group = place(&world, &plan)?

@@ -35,7 +35,7 @@ fn free_port() -> u16 {
 fn per_process(mesh: (u64, u64), steps: u64, save_at: Option<(u64, &std::path::Path)>) -> Vec<Vec<f32>> {
     let m = preset("tiny-llama").unwrap();
     let cfg = config(mesh.0, mesh.1);
-    let graph = trace(&m, shardplan_executor::train::sharded::trace_options(&cfg)).unwrap();
+    let graph = trace(&m, cfg.trace_options()).unwrap();
     let joint = shardplan_ir::differentiate(&graph).unwrap();
     let plan = shardplan_planner::plan(&joint, &cfg).unwrap();
     let world = plan.mesh.world();

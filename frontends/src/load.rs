@@ -65,11 +65,7 @@ pub fn load_parallel(path: &Path) -> Result<LoadedParallel, SpecError> {
 pub fn trace_options(parallel: Option<&LoadedParallel>) -> TraceOptions {
     match parallel {
         None => TraceOptions::default(),
-        Some(p) => TraceOptions {
-            batch: p.config.batch.per_rank,
-            seq_len: p.config.batch.seq_len,
-            dtype: p.config.mixed_precision.param,
-        },
+        Some(p) => p.config.trace_options(),
     }
 }
 

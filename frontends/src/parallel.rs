@@ -509,6 +509,19 @@ pub struct ParallelConfig {
     pub allocator: AllocatorConfig,
 }
 
+impl ParallelConfig {
+    /// The shape a model is traced at for this run: one rank's micro-batch (sequences and
+    /// tokens per sequence) in the parameter dtype. The one conversion from a run spec to
+    /// `TraceOptions`.
+    pub fn trace_options(&self) -> shardplan_models::TraceOptions {
+        shardplan_models::TraceOptions {
+            batch: self.batch.per_rank,
+            seq_len: self.batch.seq_len,
+            dtype: self.mixed_precision.param,
+        }
+    }
+}
+
 // ---- conversion ----
 
 fn at_least_1(origin: &Origin, field: &str, v: u64) -> Result<u64, SpecError> {

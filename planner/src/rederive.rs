@@ -188,12 +188,7 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
     };
     let refuse = |r: Refusal| SpecError::file(path, r.to_string()).help(r.help());
     check_parallel(&source.parallel).map_err(refuse)?;
-    let opts = shardplan_models::TraceOptions {
-        batch: source.parallel.batch.per_rank,
-        seq_len: source.parallel.batch.seq_len,
-        dtype: source.parallel.mixed_precision.param,
-    };
-    let graph = shardplan_models::trace(&source.model, opts).map_err(|e| {
+    let graph = shardplan_models::trace(&source.model, source.parallel.trace_options()).map_err(|e| {
         let (field, help) = match &e {
             shardplan_models::TraceError::Config(c) => (format!("source.model.{}", c.field), c.help.clone()),
             shardplan_models::TraceError::Shape { field, help, .. } => {

@@ -130,7 +130,8 @@ pub fn steps_and_events(
 pub enum Kernels {
     /// shardplan's executor (`kernels: fused`): every graph value as a tensor, except the
     /// attention backward's `[b, h, s, t]` placeholders (its blockwise kernel, see
-    /// [`ExecOrder::blockwise_attention`]), nothing more.
+    /// [`ExecOrder::blockwise_attention`]) and a cross-entropy gradient written over its
+    /// logits ([`ExecOrder::in_place_cross_entropy`]), nothing more.
     Fused,
     /// PyTorch eager (`kernels: eager`): flash attention, eager cross-entropy, and what
     /// autograd saves beyond the graph's values (see [`Kernels::saved_bytes`]): the model

@@ -67,8 +67,14 @@ fn every_attention_backward_runs_blockwise_holding_no_scores() {
 #[test]
 fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them() {
     for model in ["tiny-llama", "tiny-gpt2"] {
-        for extra in ["", "mixed_precision: {param: bf16, reduce: f32}\n", "activation_checkpointing: full\n"] {
-            let config = parallel(&format!("mesh: {{shard: 2}}\nbatch: {{per_rank: 2, seq_len: 32}}\n{extra}"));
+        for extra in [
+            "",
+            "mixed_precision: {param: bf16, reduce: f32}\n",
+            "activation_checkpointing: full\n",
+        ] {
+            let config = parallel(&format!(
+                "mesh: {{shard: 2}}\nbatch: {{per_rank: 2, seq_len: 32}}\n{extra}"
+            ));
             let joint = joint_of(&preset(model).unwrap(), &config);
             let g = &joint.graph;
             let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);

@@ -270,7 +270,7 @@ mod tests {
             .expect("spec")
             .0;
         let model = shardplan_models::preset("tiny-llama").expect("preset");
-        let graph = shardplan_models::trace(&model, crate::train::sharded::trace_options(&cfg)).expect("trace");
+        let graph = shardplan_models::trace(&model, cfg.trace_options()).expect("trace");
         let joint = shardplan_ir::differentiate(&graph).expect("differentiate");
         shardplan_planner::plan(&joint, &cfg).expect("plan")
     }

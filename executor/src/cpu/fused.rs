@@ -220,7 +220,11 @@ impl candle_core::InplaceOp1 for CrossEntropyGradInPlace {
         let (v, scale) = (self.v, self.scale);
         let rows = &mut data[start..end];
         if v == 0 || rows.len() != self.ids.len() * v {
-            candle_core::bail!("cross_entropy_grad_in_place: {} elements for {} rows of {v}", rows.len(), self.ids.len());
+            candle_core::bail!(
+                "cross_entropy_grad_in_place: {} elements for {} rows of {v}",
+                rows.len(),
+                self.ids.len()
+            );
         }
         let row = |(r, o): (usize, &mut [f32])| {
             let m = vmath::max(o);

@@ -696,7 +696,8 @@ mod tests {
         // 300 x 50 crosses the fused kernels' parallel threshold; 3 x 7 stays below it.
         for (n, v) in [(3usize, 7usize), (300, 50)] {
             let logits = Tensor::randn(0f32, 3.0, (n, v), &dev).unwrap();
-            let targets = Tensor::from_vec((0..n as u32).map(|i| (i * 7) % v as u32).collect::<Vec<_>>(), n, &dev).unwrap();
+            let targets =
+                Tensor::from_vec((0..n as u32).map(|i| (i * 7) % v as u32).collect::<Vec<_>>(), n, &dev).unwrap();
             let g = Tensor::new(0.5f32, &dev).unwrap();
             let want = fused::cross_entropy_grad(&logits, &targets, &g).unwrap();
             let owned = logits.copy().unwrap();

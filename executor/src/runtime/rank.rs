@@ -458,7 +458,9 @@ impl StepCtx<'_> {
         matches!(node.op, Op::CrossEntropyGrad)
             && node.inputs.len() == 3
             && node.inputs[0] == x
-            && c.values[slot].as_ref().is_some_and(|t| fused::applies(&[t]) && t.is_contiguous())
+            && c.values[slot]
+                .as_ref()
+                .is_some_and(|t| fused::applies(&[t]) && t.is_contiguous())
     }
 
     fn compute(

@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor};
 use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate, JointGraph};
-use shardplan_models::{trace, ModelConfig, TraceOptions};
+use shardplan_models::{trace, ModelConfig};
 use shardplan_planner::{chunk_rows, plan, ByCategory, Category, ExecOrder, Plan, Pool};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -89,17 +89,8 @@ pub struct ShardedTrainer {
     device: Device,
 }
 
-/// The per-rank trace options of `config`.
-pub fn trace_options(config: &ParallelConfig) -> TraceOptions {
-    TraceOptions {
-        batch: config.batch.per_rank,
-        seq_len: config.batch.seq_len,
-        dtype: config.mixed_precision.param,
-    }
-}
-
-/// `config` as this executor runs it: one kernel per graph op, attention's probabilities
-/// made as tensors (`kernels: fused`), its own schedule (`runtime: shardplan`, whatever the
+/// `config` as this executor runs it: one kernel per graph op, attention's backward
+/// blockwise and the cross-entropy's in place (`kernels: fused`), its own schedule (`runtime: shardplan`, whatever the
 /// spec predicts for), so that the plan's memory and time are this executor's rather than
 /// PyTorch eager's or FSDP2's.
 pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
@@ -129,7 +120,7 @@ impl ShardedTrainer {
     /// Traces and differentiates `model`, plans it for `config` as this executor runs it
     /// ([`executor_config`]), and initialises every rank.
     pub fn new(model: &ModelConfig, config: &ParallelConfig, total_steps: u64) -> Result<Self, ExecError> {
-        let graph = trace(model, trace_options(config))?;
+        let graph = trace(model, config.trace_options())?;
         let joint = differentiate(&graph).map_err(|e| ExecError::Internal(e.to_string()))?;
         let p = plan(&joint, &executor_config(config)).map_err(|e| ExecError::Unsupported(e.to_string()))?;
         Self::from_plan(model, config, p, joint, total_steps)

@@ -11,7 +11,7 @@ use candle_core::{DType as CDType, Device, Tensor};
 use serde::Serialize;
 use shardplan_frontends::{DataSource as DataSpec, ParallelConfig};
 use shardplan_ir::{differentiate, DType, JointGraph, NodeId, Op};
-use shardplan_models::{trace, ModelConfig, TraceOptions};
+use shardplan_models::{trace, ModelConfig};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -69,12 +69,7 @@ impl Trainer {
                 config.mesh.replicate, config.mesh.shard
             )));
         }
-        let opts = TraceOptions {
-            batch: config.batch.per_rank,
-            seq_len: config.batch.seq_len,
-            dtype: config.mixed_precision.param,
-        };
-        let graph = trace(model, opts)?;
+        let graph = trace(model, config.trace_options())?;
         let joint = differentiate(&graph).map_err(|e| ExecError::Internal(e.to_string()))?;
         let mut keep = vec![joint.loss];
         for (p, param) in joint.graph.params() {

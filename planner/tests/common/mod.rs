@@ -7,7 +7,7 @@ pub mod gen;
 
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::{differentiate, JointGraph};
-use shardplan_models::{preset, trace, ModelConfig, TraceOptions};
+use shardplan_models::{preset, trace, ModelConfig};
 use shardplan_planner::{plan, Plan};
 
 /// A validated parallel config from YAML text.
@@ -19,15 +19,7 @@ pub fn parallel(yaml: &str) -> ParallelConfig {
 
 /// The joint graph of `model` traced at `config`'s micro-batch shape and parameter dtype.
 pub fn joint_of(model: &ModelConfig, config: &ParallelConfig) -> JointGraph {
-    let g = trace(
-        model,
-        TraceOptions {
-            batch: config.batch.per_rank,
-            seq_len: config.batch.seq_len,
-            dtype: config.mixed_precision.param,
-        },
-    )
-    .unwrap();
+    let g = trace(model, config.trace_options()).unwrap();
     differentiate(&g).unwrap()
 }
 
