@@ -1,0 +1,381 @@
+//! The validated parallel config: what the planner, the trainers and the writer read.
+
+use crate::hardware::HardwareProfile;
+use serde::{Deserialize, Serialize};
+use shardplan_ir::{DType, ModuleKind};
+use std::collections::BTreeMap;
+
+/// Replicate x shard: `world = replicate * shard`; replicate > 1 is HSDP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshShape {
+    pub replicate: u64,
+    pub shard: u64,
+}
+
+impl MeshShape {
+    pub fn world(&self) -> u64 {
+        self.replicate * self.shard
+    }
+}
+
+/// FSDP2's `reshard_after_forward`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reshard {
+    /// `true`: free unsharded parameters after forward, all-gather again in backward.
+    AfterForward,
+    /// `false`: keep them unsharded until backward.
+    Keep,
+    /// `N`: after forward, keep a copy sharded over groups of N ranks (intra-node).
+    ToGroupOf(u64),
+}
+
+/// All-gathers issued ahead of need, as FSDP2's prefetch depth.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prefetch {
+    pub forward: u32,
+    pub backward: u32,
+    /// FSDP2's `set_modules_to_forward_prefetch`: when the key module's forward starts,
+    /// all-gather the listed modules' groups (overrides the depth for them).
+    pub explicit_forward: BTreeMap<String, Vec<String>>,
+    /// FSDP2's `set_modules_to_backward_prefetch`, for the backward pass.
+    pub explicit_backward: BTreeMap<String, Vec<String>>,
+    /// The planner moves an all-gather later than the depths put it wherever that lowers
+    /// the step's peak without lengthening the simulated step (`prefetch: auto`, the
+    /// default: depths 1 / 1 and peak-aware; a mapping turns it off unless it says
+    /// `peak_aware: true`).
+    #[serde(default)]
+    pub peak_aware: bool,
+}
+
+impl Prefetch {
+    /// `prefetch: auto`: depth 1 each way (FSDP2's order), then peak-aware.
+    pub fn auto() -> Self {
+        Prefetch {
+            forward: 1,
+            backward: 1,
+            explicit_forward: BTreeMap::new(),
+            explicit_backward: BTreeMap::new(),
+            peak_aware: true,
+        }
+    }
+}
+
+/// Dtypes of the unsharded parameters (and compute) and of gradient reduction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MixedPrecision {
+    pub param: DType,
+    pub reduce: DType,
+}
+
+/// Where sharded parameters, gradients and optimizer state live between uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    None,
+    Cpu,
+}
+
+/// Which blocks recompute their activations in backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActivationCheckpointing {
+    None,
+    Full,
+    /// Every n-th block.
+    Every(u64),
+    /// Every block keeps the outputs of the ops `SavePolicy` names and recomputes the
+    /// rest of its forward in backward (selective checkpointing by op).
+    Selective(SavePolicy),
+}
+
+/// What a selectively checkpointed block saves from its forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavePolicy {
+    /// Attention outputs.
+    pub attention: bool,
+    /// Which matmul (linear layer) outputs.
+    pub matmuls: SavedMatmuls,
+}
+
+/// Which of a block's matmuls keep their outputs, counted in forward order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SavedMatmuls {
+    None,
+    /// The 1st, 3rd, 5th ... of each block: every second matmul is recomputed.
+    Odd,
+    All,
+}
+
+impl SavePolicy {
+    /// torchtitan's op policy: attention and matmul outputs are saved, and every second
+    /// matmul is recomputed (`activation_checkpointing: selective`).
+    pub const TORCHTITAN: SavePolicy = SavePolicy {
+        attention: true,
+        matmuls: SavedMatmuls::Odd,
+    };
+
+    /// The names of the `save` list this policy corresponds to.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.attention {
+            v.push("attention");
+        }
+        match self.matmuls {
+            SavedMatmuls::None => {}
+            SavedMatmuls::Odd => v.push("odd_matmuls"),
+            SavedMatmuls::All => v.push("matmuls"),
+        }
+        v
+    }
+}
+
+/// What `activation_checkpointing: {selective: {save: [...]}}` may list.
+pub const SAVE_NAMES: [&str; 3] = ["attention", "matmuls", "odd_matmuls"];
+
+/// When gradients are reduced under gradient accumulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradSync {
+    /// Reduce-scatter after every micro-batch and accumulate sharded gradients (FSDP2's
+    /// default); the HSDP all-reduce still runs once per step.
+    EveryMicroBatch,
+    /// Accumulate unsharded gradients and reduce-scatter only after the last micro-batch
+    /// (FSDP2's `set_requires_gradient_sync(False)` on the others): less communication,
+    /// unsharded gradients held across micro-batches.
+    FinalMicroBatch,
+}
+
+/// Batch shape per rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// Sequences per micro-batch on each rank.
+    pub per_rank: u64,
+    /// Tokens per sequence; `None`: the model's default.
+    pub seq_len: Option<u64>,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: u64,
+    /// When gradients are reduced across micro-batches.
+    pub grad_sync: GradSync,
+}
+
+/// The optimizer and its hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optimizer {
+    /// AdamW with decoupled weight decay.
+    AdamW {
+        lr: f64,
+        betas: [f64; 2],
+        eps: f64,
+        weight_decay: f64,
+    },
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+}
+
+impl Optimizer {
+    /// f32 state elements kept per parameter element (Adam: 2 moments; SGD: momentum or none).
+    pub fn state_per_param(&self) -> u64 {
+        match self {
+            Optimizer::AdamW { .. } => 2,
+            Optimizer::Sgd { momentum, .. } => u64::from(*momentum != 0.0),
+        }
+    }
+}
+
+/// Learning rate over a run: linear warmup from 0, then cosine decay to `min_lr_ratio * lr`
+/// at the last step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    pub warmup_steps: u64,
+    pub min_lr_ratio: f64,
+}
+
+/// Width of the token ids in a flat binary token file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDType {
+    /// 2 bytes per token, little-endian (nanoGPT's `train.bin`).
+    U16,
+    /// 4 bytes per token, little-endian.
+    U32,
+}
+
+/// Where training batches come from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSource {
+    /// A seeded synthetic task the model can learn (see the executor's `data` module).
+    Synthetic,
+    /// A flat file of token ids; the path is resolved against the spec's folder.
+    Tokens {
+        path: std::path::PathBuf,
+        dtype: TokenDType,
+        /// The validation loss, measured every few steps on a second token file.
+        #[serde(default)]
+        eval: Option<Eval>,
+    },
+}
+
+/// Most validation batches one evaluation may take (each is a micro-batch of the forward
+/// program the planner makes for it).
+pub const MAX_EVAL_BATCHES: u64 = 1024;
+
+/// Validation: every `every` steps (and after the last), the loss of the model on the same
+/// `batches` global batches of the token file `path` (same `dtype` as the training file),
+/// forward only.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Eval {
+    pub path: std::path::PathBuf,
+    pub every: u64,
+    pub batches: u64,
+}
+
+/// Which framework runs the plan, and so whose buffers and hooks the planner models.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Runtime {
+    /// shardplan's own executor (`shardplan train`).
+    #[default]
+    Shardplan,
+    /// PyTorch FSDP2 running the plan as a torch program (`fully_shard` per planned group):
+    /// its flat all-gather output copied out into per-parameter tensors, its reduce-scatter
+    /// buffers and the collective state it keeps between groups, PyTorch eager kernels and
+    /// autograd's saved tensors. Implies `hardware.kernels: eager`.
+    Fsdp2,
+}
+
+impl Runtime {
+    pub fn is_shardplan(&self) -> bool {
+        *self == Runtime::Shardplan
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Shardplan => "shardplan",
+            Runtime::Fsdp2 => "fsdp2",
+        }
+    }
+}
+
+/// PyTorch's CUDA caching allocator as the run configures it (`PYTORCH_ALLOC_CONF`): the
+/// planner replays the step's allocations through a model of it for the reserved peak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorConfig {
+    /// `expandable_segments:True`: one growing mapping per stream and pool, extended in
+    /// pages (2 MiB small pool, 20 MiB large pool) instead of one `cudaMalloc` segment per
+    /// miss. On by default, as torchtitan launches (`run_train.sh`).
+    pub expandable_segments: bool,
+}
+
+impl AllocatorConfig {
+    /// What torchtitan launches with: `PYTORCH_ALLOC_CONF=expandable_segments:True`.
+    pub const TORCHTITAN: AllocatorConfig = AllocatorConfig {
+        expandable_segments: true,
+    };
+    /// PyTorch's own default: one `cudaMalloc` segment per cache miss.
+    pub const CUDA_MALLOC: AllocatorConfig = AllocatorConfig {
+        expandable_segments: false,
+    };
+
+    pub fn is_default(&self) -> bool {
+        *self == AllocatorConfig::default()
+    }
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig::TORCHTITAN
+    }
+}
+
+/// A validated parallel spec.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParallelConfig {
+    pub mesh: MeshShape,
+    pub gpus_per_node: u64,
+    pub hardware: HardwareProfile,
+    /// Module kinds that become FSDP units; the root group (everything else) is always last.
+    pub wrap: Vec<ModuleKind>,
+    /// Module paths (`layers.0.feed_forward`, `output`) that become FSDP units as well.
+    pub wrap_modules: Vec<String>,
+    /// Merge consecutive units into one while their parameters fit in this many MiB.
+    pub bucket_mib: Option<u64>,
+    pub reshard_after_forward: Reshard,
+    pub prefetch: Prefetch,
+    pub mixed_precision: MixedPrecision,
+    pub offload: Offload,
+    pub activation_checkpointing: ActivationCheckpointing,
+    pub batch: Batch,
+    pub optimizer: Optimizer,
+    /// Global gradient-norm clip; `None`: no clipping.
+    pub grad_clip: Option<f64>,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    pub lr_schedule: LrSchedule,
+    pub data: DataSource,
+    /// Whose run the plan predicts; absent from a serialised config when `shardplan`, so
+    /// plans made before the field existed read (and print) as they did.
+    #[serde(default, skip_serializing_if = "Runtime::is_shardplan")]
+    pub runtime: Runtime,
+    /// The caching allocator's settings; absent from a serialised config when default
+    /// (expandable segments on).
+    #[serde(default, skip_serializing_if = "AllocatorConfig::is_default")]
+    pub allocator: AllocatorConfig,
+}
+
+impl ParallelConfig {
+    /// The shape a model is traced at for this run: one rank's micro-batch (sequences and
+    /// tokens per sequence) in the parameter dtype. The one conversion from a run spec to
+    /// `TraceOptions`.
+    pub fn trace_options(&self) -> shardplan_models::TraceOptions {
+        shardplan_models::TraceOptions {
+            batch: self.batch.per_rank,
+            seq_len: self.batch.seq_len,
+            dtype: self.mixed_precision.param,
+        }
+    }
+}
+
+impl std::fmt::Display for Reshard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reshard::AfterForward => f.write_str("true"),
+            Reshard::Keep => f.write_str("false"),
+            Reshard::ToGroupOf(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl std::fmt::Display for Offload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Cpu => "cpu",
+        })
+    }
+}
+
+impl std::fmt::Display for ActivationCheckpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ActivationCheckpointing::None => f.write_str("none"),
+            ActivationCheckpointing::Full => f.write_str("full"),
+            ActivationCheckpointing::Every(n) => write!(f, "every {n}"),
+            ActivationCheckpointing::Selective(p) if *p == SavePolicy::TORCHTITAN => f.write_str("selective"),
+            ActivationCheckpointing::Selective(p) => {
+                let names = p.names();
+                if names.is_empty() {
+                    f.write_str("selective (saves nothing)")
+                } else {
+                    write!(f, "selective (saves {})", names.join(", "))
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! The YAML parallel spec (mesh, wrap policy, resharding, prefetch, precision, offload,
+//! checkpointing, batch, optimizer, hardware), validated into a [`ParallelConfig`].
+//!
+//! - `file`: the spec file's types, as written (spans kept);
+//! - `config`: the validated [`ParallelConfig`] and its parts;
+//! - `convert`: file to config, every check, [`parse_parallel_spec`].
+
+mod config;
+mod convert;
+mod file;
+
+pub use config::*;
+pub use convert::parse_parallel_spec;
+
+/// Most ranks a mesh may have (2^20): beyond any cluster, small enough to plan.
+pub const MAX_WORLD: u64 = 1 << 20;
