@@ -6,7 +6,7 @@ use clap::{Args, ValueEnum};
 use shardplan_frontends::{
     load_model, load_parallel, trace_error, trace_options, LoadedModel, LoadedParallel, ParallelConfig, SpecError,
 };
-use shardplan_ir::differentiate;
+use shardplan_ir::differentiate_with;
 use shardplan_models::trace;
 use shardplan_planner::alternatives::try_plan_alternatives;
 use shardplan_planner::print::bytes;
@@ -110,7 +110,8 @@ pub fn make_plan_and_graph(
         origin: parallel.origin.clone(),
     };
     let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
-    let joint = differentiate(&graph).map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
+    let joint = differentiate_with(&graph, config.diff_options())
+        .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
     let mut p =
         plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
     p.source = Some(shardplan_planner::PlanSource {

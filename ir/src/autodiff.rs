@@ -22,6 +22,9 @@ pub struct JointGraph {
     pub param_grads: Vec<Option<NodeId>>,
     /// Number of forward nodes: ids below this are forward, from it on backward.
     pub forward_len: usize,
+    /// Per node: the forward node a backward node recomputes (see
+    /// [`DiffOptions::recompute_pointwise`]); `None` for every other node.
+    pub recompute_of: Vec<Option<NodeId>>,
 }
 
 impl JointGraph {
@@ -46,8 +49,25 @@ impl JointGraph {
     }
 }
 
-/// Builds the joint graph of `forward`, whose first output must be a scalar float loss.
+/// How [`differentiate_with`] builds the backward pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiffOptions {
+    /// Backward reads the outputs of pointwise ops and norms (`silu`, `gelu`, `relu`, `mul`,
+    /// `rms_norm`, `layer_norm`) from copies it recomputes from their operands, which the
+    /// ops' own backward reads anyway, so the outputs die in the forward pass: what a
+    /// compiler's partitioner does (torch.compile's min-cut recomputes pointwise ops). Off,
+    /// backward reads the forward values, as PyTorch eager saves them.
+    pub recompute_pointwise: bool,
+}
+
+/// Builds the joint graph of `forward`, whose first output must be a scalar float loss;
+/// backward reads forward values as PyTorch eager saves them.
 pub fn differentiate(forward: &Graph) -> Result<JointGraph, IrError> {
+    differentiate_with(forward, DiffOptions::default())
+}
+
+/// [`differentiate`] with `options`.
+pub fn differentiate_with(forward: &Graph, options: DiffOptions) -> Result<JointGraph, IrError> {
     let loss = *forward
         .outputs()
         .first()
@@ -84,6 +104,23 @@ pub fn differentiate(forward: &Graph) -> Result<JointGraph, IrError> {
         }
     }
     let wants = |id: NodeId| depends_on_param[id] && reaches_loss[id];
+    // Forward values backward recomputes rather than reads: a pointwise op or a norm whose
+    // own gradient is taken, so its backward reads its operands anyway (all of them, for a
+    // product: each operand's gradient reads the other).
+    let recomputable: IdVec<NodeId, bool> = forward
+        .nodes()
+        .map(|(id, n)| {
+            options.recompute_pointwise
+                && wants(id)
+                && match n.op {
+                    Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu => wants(n.inputs[0]),
+                    Op::Mul => n.inputs.iter().all(|&i| wants(i)),
+                    Op::RmsNorm { .. } | Op::LayerNorm { .. } => true,
+                    _ => false,
+                }
+        })
+        .collect();
+    let mut copies: IdVec<NodeId, Option<NodeId>> = IdVec::from_elem(None, forward_len);
 
     let mut g = forward.clone();
     let mut contributions: IdVec<NodeId, Vec<NodeId>> = IdVec::from_elem(Vec::new(), forward_len);
@@ -102,8 +139,18 @@ pub fn differentiate(forward: &Graph) -> Result<JointGraph, IrError> {
             continue;
         }
         let wanted: Vec<bool> = node.inputs.iter().map(|&i| wants(i)).collect();
-        for (operand, dx) in vjp(&mut g, id, grad, &wanted)? {
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for &i in &node.inputs {
+            ins.push(backward_copy(&mut g, &mut copies, &recomputable, i)?);
+        }
+        for (operand, dx) in vjp(&mut g, id, &ins, grad, &wanted)? {
             contributions[node.inputs[operand]].push(dx);
+        }
+    }
+    let mut recompute_of = vec![None; g.node_count()];
+    for (f, c) in copies.iter() {
+        if let Some(c) = c {
+            recompute_of[c.index()] = Some(f);
         }
     }
     Ok(JointGraph {
@@ -111,7 +158,32 @@ pub fn differentiate(forward: &Graph) -> Result<JointGraph, IrError> {
         loss,
         param_grads: param_grads.into_vec(),
         forward_len,
+        recompute_of,
     })
+}
+
+/// The value backward reads for forward value `v`: `v` itself, or (when `recomputable`) a
+/// copy made once, in backward, from the values backward reads for its operands.
+fn backward_copy(
+    g: &mut Graph,
+    copies: &mut IdVec<NodeId, Option<NodeId>>,
+    recomputable: &IdVec<NodeId, bool>,
+    v: NodeId,
+) -> Result<NodeId, IrError> {
+    if !recomputable.get(v).copied().unwrap_or(false) {
+        return Ok(v);
+    }
+    if let Some(c) = copies[v] {
+        return Ok(c);
+    }
+    let node = g.node(v).clone();
+    let mut ins = Vec::with_capacity(node.inputs.len());
+    for &u in &node.inputs {
+        ins.push(backward_copy(g, copies, recomputable, u)?);
+    }
+    let c = g.add_grad_node(node.op.clone(), &ins, v)?;
+    copies[v] = Some(c);
+    Ok(c)
 }
 
 /// Sums the gradient contributions of one value (several users, or a tied weight).
@@ -133,10 +205,17 @@ fn unbroadcast(g: &mut Graph, dx: NodeId, shape: &Shape, of: NodeId) -> Result<N
 }
 
 /// The vector-Jacobian products of node `id` given its output gradient `dy`: one
-/// `(operand index, gradient)` per operand with `wanted[i]`.
-fn vjp(g: &mut Graph, id: NodeId, dy: NodeId, wanted: &[bool]) -> Result<Vec<(usize, NodeId)>, IrError> {
+/// `(operand index, gradient)` per operand with `wanted[i]`. `ins` are the values backward
+/// reads for its operands (the operands, or their recomputed copies).
+fn vjp(
+    g: &mut Graph,
+    id: NodeId,
+    ins: &[NodeId],
+    dy: NodeId,
+    wanted: &[bool],
+) -> Result<Vec<(usize, NodeId)>, IrError> {
     let node = g.node(id).clone();
-    let ins = node.inputs.clone();
+    let ins = ins.to_vec();
     let ty = |g: &Graph, i: usize| -> TensorType { g.node(ins[i]).ty.clone() };
     let mut out = Vec::new();
     let mut put = |i: usize, v: NodeId| out.push((i, v));

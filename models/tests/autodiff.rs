@@ -87,3 +87,68 @@ fn differentiating_twice_is_an_error() {
 fn tiny_mlp_joint_graph() {
     insta::assert_snapshot!(to_text(&joint("tiny-mlp").graph));
 }
+
+#[test]
+fn recomputing_pointwise_ops_leaves_their_outputs_to_the_forward_pass() {
+    use shardplan_ir::{differentiate_with, DiffOptions};
+    let pointwise = |op: &Op| {
+        matches!(
+            op,
+            Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Mul | Op::RmsNorm { .. } | Op::LayerNorm { .. }
+        )
+    };
+    for name in PRESET_NAMES.iter().filter(|n| n.starts_with("tiny")) {
+        let g = trace(
+            &preset(name).unwrap(),
+            TraceOptions {
+                batch: 2,
+                seq_len: Some(8),
+                ..TraceOptions::default()
+            },
+        )
+        .unwrap();
+        let kept = differentiate(&g).unwrap();
+        let j = differentiate_with(
+            &g,
+            DiffOptions {
+                recompute_pointwise: true,
+            },
+        )
+        .unwrap();
+        // Backward reads no pointwise output of the forward pass; eager keeps some.
+        let saved = |j: &shardplan_ir::JointGraph| {
+            j.saved_for_backward()
+                .into_iter()
+                .filter(|&v| pointwise(&j.graph.node(v).op))
+                .count()
+        };
+        assert!(saved(&kept) > 0, "{name}");
+        assert_eq!(saved(&j), 0, "{name}");
+        // Each copy is its forward node's op on the values backward reads, made once.
+        // A copy reads only forward values and other copies (a gradient reads a gradient).
+        let mut copies = std::collections::HashSet::new();
+        let mut copied = Vec::new();
+        for (id, n) in j.graph.nodes().skip(j.forward_len) {
+            let Some(f) = n.grad_of else { continue };
+            let fnode = j.graph.node(f);
+            if pointwise(&n.op)
+                && fnode.op == n.op
+                && fnode.ty == n.ty
+                && n.inputs.iter().all(|i| i.index() < j.forward_len || copies.contains(i))
+            {
+                copies.insert(id);
+                copied.push(f);
+            }
+        }
+        let mut unique = copied.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert!(!copied.is_empty(), "{name}");
+        assert_eq!(copied.len(), unique.len(), "{name}: a value recomputed twice");
+        // The forward pass and the parameters' gradients' types are untouched.
+        assert_eq!(j.forward_len, kept.forward_len);
+        for (p, param) in j.graph.params() {
+            assert_eq!(j.graph.node(j.grad(p).unwrap()).ty, param.ty, "{name}");
+        }
+    }
+}

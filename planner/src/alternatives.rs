@@ -10,7 +10,7 @@
 use crate::auto::{search, Fixed};
 use crate::plan;
 use shardplan_frontends::{ActivationCheckpointing, GradSync, Offload, ParallelConfig, Prefetch, Reshard};
-use shardplan_ir::{differentiate, JointGraph};
+use shardplan_ir::{differentiate_with, JointGraph};
 use shardplan_models::{trace, ModelConfig};
 
 /// One change to a spec and the config it gives.
@@ -174,5 +174,5 @@ pub fn try_search_alternatives(model: &ModelConfig, base: &ParallelConfig, fixed
 /// The joint graph [`plan`] takes for `config`: `model` traced at the per-rank micro-batch
 /// in the param dtype, then differentiated; `None` if either fails.
 fn joint_graph(model: &ModelConfig, config: &ParallelConfig) -> Option<JointGraph> {
-    differentiate(&trace(model, config.trace_options()).ok()?).ok()
+    differentiate_with(&trace(model, config.trace_options()).ok()?, config.diff_options()).ok()
 }

@@ -201,7 +201,7 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
         };
         SpecError::file(path, format!("`{field}`: {e}")).help(help)
     })?;
-    let joint = shardplan_ir::differentiate(&graph).map_err(|e| {
+    let joint = shardplan_ir::differentiate_with(&graph, source.parallel.diff_options()).map_err(|e| {
         SpecError::file(path, format!("`source.model`: the model cannot be differentiated: {e}"))
             .help("use realistic sizes in the recorded specs")
     })?;

@@ -341,7 +341,7 @@ pub fn steps_and_events_for(
         // An in-place op's input is gone before its value is made.
         let mut overwritten = None;
         if let Some(x) = exec.in_place(id) {
-            let s = ExecOrder::slot(x, exec.reads_copy(id, copy, x));
+            let s = exec.read_slot(id, copy, x);
             let b = bytes(x);
             live = live.saturating_sub(b);
             if b > 0 && value_of[s] != u32::MAX {
@@ -426,7 +426,7 @@ pub fn steps_and_events_for(
             if param_of_node[input.index()].is_some() {
                 continue;
             }
-            let s = ExecOrder::slot(input, exec.reads_copy(id, copy, input));
+            let s = exec.read_slot(id, copy, input);
             if exec.last_use[s] == pos && !freed.contains(&s) && overwritten != Some(s) {
                 freed.push(s);
                 let b = bytes(input);
@@ -491,6 +491,10 @@ pub struct ExecOrder {
     /// Per node: the input whose memory it writes its value into (see
     /// [`ExecOrder::in_place_cross_entropy`]); empty when none does.
     in_place: Vec<Option<NodeId>>,
+    /// Per node: a backward recomputation of a forward node
+    /// ([`JointGraph::recompute_of`]) that a checkpointed block's recompute already makes:
+    /// it does not run, and its readers read that recomputed copy.
+    alias: Vec<Option<NodeId>>,
 }
 
 /// One attention backward as shardplan's executor runs it under
@@ -605,11 +609,21 @@ impl ExecOrder {
                 }
             }
         }
+        // Backward recomputations of values the block's recompute makes anyway.
+        let mut alias: Vec<Option<NodeId>> = vec![None; n];
+        for (i, of) in joint.recompute_of.iter().enumerate() {
+            if let Some(f) = *of {
+                let c = NodeId::new(i);
+                if ckpt[f].is_some() && !saved[f] && ckpt[c] == ckpt[f] {
+                    alias[i] = Some(f);
+                }
+            }
+        }
         let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
         let mut recomputed: Vec<ScopeId> = Vec::new();
         for (i, param) in param_of_node.iter().enumerate() {
             let id = NodeId::new(i);
-            if param.is_some() {
+            if param.is_some() || alias[i].is_some() {
                 continue;
             }
             if i >= joint.forward_len {
@@ -636,12 +650,13 @@ impl ExecOrder {
             blockwise: Vec::new(),
             blockwise_of: Vec::new(),
             in_place: Vec::new(),
+            alias,
         };
         for pos in 0..exec.order.len() {
             let (id, copy) = exec.order[pos];
             for &input in &g.node(id).inputs {
                 if exec.param_of_node[input.index()].is_none() {
-                    let s = Self::slot(input, exec.reads_copy(id, copy, input));
+                    let s = exec.read_slot(id, copy, input);
                     exec.last_use[s] = pos;
                 }
             }
@@ -759,7 +774,7 @@ impl ExecOrder {
             }
             for x in operands {
                 if self.param_of_node[x.index()].is_none() {
-                    let s = Self::slot(x, self.reads_copy(id, copy, x));
+                    let s = self.read_slot(id, copy, x);
                     self.last_use[s] = self.last_use[s].max(pos);
                 }
             }
@@ -802,7 +817,7 @@ impl ExecOrder {
                 let lu = self.last_use[Self::slot(v, read_copy)];
                 lu == usize::MAX || lu <= pos
             };
-            if self.last_use[Self::slot(x, self.reads_copy(id, false, x))] != pos {
+            if self.last_use[self.read_slot(id, false, x)] != pos {
                 continue;
             }
             let mut v = x;
@@ -867,6 +882,16 @@ impl ExecOrder {
     /// Index of a value (a node's original or its recomputed copy).
     pub fn slot(id: NodeId, copy: bool) -> usize {
         id.index() * 2 + usize::from(copy)
+    }
+
+    /// The value slot `reader` (itself a copy or not) reads for `input`: its own, its
+    /// recomputed copy ([`ExecOrder::reads_copy`]), or, for a backward recomputation the
+    /// block's recompute already makes, that copy.
+    pub fn read_slot(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> usize {
+        match self.alias.get(input.index()).copied().flatten() {
+            Some(f) => Self::slot(f, true),
+            None => Self::slot(input, self.reads_copy(reader, reader_copy, input)),
+        }
     }
 
     /// Whether `reader` (itself a copy or not) reads the recomputed copy of `input`: inside

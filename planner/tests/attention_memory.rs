@@ -113,3 +113,38 @@ fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them()
     exec.in_place_cross_entropy(&joint.graph);
     assert_eq!(exec.in_place(ce), None);
 }
+
+#[test]
+fn a_checkpointed_block_reads_its_recompute_instead_of_recomputing_twice() {
+    use shardplan_ir::{differentiate_with, DiffOptions};
+    let config =
+        parallel("mesh: {shard: 2}\nbatch: {per_rank: 2, seq_len: 32}\nactivation_checkpointing: {every: 2}\n");
+    let m = preset("tiny-llama").unwrap();
+    let g = shardplan_models::trace(&m, config.trace_options()).unwrap();
+    let joint = differentiate_with(
+        &g,
+        DiffOptions {
+            recompute_pointwise: true,
+        },
+    )
+    .unwrap();
+    let exec = ExecOrder::new(&joint, config.activation_checkpointing);
+    let in_order = |id| exec.order.iter().any(|&(n, _)| n == id);
+    let (mut skipped, mut run) = (0, 0);
+    for (i, of) in joint.recompute_of.iter().enumerate() {
+        let Some(f) = *of else { continue };
+        let c = shardplan_ir::NodeId::new(i);
+        if exec.recomputed(f) {
+            // The block's recompute makes f again: the copy does not run, and its readers
+            // read that recomputed value.
+            skipped += 1;
+            assert!(!in_order(c), "{c} runs beside the recompute of {f}");
+            assert_eq!(exec.read_slot(c, false, c), ExecOrder::slot(f, true));
+        } else {
+            run += 1;
+            assert!(in_order(c), "{c} (a copy of {f} outside a checkpointed block) must run");
+        }
+    }
+    // Every second block is checkpointed: both kinds occur.
+    assert!(skipped > 0 && run > 0, "skipped {skipped}, run {run}");
+}

@@ -418,7 +418,7 @@ impl StepCtx<'_> {
             .ok_or_else(|| ExecError::Internal(format!("{id} is not part of a blockwise attention")))?;
         let mut ops = Vec::with_capacity(4);
         for x in b.operands {
-            let slot = ExecOrder::slot(x, sh.exec.reads_copy(id, copy, x));
+            let slot = sh.exec.read_slot(id, copy, x);
             ops.push(
                 c.values[slot]
                     .clone()
@@ -454,7 +454,7 @@ impl StepCtx<'_> {
         let sh = self.shared;
         let Some(x) = sh.exec.in_place(id) else { return false };
         let node = sh.joint.graph.node(id);
-        let slot = ExecOrder::slot(x, sh.exec.reads_copy(id, copy, x));
+        let slot = sh.exec.read_slot(id, copy, x);
         matches!(node.op, Op::CrossEntropyGrad)
             && node.inputs.len() == 3
             && node.inputs[0] == x
@@ -519,14 +519,14 @@ impl StepCtx<'_> {
                     _ if self.overwritable(c, id, copy) => {
                         // The cross-entropy's gradient over its logits, which die here.
                         let x = node.inputs[0];
-                        let slot = ExecOrder::slot(x, sh.exec.reads_copy(id, copy, x));
+                        let slot = sh.exec.read_slot(id, copy, x);
                         let logits = c.values[slot]
                             .take()
                             .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?;
                         c.live -= sh.exec.value_bytes(g, x);
                         let mut rest = Vec::with_capacity(2);
                         for &input in &node.inputs[1..] {
-                            let slot = ExecOrder::slot(input, sh.exec.reads_copy(id, copy, input));
+                            let slot = sh.exec.read_slot(id, copy, input);
                             rest.push(c.values[slot].clone().ok_or_else(|| {
                                 ExecError::Internal(format!("{id} reads {input} after it was freed"))
                             })?);
@@ -552,7 +552,7 @@ impl StepCtx<'_> {
                                     ))
                                 })?,
                                 None => {
-                                    let slot = ExecOrder::slot(input, sh.exec.reads_copy(id, copy, input));
+                                    let slot = sh.exec.read_slot(id, copy, input);
                                     c.values[slot].clone().ok_or_else(|| {
                                         ExecError::Internal(format!("{id} reads {input} after it was freed"))
                                     })?
@@ -598,7 +598,7 @@ impl StepCtx<'_> {
                     if sh.exec.param_of_node[input.index()].is_some() {
                         continue;
                     }
-                    let slot = ExecOrder::slot(input, sh.exec.reads_copy(id, copy, input));
+                    let slot = sh.exec.read_slot(id, copy, input);
                     if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
                         c.live -= sh.exec.value_bytes(g, input);
                     }

@@ -20,7 +20,7 @@ use crate::ExecError;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
-use shardplan_ir::{differentiate, JointGraph};
+use shardplan_ir::{differentiate_with, JointGraph};
 use shardplan_models::{trace, ModelConfig};
 use shardplan_planner::{chunk_rows, plan, ByCategory, Category, ExecOrder, Plan, Pool};
 use std::collections::HashMap;
@@ -121,8 +121,9 @@ impl ShardedTrainer {
     /// ([`executor_config`]), and initialises every rank.
     pub fn new(model: &ModelConfig, config: &ParallelConfig, total_steps: u64) -> Result<Self, ExecError> {
         let graph = trace(model, config.trace_options())?;
-        let joint = differentiate(&graph).map_err(|e| ExecError::Internal(e.to_string()))?;
-        let p = plan(&joint, &executor_config(config)).map_err(|e| ExecError::Unsupported(e.to_string()))?;
+        let run = executor_config(config);
+        let joint = differentiate_with(&graph, run.diff_options()).map_err(|e| ExecError::Internal(e.to_string()))?;
+        let p = plan(&joint, &run).map_err(|e| ExecError::Unsupported(e.to_string()))?;
         Self::from_plan(model, config, p, joint, total_steps)
     }
 

@@ -340,6 +340,16 @@ impl ParallelConfig {
             dtype: self.mixed_precision.param,
         }
     }
+
+    /// How the run's backward pass is built: shardplan's executor (`kernels: fused`,
+    /// `runtime: shardplan`) recomputes pointwise ops and norms in backward rather than
+    /// keeping their outputs; PyTorch eager (and FSDP2's run) keeps them.
+    pub fn diff_options(&self) -> shardplan_ir::DiffOptions {
+        shardplan_ir::DiffOptions {
+            recompute_pointwise: self.runtime == Runtime::Shardplan
+                && self.hardware.kernels == crate::hardware::KernelMode::Fused,
+        }
+    }
 }
 
 impl std::fmt::Display for Reshard {
