@@ -23,7 +23,7 @@ pub struct Bounds {
     /// Seconds: at most the plan's `estimate.step_s`.
     pub step_s: f64,
     /// Bytes: at most the plan's `memory.device_total` (and its allocated peak plus the
-    /// CUDA context).
+    /// CUDA context and NCCL's buffers).
     pub device: u64,
 }
 
@@ -371,9 +371,28 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
     } else {
         0
     };
+    // NCCL's buffers: one set per communicator (a comm and the stream it runs on) of more
+    // than one rank that the program uses (`simulate::overhead`). With more than one shard,
+    // every group some step reads is all-gathered over the shard axis on the all-gather
+    // stream (its first gather is from its own shard, or the copy of it under offload),
+    // every group with gradients is reduce-scattered over it on the reduce-scatter stream,
+    // and gradient clipping all-reduces the norm's partial sums over it on the all-reduce
+    // stream; with replicas, every group with gradients is all-reduced over the replicate
+    // axis on the all-reduce stream.
+    let any_grads = facts.has_grads.iter().any(|&g| g);
+    let communicators = [
+        shard > 1 && facts.read.iter().any(|&r| r),
+        shard > 1 && any_grads,
+        shard > 1 && config.grad_clip.is_some(),
+        replicate > 1 && any_grads,
+    ]
+    .iter()
+    .filter(|&&c| c)
+    .count() as u64;
     let device = persistent
         .saturating_add(during_steps.max(kept))
-        .saturating_add(hw.cuda_context_bytes());
+        .saturating_add(hw.cuda_context_bytes())
+        .saturating_add(hw.nccl_bytes_per_communicator().saturating_mul(communicators));
 
     // Time. Each stream runs its instructions one after another, so the step lasts at
     // least as long as any stream is busy: the compute stream runs every compute step once
