@@ -7,7 +7,7 @@
 //! every candidate of its grid.
 
 use crate::cost::{link, ring_seconds};
-use crate::group::{group, FsdpGroup};
+use crate::group::FsdpGroup;
 use crate::layout::layout;
 use crate::mesh::Mesh;
 use crate::plan::{Comm, Precision};
@@ -107,7 +107,7 @@ impl BoundCache {
         let grouping = match self.groupings.entry(gkey) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let groups = group(&joint.graph, &wrap_policy(config))?;
+                let groups = cache.groups_for(&joint.graph, &wrap_policy(config))?.to_vec();
                 let numel = groups
                     .iter()
                     .map(|f| {

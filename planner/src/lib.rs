@@ -69,16 +69,33 @@ pub(crate) struct CachedSteps {
 }
 
 /// What does not change between plans of one graph that differ only in mesh, resharding,
-/// prefetch or offload: the compute steps, their activation events and their durations (by
-/// groups and checkpointing policy), and the model FLOPs. The auto search plans hundreds of
-/// variants with one.
+/// prefetch or offload: the groups (by wrap policy), the compute steps, their activation
+/// events and their durations (by groups and checkpointing policy), and the model FLOPs.
+/// The auto search plans hundreds of variants with one.
 #[derive(Default)]
 pub struct PlanCache {
+    /// By the wrap policy, as printed (every field [`group`] reads besides the graph).
+    groups: std::collections::HashMap<String, std::sync::Arc<Vec<FsdpGroup>>>,
     steps: std::collections::HashMap<StepsKey, std::sync::Arc<CachedSteps>>,
     forward_flops: Option<f64>,
 }
 
 impl PlanCache {
+    /// [`group`] of `g` under `policy`: made once per policy (a failure is not kept).
+    pub(crate) fn groups_for(
+        &mut self,
+        g: &shardplan_ir::Graph,
+        policy: &WrapPolicy,
+    ) -> Result<std::sync::Arc<Vec<FsdpGroup>>, PlanError> {
+        let key = format!("{policy:?}");
+        if let Some(x) = self.groups.get(&key) {
+            return Ok(x.clone());
+        }
+        let x = std::sync::Arc::new(group(g, policy)?);
+        self.groups.insert(key, x.clone());
+        Ok(x)
+    }
+
     /// The compute steps of `fsdp` under `config`'s checkpointing, with their activation
     /// events and durations: made once per groups, checkpointing and hardware.
     pub(crate) fn steps_for(
@@ -214,8 +231,10 @@ fn passes(
     }
 
     // 1. Groups and their layouts.
-    let groups: Vec<PlannedGroup> = group(g, &wrap_policy(config))?
-        .into_iter()
+    let groups: Vec<PlannedGroup> = cache
+        .groups_for(g, &wrap_policy(config))?
+        .iter()
+        .cloned()
         .map(|grp| {
             let layout = layout(g, &grp, mesh.shard());
             let reshard = if grp.is_root() { GroupReshard::Keep } else { reshard };
