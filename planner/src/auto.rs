@@ -19,7 +19,7 @@
 //! of a grid with full plans and compares winners and scores.
 
 use crate::bounds::{BoundCache, Bounds};
-use crate::{plan, plan_passes, simulate, Plan, PlanCache, PlanError};
+use crate::{plan, plan_candidate, simulate, Plan, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, HardwareProfile, MeshShape, Offload, Origin, ParallelConfig, Prefetch, Reshard,
@@ -297,13 +297,13 @@ fn evaluate(
     keep: bool,
     replay_if: impl Fn(f64, u64) -> bool,
 ) -> Result<(Candidate, Option<Box<Unreplayed>>), PlanError> {
-    let (mut p, steps) = plan_passes(joint, config, cache, false, false)?;
+    let (mut p, steps) = plan_candidate(joint, config, cache)?;
     // The allocator replay costs more than the rest of a candidate; it runs only where the
     // allocated peak plus the fixed overheads (a lower bound of the device total) leaves
     // the fit open, and where the caller still cares.
     // So does the sum of the streams' own peaks (`allocator::stream_peaks`), which is far
     // cheaper than the replay and often far above the allocated peak.
-    let streams = crate::allocator::stream_peaks(&p.programs[0], &p.buffers, &p.steps);
+    let streams = crate::allocator::stream_peaks(&p.programs[0], &p.buffers, &steps.steps);
     let lower = p.memory.peak.max(streams).saturating_add(p.memory.overhead.total());
     let device_exact = lower <= budget && replay_if(p.estimate.step_s, lower);
     if device_exact {

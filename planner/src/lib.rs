@@ -53,6 +53,7 @@ pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: 
         true,
         false,
         Some(micro_batches.max(1)),
+        false,
     )?
     .0)
 }
@@ -159,11 +160,24 @@ pub(crate) fn plan_passes(
     verify_plan: bool,
     replay: bool,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
-    passes(joint, config, cache, verify_plan, replay, None)
+    passes(joint, config, cache, verify_plan, replay, None, false)
+}
+
+/// [`plan_passes`] without verifying or replaying, for the auto search, which reads of a
+/// candidate's plan its estimate, memory, program and buffers: the plan's `steps` and its
+/// groups' `param_names` are left empty (its steps are the returned [`CachedSteps`]'),
+/// which spares copying them for every candidate.
+pub(crate) fn plan_candidate(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
+    passes(joint, config, cache, false, false, None, true)
 }
 
 /// The pipeline; `forward_only: Some(m)` plans `m` forward-only micro-batches
-/// ([`plan_forward`]).
+/// ([`plan_forward`]); `lean` leaves the plan's steps and parameter names out
+/// ([`plan_candidate`]).
 fn passes(
     joint: &JointGraph,
     config: &ParallelConfig,
@@ -171,6 +185,7 @@ fn passes(
     verify_plan: bool,
     replay: bool,
     forward_only: Option<u64>,
+    lean: bool,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
     let g = &joint.graph;
     let mesh = Mesh::new(
@@ -239,7 +254,11 @@ fn passes(
             let layout = layout(g, &grp, mesh.shard());
             let reshard = if grp.is_root() { GroupReshard::Keep } else { reshard };
             PlannedGroup {
-                param_names: grp.params.iter().map(|&p| g.param(p).name.clone()).collect(),
+                param_names: if lean {
+                    Vec::new()
+                } else {
+                    grp.params.iter().map(|&p| g.param(p).name.clone()).collect()
+                },
                 group: grp,
                 layout,
                 reshard,
@@ -252,16 +271,17 @@ fn passes(
 
     // 2. Compute steps with activation memory.
     let cached = cache.steps_for(joint, config, &fsdp);
-    let mut steps = cached.steps.clone();
+    let mut own_steps = if lean { Vec::new() } else { cached.steps.clone() };
     if forward_only.is_some() {
         // The forward steps come first in execution order; the rest are backward (and
         // recompute) steps, which a forward program leaves out.
-        let n = steps.iter().take_while(|s| s.phase == Phase::Forward).count();
-        if steps[n..].iter().any(|s| s.phase == Phase::Forward) {
+        let n = own_steps.iter().take_while(|s| s.phase == Phase::Forward).count();
+        if own_steps[n..].iter().any(|s| s.phase == Phase::Forward) {
             return Err(PlanError::Bug("a forward step follows a backward one".into()));
         }
-        steps.truncate(n);
+        own_steps.truncate(n);
     }
+    let steps: &[Step] = if lean { &cached.steps } else { &own_steps };
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded),
     // its all-gathers placed for the peak under `prefetch: auto`.
@@ -322,7 +342,7 @@ fn passes(
         hardware: config.hardware.clone(),
         policy,
         groups,
-        steps,
+        steps: own_steps,
         buffers: sched.buffers,
         events: sched.events,
         programs: vec![sched.program],
@@ -344,7 +364,7 @@ fn passes(
         let mut own = config.clone();
         own.runtime = shardplan_frontends::Runtime::Shardplan;
         own.hardware.kernels = shardplan_frontends::KernelMode::Fused;
-        let (p, _) = passes(joint, &own, cache, verify_plan, true, None)?;
+        let (p, _) = passes(joint, &own, cache, verify_plan, true, None, false)?;
         plan.shardplan_executor = Some(RuntimePrediction::of(&p));
     }
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
