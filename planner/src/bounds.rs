@@ -239,7 +239,10 @@ impl BoundCache {
 ///
 /// While a step runs: its activation peak; the unsharded parameters of every group it reads
 /// and of the groups whose gathers are issued ahead of it; the gradient pieces it writes
-/// (allocated, in the parameter dtype, before it runs); every group kept after forward
+/// (allocated, in the parameter dtype, before it runs); the reduce-scatter input of every
+/// group reduced after the step before it (the group's elements in the reduce dtype: the
+/// schedule issues its free, the reduction's tail, after the next compute step, or FSDP2
+/// keeps it until the next reduction); every group kept after forward
 /// (every group under `false`, the root group always) from its forward gather to its last
 /// read; under `n`, every other group's post-forward shard (a `1/n` slice) until backward
 /// gathers it again. After the step that last makes a group's gradients, where the group
@@ -312,7 +315,14 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
         let (act_end, made) = facts.ends[s];
         let early: u64 = early_groups.iter().map(|&g| grouping.numel[g]).sum();
         let skip: Vec<usize> = reads.iter().chain(early_groups).copied().collect();
-        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, 0));
+        let reducing: u64 = match s.checked_sub(1) {
+            Some(before) => (0..grouping.groups.len())
+                .filter(|&g| facts.last_grad[g] == Some(before))
+                .map(|g| grouping.numel[g])
+                .sum(),
+            None => 0,
+        };
+        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, reducing));
         for g in (0..grouping.groups.len()).filter(|&g| facts.last_grad[g] == Some(s)) {
             // (elements in the parameter dtype, bytes, elements in the reduce dtype)
             out.push((kept(s, &[g]).saturating_add(made), act_end, grouping.numel[g]));
