@@ -285,14 +285,14 @@ fn passes(
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded),
     // its all-gathers placed for the peak under `prefetch: auto`.
-    let gates = schedule::gates(&steps, &groups, &policy);
-    let sched = schedule::schedule_gated(&steps, &groups, &policy, &mesh, &gates);
+    let gates = schedule::gates(steps, &groups, &policy);
+    let sched = schedule::schedule_gated(steps, &groups, &policy, &mesh, &gates);
 
     // The memory passes add sizes up without checks: bound their total first.
     rank_bytes_fit(&sched.buffers, &cached.acts)?;
     let (sched, prefetch_moves) = if policy.prefetch.peak_aware {
         let ctx = prefetch::Ctx {
-            steps: &steps,
+            steps,
             groups: &groups,
             policy: &policy,
             mesh: &mesh,
@@ -324,7 +324,7 @@ fn passes(
         &sched.program,
         &sched.buffers,
         sched.events,
-        &steps,
+        steps,
         &cached,
         &mesh,
         config,
