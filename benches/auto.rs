@@ -29,12 +29,12 @@ fn auto(c: &mut Criterion) {
         // The search's speed is measured whether or not a candidate fits the device.
         match search(&joint, &p.config, fixed, budget, true).expect("search") {
             Ok(r) => eprintln!(
-                "{label}: {} candidates evaluated, {} pruned; winner {:?}, {:.3} s a step, device total {} B of {budget}",
+                "{label}: {} candidates evaluated, {} pruned; winner {:?}, {:?} s a step, device total {} B of {budget}",
                 r.evaluated, r.pruned, r.candidates[0].knobs, r.candidates[0].step_s, r.winner.memory.device_total
             ),
             Err(no) => eprintln!(
-                "{label}: no candidate fits {budget} B of device memory; the smallest needs {} B",
-                no.best.device
+                "{label}: no candidate fits {budget} B of device memory; the smallest needs {} B ({:?}, {:?} s a step)",
+                no.best.device, no.best.knobs, no.best.step_s
             ),
         }
         group.bench_function(label, |b| {

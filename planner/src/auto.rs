@@ -19,7 +19,7 @@
 //! of a grid with full plans and compares winners and scores.
 
 use crate::bounds::{BoundCache, Bounds};
-use crate::{plan, plan_passes, simulate, Plan, PlanCache, PlanError};
+use crate::{plan, plan_candidate, simulate, Plan, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, HardwareProfile, MeshShape, Offload, Origin, ParallelConfig, Prefetch, Reshard,
@@ -248,6 +248,35 @@ struct Entry {
     bounds: Bounds,
     /// Planned (without the replay unless `device_exact`).
     planned: Option<Candidate>,
+    /// What the replay needs of its plan, while planned without it and nothing fits yet:
+    /// the search then may still need its exact device total.
+    unreplayed: Option<Box<Unreplayed>>,
+}
+
+/// A plan as far as the allocator replay needs it (with its config's hardware and
+/// allocator): its [`Unreplayed::device_total`] is that of [`replayed`] of the whole plan.
+struct Unreplayed {
+    memory: crate::MemoryReport,
+    program: crate::Program,
+    buffers: Vec<crate::Buffer>,
+    mesh: crate::Mesh,
+    steps: std::sync::Arc<crate::CachedSteps>,
+}
+
+impl Unreplayed {
+    /// The device total of the plan, the allocator replayed.
+    fn device_total(self, config: &ParallelConfig) -> u64 {
+        simulate::device_memory(
+            self.memory,
+            &self.program,
+            &self.buffers,
+            &self.steps.acts,
+            &self.mesh,
+            &config.hardware,
+            config.allocator,
+        )
+        .device_total
+    }
 }
 
 impl Entry {
@@ -257,29 +286,31 @@ impl Entry {
     }
 }
 
-/// Plans `config`; replays the allocator only when `replay_if` says the fit is open.
+/// Plans `config`; replays the allocator only when `replay_if` says the fit is open, and
+/// otherwise returns what a later replay needs when `keep` says so.
 fn evaluate(
     joint: &JointGraph,
     knobs: &Knobs,
     config: &ParallelConfig,
     cache: &mut PlanCache,
     budget: u64,
+    keep: bool,
     replay_if: impl Fn(f64, u64) -> bool,
-) -> Result<Candidate, PlanError> {
-    let (mut p, steps) = plan_passes(joint, config, cache, false, false)?;
+) -> Result<(Candidate, Option<Box<Unreplayed>>), PlanError> {
+    let (mut p, steps) = plan_candidate(joint, config, cache)?;
     // The allocator replay costs more than the rest of a candidate; it runs only where the
     // allocated peak plus the fixed overheads (a lower bound of the device total) leaves
     // the fit open, and where the caller still cares.
     // So does the sum of the streams' own peaks (`allocator::stream_peaks`), which is far
     // cheaper than the replay and often far above the allocated peak.
-    let streams = crate::allocator::stream_peaks(&p.programs[0], &p.buffers, &p.steps);
+    let streams = crate::allocator::stream_peaks(&p.programs[0], &p.buffers, &steps.steps);
     let lower = p.memory.peak.max(streams).saturating_add(p.memory.overhead.total());
     let device_exact = lower <= budget && replay_if(p.estimate.step_s, lower);
     if device_exact {
         p.memory = replayed(&p, &steps.acts);
     }
     let device = if device_exact { p.memory.device_total } else { lower };
-    Ok(Candidate {
+    let c = Candidate {
         knobs: knobs.clone(),
         step_s: p.estimate.step_s,
         mfu: p.estimate.mfu,
@@ -288,7 +319,17 @@ fn evaluate(
         device,
         device_exact,
         fits: device_exact && device <= budget,
-    })
+    };
+    let rest = (keep && !device_exact).then(|| {
+        Box::new(Unreplayed {
+            memory: p.memory,
+            program: p.programs.swap_remove(0),
+            buffers: p.buffers,
+            mesh: p.mesh,
+            steps,
+        })
+    });
+    Ok((c, rest))
 }
 
 /// Whether a planned candidate that differs from `entries[i]` only in a prefetch no deeper
@@ -354,6 +395,7 @@ pub fn search(
             config,
             bounds,
             planned: None,
+            unreplayed: None,
         });
     }
     let mut evaluated = 0usize;
@@ -385,13 +427,17 @@ pub fn search(
                 continue;
             }
             let e = &entries[i];
-            let c = evaluate(joint, &e.knobs, &e.config, &mut cache, budget, |step_s, lower| {
+            // While nothing fits, the search may end up wanting the least device total, so
+            // a plan not replayed is kept for its replay.
+            let keep = best.is_none();
+            let (c, rest) = evaluate(joint, &e.knobs, &e.config, &mut cache, budget, keep, |step_s, lower| {
                 !prune
                     || match best {
                         None => true,
                         Some((t, d, _)) => step_s < t || (step_s == t && lower <= d),
                     }
             })?;
+            entries[i].unreplayed = rest;
             evaluated += 1;
             if c.fits {
                 let key = (c.step_s, c.device, i);
@@ -399,6 +445,11 @@ pub fn search(
                     key.0.total_cmp(&t).then(key.1.cmp(&d)).then(key.2.cmp(&j)) == std::cmp::Ordering::Less
                 });
                 if better {
+                    if best.is_none() {
+                        for e in &mut entries {
+                            e.unreplayed = None; // something fits: no least device total is wanted
+                        }
+                    }
                     best = Some(key);
                 }
             }
@@ -432,9 +483,12 @@ pub fn search(
             }))
         }
         None => {
-            // The least device memory of any candidate: plan and replay the candidate with
-            // the least bound until the least is exact (a bound never exceeds its
-            // candidate's total); among equal totals, the fastest, then the earliest.
+            // The least device memory of any candidate: take the candidates with the least
+            // bound and plan them (the bound becomes the allocated peak plus overheads) or,
+            // once planned, replay them (exact), until the least is exact (a bound never
+            // exceeds its candidate's total); among equal totals, the fastest, then the
+            // earliest. A plan not replayed is kept for its replay, so none is planned twice
+            // and only those that reach the least are replayed.
             loop {
                 let least = entries.iter().map(Entry::device).min().unwrap_or(0);
                 let open: Vec<usize> = (0..entries.len())
@@ -455,15 +509,21 @@ pub fn search(
                     }));
                 }
                 for i in open {
-                    let e = &entries[i];
-                    let mut c = evaluate(joint, &e.knobs, &e.config, &mut cache, budget, |_, _| true)?;
-                    if !c.device_exact {
-                        // Over the budget by its bound: replay it anyway for its total.
-                        let (p, steps) = plan_passes(joint, &e.config, &mut cache, false, false)?;
-                        c.device = replayed(&p, &steps.acts).device_total;
-                        c.device_exact = true;
+                    let e = &mut entries[i];
+                    match (e.planned.as_mut(), e.unreplayed.take()) {
+                        (Some(c), Some(u)) => {
+                            // Over the budget by its bound: replayed anyway, for its total.
+                            c.device = u.device_total(&e.config);
+                            c.device_exact = true;
+                        }
+                        (None, _) => {
+                            let (c, rest) =
+                                evaluate(joint, &e.knobs, &e.config, &mut cache, budget, true, |_, _| true)?;
+                            e.planned = Some(c);
+                            e.unreplayed = rest;
+                        }
+                        (Some(_), None) => return Err(PlanError::Bug("a plan to replay was not kept".into())),
                     }
-                    entries[i].planned = Some(c);
                 }
             }
         }

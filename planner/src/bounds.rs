@@ -7,7 +7,7 @@
 //! every candidate of its grid.
 
 use crate::cost::{link, ring_seconds};
-use crate::group::{group, FsdpGroup};
+use crate::group::FsdpGroup;
 use crate::layout::layout;
 use crate::mesh::Mesh;
 use crate::plan::{Comm, Precision};
@@ -23,7 +23,7 @@ pub struct Bounds {
     /// Seconds: at most the plan's `estimate.step_s`.
     pub step_s: f64,
     /// Bytes: at most the plan's `memory.device_total` (and its allocated peak plus the
-    /// CUDA context).
+    /// CUDA context and NCCL's buffers).
     pub device: u64,
 }
 
@@ -107,7 +107,7 @@ impl BoundCache {
         let grouping = match self.groupings.entry(gkey) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let groups = group(&joint.graph, &wrap_policy(config))?;
+                let groups = cache.groups_for(&joint.graph, &wrap_policy(config))?.to_vec();
                 let numel = groups
                     .iter()
                     .map(|f| {
@@ -239,7 +239,10 @@ impl BoundCache {
 ///
 /// While a step runs: its activation peak; the unsharded parameters of every group it reads
 /// and of the groups whose gathers are issued ahead of it; the gradient pieces it writes
-/// (allocated, in the parameter dtype, before it runs); every group kept after forward
+/// (allocated, in the parameter dtype, before it runs); the reduce-scatter input of every
+/// group reduced after the step before it (the group's elements in the reduce dtype: the
+/// schedule issues its free, the reduction's tail, after the next compute step, or FSDP2
+/// keeps it until the next reduction); every group kept after forward
 /// (every group under `false`, the root group always) from its forward gather to its last
 /// read; under `n`, every other group's post-forward shard (a `1/n` slice) until backward
 /// gathers it again. After the step that last makes a group's gradients, where the group
@@ -312,7 +315,14 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
         let (act_end, made) = facts.ends[s];
         let early: u64 = early_groups.iter().map(|&g| grouping.numel[g]).sum();
         let skip: Vec<usize> = reads.iter().chain(early_groups).copied().collect();
-        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, 0));
+        let reducing: u64 = match s.checked_sub(1) {
+            Some(before) => (0..grouping.groups.len())
+                .filter(|&g| facts.last_grad[g] == Some(before))
+                .map(|g| grouping.numel[g])
+                .sum(),
+            None => 0,
+        };
+        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, reducing));
         for g in (0..grouping.groups.len()).filter(|&g| facts.last_grad[g] == Some(s)) {
             // (elements in the parameter dtype, bytes, elements in the reduce dtype)
             out.push((kept(s, &[g]).saturating_add(made), act_end, grouping.numel[g]));
@@ -371,9 +381,28 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
     } else {
         0
     };
+    // NCCL's buffers: one set per communicator (a comm and the stream it runs on) of more
+    // than one rank that the program uses (`simulate::overhead`). With more than one shard,
+    // every group some step reads is all-gathered over the shard axis on the all-gather
+    // stream (its first gather is from its own shard, or the copy of it under offload),
+    // every group with gradients is reduce-scattered over it on the reduce-scatter stream,
+    // and gradient clipping all-reduces the norm's partial sums over it on the all-reduce
+    // stream; with replicas, every group with gradients is all-reduced over the replicate
+    // axis on the all-reduce stream.
+    let any_grads = facts.has_grads.iter().any(|&g| g);
+    let communicators = [
+        shard > 1 && facts.read.iter().any(|&r| r),
+        shard > 1 && any_grads,
+        shard > 1 && config.grad_clip.is_some(),
+        replicate > 1 && any_grads,
+    ]
+    .iter()
+    .filter(|&&c| c)
+    .count() as u64;
     let device = persistent
         .saturating_add(during_steps.max(kept))
-        .saturating_add(hw.cuda_context_bytes());
+        .saturating_add(hw.cuda_context_bytes())
+        .saturating_add(hw.nccl_bytes_per_communicator().saturating_mul(communicators));
 
     // Time. Each stream runs its instructions one after another, so the step lasts at
     // least as long as any stream is busy: the compute stream runs every compute step once

@@ -53,6 +53,7 @@ pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: 
         true,
         false,
         Some(micro_batches.max(1)),
+        false,
     )?
     .0)
 }
@@ -69,16 +70,33 @@ pub(crate) struct CachedSteps {
 }
 
 /// What does not change between plans of one graph that differ only in mesh, resharding,
-/// prefetch or offload: the compute steps, their activation events and their durations (by
-/// groups and checkpointing policy), and the model FLOPs. The auto search plans hundreds of
-/// variants with one.
+/// prefetch or offload: the groups (by wrap policy), the compute steps, their activation
+/// events and their durations (by groups and checkpointing policy), and the model FLOPs.
+/// The auto search plans hundreds of variants with one.
 #[derive(Default)]
 pub struct PlanCache {
+    /// By the wrap policy, as printed (every field [`group`] reads besides the graph).
+    groups: std::collections::HashMap<String, std::sync::Arc<Vec<FsdpGroup>>>,
     steps: std::collections::HashMap<StepsKey, std::sync::Arc<CachedSteps>>,
     forward_flops: Option<f64>,
 }
 
 impl PlanCache {
+    /// [`group`] of `g` under `policy`: made once per policy (a failure is not kept).
+    pub(crate) fn groups_for(
+        &mut self,
+        g: &shardplan_ir::Graph,
+        policy: &WrapPolicy,
+    ) -> Result<std::sync::Arc<Vec<FsdpGroup>>, PlanError> {
+        let key = format!("{policy:?}");
+        if let Some(x) = self.groups.get(&key) {
+            return Ok(x.clone());
+        }
+        let x = std::sync::Arc::new(group(g, policy)?);
+        self.groups.insert(key, x.clone());
+        Ok(x)
+    }
+
     /// The compute steps of `fsdp` under `config`'s checkpointing, with their activation
     /// events and durations: made once per groups, checkpointing and hardware.
     pub(crate) fn steps_for(
@@ -142,11 +160,24 @@ pub(crate) fn plan_passes(
     verify_plan: bool,
     replay: bool,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
-    passes(joint, config, cache, verify_plan, replay, None)
+    passes(joint, config, cache, verify_plan, replay, None, false)
+}
+
+/// [`plan_passes`] without verifying or replaying, for the auto search, which reads of a
+/// candidate's plan its estimate, memory, program and buffers: the plan's `steps` and its
+/// groups' `param_names` are left empty (its steps are the returned [`CachedSteps`]'),
+/// which spares copying them for every candidate.
+pub(crate) fn plan_candidate(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
+    passes(joint, config, cache, false, false, None, true)
 }
 
 /// The pipeline; `forward_only: Some(m)` plans `m` forward-only micro-batches
-/// ([`plan_forward`]).
+/// ([`plan_forward`]); `lean` leaves the plan's steps and parameter names out
+/// ([`plan_candidate`]).
 fn passes(
     joint: &JointGraph,
     config: &ParallelConfig,
@@ -154,6 +185,7 @@ fn passes(
     verify_plan: bool,
     replay: bool,
     forward_only: Option<u64>,
+    lean: bool,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
     let g = &joint.graph;
     let mesh = Mesh::new(
@@ -214,13 +246,19 @@ fn passes(
     }
 
     // 1. Groups and their layouts.
-    let groups: Vec<PlannedGroup> = group(g, &wrap_policy(config))?
-        .into_iter()
+    let groups: Vec<PlannedGroup> = cache
+        .groups_for(g, &wrap_policy(config))?
+        .iter()
+        .cloned()
         .map(|grp| {
             let layout = layout(g, &grp, mesh.shard());
             let reshard = if grp.is_root() { GroupReshard::Keep } else { reshard };
             PlannedGroup {
-                param_names: grp.params.iter().map(|&p| g.param(p).name.clone()).collect(),
+                param_names: if lean {
+                    Vec::new()
+                } else {
+                    grp.params.iter().map(|&p| g.param(p).name.clone()).collect()
+                },
                 group: grp,
                 layout,
                 reshard,
@@ -233,27 +271,28 @@ fn passes(
 
     // 2. Compute steps with activation memory.
     let cached = cache.steps_for(joint, config, &fsdp);
-    let mut steps = cached.steps.clone();
+    let mut own_steps = if lean { Vec::new() } else { cached.steps.clone() };
     if forward_only.is_some() {
         // The forward steps come first in execution order; the rest are backward (and
         // recompute) steps, which a forward program leaves out.
-        let n = steps.iter().take_while(|s| s.phase == Phase::Forward).count();
-        if steps[n..].iter().any(|s| s.phase == Phase::Forward) {
+        let n = own_steps.iter().take_while(|s| s.phase == Phase::Forward).count();
+        if own_steps[n..].iter().any(|s| s.phase == Phase::Forward) {
             return Err(PlanError::Bug("a forward step follows a backward one".into()));
         }
-        steps.truncate(n);
+        own_steps.truncate(n);
     }
+    let steps: &[Step] = if lean { &cached.steps } else { &own_steps };
 
     // 3. The schedule of one rank (every rank runs the same program: shards are padded),
     // its all-gathers placed for the peak under `prefetch: auto`.
-    let gates = schedule::gates(&steps, &groups, &policy);
-    let sched = schedule::schedule_gated(&steps, &groups, &policy, &mesh, &gates);
+    let gates = schedule::gates(steps, &groups, &policy);
+    let sched = schedule::schedule_gated(steps, &groups, &policy, &mesh, &gates);
 
     // The memory passes add sizes up without checks: bound their total first.
     rank_bytes_fit(&sched.buffers, &cached.acts)?;
     let (sched, prefetch_moves) = if policy.prefetch.peak_aware {
         let ctx = prefetch::Ctx {
-            steps: &steps,
+            steps,
             groups: &groups,
             policy: &policy,
             mesh: &mesh,
@@ -285,7 +324,7 @@ fn passes(
         &sched.program,
         &sched.buffers,
         sched.events,
-        &steps,
+        steps,
         &cached,
         &mesh,
         config,
@@ -303,7 +342,7 @@ fn passes(
         hardware: config.hardware.clone(),
         policy,
         groups,
-        steps,
+        steps: own_steps,
         buffers: sched.buffers,
         events: sched.events,
         programs: vec![sched.program],
@@ -325,7 +364,7 @@ fn passes(
         let mut own = config.clone();
         own.runtime = shardplan_frontends::Runtime::Shardplan;
         own.hardware.kernels = shardplan_frontends::KernelMode::Fused;
-        let (p, _) = passes(joint, &own, cache, verify_plan, true, None)?;
+        let (p, _) = passes(joint, &own, cache, verify_plan, true, None, false)?;
         plan.shardplan_executor = Some(RuntimePrediction::of(&p));
     }
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
