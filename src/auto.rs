@@ -4,9 +4,10 @@
 use crate::plan::{make_plan_and_graph, write_out, Format, PlanArgs};
 use crate::CliError;
 use anyhow::Context;
+use shardplan_frontends::spec_yaml;
 use shardplan_frontends::{LoadedModel, LoadedParallel, SpecError};
 use shardplan_planner::alternatives::try_search_alternatives;
-use shardplan_planner::auto::{default_budget, knob_effects, search, spec_yaml, Candidate, Fixed, NoFit};
+use shardplan_planner::auto::{default_budget, knob_effects, search, Candidate, Fixed, NoFit};
 use shardplan_planner::print::{bytes, ms};
 use std::fmt::Write as _;
 

@@ -113,14 +113,6 @@ pub struct NoFit {
     pub budget: u64,
 }
 
-fn reshard_name(r: Reshard) -> String {
-    match r {
-        Reshard::AfterForward => "true".into(),
-        Reshard::Keep => "false".into(),
-        Reshard::ToGroupOf(n) => n.to_string(),
-    }
-}
-
 fn ac_name(a: ActivationCheckpointing) -> String {
     a.to_string()
 }
@@ -225,7 +217,7 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
                                 replicate: mesh.replicate,
                                 shard: mesh.shard,
                                 blocks_per_group: blocks,
-                                reshard_after_forward: reshard_name(reshard),
+                                reshard_after_forward: shardplan_frontends::reshard_name(reshard),
                                 prefetch_forward: pf,
                                 prefetch_backward: pb,
                                 activation_checkpointing: ac_name(ac),
@@ -586,163 +578,4 @@ pub fn knob_effects(candidates: &[Candidate]) -> Vec<String> {
         }
     }
     out
-}
-
-/// The parallel spec of `c` as YAML (the fields the planner and trainer read), so a run
-/// is reproducible without `--auto`.
-/// The `prefetch:` value that reads back as `p`.
-fn prefetch_yaml(p: &Prefetch) -> String {
-    if p.peak_aware
-        && p.forward == 1
-        && p.backward == 1
-        && p.explicit_forward.is_empty()
-        && p.explicit_backward.is_empty()
-    {
-        return "auto".into();
-    }
-    let list = |m: &std::collections::BTreeMap<String, Vec<String>>| -> String {
-        let items: Vec<String> = m
-            .iter()
-            .map(|(k, v)| {
-                // Module names as quoted scalars (a JSON string is one in YAML).
-                let q = |x: &String| serde_json::to_string(x).unwrap_or_else(|_| "\"\"".into());
-                let vs: Vec<String> = v.iter().map(q).collect();
-                format!("{}: [{}]", q(k), vs.join(", "))
-            })
-            .collect();
-        format!("{{{}}}", items.join(", "))
-    };
-    let mut y = format!("{{forward: {}, backward: {}", p.forward, p.backward);
-    if p.peak_aware {
-        y.push_str(", peak_aware: true");
-    }
-    if !p.explicit_forward.is_empty() || !p.explicit_backward.is_empty() {
-        y.push_str(&format!(
-            ", explicit: {{forward: {}, backward: {}}}",
-            list(&p.explicit_forward),
-            list(&p.explicit_backward)
-        ));
-    }
-    y.push('}');
-    y
-}
-
-pub fn spec_yaml(c: &ParallelConfig) -> String {
-    let hw = &c.hardware;
-    let builtin = shardplan_frontends::HARDWARE_NAMES
-        .iter()
-        .find(|n| shardplan_frontends::builtin_hardware(n).as_ref() == Some(hw));
-    let hardware = match builtin {
-        Some(n) => n.to_string(),
-        None => {
-            let nums: Vec<String> = hw.numbers().iter().map(|(k, v)| format!("{k}: {v:?}")).collect();
-            // The name as a quoted scalar (a JSON string is one in YAML): it may hold `:`
-            // or `,`.
-            let name = serde_json::to_string(&hw.name).unwrap_or_else(|_| "\"custom\"".into());
-            format!("{{name: {name}, kernels: {}, {}}}", hw.kernels.name(), nums.join(", "))
-        }
-    };
-    let wrap: Vec<&str> = c.wrap.iter().map(|k| k.name()).collect();
-    let reshard = reshard_name(c.reshard_after_forward);
-    let ac = match c.activation_checkpointing {
-        ActivationCheckpointing::None => "none".to_string(),
-        ActivationCheckpointing::Full => "full".to_string(),
-        ActivationCheckpointing::Every(n) => format!("{{every: {n}}}"),
-        ActivationCheckpointing::Selective(p) if p == shardplan_frontends::SavePolicy::TORCHTITAN => {
-            "selective".to_string()
-        }
-        ActivationCheckpointing::Selective(p) => format!("{{selective: {{save: [{}]}}}}", p.names().join(", ")),
-    };
-    let optimizer = match c.optimizer {
-        shardplan_frontends::Optimizer::AdamW {
-            lr,
-            betas,
-            eps,
-            weight_decay,
-        } => format!(
-            "{{adamw: {{lr: {lr:?}, betas: [{:?}, {:?}], eps: {eps:?}, weight_decay: {weight_decay:?}}}}}",
-            betas[0], betas[1]
-        ),
-        shardplan_frontends::Optimizer::Sgd {
-            lr,
-            momentum,
-            weight_decay,
-        } => format!("{{sgd: {{lr: {lr:?}, momentum: {momentum:?}, weight_decay: {weight_decay:?}}}}}"),
-    };
-    let mut y = String::new();
-    y.push_str("# Written by `shardplan plan --auto --emit-spec`.\n");
-    y.push_str(&format!(
-        "mesh: {{replicate: {}, shard: {}}}\n",
-        c.mesh.replicate, c.mesh.shard
-    ));
-    y.push_str(&format!("gpus_per_node: {}\n", c.gpus_per_node));
-    y.push_str(&format!("hardware: {hardware}\n"));
-    if !c.runtime.is_shardplan() {
-        y.push_str(&format!("runtime: {}\n", c.runtime.name()));
-    }
-    y.push_str(&format!("wrap: [{}]\n", wrap.join(", ")));
-    if !c.wrap_modules.is_empty() {
-        y.push_str(&format!("wrap_modules: [{}]\n", c.wrap_modules.join(", ")));
-    }
-    if let Some(b) = c.bucket_mib {
-        y.push_str(&format!("bucket_mib: {b}\n"));
-    }
-    y.push_str(&format!("reshard_after_forward: {reshard}\n"));
-    y.push_str(&format!("prefetch: {}\n", prefetch_yaml(&c.prefetch)));
-    y.push_str(&format!(
-        "mixed_precision: {{param: {}, reduce: {}}}\n",
-        c.mixed_precision.param, c.mixed_precision.reduce
-    ));
-    y.push_str(&format!(
-        "offload: {}\n",
-        if c.offload == Offload::Cpu { "cpu" } else { "none" }
-    ));
-    y.push_str(&format!("activation_checkpointing: {ac}\n"));
-    let seq = c.batch.seq_len.map(|s| format!(", seq_len: {s}")).unwrap_or_default();
-    let sync = match c.batch.grad_sync {
-        shardplan_frontends::GradSync::EveryMicroBatch => "every_micro_batch",
-        shardplan_frontends::GradSync::FinalMicroBatch => "final_micro_batch",
-    };
-    y.push_str(&format!(
-        "batch: {{per_rank: {}{seq}, grad_accum: {}, grad_sync: {sync}}}\n",
-        c.batch.per_rank, c.batch.grad_accum
-    ));
-    y.push_str(&format!("optimizer: {optimizer}\n"));
-    match c.grad_clip {
-        Some(g) => y.push_str(&format!("grad_clip: {g:?}\n")),
-        None => y.push_str("grad_clip: null\n"),
-    }
-    y.push_str(&format!("seed: {}\n", c.seed));
-    if !c.allocator.is_default() {
-        y.push_str(&format!(
-            "allocator: {{expandable_segments: {}}}\n",
-            c.allocator.expandable_segments
-        ));
-    }
-    y.push_str(&format!(
-        "lr_schedule: {{warmup_steps: {}, min_lr_ratio: {:?}}}\n",
-        c.lr_schedule.warmup_steps, c.lr_schedule.min_lr_ratio
-    ));
-    match &c.data {
-        shardplan_frontends::DataSource::Synthetic => y.push_str("data: synthetic\n"),
-        shardplan_frontends::DataSource::Tokens { path, dtype, eval } => {
-            let eval = eval.as_ref().map_or(String::new(), |e| {
-                format!(
-                    ", val: {:?}, eval_every: {}, eval_batches: {}",
-                    e.path.display().to_string(),
-                    e.every,
-                    e.batches
-                )
-            });
-            y.push_str(&format!(
-                "data: {{tokens: {:?}, dtype: {}{eval}}}\n",
-                path.display().to_string(),
-                match dtype {
-                    shardplan_frontends::TokenDType::U16 => "u16",
-                    shardplan_frontends::TokenDType::U32 => "u32",
-                }
-            ))
-        }
-    }
-    y
 }

@@ -92,7 +92,7 @@ impl Refusal {
 /// Checks the recorded parallel spec by writing it as YAML and reading it back through the
 /// spec parser, which holds every bound a spec must satisfy; `spec_yaml` covers every field.
 pub fn check_parallel(config: &ParallelConfig) -> Result<(), Refusal> {
-    let yaml = crate::auto::spec_yaml(config);
+    let yaml = shardplan_frontends::spec_yaml(config);
     // A path without a folder: a relative token-file path stays as recorded.
     let src = shardplan_frontends::Source::from_text("source.parallel", yaml);
     let parsed = match shardplan_frontends::parse_parallel_spec(&src) {

@@ -4,11 +4,12 @@
 mod common;
 
 use common::parallel;
+use shardplan_frontends::spec_yaml;
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{preset, trace, TraceOptions};
 use shardplan_planner::allocator::stream_peaks;
-use shardplan_planner::auto::{grid, search, spec_yaml, AutoResult, Fixed};
+use shardplan_planner::auto::{grid, search, AutoResult, Fixed};
 use shardplan_planner::bounds::BoundCache;
 use shardplan_planner::{plan, verify, Plan, PlanCache};
 

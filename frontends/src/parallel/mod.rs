@@ -3,14 +3,17 @@
 //!
 //! - `file`: the spec file's types, as written (spans kept);
 //! - `config`: the validated [`ParallelConfig`] and its parts;
-//! - `convert`: file to config, every check, [`parse_parallel_spec`].
+//! - `convert`: file to config, every check, [`parse_parallel_spec`];
+//! - `write`: config back to spec YAML ([`spec_yaml`]).
 
 mod config;
 mod convert;
 mod file;
+mod write;
 
 pub use config::*;
 pub use convert::parse_parallel_spec;
+pub use write::{reshard_name, spec_yaml};
 
 /// Most ranks a mesh may have (2^20): beyond any cluster, small enough to plan.
 pub const MAX_WORLD: u64 = 1 << 20;
