@@ -295,6 +295,101 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tenso
     Ok(Tensor::from_vec(out, (b, s, h, d), q.device())?)
 }
 
+/// Attention's gradients `[dq, dk, dv]` from `q [b, s, h, d]`, `k`, `v [b, t, kv, d]` and
+/// the output gradient `dy [b, s, h, d]`, without the `[b, h, s, t]` probabilities: one
+/// task per (batch, k/v head) runs each of its query heads in blocks of [`BLOCK`] rows,
+/// recomputing the block's probabilities into a `BLOCK x t` scratch row set, making the
+/// score gradient in a second one, writing the block's dq rows and summing its dk and dv
+/// rows for the k/v head (which only this task writes). The same blocks, in the same order,
+/// as [`probs`], [`grad_scores`], [`grad_q`], [`grad_k`] and [`grad_v`] one after another.
+pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, dy: &Tensor, causal: bool) -> Result<[Tensor; 3]> {
+    let dm = Dims::of(q, k)?;
+    let Dims { b, s, t, h, kv, d } = dm;
+    let group = h / kv;
+    let mut dq = vec![0f32; b * s * h * d];
+    let mut dk = vec![0f32; b * t * kv * d];
+    let mut dv = vec![0f32; b * t * kv * d];
+    let (oq, ok, ov) = (OutPtr::new(&mut dq), OutPtr::new(&mut dk), OutPtr::new(&mut dv));
+    with_slice(q, |qs| {
+        with_slice(k, |ks| {
+            with_slice(v, |vs| {
+                with_slice(dy, |gs| {
+                    (0..b * kv).into_par_iter().for_each_init(
+                        || (vec![0f32; BLOCK * t], vec![0f32; BLOCK * t]),
+                        |(p, ds), bc| {
+                            let (bi, c) = (bc / kv, bc % kv);
+                            for hi in c * group..(c + 1) * group {
+                                let (qo, qrs) = dm.q_head(bi, hi);
+                                let (ko, krs) = dm.kv_head(bi, hi);
+                                for r0 in (0..s).step_by(BLOCK) {
+                                    let r1 = (r0 + BLOCK).min(s);
+                                    let rows = r1 - r0;
+                                    let cols = probs_block(qs, ks, dm, bi, hi, r0, r1, causal, &mut p[..rows * t]);
+                                    let gb = View::new(gs, qo + r0 * qrs, rows, d, qrs, 1);
+                                    // SAFETY: dk and dv rows of k/v head `c` of batch `bi` and dq
+                                    // rows of query head `hi` are this task's alone; `p` and `ds`
+                                    // are its own scratch.
+                                    unsafe {
+                                        // dv += p^T dy
+                                        mm(
+                                            ov.view(ko, cols, d, krs),
+                                            View::new(p, 0, rows, cols, t, 1).t(),
+                                            gb,
+                                            1.0,
+                                            true,
+                                        );
+                                        // dp = dy v^T
+                                        mm(
+                                            OutPtr::new(ds).view(0, rows, cols, t),
+                                            gb,
+                                            View::new(vs, ko, cols, d, krs, 1).t(),
+                                            1.0,
+                                            false,
+                                        );
+                                    }
+                                    for i in 0..rows {
+                                        let (prow, drow) = (&p[i * t..i * t + cols], &mut ds[i * t..i * t + cols]);
+                                        let dot = vmath::dot(prow, drow);
+                                        for (x, &pv) in drow.iter_mut().zip(prow) {
+                                            *x = pv * (*x - dot);
+                                        }
+                                    }
+                                    let dsb = View::new(ds, 0, rows, cols, t, 1);
+                                    // SAFETY: as above.
+                                    unsafe {
+                                        // dq = ds k / sqrt(d)
+                                        mm(
+                                            oq.view(qo + r0 * qrs, rows, d, qrs),
+                                            dsb,
+                                            View::new(ks, ko, cols, d, krs, 1),
+                                            dm.scale(),
+                                            false,
+                                        );
+                                        // dk += ds^T q / sqrt(d)
+                                        mm(
+                                            ok.view(ko, cols, d, krs),
+                                            dsb.t(),
+                                            View::new(qs, qo + r0 * qrs, rows, d, qrs, 1),
+                                            dm.scale(),
+                                            true,
+                                        );
+                                    }
+                                }
+                            }
+                        },
+                    )
+                })
+            })
+        })
+    })????;
+    let dev = q.device();
+    Ok([
+        Tensor::from_vec(dq, (b, s, h, d), dev)?,
+        Tensor::from_vec(dk, (b, t, kv, d), dev)?,
+        Tensor::from_vec(dv, (b, t, kv, d), dev)?,
+    ])
+}
+
 /// `dv [b, t, kv, d]`: for each k/v head, the sum over its query heads of `p^T g`, from the
 /// probabilities `p [b, h, s, t]` and the output gradient `g [b, s, h, d]`.
 pub fn grad_v(p: &Tensor, g: &Tensor, kv: usize) -> Result<Tensor> {

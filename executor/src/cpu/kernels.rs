@@ -134,7 +134,9 @@ const BLOCKWISE_SCORES: usize = 1 << 18;
 /// without the `[b, h, s, t]` probabilities or their gradient: blocks of query rows, each
 /// recomputing its probabilities from q and k (as flash attention's backward does) and
 /// holding at most [`BLOCKWISE_SCORES`] scores. A causal block reads only the keys its last
-/// row sees. dk and dv sum the blocks' parts in f32.
+/// row sees. dk and dv sum the blocks' parts in f32. f32 CPU tensors take the fused
+/// [`attention::backward`] instead (the same blocks in one pass, a `64 x t` scratch per
+/// thread).
 pub fn attention_backward_blockwise(
     q: &Tensor,
     k: &Tensor,
@@ -143,6 +145,11 @@ pub fn attention_backward_blockwise(
     causal: bool,
     want: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
+    if fused::applies(&[q, k, v, dy]) {
+        // f32 on the CPU: one fused pass, `BLOCK x t` scratch per thread.
+        let [dq, dk, dv] = attention::backward(q, k, v, dy, causal)?;
+        return Ok([want[0].then_some(dq), want[1].then_some(dk), want[2].then_some(dv)]);
+    }
     let (b, s, h, _) = q.dims4()?;
     let t = k.dim(1)?;
     let per_row = (b * h * t).max(1);
@@ -658,8 +665,13 @@ mod tests {
                     let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dy, &v]).unwrap();
                     let dq = attention_backward_op(&Op::AttnGradQ, &[&ds, &k]).unwrap();
                     let dk = attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &q]).unwrap();
-                    for rows in [32, 64, 100, 1000] {
-                        let got = blockwise_in_rows(&q, &k, &v, &dy, causal, [true, true, true], rows).unwrap();
+                    // Blocks of 32 to 1000 rows, and the public entry (f32: the fused pass).
+                    for rows in [32, 64, 100, 1000, 0] {
+                        let got = if rows == 0 {
+                            attention_backward_blockwise(&q, &k, &v, &dy, causal, [true, true, true]).unwrap()
+                        } else {
+                            blockwise_in_rows(&q, &k, &v, &dy, causal, [true, true, true], rows).unwrap()
+                        };
                         for (name, want, got) in [("dq", &dq, &got[0]), ("dk", &dk, &got[1]), ("dv", &dv, &got[2])] {
                             let got = got.as_ref().unwrap();
                             assert_eq!(got.dims(), want.dims(), "{name}");
