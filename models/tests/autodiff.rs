@@ -3,8 +3,8 @@
 use shardplan_ir::{differentiate, to_text, Op};
 use shardplan_models::{preset, trace, TraceOptions, PRESET_NAMES};
 
-fn joint(name: &str) -> shardplan_ir::JointGraph {
-    let g = trace(
+fn traced(name: &str) -> shardplan_ir::Graph {
+    trace(
         &preset(name).unwrap(),
         TraceOptions {
             batch: 2,
@@ -12,8 +12,11 @@ fn joint(name: &str) -> shardplan_ir::JointGraph {
             ..TraceOptions::default()
         },
     )
-    .unwrap();
-    differentiate(&g).unwrap()
+    .unwrap()
+}
+
+fn joint(name: &str) -> shardplan_ir::JointGraph {
+    differentiate(&traced(name)).unwrap()
 }
 
 #[test]
@@ -98,15 +101,7 @@ fn recomputing_pointwise_ops_leaves_their_outputs_to_the_forward_pass() {
         )
     };
     for name in PRESET_NAMES.iter().filter(|n| n.starts_with("tiny")) {
-        let g = trace(
-            &preset(name).unwrap(),
-            TraceOptions {
-                batch: 2,
-                seq_len: Some(8),
-                ..TraceOptions::default()
-            },
-        )
-        .unwrap();
+        let g = traced(name);
         let kept = differentiate(&g).unwrap();
         let j = differentiate_with(
             &g,

@@ -125,6 +125,15 @@ pub fn steps_and_events(
     steps_and_events_for(joint, groups, ac, kernels)
 }
 
+/// Frees `bytes` of activation value `value` (`u32::MAX`: never numbered) from `live`,
+/// recording the free among `acts`' events.
+fn release(live: &mut u64, acts: &mut ActEvents, value: u32, bytes: u64) {
+    *live = live.saturating_sub(bytes);
+    if bytes > 0 && value != u32::MAX {
+        acts.events.push(ActEvent { value, bytes: 0 });
+    }
+}
+
 /// What a rank's compute holds beside the graph's own values, by what runs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernels {
@@ -342,14 +351,7 @@ pub fn steps_and_events_for(
         let mut overwritten = None;
         if let Some(x) = exec.in_place(id) {
             let s = exec.read_slot(id, copy, x);
-            let b = bytes(x);
-            live = live.saturating_sub(b);
-            if b > 0 && value_of[s] != u32::MAX {
-                acts.events.push(ActEvent {
-                    value: value_of[s],
-                    bytes: 0,
-                });
-            }
+            release(&mut live, &mut acts, value_of[s], bytes(x));
             overwritten = Some(s);
         }
         let made = bytes(id);
@@ -429,14 +431,7 @@ pub fn steps_and_events_for(
             let s = exec.read_slot(id, copy, input);
             if exec.last_use[s] == pos && !freed.contains(&s) && overwritten != Some(s) {
                 freed.push(s);
-                let b = bytes(input);
-                live = live.saturating_sub(b);
-                if b > 0 && value_of[s] != u32::MAX {
-                    acts.events.push(ActEvent {
-                        value: value_of[s],
-                        bytes: 0,
-                    });
-                }
+                release(&mut live, &mut acts, value_of[s], bytes(input));
             }
         }
         if exec.last_use[own] == usize::MAX {
