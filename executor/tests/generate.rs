@@ -56,6 +56,7 @@ fn training_logits(variant: &str, tokens: &[u32]) -> Tensor {
             batch: 1,
             seq_len: Some(tokens.len() as u64),
             dtype: shardplan_ir::DType::F32,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -84,6 +84,7 @@ fn the_forward_pass_matches_transformers_logits_and_loss() {
                 batch: f.batch as u64,
                 seq_len: Some(f.seq as u64),
                 dtype: shardplan_ir::DType::F32,
+                ..Default::default()
             },
         )
         .unwrap();

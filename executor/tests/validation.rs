@@ -149,6 +149,7 @@ fn validation_loss_equals_a_reference_forward_pass() {
             batch: GLOBAL,
             seq_len: Some(SEQ),
             dtype: shardplan_ir::DType::F32,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -25,6 +25,6 @@ pub use origin::Origin;
 pub use parallel::{
     parse_parallel_spec, reshard_name, spec_yaml, ActivationCheckpointing, AllocatorConfig, Batch, DataSource, Eval,
     GradSync, LrSchedule, MeshShape, MixedPrecision, Offload, Optimizer, ParallelConfig, Prefetch, Reshard, Runtime,
-    SavePolicy, SavedMatmuls, TokenDType, MAX_EVAL_BATCHES, MAX_WORLD,
+    SavePolicy, SavedMatmuls, TensorParallel, TokenDType, MAX_EVAL_BATCHES, MAX_WORLD,
 };
 pub use source::{Source, MAX_SPEC_BYTES};

@@ -8,7 +8,7 @@
 //! Architecture invariant: autodiff only appends nodes; forward node ids are unchanged, so a
 //! plan can refer to forward values of the joint graph by their forward ids.
 
-use crate::{DType, Graph, IdVec, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, WeightLayout};
+use crate::{DType, Graph, IdVec, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, TpGrad, WeightLayout};
 
 /// A forward+backward graph and where its results are.
 #[derive(Clone, Debug)]
@@ -426,6 +426,54 @@ fn vjp(
             if wanted[0] {
                 let shape = ty(g, 0).shape;
                 put(0, g.add_grad_node(Op::BroadcastTo { shape }, &[dy], id)?);
+            }
+        }
+        Op::TpAllGather { dim, degree, grad } => {
+            if wanted[0] {
+                let back = match grad {
+                    TpGrad::Partial => Op::TpReduceScatter {
+                        dim: *dim,
+                        degree: *degree,
+                    },
+                    TpGrad::Replicated => Op::TpSlice {
+                        dim: *dim,
+                        degree: *degree,
+                    },
+                };
+                put(0, g.add_grad_node(back, &[dy], id)?);
+            }
+        }
+        Op::TpReduceScatter { dim, degree } | Op::TpSlice { dim, degree } => {
+            if wanted[0] {
+                let gather = Op::TpAllGather {
+                    dim: *dim,
+                    degree: *degree,
+                    grad: TpGrad::Replicated,
+                };
+                put(0, g.add_grad_node(gather, &[dy], id)?);
+            }
+        }
+        Op::TpAllReduce { .. } => {
+            if wanted[0] {
+                put(0, dy);
+            }
+        }
+        Op::TpCopy { degree } => {
+            if wanted[0] {
+                put(0, g.add_grad_node(Op::TpAllReduce { degree: *degree }, &[dy], id)?);
+            }
+        }
+        Op::VocabEmbedding { degree } => {
+            if wanted[0] {
+                let vocab = ty(g, 0).shape.dims()[0];
+                let op = Op::VocabEmbeddingGrad { vocab, degree: *degree };
+                put(0, g.add_grad_node(op, &[ins[1], dy], id)?);
+            }
+        }
+        Op::VocabCrossEntropy { degree } => {
+            if wanted[0] {
+                let op = Op::VocabCrossEntropyGrad { degree: *degree };
+                put(0, g.add_grad_node(op, &[ins[0], ins[1], dy], id)?);
             }
         }
         op => return Err(IrError::Autodiff(format!("{id} ({}) has no gradient rule", op.name()))),

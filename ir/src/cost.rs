@@ -61,7 +61,7 @@ impl Graph {
         let out_numel = node.ty.numel().unwrap_or(u64::MAX);
         let (fwd_flops, bwd_flops) = match &node.op {
             Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => (0, 0),
-            Op::Embedding => (0, out_numel),
+            Op::Embedding | Op::VocabEmbedding { .. } => (0, out_numel),
             Op::Linear { bias, .. } => {
                 let w = ins[1].shape.dims();
                 let rows = mul(&ins[0].shape.dims()[..ins[0].shape.rank() - 1]);
@@ -80,7 +80,7 @@ impl Graph {
                 let f = mul(&[4, q[0], q[2], q[1], t, q[3]]);
                 (f, f.saturating_mul(2))
             }
-            Op::CrossEntropy => {
+            Op::CrossEntropy | Op::VocabCrossEntropy { .. } => {
                 let n = ins[0].numel().unwrap_or(u64::MAX);
                 (n.saturating_mul(5), n.saturating_mul(2))
             }
@@ -116,10 +116,16 @@ impl Graph {
                 };
                 (mul(&[2, bhst, d]).saturating_add(extra), 0)
             }
-            Op::CrossEntropyGrad => (out_numel.saturating_mul(5), 0),
-            Op::SumTo { .. } | Op::BroadcastTo { .. } | Op::Pad { .. } | Op::EmbeddingGrad { .. } => {
-                (ins[0].numel().unwrap_or(u64::MAX).max(out_numel), 0)
-            }
+            Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. } => (out_numel.saturating_mul(5), 0),
+            // Collectives move bytes (costed by the planner on the tensor group's links);
+            // a reduction adds each arriving element once.
+            Op::TpReduceScatter { .. } | Op::TpAllReduce { .. } => (ins[0].numel().unwrap_or(u64::MAX), 0),
+            Op::TpAllGather { .. } | Op::TpCopy { .. } | Op::TpSlice { .. } => (0, 0),
+            Op::SumTo { .. }
+            | Op::BroadcastTo { .. }
+            | Op::Pad { .. }
+            | Op::EmbeddingGrad { .. }
+            | Op::VocabEmbeddingGrad { .. } => (ins[0].numel().unwrap_or(u64::MAX).max(out_numel), 0),
             Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } => {
                 let per = if matches!(node.op, Op::RmsNormGrad { .. }) {
                     8
@@ -139,7 +145,7 @@ impl Graph {
             }
         };
         let fwd_bytes = match node.op {
-            Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } | Op::Reshape { .. } => 0,
+            Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } | Op::Reshape { .. } | Op::TpCopy { .. } => 0,
             _ => ins
                 .iter()
                 .chain(std::iter::once(&&node.ty))

@@ -36,6 +36,37 @@ pub struct Param {
     pub scope: ScopeId,
     /// The `param` node that yields it.
     pub node: NodeId,
+    /// In a tensor-parallel graph: how this rank's tensor is cut from the whole one
+    /// (`None`: every tensor rank holds it whole).
+    pub tensor: Option<TensorSplit>,
+}
+
+/// Where a tensor-parallel parameter's slice sits in the whole parameter: `dim` is cut
+/// into `parts` equal blocks (3 for GPT-2's fused q/k/v projection, else 1), and each
+/// block into `degree` equal chunks, of which tensor rank `r` holds chunk `r` of every
+/// block, in block order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TensorSplit {
+    pub dim: usize,
+    pub parts: u64,
+    pub degree: u64,
+}
+
+impl TensorSplit {
+    /// The whole parameter's dims, from this rank's slice's.
+    pub fn whole_dims(&self, local: &[u64]) -> Vec<u64> {
+        let mut d = local.to_vec();
+        d[self.dim] *= self.degree;
+        d
+    }
+
+    /// The ranges of `dim` of the whole parameter that tensor rank `rank` holds, in order:
+    /// `(start, len)` per block.
+    pub fn ranges(&self, whole: u64, rank: u64) -> Vec<(u64, u64)> {
+        let block = whole / self.parts;
+        let chunk = block / self.degree;
+        (0..self.parts).map(|p| (p * block + rank * chunk, chunk)).collect()
+    }
 }
 
 /// A traced model: a DAG of tensor ops with concrete types.
@@ -52,6 +83,7 @@ pub struct Graph {
     scopes: IdVec<ScopeId, Scope>,
     inputs: Vec<NodeId>,
     outputs: Vec<NodeId>,
+    tensor_degree: u64,
 }
 
 impl Graph {
@@ -69,6 +101,7 @@ impl Graph {
             }]),
             inputs: Vec::new(),
             outputs: Vec::new(),
+            tensor_degree: 1,
         }
     }
 
@@ -117,9 +150,37 @@ impl Graph {
             ty,
             scope,
             node,
+            tensor: None,
         });
         debug_assert_eq!(pushed, param);
         Ok(node)
+    }
+
+    /// As [`Graph::add_param`], for a tensor-parallel parameter this rank holds a slice of.
+    pub fn add_split_param(
+        &mut self,
+        name: &str,
+        ty: TensorType,
+        scope: ScopeId,
+        split: TensorSplit,
+    ) -> Result<NodeId, IrError> {
+        let node = self.add_param(name, ty, scope)?;
+        if let Op::Param { param } = self.dag[NodeIndex::new(node.index())].op {
+            self.params[param].tensor = Some(split);
+        }
+        self.tensor_degree = self.tensor_degree.max(split.degree);
+        Ok(node)
+    }
+
+    /// Ranks of the tensor-parallel group this graph is one rank's program for (1: not
+    /// tensor-parallel).
+    pub fn tensor_degree(&self) -> u64 {
+        self.tensor_degree
+    }
+
+    /// Marks the graph as one rank's program of a `degree`-rank tensor group.
+    pub fn set_tensor_degree(&mut self, degree: u64) {
+        self.tensor_degree = degree.max(1);
     }
 
     /// Applies `op` to `inputs`, inferring the result type.

@@ -21,11 +21,11 @@ pub use cost::{elementwise_flops, Cost};
 pub use dot::to_dot;
 pub use dtype::DType;
 pub use error::IrError;
-pub use graph::{Graph, Node, Param};
+pub use graph::{Graph, Node, Param, TensorSplit};
 #[doc(hidden)]
 pub use ids::__private;
 pub use ids::{Entity, IdVec, IdVecIter, NodeId, ParamId, ScopeId};
-pub use op::{NormWrt, Op, RopeScaling, WeightLayout};
+pub use op::{NormWrt, Op, RopeScaling, TpGrad, WeightLayout};
 pub use print::to_text;
 pub use scope::{ModuleKind, Scope};
 pub use shape::{Shape, TensorType};

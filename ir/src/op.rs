@@ -219,6 +219,55 @@ pub enum Op {
     CrossEntropyGrad,
     /// Zero padding along `dim` (the gradient of `narrow`).
     Pad { dim: usize, before: u64, after: u64 },
+
+    // ---- tensor parallelism: ops over the `degree` ranks of one tensor group ----
+    // A tensor-parallel graph is one tensor rank's program: every rank of the group runs
+    // the same nodes on its own slices. These ops are where the slices meet. Each names how
+    // its gradient flows back, so autodiff needs no knowledge of the layout around it.
+    /// Concatenates every tensor rank's `x` along `dim`: `[.., n, ..] -> [.., n * degree, ..]`.
+    /// Backward: a reduce-scatter when the output's gradient is partial on each rank (the
+    /// gathered value feeds column-parallel work), this rank's chunk when it is the same on
+    /// every rank ([`TpGrad`]).
+    TpAllGather { dim: usize, degree: u64, grad: TpGrad },
+    /// Sums every tensor rank's `x` and keeps this rank's chunk of `dim`:
+    /// `[.., n, ..] -> [.., n / degree, ..]`. Backward: an all-gather.
+    TpReduceScatter { dim: usize, degree: u64 },
+    /// Sums every tensor rank's `x`; every rank gets the sum. Backward: the identity (the
+    /// sum's gradient is the same on every rank).
+    TpAllReduce { degree: u64 },
+    /// The identity, whose gradient is summed over the tensor group: a value every rank
+    /// holds whole, read by work that leaves each rank only part of its gradient (Megatron's
+    /// `f`; also a replicated parameter read by sequence-parallel work).
+    TpCopy { degree: u64 },
+    /// This tensor rank's chunk of `dim` of a value every rank holds whole:
+    /// `[.., n, ..] -> [.., n / degree, ..]`. Backward: an all-gather.
+    TpSlice { dim: usize, degree: u64 },
+    /// Vocabulary-parallel embedding: `(table [V / degree, D], ids [...] int) -> [..., D]`,
+    /// the rows this tensor rank holds (rank r: ids `r * V / degree ..`), zeros elsewhere; the
+    /// output is partial, summed over the group after.
+    VocabEmbedding { degree: u64 },
+    /// Table gradient of `vocab_embedding`: `(ids [...], g [..., d]) -> [vocab, d]` for
+    /// this rank's `vocab` rows.
+    VocabEmbeddingGrad { vocab: u64, degree: u64 },
+    /// Mean token cross-entropy over logits split by vocabulary across the tensor group:
+    /// `(logits [n, V / degree] float, targets [n] int) -> f32 []`, the same loss on every
+    /// rank (the row maxima, exponential sums and target logits are reduced over the group).
+    VocabCrossEntropy { degree: u64 },
+    /// `(logits [n, V / degree], targets [n], g []) -> dlogits [n, V / degree]` of
+    /// `vocab_cross_entropy` (the log-sum-exp reduced over the group again).
+    VocabCrossEntropyGrad { degree: u64 },
+}
+
+/// How a tensor-parallel all-gather's gradient comes back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TpGrad {
+    /// Each rank holds part of the gathered value's gradient: reduce-scatter it
+    /// (sequence parallelism's gather into a column-parallel layer).
+    Partial,
+    /// Every rank holds the whole gradient: keep this rank's chunk (logits gathered for a
+    /// replicated loss).
+    Replicated,
 }
 
 /// Which operand a normalisation gradient is taken with respect to.
@@ -276,6 +325,15 @@ impl Op {
             Op::SoftmaxGrad { .. } => "softmax_grad",
             Op::CrossEntropyGrad => "cross_entropy_grad",
             Op::Pad { .. } => "pad",
+            Op::TpAllGather { .. } => "tp_all_gather",
+            Op::TpReduceScatter { .. } => "tp_reduce_scatter",
+            Op::TpAllReduce { .. } => "tp_all_reduce",
+            Op::TpCopy { .. } => "tp_copy",
+            Op::TpSlice { .. } => "tp_slice",
+            Op::VocabEmbedding { .. } => "vocab_embedding",
+            Op::VocabEmbeddingGrad { .. } => "vocab_embedding_grad",
+            Op::VocabCrossEntropy { .. } => "vocab_cross_entropy",
+            Op::VocabCrossEntropyGrad { .. } => "vocab_cross_entropy_grad",
         }
     }
 
@@ -330,6 +388,20 @@ impl Op {
             Op::AttnGradV { kv_heads } | Op::AttnGradK { kv_heads } => format!("kv_heads={kv_heads}"),
             Op::SoftmaxGrad { dim } => format!("dim={dim}"),
             Op::Pad { dim, before, after } => format!("dim={dim} before={before} after={after}"),
+            Op::TpAllGather { dim, degree, grad } => format!(
+                "dim={dim} tp={degree} grad={}",
+                match grad {
+                    TpGrad::Partial => "reduce_scatter",
+                    TpGrad::Replicated => "slice",
+                }
+            ),
+            Op::TpReduceScatter { dim, degree } | Op::TpSlice { dim, degree } => format!("dim={dim} tp={degree}"),
+            Op::TpAllReduce { degree }
+            | Op::TpCopy { degree }
+            | Op::VocabEmbedding { degree }
+            | Op::VocabCrossEntropy { degree }
+            | Op::VocabCrossEntropyGrad { degree } => format!("tp={degree}"),
+            Op::VocabEmbeddingGrad { vocab, degree } => format!("vocab={vocab} tp={degree}"),
             _ => String::new(),
         }
     }
@@ -354,6 +426,13 @@ impl Op {
             Op::LayerNorm { .. } | Op::Attention { .. } => 3,
             Op::Rope { .. } | Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Softmax { .. } => 1,
             Op::Reshape { .. } | Op::Transpose { .. } | Op::Narrow { .. } | Op::Cast { .. } => 1,
+            Op::TpAllGather { .. }
+            | Op::TpReduceScatter { .. }
+            | Op::TpAllReduce { .. }
+            | Op::TpCopy { .. }
+            | Op::TpSlice { .. } => 1,
+            Op::VocabEmbedding { .. } | Op::VocabEmbeddingGrad { .. } | Op::VocabCrossEntropy { .. } => 2,
+            Op::VocabCrossEntropyGrad { .. } => 3,
             Op::Concat { .. } => return None,
         })
     }
@@ -369,7 +448,7 @@ impl Op {
         }
         match self {
             Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => Err("leaf ops take their type as given".into()),
-            Op::Embedding => infer_embedding(ins[0], ins[1]),
+            Op::Embedding | Op::VocabEmbedding { .. } => infer_embedding(ins[0], ins[1]),
             Op::Linear { layout, .. } => infer_linear(*layout, ins),
             Op::MatMul => infer_matmul(ins[0], ins[1]),
             Op::Add | Op::Mul => {
@@ -405,7 +484,7 @@ impl Op {
                 check_dim(*dim, ins[0])?;
                 Ok(ins[0].clone())
             }
-            Op::CrossEntropy => infer_cross_entropy(ins[0], ins[1]),
+            Op::CrossEntropy | Op::VocabCrossEntropy { .. } => infer_cross_entropy(ins[0], ins[1]),
             Op::Reshape { shape } => {
                 let (from, to) = (ins[0].shape.numel(), shape.numel());
                 if from != to || from.is_none() {
@@ -463,7 +542,7 @@ impl Op {
                 Ok(TensorType::new(ins[0].dtype, shape.clone()))
             }
             Op::WeightGrad { layout } => infer_weight_grad(*layout, ins[0], ins[1]),
-            Op::EmbeddingGrad { vocab } => {
+            Op::EmbeddingGrad { vocab } | Op::VocabEmbeddingGrad { vocab, .. } => {
                 if ins[0].dtype.is_float() {
                     return Err(format!("ids must be an integer tensor, got {}", ins[0]));
                 }
@@ -573,7 +652,7 @@ impl Op {
                 }
                 Ok(ins[0].clone())
             }
-            Op::CrossEntropyGrad => {
+            Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. } => {
                 infer_cross_entropy(ins[0], ins[1])?;
                 float(ins[2], "gradient")?;
                 if ins[2].shape.rank() != 0 {
@@ -589,6 +668,31 @@ impl Op {
                     .and_then(|p| p.checked_add(dims[*dim]))
                     .ok_or_else(|| "padded size overflows u64".to_string())?;
                 Ok(TensorType::new(ins[0].dtype, dims))
+            }
+            Op::TpAllGather { dim, degree, .. } => {
+                check_dim(*dim, ins[0])?;
+                let mut dims = ins[0].shape.dims().to_vec();
+                dims[*dim] = dims[*dim]
+                    .checked_mul(*degree)
+                    .ok_or_else(|| "gathered size overflows u64".to_string())?;
+                Ok(TensorType::new(ins[0].dtype, dims))
+            }
+            Op::TpReduceScatter { dim, degree } | Op::TpSlice { dim, degree } => {
+                check_dim(*dim, ins[0])?;
+                let n = ins[0].shape.dims()[*dim];
+                if *degree == 0 || n % degree != 0 {
+                    return Err(format!(
+                        "dim {dim} of {} does not split into {degree} equal chunks",
+                        ins[0].shape
+                    ));
+                }
+                let mut dims = ins[0].shape.dims().to_vec();
+                dims[*dim] = n / degree;
+                Ok(TensorType::new(ins[0].dtype, dims))
+            }
+            Op::TpAllReduce { .. } | Op::TpCopy { .. } => {
+                float(ins[0], "input")?;
+                Ok(ins[0].clone())
             }
         }
     }
@@ -617,6 +721,20 @@ impl Op {
                 | Op::SoftmaxGrad { .. }
                 | Op::CrossEntropyGrad
                 | Op::Pad { .. }
+                | Op::VocabEmbeddingGrad { .. }
+                | Op::VocabCrossEntropyGrad { .. }
+        )
+    }
+
+    /// True for the ops that exchange data within the tensor-parallel group.
+    pub fn is_tensor_collective(&self) -> bool {
+        matches!(
+            self,
+            Op::TpAllGather { .. }
+                | Op::TpReduceScatter { .. }
+                | Op::TpAllReduce { .. }
+                | Op::VocabCrossEntropy { .. }
+                | Op::VocabCrossEntropyGrad { .. }
         )
     }
 }

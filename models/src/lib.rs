@@ -13,4 +13,4 @@ mod trace;
 pub use config::{Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MAX_LAYERS};
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
-pub use trace::{trace, TraceError, TraceOptions};
+pub use trace::{trace, TensorOptions, TraceError, TraceOptions};

@@ -3,52 +3,67 @@
 
 use crate::trace::Tracer;
 use crate::LlamaConfig;
-use shardplan_ir::{DType, IrError, ModuleKind, Op, WeightLayout};
+use shardplan_ir::{DType, IrError, ModuleKind, NodeId, Op, ScopeId, TpGrad, WeightLayout};
 
+/// Builds the model, or with tensor parallelism one tensor rank's program of it
+/// (torchtitan's Llama plan: q/k/v and w1/w3 column-wise, the attention output and w2
+/// row-wise, the embedding and output split by vocabulary when it divides).
 pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Result<(), IrError> {
+    let n = t.tp.degree;
     let (d, hd) = (c.dim, c.head_dim());
+    // Heads and widths this tensor rank holds (all of them without tensor parallelism).
+    let (heads, kv_heads) = (c.n_heads / n, c.n_kv_heads / n);
     let (q_width, kv_width) = (c.n_heads * hd, c.n_kv_heads * hd);
+    let split_vocab = t.tp.is_parallel() && c.vocab_size.is_multiple_of(n);
     let tokens = t.input("tokens", DType::U32, &[batch, seq])?;
     let targets = t.input("targets", DType::U32, &[batch * seq])?;
     let root = t.g.root();
 
     let emb_scope = t.scope(root, "tok_embeddings", ModuleKind::Embedding);
-    let table = t.param(emb_scope, "model.embed_tokens.weight", &[c.vocab_size, d])?;
-    let mut x = t.op(emb_scope, Op::Embedding, &[table, tokens])?;
+    let (table, mut x) = embed(
+        t,
+        emb_scope,
+        "model.embed_tokens.weight",
+        [c.vocab_size, d],
+        tokens,
+        split_vocab,
+    )?;
 
     for i in 0..c.n_layers {
         let block = t.scope(root, &format!("layers.{i}"), ModuleKind::Block);
         let p = format!("model.layers.{i}");
 
         let norm = t.scope(block, "attention_norm", ModuleKind::Norm);
-        let w = t.param(norm, &format!("{p}.input_layernorm.weight"), &[d])?;
-        let h = t.op(norm, Op::RmsNorm { eps: c.norm_eps }, &[x, w])?;
+        let h = rms_norm(t, norm, x, &format!("{p}.input_layernorm.weight"), d, c.norm_eps)?;
 
         let attn = t.scope(block, "attention", ModuleKind::Attention);
+        let h = t.tp_enter(attn, h)?;
         let sa = format!("{p}.self_attn");
-        let mut heads = Vec::with_capacity(3);
+        let mut qkv = Vec::with_capacity(3);
         for (proj, width, n) in [
-            ("q_proj", q_width, c.n_heads),
-            ("k_proj", kv_width, c.n_kv_heads),
-            ("v_proj", kv_width, c.n_kv_heads),
+            ("q_proj", q_width, heads),
+            ("k_proj", kv_width, kv_heads),
+            ("v_proj", kv_width, kv_heads),
         ] {
-            let y = t.linear(
+            let y = t.col_linear(
                 attn,
                 h,
                 &format!("{sa}.{proj}"),
                 [width, d],
                 WeightLayout::OutIn,
                 c.qkv_bias,
+                1,
             )?;
-            heads.push(t.reshape(attn, y, &[batch, seq, n, hd])?);
+            qkv.push(t.reshape(attn, y, &[batch, seq, n, hd])?);
         }
+        let heads_in = qkv;
         let q = t.op(
             attn,
             Op::Rope {
                 theta: c.rope_theta,
                 scaling: c.rope_scaling,
             },
-            &[heads[0]],
+            &[heads_in[0]],
         )?;
         let k = t.op(
             attn,
@@ -56,11 +71,11 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
                 theta: c.rope_theta,
                 scaling: c.rope_scaling,
             },
-            &[heads[1]],
+            &[heads_in[1]],
         )?;
-        let a = t.op(attn, Op::Attention { causal: true }, &[q, k, heads[2]])?;
-        let a = t.reshape(attn, a, &[batch, seq, q_width])?;
-        let o = t.linear(
+        let a = t.op(attn, Op::Attention { causal: true }, &[q, k, heads_in[2]])?;
+        let a = t.reshape(attn, a, &[batch, seq, heads * hd])?;
+        let o = t.row_linear(
             attn,
             a,
             &format!("{sa}.o_proj"),
@@ -71,30 +86,39 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
         x = t.op(block, Op::Add, &[x, o])?;
 
         let norm = t.scope(block, "ffn_norm", ModuleKind::Norm);
-        let w = t.param(norm, &format!("{p}.post_attention_layernorm.weight"), &[d])?;
-        let h = t.op(norm, Op::RmsNorm { eps: c.norm_eps }, &[x, w])?;
+        let h = rms_norm(
+            t,
+            norm,
+            x,
+            &format!("{p}.post_attention_layernorm.weight"),
+            d,
+            c.norm_eps,
+        )?;
 
         let ff = t.scope(block, "feed_forward", ModuleKind::Mlp);
+        let h = t.tp_enter(ff, h)?;
         let mlp = format!("{p}.mlp");
-        let gate = t.linear(
+        let gate = t.col_linear(
             ff,
             h,
             &format!("{mlp}.gate_proj"),
             [c.ffn_dim, d],
             WeightLayout::OutIn,
             false,
+            1,
         )?;
-        let up = t.linear(
+        let up = t.col_linear(
             ff,
             h,
             &format!("{mlp}.up_proj"),
             [c.ffn_dim, d],
             WeightLayout::OutIn,
             false,
+            1,
         )?;
         let gate = t.op(ff, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
         let m = t.op(ff, Op::Mul, &[gate, up])?;
-        let down = t.linear(
+        let down = t.row_linear(
             ff,
             m,
             &format!("{mlp}.down_proj"),
@@ -106,10 +130,10 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
     }
 
     let norm = t.scope(root, "norm", ModuleKind::Norm);
-    let w = t.param(norm, "model.norm.weight", &[d])?;
-    let x = t.op(norm, Op::RmsNorm { eps: c.norm_eps }, &[x, w])?;
+    let x = rms_norm(t, norm, x, "model.norm.weight", d, c.norm_eps)?;
 
     let head = t.scope(root, "output", ModuleKind::Head);
+    let x = head_input(t, head, x, split_vocab)?;
     let logits = if c.tie_embeddings {
         t.op(
             head,
@@ -119,9 +143,94 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
             },
             &[x, table],
         )?
+    } else if split_vocab {
+        t.col_linear(head, x, "lm_head", [c.vocab_size, d], WeightLayout::OutIn, false, 1)?
     } else {
         t.linear(head, x, "lm_head", [c.vocab_size, d], WeightLayout::OutIn, false)?
     };
-    t.loss(logits, targets)?;
+    tp_loss(t, head, logits, targets, split_vocab)?;
     Ok(())
+}
+
+/// `x * rsqrt(mean(x^2) + eps) * w`, the weight read through `tp_copy` under sequence
+/// parallelism.
+fn rms_norm(t: &mut Tracer, scope: ScopeId, x: NodeId, name: &str, d: u64, eps: f64) -> Result<NodeId, IrError> {
+    let w = t.param(scope, name, &[d])?;
+    let w = t.tp_replicated(scope, w)?;
+    t.op(scope, Op::RmsNorm { eps }, &[x, w])
+}
+
+/// The token embedding: its table and output. Split by vocabulary (`split_vocab`), each
+/// rank looks up its rows and the partial rows leave through [`Tracer::tp_exit`]; whole,
+/// under sequence parallelism each rank keeps its sequence chunk.
+pub(crate) fn embed(
+    t: &mut Tracer,
+    scope: ScopeId,
+    name: &str,
+    shape: [u64; 2],
+    tokens: NodeId,
+    split_vocab: bool,
+) -> Result<(NodeId, NodeId), IrError> {
+    if split_vocab {
+        let n = t.tp.degree;
+        let table = t.split_param(scope, name, &[shape[0] / n, shape[1]], 0, 1)?;
+        let x = t.op(scope, Op::VocabEmbedding { degree: n }, &[table, tokens])?;
+        Ok((table, t.tp_exit(scope, x)?))
+    } else {
+        let table = t.param(scope, name, &shape)?;
+        let x = t.op(scope, Op::Embedding, &[table, tokens])?;
+        let x = if t.sequence_parallel() {
+            t.tp_op(scope, |degree| Op::TpSlice { dim: 1, degree }, x)?
+        } else {
+            x
+        };
+        Ok((table, x))
+    }
+}
+
+/// The output projection's input: under sequence parallelism gathered along the
+/// sequence (its gradient partial when the projection is split by vocabulary, else the
+/// same on every rank); without it, read through `tp_copy` when the projection is split.
+pub(crate) fn head_input(t: &mut Tracer, scope: ScopeId, x: NodeId, split_vocab: bool) -> Result<NodeId, IrError> {
+    if t.sequence_parallel() {
+        let grad = if split_vocab {
+            TpGrad::Partial
+        } else {
+            TpGrad::Replicated
+        };
+        t.tp_op(scope, |degree| Op::TpAllGather { dim: 1, degree, grad }, x)
+    } else if split_vocab {
+        t.tp_op(scope, |degree| Op::TpCopy { degree }, x)
+    } else {
+        Ok(x)
+    }
+}
+
+/// The loss of vocabulary-split logits: vocabulary-parallel with loss parallelism, else
+/// on logits gathered over the group first.
+pub(crate) fn tp_loss(
+    t: &mut Tracer,
+    head: ScopeId,
+    logits: NodeId,
+    targets: NodeId,
+    split_vocab: bool,
+) -> Result<NodeId, IrError> {
+    if !split_vocab {
+        return t.loss(logits, targets);
+    }
+    if t.tp.loss_parallel {
+        let n = t.tp.degree;
+        return t.loss_split(logits, targets, Some(n));
+    }
+    let last = t.g.node(logits).ty.shape.rank() - 1;
+    let full = t.tp_op(
+        head,
+        |degree| Op::TpAllGather {
+            dim: last,
+            degree,
+            grad: TpGrad::Replicated,
+        },
+        logits,
+    )?;
+    t.loss(full, targets)
 }

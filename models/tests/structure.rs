@@ -90,6 +90,7 @@ fn trace_options_set_shapes_and_dtype() {
         batch: 3,
         seq_len: Some(5),
         dtype: DType::BF16,
+        ..Default::default()
     };
     let g = trace(&preset("tiny-llama").unwrap(), opts).unwrap();
     assert_eq!(g.node(g.inputs()[0]).ty.to_string(), "u32[3,5]");

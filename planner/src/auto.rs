@@ -139,7 +139,9 @@ fn block_bytes(joint: &JointGraph, dtype: shardplan_ir::DType) -> u64 {
 /// resharding, checkpointing, prefetch): its knobs and its config. Ties between equally
 /// fast and equally large candidates go to the earlier one.
 pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Knobs, ParallelConfig)> {
-    let world = base.mesh.world();
+    // The data-parallel ranks split between replicate and shard; the tensor axis as given.
+    let tensor = base.mesh.tensor;
+    let world = base.mesh.data_parallel();
     let gpn = base.gpus_per_node;
     let splits: Vec<MeshShape> = if fixed.mesh_split {
         vec![base.mesh]
@@ -149,6 +151,7 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
             .map(|shard| MeshShape {
                 replicate: world / shard,
                 shard,
+                tensor,
             })
             .collect()
     };

@@ -424,7 +424,13 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
     // gradient read, parameters and state read and written), in turn.
     let compute = micro * facts.compute_s;
     let mut step_s = compute * (1.0 - SLACK);
-    let Ok(mesh) = Mesh::new(replicate, shard, config.mesh.world(), config.gpus_per_node) else {
+    let Ok(mesh) = Mesh::with_tensor(
+        replicate,
+        shard,
+        config.mesh.tensor,
+        config.mesh.world(),
+        config.gpus_per_node,
+    ) else {
         return Bounds { step_s, device };
     };
     let shard_link = link(&mesh, Comm::Shard, hw);

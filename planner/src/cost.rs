@@ -77,8 +77,13 @@ pub fn work_kind(op: &Op) -> WorkKind {
         | Op::AttnGradK { .. } => WorkKind::Attention,
         Op::RmsNorm { .. } | Op::LayerNorm { .. } | Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } => WorkKind::Norm,
         Op::Rope { .. } | Op::RopeGrad { .. } => WorkKind::Rotary,
-        Op::Embedding | Op::EmbeddingGrad { .. } => WorkKind::Embedding,
-        Op::CrossEntropy | Op::CrossEntropyGrad => WorkKind::CrossEntropy,
+        Op::Embedding | Op::EmbeddingGrad { .. } | Op::VocabEmbedding { .. } | Op::VocabEmbeddingGrad { .. } => {
+            WorkKind::Embedding
+        }
+        Op::CrossEntropy | Op::CrossEntropyGrad | Op::VocabCrossEntropy { .. } | Op::VocabCrossEntropyGrad { .. } => {
+            WorkKind::CrossEntropy
+        }
+        Op::TpAllGather { .. } | Op::TpReduceScatter { .. } | Op::TpAllReduce { .. } => WorkKind::TensorComm,
         Op::Add
         | Op::Mul
         | Op::Silu
@@ -102,7 +107,9 @@ pub fn work_kind(op: &Op) -> WorkKind {
         | Op::Fill { .. }
         | Op::SumTo { .. }
         | Op::BroadcastTo { .. }
-        | Op::Pad { .. } => WorkKind::Layout,
+        | Op::Pad { .. }
+        | Op::TpCopy { .. }
+        | Op::TpSlice { .. } => WorkKind::Layout,
     }
 }
 
@@ -128,7 +135,9 @@ pub fn eager_traffic(op: &Op) -> (f64, f64) {
             wrt: NormWrt::Weight, ..
         } => (2.0, 2.0),
         Op::Rope { .. } | Op::RopeGrad { .. } => (3.0, 5.0),
-        Op::CrossEntropy | Op::CrossEntropyGrad => (2.0, 2.0),
+        Op::CrossEntropy | Op::CrossEntropyGrad | Op::VocabCrossEntropy { .. } | Op::VocabCrossEntropyGrad { .. } => {
+            (2.0, 2.0)
+        }
         _ => (1.0, 1.0),
     }
 }
@@ -160,7 +169,7 @@ pub fn forks(op: &Op, numel: Option<u64>) -> bool {
             wrt: NormWrt::Weight, ..
         } => true,
         // The loss is a scalar; its kernel splits by the logits' rows.
-        Op::CrossEntropy => true,
+        Op::CrossEntropy | Op::VocabCrossEntropy { .. } => true,
         Op::Add
         | Op::Mul
         | Op::Silu
@@ -169,6 +178,7 @@ pub fn forks(op: &Op, numel: Option<u64>) -> bool {
         | Op::GeluGrad
         | Op::GeluErfGrad
         | Op::CrossEntropyGrad
+        | Op::VocabCrossEntropyGrad { .. }
         | Op::RmsNormGrad { .. } => big,
         _ => false,
     }
@@ -242,7 +252,33 @@ impl<'a> OpModel<'a> {
         let out = node.ty.shape.dims().to_vec();
         let numel = |d: &[u64]| d.iter().map(|&x| x as f64).product::<f64>();
         match &node.op {
-            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } => (0.0, 0.0),
+            Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::TpCopy { .. } => (0.0, 0.0),
+            Op::TpAllGather { degree, .. } | Op::TpReduceScatter { degree, .. } | Op::TpAllReduce { degree } => {
+                // A ring over the tensor group, inside one node (the spec keeps it there);
+                // the full buffer is the gathered output or the reduced input.
+                let full = match node.op {
+                    Op::TpAllGather { .. } => node.ty.bytes(),
+                    _ => self.g.node(node.inputs[0]).ty.bytes(),
+                }
+                .unwrap_or(u64::MAX);
+                let all_reduce = matches!(node.op, Op::TpAllReduce { .. });
+                self.launched(ring_seconds(*degree, full, self.tensor_link(), all_reduce), 1.0)
+            }
+            Op::VocabCrossEntropy { degree } | Op::VocabCrossEntropyGrad { degree } => {
+                // The local log-softmax's traffic, plus the row maxima all-gathered and the
+                // exponential sums with the target logits all-reduced over the group
+                // (f32, one of each per row).
+                let rows = dims(0)[0];
+                let (kernels, factor) = match self.hw.kernels {
+                    KernelMode::Eager => eager_traffic(&node.op),
+                    KernelMode::Fused => (1.0, 1.0),
+                };
+                let local = (bytes * factor / self.bw).max(flops / self.peak);
+                let link = self.tensor_link();
+                let comm =
+                    ring_seconds(*degree, rows * 4 * degree, link, false) + ring_seconds(*degree, rows * 8, link, true);
+                self.launched(local + comm, kernels + 2.0)
+            }
             Op::Linear { .. } | Op::MatMul | Op::WeightGrad { .. } => {
                 // The output's last two dims are the tiled M x N; leading dims batch.
                 let (m, n) = match out.len() {
@@ -291,6 +327,14 @@ impl<'a> OpModel<'a> {
                 self.launched((bytes * factor / self.bw).max(flops / self.peak), kernels)
             }
         }
+    }
+
+    /// Bandwidth and latency of a tensor group's ring: NVLink, inside one node.
+    fn tensor_link(&self) -> (f64, f64) {
+        (
+            self.hw.intra_node_gbps * 1e9 * self.hw.collective_efficiency,
+            self.hw.intra_node_latency_us * 1e-6,
+        )
     }
 
     /// `work` seconds of `kernels` kernels with their launch cost: eager PyTorch launches

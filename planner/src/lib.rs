@@ -188,9 +188,10 @@ fn passes(
     lean: bool,
 ) -> Result<(Plan, std::sync::Arc<CachedSteps>), PlanError> {
     let g = &joint.graph;
-    let mesh = Mesh::new(
+    let mesh = Mesh::with_tensor(
         config.mesh.replicate,
         config.mesh.shard,
+        config.mesh.tensor,
         config.mesh.world(),
         config.gpus_per_node,
     )?;
@@ -236,6 +237,11 @@ fn passes(
             shardplan_frontends::Optimizer::Sgd { .. } => "sgd".into(),
         },
         grad_clip: config.grad_clip,
+        tensor_parallel: if mesh.tensor() > 1 {
+            config.tensor_parallel
+        } else {
+            Default::default()
+        },
         runtime: config.runtime,
         allocator: config.allocator,
     };
@@ -438,7 +444,7 @@ pub(crate) fn simulate_program(
     } else {
         config.hardware.bf16_tflops
     } * 1e12;
-    let tokens = (mesh.world() * policy.batch_per_rank * policy.seq_len * policy.grad_accum) as f64;
+    let tokens = (mesh.data_parallel() * policy.batch_per_rank * policy.seq_len * policy.grad_accum) as f64;
     let estimate = simulate::estimate(
         program,
         buffers,

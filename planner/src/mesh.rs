@@ -1,8 +1,11 @@
-//! The device mesh: replicate x shard, as FSDP2's 2-D `DeviceMesh` for HSDP.
+//! The device mesh: replicate x shard x tensor, as torchtitan's `DeviceMesh` over
+//! `dp_replicate, dp_shard, tp`.
 //!
-//! Ranks are laid out row-major over (replicate, shard), so the shard axis is innermost:
-//! a shard group is `shard` consecutive ranks, which on `gpus_per_node`-GPU nodes keeps it
-//! inside a node whenever `shard` divides `gpus_per_node`.
+//! Ranks are laid out row-major over (replicate, shard, tensor), so the tensor axis is
+//! innermost: a tensor group is `tensor` consecutive ranks (inside one node: the spec
+//! checks that `tensor` divides `gpus_per_node`), and without tensor parallelism a shard
+//! group is `shard` consecutive ranks, which keeps it inside a node whenever `shard`
+//! divides `gpus_per_node`.
 
 use crate::PlanError;
 use serde::{Deserialize, Serialize};
@@ -12,7 +15,18 @@ use serde::{Deserialize, Serialize};
 pub struct Mesh {
     replicate: u64,
     shard: u64,
+    /// Absent from plans without tensor parallelism, which read as before.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    tensor: u64,
     gpus_per_node: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(v: &u64) -> bool {
+    *v == 1
 }
 
 /// A rank's position on the mesh.
@@ -20,18 +34,32 @@ pub struct Mesh {
 pub struct Coords {
     pub replicate: u64,
     pub shard: u64,
+    #[serde(default)]
+    pub tensor: u64,
 }
 
 impl Mesh {
-    /// A mesh for `world` ranks; the axes must multiply to it.
+    /// A replicate x shard mesh for `world` ranks; the axes must multiply to it.
     pub fn new(replicate: u64, shard: u64, world: u64, gpus_per_node: u64) -> Result<Self, PlanError> {
-        if replicate == 0 || shard == 0 {
+        Mesh::with_tensor(replicate, shard, 1, world, gpus_per_node)
+    }
+
+    /// A replicate x shard x tensor mesh for `world` ranks; the axes must multiply to it.
+    pub fn with_tensor(
+        replicate: u64,
+        shard: u64,
+        tensor: u64,
+        world: u64,
+        gpus_per_node: u64,
+    ) -> Result<Self, PlanError> {
+        if replicate == 0 || shard == 0 || tensor == 0 {
             return Err(PlanError::EmptyAxis { replicate, shard });
         }
-        match replicate.checked_mul(shard) {
+        match replicate.checked_mul(shard).and_then(|p| p.checked_mul(tensor)) {
             Some(p) if p == world => Ok(Mesh {
                 replicate,
                 shard,
+                tensor,
                 gpus_per_node: gpus_per_node.max(1),
             }),
             p => Err(PlanError::MeshWorld {
@@ -48,12 +76,24 @@ impl Mesh {
         Mesh {
             replicate: c.mesh.replicate,
             shard: c.mesh.shard,
+            tensor: c.mesh.tensor,
             gpus_per_node: c.gpus_per_node,
         }
     }
 
     pub fn world(&self) -> u64 {
+        self.replicate * self.shard * self.tensor
+    }
+
+    /// Ranks that see different data (`replicate x shard`): a tensor group shares its
+    /// sequences.
+    pub fn data_parallel(&self) -> u64 {
         self.replicate * self.shard
+    }
+
+    /// Ranks of one tensor-parallel group (1: none).
+    pub fn tensor(&self) -> u64 {
+        self.tensor
     }
 
     pub fn replicate(&self) -> u64 {
@@ -69,30 +109,39 @@ impl Mesh {
     }
 
     pub fn coords(&self, rank: u64) -> Coords {
+        let dp = rank / self.tensor;
         Coords {
-            replicate: rank / self.shard,
-            shard: rank % self.shard,
+            replicate: dp / self.shard,
+            shard: dp % self.shard,
+            tensor: rank % self.tensor,
         }
     }
 
     pub fn rank(&self, c: Coords) -> u64 {
-        c.replicate * self.shard + c.shard
+        (c.replicate * self.shard + c.shard) * self.tensor + c.tensor
     }
 
-    /// The ranks `rank` shards parameters with (same replicate index), in shard order.
+    /// The ranks `rank` shards parameters with (same replicate and tensor index), in shard
+    /// order.
     pub fn shard_group(&self, rank: u64) -> Vec<u64> {
-        let r = self.coords(rank).replicate;
-        (0..self.shard)
-            .map(|s| self.rank(Coords { replicate: r, shard: s }))
+        let c = self.coords(rank);
+        (0..self.shard).map(|s| self.rank(Coords { shard: s, ..c })).collect()
+    }
+
+    /// The ranks holding the same shard as `rank` (same shard and tensor index): HSDP's
+    /// all-reduce group.
+    pub fn replicate_group(&self, rank: u64) -> Vec<u64> {
+        let c = self.coords(rank);
+        (0..self.replicate)
+            .map(|r| self.rank(Coords { replicate: r, ..c }))
             .collect()
     }
 
-    /// The ranks holding the same shard as `rank` (same shard index): HSDP's all-reduce group.
-    pub fn replicate_group(&self, rank: u64) -> Vec<u64> {
-        let s = self.coords(rank).shard;
-        (0..self.replicate)
-            .map(|r| self.rank(Coords { replicate: r, shard: s }))
-            .collect()
+    /// The ranks that hold the other slices of `rank`'s layers (same replicate and shard
+    /// index), in tensor order: the tensor-parallel group.
+    pub fn tensor_group(&self, rank: u64) -> Vec<u64> {
+        let c = self.coords(rank);
+        (0..self.tensor).map(|t| self.rank(Coords { tensor: t, ..c })).collect()
     }
 
     /// For `reshard_after_forward: n`: the `n` consecutive ranks of `rank`'s shard group that
@@ -102,12 +151,7 @@ impl Mesh {
         let n = n.clamp(1, self.shard);
         let first = c.shard / n * n;
         (first..first + n)
-            .map(|s| {
-                self.rank(Coords {
-                    replicate: c.replicate,
-                    shard: s,
-                })
-            })
+            .map(|s| self.rank(Coords { shard: s, ..c }))
             .collect()
     }
 

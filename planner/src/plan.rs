@@ -14,6 +14,7 @@ use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, AllocatorConfig, GradSync, HardwareProfile, MixedPrecision, Offload, Runtime,
+    TensorParallel,
 };
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
@@ -428,6 +429,10 @@ pub struct Policy {
     /// written before the field existed was replayed without expandable segments.
     #[serde(default = "cuda_malloc")]
     pub allocator: AllocatorConfig,
+    /// Tensor parallelism's options, when the mesh has a tensor axis; absent from the JSON
+    /// when default.
+    #[serde(default, skip_serializing_if = "TensorParallel::is_default")]
+    pub tensor_parallel: TensorParallel,
 }
 
 fn cuda_malloc() -> AllocatorConfig {
@@ -676,10 +681,13 @@ pub enum WorkKind {
     Optimizer,
     /// Compute slowed by collectives running beside it (`overlap_slowdown`).
     Overlap,
+    /// Tensor parallelism's activation collectives, which run on the compute stream
+    /// between the ops that need them.
+    TensorComm,
 }
 
 impl WorkKind {
-    pub const ALL: [WorkKind; 12] = [
+    pub const ALL: [WorkKind; 13] = [
         WorkKind::Matmul,
         WorkKind::Attention,
         WorkKind::Norm,
@@ -692,6 +700,7 @@ impl WorkKind {
         WorkKind::FsdpCopies,
         WorkKind::Optimizer,
         WorkKind::Overlap,
+        WorkKind::TensorComm,
     ];
 
     pub fn name(self) -> &'static str {
@@ -708,6 +717,7 @@ impl WorkKind {
             WorkKind::FsdpCopies => "fsdp copies",
             WorkKind::Optimizer => "optimizer",
             WorkKind::Overlap => "overlap slowdown",
+            WorkKind::TensorComm => "tensor collectives",
         }
     }
 }
@@ -728,6 +738,13 @@ pub struct Breakdown {
     pub fsdp_copies_s: f64,
     pub optimizer_s: f64,
     pub overlap_s: f64,
+    /// Absent from the JSON without tensor parallelism.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub tensor_comm_s: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl Breakdown {
@@ -768,6 +785,7 @@ impl Breakdown {
             WorkKind::FsdpCopies => &mut self.fsdp_copies_s,
             WorkKind::Optimizer => &mut self.optimizer_s,
             WorkKind::Overlap => &mut self.overlap_s,
+            WorkKind::TensorComm => &mut self.tensor_comm_s,
         }
     }
 }

@@ -142,18 +142,35 @@ pub fn summary(o: &mut String, plan: &Plan) {
     let nodes = m.world().div_ceil(m.gpus_per_node());
     let _ = writeln!(
         o,
-        "plan: {} ({} params) on {} ranks: mesh {} replicate x {} shard{}, {} node{} of {} GPUs, {}",
+        "plan: {} ({} params) on {} ranks: mesh {} replicate x {} shard{}{}, {} node{} of {} GPUs, {}",
         plan.model,
         thousands(plan.params),
         m.world(),
         m.replicate(),
         m.shard(),
+        if m.tensor() > 1 {
+            format!(" x {} tensor", m.tensor())
+        } else {
+            String::new()
+        },
         if m.replicate() > 1 { " (HSDP)" } else { "" },
         nodes,
         if nodes == 1 { "" } else { "s" },
         m.gpus_per_node(),
         plan.hardware.name
     );
+    if m.tensor() > 1 {
+        let tp = &p.tensor_parallel;
+        let _ = writeln!(
+            o,
+            "tensor parallel: groups of {} consecutive ranks (rank = (replicate x {} + shard) x {} + tensor), sequence parallel {}, loss parallel {}",
+            m.tensor(),
+            m.shard(),
+            m.tensor(),
+            if tp.sequence_parallel { "on" } else { "off" },
+            if tp.loss_parallel { "on" } else { "off" },
+        );
+    }
     let reshard = match p.reshard_after_forward {
         GroupReshard::Free => "true".to_string(),
         GroupReshard::Keep => "false".to_string(),
@@ -206,7 +223,7 @@ pub fn summary(o: &mut String, plan: &Plan) {
         GradSync::EveryMicroBatch => "reduce-scatter every micro-batch",
         GradSync::FinalMicroBatch => "reduce-scatter on the final micro-batch",
     };
-    let tokens = m.world() * p.batch_per_rank * p.seq_len * p.grad_accum;
+    let tokens = m.data_parallel() * p.batch_per_rank * p.seq_len * p.grad_accum;
     let _ = writeln!(
         o,
         "batch: {} x {} tokens per rank, grad_accum {} ({sync}); {} tokens per step; {}{}",
@@ -448,11 +465,19 @@ pub fn schedule_table(o: &mut String, plan: &Plan, rank: u64) {
         .filter(|s| program.instrs.iter().any(|i| i.stream == *s))
         .collect();
     let coords = plan.mesh.coords(rank);
-    let _ = writeln!(
-        o,
-        "schedule of rank {rank} (replicate {}, shard {}), start times in ms:",
-        coords.replicate, coords.shard
-    );
+    if plan.mesh.tensor() > 1 {
+        let _ = writeln!(
+            o,
+            "schedule of rank {rank} (replicate {}, shard {}, tensor {}), start times in ms:",
+            coords.replicate, coords.shard, coords.tensor
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "schedule of rank {rank} (replicate {}, shard {}), start times in ms:",
+            coords.replicate, coords.shard
+        );
+    }
     let cells: Vec<String> = program
         .instrs
         .iter()

@@ -904,10 +904,14 @@ impl ExecOrder {
     }
 
     /// Bytes a value holds as an activation: 0 for parameters and final parameter
-    /// gradients (they live in group buffers).
+    /// gradients (they live in group buffers), and for a parameter read through `tp_copy`
+    /// (the parameter itself).
     pub fn value_bytes(&self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
+        let node = g.node(id);
         if self.param_of_node[id.index()].is_some()
             || self.is_param_grad[id.index()]
+            || (matches!(node.op, shardplan_ir::Op::TpCopy { .. })
+                && self.param_of_node[node.inputs[0].index()].is_some())
             || (self.flash_attention
                 && self.blockwise_of.is_empty()
                 && matches!(

@@ -29,6 +29,7 @@ fn joint(model: &str, c: &ParallelConfig) -> JointGraph {
             batch: c.batch.per_rank,
             seq_len: c.batch.seq_len,
             dtype: c.mixed_precision.param,
+            ..Default::default()
         },
     )
     .unwrap();

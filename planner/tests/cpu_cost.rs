@@ -25,6 +25,7 @@ fn parallel_launch_is_paid_by_the_ops_the_executor_splits_over_threads() {
             batch: 2,
             seq_len: Some(16),
             dtype: DType::F32,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -318,6 +318,7 @@ fn eager_kernels_save_what_autograd_saves() {
                 batch,
                 seq_len: Some(seq),
                 dtype: shardplan_ir::DType::F32,
+                ..Default::default()
             },
         )
         .unwrap();

@@ -21,6 +21,7 @@ fn joint_for(yaml: &str) -> (JointGraph, shardplan_frontends::ParallelConfig) {
             batch: config.batch.per_rank,
             seq_len: config.batch.seq_len,
             dtype: config.mixed_precision.param,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -69,6 +69,7 @@ fn the_replay_requests_exactly_the_planned_peak() {
             batch: 2,
             seq_len: Some(32),
             dtype: config.mixed_precision.param,
+            ..Default::default()
         },
     )
     .unwrap();

@@ -2,6 +2,7 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
+use crate::cpu::tensor::TensorGroup;
 use crate::cpu::{attention, fused};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
@@ -26,10 +27,12 @@ pub fn cdtype(d: DType) -> CDType {
 /// `(theta bits, seq, head_dim, dtype)` of a rotary table.
 type RopeKey = (u64, String, usize, usize, CDType);
 
-/// What kernels share: the device and cached rotary tables.
+/// What kernels share: the device, cached rotary tables and, for a tensor-parallel
+/// graph, the rank's tensor group.
 pub struct Ctx {
     pub device: Device,
     rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
+    tensor: Option<TensorGroup>,
 }
 
 impl Ctx {
@@ -37,7 +40,26 @@ impl Ctx {
         Ctx {
             device,
             rope: RefCell::new(HashMap::new()),
+            tensor: None,
         }
+    }
+
+    /// A context whose tensor-parallel ops run over `group`.
+    pub fn with_tensor_group(device: Device, group: TensorGroup) -> Self {
+        Ctx {
+            tensor: Some(group),
+            ..Ctx::new(device)
+        }
+    }
+
+    /// The tensor group a tensor-parallel op runs over.
+    fn tensor(&self, op: &Op) -> Result<&TensorGroup> {
+        self.tensor.as_ref().ok_or_else(|| {
+            ExecError::Internal(format!(
+                "{} is a tensor-parallel op, but this rank has no tensor group",
+                op.name()
+            ))
+        })
     }
 
     /// `cos`, `sin` of shape `[seq, head_dim / 2]` for positions `0..seq` (HF's
@@ -358,6 +380,18 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::CrossEntropyGrad if fused::applies(&[ins[0]]) => fused::cross_entropy_grad(ins[0], ins[1], ins[2])?,
         Op::CrossEntropyGrad => cross_entropy_grad(ins[0], ins[1], ins[2])?,
         Op::Pad { dim, before, after } => ins[0].pad_with_zeros(*dim, *before as usize, *after as usize)?,
+        Op::TpCopy { .. } => ins[0].clone(),
+        Op::TpAllGather { dim, degree, .. } => ctx.tensor(op)?.all_gather(ins[0], *dim, *degree)?,
+        Op::TpReduceScatter { dim, degree } => ctx.tensor(op)?.reduce_scatter(ins[0], *dim, *degree)?,
+        Op::TpAllReduce { degree } => ctx.tensor(op)?.all_reduce(ins[0], *degree)?,
+        Op::TpSlice { dim, degree } => ctx.tensor(op)?.slice(ins[0], *dim, *degree)?,
+        Op::VocabEmbedding { degree } => ctx.tensor(op)?.embedding(ins[0], ins[1], &odims, *degree)?,
+        Op::VocabEmbeddingGrad { vocab, degree } => {
+            ctx.tensor(op)?
+                .embedding_grad(ins[0], ins[1], *vocab as usize, *degree)?
+        }
+        Op::VocabCrossEntropy { degree } => ctx.tensor(op)?.cross_entropy(ins[0], ins[1], *degree)?,
+        Op::VocabCrossEntropyGrad { degree } => ctx.tensor(op)?.cross_entropy_grad(ins[0], ins[1], ins[2], *degree)?,
     };
     Ok(t)
 }

@@ -7,4 +7,5 @@ mod attention;
 pub(crate) mod fused;
 pub mod host;
 pub mod kernels;
+pub mod tensor;
 mod vmath;

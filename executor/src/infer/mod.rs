@@ -57,6 +57,7 @@ pub fn param_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<u64>)>> {
             batch: 1,
             seq_len: Some(1),
             dtype: shardplan_ir::DType::F32,
+            ..Default::default()
         },
     )?;
     Ok(g.params()

@@ -5,16 +5,64 @@ use serde::{Deserialize, Serialize};
 use shardplan_ir::{DType, ModuleKind};
 use std::collections::BTreeMap;
 
-/// Replicate x shard: `world = replicate * shard`; replicate > 1 is HSDP.
+/// Replicate x shard x tensor: `world = replicate * shard * tensor`; replicate > 1 is
+/// HSDP, tensor > 1 tensor parallelism. Ranks are numbered row-major over the three axes,
+/// tensor innermost (torchtitan's `dp_replicate, dp_shard, tp` mesh): rank
+/// `(r * shard + s) * tensor + t`, so a tensor group is `tensor` consecutive ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MeshShape {
     pub replicate: u64,
     pub shard: u64,
+    /// Ranks of one tensor-parallel group; absent from serialised configs when 1, so
+    /// plans made before the axis existed read as they did.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tensor: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(v: &u64) -> bool {
+    *v == 1
 }
 
 impl MeshShape {
     pub fn world(&self) -> u64 {
+        self.replicate * self.shard * self.tensor
+    }
+
+    /// Ranks that see different data: `replicate x shard`.
+    pub fn data_parallel(&self) -> u64 {
         self.replicate * self.shard
+    }
+}
+
+/// Tensor parallelism's options (torchtitan's defaults: both on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorParallel {
+    /// Activations between blocks split along the sequence over the tensor group, norms
+    /// run on the chunk, all-gathered into attention and the feed-forward and
+    /// reduce-scattered out (`enable_async_tp` aside, torchtitan's default); off, the
+    /// blocks' outputs are all-reduced and every rank holds them whole.
+    pub sequence_parallel: bool,
+    /// The cross-entropy runs on the vocabulary-split logits (torchtitan's
+    /// `loss_parallel`); off, the logits are all-gathered first.
+    pub loss_parallel: bool,
+}
+
+impl Default for TensorParallel {
+    fn default() -> Self {
+        TensorParallel {
+            sequence_parallel: true,
+            loss_parallel: true,
+        }
+    }
+}
+
+impl TensorParallel {
+    pub fn is_default(&self) -> bool {
+        *self == TensorParallel::default()
     }
 }
 
@@ -327,6 +375,10 @@ pub struct ParallelConfig {
     /// (expandable segments on).
     #[serde(default, skip_serializing_if = "AllocatorConfig::is_default")]
     pub allocator: AllocatorConfig,
+    /// Tensor parallelism's options (used when `mesh.tensor > 1`); absent from a
+    /// serialised config when default.
+    #[serde(default, skip_serializing_if = "TensorParallel::is_default")]
+    pub tensor_parallel: TensorParallel,
 }
 
 impl ParallelConfig {
@@ -338,6 +390,11 @@ impl ParallelConfig {
             batch: self.batch.per_rank,
             seq_len: self.batch.seq_len,
             dtype: self.mixed_precision.param,
+            tensor: shardplan_models::TensorOptions {
+                degree: self.mesh.tensor,
+                sequence_parallel: self.tensor_parallel.sequence_parallel,
+                loss_parallel: self.tensor_parallel.loss_parallel,
+            },
         }
     }
 

@@ -47,17 +47,26 @@ impl ParallelSpecFile {
         let mesh_file = self.mesh.value;
         record(&mut o, "mesh.replicate", &mesh_file.replicate);
         o.insert("mesh.shard", pos(&mesh_file.shard));
+        record(&mut o, "mesh.tensor", &mesh_file.tensor);
         let replicate = at_least_1(&o, "mesh.replicate", mesh_file.replicate.map_or(1, |s| s.value))?;
         let shard = at_least_1(&o, "mesh.shard", mesh_file.shard.value)?;
-        let mesh = MeshShape { replicate, shard };
-        match replicate.checked_mul(shard) {
+        let tensor = at_least_1(&o, "mesh.tensor", mesh_file.tensor.map_or(1, |s| s.value))?;
+        let mesh = MeshShape {
+            replicate,
+            shard,
+            tensor,
+        };
+        let axes = if tensor > 1 {
+            format!("replicate x shard x tensor = {replicate} x {shard} x {tensor}")
+        } else {
+            format!("replicate x shard = {replicate} x {shard}")
+        };
+        match replicate.checked_mul(shard).and_then(|p| p.checked_mul(tensor)) {
             Some(w) if w <= MAX_WORLD => {}
             _ => {
                 return Err(o.error(
                     "mesh",
-                    format!(
-                    "replicate x shard = {replicate} x {shard} is more than the {MAX_WORLD} ranks shardplan plans for"
-                ),
+                    format!("{axes} is more than the {MAX_WORLD} ranks shardplan plans for"),
                     "use a realistic mesh",
                 ))
             }
@@ -65,14 +74,21 @@ impl ParallelSpecFile {
         let world = mesh.world();
         if let Some(w) = &self.world {
             o.insert("world", pos(w));
+            if tensor > w.value {
+                return Err(o.error(
+                    "mesh.tensor",
+                    format!(
+                        "a tensor group of {tensor} ranks is larger than the world of {} ranks",
+                        w.value
+                    ),
+                    format!("set mesh.tensor to a divisor of {} at most gpus_per_node", w.value),
+                ));
+            }
             if w.value != world {
                 return Err(o.error(
                     "world",
-                    format!(
-                        "the mesh has replicate x shard = {replicate} x {shard} = {world} ranks, but world is {}",
-                        w.value
-                    ),
-                    format!("make replicate x shard equal {}, or set world to {world}", w.value),
+                    format!("the mesh has {axes} = {world} ranks, but world is {}", w.value),
+                    format!("make the mesh's axes multiply to {}, or set world to {world}", w.value),
                 ));
             }
         }
@@ -83,8 +99,30 @@ impl ParallelSpecFile {
             return Err(o.error(
                 "gpus_per_node",
                 format!("world size {world} does not fill whole nodes of {gpus_per_node} GPUs"),
-                format!("make replicate x shard a multiple of {gpus_per_node}, or change gpus_per_node"),
+                format!("make the mesh's axes multiply to a multiple of {gpus_per_node}, or change gpus_per_node"),
             ));
+        }
+        if tensor > 1 && !gpus_per_node.is_multiple_of(tensor) {
+            return Err(o.error(
+                "mesh.tensor",
+                format!("a tensor group of {tensor} ranks would span nodes of {gpus_per_node} GPUs"),
+                format!(
+                    "set mesh.tensor to a divisor of gpus_per_node ({gpus_per_node}): tensor parallelism's activation collectives need NVLink"
+                ),
+            ));
+        }
+
+        let mut tensor_parallel = TensorParallel::default();
+        if let Some(tp) = self.tensor_parallel {
+            o.insert("tensor_parallel", pos(&tp));
+            if let Some(v) = &tp.value.sequence_parallel {
+                o.insert("tensor_parallel.sequence_parallel", pos(v));
+                tensor_parallel.sequence_parallel = v.value;
+            }
+            if let Some(v) = &tp.value.loss_parallel {
+                o.insert("tensor_parallel.loss_parallel", pos(v));
+                tensor_parallel.loss_parallel = v.value;
+            }
         }
 
         let mut hardware = hardware(&mut o, self.hardware)?;
@@ -101,6 +139,13 @@ impl ParallelSpecFile {
                 ));
             }
             hardware.kernels = crate::hardware::KernelMode::Eager;
+            if tensor > 1 {
+                return Err(o.error(
+                    "runtime",
+                    "`runtime: fsdp2` models FSDP2's hooks on a data-parallel mesh; shardplan has no model of DTensor tensor parallelism under FSDP2",
+                    "plan tensor parallelism with `runtime: shardplan` (the default), or set mesh.tensor to 1",
+                ));
+            }
         }
 
         let wrap = match self.wrap {
@@ -450,6 +495,7 @@ impl ParallelSpecFile {
             data,
             runtime,
             allocator,
+            tensor_parallel,
         };
         Ok((config, o))
     }

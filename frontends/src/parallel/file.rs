@@ -33,6 +33,14 @@ pub(super) struct ParallelSpecFile {
     pub(super) data: Option<Spanned<NameOr<DataFile>>>,
     pub(super) runtime: Option<Spanned<Runtime>>,
     pub(super) allocator: Option<Spanned<AllocatorFile>>,
+    pub(super) tensor_parallel: Option<Spanned<TensorParallelFile>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TensorParallelFile {
+    pub(super) sequence_parallel: Option<Spanned<bool>>,
+    pub(super) loss_parallel: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -67,6 +75,7 @@ pub(super) fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: 
 pub(super) struct MeshFile {
     pub(super) replicate: Option<Spanned<u64>>,
     pub(super) shard: Spanned<u64>,
+    pub(super) tensor: Option<Spanned<u64>>,
 }
 
 #[derive(Debug, Deserialize)]

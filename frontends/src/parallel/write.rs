@@ -93,10 +93,23 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     };
     let mut y = String::new();
     y.push_str("# Written by `shardplan plan --auto --emit-spec`.\n");
-    y.push_str(&format!(
-        "mesh: {{replicate: {}, shard: {}}}\n",
-        c.mesh.replicate, c.mesh.shard
-    ));
+    if c.mesh.tensor > 1 {
+        y.push_str(&format!(
+            "mesh: {{replicate: {}, shard: {}, tensor: {}}}\n",
+            c.mesh.replicate, c.mesh.shard, c.mesh.tensor
+        ));
+    } else {
+        y.push_str(&format!(
+            "mesh: {{replicate: {}, shard: {}}}\n",
+            c.mesh.replicate, c.mesh.shard
+        ));
+    }
+    if !c.tensor_parallel.is_default() {
+        y.push_str(&format!(
+            "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}}}\n",
+            c.tensor_parallel.sequence_parallel, c.tensor_parallel.loss_parallel
+        ));
+    }
     y.push_str(&format!("gpus_per_node: {}\n", c.gpus_per_node));
     y.push_str(&format!("hardware: {hardware}\n"));
     if !c.runtime.is_shardplan() {
