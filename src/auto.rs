@@ -7,7 +7,7 @@ use anyhow::Context;
 use shardplan_frontends::spec_yaml;
 use shardplan_frontends::{LoadedModel, LoadedParallel, SpecError};
 use shardplan_planner::alternatives::try_search_alternatives;
-use shardplan_planner::auto::{default_budget, knob_effects, search, Candidate, Fixed, NoFit};
+use shardplan_planner::auto::{default_budget, knob_effects, search_model, Candidate, Fixed, NoFit};
 use shardplan_planner::print::{bytes, ms};
 use std::fmt::Write as _;
 
@@ -34,7 +34,7 @@ fn table(o: &mut String, cands: &[Candidate], top: usize) {
             o,
             "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>5.1}% {:>11} {:>11} {:>11}  {}",
             i + 1,
-            format!("{}x{}", k.replicate, k.shard),
+            k.mesh(),
             if k.blocks_per_group == 0 {
                 "spec".to_string()
             } else {
@@ -63,8 +63,10 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
     let base = &parallel.config;
     let budget = args.memory_budget.unwrap_or_else(|| default_budget(&base.hardware));
     let fixed = Fixed::from_origin(&parallel.origin);
-    let (_, joint) = make_plan_and_graph(model, parallel, base)?;
-    let found = search(&joint, base, fixed, budget, true)
+    // The spec must plan as written (its errors are the user's); the search then traces
+    // the model again at each tensor-parallel degree it tries.
+    make_plan_and_graph(model, parallel, base)?;
+    let found = search_model(&model.config, base, fixed, budget, true)
         .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
     let r = match found {
         Ok(r) => r,
@@ -83,12 +85,11 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
                 SpecError::file(
                     &parallel.origin.file,
                     format!(
-                        "no plan fits the budget of {} per rank: the smallest candidate needs {} of device memory ({} over: mesh {}x{}, checkpointing {}, reshard {}, offload {})",
+                        "no plan fits the budget of {} per rank: the smallest candidate needs {} of device memory ({} over: mesh {}, checkpointing {}, reshard {}, offload {})",
                         bytes(budget),
                         bytes(best.device),
                         bytes(best.device.saturating_sub(budget)),
-                        best.knobs.replicate,
-                        best.knobs.shard,
+                        best.knobs.mesh(),
                         best.knobs.activation_checkpointing,
                         best.knobs.reshard_after_forward,
                         if best.knobs.offload { "cpu" } else { "none" }

@@ -3,7 +3,7 @@
 use candle_core::Tensor;
 use shardplan_executor::{ShardedTrainer, Trainer};
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
-use shardplan_models::preset;
+use shardplan_models::{preset, LlamaConfig, ModelConfig};
 
 fn config(yaml: &str) -> ParallelConfig {
     parse_parallel_spec(&Source::from_text("test.yaml", yaml))
@@ -22,7 +22,14 @@ fn rel(a: &Tensor, b: &Tensor) -> f64 {
 /// Runs `steps` steps of `model` on `mesh` (with `extra` spec lines) and on one rank with
 /// the same global batch; returns the largest relative differences of loss and weights.
 fn compare(model: &str, replicate: u64, shard: u64, extra: &str, steps: u64) -> (f64, f64) {
-    let world = replicate * shard;
+    compare_mesh(&preset(model).unwrap(), (replicate, shard, 1), extra, steps)
+}
+
+/// As [`compare`] on a replicate x shard x tensor mesh; a tensor group shares its
+/// data-parallel rank's sequences.
+fn compare_mesh(m: &ModelConfig, (replicate, shard, tensor): (u64, u64, u64), extra: &str, steps: u64) -> (f64, f64) {
+    let world = replicate * shard * tensor;
+    let data_world = replicate * shard;
     let per_rank = 2;
     let batch_line = |per: u64| {
         if extra.contains("batch:") {
@@ -32,19 +39,18 @@ fn compare(model: &str, replicate: u64, shard: u64, extra: &str, steps: u64) -> 
         }
     };
     let sharded = config(&format!(
-        "mesh: {{replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {world}\n{COMMON}{}",
+        "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n{COMMON}{}",
         batch_line(per_rank)
     ));
     // The reference takes only what changes the math: batch shape and precision.
-    let numeric: String = batch_line(per_rank * world)
+    let numeric: String = batch_line(per_rank * data_world)
         .lines()
         .filter(|l| l.starts_with("batch:") || l.starts_with("mixed_precision:"))
         .map(|l| format!("{l}\n"))
         .collect();
     let single = config(&format!("mesh: {{shard: 1}}\ngpus_per_node: 1\n{COMMON}{numeric}"));
-    let m = preset(model).unwrap();
-    let mut a = ShardedTrainer::new(&m, &sharded, steps).unwrap_or_else(|e| panic!("{e}"));
-    let mut b = Trainer::new(&m, &single, steps, candle_core::Device::Cpu).unwrap();
+    let mut a = ShardedTrainer::new(m, &sharded, steps).unwrap_or_else(|e| panic!("{e}"));
+    let mut b = Trainer::new(m, &single, steps, candle_core::Device::Cpu).unwrap();
     let mut worst_loss = 0f64;
     for step in 0..steps {
         let x = a.step().unwrap_or_else(|e| panic!("step {step}: {e}"));
@@ -55,7 +61,7 @@ fn compare(model: &str, replicate: u64, shard: u64, extra: &str, steps: u64) -> 
     }
     let full = a.full_params().unwrap();
     let mut worst_w = 0f64;
-    let g = shardplan_models::trace(&m, shardplan_models::TraceOptions::default()).unwrap();
+    let g = shardplan_models::trace(m, shardplan_models::TraceOptions::default()).unwrap();
     for ((p, q), (_, param)) in full.iter().zip(b.master()).zip(g.params()) {
         // GPT-2's key bias has an identically zero true gradient (softmax ignores a constant
         // added to every score of a row); AdamW turns its rounding noise into +-lr steps
@@ -169,4 +175,62 @@ fn bf16_params_with_f32_reduction() {
         BF16,
     );
     check("tiny-gpt2", 2, 2, "mixed_precision: {param: bf16, reduce: f32}\n", BF16);
+}
+
+fn check_mesh(m: &ModelConfig, mesh: (u64, u64, u64), extra: &str, (tl, tw): (f64, f64)) {
+    let (l, w) = compare_mesh(m, mesh, extra, 20);
+    let (r, s, t) = mesh;
+    eprintln!(
+        "{} {r}x{s}x{t} {:?}: loss {l:.2e} weights {w:.2e}",
+        m.name(),
+        extra.trim()
+    );
+    assert!(
+        l < tl && w < tw,
+        "{} {r}x{s}x{t} {extra}: loss {l:e}, weights {w:e} (tolerances {tl:e}, {tw:e})",
+        m.name()
+    );
+}
+
+/// tiny-llama with 4 key/value heads (its own 2 do not split over 4 tensor ranks).
+fn llama_kv4() -> ModelConfig {
+    let ModelConfig::Llama(c) = preset("tiny-llama").unwrap() else {
+        unreachable!()
+    };
+    ModelConfig::Llama(LlamaConfig { n_kv_heads: 4, ..c })
+}
+
+const TENSOR_MESHES: [(u64, u64, u64); 5] = [(1, 2, 2), (2, 1, 2), (1, 1, 4), (1, 4, 1), (2, 2, 2)];
+
+#[test]
+fn tensor_parallel_on_every_mesh() {
+    let gpt2 = preset("tiny-gpt2").unwrap();
+    for mesh in TENSOR_MESHES {
+        let llama = if mesh.2 == 4 {
+            llama_kv4()
+        } else {
+            preset("tiny-llama").unwrap()
+        };
+        check_mesh(&llama, mesh, "", F32);
+        check_mesh(&gpt2, mesh, "", F32);
+    }
+}
+
+#[test]
+fn tensor_parallel_under_every_option() {
+    let llama = preset("tiny-llama").unwrap();
+    let gpt2 = preset("tiny-gpt2").unwrap();
+    for extra in [
+        "tensor_parallel: {sequence_parallel: false}\n",
+        "tensor_parallel: {loss_parallel: false}\n",
+        "tensor_parallel: {sequence_parallel: false, loss_parallel: false}\n",
+        "activation_checkpointing: full\n",
+        "activation_checkpointing: selective\n",
+        "batch: {per_rank: PER, seq_len: 16, grad_accum: 2}\n",
+    ] {
+        check_mesh(&llama, (1, 2, 2), extra, F32);
+        check_mesh(&gpt2, (2, 1, 2), extra, F32);
+    }
+    check_mesh(&llama, (1, 2, 2), "mixed_precision: {param: bf16, reduce: f32}\n", BF16);
+    check_mesh(&gpt2, (1, 1, 2), "mixed_precision: {param: bf16, reduce: f32}\n", BF16);
 }

@@ -41,6 +41,17 @@ pub struct Param {
     pub tensor: Option<TensorSplit>,
 }
 
+impl Param {
+    /// Elements of the whole parameter (every tensor rank's slice together).
+    pub fn whole_numel(&self) -> u64 {
+        let local = self.ty.numel().unwrap_or(0);
+        match &self.tensor {
+            Some(s) => local.saturating_mul(s.degree),
+            None => local,
+        }
+    }
+}
+
 /// Where a tensor-parallel parameter's slice sits in the whole parameter: `dim` is cut
 /// into `parts` equal blocks (3 for GPT-2's fused q/k/v projection, else 1), and each
 /// block into `degree` equal chunks, of which tensor rank `r` holds chunk `r` of every
@@ -58,6 +69,23 @@ impl TensorSplit {
         let mut d = local.to_vec();
         d[self.dim] *= self.degree;
         d
+    }
+
+    /// The row-major index in the whole parameter of element `i` of tensor rank `rank`'s
+    /// slice, whose dims are `local`.
+    pub fn whole_index(&self, local: &[u64], rank: u64, i: u64) -> u64 {
+        let whole = self.whole_dims(local);
+        // Split `i` into the local coordinates, move the split dim's, recompose.
+        let mut rest = i;
+        let mut coords = vec![0u64; local.len()];
+        for d in (0..local.len()).rev() {
+            coords[d] = rest % local[d].max(1);
+            rest /= local[d].max(1);
+        }
+        let chunk = local[self.dim] / self.parts.max(1);
+        let (part, within) = (coords[self.dim] / chunk.max(1), coords[self.dim] % chunk.max(1));
+        coords[self.dim] = part * (whole[self.dim] / self.parts.max(1)) + rank * chunk + within;
+        coords.iter().zip(&whole).fold(0u64, |acc, (&c, &n)| acc * n + c)
     }
 
     /// The ranges of `dim` of the whole parameter that tensor rank `rank` holds, in order:

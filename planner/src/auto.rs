@@ -42,6 +42,8 @@ pub struct Fixed {
     pub prefetch: bool,
     pub checkpointing: bool,
     pub offload: bool,
+    /// The tensor-parallel degree (`mesh.tensor`); only [`search_model`] searches it.
+    pub tensor: bool,
 }
 
 impl Fixed {
@@ -56,6 +58,7 @@ impl Fixed {
             prefetch: origin.has("prefetch"),
             checkpointing: origin.has("activation_checkpointing"),
             offload: origin.has("offload"),
+            tensor: origin.has("mesh.tensor"),
         }
     }
 }
@@ -74,6 +77,24 @@ pub struct Knobs {
     /// `none`, `full` or `every N`.
     pub activation_checkpointing: String,
     pub offload: bool,
+    /// Ranks of a tensor-parallel group.
+    #[serde(default = "one")]
+    pub tensor: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+impl Knobs {
+    /// The mesh as `replicate x shard`, with `x tensor` when there is a tensor axis.
+    pub fn mesh(&self) -> String {
+        if self.tensor > 1 {
+            format!("{}x{}x{}", self.replicate, self.shard, self.tensor)
+        } else {
+            format!("{}x{}", self.replicate, self.shard)
+        }
+    }
 }
 
 /// One evaluated candidate.
@@ -225,6 +246,7 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
                                 prefetch_backward: pb,
                                 activation_checkpointing: ac_name(ac),
                                 offload: offload == Offload::Cpu,
+                                tensor: mesh.tensor,
                             };
                             out.push((knobs, c));
                         }
@@ -525,6 +547,109 @@ pub fn search(
     }
 }
 
+/// The tensor-parallel degrees `--auto` tries for `base`: 1, 2, 4 and 8 where they divide
+/// the node (a tensor group stays on NVLink) and the world; the spec's own when it fixes
+/// `mesh.tensor`.
+pub fn tensor_degrees(base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
+    if fixed.tensor {
+        return vec![base.mesh.tensor];
+    }
+    let world = base.mesh.world();
+    let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
+    [1u64, 2, 4, 8]
+        .into_iter()
+        .filter(|&t| base.gpus_per_node.is_multiple_of(t) && world.is_multiple_of(t * replicate))
+        .collect()
+}
+
+/// [`search`] with the tensor-parallel degree searched too ([`tensor_degrees`]): the model
+/// traced as one tensor rank's program at each degree the model divides, each searched
+/// over the same knobs with the data-parallel ranks left and the same tokens per step
+/// (`batch.per_rank` counts a data-parallel rank's sequences, which its tensor group
+/// shares, so it scales with the degree); the fastest fitting candidate of all wins (ties:
+/// less device memory, then the smaller degree). Nothing fitting, the least device total
+/// of all.
+pub fn search_model(
+    model: &shardplan_models::ModelConfig,
+    base: &ParallelConfig,
+    fixed: Fixed,
+    budget: u64,
+    prune: bool,
+) -> Result<Result<AutoResult, NoFit>, PlanError> {
+    let world = base.mesh.world();
+    let mut best: Option<AutoResult> = None;
+    let mut least: Option<NoFit> = None;
+    let (mut candidates, mut evaluated, mut pruned) = (Vec::new(), 0, 0);
+    let mut traced_any = false;
+    for t in tensor_degrees(base, fixed) {
+        let mut config = base.clone();
+        let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
+        config.mesh = MeshShape {
+            replicate,
+            shard: world / (replicate * t),
+            tensor: t,
+        };
+        // The step's batch stays the spec's: a tensor group shares its sequences, so each
+        // data-parallel rank takes `t / base t` times the spec's.
+        let per_rank = base.batch.per_rank * t;
+        if !per_rank.is_multiple_of(base.mesh.tensor) {
+            continue;
+        }
+        config.batch.per_rank = per_rank / base.mesh.tensor;
+        // A degree the model's heads, widths or vocabulary do not split is not a candidate.
+        let Ok(g) = shardplan_models::trace(model, config.trace_options()) else {
+            continue;
+        };
+        traced_any = true;
+        let joint =
+            shardplan_ir::differentiate_with(&g, config.diff_options()).map_err(|e| PlanError::Graph(e.to_string()))?;
+        match search(&joint, &config, fixed, budget, prune)? {
+            Ok(r) => {
+                evaluated += r.evaluated;
+                pruned += r.pruned;
+                candidates.extend(r.candidates.iter().cloned());
+                let key = |r: &AutoResult| (r.candidates[0].step_s, r.candidates[0].device);
+                let better = best.as_ref().is_none_or(|b| {
+                    let (a, b) = (key(&r), key(b));
+                    a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)) == std::cmp::Ordering::Less
+                });
+                if better {
+                    best = Some(r);
+                }
+            }
+            Err(no) => {
+                if least.as_ref().is_none_or(|l| no.best.device < l.best.device) {
+                    least = Some(no);
+                }
+            }
+        }
+    }
+    if !traced_any {
+        return Err(PlanError::Graph(
+            "the model splits over no tensor-parallel degree the node and world allow".into(),
+        ));
+    }
+    match best {
+        Some(mut r) => {
+            // Best first across degrees, as within one.
+            candidates.sort_by(|a, b| {
+                (!a.fits)
+                    .cmp(&!b.fits)
+                    .then(a.step_s.total_cmp(&b.step_s))
+                    .then(a.device.cmp(&b.device))
+                    .then(a.knobs.tensor.cmp(&b.knobs.tensor))
+            });
+            r.candidates = candidates;
+            r.evaluated = evaluated;
+            r.pruned = pruned;
+            Ok(Ok(r))
+        }
+        None => Ok(Err(
+            least.ok_or_else(|| PlanError::Bug("a search returned nothing".into()))?
+        )),
+    }
+}
+
 /// `p`'s memory with the caching allocator replayed over its program.
 fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
     simulate::device_memory(
@@ -547,7 +672,7 @@ pub fn knob_effects(candidates: &[Candidate]) -> Vec<String> {
     let k = &w.knobs;
     type Get = fn(&Knobs) -> String;
     let knobs: [(&str, Get); 6] = [
-        ("mesh", |k| format!("{}x{}", k.replicate, k.shard)),
+        ("mesh", |k| k.mesh()),
         ("blocks per group", |k| k.blocks_per_group.to_string()),
         ("reshard_after_forward", |k| k.reshard_after_forward.clone()),
         ("prefetch", |k| {

@@ -377,23 +377,35 @@ impl<'a> OpModel<'a> {
     }
 }
 
-/// True when every instance of `comm` (one per rank) lies within one node.
+/// True when every instance of `comm` (one per rank) lies within one node. Members of a
+/// shard group are `tensor` ranks apart, of a replicate group `shard x tensor`.
 pub fn intra_node(mesh: &Mesh, comm: Comm) -> bool {
     let g = mesh.gpus_per_node();
+    let t = mesh.tensor().max(1);
     let node = |r: u64| r / g;
     match comm {
         Comm::Shard | Comm::Reshard(_) => {
             let size = match comm {
                 Comm::Reshard(n) => n,
                 _ => mesh.shard(),
-            };
-            // Groups start at multiples of `size`; their placement repeats every `g` groups.
-            let groups = mesh.world() / size.max(1);
-            (0..groups.min(g)).all(|i| node(i * size) == node(i * size + size - 1))
+            }
+            .max(1);
+            // Groups start at `k * size * t + i` (i < t); their placement repeats every `g`
+            // groups.
+            let groups = mesh.world() / (size * t);
+            (0..groups.min(g)).all(|k| {
+                (0..t).all(|i| {
+                    let first = k * size * t + i;
+                    node(first) == node(first + (size - 1) * t)
+                })
+            })
         }
+        // The spec keeps a tensor group inside a node.
+        Comm::Tensor => true,
         Comm::Replicate => {
-            let last = (mesh.replicate() - 1) * mesh.shard();
-            (0..mesh.shard().min(g)).all(|s| node(s) == node(s + last))
+            let stride = mesh.shard() * t;
+            let last = (mesh.replicate() - 1) * stride;
+            (0..stride.min(g)).all(|s| node(s) == node(s + last))
         }
     }
 }
@@ -420,10 +432,12 @@ pub fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
                 Comm::Reshard(n) => n,
                 _ => mesh.shard(),
             };
-            size.clamp(1, g)
+            // Members are `tensor` ranks apart.
+            (g / mesh.tensor().max(1)).clamp(1, size.max(1))
         }
-        // Replicas are `shard` ranks apart.
-        Comm::Replicate => (g / mesh.shard().max(1)).clamp(1, mesh.replicate().max(1)),
+        Comm::Tensor => mesh.tensor().clamp(1, g),
+        // Replicas are `shard x tensor` ranks apart.
+        Comm::Replicate => (g / (mesh.shard() * mesh.tensor()).max(1)).clamp(1, mesh.replicate().max(1)),
     }
 }
 

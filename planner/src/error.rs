@@ -2,20 +2,30 @@
 
 use thiserror::Error;
 
+/// ` x tensor T` when the mesh has a tensor axis.
+fn tensor_axis(t: u64) -> String {
+    if t == 1 {
+        String::new()
+    } else {
+        format!(" x tensor {t}")
+    }
+}
+
 /// A parallel configuration the planner cannot plan for this model.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum PlanError {
-    /// `replicate x shard` is not the world size.
-    #[error("mesh replicate {replicate} x shard {shard} = {product} ranks, but the world has {world}")]
+    /// `replicate x shard (x tensor)` is not the world size.
+    #[error("mesh replicate {replicate} x shard {shard}{} = {product} ranks, but the world has {world}", tensor_axis(*tensor))]
     MeshWorld {
         replicate: u64,
         shard: u64,
+        tensor: u64,
         product: u64,
         world: u64,
     },
     /// An axis of size 0.
-    #[error("mesh axes must be at least 1 (replicate {replicate}, shard {shard})")]
-    EmptyAxis { replicate: u64, shard: u64 },
+    #[error("mesh axes must be at least 1 (replicate {replicate}, shard {shard}{})", tensor_axis(*tensor).replace(" x", ","))]
+    EmptyAxis { replicate: u64, shard: u64, tensor: u64 },
     /// A wrap policy kind that matches no module of the model.
     #[error("wrap policy `{kind}` matches no module of this model (its module kinds: {present})")]
     WrapMatchesNothing { kind: String, present: String },
@@ -53,7 +63,7 @@ impl PlanError {
     pub fn help(&self) -> String {
         match self {
             PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => {
-                "make replicate x shard equal the number of ranks".into()
+                "make replicate x shard x tensor equal the number of ranks".into()
             }
             PlanError::WrapMatchesNothing { present, .. } => format!("wrap one of: {present}"),
             PlanError::NoSuchModule { .. } => "use a dotted module path as `shardplan inspect` prints it".into(),

@@ -343,7 +343,7 @@ fn passes(
         version: PLAN_VERSION,
         source: None,
         model: g.name().to_string(),
-        params: g.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum(),
+        params: g.params().map(|(_, p)| p.whole_numel()).sum(),
         mesh,
         hardware: config.hardware.clone(),
         policy,

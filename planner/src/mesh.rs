@@ -53,7 +53,11 @@ impl Mesh {
         gpus_per_node: u64,
     ) -> Result<Self, PlanError> {
         if replicate == 0 || shard == 0 || tensor == 0 {
-            return Err(PlanError::EmptyAxis { replicate, shard });
+            return Err(PlanError::EmptyAxis {
+                replicate,
+                shard,
+                tensor,
+            });
         }
         match replicate.checked_mul(shard).and_then(|p| p.checked_mul(tensor)) {
             Some(p) if p == world => Ok(Mesh {
@@ -65,6 +69,7 @@ impl Mesh {
             p => Err(PlanError::MeshWorld {
                 replicate,
                 shard,
+                tensor,
                 product: p.unwrap_or(u64::MAX),
                 world,
             }),

@@ -81,6 +81,10 @@ pub enum Comm {
     Replicate,
     /// The `n` consecutive ranks of its shard group that hold a post-forward shard.
     Reshard(u64),
+    /// The rank's tensor-parallel group (same replicate and shard index): the gradient
+    /// norm's sum over the parameters split across it. (Activation collectives run inside
+    /// compute steps, as graph ops.)
+    Tensor,
 }
 
 impl Comm {
@@ -90,6 +94,7 @@ impl Comm {
             Comm::Shard => mesh.shard(),
             Comm::Replicate => mesh.replicate(),
             Comm::Reshard(n) => n,
+            Comm::Tensor => mesh.tensor(),
         }
     }
 
@@ -99,6 +104,7 @@ impl Comm {
             Comm::Shard => mesh.shard_group(rank),
             Comm::Replicate => mesh.replicate_group(rank),
             Comm::Reshard(n) => mesh.reshard_group(rank, n),
+            Comm::Tensor => mesh.tensor_group(rank),
         }
     }
 }
@@ -109,6 +115,7 @@ impl fmt::Display for Comm {
             Comm::Shard => write!(f, "shard"),
             Comm::Replicate => write!(f, "replicate"),
             Comm::Reshard(n) => write!(f, "reshard{n}"),
+            Comm::Tensor => write!(f, "tensor"),
         }
     }
 }

@@ -899,6 +899,20 @@ pub fn schedule_gated(
                 buf: id,
             },
         );
+        if b.mesh.tensor() > 1 {
+            // Each rank's partial sum counts the parameters split over its tensor group
+            // whole and the ones every tensor rank holds once per rank (divided by the
+            // group's size), so summed over the group each counts once.
+            b.emit(
+                Stream::AllReduce,
+                Instr::AllReduce {
+                    group: None,
+                    comm: Comm::Tensor,
+                    op: ReduceOp::Sum,
+                    buf: id,
+                },
+            );
+        }
         let reduced = b.record(Stream::AllReduce);
         b.emit(opt, Instr::Wait { event: reduced });
         id

@@ -58,17 +58,22 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
     };
     // The mesh and the layouts agree (a Plan read from a file may say anything).
     let m = &plan.mesh;
-    let world = match m.replicate().checked_mul(m.shard()) {
-        Some(w) if m.replicate() > 0 && m.shard() > 0 && m.gpus_per_node() > 0 => w,
+    let world = match m
+        .replicate()
+        .checked_mul(m.shard())
+        .and_then(|w| w.checked_mul(m.tensor()))
+    {
+        Some(w) if m.replicate() > 0 && m.shard() > 0 && m.tensor() > 0 && m.gpus_per_node() > 0 => w,
         _ => {
             return Err(err(
                 "mesh",
                 0,
                 None,
                 format!(
-                    "mesh replicate {} x shard {} on nodes of {} is not a valid mesh",
+                    "mesh replicate {} x shard {} x tensor {} on nodes of {} is not a valid mesh",
                     m.replicate(),
                     m.shard(),
+                    m.tensor(),
                     m.gpus_per_node()
                 ),
             ))

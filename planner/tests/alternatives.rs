@@ -216,6 +216,14 @@ fn fixed_knobs_are_the_fields_the_spec_writes() {
             prefetch: true,
             checkpointing: true,
             offload: true,
+            tensor: false,
+        }
+    );
+    assert_eq!(
+        fixed("mesh: {shard: 4, tensor: 2}\n"),
+        Fixed {
+            tensor: true,
+            ..Fixed::default()
         }
     );
 }

@@ -152,7 +152,14 @@ fn mesh_coordinates_groups_and_nodes() {
     for rank in 0..16 {
         assert_eq!(m.rank(m.coords(rank)), rank);
     }
-    assert_eq!(m.coords(11), Coords { replicate: 1, shard: 3 });
+    assert_eq!(
+        m.coords(11),
+        Coords {
+            replicate: 1,
+            shard: 3,
+            tensor: 0
+        }
+    );
     assert_eq!(m.shard_group(11), (8..16).collect::<Vec<_>>());
     assert_eq!(m.replicate_group(11), [3, 11]);
     assert_eq!(m.reshard_group(11, 4), [8, 9, 10, 11]);
@@ -160,6 +167,40 @@ fn mesh_coordinates_groups_and_nodes() {
     assert!(!m.intra_node(&m.replicate_group(3)), "replicas span nodes");
     let flat = Mesh::new(1, 16, 16, 8).unwrap();
     assert!(!flat.intra_node(&flat.shard_group(0)));
+}
+
+#[test]
+fn a_tensor_axis_is_innermost() {
+    assert_eq!(
+        Mesh::with_tensor(2, 4, 2, 12, 8).unwrap_err().to_string(),
+        "mesh replicate 2 x shard 4 x tensor 2 = 16 ranks, but the world has 12"
+    );
+    assert!(matches!(
+        Mesh::with_tensor(1, 4, 0, 0, 8),
+        Err(PlanError::EmptyAxis { tensor: 0, .. })
+    ));
+    // 2 x 4 x 2 on nodes of 8: rank = (r * 4 + s) * 2 + t.
+    let m = Mesh::with_tensor(2, 4, 2, 16, 8).unwrap();
+    assert_eq!(m.world(), 16);
+    assert_eq!(m.data_parallel(), 8);
+    for rank in 0..16 {
+        assert_eq!(m.rank(m.coords(rank)), rank);
+    }
+    assert_eq!(
+        m.coords(11),
+        Coords {
+            replicate: 1,
+            shard: 1,
+            tensor: 1
+        }
+    );
+    assert_eq!(m.tensor_group(11), [10, 11]);
+    assert_eq!(m.shard_group(11), [9, 11, 13, 15]);
+    assert_eq!(m.replicate_group(11), [3, 11]);
+    assert_eq!(m.reshard_group(11, 2), [9, 11]);
+    assert!(m.intra_node(&m.tensor_group(3)), "tensor groups stay in a node");
+    assert!(m.intra_node(&m.shard_group(3)));
+    assert!(!m.intra_node(&m.replicate_group(3)));
 }
 
 #[test]

@@ -283,6 +283,14 @@ pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
             }
         }
     }
+    if mesh.tensor() > 1 {
+        let mut handles = local_groups(world, "tensor (compute stream)", |r| mesh.tensor_group(r), &abort);
+        for (rank, comm) in comms.iter_mut().enumerate() {
+            if let Some(h) = handles.remove(&(rank as u64)) {
+                comm.tensor = Some(Box::new(h));
+            }
+        }
+    }
     super::Placement {
         ranks: (0..world).zip(comms).collect(),
         processes: None,

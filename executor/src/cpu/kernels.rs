@@ -52,6 +52,15 @@ impl Ctx {
         }
     }
 
+    /// This context on `device`, its tensor group kept.
+    pub fn to_device(self, device: Device) -> Self {
+        Ctx {
+            device,
+            rope: RefCell::new(HashMap::new()),
+            tensor: self.tensor,
+        }
+    }
+
     /// The tensor group a tensor-parallel op runs over.
     fn tensor(&self, op: &Op) -> Result<&TensorGroup> {
         self.tensor.as_ref().ok_or_else(|| {

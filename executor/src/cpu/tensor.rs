@@ -9,6 +9,7 @@
 use crate::comm::{Collectives, Reduce};
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor, D};
+use shardplan_ir::TensorSplit;
 use std::cell::Cell;
 use std::sync::Arc;
 
@@ -181,6 +182,29 @@ impl TensorGroup {
         let scale = g.to_dtype(x.dtype())?.affine(1.0 / n as f64, 0.0)?;
         Ok((p - onehot)?.broadcast_mul(&scale)?.to_dtype(logits.dtype())?)
     }
+}
+
+/// Tensor rank `rank`'s slice of a whole parameter (`split` as the graph records it).
+pub fn slice_of_whole(whole: &Tensor, split: &TensorSplit, rank: u64) -> Result<Tensor> {
+    let parts = split
+        .ranges(whole.dim(split.dim)? as u64, rank)
+        .into_iter()
+        .map(|(start, len)| whole.narrow(split.dim, start as usize, len as usize))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(Tensor::cat(&parts, split.dim)?)
+}
+
+/// The whole parameter from every tensor rank's slice, in rank order.
+pub fn whole_from_slices(slices: &[Tensor], split: &TensorSplit) -> Result<Tensor> {
+    let parts = split.parts.max(1) as usize;
+    let mut blocks = Vec::with_capacity(parts * slices.len());
+    for p in 0..parts {
+        for s in slices {
+            let len = s.dim(split.dim)? / parts;
+            blocks.push(s.narrow(split.dim, p * len, len)?);
+        }
+    }
+    Ok(Tensor::cat(&blocks, split.dim)?)
 }
 
 /// f64 stays f64; everything else is reduced in f32.

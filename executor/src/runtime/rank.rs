@@ -59,6 +59,10 @@ pub enum Fault {
 #[derive(Default)]
 pub struct Comms {
     by: HashMap<(Comm, Stream), Box<dyn Collectives>>,
+    /// The tensor group the compute stream's tensor-parallel ops run over (a
+    /// communicator of its own, apart from the plan's instructions'); `None` without
+    /// tensor parallelism.
+    pub tensor: Option<Box<dyn Collectives>>,
 }
 
 impl Comms {
@@ -804,18 +808,21 @@ impl StepCtx<'_> {
         let mut device: Option<Tensor> = None;
         for g in grads {
             let t = self.get(*g)?;
-            if t.device().is_cpu() {
-                host += if fused::applies(&[&t]) {
-                    fused::sum_squares(&t)?
+            for (part, weight) in self.norm_parts(*g, &t)? {
+                if part.device().is_cpu() {
+                    let sq = if fused::applies(&[&part]) {
+                        fused::sum_squares(&part)?
+                    } else {
+                        part.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
+                    };
+                    host += sq * weight;
                 } else {
-                    t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?
-                };
-            } else {
-                let part = t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.reshape(1)?;
-                device = Some(match device {
-                    Some(acc) => (acc + part)?,
-                    None => part,
-                });
+                    let sq = (part.sqr()?.sum_all()?.to_dtype(CDType::F64)?.reshape(1)? * weight)?;
+                    device = Some(match device {
+                        Some(acc) => (acc + sq)?,
+                        None => sq,
+                    });
+                }
             }
         }
         Ok(match device {
@@ -823,6 +830,32 @@ impl StepCtx<'_> {
             Some(d) => ((d + host)?.affine(scale, 0.0)?).affine(scale, 0.0)?,
             None => Tensor::new(&[host * scale * scale], &candle_core::Device::Cpu)?.to_device(&self.device)?,
         })
+    }
+
+    /// The pieces of gradient shard `buf` and the weight of each one's sum of squares in
+    /// this rank's share of the norm: the whole buffer at 1 without tensor parallelism;
+    /// with it, each parameter's rows, a parameter every tensor rank holds whole at
+    /// `1 / tensor` (the plan sums the shares over the tensor group).
+    fn norm_parts(&self, buf: BufId, t: &Tensor) -> Result<Vec<(Tensor, f64)>, ExecError> {
+        let plan = &self.shared.plan;
+        let degree = plan.mesh.tensor();
+        let group = plan.buffer(buf).group;
+        let (true, Some(group)) = (degree > 1, group) else {
+            return Ok(vec![(t.clone(), 1.0)]);
+        };
+        let g = &self.shared.joint.graph;
+        let layout = &plan.groups[group.index()].layout;
+        let mut parts = Vec::with_capacity(layout.params.len());
+        for pl in &layout.params {
+            let len = (pl.chunk_rows * pl.row_elems) as usize;
+            let weight = if g.param(pl.param).tensor.is_some() {
+                1.0
+            } else {
+                1.0 / degree as f64
+            };
+            parts.push((t.narrow(0, pl.shard_offset as usize, len)?, weight));
+        }
+        Ok(parts)
     }
 
     /// The gradient factor from the reduced sum of squares `sq`: `accum` times the clipping

@@ -123,12 +123,14 @@ impl Validation {
     }
 
     /// Runs the forward program on `ranks` (this process's) over the validation batches;
-    /// returns each local rank's (rank, loss per batch).
+    /// returns each local rank's (rank, loss per batch). Each rank takes the rows of its
+    /// data-parallel index (`rank / tensor`) of `data_world`.
     pub(crate) fn run(
         &mut self,
         ranks: &mut [RankState],
         abort: &crate::comm::Abort,
-        world: usize,
+        data_world: usize,
+        tensor: usize,
         device: &Device,
     ) -> Result<Vec<(u64, Vec<f32>)>, ExecError> {
         let mut batches: Vec<Vec<HashMap<String, Tensor>>> = Vec::with_capacity(ranks.len());
@@ -138,7 +140,7 @@ impl Validation {
             let mut mine = Vec::with_capacity(self.batches as usize);
             for _ in 0..self.batches {
                 let b = d.next_batch(device)?;
-                mine.push(rank_rows(b.inputs, rank, world)?);
+                mine.push(rank_rows(b.inputs, rank / tensor, data_world)?);
             }
             batches.push(mine);
         }

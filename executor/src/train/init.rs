@@ -97,3 +97,26 @@ mod tests {
         assert_ne!(normal(7, 3, 5), normal(7, 4, 5));
     }
 }
+
+/// Elements `range` (row-major, of this rank's slice) of parameter `p` on tensor rank
+/// `tensor_rank`: the whole parameter's elements at the same places, so a tensor-parallel
+/// model starts as the whole one does.
+pub fn init_slice_elements(
+    graph: &Graph,
+    p: ParamId,
+    seed: u64,
+    range: std::ops::Range<u64>,
+    tensor_rank: u64,
+) -> Vec<f32> {
+    let param = graph.param(p);
+    let Some(split) = param.tensor else {
+        return init_elements(graph, p, seed, range);
+    };
+    let local = param.ty.shape.dims();
+    match rule(graph, p) {
+        InitRule::Constant(c) => vec![c; (range.end - range.start) as usize],
+        InitRule::Normal { std } => range
+            .map(|i| (std * normal(seed, u64::from(p.0), split.whole_index(local, tensor_rank, i))) as f32)
+            .collect(),
+    }
+}

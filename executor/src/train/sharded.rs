@@ -9,11 +9,12 @@
 
 use crate::comm::{Abort, Collectives, Placement};
 use crate::cpu::kernels::Ctx;
+use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 pub use crate::runtime::rank::Fault;
 use crate::runtime::rank::{run_step, RankState, Shared};
 use crate::train::data::DataSource;
 use crate::train::eval::{step_starts, Validation};
-use crate::train::init::init_elements;
+use crate::train::init::init_slice_elements;
 use crate::train::optim::{base_lr, lr_at, OptState};
 use crate::train::trainer::data_source;
 use crate::ExecError;
@@ -22,7 +23,7 @@ use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate_with, JointGraph};
 use shardplan_models::{trace, ModelConfig};
-use shardplan_planner::{chunk_rows, plan, ByCategory, Category, ExecOrder, Plan, Pool};
+use shardplan_planner::{chunk_rows, plan, ByCategory, Category, Coords, ExecOrder, Plan, Pool};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -187,11 +188,24 @@ impl ShardedTrainer {
         let (per_rank, seq) = (first[0] as usize, first[1] as usize);
         let mut ranks = Vec::with_capacity(placed.len());
         let mut data = Vec::with_capacity(placed.len());
-        for (rank, comms) in placed {
+        // A tensor group shares its sequences: the batch is split over the data-parallel
+        // ranks only.
+        let data_world = mesh.data_parallel();
+        for (rank, mut comms) in placed {
             if rank >= world {
                 return Err(ExecError::Internal(format!("rank {rank} placed on a world of {world}")));
             }
             let coords = mesh.coords(rank);
+            let ctx = match comms.tensor.take() {
+                Some(t) => Ctx::with_tensor_group(Device::Cpu, TensorGroup::new(std::sync::Arc::from(t))),
+                None if mesh.tensor() > 1 => {
+                    return Err(ExecError::Unsupported(format!(
+                        "the {backend} backend does not run tensor parallelism (mesh.tensor {}); run it with the threads of one process (`--backend local`)",
+                        mesh.tensor()
+                    )))
+                }
+                None => Ctx::new(Device::Cpu),
+            };
             let mut params = Vec::with_capacity(plan.groups.len());
             let mut opt = Vec::with_capacity(plan.groups.len());
             for grp in &plan.groups {
@@ -200,7 +214,7 @@ impl ShardedTrainer {
                 for pl in &l.params {
                     let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
                     let range = rows.start * pl.row_elems..rows.end * pl.row_elems;
-                    let vals = init_elements(g, pl.param, config.seed, range);
+                    let vals = init_slice_elements(g, pl.param, config.seed, range, coords.tensor);
                     let at = pl.shard_offset as usize;
                     flat[at..at + vals.len()].copy_from_slice(&vals);
                 }
@@ -215,9 +229,9 @@ impl ShardedTrainer {
                 comms,
                 params,
                 opt,
-                ctx: Ctx::new(Device::Cpu),
+                ctx,
             });
-            data.push(data_source(model, config, per_rank * world as usize, seq)?);
+            data.push(data_source(model, config, per_rank * data_world as usize, seq)?);
         }
         let validation = Validation::new(
             model,
@@ -225,7 +239,7 @@ impl ShardedTrainer {
             &joint,
             &plan,
             ranks.len(),
-            per_rank * world as usize,
+            per_rank * data_world as usize,
             seq,
         )?;
         let compute_waits = plan.programs[0]
@@ -290,7 +304,7 @@ impl ShardedTrainer {
                     *t = t.to_device(&at)?;
                 }
             }
-            r.ctx = Ctx::new(device.clone());
+            r.ctx = std::mem::replace(&mut r.ctx, Ctx::new(device.clone())).to_device(device.clone());
         }
         self.device = device.clone();
         Ok(())
@@ -340,7 +354,8 @@ impl ShardedTrainer {
         }
         let start = Instant::now();
         let accum = self.config.batch.grad_accum as usize;
-        let world = self.shared.plan.mesh.world() as usize;
+        let mesh = self.shared.plan.mesh;
+        let data_world = mesh.data_parallel() as usize;
         let lr = lr_at(
             self.step,
             self.total_steps,
@@ -358,7 +373,8 @@ impl ShardedTrainer {
                 if k == 0 {
                     tokens += b.tokens;
                 }
-                mine.push(rank_rows(b.inputs, rank, world)?);
+                // The rows of this rank's data-parallel index (its tensor group's).
+                mine.push(rank_rows(b.inputs, rank / mesh.tensor() as usize, data_world)?);
             }
             batches.push(mine);
         }
@@ -478,7 +494,14 @@ impl ShardedTrainer {
                 "no validation data: add `val: path/to/val.bin` to the parallel spec's `data`".into(),
             ));
         };
-        let local = v.run(&mut self.ranks, &self.abort, world, &self.device)?;
+        let mesh = self.shared.plan.mesh;
+        let local = v.run(
+            &mut self.ranks,
+            &self.abort,
+            mesh.data_parallel() as usize,
+            mesh.tensor() as usize,
+            &self.device,
+        )?;
         let batches = local.first().map_or(0, |l| l.1.len());
         let all = match self.processes.as_ref() {
             None => local,
@@ -592,28 +615,43 @@ impl ShardedTrainer {
     }
 
     /// The full f32 parameters, assembled from the shards of replica 0 (for checks and
-    /// export; no rank holds them).
+    /// export; no rank holds them): each tensor rank's slice from its shard group's
+    /// shards, then, for a parameter split over the tensor group, the whole from the slices.
     pub fn full_params(&self) -> Result<Vec<Tensor>, ExecError> {
         let plan = &self.shared.plan;
+        let mesh = plan.mesh;
         let g = &self.shared.joint.graph;
         let mut out: Vec<Option<Tensor>> = vec![None; g.params().len()];
         for (gi, grp) in plan.groups.iter().enumerate() {
             let l = &grp.layout;
-            for (i, pl) in l.params.iter().enumerate() {
-                let mut pieces = Vec::new();
-                for s in 0..l.shard {
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, s);
-                    let n = ((rows.end - rows.start) * pl.row_elems) as usize;
-                    if n > 0 {
-                        let state = self.ranks.iter().find(|r| r.rank == s).ok_or_else(|| {
-                            ExecError::Unsupported(format!("full_params needs rank {s}, which runs in another process"))
-                        })?;
-                        pieces.push(state.params[gi].narrow(0, pl.shard_offset as usize, n)?);
-                    }
-                }
+            for pl in &l.params {
                 let dims: Vec<usize> = pl.dims.iter().map(|&d| d as usize).collect();
-                let _ = i;
-                out[pl.param.index()] = Some(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
+                let mut slices = Vec::with_capacity(mesh.tensor() as usize);
+                for t in 0..mesh.tensor() {
+                    let mut pieces = Vec::new();
+                    for s in 0..l.shard {
+                        let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, s);
+                        let n = ((rows.end - rows.start) * pl.row_elems) as usize;
+                        if n > 0 {
+                            let rank = mesh.rank(Coords {
+                                replicate: 0,
+                                shard: s,
+                                tensor: t,
+                            });
+                            let state = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| {
+                                ExecError::Unsupported(format!(
+                                    "full_params needs rank {rank}, which runs in another process"
+                                ))
+                            })?;
+                            pieces.push(state.params[gi].narrow(0, pl.shard_offset as usize, n)?);
+                        }
+                    }
+                    slices.push(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
+                }
+                out[pl.param.index()] = Some(match &g.param(pl.param).tensor {
+                    Some(split) => whole_from_slices(&slices, split)?,
+                    None => slices.swap_remove(0),
+                });
             }
         }
         out.into_iter()
