@@ -338,6 +338,15 @@ fn train(
             )))
         }
     };
+    if args.checkpoint_dir.is_some()
+        && trainer.plan().mesh.tensor() > 1
+        && trainer.local_ranks().len() as u64 != trainer.plan().mesh.world()
+    {
+        return Err(CliError::Usage(format!(
+            "--checkpoint-dir: a tensor-parallel run (mesh.tensor {}) saves its checkpoints from one process holding every rank; run it as threads (`--backend local`), or leave out --checkpoint-dir",
+            trainer.plan().mesh.tensor()
+        )));
+    }
     trainer.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
     for f in &args.inject_fault {
         let (rank, instr, fault) = parse_fault(f)?;

@@ -527,3 +527,76 @@ fn parity_mp(name: &str, mp: &str) {
     // The MPI backend reduces 16-bit data in rank order like Local: the same bits.
     assert_eq!(losses(&tl), losses(&ml), "{name}");
 }
+
+/// A tensor-parallel run (replicate x shard x tensor, tiny-llama, global batch 8 x 16) as
+/// threads and as one MPI process per rank: the same losses, step for step.
+fn tensor_parity(name: &str, (replicate, shard, tensor): (u64, u64, u64), extra: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let world = replicate * shard * tensor;
+    let s = d.join(format!("{name}.yaml"));
+    std::fs::write(
+        &s,
+        format!(
+            "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n\
+             mixed_precision: {{param: f32, reduce: f32}}\n\
+             optimizer: {{adamw: {{lr: 3.0e-3, betas: [0.9, 0.95], weight_decay: 0.1}}}}\ngrad_clip: 1.0\nseed: 0\n\
+             batch: {{per_rank: {}, seq_len: 16}}\n{extra}\n",
+            8 / (replicate * shard)
+        ),
+    )
+    .unwrap();
+    let args = |log: &Path| -> Vec<String> {
+        [
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            s.to_str().unwrap(),
+            "--steps",
+            "10",
+            "--log",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .chain([
+            log.to_str().unwrap().to_string(),
+            "--collective-timeout".into(),
+            "60".into(),
+        ])
+        .collect()
+    };
+    let (tl, ml) = (d.join("threads.jsonl"), d.join("mpi.jsonl"));
+    let o = run({
+        let mut c = Command::new(bin());
+        c.args(args(&tl));
+        c
+    });
+    assert!(o.status.success(), "{name} threads: {}", stderr(&o));
+    let o = run({
+        let mut c = mpirun(world);
+        c.args(args(&ml));
+        c
+    });
+    assert!(o.status.success(), "{name} mpi: {}", stderr(&o));
+    close(&losses(&tl), &losses(&ml), 1e-5, name);
+    // A checkpoint needs every rank in one process: refused before any step.
+    let o = run({
+        let mut c = mpirun(world);
+        c.args(args(&d.join("refused.jsonl")))
+            .args(["--checkpoint-dir", d.join("ckpt").to_str().unwrap()]);
+        c
+    });
+    assert_eq!(o.status.code(), Some(2), "{name}: {}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--checkpoint-dir: a tensor-parallel run"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn mpi_matches_threads_tensor_parallel() {
+    tensor_parity("1x2x2", (1, 2, 2), "");
+    tensor_parity("2x1x2-no-sp", (2, 1, 2), "tensor_parallel: {sequence_parallel: false}");
+}

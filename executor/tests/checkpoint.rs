@@ -740,3 +740,105 @@ fn bf16_and_f16_exports_import_as_their_rounded_weights() {
         assert_eq!(bits(&fresh.full_params().unwrap()), want, "{dtype:?}");
     }
 }
+
+/// A replicate x shard x tensor spec for `global` sequences a step (a tensor group shares
+/// its data-parallel rank's).
+fn config3((replicate, shard, tensor): (u64, u64, u64), global: u64) -> ParallelConfig {
+    let world = replicate * shard * tensor;
+    let yaml = format!(
+        "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n\
+         batch: {{per_rank: {}, seq_len: 16}}\noptimizer: {{adamw: {{lr: 3.0e-3}}}}\nlr_schedule: {{warmup_steps: 2}}\n",
+        global / (replicate * shard)
+    );
+    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .0
+}
+
+/// 10 steps on `from`, save, resume on each of `to`, 10 more; against 20 steps on `from`.
+fn resume_tensor(m: &shardplan_models::ModelConfig, from: (u64, u64, u64), to: &[(u64, u64, u64)]) {
+    let scratch = tempfile::tempdir().unwrap();
+    let global = 8;
+    let mut straight = ShardedTrainer::new(m, &config3(from, global), 20).unwrap();
+    let want: Vec<f32> = (0..20).map(|_| straight.step().unwrap().loss).collect();
+    let dir = temp(scratch.path(), "tp");
+    let mut first = ShardedTrainer::new(m, &config3(from, global), 20).unwrap();
+    for _ in 0..10 {
+        first.step().unwrap();
+    }
+    first.save(&dir).unwrap();
+    for &mesh in to {
+        let mut second = ShardedTrainer::new(m, &config3(mesh, global), 20).unwrap();
+        let warnings = second.load(&dir).unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+        for (k, w) in want.iter().enumerate().skip(10) {
+            let got = second.step().unwrap().loss;
+            let r = ((got - w).abs() / w.abs()) as f64;
+            assert!(
+                r < 1e-5,
+                "{} {from:?} -> {mesh:?}: step {} loss {got} vs {w}",
+                m.name(),
+                k + 1
+            );
+        }
+        for (a, b) in second
+            .full_params()
+            .unwrap()
+            .iter()
+            .zip(&straight.full_params().unwrap())
+        {
+            assert!(
+                rel(a, b) < 1e-4,
+                "{} {from:?} -> {mesh:?}: weights differ by {:e}",
+                m.name(),
+                rel(a, b)
+            );
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_checkpoints_resume_on_any_mesh() {
+    let llama = preset("tiny-llama").unwrap();
+    resume_tensor(&llama, (1, 2, 2), &[(1, 4, 1), (1, 1, 1), (2, 1, 2)]);
+    resume_tensor(&llama, (1, 4, 1), &[(1, 2, 2)]);
+    let gpt2 = preset("tiny-gpt2").unwrap();
+    resume_tensor(&gpt2, (2, 1, 2), &[(1, 1, 4), (1, 2, 1)]);
+}
+
+#[test]
+fn tensor_parallel_exports_and_imports_hf_weights() {
+    let scratch = tempfile::tempdir().unwrap();
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        let m = preset(model).unwrap();
+        let dir = temp(scratch.path(), &format!("tp-export-{model}"));
+        let mut t = ShardedTrainer::new(&m, &config3((1, 2, 2), 8), 5).unwrap();
+        for _ in 0..3 {
+            t.step().unwrap();
+        }
+        t.save(&dir).unwrap();
+        let out = dir.join("model.safetensors");
+        export(&dir, &out, ExportDType::F32).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let g = shardplan_models::trace(&m, shardplan_models::TraceOptions::default()).unwrap();
+        for (_, p) in g.params() {
+            let dims: Vec<usize> = p.ty.shape.dims().iter().map(|&d| d as usize).collect();
+            assert_eq!(
+                st.tensor(&p.name).unwrap().shape(),
+                dims.as_slice(),
+                "{model}: {}",
+                p.name
+            );
+        }
+        for mesh in [(1, 1, 2), (1, 2, 1), (2, 1, 2)] {
+            let mut fresh = ShardedTrainer::new(&m, &config3(mesh, 8), 5).unwrap();
+            fresh.init_from(&out).unwrap();
+            assert_eq!(
+                bits(&fresh.full_params().unwrap()),
+                bits(&t.full_params().unwrap()),
+                "{model} on {mesh:?}"
+            );
+        }
+    }
+}

@@ -214,6 +214,9 @@ impl ShardedTrainer {
         std::fs::create_dir_all(dir).map_err(|e| io(dir, "cannot create", e))?;
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
+        if mesh.tensor() > 1 {
+            return self.write_whole_rows(dir, hook);
+        }
         let names = self.param_names();
         let states = state_names(&self.config.optimizer);
         let writers: Vec<&crate::runtime::rank::RankState> = self
@@ -262,6 +265,54 @@ impl ShardedTrainer {
         Ok(out)
     }
 
+    /// With tensor parallelism: every parameter and optimizer state put back together
+    /// (all ranks run in this process), then written as the same mesh without a tensor axis
+    /// writes it (rank file `s` holds shard `s`'s rows of each whole tensor), so the
+    /// checkpoint loads on any mesh.
+    fn write_whole_rows(&self, dir: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<Vec<Written>, ExecError> {
+        if self.processes.is_some() {
+            return Err(ExecError::Unsupported(format!(
+                "{}: a tensor-parallel run's checkpoint is put together by one process holding every rank; run it as threads (`--backend local`) to save, or leave out --checkpoint-dir",
+                dir.display()
+            )));
+        }
+        let plan = &self.shared.plan;
+        let shards = plan.mesh.shard();
+        let names = self.param_names();
+        let states = state_names(&self.config.optimizer);
+        let mut whole: Vec<(String, Tensor)> = Vec::new();
+        for (p, t) in self.full_params()?.into_iter().enumerate() {
+            whole.push((names[p].clone(), t));
+        }
+        for (k, prefix) in states.iter().enumerate() {
+            let ts = self.assemble(|r, gi| r.opt[gi].state(k, 0).cloned())?;
+            for (p, t) in ts.into_iter().enumerate() {
+                whole.push((format!("{prefix}.{}", names[p]), t));
+            }
+        }
+        let mut out = Vec::with_capacity(shards as usize);
+        for s in 0..shards {
+            let mut entries = Vec::new();
+            for (name, t) in &whole {
+                let dims: Vec<u64> = t.dims().iter().map(|&d| d as u64).collect();
+                let rows = chunk_rows(dims.first().copied().unwrap_or(1), shards, s);
+                if rows.is_empty() {
+                    continue;
+                }
+                let part = t.narrow(0, rows.start as usize, (rows.end - rows.start) as usize)?;
+                entries.push((name.clone(), rows, host_f32(&part)?, part.dims().to_vec()));
+            }
+            out.push(write_entries(dir, &format!("rank-{s:05}.safetensors"), entries)?);
+            if !hook(SaveStage::AfterRankFile(s as usize)) {
+                return Err(ExecError::Checkpoint(format!(
+                    "{}: save stopped after rank file {s}",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(out)
+    }
+
     /// `metadata.json` from every writer's pieces, renamed into place last.
     fn write_metadata(&self, dir: &Path, root: &Path, results: Vec<Written>) -> Result<(), ExecError> {
         let plan = &self.shared.plan;
@@ -280,7 +331,7 @@ impl ShardedTrainer {
         let g = &self.shared.joint.graph;
         let mut tensors = Vec::new();
         for (p, param) in g.params() {
-            let shape = param.ty.shape.dims().to_vec();
+            let shape = whole_dims(param);
             for prefix in std::iter::once("").chain(states.iter().copied()) {
                 let name = if prefix.is_empty() {
                     names[p.index()].clone()
@@ -418,6 +469,7 @@ impl ShardedTrainer {
         }
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
+        let g = &self.shared.joint.graph;
         // Read everything first: a failure leaves the trainer as it was.
         let mut loaded: Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)> = Vec::new();
         for rank in self.local_ranks() {
@@ -448,15 +500,19 @@ impl ShardedTrainer {
                                 dir.join("metadata.json").display()
                             ))
                         })?;
-                        if t.shape != pl.dims {
+                        let param = g.param(pl.param);
+                        let want = whole_dims(param);
+                        if t.shape != want {
                             return Err(ExecError::Checkpoint(format!(
                                 "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
                                 dir.join("metadata.json").display(),
                                 t.shape,
-                                pl.dims
+                                want
                             )));
                         }
-                        let vals = read_rows(&dir, t, rows.clone(), &mut headers)?;
+                        let vals = local_rows(param, coords.tensor, rows.clone(), &mut |r| {
+                            read_rows(&dir, t, r, &mut headers)
+                        })?;
                         let at = pl.shard_offset as usize;
                         flats[k][at..at + vals.len()].copy_from_slice(&vals);
                     }
@@ -498,6 +554,7 @@ impl ShardedTrainer {
         let names = self.param_names();
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
+        let g = &self.shared.joint.graph;
         let mut loaded = Vec::new();
         for rank in self.local_ranks() {
             let coords = mesh.coords(rank);
@@ -521,11 +578,12 @@ impl ShardedTrainer {
                         .get(name)
                         .cloned()
                         .ok_or_else(|| ExecError::Checkpoint(format!("{}: no tensor `{name}`", file.display())))?;
-                    if shape != pl.dims {
+                    let param = g.param(pl.param);
+                    let want = whole_dims(param);
+                    if shape != want {
                         return Err(ExecError::Checkpoint(format!(
-                            "{}: tensor `{name}` has shape {shape:?}, the model needs {:?}",
+                            "{}: tensor `{name}` has shape {shape:?}, the model needs {want:?}",
                             file.display(),
-                            pl.dims
                         )));
                     }
                     let size = dtype_size(&dtype).ok_or_else(|| {
@@ -534,8 +592,8 @@ impl ShardedTrainer {
                             file.display()
                         ))
                     })?;
-                    let all_rows = pl.dims.first().copied().unwrap_or(1);
-                    let row_bytes = pl.row_elems * size;
+                    let all_rows = want.first().copied().unwrap_or(1);
+                    let row_bytes = want.iter().skip(1).product::<u64>() * size;
                     if end - begin != all_rows * row_bytes {
                         return Err(ExecError::Checkpoint(format!(
                             "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {}",
@@ -544,17 +602,14 @@ impl ShardedTrainer {
                             all_rows * row_bytes
                         )));
                     }
-                    let rows = chunk_rows(all_rows, l.shard, coords.shard);
+                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
                     if rows.is_empty() {
                         continue;
                     }
-                    let bytes = read_range(
-                        file,
-                        begin + rows.start * row_bytes,
-                        (rows.end - rows.start) * row_bytes,
-                        name,
-                    )?;
-                    let vals = to_f32(&bytes, &dtype).expect("dtype checked above");
+                    let vals = local_rows(param, coords.tensor, rows, &mut |r| {
+                        let bytes = read_range(file, begin + r.start * row_bytes, (r.end - r.start) * row_bytes, name)?;
+                        Ok(to_f32(&bytes, &dtype).expect("dtype checked above"))
+                    })?;
                     let at = pl.shard_offset as usize;
                     flat[at..at + vals.len()].copy_from_slice(&vals);
                 }
@@ -753,9 +808,7 @@ fn write_rank(
     states: &[&str],
     groups: &[(Tensor, Vec<Option<Tensor>>)],
 ) -> Result<Written, ExecError> {
-    let file = format!("rank-{rank:05}.safetensors");
-    let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::new();
-    let mut pieces = Vec::new();
+    let mut entries = Vec::new();
     for (gi, grp) in plan.groups.iter().enumerate() {
         let l = &grp.layout;
         let (param, state) = &groups[gi];
@@ -781,19 +834,36 @@ fn write_rank(
                 };
                 let t = t.ok_or_else(|| ExecError::Internal(format!("no optimizer state for {name}")))?;
                 let vals = host_f32(&t.narrow(0, pl.shard_offset as usize, n)?)?;
-                pieces.push((
-                    name.clone(),
-                    Piece {
-                        file: file.clone(),
-                        key: name.clone(),
-                        start: rows.start,
-                        end: rows.end,
-                        blocks: blocks(bytemuck::cast_slice(&vals), pl.row_elems * 4),
-                    },
-                ));
-                data.push((name, vals, dims.clone()));
+                entries.push((name, rows.clone(), vals, dims.clone()));
             }
         }
+    }
+    write_entries(dir, &format!("rank-{rank:05}.safetensors"), entries)
+}
+
+/// Writes rank file `file` holding `entries` (name, the whole tensor's rows they are,
+/// their f32 values, their dims); returns the file and its pieces.
+fn write_entries(
+    dir: &Path,
+    file: &str,
+    entries: Vec<(String, std::ops::Range<u64>, Vec<f32>, Vec<usize>)>,
+) -> Result<Written, ExecError> {
+    let file = file.to_string();
+    let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::with_capacity(entries.len());
+    let mut pieces = Vec::with_capacity(entries.len());
+    for (name, rows, vals, dims) in entries {
+        let row_elems: u64 = dims.iter().skip(1).map(|&d| d as u64).product();
+        pieces.push((
+            name.clone(),
+            Piece {
+                file: file.clone(),
+                key: name.clone(),
+                start: rows.start,
+                end: rows.end,
+                blocks: blocks(bytemuck::cast_slice(&vals), row_elems * 4),
+            },
+        ));
+        data.push((name, vals, dims));
     }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
         .iter()
@@ -813,4 +883,50 @@ fn write_rank(
     std::fs::rename(&tmp, &path).map_err(|e| io(&tmp, "rename", e))?;
     let bytes = std::fs::metadata(&path).map_err(|e| io(&path, "stat", e))?.len();
     Ok((FileMeta { name: file, bytes }, pieces))
+}
+
+/// The whole parameter's dims (a tensor-parallel slice's, times its tensor group).
+fn whole_dims(param: &shardplan_ir::Param) -> Vec<u64> {
+    let local = param.ty.shape.dims();
+    match &param.tensor {
+        Some(split) => split.whole_dims(local),
+        None => local.to_vec(),
+    }
+}
+
+/// Rows `rows` of tensor rank `tensor_rank`'s slice of `param`, as f32, from `read`, which
+/// gives rows of the whole tensor: the same rows without a split; for a split along dim
+/// 0 the whole rows each block of them is; along a later dim the whole rows, cut to the
+/// rank's columns.
+fn local_rows(
+    param: &shardplan_ir::Param,
+    tensor_rank: u64,
+    rows: std::ops::Range<u64>,
+    read: &mut dyn FnMut(std::ops::Range<u64>) -> Result<Vec<f32>, ExecError>,
+) -> Result<Vec<f32>, ExecError> {
+    let Some(split) = param.tensor else {
+        return read(rows);
+    };
+    let local = param.ty.shape.dims();
+    let whole = split.whole_dims(local);
+    if split.dim == 0 {
+        let block = local[0] / split.parts.max(1);
+        let mut out = Vec::new();
+        for p in 0..split.parts {
+            let (lo, hi) = (rows.start.max(p * block), rows.end.min((p + 1) * block));
+            if lo >= hi {
+                continue;
+            }
+            let at = p * block * split.degree + tensor_rank * block + (lo - p * block);
+            out.extend(read(at..at + (hi - lo))?);
+        }
+        return Ok(out);
+    }
+    let vals = read(rows.clone())?;
+    let mut dims: Vec<usize> = whole.iter().map(|&d| d as usize).collect();
+    dims[0] = (rows.end - rows.start) as usize;
+    let t = Tensor::from_vec(vals, dims.as_slice(), &Device::Cpu)?;
+    Ok(crate::cpu::tensor::slice_of_whole(&t, &split, tensor_rank)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
 }

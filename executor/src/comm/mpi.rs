@@ -365,9 +365,10 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
     let mesh = plan.mesh;
     if world.size != mesh.world() {
         return Err(ExecError::Unsupported(format!(
-            "the plan's mesh is {}x{} ({} ranks), but MPI started {} processes: run `mpirun -np {}`",
+            "the plan's mesh is {}x{}x{} ({} ranks), but MPI started {} processes: run `mpirun -np {}`",
             mesh.replicate(),
             mesh.shard(),
+            mesh.tensor(),
             mesh.world(),
             world.size,
             mesh.world()
@@ -406,6 +407,27 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
                 dog: dog.clone(),
             }),
         );
+    }
+    if mesh.tensor() > 1 {
+        // The compute stream's tensor-parallel ops: a communicator of their own.
+        let members = mesh.tensor_group(rank);
+        let index = members
+            .iter()
+            .position(|&m| m == rank)
+            .ok_or_else(|| ExecError::Internal(format!("rank {rank} is not in its own tensor group")))?;
+        let color = members.iter().copied().min().unwrap_or(rank);
+        let comm = world
+            .world
+            .0
+            .split_by_color_with_key(Color::with_value(color as i32), index as i32)
+            .ok_or_else(|| ExecError::Internal(format!("MPI_Comm_split gave rank {rank} no tensor communicator")))?;
+        comms.tensor = Some(Box::new(MpiGroup {
+            size: comm.size() as usize,
+            comm: SharedComm(comm),
+            index,
+            name: format!("tensor group {members:?} (compute stream)"),
+            dog: dog.clone(),
+        }));
     }
     let processes = MpiGroup {
         comm: SharedComm(world.world.0.duplicate()),

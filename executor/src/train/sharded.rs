@@ -618,6 +618,15 @@ impl ShardedTrainer {
     /// export; no rank holds them): each tensor rank's slice from its shard group's
     /// shards, then, for a parameter split over the tensor group, the whole from the slices.
     pub fn full_params(&self) -> Result<Vec<Tensor>, ExecError> {
+        self.assemble(|r, gi| Some(r.params[gi].clone()))
+    }
+
+    /// Whole f32 tensors, one per parameter, from each rank's flat per-group tensors that
+    /// `pick` gives (its parameters, or an optimizer state), as [`ShardedTrainer::full_params`].
+    pub(crate) fn assemble(
+        &self,
+        pick: impl Fn(&crate::runtime::rank::RankState, usize) -> Option<Tensor>,
+    ) -> Result<Vec<Tensor>, ExecError> {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let g = &self.shared.joint.graph;
@@ -643,7 +652,10 @@ impl ShardedTrainer {
                                     "full_params needs rank {rank}, which runs in another process"
                                 ))
                             })?;
-                            pieces.push(state.params[gi].narrow(0, pl.shard_offset as usize, n)?);
+                            let flat = pick(state, gi).ok_or_else(|| {
+                                ExecError::Internal(format!("rank {rank} holds no such state of group g{gi}"))
+                            })?;
+                            pieces.push(flat.narrow(0, pl.shard_offset as usize, n)?);
                         }
                     }
                     slices.push(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
