@@ -424,3 +424,73 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
         &["fused.yaml:3:", "hardware.kernels", "runtime: fsdp2"],
     );
 }
+
+#[test]
+fn a_tensor_parallel_plan_says_its_mesh_and_collectives() {
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--parallel",
+        "examples/parallel/fsdp-32-tp-8.yaml",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for want in [
+        "plan: llama3-70b (70,553,706,496 params) on 256 ranks: mesh 1 replicate x 32 shard x 8 tensor",
+        "tensor parallel: groups of 8 consecutive ranks (rank = (replicate x 32 + shard) x 8 + tensor), sequence parallel on, loss parallel on",
+        "batch: 16 x 8192 tokens per data-parallel rank (its 8 tensor ranks share them), grad_accum 1",
+        "4,194,304 tokens per step",
+        "  tensor collectives ",
+        "forward layers.0 [s1] +4 tensor collectives 8.00 GiB",
+        "all-reduce grad_norm sum over tensor 0-7",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    // The trace nests each collective in its compute slice.
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--parallel",
+        "examples/parallel/fsdp-32-tp-8.yaml",
+        "--format",
+        "trace",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("\"name\":\"tp_reduce_scatter n"),
+        "no tensor collective slice in the trace"
+    );
+}
+
+#[test]
+fn bad_tensor_specs_exit_2_naming_the_field() {
+    let scratch = tempfile::tempdir().unwrap();
+    for (text, want) in [
+        ("mesh: {shard: 2, tensor: 0}\n", "`mesh.tensor`: must be at least 1"),
+        (
+            "mesh: {shard: 1, tensor: 16}\ngpus_per_node: 8\n",
+            "`mesh.tensor`: a tensor group of 16 ranks would span nodes of 8 GPUs",
+        ),
+        (
+            "mesh: {shard: 1, tensor: 8}\nworld: 4\n",
+            "`mesh.tensor`: a tensor group of 8 ranks is larger than the world of 4 ranks",
+        ),
+        (
+            "mesh: {shard: 1, tensor: 8}\ngpus_per_node: 8\n",
+            "`mesh.tensor`: the model's 4 attention heads do not split over 8 tensor ranks",
+        ),
+        (
+            "mesh: {shard: 2, tensor: 4}\n",
+            "`mesh.tensor`: the model's 2 key/value heads do not split over 4 tensor ranks",
+        ),
+    ] {
+        let spec = temp(scratch.path(), "tp.yaml", text);
+        bad(
+            &["plan", "--model", "tiny-llama", "--parallel", spec.to_str().unwrap()],
+            &[want],
+        );
+    }
+}

@@ -574,3 +574,154 @@ fn allocator_field() {
         check(&e, line, col, texts);
     }
 }
+
+#[test]
+fn tensor_parallel_fields() {
+    let ok = |text: &str| parse_parallel_spec(&Source::from_text("p.yaml", text)).unwrap().0;
+    let c = ok("mesh: {shard: 4, tensor: 2}\n");
+    assert_eq!((c.mesh.world(), c.mesh.data_parallel(), c.mesh.tensor), (8, 4, 2));
+    assert!(c.tensor_parallel.sequence_parallel && c.tensor_parallel.loss_parallel);
+    let c = ok("mesh: {shard: 4, tensor: 2}\ntensor_parallel: {sequence_parallel: false}\n");
+    assert!(!c.tensor_parallel.sequence_parallel && c.tensor_parallel.loss_parallel);
+    assert_eq!(ok(PAR_OK).mesh.tensor, 1);
+    for (text, line, col, texts) in [
+        (
+            "mesh: {shard: 4, tensor: 0}\n",
+            1,
+            26,
+            &["`mesh.tensor`", "must be at least 1"][..],
+        ),
+        (
+            "mesh: {shard: 2, tensor: 16}\ngpus_per_node: 8\n",
+            1,
+            26,
+            &[
+                "`mesh.tensor`",
+                "would span nodes of 8 GPUs",
+                "divisor of gpus_per_node (8)",
+            ][..],
+        ),
+        (
+            "mesh: {shard: 1, tensor: 8}\nworld: 4\n",
+            1,
+            26,
+            &["`mesh.tensor`", "larger than the world of 4 ranks"][..],
+        ),
+        (
+            "mesh: {shard: 4, tensor: 2}\nworld: 4\n",
+            2,
+            8,
+            &[
+                "`world`",
+                "replicate x shard x tensor = 1 x 4 x 2 = 8 ranks, but world is 4",
+            ][..],
+        ),
+        (
+            "mesh: {shard: 4, tensor: 2}\nruntime: fsdp2\n",
+            2,
+            10,
+            &["`runtime`", "no model of DTensor tensor parallelism"][..],
+        ),
+        (
+            "mesh: {shard: 4, tensor: 2}\ntensor_parallel: {sequence: true}\n",
+            2,
+            19,
+            &["unknown field `sequence`", "did you mean `sequence_parallel`?"][..],
+        ),
+        (
+            "mesh: {shard: 4, tensor: 2}\ntensor_parallel: {loss_parallel: maybe}\n",
+            2,
+            34,
+            &["`tensor_parallel.loss_parallel`", "expected true or false"][..],
+        ),
+        ("mesh: {shard: 4, tensr: 2}\n", 1, 18, &["did you mean `tensor`?"][..]),
+    ] {
+        let e = parallel(text);
+        check(&e, line, col, texts);
+    }
+}
+
+#[test]
+fn tensor_parallel_needs_a_model_that_splits() {
+    use shardplan_frontends::{trace_error, trace_options};
+    let dir = tempfile::tempdir().unwrap();
+    let m = load_model(&tmp(dir.path(), "m.yaml", LLAMA.as_bytes())).unwrap();
+    let mlp = load_model(&PathBuf::from("tiny-mlp")).unwrap();
+    for (model, text, field, line, col, texts) in [
+        // 2 key/value heads do not split 4 ways.
+        (
+            &m,
+            "mesh: {shard: 2, tensor: 4}\n",
+            "mesh.tensor",
+            1,
+            26,
+            &["2 key/value heads do not split over 4 tensor ranks"][..],
+        ),
+        (
+            &m,
+            "mesh: {shard: 1, tensor: 8}\n",
+            "mesh.tensor",
+            1,
+            26,
+            &["4 attention heads do not split over 8"][..],
+        ),
+        (
+            &mlp,
+            "mesh: {shard: 1, tensor: 2}\n",
+            "mesh.tensor",
+            1,
+            26,
+            &["the mlp family has no tensor-parallel plan"][..],
+        ),
+        (
+            &m,
+            "mesh: {shard: 1, tensor: 2}\nbatch: {per_rank: 1, seq_len: 15}\n",
+            "batch.seq_len",
+            2,
+            31,
+            &["splits the 15 positions over 2 tensor ranks"][..],
+        ),
+    ] {
+        let p = load_parallel(&tmp(dir.path(), "p.yaml", text.as_bytes())).unwrap();
+        let e = shardplan_models::trace(&model.config, trace_options(Some(&p))).unwrap_err();
+        let e = trace_error(e, model, Some(&p));
+        assert_eq!(e.field.as_deref(), Some(field), "{e}");
+        check(&e, line, col, texts);
+    }
+    // GPT-2's vocabulary of 255 does not split 2 ways: loss parallelism is refused where
+    // it was written (or defaulted: the mesh), and the embedding stays whole without it.
+    let odd = tmp(
+        dir.path(),
+        "odd.yaml",
+        b"family: gpt2\nvocab_size: 255\ndim: 64\nn_layers: 2\nn_heads: 4\nffn_dim: 256\nmax_seq_len: 128\n",
+    );
+    let odd = load_model(&odd).unwrap();
+    let p = load_parallel(&tmp(
+        dir.path(),
+        "lp.yaml",
+        b"mesh: {shard: 1, tensor: 2}\ntensor_parallel: {loss_parallel: true}\nbatch: {per_rank: 1, seq_len: 16}\n",
+    ))
+    .unwrap();
+    let e = trace_error(
+        shardplan_models::trace(&odd.config, trace_options(Some(&p))).unwrap_err(),
+        &odd,
+        Some(&p),
+    );
+    check(
+        &e,
+        2,
+        34,
+        &[
+            "`tensor_parallel.loss_parallel`",
+            "vocabulary of 255",
+            "pad vocab_size to a multiple of 2",
+        ],
+    );
+    let p = load_parallel(&tmp(
+        dir.path(),
+        "nolp.yaml",
+        b"mesh: {shard: 1, tensor: 2}\ntensor_parallel: {loss_parallel: false}\nbatch: {per_rank: 1, seq_len: 16}\n",
+    ))
+    .unwrap();
+    shardplan_models::trace(&odd.config, trace_options(Some(&p))).unwrap();
+}

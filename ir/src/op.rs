@@ -680,7 +680,7 @@ impl Op {
             Op::TpReduceScatter { dim, degree } | Op::TpSlice { dim, degree } => {
                 check_dim(*dim, ins[0])?;
                 let n = ins[0].shape.dims()[*dim];
-                if *degree == 0 || n % degree != 0 {
+                if *degree == 0 || !n.is_multiple_of(*degree) {
                     return Err(format!(
                         "dim {dim} of {} does not split into {degree} equal chunks",
                         ins[0].shape

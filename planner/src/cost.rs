@@ -65,6 +65,43 @@ pub fn step_costs(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype
         .unzip()
 }
 
+/// Records each step's tensor-parallel collectives ([`crate::steps::TensorOp`]) with
+/// where they fall in the step by [`OpModel::seconds`]; nothing without tensor parallelism.
+pub fn annotate_tensor_ops(g: &Graph, steps: &mut [Step], hw: &HardwareProfile, compute_dtype: DType) {
+    if g.tensor_degree() <= 1 {
+        return;
+    }
+    let model = OpModel::new(g, hw, compute_dtype);
+    for s in steps {
+        let mut at = 0.0;
+        for i in s.nodes.iter().flat_map(|r| r.clone()) {
+            let id = NodeId(i);
+            let dur = model.seconds(id);
+            let node = g.node(id);
+            if node.op.is_tensor_collective() {
+                let bytes = match node.op {
+                    Op::TpAllGather { .. } => node.ty.bytes(),
+                    Op::VocabCrossEntropy { degree } | Op::VocabCrossEntropyGrad { degree } => {
+                        // Row maxima gathered, exponential sums and target logits reduced.
+                        let rows = g.node(node.inputs[0]).ty.shape.dims().first().copied().unwrap_or(0);
+                        Some(rows * 4 * degree + rows * 8)
+                    }
+                    _ => g.node(node.inputs[0]).ty.bytes(),
+                }
+                .unwrap_or(u64::MAX);
+                s.tensor_ops.push(crate::steps::TensorOp {
+                    node: id,
+                    op: node.op.name().to_string(),
+                    bytes,
+                    at_s: at,
+                    dur_s: dur,
+                });
+            }
+            at += dur;
+        }
+    }
+}
+
 /// The kind of work `op` is, for the estimate's breakdown.
 pub fn work_kind(op: &Op) -> WorkKind {
     match op {

@@ -114,9 +114,10 @@ impl PlanCache {
         if let Some(x) = self.steps.get(&key) {
             return x.clone();
         }
-        let (steps, acts) =
+        let (mut steps, acts) =
             steps::steps_and_events_for(joint, fsdp, config.activation_checkpointing, steps::Kernels::of(config));
         let (step_s, step_parts) = cost::step_costs(&joint.graph, &steps, &config.hardware, param);
+        cost::annotate_tensor_ops(&joint.graph, &mut steps, &config.hardware, param);
         let x = std::sync::Arc::new(CachedSteps {
             steps,
             acts,

@@ -87,7 +87,13 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
                 } else {
                     String::new()
                 };
-                format!("{} {}{mb} [{step}]", s.phase.name(), s.label)
+                let tp = if s.tensor_ops.is_empty() {
+                    String::new()
+                } else {
+                    let b: u64 = s.tensor_ops.iter().map(|t| t.bytes).sum();
+                    format!(" +{} tensor collectives {}", s.tensor_ops.len(), bytes(b))
+                };
+                format!("{} {}{mb} [{step}]{tp}", s.phase.name(), s.label)
             }
             None => format!("compute {step}"),
         },
@@ -224,9 +230,14 @@ pub fn summary(o: &mut String, plan: &Plan) {
         GradSync::FinalMicroBatch => "reduce-scatter on the final micro-batch",
     };
     let tokens = m.data_parallel() * p.batch_per_rank * p.seq_len * p.grad_accum;
+    let per = if m.tensor() > 1 {
+        format!("per data-parallel rank (its {} tensor ranks share them)", m.tensor())
+    } else {
+        "per rank".to_string()
+    };
     let _ = writeln!(
         o,
-        "batch: {} x {} tokens per rank, grad_accum {} ({sync}); {} tokens per step; {}{}",
+        "batch: {} x {} tokens {per}, grad_accum {} ({sync}); {} tokens per step; {}{}",
         p.batch_per_rank,
         p.seq_len,
         p.grad_accum,

@@ -67,6 +67,26 @@ pub struct Step {
     pub act_peak: u64,
     /// Activation bytes held when it ends.
     pub act_end: u64,
+    /// The tensor-parallel collectives among its ops, in order (empty without tensor
+    /// parallelism).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensor_ops: Vec<TensorOp>,
+}
+
+/// A tensor-parallel collective inside a compute step: it runs on the compute stream,
+/// between the ops that make its input and read its output.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorOp {
+    pub node: NodeId,
+    /// The op's name (`tp_all_gather`, `tp_reduce_scatter`, `tp_all_reduce`,
+    /// `vocab_cross_entropy` ...).
+    pub op: String,
+    /// Bytes of the full buffer the collective moves (the gathered output, the reduced
+    /// input; a vocabulary-parallel loss's row statistics).
+    pub bytes: u64,
+    /// Its start within the step and its duration, seconds, by the cost model.
+    pub at_s: f64,
+    pub dur_s: f64,
 }
 
 /// Segments `joint` for `groups` and the checkpointing policy.
@@ -314,6 +334,7 @@ pub fn steps_and_events_for(
                 grad_params: Vec::new(),
                 act_peak: live,
                 act_end: live,
+                tensor_ops: Vec::new(),
             });
         }
         let step = out.last_mut().expect("a step was just pushed");

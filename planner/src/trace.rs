@@ -52,6 +52,24 @@ pub fn chrome_trace(plan: &Plan, rank: u64) -> Value {
             "dur": (end - start) * 1e6,
             "args": {"instr": i},
         }));
+        // A step's tensor-parallel collectives, nested in its slice where the cost model
+        // puts them (kept inside it: the timeline may stretch or pad the step).
+        if let crate::plan::Instr::Compute { step, .. } = &issued.instr {
+            if let Some(s) = plan.steps.get(step.index()) {
+                for t in &s.tensor_ops {
+                    let ts = (start + t.at_s).min(end);
+                    events.push(json!({
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": issued.stream.index(),
+                        "name": format!("{} {}", t.op, t.node),
+                        "ts": ts * 1e6,
+                        "dur": t.dur_s.min(end - ts) * 1e6,
+                        "args": {"instr": i, "bytes": t.bytes, "group": "tensor"},
+                    }));
+                }
+            }
+        }
     }
     for s in &plan.memory.timeline {
         events.push(json!({

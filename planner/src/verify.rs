@@ -442,11 +442,68 @@ fn collectives(plan: &Plan, program: &Program, comm: Comm) -> Vec<(&'static str,
         .collect()
 }
 
+/// A compute step that runs tensor-parallel collectives: the step, each collective's op
+/// and bytes, and the instruction.
+type TensorStep = (u32, Vec<(String, u64)>, usize);
+
+/// The tensor-parallel collectives a program's compute steps run, in issue order.
+fn tensor_ops(plan: &Plan, program: &Program) -> Vec<TensorStep> {
+    program
+        .instrs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, issued)| match &issued.instr {
+            Instr::Compute { step, .. } => {
+                let s = plan.steps.get(step.index())?;
+                (!s.tensor_ops.is_empty()).then(|| {
+                    (
+                        step.0,
+                        s.tensor_ops.iter().map(|t| (t.op.clone(), t.bytes)).collect(),
+                        i,
+                    )
+                })
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
     if plan.programs.len() < 2 {
         return Ok(()); // every rank runs the same program: orders agree by construction
     }
+    if plan.mesh.tensor() > 1 {
+        // A tensor group's activation collectives run inside compute steps: every member
+        // must run the same ones in the same order.
+        let seqs: Vec<_> = plan.programs.iter().map(|p| tensor_ops(plan, p)).collect();
+        let program_of = |rank: u64| -> usize {
+            plan.ranks
+                .iter()
+                .find(|s| rank >= s.first && rank - s.first < s.count)
+                .map_or(0, |s| s.program as usize)
+        };
+        for rank in 0..plan.mesh.world() {
+            let first = plan.mesh.tensor_group(rank)[0];
+            let (a, b) = (program_of(first), program_of(rank));
+            let (sa, sb) = (&seqs[a], &seqs[b]);
+            let n = sa.len().max(sb.len());
+            if let Some(k) = (0..n).find(|&k| sa.get(k).map(|x| (x.0, &x.1)) != sb.get(k).map(|x| (x.0, &x.1))) {
+                return Err(VerifyError {
+                    rule: "collective order",
+                    program: b,
+                    instr: sb.get(k).map(|x| x.2),
+                    message: format!(
+                        "on the tensor group of rank {rank}, the compute steps' tensor collectives differ from rank {first}'s at the {}-th step that runs any: NCCL would hang",
+                        k + 1
+                    ),
+                });
+            }
+        }
+    }
     let mut comms: Vec<Comm> = vec![Comm::Shard, Comm::Replicate];
+    if plan.mesh.tensor() > 1 {
+        comms.push(Comm::Tensor);
+    }
     for program in &plan.programs {
         for issued in &program.instrs {
             if let Some((c @ Comm::Reshard(_), _, _)) = issued.instr.collective() {

@@ -841,13 +841,12 @@ fn write_rank(
     write_entries(dir, &format!("rank-{rank:05}.safetensors"), entries)
 }
 
-/// Writes rank file `file` holding `entries` (name, the whole tensor's rows they are,
-/// their f32 values, their dims); returns the file and its pieces.
-fn write_entries(
-    dir: &Path,
-    file: &str,
-    entries: Vec<(String, std::ops::Range<u64>, Vec<f32>, Vec<usize>)>,
-) -> Result<Written, ExecError> {
+/// One tensor's rows in a rank file: its name, the whole tensor's rows they are, their f32
+/// values, their dims.
+type Entry = (String, std::ops::Range<u64>, Vec<f32>, Vec<usize>);
+
+/// Writes rank file `file` holding `entries`; returns the file and its pieces.
+fn write_entries(dir: &Path, file: &str, entries: Vec<Entry>) -> Result<Written, ExecError> {
     let file = file.to_string();
     let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::with_capacity(entries.len());
     let mut pieces = Vec::with_capacity(entries.len());

@@ -79,25 +79,6 @@ pub fn init_elements(graph: &Graph, p: ParamId, seed: u64, range: std::ops::Rang
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn normals_look_normal_and_slices_agree() {
-        let n = 200_000u64;
-        let xs: Vec<f64> = (0..n).map(|i| normal(7, 3, i)).collect();
-        let mean = xs.iter().sum::<f64>() / n as f64;
-        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
-        assert!(mean.abs() < 0.01, "mean {mean}");
-        assert!((var - 1.0).abs() < 0.01, "variance {var}");
-        // Any slice equals the same elements of the whole: what sharded init relies on.
-        assert_eq!(normal(7, 3, 12_345), xs[12_345]);
-        assert_ne!(normal(7, 3, 5), normal(8, 3, 5));
-        assert_ne!(normal(7, 3, 5), normal(7, 4, 5));
-    }
-}
-
 /// Elements `range` (row-major, of this rank's slice) of parameter `p` on tensor rank
 /// `tensor_rank`: the whole parameter's elements at the same places, so a tensor-parallel
 /// model starts as the whole one does.
@@ -118,5 +99,24 @@ pub fn init_slice_elements(
         InitRule::Normal { std } => range
             .map(|i| (std * normal(seed, u64::from(p.0), split.whole_index(local, tensor_rank, i))) as f32)
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normals_look_normal_and_slices_agree() {
+        let n = 200_000u64;
+        let xs: Vec<f64> = (0..n).map(|i| normal(7, 3, i)).collect();
+        let mean = xs.iter().sum::<f64>() / n as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+        assert!(mean.abs() < 0.01, "mean {mean}");
+        assert!((var - 1.0).abs() < 0.01, "variance {var}");
+        // Any slice equals the same elements of the whole: what sharded init relies on.
+        assert_eq!(normal(7, 3, 12_345), xs[12_345]);
+        assert_ne!(normal(7, 3, 5), normal(8, 3, 5));
+        assert_ne!(normal(7, 3, 5), normal(7, 4, 5));
     }
 }
