@@ -1,7 +1,8 @@
 //! Planning speed: group + layout + steps + schedule + simulate + estimate + verify on an
 //! already differentiated model. Target: llama3-405b on 16,384 ranks (HSDP 2048 x 8) under
 //! 100 ms on a 2-core machine; time linear in layers and independent of the replicate axis
-//! (compare `llama3-405b-1x8` with `llama3-405b-2048x8`).
+//! (compare `llama3-405b-1x8` with `llama3-405b-2048x8`). `llama3-405b-32x64x8-tp` plans the
+//! same 16,384 ranks with tensor parallelism over each node (target: under 10 ms).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardplan_frontends::{load_model, load_parallel, trace_options};
@@ -18,11 +19,12 @@ fn planning(c: &mut Criterion) {
         ("llama3-70b-8x8", "llama3-70b.yaml", "hsdp-8x8.yaml"),
         ("llama3-405b-1x8", "llama3-405b.yaml", "fsdp-1x8-405b.yaml"),
         ("llama3-405b-2048x8", "llama3-405b.yaml", "hsdp-2048x8.yaml"),
+        ("llama3-405b-32x64x8-tp", "llama3-405b.yaml", "hsdp-32x64-tp-8.yaml"),
     ] {
         let m = load_model(&Path::new("examples/models").join(model)).expect("model");
         let p = load_parallel(&Path::new("examples/parallel").join(parallel)).expect("parallel");
         let graph = trace(&m.config, trace_options(Some(&p))).expect("trace");
-        let joint = differentiate(&graph).expect("differentiate");
+        let joint = shardplan_ir::differentiate_with(&graph, p.config.diff_options()).expect("differentiate");
         group.bench_function(label, |b| {
             b.iter(|| shardplan_planner::plan(black_box(&joint), black_box(&p.config)).expect("plan"))
         });

@@ -388,7 +388,7 @@ pub fn steps_and_events_for(
                 bytes: made,
             });
         }
-        if eager_cross_entropy && matches!(node.op, Op::CrossEntropyGrad) {
+        if eager_cross_entropy && matches!(node.op, Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. }) {
             // PyTorch eager's cross-entropy is `log_softmax` then `nll_loss`: its backward
             // makes the log-probabilities' gradient (as large as the logits) before the
             // logits' gradient, beside it.
