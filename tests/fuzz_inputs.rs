@@ -575,6 +575,7 @@ fn fuzz_parallel_yaml() {
             "examples/parallel/fsdp-64x8.yaml",
             "examples/parallel/fsdp2-8.yaml",
             "examples/parallel/fsdp-8-cudamalloc.yaml",
+            "examples/parallel/fsdp-tp-2x2-cpu.yaml",
         ],
         "tiny-llama",
         1000,
