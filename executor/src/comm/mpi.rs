@@ -381,53 +381,38 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
         next: Default::default(),
     });
     dog.spawn(world.world.clone(), abort.clone(), rank);
-    let mut comms = Comms::default();
-    for (c, s) in super::channels(plan) {
-        let members = c.members(&mesh, rank);
+    // A communicator of `members` split from the world (every member names the group by
+    // its lowest rank), for this rank.
+    let split = |members: Vec<u64>, what: String| -> Result<MpiGroup, ExecError> {
         let index = members
             .iter()
             .position(|&m| m == rank)
-            .ok_or_else(|| ExecError::Internal(format!("rank {rank} is not in its own {c:?} group")))?;
-        // Every member of a group names it by its lowest rank.
+            .ok_or_else(|| ExecError::Internal(format!("rank {rank} is not in its own {what}")))?;
         let color = members.iter().copied().min().unwrap_or(rank);
         let comm = world
             .world
             .0
             .split_by_color_with_key(Color::with_value(color as i32), index as i32)
-            .ok_or_else(|| ExecError::Internal(format!("MPI_Comm_split gave rank {rank} no {c:?} communicator")))?;
-        let name = format!("{c:?} group {members:?} ({s:?} stream)").to_lowercase();
-        comms.insert(
-            c,
-            s,
-            Box::new(MpiGroup {
-                size: comm.size() as usize,
-                comm: SharedComm(comm),
-                index,
-                name,
-                dog: dog.clone(),
-            }),
-        );
-    }
-    if mesh.tensor() > 1 {
-        // The compute stream's tensor-parallel ops: a communicator of their own.
-        let members = mesh.tensor_group(rank);
-        let index = members
-            .iter()
-            .position(|&m| m == rank)
-            .ok_or_else(|| ExecError::Internal(format!("rank {rank} is not in its own tensor group")))?;
-        let color = members.iter().copied().min().unwrap_or(rank);
-        let comm = world
-            .world
-            .0
-            .split_by_color_with_key(Color::with_value(color as i32), index as i32)
-            .ok_or_else(|| ExecError::Internal(format!("MPI_Comm_split gave rank {rank} no tensor communicator")))?;
-        comms.tensor = Some(Box::new(MpiGroup {
+            .ok_or_else(|| ExecError::Internal(format!("MPI_Comm_split gave rank {rank} no {what} communicator")))?;
+        Ok(MpiGroup {
             size: comm.size() as usize,
             comm: SharedComm(comm),
             index,
-            name: format!("tensor group {members:?} (compute stream)"),
+            name: format!("{what} {members:?}"),
             dog: dog.clone(),
-        }));
+        })
+    };
+    let mut comms = Comms::default();
+    for (c, s) in super::channels(plan) {
+        let what = format!("{c:?} group ({s:?} stream)").to_lowercase();
+        comms.insert(c, s, Box::new(split(c.members(&mesh, rank), what)?));
+    }
+    if mesh.tensor() > 1 {
+        // The compute stream's tensor-parallel ops: a communicator of their own.
+        comms.tensor = Some(Box::new(split(
+            mesh.tensor_group(rank),
+            "tensor group (compute stream)".into(),
+        )?));
     }
     let processes = MpiGroup {
         comm: SharedComm(world.world.0.duplicate()),

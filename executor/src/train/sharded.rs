@@ -200,7 +200,7 @@ impl ShardedTrainer {
                 Some(t) => Ctx::with_tensor_group(Device::Cpu, TensorGroup::new(std::sync::Arc::from(t))),
                 None if mesh.tensor() > 1 => {
                     return Err(ExecError::Unsupported(format!(
-                        "the {backend} backend does not run tensor parallelism (mesh.tensor {}); run it with the threads of one process (`--backend local`)",
+                        "the {backend} backend does not run tensor parallelism yet (mesh.tensor {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
                         mesh.tensor()
                     )))
                 }
