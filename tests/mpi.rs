@@ -528,9 +528,9 @@ fn parity_mp(name: &str, mp: &str) {
     assert_eq!(losses(&tl), losses(&ml), "{name}");
 }
 
-/// A tensor-parallel run (replicate x shard x tensor, tiny-llama, global batch 8 x 16) as
-/// threads and as one MPI process per rank: the same losses, step for step.
-fn tensor_parity(name: &str, (replicate, shard, tensor): (u64, u64, u64), extra: &str) {
+/// A tensor-parallel run (replicate x shard x tensor, global batch 8 x 16) as threads and
+/// as one MPI process per rank: the same losses, step for step.
+fn tensor_parity(model: &str, name: &str, (replicate, shard, tensor): (u64, u64, u64), extra: &str) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let world = replicate * shard * tensor;
@@ -538,10 +538,14 @@ fn tensor_parity(name: &str, (replicate, shard, tensor): (u64, u64, u64), extra:
     std::fs::write(
         &s,
         format!(
-            "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n\
-             mixed_precision: {{param: f32, reduce: f32}}\n\
+            "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n{}\
              optimizer: {{adamw: {{lr: 3.0e-3, betas: [0.9, 0.95], weight_decay: 0.1}}}}\ngrad_clip: 1.0\nseed: 0\n\
              batch: {{per_rank: {}, seq_len: 16}}\n{extra}\n",
+            if extra.contains("mixed_precision:") {
+                ""
+            } else {
+                "mixed_precision: {param: f32, reduce: f32}\n"
+            },
             8 / (replicate * shard)
         ),
     )
@@ -550,7 +554,7 @@ fn tensor_parity(name: &str, (replicate, shard, tensor): (u64, u64, u64), extra:
         [
             "train",
             "--model",
-            "tiny-llama",
+            model,
             "--parallel",
             s.to_str().unwrap(),
             "--steps",
@@ -597,6 +601,24 @@ fn tensor_parity(name: &str, (replicate, shard, tensor): (u64, u64, u64), extra:
 
 #[test]
 fn mpi_matches_threads_tensor_parallel() {
-    tensor_parity("1x2x2", (1, 2, 2), "");
-    tensor_parity("2x1x2-no-sp", (2, 1, 2), "tensor_parallel: {sequence_parallel: false}");
+    tensor_parity("tiny-llama", "1x2x2", (1, 2, 2), "");
+    tensor_parity(
+        "tiny-llama",
+        "2x1x2-no-sp",
+        (2, 1, 2),
+        "tensor_parallel: {sequence_parallel: false}",
+    );
+    tensor_parity(
+        "tiny-llama",
+        "1x2x2-selective-bf16",
+        (1, 2, 2),
+        "activation_checkpointing: selective\nmixed_precision: {param: bf16, reduce: f32}",
+    );
+    tensor_parity(
+        "tiny-gpt2",
+        "1x1x4-no-lp",
+        (1, 1, 4),
+        "tensor_parallel: {loss_parallel: false}",
+    );
+    tensor_parity("tiny-gpt2", "2x2x2", (2, 2, 2), "");
 }

@@ -347,7 +347,7 @@ fn auto_says_by_how_much_nothing_fits_and_what_would() {
             "80GiB",
         ],
         &[
-            "no plan fits the budget of 80.00 GiB per rank: the smallest candidate needs 152.58 GiB of device memory (72.58 GiB over: mesh 1x1x8",
+            "no plan fits the budget of 80.00 GiB per rank: the smallest candidate needs 156.49 GiB of device memory (76.49 GiB over: mesh 1x1x8",
             "help: offload: cpu fits",
         ],
     );
