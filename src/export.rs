@@ -113,6 +113,16 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             ))
         }
     };
+    if plan.mesh.tensor() > 1 {
+        return Err(origin.refuse(
+            "mesh.tensor",
+            format!(
+                "the plan splits each block over tensor groups of {} ranks; `export fsdp2` writes FSDP2 alone (fully_shard on whole modules), not torchtitan's tensor-parallel plan",
+                plan.mesh.tensor()
+            ),
+            "export a plan without `mesh.tensor`, or run this one with `shardplan train`",
+        ));
+    }
     let text = render(&plan, &model, &parallel, &joint, &origin, &command_line())?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     let file = args.out.join("train.py");

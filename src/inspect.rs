@@ -165,13 +165,25 @@ fn text(r: &Report) -> String {
         let m = par.mesh;
         let _ = writeln!(
             s,
-            "parallel world {} = replicate {} x shard {}, {} GPUs/node, {}",
+            "parallel world {} = replicate {} x shard {}{}, {} GPUs/node, {}",
             m.world(),
             m.replicate,
             m.shard,
+            if m.tensor > 1 {
+                format!(" x tensor {}", m.tensor)
+            } else {
+                String::new()
+            },
             par.gpus_per_node,
             par.hardware.name
         );
+        if m.tensor > 1 {
+            let _ = writeln!(
+                s,
+                "         the graph is one of the {} tensor ranks' programs: its parameters, FLOPs and activations are one rank's slices",
+                m.tensor
+            );
+        }
         let _ = writeln!(
             s,
             "         wrap [{}], reshard_after_forward {}, prefetch fwd {} bwd {}, params {} / reduce {}, offload {}, checkpointing {}, grad_accum {}",

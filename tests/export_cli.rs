@@ -272,6 +272,19 @@ fn plans_fsdp2_cannot_run_as_planned_are_refused() {
         !d.path().join("train.py").exists(),
         "nothing written for a refused plan"
     );
+    // Tensor parallelism is not FSDP2 alone: refused, naming the mesh's field.
+    let o = export(
+        "examples/models/tiny-llama.yaml",
+        "examples/parallel/fsdp-tp-2x2-cpu.yaml",
+        d.path(),
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("fsdp-tp-2x2-cpu.yaml:4:") && err.contains("`mesh.tensor`") && err.contains("export fsdp2"),
+        "{err}"
+    );
+    assert!(!d.path().join("train.py").exists());
     // A missing --out or specs is a usage error, not a panic.
     let o = shardplan(&["export", "fsdp2", "--model", "examples/models/tiny-gpt2.yaml"]);
     assert_eq!(o.status.code(), Some(2));
