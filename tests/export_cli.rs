@@ -97,6 +97,17 @@ fn every_bundled_example_exports_a_program_that_compiles() {
             done.insert(key_m);
             continue;
         }
+        if !o.status.success() && err.contains("`mesh.tensor`") {
+            // A tensor-parallel spec is refused for every model (FSDP2 alone is exported),
+            // if the model splits over it at all.
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            if err.contains("`export fsdp2` writes FSDP2 alone") {
+                done.insert(key_p);
+            } else {
+                assert!(err.contains("do not split"), "{m} {p}: {err}");
+            }
+            continue;
+        }
         if !o.status.success() {
             // The sequence does not fit this model: the pairing, not the export, failed.
             assert!(err.contains("batch.seq_len"), "{m} {p}: {err}");
