@@ -231,6 +231,15 @@ fn tensor_parallel_under_every_option() {
         check_mesh(&llama, (1, 2, 2), extra, F32);
         check_mesh(&gpt2, (2, 1, 2), extra, F32);
     }
+    // An int reshard over a shard axis whose members are tensor-degree ranks apart.
+    check_mesh(&llama, (1, 4, 2), "reshard_after_forward: 2\n", F32);
+    check_mesh(
+        &gpt2,
+        (1, 2, 2),
+        "reshard_after_forward: false\nprefetch: {forward: 2, backward: 2}\n",
+        F32,
+    );
+    check_mesh(&llama, (1, 2, 2), "offload: cpu\n", F32);
     check_mesh(&llama, (1, 2, 2), "mixed_precision: {param: bf16, reduce: f32}\n", BF16);
     check_mesh(&gpt2, (1, 1, 2), "mixed_precision: {param: bf16, reduce: f32}\n", BF16);
 }

@@ -743,7 +743,7 @@ impl StepCtx<'_> {
                     // A post-forward shard: this rank's slice of its reshard group.
                     let n = d.numel as usize;
                     let k = s.elem_count() / n;
-                    let j = (self.rank % plan.mesh.shard()) as usize % k;
+                    let j = plan.mesh.coords(self.rank).shard as usize % k;
                     s.narrow(0, j * n, n)?.copy()?
                 } else {
                     s.to_dtype(cdtype(d.dtype))?.copy()?
