@@ -365,10 +365,12 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
     let mesh = plan.mesh;
     if world.size != mesh.world() {
         return Err(ExecError::Unsupported(format!(
-            "the plan's mesh is {}x{}x{} ({} ranks), but MPI started {} processes: run `mpirun -np {}`",
-            mesh.replicate(),
-            mesh.shard(),
-            mesh.tensor(),
+            "the plan's mesh is {} ({} ranks), but MPI started {} processes: run `mpirun -np {}`",
+            if mesh.tensor() > 1 {
+                format!("{}x{}x{}", mesh.replicate(), mesh.shard(), mesh.tensor())
+            } else {
+                format!("{}x{}", mesh.replicate(), mesh.shard())
+            },
             mesh.world(),
             world.size,
             mesh.world()
