@@ -7,10 +7,10 @@
 use candle_core::{Device, Tensor};
 use shardplan_executor::comm::local::local_group;
 use shardplan_executor::comm::{Abort, Collectives};
-use shardplan_executor::cpu::tensor::TensorGroup;
+use shardplan_executor::cpu::tensor::{slice_of_whole, whole_from_slices, TensorGroup};
 use shardplan_executor::train::init::init_elements;
 use shardplan_executor::{Ctx, Interpreter};
-use shardplan_ir::{differentiate, Graph, Op, TensorSplit};
+use shardplan_ir::{differentiate, Graph, Op};
 use shardplan_models::{preset, trace, Gpt2Config, LlamaConfig, ModelConfig, TensorOptions, TraceOptions};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -56,29 +56,6 @@ fn batch(vocab: u64) -> (Tensor, Tensor) {
     )
 }
 
-/// This rank's slice of a whole parameter.
-fn slice(whole: &Tensor, split: &TensorSplit, rank: u64) -> Tensor {
-    let parts: Vec<Tensor> = split
-        .ranges(whole.dim(split.dim).unwrap() as u64, rank)
-        .into_iter()
-        .map(|(start, len)| whole.narrow(split.dim, start as usize, len as usize).unwrap())
-        .collect();
-    Tensor::cat(&parts, split.dim).unwrap()
-}
-
-/// The whole parameter from every rank's slice.
-fn unslice(slices: &[Tensor], split: &TensorSplit) -> Tensor {
-    let blocks: Vec<Tensor> = (0..split.parts as usize)
-        .flat_map(|p| {
-            slices.iter().map(move |s| {
-                let len = s.dim(split.dim).unwrap() / split.parts as usize;
-                s.narrow(split.dim, p * len, len).unwrap()
-            })
-        })
-        .collect();
-    Tensor::cat(&blocks, split.dim).unwrap()
-}
-
 /// Loss and gradients by parameter name of one graph run by one rank (`ctx`).
 fn run(
     g: &Graph,
@@ -104,7 +81,7 @@ fn run(
                 Op::Param { param } => {
                     let p = joint.graph.param(*param);
                     match &p.tensor {
-                        Some(split) => slice(&w[&p.name], split, rank),
+                        Some(split) => slice_of_whole(&w[&p.name], split, rank).unwrap(),
                         None => w[&p.name].clone(),
                     }
                 }
@@ -172,7 +149,11 @@ fn check(config: &ModelConfig, tp: TensorOptions) {
         let name = &param.name;
         let per_rank: Vec<Tensor> = results.iter().map(|(_, g)| g[name].clone()).collect();
         match &param.tensor {
-            Some(s) => close(&format!("{label}: {name}"), &unslice(&per_rank, s), &grads[name]),
+            Some(s) => close(
+                &format!("{label}: {name}"),
+                &whole_from_slices(&per_rank, s).unwrap(),
+                &grads[name],
+            ),
             None => {
                 for (r, g) in per_rank.iter().enumerate() {
                     close(&format!("{label}: {name} on rank {r}"), g, &grads[name]);
