@@ -260,6 +260,8 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
 
 /// A candidate as far as it has been evaluated.
 struct Entry {
+    /// Its space: the traced graph it plans against (one per tensor-parallel degree).
+    space: usize,
     knobs: Knobs,
     config: ParallelConfig,
     bounds: Bounds,
@@ -394,26 +396,41 @@ pub fn search(
     budget: u64,
     prune: bool,
 ) -> Result<Result<AutoResult, NoFit>, PlanError> {
-    let points = grid(joint, base, fixed);
-    if points.is_empty() {
-        return Err(PlanError::Graph("the search space is empty".into()));
+    search_spaces(&[(joint, base.clone())], fixed, budget, prune)
+}
+
+/// [`search`] over the union of several spaces' grids (a traced graph and the spec it is
+/// searched from, one per tensor-parallel degree), as one branch and bound: a candidate
+/// that fits in one space prunes every space's slower candidates, and offload is tried
+/// only when no candidate of any space fits without it. Ties go to the earlier space.
+pub fn search_spaces(
+    spaces: &[(&JointGraph, ParallelConfig)],
+    fixed: Fixed,
+    budget: u64,
+    prune: bool,
+) -> Result<Result<AutoResult, NoFit>, PlanError> {
+    let mut caches: Vec<PlanCache> = spaces.iter().map(|_| PlanCache::default()).collect();
+    let mut entries: Vec<Entry> = Vec::new();
+    for (space, (joint, base)) in spaces.iter().enumerate() {
+        let mut bound_cache = BoundCache::default();
+        for (knobs, config) in grid(joint, base, fixed) {
+            let bounds = if prune {
+                bound_cache.bounds(joint, &config, &mut caches[space])?
+            } else {
+                Bounds { step_s: 0.0, device: 0 }
+            };
+            entries.push(Entry {
+                space,
+                knobs,
+                config,
+                bounds,
+                planned: None,
+                unreplayed: None,
+            });
+        }
     }
-    let mut cache = PlanCache::default();
-    let mut bound_cache = BoundCache::default();
-    let mut entries: Vec<Entry> = Vec::with_capacity(points.len());
-    for (knobs, config) in points {
-        let bounds = if prune {
-            bound_cache.bounds(joint, &config, &mut cache)?
-        } else {
-            Bounds { step_s: 0.0, device: 0 }
-        };
-        entries.push(Entry {
-            knobs,
-            config,
-            bounds,
-            planned: None,
-            unreplayed: None,
-        });
+    if entries.is_empty() {
+        return Err(PlanError::Graph("the search space is empty".into()));
     }
     let mut evaluated = 0usize;
     // The winner so far: (step time, device total, index).
@@ -447,7 +464,8 @@ pub fn search(
             // While nothing fits, the search may end up wanting the least device total, so
             // a plan not replayed is kept for its replay.
             let keep = best.is_none();
-            let (c, rest) = evaluate(joint, &e.knobs, &e.config, &mut cache, budget, keep, |step_s, lower| {
+            let (joint, cache) = (spaces[e.space].0, &mut caches[e.space]);
+            let (c, rest) = evaluate(joint, &e.knobs, &e.config, cache, budget, keep, |step_s, lower| {
                 !prune
                     || match best {
                         None => true,
@@ -477,7 +495,7 @@ pub fn search(
     match best {
         Some((_, _, i)) => {
             let config = entries[i].config.clone();
-            let winner = plan(joint, &config)?;
+            let winner = plan(spaces[entries[i].space].0, &config)?;
             // Best first: fitting before not, then faster, then smaller, then earlier.
             let mut planned: Vec<(usize, Candidate)> = entries
                 .into_iter()
@@ -534,8 +552,8 @@ pub fn search(
                             c.device_exact = true;
                         }
                         (None, _) => {
-                            let (c, rest) =
-                                evaluate(joint, &e.knobs, &e.config, &mut cache, budget, true, |_, _| true)?;
+                            let (joint, cache) = (spaces[e.space].0, &mut caches[e.space]);
+                            let (c, rest) = evaluate(joint, &e.knobs, &e.config, cache, budget, true, |_, _| true)?;
                             e.planned = Some(c);
                             e.unreplayed = rest;
                         }
@@ -563,12 +581,13 @@ pub fn tensor_degrees(base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
 }
 
 /// [`search`] with the tensor-parallel degree searched too ([`tensor_degrees`]): the model
-/// traced as one tensor rank's program at each degree the model divides, each searched
-/// over the same knobs with the data-parallel ranks left and the same tokens per step
+/// traced as one tensor rank's program at each degree the model divides, each over the
+/// same knobs with the data-parallel ranks left and the same tokens per step
 /// (`batch.per_rank` counts a data-parallel rank's sequences, which its tensor group
-/// shares, so it scales with the degree); the fastest fitting candidate of all wins (ties:
-/// less device memory, then the smaller degree). Nothing fitting, the least device total
-/// of all.
+/// shares, so it scales with the degree), all in one branch and bound
+/// over every degree's candidates: the fastest fitting candidate of all wins (ties: less device
+/// memory, then the smaller degree); offload only when no degree fits without it; nothing
+/// fitting, the least device total of all.
 pub fn search_model(
     model: &shardplan_models::ModelConfig,
     base: &ParallelConfig,
@@ -576,11 +595,21 @@ pub fn search_model(
     budget: u64,
     prune: bool,
 ) -> Result<Result<AutoResult, NoFit>, PlanError> {
+    let spaces = model_spaces(model, base, fixed)?;
+    let spaces: Vec<(&JointGraph, ParallelConfig)> = spaces.iter().map(|(j, c)| (j, c.clone())).collect();
+    search_spaces(&spaces, fixed, budget, prune)
+}
+
+/// The spaces [`search_model`] searches: for each of [`tensor_degrees`] the model splits
+/// over, its graph traced and differentiated at that degree and the spec with its mesh
+/// (the data-parallel ranks left) and `batch.per_rank` (the same tokens per step).
+pub fn model_spaces(
+    model: &shardplan_models::ModelConfig,
+    base: &ParallelConfig,
+    fixed: Fixed,
+) -> Result<Vec<(JointGraph, ParallelConfig)>, PlanError> {
     let world = base.mesh.world();
-    let mut best: Option<AutoResult> = None;
-    let mut least: Option<NoFit> = None;
-    let (mut candidates, mut evaluated, mut pruned) = (Vec::new(), 0, 0);
-    let mut traced_any = false;
+    let mut spaces: Vec<(JointGraph, ParallelConfig)> = Vec::new();
     for t in tensor_degrees(base, fixed) {
         let mut config = base.clone();
         let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
@@ -600,54 +629,16 @@ pub fn search_model(
         let Ok(g) = shardplan_models::trace(model, config.trace_options()) else {
             continue;
         };
-        traced_any = true;
         let joint =
             shardplan_ir::differentiate_with(&g, config.diff_options()).map_err(|e| PlanError::Graph(e.to_string()))?;
-        match search(&joint, &config, fixed, budget, prune)? {
-            Ok(r) => {
-                evaluated += r.evaluated;
-                pruned += r.pruned;
-                candidates.extend(r.candidates.iter().cloned());
-                let key = |r: &AutoResult| (r.candidates[0].step_s, r.candidates[0].device);
-                let better = best.as_ref().is_none_or(|b| {
-                    let (a, b) = (key(&r), key(b));
-                    a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)) == std::cmp::Ordering::Less
-                });
-                if better {
-                    best = Some(r);
-                }
-            }
-            Err(no) => {
-                if least.as_ref().is_none_or(|l| no.best.device < l.best.device) {
-                    least = Some(no);
-                }
-            }
-        }
+        spaces.push((joint, config));
     }
-    if !traced_any {
+    if spaces.is_empty() {
         return Err(PlanError::Graph(
             "the model splits over no tensor-parallel degree the node and world allow".into(),
         ));
     }
-    match best {
-        Some(mut r) => {
-            // Best first across degrees, as within one.
-            candidates.sort_by(|a, b| {
-                (!a.fits)
-                    .cmp(&!b.fits)
-                    .then(a.step_s.total_cmp(&b.step_s))
-                    .then(a.device.cmp(&b.device))
-                    .then(a.knobs.tensor.cmp(&b.knobs.tensor))
-            });
-            r.candidates = candidates;
-            r.evaluated = evaluated;
-            r.pruned = pruned;
-            Ok(Ok(r))
-        }
-        None => Ok(Err(
-            least.ok_or_else(|| PlanError::Bug("a search returned nothing".into()))?
-        )),
-    }
+    Ok(spaces)
 }
 
 /// `p`'s memory with the caching allocator replayed over its program.

@@ -9,7 +9,7 @@ use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{preset, trace, TraceOptions};
 use shardplan_planner::allocator::stream_peaks;
-use shardplan_planner::auto::{grid, search, AutoResult, Fixed};
+use shardplan_planner::auto::{grid, model_spaces, search, search_model, AutoResult, Fixed};
 use shardplan_planner::bounds::BoundCache;
 use shardplan_planner::{plan, verify, Plan, PlanCache};
 
@@ -199,6 +199,94 @@ fn the_search_finds_the_brute_force_winner_and_its_bounds_hold() {
                 ),
             }
         }
+    }
+}
+
+/// `--auto`'s search over the tensor-parallel degrees too (one branch and bound over the
+/// union of every degree's grid) finds the brute-force winner of that union, and when
+/// nothing fits, the least device total of all.
+#[test]
+fn the_search_over_tensor_degrees_finds_the_brute_force_winner() {
+    for model in ["tiny-llama", "tiny-gpt2"] {
+        let m = preset(model).unwrap();
+        // NCCL's buffers at a size that does not drown a tiny model's (a tensor group adds
+        // a communicator), so that every degree can win at some budget.
+        let c = parallel(
+            "mesh: {shard: 8}\ngpus_per_node: 4\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 128}\nhardware: {base: h100-sxm, nccl_channel_mib: 0.01}\n",
+        );
+        let spaces = model_spaces(&m, &c, Fixed::default()).unwrap();
+        let degrees: Vec<u64> = spaces.iter().map(|(_, s)| s.mesh.tensor).collect();
+        assert!(degrees.len() >= 2, "{model}: degrees {degrees:?}");
+        // Every candidate of every degree, planned in full, in the search's order.
+        let mut all = Vec::new();
+        for (j, base) in &spaces {
+            for (knobs, config) in grid(j, base, Fixed::default()) {
+                all.push((knobs, plan(j, &config).unwrap()));
+            }
+        }
+        let mut totals: Vec<u64> = all.iter().map(|(_, p)| p.memory.device_total).collect();
+        totals.sort_unstable();
+        totals.dedup();
+        let brute = |b: u64| {
+            let fitting = |offload: bool| {
+                all.iter()
+                    .enumerate()
+                    .filter(|(_, (k, p))| k.offload == offload && p.memory.device_total <= b)
+                    .min_by(|(i, (_, p)), (k, (_, q))| {
+                        p.estimate
+                            .step_s
+                            .total_cmp(&q.estimate.step_s)
+                            .then(p.memory.device_total.cmp(&q.memory.device_total))
+                            .then(i.cmp(k))
+                    })
+            };
+            fitting(false).or_else(|| fitting(true))
+        };
+        // Budgets spread over the device totals, and the first at which each degree wins.
+        let step = totals.len().div_ceil(16).max(1);
+        let mut budgets: Vec<u64> = totals
+            .iter()
+            .step_by(step)
+            .flat_map(|&t| [t - 1, t])
+            .chain([totals[0] / 2, u64::MAX])
+            .collect();
+        for &d in &degrees {
+            budgets.extend(totals.iter().copied().find(|&t| brute(t).is_some_and(|(_, (k, _))| k.tensor == d)));
+        }
+        let mut winners = std::collections::BTreeSet::new();
+        for b in budgets {
+            match (brute(b), search_model(&m, &c, Fixed::default(), b, true).unwrap()) {
+                (Some((_, (k, p))), Ok(r)) => {
+                    let w = &r.candidates[0];
+                    assert_eq!(&w.knobs, k, "{model} budget {b}");
+                    assert_eq!(
+                        (w.step_s, w.peak, w.device),
+                        (p.estimate.step_s, p.memory.peak, p.memory.device_total),
+                        "{model} budget {b}"
+                    );
+                    assert_eq!(r.winner.estimate.step_s, p.estimate.step_s);
+                    assert_eq!(r.config.mesh.tensor, k.tensor);
+                    winners.insert(k.tensor);
+                }
+                (None, Err(no)) => {
+                    let least = totals[0];
+                    assert_eq!(no.best.device, least, "{model} budget {b}: not the least device total");
+                    assert!(no.best.device_exact);
+                }
+                (bf, fast) => panic!(
+                    "{model} budget {b}: brute force found {}, the search {}",
+                    bf.is_some(),
+                    fast.is_ok()
+                ),
+            }
+        }
+        // The grid's budgets make more than one degree win, so the union is exercised.
+        let least = |d: u64| all.iter().filter(|(k, _)| k.tensor == d).map(|(_, p)| p.memory.device_total).min();
+        assert!(
+            winners.len() >= 2,
+            "{model}: winners only at degrees {winners:?}; least totals {:?}",
+            degrees.iter().map(|&d| least(d)).collect::<Vec<_>>()
+        );
     }
 }
 
