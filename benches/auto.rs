@@ -31,15 +31,27 @@ fn auto(c: &mut Criterion) {
         let budget = default_budget(&p.config.hardware);
         let fixed = Fixed::default();
         // The search's speed is measured whether or not a candidate fits the device.
-        report(label, budget, search(&joint, &p.config, fixed, budget, true).expect("search"));
+        report(
+            label,
+            budget,
+            search(&joint, &p.config, fixed, budget, true).expect("search"),
+        );
         group.bench_function(label, |b| {
             b.iter(|| search(&joint, &p.config, fixed, budget, true).expect("search").is_ok())
         });
         if label != "llama3-70b-64-ranks" {
             let tp = format!("{label}-tp");
-            report(&tp, budget, search_model(&m.config, &p.config, fixed, budget, true).expect("search"));
+            report(
+                &tp,
+                budget,
+                search_model(&m.config, &p.config, fixed, budget, true).expect("search"),
+            );
             group.bench_function(&tp, |b| {
-                b.iter(|| search_model(&m.config, &p.config, fixed, budget, true).expect("search").is_ok())
+                b.iter(|| {
+                    search_model(&m.config, &p.config, fixed, budget, true)
+                        .expect("search")
+                        .is_ok()
+                })
             });
         }
         if label == "llama3-405b-2048-ranks" {

@@ -409,25 +409,49 @@ pub fn search_spaces(
     budget: u64,
     prune: bool,
 ) -> Result<Result<AutoResult, NoFit>, PlanError> {
-    let mut caches: Vec<PlanCache> = spaces.iter().map(|_| PlanCache::default()).collect();
+    // Each space's grid and bounds are its own (its graph, its caches): one thread each.
+    let per_space: Vec<Result<(Vec<Entry>, PlanCache), PlanError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = spaces
+            .iter()
+            .enumerate()
+            .map(|(space, (joint, base))| {
+                scope.spawn(move || {
+                    let mut cache = PlanCache::default();
+                    let mut bound_cache = BoundCache::default();
+                    let mut entries = Vec::new();
+                    for (knobs, config) in grid(joint, base, fixed) {
+                        let bounds = if prune {
+                            bound_cache.bounds(joint, &config, &mut cache)?
+                        } else {
+                            Bounds { step_s: 0.0, device: 0 }
+                        };
+                        entries.push(Entry {
+                            space,
+                            knobs,
+                            config,
+                            bounds,
+                            planned: None,
+                            unreplayed: None,
+                        });
+                    }
+                    Ok((entries, cache))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(PlanError::Bug("a search thread panicked".into())))
+            })
+            .collect()
+    });
+    let mut caches: Vec<PlanCache> = Vec::with_capacity(spaces.len());
     let mut entries: Vec<Entry> = Vec::new();
-    for (space, (joint, base)) in spaces.iter().enumerate() {
-        let mut bound_cache = BoundCache::default();
-        for (knobs, config) in grid(joint, base, fixed) {
-            let bounds = if prune {
-                bound_cache.bounds(joint, &config, &mut caches[space])?
-            } else {
-                Bounds { step_s: 0.0, device: 0 }
-            };
-            entries.push(Entry {
-                space,
-                knobs,
-                config,
-                bounds,
-                planned: None,
-                unreplayed: None,
-            });
-        }
+    for r in per_space {
+        let (e, c) = r?;
+        entries.extend(e);
+        caches.push(c);
     }
     if entries.is_empty() {
         return Err(PlanError::Graph("the search space is empty".into()));

@@ -44,18 +44,36 @@ use crate::steps::Step;
 use shardplan_frontends::{HardwareProfile, KernelMode};
 use shardplan_ir::{DType, Graph, NodeId, NormWrt, Op};
 
+/// Every node's [`OpModel::seconds`] with its parts ([`OpModel::parts`]), costed once per
+/// graph, hardware and compute dtype: the steps of every grouping and checkpointing policy
+/// of a search read them instead of costing each op again.
+pub struct NodeTimes(Vec<(f64, WorkKind, f64, f64)>);
+
+impl NodeTimes {
+    pub fn new(g: &Graph, hw: &HardwareProfile, compute_dtype: DType) -> Self {
+        let model = OpModel::new(g, hw, compute_dtype);
+        NodeTimes((0..g.node_count()).map(|i| model.timed(NodeId(i as u32))).collect())
+    }
+
+    fn get(&self, id: NodeId) -> (f64, WorkKind, f64, f64) {
+        self.0
+            .get(id.index())
+            .copied()
+            .unwrap_or((0.0, WorkKind::Elementwise, 0.0, 0.0))
+    }
+}
+
 /// Seconds to run each step (segment) once (the sum of its ops' [`OpModel::seconds`]), and
 /// the same seconds by kind of work, each op's time split into its work and the launches it
 /// does not hide ([`OpModel::parts`]).
-pub fn step_costs(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype: DType) -> (Vec<f64>, Vec<Breakdown>) {
-    let model = OpModel::new(g, hw, compute_dtype);
+pub fn step_costs(times: &NodeTimes, steps: &[Step]) -> (Vec<f64>, Vec<Breakdown>) {
     steps
         .iter()
         .map(|s| {
             let mut total = 0.0;
             let mut b = Breakdown::default();
             for i in s.nodes.iter().flat_map(|r| r.clone()) {
-                let (seconds, kind, work, launch) = model.timed(NodeId(i));
+                let (seconds, kind, work, launch) = times.get(NodeId(i));
                 total += seconds;
                 b.add(kind, work);
                 b.add(WorkKind::Launch, launch);
@@ -67,16 +85,15 @@ pub fn step_costs(g: &Graph, steps: &[Step], hw: &HardwareProfile, compute_dtype
 
 /// Records each step's tensor-parallel collectives ([`crate::steps::TensorOp`]) with
 /// where they fall in the step by [`OpModel::seconds`]; nothing without tensor parallelism.
-pub fn annotate_tensor_ops(g: &Graph, steps: &mut [Step], hw: &HardwareProfile, compute_dtype: DType) {
+pub fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
     if g.tensor_degree() <= 1 {
         return;
     }
-    let model = OpModel::new(g, hw, compute_dtype);
     for s in steps {
         let mut at = 0.0;
         for i in s.nodes.iter().flat_map(|r| r.clone()) {
             let id = NodeId(i);
-            let dur = model.seconds(id);
+            let dur = times.get(id).0;
             let node = g.node(id);
             if node.op.is_tensor_collective() {
                 let bytes = match node.op {

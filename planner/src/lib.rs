@@ -58,8 +58,28 @@ pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: 
     .0)
 }
 
-/// Groups' parameters, checkpointing policy, hardware and compute dtype.
-type StepsKey = (Vec<Vec<ParamId>>, String, String);
+/// What the compute steps of one graph depend on: the groups' parameters, the
+/// checkpointing policy, the hardware, the compute dtype and the runtime.
+struct StepsKey {
+    groups: Vec<Vec<ParamId>>,
+    checkpointing: shardplan_frontends::ActivationCheckpointing,
+    hardware: shardplan_frontends::HardwareProfile,
+    param: shardplan_ir::DType,
+    runtime: shardplan_frontends::Runtime,
+}
+
+impl StepsKey {
+    /// Whether `fsdp` under `config` has this key (compared in place: a search looks it up
+    /// for every candidate).
+    fn is(&self, fsdp: &[FsdpGroup], config: &ParallelConfig) -> bool {
+        self.checkpointing == config.activation_checkpointing
+            && self.param == config.mixed_precision.param
+            && self.runtime == config.runtime
+            && self.groups.len() == fsdp.len()
+            && self.groups.iter().zip(fsdp).all(|(a, f)| *a == f.params)
+            && self.hardware == config.hardware
+    }
+}
 
 /// The steps of one key, their activation events and durations.
 pub(crate) struct CachedSteps {
@@ -77,7 +97,14 @@ pub(crate) struct CachedSteps {
 pub struct PlanCache {
     /// By the wrap policy, as printed (every field [`group`] reads besides the graph).
     groups: std::collections::HashMap<String, std::sync::Arc<Vec<FsdpGroup>>>,
-    steps: std::collections::HashMap<StepsKey, std::sync::Arc<CachedSteps>>,
+    /// A few keys per search (groupings times checkpointing policies), looked up by `==`.
+    steps: Vec<(StepsKey, std::sync::Arc<CachedSteps>)>,
+    /// Every node's times, by hardware and compute dtype (one entry per search).
+    node_times: Vec<(
+        shardplan_frontends::HardwareProfile,
+        shardplan_ir::DType,
+        std::sync::Arc<cost::NodeTimes>,
+    )>,
     forward_flops: Option<f64>,
 }
 
@@ -106,25 +133,39 @@ impl PlanCache {
         fsdp: &[FsdpGroup],
     ) -> std::sync::Arc<CachedSteps> {
         let param = config.mixed_precision.param;
-        let key = (
-            fsdp.iter().map(|f| f.params.clone()).collect::<Vec<_>>(),
-            format!("{:?}", config.activation_checkpointing),
-            format!("{:?} {:?} {:?}", config.hardware, param, config.runtime),
-        );
-        if let Some(x) = self.steps.get(&key) {
+        if let Some((_, x)) = self.steps.iter().find(|(k, _)| k.is(fsdp, config)) {
             return x.clone();
         }
+        let key = StepsKey {
+            groups: fsdp.iter().map(|f| f.params.clone()).collect(),
+            checkpointing: config.activation_checkpointing,
+            hardware: config.hardware.clone(),
+            param,
+            runtime: config.runtime,
+        };
         let (mut steps, acts) =
             steps::steps_and_events_for(joint, fsdp, config.activation_checkpointing, steps::Kernels::of(config));
-        let (step_s, step_parts) = cost::step_costs(&joint.graph, &steps, &config.hardware, param);
-        cost::annotate_tensor_ops(&joint.graph, &mut steps, &config.hardware, param);
+        let times = match self
+            .node_times
+            .iter()
+            .find(|(h, d, _)| *h == config.hardware && *d == param)
+        {
+            Some((_, _, t)) => t.clone(),
+            None => {
+                let t = std::sync::Arc::new(cost::NodeTimes::new(&joint.graph, &config.hardware, param));
+                self.node_times.push((config.hardware.clone(), param, t.clone()));
+                t
+            }
+        };
+        let (step_s, step_parts) = cost::step_costs(&times, &steps);
+        cost::annotate_tensor_ops(&joint.graph, &times, &mut steps);
         let x = std::sync::Arc::new(CachedSteps {
             steps,
             acts,
             step_s,
             step_parts,
         });
-        self.steps.insert(key, x.clone());
+        self.steps.push((key, x.clone()));
         x
     }
 }
@@ -177,7 +218,7 @@ pub(crate) fn plan_candidate(
 }
 
 /// The pipeline; `forward_only: Some(m)` plans `m` forward-only micro-batches
-/// ([`plan_forward`]); `lean` leaves the plan's steps and parameter names out
+/// ([`plan_forward`]); `lean` leaves the plan's steps, parameter names and buffer names out
 /// ([`plan_candidate`]).
 fn passes(
     joint: &JointGraph,
@@ -293,11 +334,11 @@ fn passes(
     // 3. The schedule of one rank (every rank runs the same program: shards are padded),
     // its all-gathers placed for the peak under `prefetch: auto`.
     let gates = schedule::gates(steps, &groups, &policy);
-    let sched = schedule::schedule_gated(steps, &groups, &policy, &mesh, &gates);
+    let sched = schedule::schedule_gated(steps, &groups, &policy, &mesh, &gates, !lean);
 
     // The memory passes add sizes up without checks: bound their total first.
     rank_bytes_fit(&sched.buffers, &cached.acts)?;
-    let (sched, prefetch_moves) = if policy.prefetch.peak_aware {
+    let (sched, prefetch_moves, simulated) = if policy.prefetch.peak_aware {
         let ctx = prefetch::Ctx {
             steps,
             groups: &groups,
@@ -305,10 +346,12 @@ fn passes(
             mesh: &mesh,
             hw: &config.hardware,
             step_s: &cached.step_s,
+            named: !lean,
         };
-        prefetch::peak_aware(&ctx, gates, sched)
+        let (sched, moves, sim) = prefetch::peak_aware(&ctx, gates, sched);
+        (sched, moves, Some(sim))
     } else {
-        (sched, Vec::new())
+        (sched, Vec::new(), None)
     };
 
     // 4. Timeline, memory, estimate.
@@ -338,6 +381,7 @@ fn passes(
         &policy,
         forward_flops,
         replay && forward_only.is_none(),
+        simulated,
     );
 
     let plan = Plan {
@@ -416,17 +460,25 @@ pub(crate) fn simulate_program(
     policy: &Policy,
     forward_flops: f64,
     replay: bool,
+    simulated: Option<prefetch::Simulated>,
 ) -> (Timing, MemoryReport, Estimate) {
-    let (timing, stall) = simulate::timeline(
-        program,
-        buffers,
-        &cached.step_s,
-        events,
-        mesh,
-        &config.hardware,
-        policy.optimizer_state_per_param,
-    );
-    let mut memory = simulate::memory(program, buffers, steps, &timing);
+    // The timeline and memory of this program, unless the caller simulated it already.
+    let (timing, stall, mut memory) = match simulated {
+        Some(s) => (s.timing, s.stall, s.memory),
+        None => {
+            let (timing, stall) = simulate::timeline(
+                program,
+                buffers,
+                &cached.step_s,
+                events,
+                mesh,
+                &config.hardware,
+                policy.optimizer_state_per_param,
+            );
+            let memory = simulate::memory(program, buffers, steps, &timing);
+            (timing, stall, memory)
+        }
+    };
     if replay {
         memory = simulate::device_memory(
             memory,

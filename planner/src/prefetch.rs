@@ -34,6 +34,8 @@ pub struct Ctx<'a> {
     pub mesh: &'a Mesh,
     pub hw: &'a HardwareProfile,
     pub step_s: &'a [f64],
+    /// Whether the schedules name their buffers ([`schedule_gated`]).
+    pub named: bool,
 }
 
 /// A schedule with its simulated step time, allocated peak and the instruction at the peak.
@@ -42,10 +44,19 @@ struct Scored {
     step_s: f64,
     peak: u64,
     peak_instr: usize,
+    sim: Simulated,
+}
+
+/// A schedule's timeline (with its stalls) and memory, as [`timeline`] and [`memory`] give
+/// them: the plan keeps those of the schedule chosen instead of simulating it again.
+pub struct Simulated {
+    pub timing: crate::plan::Timing,
+    pub stall: Vec<f64>,
+    pub memory: crate::plan::MemoryReport,
 }
 
 fn score(ctx: &Ctx, sched: Schedule) -> Scored {
-    let (timing, _) = timeline(
+    let (timing, stall) = timeline(
         &sched.program,
         &sched.buffers,
         ctx.step_s,
@@ -60,6 +71,11 @@ fn score(ctx: &Ctx, sched: Schedule) -> Scored {
         peak: mem.peak,
         peak_instr: mem.peak_instr as usize,
         sched,
+        sim: Simulated {
+            timing,
+            stall,
+            memory: mem,
+        },
     }
 }
 
@@ -72,8 +88,9 @@ fn step_at(sched: &Schedule, i: usize) -> Option<usize> {
 }
 
 /// `base` (the schedule of `gates`, the depths' order) with its all-gathers moved later
-/// where that lowers the peak without lengthening the step, and the moves made.
-pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule, Vec<PrefetchMove>) {
+/// where that lowers the peak without lengthening the step, the moves made, and the
+/// chosen schedule's simulation.
+pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule, Vec<PrefetchMove>, Simulated) {
     let mut best = score(ctx, base);
     let limit = best.step_s * (1.0 + STEP_TOLERANCE);
     let mut moves = Vec::new();
@@ -94,7 +111,7 @@ pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule,
         for i in held {
             let mut trial = gates.clone();
             trial[i].at = at_peak + 1;
-            let sched = schedule_gated(ctx.steps, ctx.groups, ctx.policy, ctx.mesh, &trial);
+            let sched = schedule_gated(ctx.steps, ctx.groups, ctx.policy, ctx.mesh, &trial, ctx.named);
             let s = score(ctx, sched);
             if s.peak < best.peak && s.step_s <= limit {
                 moves.push(PrefetchMove {
@@ -115,5 +132,5 @@ pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule,
             break;
         }
     }
-    (best.sched, moves)
+    (best.sched, moves, best.sim)
 }

@@ -269,6 +269,7 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
             &expected.policy,
             forward_flops,
             true,
+            None,
         );
         expected.programs = plan.programs.clone();
         expected.events = plan.events;

@@ -77,11 +77,24 @@ struct Builder<'a> {
     ag_state: Option<BufId>,
     /// FSDP2's `reduce_scatter_states`: the last reduce-scatter input and its end.
     rs_state: Option<(BufId, EventId)>,
+    /// Whether buffers get their names (the auto search's candidate and trial schedules
+    /// leave them empty: only the plan it returns is printed, and that one is planned
+    /// again).
+    named: bool,
 }
 
 impl Builder<'_> {
-    fn buf(&mut self, name: String, category: Category, group: GroupId, dtype: DType, numel: u64, pool: Pool) -> BufId {
+    fn buf(
+        &mut self,
+        name: impl FnOnce() -> String,
+        category: Category,
+        group: GroupId,
+        dtype: DType,
+        numel: u64,
+        pool: Pool,
+    ) -> BufId {
         let id = self.buffers.next_key();
+        let name = if self.named { name() } else { String::new() };
         self.buffers.push(Buffer {
             id,
             name,
@@ -146,10 +159,18 @@ impl Builder<'_> {
         let p = self.policy.mixed_precision.param;
         let full = self.gathered_numel(g);
         let tag = self.suffix(micro, if phase == Phase::Forward { "fwd" } else { "bwd" });
-        let (name, category) = if self.fsdp2 {
-            (format!("{g}.ag.{tag}"), Category::CommBuffers)
+        let fsdp2 = self.fsdp2;
+        let category = if fsdp2 {
+            Category::CommBuffers
         } else {
-            (format!("{g}.unsharded.{tag}"), Category::UnshardedParams)
+            Category::UnshardedParams
+        };
+        let name = || {
+            if fsdp2 {
+                format!("{g}.ag.{tag}")
+            } else {
+                format!("{g}.unsharded.{tag}")
+            }
         };
         let dst = self.buf(name, category, g, p, full, Pool::Device);
         let (src, comm, drop_src) = match self.post_forward[g].take() {
@@ -163,7 +184,7 @@ impl Builder<'_> {
             }
             None if self.offload() => {
                 let dev = self.buf(
-                    format!("{g}.params.device"),
+                    || format!("{g}.params.device"),
                     Category::ShardedParams,
                     g,
                     self.policy.mixed_precision.master,
@@ -195,7 +216,7 @@ impl Builder<'_> {
             let numel = self.buffers[src].numel;
             let tag = tag.clone();
             let cast = self.buf(
-                format!("{g}.ag_in.{tag}"),
+                || format!("{g}.ag_in.{tag}"),
                 Category::CommBuffers,
                 g,
                 p,
@@ -250,7 +271,7 @@ impl Builder<'_> {
         let numel = self.gathered_numel(g);
         let p = self.policy.mixed_precision.param;
         let dst = self.buf(
-            format!("{g}.unsharded.{tag}"),
+            || format!("{g}.unsharded.{tag}"),
             Category::UnshardedParams,
             g,
             p,
@@ -308,7 +329,7 @@ impl Builder<'_> {
         }
         let tag = self.suffix(micro, "rs");
         let packed = self.buf(
-            format!("{g}.{tag}_in"),
+            || format!("{g}.{tag}_in"),
             Category::CommBuffers,
             g,
             reduce,
@@ -337,7 +358,7 @@ impl Builder<'_> {
             Some(b) => b,
             None => {
                 let b = self.buf(
-                    format!("{g}.grads"),
+                    || format!("{g}.grads"),
                     Category::ShardedGrads,
                     g,
                     master,
@@ -392,7 +413,7 @@ impl Builder<'_> {
         let mut final_buf = acc;
         if self.offload() {
             let host = self.buf(
-                format!("{g}.grads.host"),
+                || format!("{g}.grads.host"),
                 Category::ShardedGrads,
                 g,
                 master,
@@ -425,10 +446,18 @@ impl Builder<'_> {
         let reduce = self.policy.mixed_precision.reduce;
         let existing = self.sharded_grads[g];
         let becomes_grad = existing.is_none() && reduce == master;
-        let (name, category) = if becomes_grad {
-            (format!("{g}.grads"), Category::ShardedGrads)
+        let category = if becomes_grad {
+            Category::ShardedGrads
         } else {
-            (format!("{g}.{}_out", self.suffix(micro, "rs")), Category::CommBuffers)
+            Category::CommBuffers
+        };
+        let tag = self.suffix(micro, "rs");
+        let name = || {
+            if becomes_grad {
+                format!("{g}.grads")
+            } else {
+                format!("{g}.{tag}_out")
+            }
         };
         let out = self.buf(name, category, g, reduce, self.shard_numel(g), Pool::Device);
         self.emit(Stream::ReduceScatter, Instr::Alloc { buf: out });
@@ -454,7 +483,7 @@ impl Builder<'_> {
                 Some(acc) => acc,
                 None => {
                     let acc = self.buf(
-                        format!("{g}.grads"),
+                        || format!("{g}.grads"),
                         Category::ShardedGrads,
                         g,
                         master,
@@ -605,17 +634,19 @@ pub fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Ga
 
 /// The schedule of one rank, its all-gathers issued at [`gates`].
 pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: &Mesh) -> Schedule {
-    schedule_gated(steps, groups, policy, mesh, &gates(steps, groups, policy))
+    schedule_gated(steps, groups, policy, mesh, &gates(steps, groups, policy), true)
 }
 
 /// The schedule of one rank with its all-gathers issued at `gates` (one per gather of a
-/// micro-batch, as [`gates`] lists them, with any `at` in `..=need`).
+/// micro-batch, as [`gates`] lists them, with any `at` in `..=need`). `named: false`
+/// leaves every buffer's name empty (a schedule that is simulated, never printed).
 pub fn schedule_gated(
     steps: &[Step],
     groups: &[PlannedGroup],
     policy: &Policy,
     mesh: &Mesh,
     gates: &[Gate],
+    named: bool,
 ) -> Schedule {
     let n = groups.len();
     let pool = if policy.offload == Offload::Cpu {
@@ -644,18 +675,26 @@ pub fn schedule_gated(
         fsdp2: policy.runtime == Runtime::Fsdp2,
         ag_state: None,
         rs_state: None,
+        named,
     };
     for grp in groups {
         let g = grp.group.id;
         let shard = grp.layout.shard_numel;
-        let p = b.buf(format!("{g}.params"), Category::ShardedParams, g, master, shard, pool);
+        let p = b.buf(
+            || format!("{g}.params"),
+            Category::ShardedParams,
+            g,
+            master,
+            shard,
+            pool,
+        );
         b.buffers[p].persistent = true;
         let pushed = b.sharded.push(p);
         debug_assert_eq!(pushed, g, "groups are in id order");
         let k = policy.optimizer_state_per_param;
         let o = (k > 0).then(|| {
             let o = b.buf(
-                format!("{g}.optim"),
+                || format!("{g}.optim"),
                 Category::OptimizerState,
                 g,
                 master,
@@ -669,7 +708,7 @@ pub fn schedule_gated(
         if b.fsdp2 && policy.optimizer == "adamw" {
             // torch's AdamW: a 4-byte `step` tensor per parameter.
             let steps = b.buf(
-                format!("{g}.optim.step"),
+                || format!("{g}.optim.step"),
                 Category::OptimizerState,
                 g,
                 DType::F32,
@@ -763,7 +802,7 @@ pub fn schedule_gated(
                             tag.push_str(&format!(".{}", StepId::new(pos)));
                         }
                         let buf = b.buf(
-                            format!("{g}.unsharded_grads{tag}"),
+                            || format!("{g}.unsharded_grads{tag}"),
                             Category::UnshardedGrads,
                             g,
                             policy.mixed_precision.param,
@@ -813,7 +852,7 @@ pub fn schedule_gated(
                             let numel = b.gathered_numel(g) / k;
                             let tag = b.suffix(micro, "pf");
                             let pf = b.buf(
-                                format!("{g}.{tag}_shard"),
+                                || format!("{g}.{tag}_shard"),
                                 Category::UnshardedParams,
                                 g,
                                 policy.mixed_precision.param,

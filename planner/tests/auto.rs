@@ -251,7 +251,12 @@ fn the_search_over_tensor_degrees_finds_the_brute_force_winner() {
             .chain([totals[0] / 2, u64::MAX])
             .collect();
         for &d in &degrees {
-            budgets.extend(totals.iter().copied().find(|&t| brute(t).is_some_and(|(_, (k, _))| k.tensor == d)));
+            budgets.extend(
+                totals
+                    .iter()
+                    .copied()
+                    .find(|&t| brute(t).is_some_and(|(_, (k, _))| k.tensor == d)),
+            );
         }
         let mut winners = std::collections::BTreeSet::new();
         for b in budgets {
@@ -281,7 +286,12 @@ fn the_search_over_tensor_degrees_finds_the_brute_force_winner() {
             }
         }
         // The grid's budgets make more than one degree win, so the union is exercised.
-        let least = |d: u64| all.iter().filter(|(k, _)| k.tensor == d).map(|(_, p)| p.memory.device_total).min();
+        let least = |d: u64| {
+            all.iter()
+                .filter(|(k, _)| k.tensor == d)
+                .map(|(_, p)| p.memory.device_total)
+                .min()
+        };
         assert!(
             winners.len() >= 2,
             "{model}: winners only at degrees {winners:?}; least totals {:?}",

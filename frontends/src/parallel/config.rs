@@ -125,7 +125,7 @@ pub enum Offload {
 }
 
 /// Which blocks recompute their activations in backward.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ActivationCheckpointing {
     None,
@@ -138,7 +138,7 @@ pub enum ActivationCheckpointing {
 }
 
 /// What a selectively checkpointed block saves from its forward pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct SavePolicy {
     /// Attention outputs.
     pub attention: bool,
@@ -147,7 +147,7 @@ pub struct SavePolicy {
 }
 
 /// Which of a block's matmuls keep their outputs, counted in forward order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SavedMatmuls {
     None,
