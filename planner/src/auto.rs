@@ -19,7 +19,7 @@
 //! of a grid with full plans and compares winners and scores.
 
 use crate::bounds::{BoundCache, Bounds};
-use crate::{plan, plan_candidate, simulate, Plan, PlanCache, PlanError};
+use crate::{plan_candidate, simulate, Plan, PlanCache, PlanError};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, HardwareProfile, MeshShape, Offload, Origin, ParallelConfig, Prefetch, Reshard,
@@ -305,6 +305,9 @@ impl Entry {
     }
 }
 
+/// A candidate's plan (without the replay) and its steps, as [`plan_candidate`] gives them.
+type Planned = (Plan, std::sync::Arc<crate::CachedSteps>);
+
 /// Plans `config`; replays the allocator only when `replay_if` says the fit is open, and
 /// otherwise returns what a later replay needs when `keep` says so.
 fn evaluate(
@@ -316,7 +319,18 @@ fn evaluate(
     keep: bool,
     replay_if: impl Fn(f64, u64) -> bool,
 ) -> Result<(Candidate, Option<Box<Unreplayed>>), PlanError> {
-    let (mut p, steps) = plan_candidate(joint, config, cache)?;
+    let planned = plan_candidate(joint, config, cache)?;
+    Ok(decide(planned, knobs, budget, keep, replay_if))
+}
+
+/// [`evaluate`] of a candidate already planned.
+fn decide(
+    (mut p, steps): Planned,
+    knobs: &Knobs,
+    budget: u64,
+    keep: bool,
+    replay_if: impl Fn(f64, u64) -> bool,
+) -> (Candidate, Option<Box<Unreplayed>>) {
     // The allocator replay costs more than the rest of a candidate; it runs only where the
     // allocated peak plus the fixed overheads (a lower bound of the device total) leaves
     // the fit open, and where the caller still cares.
@@ -348,7 +362,44 @@ fn evaluate(
             steps,
         })
     });
-    Ok((c, rest))
+    (c, rest)
+}
+
+/// Plans `want` (indices of `entries`) at once, one thread each beyond the first, each with
+/// its own copy of its space's cache: a plan does not depend on what the cache holds, only
+/// on how long it takes.
+fn plan_ahead(
+    spaces: &[(&JointGraph, ParallelConfig)],
+    entries: &[Entry],
+    caches: &mut [PlanCache],
+    workers: &mut [Vec<PlanCache>],
+    want: &[usize],
+) -> Vec<(usize, Result<Planned, PlanError>)> {
+    let Some((&first, rest)) = want.split_first() else {
+        return Vec::new();
+    };
+    std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(rest.len());
+        for (&i, worker) in rest.iter().zip(workers.iter_mut()) {
+            let e = &entries[i];
+            let cache = &mut worker[e.space];
+            let joint = spaces[e.space].0;
+            handles.push((i, scope.spawn(move || plan_candidate(joint, &e.config, cache))));
+        }
+        let e = &entries[first];
+        let mut out = vec![(
+            first,
+            plan_candidate(spaces[e.space].0, &e.config, &mut caches[e.space]),
+        )];
+        for (i, h) in handles {
+            out.push((
+                i,
+                h.join()
+                    .unwrap_or_else(|_| Err(PlanError::Bug("a planning thread panicked".into()))),
+            ));
+        }
+        out
+    })
 }
 
 /// Whether a planned candidate that differs from `entries[i]` only in a prefetch no deeper
@@ -456,6 +507,9 @@ pub fn search_spaces(
     if entries.is_empty() {
         return Err(PlanError::Graph("the search space is empty".into()));
     }
+    // Threads that plan candidates ahead (beside this one), each with copies of the caches.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
+    let mut workers: Vec<Vec<PlanCache>> = (1..threads).map(|_| caches.clone()).collect();
     let mut evaluated = 0usize;
     // The winner so far: (step time, device total, index).
     let mut best: Option<(f64, u64, usize)> = None;
@@ -477,25 +531,46 @@ pub fn search_spaces(
                     .then(a.cmp(&b))
             });
         }
-        for i in order {
+        // Plans made ahead of their turn, on other threads: each is taken in order, with the
+        // decisions of a search that plans one at a time (one planned ahead but skipped
+        // by then is dropped), so the winner and every score are the same.
+        let mut ahead: std::collections::HashMap<usize, Result<Planned, PlanError>> = std::collections::HashMap::new();
+        for (k, &i) in order.iter().enumerate() {
             if prune && best.is_some_and(|(t, _, _)| entries[i].bounds.step_s > t) {
                 break; // every later candidate is bounded slower than the winner so far
             }
             if prune && shallower_prefetch_too_large(&entries, i, budget) {
                 continue;
             }
-            let e = &entries[i];
+            if !ahead.contains_key(&i) {
+                // This one and the next few that would be planned as things stand now.
+                let mut want = vec![i];
+                for &j in &order[k + 1..] {
+                    if want.len() > workers.len() {
+                        break;
+                    }
+                    if prune && best.is_some_and(|(t, _, _)| entries[j].bounds.step_s > t) {
+                        break;
+                    }
+                    if !(prune && shallower_prefetch_too_large(&entries, j, budget)) {
+                        want.push(j);
+                    }
+                }
+                ahead.extend(plan_ahead(spaces, &entries, &mut caches, &mut workers, &want));
+            }
+            let planned = ahead
+                .remove(&i)
+                .ok_or_else(|| PlanError::Bug("a candidate was not planned".into()))??;
             // While nothing fits, the search may end up wanting the least device total, so
             // a plan not replayed is kept for its replay.
             let keep = best.is_none();
-            let (joint, cache) = (spaces[e.space].0, &mut caches[e.space]);
-            let (c, rest) = evaluate(joint, &e.knobs, &e.config, cache, budget, keep, |step_s, lower| {
+            let (c, rest) = decide(planned, &entries[i].knobs, budget, keep, |step_s, lower| {
                 !prune
                     || match best {
                         None => true,
                         Some((t, d, _)) => step_s < t || (step_s == t && lower <= d),
                     }
-            })?;
+            });
             entries[i].unreplayed = rest;
             evaluated += 1;
             if c.fits {
@@ -519,7 +594,9 @@ pub fn search_spaces(
     match best {
         Some((_, _, i)) => {
             let config = entries[i].config.clone();
-            let winner = plan(spaces[entries[i].space].0, &config)?;
+            // Planned again in full (named, replayed, verified), from the search's caches.
+            let space = entries[i].space;
+            let winner = crate::plan_with(spaces[space].0, &config, &mut caches[space], true)?;
             // Best first: fitting before not, then faster, then smaller, then earlier.
             let mut planned: Vec<(usize, Candidate)> = entries
                 .into_iter()

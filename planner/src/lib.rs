@@ -60,6 +60,7 @@ pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: 
 
 /// What the compute steps of one graph depend on: the groups' parameters, the
 /// checkpointing policy, the hardware, the compute dtype and the runtime.
+#[derive(Clone)]
 struct StepsKey {
     groups: Vec<Vec<ParamId>>,
     checkpointing: shardplan_frontends::ActivationCheckpointing,
@@ -93,7 +94,7 @@ pub(crate) struct CachedSteps {
 /// prefetch or offload: the groups (by wrap policy), the compute steps, their activation
 /// events and their durations (by groups and checkpointing policy), and the model FLOPs.
 /// The auto search plans hundreds of variants with one.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct PlanCache {
     /// By the wrap policy, as printed (every field [`group`] reads besides the graph).
     groups: std::collections::HashMap<String, std::sync::Arc<Vec<FsdpGroup>>>,
