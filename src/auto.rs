@@ -11,7 +11,7 @@ use shardplan_planner::auto::{default_budget, knob_effects, search_model, Candid
 use shardplan_planner::print::{bytes, ms};
 use std::fmt::Write as _;
 
-fn table(o: &mut String, cands: &[Candidate], top: usize) {
+fn table(o: &mut String, cands: &[Candidate], top: usize, budget: u64) {
     let _ = writeln!(
         o,
         "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>6} {:>11} {:>11} {:>11}  fits",
@@ -54,8 +54,26 @@ fn table(o: &mut String, cands: &[Candidate], top: usize) {
             } else {
                 format!(">{}", bytes(c.device))
             },
-            if c.fits { "yes" } else { "no" }
+            fits(c, budget)
         );
+    }
+    if cands.iter().take(top).any(|c| fits(c, budget) == "-") {
+        let _ = writeln!(
+            o,
+            "  -: not replayed through the allocator, being slower than a candidate that fits (its device total is a lower bound)"
+        );
+    }
+}
+
+/// `yes`, `no`, or `-` where the search left the fit open (a candidate slower than one that
+/// fits is not replayed, and its lower bound is within the budget).
+fn fits(c: &Candidate, budget: u64) -> &'static str {
+    if c.fits {
+        "yes"
+    } else if c.device_exact || c.device > budget {
+        "no"
+    } else {
+        "-"
     }
 }
 
@@ -107,7 +125,7 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
     if let Some(path) = &args.emit_spec {
         std::fs::write(path, spec_yaml(&r.config)).with_context(|| format!("cannot write {}", path.display()))?;
     }
-    let effects = knob_effects(&r.candidates);
+    let effects = knob_effects(&r.candidates, budget);
     let text = match args.format {
         Format::Text => {
             let mut o = String::new();
@@ -119,7 +137,7 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
                 bytes(budget),
                 args.top.min(r.candidates.len())
             );
-            table(&mut o, &r.candidates, args.top);
+            table(&mut o, &r.candidates, args.top, budget);
             let _ = writeln!(o, "the winner, knob by knob:");
             for e in &effects {
                 let _ = writeln!(o, "  {e}");

@@ -756,8 +756,8 @@ fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
 }
 
 /// For the winner, one line per knob: what it bought against the best candidate that
-/// differs from it in that knob alone.
-pub fn knob_effects(candidates: &[Candidate]) -> Vec<String> {
+/// differs from it in that knob alone (and whether that one fits `budget`, where known).
+pub fn knob_effects(candidates: &[Candidate], budget: u64) -> Vec<String> {
     let Some(w) = candidates.first() else {
         return Vec::new();
     };
@@ -793,7 +793,13 @@ pub fn knob_effects(candidates: &[Candidate]) -> Vec<String> {
                 if dt >= 0.0 { "faster" } else { "slower" },
                 crate::print::bytes(dm.abs() as u64),
                 if dm >= 0.0 { "more" } else { "less" },
-                if o.fits { "" } else { " (the alternative does not fit)" }
+                if o.fits {
+                    ""
+                } else if o.device_exact || o.device > budget {
+                    " (the alternative does not fit)"
+                } else {
+                    " (the alternative's fit not replayed)"
+                }
             ));
         }
     }
