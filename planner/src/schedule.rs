@@ -838,9 +838,14 @@ pub fn schedule_gated(
             }
             for &g in &s.reads {
                 let (buf, _, _) = b.gathered[g].expect("read groups are gathered");
-                if u.last[g] == Some(pos) {
+                // FSDP2 reshards a group in its post-backward, once its gradients are made
+                // (the root's, with no input gradient to hook, at the end of backward): its
+                // parameters outlive their last read until then.
+                let held_to_post_backward = b.fsdp2 && u.last_grad[g].is_some_and(|l| l > pos);
+                if u.last[g] == Some(pos) && !held_to_post_backward {
                     b.emit(Stream::Compute, Instr::Free { buf });
                     b.gathered[g] = None;
+                } else if u.last[g] == Some(pos) {
                 } else if u.last_forward[g] == Some(pos) {
                     match groups[g.index()].reshard {
                         GroupReshard::Keep => {}
@@ -878,6 +883,15 @@ pub fn schedule_gated(
             if b.fsdp2 && last_forward == Some(pos) {
                 // The root's post-forward frees the all-gather output kept for overlap.
                 b.release_ag_state();
+            }
+            if b.fsdp2 {
+                for &g in &s.grads {
+                    if u.last_grad[g] == Some(pos) && u.last[g].is_some_and(|l| l < pos) {
+                        if let Some((buf, _, _)) = b.gathered[g].take() {
+                            b.emit(Stream::Compute, Instr::Free { buf });
+                        }
+                    }
+                }
             }
             if sync {
                 for &g in &s.grads {
