@@ -308,22 +308,8 @@ impl Entry {
 /// A candidate's plan (without the replay) and its steps, as [`plan_candidate`] gives them.
 type Planned = (Plan, std::sync::Arc<crate::CachedSteps>);
 
-/// Plans `config`; replays the allocator only when `replay_if` says the fit is open, and
-/// otherwise returns what a later replay needs when `keep` says so.
-fn evaluate(
-    joint: &JointGraph,
-    knobs: &Knobs,
-    config: &ParallelConfig,
-    cache: &mut PlanCache,
-    budget: u64,
-    keep: bool,
-    replay_if: impl Fn(f64, u64) -> bool,
-) -> Result<(Candidate, Option<Box<Unreplayed>>), PlanError> {
-    let planned = plan_candidate(joint, config, cache)?;
-    Ok(decide(planned, knobs, budget, keep, replay_if))
-}
-
-/// [`evaluate`] of a candidate already planned.
+/// A planned candidate, replayed through the allocator only when `replay_if` says the fit
+/// is open; otherwise what a later replay needs, when `keep` says so.
 fn decide(
     (mut p, steps): Planned,
     knobs: &Knobs,
@@ -644,21 +630,50 @@ pub fn search_spaces(
                         budget,
                     }));
                 }
+                // Those planned before, over the budget by their bound: replayed anyway, for
+                // their totals; those not planned yet: planned. Each independent of the
+                // others, so on the threads at once.
+                let mut replays: Vec<(usize, Box<Unreplayed>)> = Vec::new();
+                let mut unplanned: Vec<usize> = Vec::new();
                 for i in open {
                     let e = &mut entries[i];
-                    match (e.planned.as_mut(), e.unreplayed.take()) {
-                        (Some(c), Some(u)) => {
-                            // Over the budget by its bound: replayed anyway, for its total.
-                            c.device = u.device_total(&e.config);
-                            c.device_exact = true;
-                        }
-                        (None, _) => {
-                            let (joint, cache) = (spaces[e.space].0, &mut caches[e.space]);
-                            let (c, rest) = evaluate(joint, &e.knobs, &e.config, cache, budget, true, |_, _| true)?;
-                            e.planned = Some(c);
-                            e.unreplayed = rest;
-                        }
-                        (Some(_), None) => return Err(PlanError::Bug("a plan to replay was not kept".into())),
+                    match (e.planned.is_some(), e.unreplayed.take()) {
+                        (true, Some(u)) => replays.push((i, u)),
+                        (false, _) => unplanned.push(i),
+                        (true, None) => return Err(PlanError::Bug("a plan to replay was not kept".into())),
+                    }
+                }
+                let per = replays.len().div_ceil(threads).max(1);
+                let entries_ref = &entries;
+                let totals: Result<Vec<Vec<(usize, u64)>>, PlanError> = std::thread::scope(|scope| {
+                    let mut handles = Vec::new();
+                    let mut rest = replays;
+                    while !rest.is_empty() {
+                        let tail = rest.split_off(per.min(rest.len()));
+                        let chunk = std::mem::replace(&mut rest, tail);
+                        handles.push(scope.spawn(move || {
+                            chunk
+                                .into_iter()
+                                .map(|(i, u)| (i, u.device_total(&entries_ref[i].config)))
+                                .collect::<Vec<_>>()
+                        }));
+                    }
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().map_err(|_| PlanError::Bug("a replay thread panicked".into())))
+                        .collect()
+                });
+                for (i, total) in totals?.into_iter().flatten() {
+                    if let Some(c) = entries[i].planned.as_mut() {
+                        c.device = total;
+                        c.device_exact = true;
+                    }
+                }
+                for chunk in unplanned.chunks(workers.len() + 1) {
+                    for (i, planned) in plan_ahead(spaces, &entries, &mut caches, &mut workers, chunk) {
+                        let (c, rest) = decide(planned?, &entries[i].knobs, budget, true, |_, _| true);
+                        entries[i].planned = Some(c);
+                        entries[i].unreplayed = rest;
                     }
                 }
             }
