@@ -312,9 +312,11 @@ pub fn steps_and_events_for(
         // before has held more than it holds now: the gradient piece is then allocated
         // after that peak, not beside it (the loss backward: the logits and their gradient
         // both live until the cross-entropy's backward ends, before the output projection
-        // makes its weight's gradient).
+        // makes its weight's gradient). Under autograd (`runtime: fsdp2`) every parameter's
+        // gradient is its own tensor, made by the op that computes it while the step's
+        // activations die around it, so the step ends before each one on those terms.
         let first_grad = match (copy, grad_group[id], out.last()) {
-            (false, Some(gg), Some(s)) => !s.grads.contains(&gg) && s.act_peak > live,
+            (false, Some(gg), Some(s)) => (kernels == Kernels::Autograd || !s.grads.contains(&gg)) && s.act_peak > live,
             _ => false,
         };
         let start_new = match out.last() {
