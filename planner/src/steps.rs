@@ -212,6 +212,14 @@ impl Kernels {
     }
 }
 
+/// Whether the last entry of a step's comma-separated label is `label` (the common case,
+/// checked before the whole list).
+fn last_label_is(labels: &str, label: &str) -> bool {
+    labels
+        .strip_suffix(label)
+        .is_some_and(|head| head.is_empty() || head.ends_with(", "))
+}
+
 /// [`steps_and_events`] for the compute `kernels` runs.
 pub fn steps_and_events_for(
     joint: &JointGraph,
@@ -264,6 +272,8 @@ pub fn steps_and_events_for(
     }
     // (free position, value, bytes) of the saved tensors held now.
     let mut saved_live: Vec<(usize, u32, u64)> = Vec::new();
+    // The least free position in `saved_live`.
+    let mut next_due = usize::MAX;
     let param_of_node = &exec.param_of_node;
     let bytes = |id: NodeId| {
         let b = exec.value_bytes(g, id);
@@ -279,12 +289,12 @@ pub fn steps_and_events_for(
         }
     };
 
-    let label_of = |grp: GroupId, id: NodeId| -> String {
+    let label_of = |grp: GroupId, id: NodeId| -> &str {
         let group = &groups[grp.index()];
         if group.is_root() {
-            g.scope(g.top_level(g.node(id).scope)).display_path().to_string()
+            g.scope(g.top_level(g.node(id).scope)).display_path()
         } else {
-            group.module.clone()
+            &group.module
         }
     };
 
@@ -340,13 +350,13 @@ pub fn steps_and_events_for(
             });
         }
         let step = out.last_mut().expect("a step was just pushed");
-        let label = label_of(grp, id);
         if !node.op.is_leaf() {
+            let label = label_of(grp, id);
             if step.label.is_empty() {
-                step.label = label;
-            } else if !step.label.split(", ").any(|l| l == label) {
+                step.label.push_str(label);
+            } else if !last_label_is(&step.label, label) && !step.label.split(", ").any(|l| l == label) {
                 step.label.push_str(", ");
-                step.label.push_str(&label);
+                step.label.push_str(label);
             }
         }
         match step.nodes.last_mut() {
@@ -429,12 +439,14 @@ pub fn steps_and_events_for(
             };
             if kept && until != usize::MAX && until > pos {
                 saved_live.push((until, value, extra));
+                next_due = next_due.min(until);
             } else {
                 live = live.saturating_sub(extra);
                 acts.events.push(ActEvent { value, bytes: 0 });
             }
         }
-        if !saved_live.is_empty() {
+        // (Scanned only where one is due: a long model saves hundreds at once.)
+        if next_due == pos {
             let mut i = 0;
             while i < saved_live.len() {
                 if saved_live[i].0 == pos {
@@ -445,6 +457,7 @@ pub fn steps_and_events_for(
                     i += 1;
                 }
             }
+            next_due = saved_live.iter().map(|e| e.0).min().unwrap_or(usize::MAX);
         }
         freed.clear();
         for &input in node.inputs.iter().chain(exec.extra_reads(g, id)) {
