@@ -352,3 +352,59 @@ fn eager_kernels_save_what_autograd_saves() {
     let fused = own("hardware: {base: h100-sxm, kernels: fused}\n");
     assert!(eager.memory.max_by_category.activations > fused.memory.max_by_category.activations);
 }
+
+/// Issue index of the last compute instruction whose step makes gradients of the root, and
+/// of the frees of the root's unsharded parameter buffers.
+fn root_grads_and_frees(p: &Plan) -> (usize, Vec<usize>) {
+    let root = p
+        .groups
+        .iter()
+        .find(|g| g.group.is_root())
+        .expect("a root group")
+        .group
+        .id;
+    let life = lifetimes(p);
+    let last_grad = p.programs[0]
+        .instrs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, x)| match x.instr {
+            Instr::Compute { step, .. } if p.steps[step.index()].grads.contains(&root) => Some(i),
+            _ => None,
+        })
+        .next_back()
+        .expect("the root has gradients");
+    let frees = p
+        .buffers
+        .iter()
+        .filter(|b| b.group == Some(root) && b.category == Category::UnshardedParams)
+        .filter_map(|b| life[b.id.index()].1)
+        .collect();
+    (last_grad, frees)
+}
+
+#[test]
+fn the_root_stays_unsharded_until_its_post_backward() {
+    // FSDP2 reshards a group in post_backward; the root's (no input gradient to hook) runs
+    // at the end of backward, after the embedding has made its weight's gradient, although
+    // the embedding's backward does not read the weight.
+    let (last_grad, frees) = root_grads_and_frees(&fsdp2(""));
+    assert!(!frees.is_empty());
+    assert!(frees.iter().all(|&f| f > last_grad), "{frees:?} vs {last_grad}");
+    // shardplan's own schedule frees it after its last read, before that.
+    let (last_grad, frees) = root_grads_and_frees(&own(""));
+    assert!(frees.iter().any(|&f| f < last_grad), "{frees:?} vs {last_grad}");
+}
+
+#[test]
+fn autograd_makes_each_parameter_gradient_as_its_own_tensor() {
+    // A backward step ends before each parameter gradient when the work before held more:
+    // the gradient pieces are held from the op that makes them, not beside the step's
+    // whole activation peak, so FSDP2's plan has more steps that make gradients, and no
+    // step of it makes the gradients of more parameters than shardplan's does.
+    let (f, o) = (fsdp2(""), own(""));
+    let making = |p: &Plan| p.steps.iter().filter(|s| !s.grad_params.is_empty()).count();
+    assert!(making(&f) > making(&o), "{} vs {}", making(&f), making(&o));
+    let most = |p: &Plan| p.steps.iter().map(|s| s.grad_params.len()).max().unwrap_or(0);
+    assert!(most(&f) < most(&o), "{} vs {}", most(&f), most(&o));
+}
