@@ -65,15 +65,12 @@ fn table(o: &mut String, cands: &[Candidate], top: usize, budget: u64) {
     }
 }
 
-/// `yes`, `no`, or `-` where the search left the fit open (a candidate slower than one that
-/// fits is not replayed, and its lower bound is within the budget).
+/// `yes`, `no`, or `-` where the search left the fit open ([`Candidate::fits_budget`]).
 fn fits(c: &Candidate, budget: u64) -> &'static str {
-    if c.fits {
-        "yes"
-    } else if c.device_exact || c.device > budget {
-        "no"
-    } else {
-        "-"
+    match c.fits_budget(budget) {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "-",
     }
 }
 

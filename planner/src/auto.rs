@@ -114,6 +114,20 @@ pub struct Candidate {
     pub fits: bool,
 }
 
+impl Candidate {
+    /// Whether it fits `budget`: `None` where the search left that open (a candidate slower
+    /// than one that fits is not replayed, and its lower bound is within the budget).
+    pub fn fits_budget(&self, budget: u64) -> Option<bool> {
+        if self.fits {
+            Some(true)
+        } else if self.device_exact || self.device > budget {
+            Some(false)
+        } else {
+            None
+        }
+    }
+}
+
 /// The outcome of a search.
 #[derive(Clone, Debug)]
 pub struct AutoResult {
@@ -388,6 +402,15 @@ fn plan_ahead(
     })
 }
 
+/// What the search does with the next candidate of its order.
+enum Turn {
+    /// Bounded slower than the winner so far, as is every later one: the search stops.
+    Stop,
+    /// Skipped ([`shallower_prefetch_too_large`]).
+    Skip,
+    Plan,
+}
+
 /// Whether a planned candidate that differs from `entries[i]` only in a prefetch no deeper
 /// in either direction already needs more than `budget` with its allocated peak plus the
 /// CUDA context. Deeper prefetch only issues all-gathers earlier (allocating their outputs
@@ -521,12 +544,21 @@ pub fn search_spaces(
         // decisions of a search that plans one at a time (one planned ahead but skipped
         // by then is dropped), so the winner and every score are the same.
         let mut ahead: std::collections::HashMap<usize, Result<Planned, PlanError>> = std::collections::HashMap::new();
-        for (k, &i) in order.iter().enumerate() {
+        // What the pruning rules say of candidate `i` as things stand.
+        let turn = |entries: &[Entry], best: Option<(f64, u64, usize)>, i: usize| {
             if prune && best.is_some_and(|(t, _, _)| entries[i].bounds.step_s > t) {
-                break; // every later candidate is bounded slower than the winner so far
+                Turn::Stop
+            } else if prune && shallower_prefetch_too_large(entries, i, budget) {
+                Turn::Skip
+            } else {
+                Turn::Plan
             }
-            if prune && shallower_prefetch_too_large(&entries, i, budget) {
-                continue;
+        };
+        for (k, &i) in order.iter().enumerate() {
+            match turn(&entries, best, i) {
+                Turn::Stop => break,
+                Turn::Skip => continue,
+                Turn::Plan => {}
             }
             if !ahead.contains_key(&i) {
                 // This one and the next few that would be planned as things stand now.
@@ -535,11 +567,10 @@ pub fn search_spaces(
                     if want.len() > workers.len() {
                         break;
                     }
-                    if prune && best.is_some_and(|(t, _, _)| entries[j].bounds.step_s > t) {
-                        break;
-                    }
-                    if !(prune && shallower_prefetch_too_large(&entries, j, budget)) {
-                        want.push(j);
+                    match turn(&entries, best, j) {
+                        Turn::Stop => break,
+                        Turn::Skip => {}
+                        Turn::Plan => want.push(j),
                     }
                 }
                 ahead.extend(plan_ahead(spaces, &entries, &mut caches, &mut workers, &want));
@@ -808,12 +839,10 @@ pub fn knob_effects(candidates: &[Candidate], budget: u64) -> Vec<String> {
                 if dt >= 0.0 { "faster" } else { "slower" },
                 crate::print::bytes(dm.abs() as u64),
                 if dm >= 0.0 { "more" } else { "less" },
-                if o.fits {
-                    ""
-                } else if o.device_exact || o.device > budget {
-                    " (the alternative does not fit)"
-                } else {
-                    " (the alternative's fit not replayed)"
+                match o.fits_budget(budget) {
+                    Some(true) => "",
+                    Some(false) => " (the alternative does not fit)",
+                    None => " (the alternative's fit not replayed)",
                 }
             ));
         }

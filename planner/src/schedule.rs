@@ -841,11 +841,12 @@ pub fn schedule_gated(
                 // FSDP2 reshards a group in its post-backward, once its gradients are made
                 // (the root's, with no input gradient to hook, at the end of backward): its
                 // parameters outlive their last read until then.
-                let held_to_post_backward = b.fsdp2 && u.last_grad[g].is_some_and(|l| l > pos);
-                if u.last[g] == Some(pos) && !held_to_post_backward {
-                    b.emit(Stream::Compute, Instr::Free { buf });
-                    b.gathered[g] = None;
-                } else if u.last[g] == Some(pos) {
+                if u.last[g] == Some(pos) {
+                    let held_to_post_backward = b.fsdp2 && u.last_grad[g].is_some_and(|l| l > pos);
+                    if !held_to_post_backward {
+                        b.emit(Stream::Compute, Instr::Free { buf });
+                        b.gathered[g] = None;
+                    }
                 } else if u.last_forward[g] == Some(pos) {
                     match groups[g.index()].reshard {
                         GroupReshard::Keep => {}
