@@ -85,8 +85,26 @@ fn every_plan(j: &JointGraph, c: &ParallelConfig) -> Vec<(usize, Plan)> {
         .collect()
 }
 
-/// The winner by definition: the least (step time, device total, grid index) among the
-/// candidates without offload that fit, or among those with it when none does.
+/// The winner by definition among `(offload, plan)` candidates in search order: the index
+/// of the least (step time, device total, index) among those without offload that fit, or
+/// among those with it when none does.
+fn fastest_fitting(cands: &[(bool, &Plan)], budget: u64) -> Option<usize> {
+    let fitting = |offload: bool| {
+        (0..cands.len())
+            .filter(|&i| cands[i].0 == offload && cands[i].1.memory.device_total <= budget)
+            .min_by(|&i, &k| {
+                let (a, b) = (cands[i].1, cands[k].1);
+                a.estimate
+                    .step_s
+                    .total_cmp(&b.estimate.step_s)
+                    .then(a.memory.device_total.cmp(&b.memory.device_total))
+                    .then(i.cmp(&k))
+            })
+    };
+    fitting(false).or_else(|| fitting(true))
+}
+
+/// [`fastest_fitting`] of every candidate of the grid (`plans` as [`every_plan`] gives them).
 fn brute_force<'a>(
     j: &JointGraph,
     c: &ParallelConfig,
@@ -94,20 +112,8 @@ fn brute_force<'a>(
     budget: u64,
 ) -> Option<&'a (usize, Plan)> {
     let g = grid(j, c, Fixed::default());
-    let g = &g;
-    let fitting = |offload: bool| {
-        plans
-            .iter()
-            .filter(move |(i, p)| g[*i].0.offload == offload && p.memory.device_total <= budget)
-            .min_by(|(i, a), (k, b)| {
-                a.estimate
-                    .step_s
-                    .total_cmp(&b.estimate.step_s)
-                    .then(a.memory.device_total.cmp(&b.memory.device_total))
-                    .then(i.cmp(k))
-            })
-    };
-    fitting(false).or_else(|| fitting(true))
+    let cands: Vec<(bool, &Plan)> = plans.iter().map(|(i, p)| (g[*i].0.offload, p)).collect();
+    fastest_fitting(&cands, budget).map(|k| &plans[k])
 }
 
 #[test]
@@ -227,21 +233,8 @@ fn the_search_over_tensor_degrees_finds_the_brute_force_winner() {
         let mut totals: Vec<u64> = all.iter().map(|(_, p)| p.memory.device_total).collect();
         totals.sort_unstable();
         totals.dedup();
-        let brute = |b: u64| {
-            let fitting = |offload: bool| {
-                all.iter()
-                    .enumerate()
-                    .filter(|(_, (k, p))| k.offload == offload && p.memory.device_total <= b)
-                    .min_by(|(i, (_, p)), (k, (_, q))| {
-                        p.estimate
-                            .step_s
-                            .total_cmp(&q.estimate.step_s)
-                            .then(p.memory.device_total.cmp(&q.memory.device_total))
-                            .then(i.cmp(k))
-                    })
-            };
-            fitting(false).or_else(|| fitting(true))
-        };
+        let cands: Vec<(bool, &Plan)> = all.iter().map(|(k, p)| (k.offload, p)).collect();
+        let brute = |b: u64| fastest_fitting(&cands, b).map(|i| (i, &all[i]));
         // Budgets spread over the device totals, and the first at which each degree wins.
         let step = totals.len().div_ceil(16).max(1);
         let mut budgets: Vec<u64> = totals
