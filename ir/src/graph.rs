@@ -5,12 +5,16 @@ use petgraph::graph::{DiGraph, NodeIndex};
 use petgraph::Direction;
 use std::collections::HashSet;
 
+/// A node's operands: held inline up to four (every op but a concatenation of more), so
+/// making and dropping a large graph does not allocate per node.
+pub type Operands = smallvec::SmallVec<[NodeId; 4]>;
+
 /// One op application; it produces exactly one value, named by its [`NodeId`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Node {
     pub op: Op,
     /// Operands in the order the op's contract gives.
-    pub inputs: Vec<NodeId>,
+    pub inputs: Operands,
     /// Type of the value the node produces.
     pub ty: TensorType,
     /// Module the node was traced in; for a backward node, the module of the forward node
@@ -160,7 +164,7 @@ impl Graph {
     /// A data input of the given type.
     pub fn add_input(&mut self, name: &str, ty: TensorType, scope: ScopeId) -> Result<NodeId, IrError> {
         self.check_size(name, &ty, scope)?;
-        let id = self.push(Op::Input { name: name.to_string() }, Vec::new(), ty, scope);
+        let id = self.push(Op::Input { name: name.to_string() }, &[], ty, scope);
         self.inputs.push(id);
         Ok(id)
     }
@@ -172,7 +176,7 @@ impl Graph {
             return Err(IrError::DuplicateParam(name.to_string()));
         }
         let param = self.params.next_key();
-        let node = self.push(Op::Param { param }, Vec::new(), ty.clone(), scope);
+        let node = self.push(Op::Param { param }, &[], ty.clone(), scope);
         let pushed = self.params.push(Param {
             name: name.to_string(),
             ty,
@@ -228,7 +232,7 @@ impl Graph {
             reason,
         })?;
         self.check_size(op.name(), &ty, scope)?;
-        Ok(self.push(op, inputs.to_vec(), ty, scope))
+        Ok(self.push(op, inputs, ty, scope))
     }
 
     /// A backward node: `op` applied to `inputs`, part of the gradient rule of `grad_of`,
@@ -244,7 +248,7 @@ impl Graph {
     pub fn add_fill(&mut self, value: f64, ty: TensorType, grad_of: NodeId) -> Result<NodeId, IrError> {
         let scope = self.node(grad_of).scope;
         self.check_size("fill", &ty, scope)?;
-        let id = self.push(Op::Fill { value }, Vec::new(), ty, scope);
+        let id = self.push(Op::Fill { value }, &[], ty, scope);
         self.dag[NodeIndex::new(id.index())].grad_of = Some(grad_of);
         Ok(id)
     }
@@ -265,16 +269,15 @@ impl Graph {
         }
     }
 
-    fn push(&mut self, op: Op, inputs: Vec<NodeId>, ty: TensorType, scope: ScopeId) -> NodeId {
-        let operands = inputs.clone();
+    fn push(&mut self, op: Op, inputs: &[NodeId], ty: TensorType, scope: ScopeId) -> NodeId {
         let idx = self.dag.add_node(Node {
             op,
-            inputs,
+            inputs: Operands::from_slice(inputs),
             ty,
             scope,
             grad_of: None,
         });
-        for (pos, src) in operands.iter().enumerate() {
+        for (pos, src) in inputs.iter().enumerate() {
             self.dag.add_edge(NodeIndex::new(src.index()), idx, pos as u32);
         }
         NodeId::new(idx.index())

@@ -2,22 +2,28 @@
 
 use crate::DType;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::fmt;
+
+/// Dims of the shapes a model has (rank 4 and below) are held inline, without an
+/// allocation of their own: a large model's joint graph has tens of thousands of values,
+/// each made and dropped with its shape.
+type Dims = SmallVec<[u64; 4]>;
 
 /// A concrete tensor shape. A plan is made for one shape, so there are no symbolic dims.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct Shape(Vec<u64>);
+pub struct Shape(Dims);
 
 impl Shape {
     /// A shape from its dims, outermost first.
     pub fn new(dims: impl Into<Vec<u64>>) -> Self {
-        Shape(dims.into())
+        Shape(Dims::from_slice(&dims.into()))
     }
 
     /// The 0-dimensional shape of a scalar.
     pub fn scalar() -> Self {
-        Shape(Vec::new())
+        Shape(Dims::new())
     }
 
     pub fn dims(&self) -> &[u64] {
@@ -41,7 +47,7 @@ impl Shape {
     /// The numpy/torch broadcast of two shapes, or `None` if they do not broadcast.
     pub fn broadcast(&self, other: &Shape) -> Option<Shape> {
         let rank = self.rank().max(other.rank());
-        let mut out = vec![0; rank];
+        let mut out = Dims::from_elem(0, rank);
         for (i, slot) in out.iter_mut().enumerate() {
             let a = dim_from_right(&self.0, rank - 1 - i);
             let b = dim_from_right(&other.0, rank - 1 - i);
@@ -79,7 +85,7 @@ impl fmt::Display for Shape {
 
 impl<const N: usize> From<[u64; N]> for Shape {
     fn from(dims: [u64; N]) -> Self {
-        Shape(dims.to_vec())
+        Shape(Dims::from_slice(&dims))
     }
 }
 
@@ -117,12 +123,12 @@ impl fmt::Display for TensorType {
 
 impl From<Vec<u64>> for Shape {
     fn from(dims: Vec<u64>) -> Self {
-        Shape(dims)
+        Shape(Dims::from_slice(&dims))
     }
 }
 
 impl From<&[u64]> for Shape {
     fn from(dims: &[u64]) -> Self {
-        Shape(dims.to_vec())
+        Shape(Dims::from_slice(dims))
     }
 }

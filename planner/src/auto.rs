@@ -419,20 +419,26 @@ enum Turn {
 /// (The search plans the shallower one first: prefetch is the innermost knob of [`grid`],
 /// and equal time bounds are taken in grid order.)
 fn shallower_prefetch_too_large(entries: &[Entry], i: usize, budget: u64) -> bool {
-    let k = &entries[i].knobs;
-    entries[i.saturating_sub(3)..i].iter().any(|e| {
-        let o = &e.knobs;
-        o.prefetch_forward <= k.prefetch_forward
-            && o.prefetch_backward <= k.prefetch_backward
-            && Knobs {
-                prefetch_forward: k.prefetch_forward,
-                prefetch_backward: k.prefetch_backward,
-                ..o.clone()
-            } == *k
+    (i.saturating_sub(3)..i).any(|o| {
+        let e = &entries[o];
+        shallower_prefetch(entries, o, i)
             && e.planned
                 .as_ref()
                 .is_some_and(|c| c.peak.saturating_add(e.config.hardware.cuda_context_bytes()) > budget)
     })
+}
+
+/// Whether `entries[o]` differs from `entries[i]` only in a prefetch no deeper in either
+/// direction, and comes before it in [`grid`] order.
+fn shallower_prefetch(entries: &[Entry], o: usize, i: usize) -> bool {
+    let (o, k) = (&entries[o].knobs, &entries[i].knobs);
+    o.prefetch_forward <= k.prefetch_forward
+        && o.prefetch_backward <= k.prefetch_backward
+        && Knobs {
+            prefetch_forward: k.prefetch_forward,
+            prefetch_backward: k.prefetch_backward,
+            ..o.clone()
+        } == *k
 }
 
 /// Searches the open knobs of `base` for the fastest plan within `budget` bytes per rank:
@@ -477,7 +483,7 @@ pub fn search_spaces(
             .map(|(space, (joint, base))| {
                 scope.spawn(move || {
                     let mut cache = PlanCache::default();
-                    let mut bound_cache = BoundCache::default();
+                    let mut bound_cache = BoundCache::with_budget(budget);
                     let mut entries = Vec::new();
                     for (knobs, config) in grid(joint, base, fixed) {
                         let bounds = if prune {
@@ -561,7 +567,8 @@ pub fn search_spaces(
                 Turn::Plan => {}
             }
             if !ahead.contains_key(&i) {
-                // This one and the next few that would be planned as things stand now.
+                // This one and the next few that would be planned as things stand now. One
+                // with a shallower prefetch among them waits: that one's plan may skip it.
                 let mut want = vec![i];
                 for &j in &order[k + 1..] {
                     if want.len() > workers.len() {
@@ -570,6 +577,10 @@ pub fn search_spaces(
                     match turn(&entries, best, j) {
                         Turn::Stop => break,
                         Turn::Skip => {}
+                        Turn::Plan
+                            if want
+                                .iter()
+                                .any(|&w| w < j && j - w <= 3 && shallower_prefetch(&entries, w, j)) => {}
                         Turn::Plan => want.push(j),
                     }
                 }
@@ -756,7 +767,7 @@ pub fn model_spaces(
     fixed: Fixed,
 ) -> Result<Vec<(JointGraph, ParallelConfig)>, PlanError> {
     let world = base.mesh.world();
-    let mut spaces: Vec<(JointGraph, ParallelConfig)> = Vec::new();
+    let mut configs: Vec<ParallelConfig> = Vec::new();
     for t in tensor_degrees(base, fixed) {
         let mut config = base.clone();
         let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
@@ -772,13 +783,38 @@ pub fn model_spaces(
             continue;
         }
         config.batch.per_rank = per_rank / base.mesh.tensor;
-        // A degree the model's heads, widths or vocabulary do not split is not a candidate.
-        let Ok(g) = shardplan_models::trace(model, config.trace_options()) else {
-            continue;
-        };
-        let joint =
-            shardplan_ir::differentiate_with(&g, config.diff_options()).map_err(|e| PlanError::Graph(e.to_string()))?;
-        spaces.push((joint, config));
+        configs.push(config);
+    }
+    // Each degree traced and differentiated on a thread of its own.
+    let traced: Vec<Result<Option<JointGraph>, PlanError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = configs
+            .iter()
+            .map(|config| {
+                scope.spawn(move || {
+                    // A degree the model's heads, widths or vocabulary do not split is not a
+                    // candidate.
+                    let Ok(g) = shardplan_models::trace(model, config.trace_options()) else {
+                        return Ok(None);
+                    };
+                    shardplan_ir::differentiate_with(&g, config.diff_options())
+                        .map(Some)
+                        .map_err(|e| PlanError::Graph(e.to_string()))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(PlanError::Bug("a tracing thread panicked".into())))
+            })
+            .collect()
+    });
+    let mut spaces: Vec<(JointGraph, ParallelConfig)> = Vec::new();
+    for (joint, config) in traced.into_iter().zip(configs) {
+        if let Some(joint) = joint? {
+            spaces.push((joint, config));
+        }
     }
     if spaces.is_empty() {
         return Err(PlanError::Graph(

@@ -13,7 +13,7 @@ use crate::mesh::Mesh;
 use crate::plan::{Comm, Precision};
 use crate::steps::Phase;
 use crate::{wrap_policy, PlanCache, PlanError};
-use shardplan_frontends::{Offload, ParallelConfig, Reshard};
+use shardplan_frontends::{ActivationCheckpointing, Offload, ParallelConfig, Reshard};
 use shardplan_ir::JointGraph;
 use std::collections::HashMap;
 
@@ -73,9 +73,8 @@ struct StepFacts {
     first_backward_read: Vec<Option<usize>>,
 }
 
-/// Bucketing and checkpointing (as printed): what the steps of a search's candidates
-/// depend on.
-type FactsKey = (Option<u64>, String);
+/// Bucketing and checkpointing: what the steps of a search's candidates depend on.
+type FactsKey = (Option<u64>, ActivationCheckpointing);
 
 /// Held at one point of backward: (elements in the parameter dtype, bytes, elements in the
 /// reduce dtype).
@@ -86,6 +85,11 @@ type Held = (u64, u64, u64);
 /// per distinct input.
 #[derive(Default)]
 pub struct BoundCache {
+    /// The budget the bounds are for, if any (see [`BoundCache::with_budget`]).
+    budget: Option<u64>,
+    /// Per checkpointing policy: the most activation bytes of any compute step, which is
+    /// the same for every grouping (see [`BoundCache::bounds`]).
+    act_floor: HashMap<ActivationCheckpointing, u64>,
     groupings: HashMap<Option<u64>, Grouping>,
     facts: HashMap<FactsKey, StepFacts>,
     /// Per step facts and resharding (0: free, 1: keep, n: post-forward shard of n): most
@@ -94,6 +98,16 @@ pub struct BoundCache {
 }
 
 impl BoundCache {
+    /// A cache for a search that only asks whether candidates fit `budget` bytes: where the
+    /// activations alone rule a candidate out, its bounds are that memory floor and a zero
+    /// time (both still lower bounds), and its grouping's steps are never built.
+    pub fn with_budget(budget: u64) -> BoundCache {
+        BoundCache {
+            budget: Some(budget),
+            ..BoundCache::default()
+        }
+    }
+
     /// Lower bounds on the plan of `joint` for `config` (steps shared through `cache`).
     pub fn bounds(
         &mut self,
@@ -124,6 +138,29 @@ impl BoundCache {
                 })
             }
         };
+        // Activations rise and fall with the execution order, which the checkpointing
+        // policy fixes and the grouping does not change: the step builder's running level
+        // (`steps::steps_and_events_for`) moves the same way whatever the groups, and a
+        // grouping only decides where steps are cut. So the most activation bytes of any
+        // step (`act_max`) is the same for every grouping of a policy, and every plan holds
+        // at least that plus the CUDA context while its largest step runs. Over the budget,
+        // no candidate of the policy fits, and its other groupings' steps are not built.
+        if let Some(budget) = self.budget {
+            let ac = config.activation_checkpointing;
+            let floor = match self.act_floor.get(&ac) {
+                Some(&f) => f,
+                None => {
+                    let steps = cache.steps_for(joint, config, &grouping.groups);
+                    let f = steps.steps.iter().map(|s| s.act_peak).max().unwrap_or(0);
+                    self.act_floor.insert(ac, f);
+                    f
+                }
+            };
+            let device = floor.saturating_add(config.hardware.cuda_context_bytes());
+            if device > budget {
+                return Ok(Bounds { step_s: 0.0, device });
+            }
+        }
         let shard = config.mesh.shard;
         if !grouping.shard_numel.contains_key(&shard) {
             let sn = grouping
@@ -133,8 +170,8 @@ impl BoundCache {
                 .collect();
             grouping.shard_numel.insert(shard, sn);
         }
-        let fkey = (gkey, format!("{:?}", config.activation_checkpointing));
-        if !self.facts.contains_key(&fkey) {
+        let fkey = (gkey, config.activation_checkpointing);
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.facts.entry(fkey) {
             let cached = cache.steps_for(joint, config, &grouping.groups);
             let n = grouping.groups.len();
             let mut read = vec![false; n];
@@ -174,34 +211,31 @@ impl BoundCache {
                 let read: u64 = s.reads.iter().map(|g| grouping.numel[g.index()]).sum();
                 per_step.push((s.act_peak, read));
             }
-            self.facts.insert(
-                fkey.clone(),
-                StepFacts {
-                    compute_s: cached.step_s.iter().sum(),
-                    first_reads: cached
-                        .steps
-                        .first()
-                        .map(|s| s.reads.iter().map(|g| g.index()).collect())
-                        .unwrap_or_default(),
-                    read,
-                    read_in_backward,
-                    has_grads,
-                    last_grads: cached
-                        .steps
-                        .last()
-                        .map(|s| s.grads.iter().map(|g| g.index()).collect())
-                        .unwrap_or_default(),
-                    first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
-                    act_max: cached.steps.iter().map(|s| s.act_peak).max().unwrap_or(0),
-                    per_step,
-                    reads,
-                    ends,
-                    last_grad,
-                    first_read,
-                    last_read,
-                    first_backward_read,
-                },
-            );
+            slot.insert(StepFacts {
+                compute_s: cached.step_s.iter().sum(),
+                first_reads: cached
+                    .steps
+                    .first()
+                    .map(|s| s.reads.iter().map(|g| g.index()).collect())
+                    .unwrap_or_default(),
+                read,
+                read_in_backward,
+                has_grads,
+                last_grads: cached
+                    .steps
+                    .last()
+                    .map(|s| s.grads.iter().map(|g| g.index()).collect())
+                    .unwrap_or_default(),
+                first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
+                act_max: cached.steps.iter().map(|s| s.act_peak).max().unwrap_or(0),
+                per_step,
+                reads,
+                ends,
+                last_grad,
+                first_read,
+                last_read,
+                first_backward_read,
+            });
         }
         let grouping = &self.groupings[&gkey];
         let facts = &self.facts[&fkey];

@@ -56,6 +56,12 @@ pub struct Simulated {
 }
 
 fn score(ctx: &Ctx, sched: Schedule) -> Scored {
+    let (timing, stall, step_s) = time(ctx, &sched);
+    with_memory(ctx, sched, timing, stall, step_s)
+}
+
+/// The schedule's timeline, its stalls and its simulated step time.
+fn time(ctx: &Ctx, sched: &Schedule) -> (crate::plan::Timing, Vec<f64>, f64) {
     let (timing, stall) = timeline(
         &sched.program,
         &sched.buffers,
@@ -65,9 +71,15 @@ fn score(ctx: &Ctx, sched: Schedule) -> Scored {
         ctx.hw,
         ctx.policy.optimizer_state_per_param,
     );
+    let step_s = timing.end.iter().copied().fold(0.0, f64::max);
+    (timing, stall, step_s)
+}
+
+/// [`score`] given the schedule's [`time`].
+fn with_memory(ctx: &Ctx, sched: Schedule, timing: crate::plan::Timing, stall: Vec<f64>, step_s: f64) -> Scored {
     let mem = memory(&sched.program, &sched.buffers, ctx.steps, &timing);
     Scored {
-        step_s: timing.end.iter().copied().fold(0.0, f64::max),
+        step_s,
         peak: mem.peak,
         peak_instr: mem.peak_instr as usize,
         sched,
@@ -112,8 +124,13 @@ pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule,
             let mut trial = gates.clone();
             trial[i].at = at_peak + 1;
             let sched = schedule_gated(ctx.steps, ctx.groups, ctx.policy, ctx.mesh, &trial, ctx.named);
-            let s = score(ctx, sched);
-            if s.peak < best.peak && s.step_s <= limit {
+            // Most trials that fail lengthen the step: their memory is not simulated.
+            let (timing, stall, step_s) = time(ctx, &sched);
+            if step_s > limit {
+                continue;
+            }
+            let s = with_memory(ctx, sched, timing, stall, step_s);
+            if s.peak < best.peak {
                 moves.push(PrefetchMove {
                     group: gates[i].group,
                     need: StepId::new(gates[i].need),

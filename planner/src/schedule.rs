@@ -655,13 +655,16 @@ pub fn schedule_gated(
         Pool::Device
     };
     let master = policy.mixed_precision.master;
+    // About a dozen instructions per step and per group, and a few buffers per step and
+    // group: sized once, the vectors are not copied as they grow (a search builds hundreds
+    // of schedules).
     let mut b = Builder {
         groups,
         policy,
         mesh,
-        buffers: IdVec::new(),
+        buffers: IdVec::with_capacity(3 * (n + steps.len())),
         events: 0,
-        instrs: Vec::new(),
+        instrs: Vec::with_capacity(12 * (n + steps.len())),
         last_wait: [None; Stream::ALL.len()],
         deferring: false,
         deferred: Vec::new(),

@@ -761,8 +761,8 @@ impl ExecOrder {
                         for &r2 in &readers[r.index()] {
                             let r2n = g.node(r2);
                             match r2n.op {
-                                Op::AttnGradQ if r2n.inputs == [r, k] && b.dq.is_none() => b.dq = Some(r2),
-                                Op::AttnGradK { .. } if r2n.inputs == [r, q] && b.dk.is_none() => b.dk = Some(r2),
+                                Op::AttnGradQ if r2n.inputs[..] == [r, k] && b.dq.is_none() => b.dq = Some(r2),
+                                Op::AttnGradK { .. } if r2n.inputs[..] == [r, q] && b.dk.is_none() => b.dk = Some(r2),
                                 _ => ok = false,
                             }
                         }

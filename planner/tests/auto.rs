@@ -168,11 +168,53 @@ fn the_search_finds_the_brute_force_winner_and_its_bounds_hold() {
                 }
             }
         }
+        // The most activation bytes of any step depends on the checkpointing alone, not on
+        // the grouping (the search's memory floor per policy rests on it), and more than
+        // one grouping is compared.
+        let mut act_max: std::collections::HashMap<String, (u64, Vec<u64>)> = Default::default();
+        for ((knobs, _), (_, p)) in points.iter().zip(&plans) {
+            let most = p.steps.iter().map(|s| s.act_peak).max().unwrap();
+            let seen = act_max
+                .entry(knobs.activation_checkpointing.clone())
+                .or_insert((most, Vec::new()));
+            assert_eq!(
+                seen.0, most,
+                "{model} {knobs:?}: most activation bytes differ between groupings"
+            );
+            if !seen.1.contains(&knobs.blocks_per_group) {
+                seen.1.push(knobs.blocks_per_group);
+            }
+        }
+        assert!(act_max.values().all(|(_, groupings)| groupings.len() > 1), "{model}");
         // Budgets at every distinct device total (each one just fits a candidate), and
         // between them.
         let mut totals: Vec<u64> = plans.iter().map(|(_, p)| p.memory.device_total).collect();
         totals.sort_unstable();
         totals.dedup();
+        // Bounds for a budget hold too (where the activations alone exceed it, they are
+        // that floor and a zero time), and such a floor exceeds the budget; some are.
+        let mut floored = 0;
+        let ctx = c.hardware.cuda_context_bytes();
+        let low = [totals[0] / 2, ctx + 1];
+        for &b in totals.iter().step_by(totals.len().div_ceil(8).max(1)).chain(&low) {
+            let (mut bounds, mut cache) = (BoundCache::with_budget(b), PlanCache::default());
+            for ((knobs, config), (_, p)) in points.iter().zip(&plans) {
+                let x = bounds.bounds(&j, config, &mut cache).unwrap();
+                assert!(x.step_s <= p.estimate.step_s, "{model} {knobs:?} budget {b}");
+                assert!(x.device <= p.memory.device_total, "{model} {knobs:?} budget {b}");
+                if x.step_s == 0.0 {
+                    assert!(x.device > b, "{model} {knobs:?} budget {b}");
+                    let most = p.steps.iter().map(|s| s.act_peak).max().unwrap();
+                    assert_eq!(
+                        x.device,
+                        most + ctx,
+                        "{model} {knobs:?}: the floor is not the activations'"
+                    );
+                    floored += 1;
+                }
+            }
+        }
+        assert!(floored > 0, "{model}: no candidate's activations exceed a budget");
         let step = totals.len().div_ceil(24).max(1);
         let budgets: Vec<u64> = totals
             .iter()
