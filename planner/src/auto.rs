@@ -567,8 +567,9 @@ pub fn search_spaces(
                 Turn::Plan => {}
             }
             if !ahead.contains_key(&i) {
-                // This one and the next few that would be planned as things stand now. One
-                // with a shallower prefetch among them waits: that one's plan may skip it.
+                // This one and the next few that would be planned as things stand now and are
+                // not planned yet. One whose shallower-prefetch sibling is planned beside it or
+                // ahead of its turn waits: that sibling's plan may skip it.
                 let mut want = vec![i];
                 for &j in &order[k + 1..] {
                     if want.len() > workers.len() {
@@ -577,10 +578,11 @@ pub fn search_spaces(
                     match turn(&entries, best, j) {
                         Turn::Stop => break,
                         Turn::Skip => {}
+                        Turn::Plan if ahead.contains_key(&j) => {}
                         Turn::Plan
-                            if want
-                                .iter()
-                                .any(|&w| w < j && j - w <= 3 && shallower_prefetch(&entries, w, j)) => {}
+                            if (j.saturating_sub(3)..j).any(|w| {
+                                (want.contains(&w) || ahead.contains_key(&w)) && shallower_prefetch(&entries, w, j)
+                            }) => {}
                         Turn::Plan => want.push(j),
                     }
                 }

@@ -95,7 +95,14 @@ pub struct BoundCache {
     /// Per step facts and resharding (0: free, 1: keep, n: post-forward shard of n): most
     /// bytes held in backward (see `held_while_running`).
     held: HashMap<(FactsKey, u64, u32, u32), Vec<Held>>,
+    /// Time bounds: the candidates that differ only in prefetch (or in a resharding that
+    /// gathers as often) share one.
+    times: HashMap<TimeKey, f64>,
 }
+
+/// What a time bound reads of the searched knobs: the step facts, the mesh (replicate,
+/// shard, tensor), CPU offload, and [`frees_after_forward`].
+type TimeKey = (FactsKey, (u64, u64, u64), bool, bool);
 
 impl BoundCache {
     /// A cache for a search that only asks whether candidates fit `budget` bytes: where the
@@ -262,7 +269,19 @@ impl BoundCache {
             .held
             .entry((fkey, mode, depths.0, depths.1))
             .or_insert_with(|| held_while_running(grouping, facts, mode, depths));
-        Ok(bounds_of(config, grouping, facts, held))
+        let device = device_bound(config, grouping, facts, held);
+        let m = config.mesh;
+        let tkey = (
+            fkey,
+            (m.replicate, m.shard, m.tensor),
+            config.offload == Offload::Cpu,
+            frees_after_forward(config),
+        );
+        let step_s = *self
+            .times
+            .entry(tkey)
+            .or_insert_with(|| time_bound(config, grouping, facts));
+        Ok(Bounds { step_s, device })
     }
 }
 
@@ -365,7 +384,8 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
     out
 }
 
-fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, held: &[Held]) -> Bounds {
+/// The bound on the device total.
+fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, held: &[Held]) -> u64 {
     let hw = &config.hardware;
     let precision = Precision::from(config.mixed_precision);
     let (param_b, reduce_b, master_b) = (
@@ -375,7 +395,6 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
     );
     let (replicate, shard) = (config.mesh.replicate, config.mesh.shard);
     let shard_numel = &grouping.shard_numel[&shard];
-    let micro = config.batch.grad_accum as f64;
 
     // Memory. Every group's flat shard of master parameters, and its optimizer state, are
     // persistent device buffers without offload (allocated before the first instruction,
@@ -433,10 +452,25 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
     .iter()
     .filter(|&&c| c)
     .count() as u64;
-    let device = persistent
+    persistent
         .saturating_add(during_steps.max(kept))
         .saturating_add(hw.cuda_context_bytes())
-        .saturating_add(hw.nccl_bytes_per_communicator().saturating_mul(communicators));
+        .saturating_add(hw.nccl_bytes_per_communicator().saturating_mul(communicators))
+}
+
+/// The bound on the step time: it reads neither the prefetch depths nor the resharding
+/// beyond whether a group is gathered again in backward ([`TimeKey`]).
+fn time_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts) -> f64 {
+    let hw = &config.hardware;
+    let precision = Precision::from(config.mixed_precision);
+    let (param_b, reduce_b, master_b) = (
+        precision.param.size_bytes(),
+        precision.reduce.size_bytes(),
+        precision.master.size_bytes(),
+    );
+    let (replicate, shard) = (config.mesh.replicate, config.mesh.shard);
+    let shard_numel = &grouping.shard_numel[&shard];
+    let micro = config.batch.grad_accum as f64;
 
     // Time. Each stream runs its instructions one after another, so the step lasts at
     // least as long as any stream is busy: the compute stream runs every compute step once
@@ -465,7 +499,7 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
         config.mesh.world(),
         config.gpus_per_node,
     ) else {
-        return Bounds { step_s, device };
+        return step_s;
     };
     let shard_link = link(&mesh, Comm::Shard, hw);
     let rep_link = link(&mesh, Comm::Replicate, hw);
@@ -501,11 +535,7 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
     }
     step_s = step_s.max((first + compute + last + tail) * (1.0 - SLACK));
     if shard > 1 {
-        let frees_after_forward = match config.reshard_after_forward {
-            Reshard::AfterForward => true,
-            Reshard::ToGroupOf(n) => n == shard,
-            Reshard::Keep => false,
-        };
+        let frees_after_forward = frees_after_forward(config);
         let n = grouping.groups.len();
         let mut gathers = 0.0;
         let mut scatters = 0.0;
@@ -524,5 +554,15 @@ fn bounds_of(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, he
         let reduces: f64 = with_grads().map(ar).sum();
         step_s = step_s.max(reduces * (1.0 - SLACK));
     }
-    Bounds { step_s, device }
+    step_s
+}
+
+/// Whether groups freed after forward are gathered again in backward (`true`, or a
+/// post-forward group as large as the shard axis).
+fn frees_after_forward(config: &ParallelConfig) -> bool {
+    match config.reshard_after_forward {
+        Reshard::AfterForward => true,
+        Reshard::ToGroupOf(n) => n == config.mesh.shard,
+        Reshard::Keep => false,
+    }
 }

@@ -100,6 +100,13 @@ pub struct PlanCache {
     groups: std::collections::HashMap<String, std::sync::Arc<Vec<FsdpGroup>>>,
     /// A few keys per search (groupings times checkpointing policies), looked up by `==`.
     steps: Vec<(StepsKey, std::sync::Arc<CachedSteps>)>,
+    /// The execution order by checkpointing policy and kernels (it does not depend on the
+    /// groups).
+    exec: Vec<(
+        shardplan_frontends::ActivationCheckpointing,
+        steps::Kernels,
+        std::sync::Arc<steps::ExecOrder>,
+    )>,
     /// Every node's times, by hardware and compute dtype (one entry per search).
     node_times: Vec<(
         shardplan_frontends::HardwareProfile,
@@ -144,8 +151,17 @@ impl PlanCache {
             param,
             runtime: config.runtime,
         };
-        let (mut steps, acts) =
-            steps::steps_and_events_for(joint, fsdp, config.activation_checkpointing, steps::Kernels::of(config));
+        let kernels = steps::Kernels::of(config);
+        let ac = config.activation_checkpointing;
+        let exec = match self.exec.iter().find(|(a, k, _)| *a == ac && *k == kernels) {
+            Some((_, _, e)) => e.clone(),
+            None => {
+                let e = std::sync::Arc::new(steps::ExecOrder::for_kernels(joint, ac, kernels));
+                self.exec.push((ac, kernels, e.clone()));
+                e
+            }
+        };
+        let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
         let times = match self
             .node_times
             .iter()

@@ -227,6 +227,18 @@ pub fn steps_and_events_for(
     ac: ActivationCheckpointing,
     kernels: Kernels,
 ) -> (Vec<Step>, ActEvents) {
+    steps_and_events_in(joint, groups, &ExecOrder::for_kernels(joint, ac, kernels), kernels)
+}
+
+/// [`steps_and_events_for`] in an execution order already made by
+/// [`ExecOrder::for_kernels`] for the same graph, checkpointing and `kernels` (it does not
+/// depend on the groups, so a search makes one per policy).
+pub fn steps_and_events_in(
+    joint: &JointGraph,
+    groups: &[FsdpGroup],
+    exec: &ExecOrder,
+    kernels: Kernels,
+) -> (Vec<Step>, ActEvents) {
     // PyTorch eager's cross-entropy (see below).
     let eager_cross_entropy = kernels != Kernels::Fused;
     let g = &joint.graph;
@@ -246,12 +258,6 @@ pub fn steps_and_events_for(
             grad_group[grad] = Some(group_of_param[p]);
             grad_param[grad] = Some(p);
         }
-    }
-    let mut exec = ExecOrder::new(joint, ac);
-    if kernels == Kernels::Fused {
-        exec.shardplan_kernels(g);
-    } else {
-        exec.flash_attention = true;
     }
     let order = &exec.order;
     // Autograd's saved tensors beyond the graph's values: freed after the last backward
@@ -565,6 +571,19 @@ impl ExecOrder {
     /// The execution order of `joint` under the checkpointing policy `ac`: node order,
     /// except that a checkpointed block's forward runs again just before its first
     /// backward node.
+    /// The order `kernels` runs `joint` in under checkpointing `ac`: shardplan's executor's
+    /// blockwise attention and in-place cross-entropy under `kernels: fused`, flash
+    /// attention otherwise.
+    pub fn for_kernels(joint: &JointGraph, ac: ActivationCheckpointing, kernels: Kernels) -> Self {
+        let mut exec = ExecOrder::new(joint, ac);
+        if kernels == Kernels::Fused {
+            exec.shardplan_kernels(&joint.graph);
+        } else {
+            exec.flash_attention = true;
+        }
+        exec
+    }
+
     pub fn new(joint: &JointGraph, ac: ActivationCheckpointing) -> Self {
         let g = &joint.graph;
         let n = g.node_count();
