@@ -157,8 +157,9 @@ impl BoundCache {
             let floor = match self.act_floor.get(&ac) {
                 Some(&f) => f,
                 None => {
-                    let steps = cache.steps_for(joint, config, &grouping.groups);
-                    let f = steps.steps.iter().map(|s| s.act_peak).max().unwrap_or(0);
+                    let exec = cache.exec_for(joint, config);
+                    let kernels = crate::steps::Kernels::of(config);
+                    let f = crate::steps::activation_peak_in(joint, &grouping.groups, &exec, kernels);
                     self.act_floor.insert(ac, f);
                     f
                 }

@@ -132,6 +132,21 @@ impl PlanCache {
         Ok(x)
     }
 
+    /// The execution order of `joint` under `config`'s checkpointing and kernels: made once
+    /// per policy.
+    pub(crate) fn exec_for(&mut self, joint: &JointGraph, config: &ParallelConfig) -> std::sync::Arc<steps::ExecOrder> {
+        let kernels = steps::Kernels::of(config);
+        let ac = config.activation_checkpointing;
+        match self.exec.iter().find(|(a, k, _)| *a == ac && *k == kernels) {
+            Some((_, _, e)) => e.clone(),
+            None => {
+                let e = std::sync::Arc::new(steps::ExecOrder::for_kernels(joint, ac, kernels));
+                self.exec.push((ac, kernels, e.clone()));
+                e
+            }
+        }
+    }
+
     /// The compute steps of `fsdp` under `config`'s checkpointing, with their activation
     /// events and durations: made once per groups, checkpointing and hardware.
     pub(crate) fn steps_for(
@@ -152,15 +167,7 @@ impl PlanCache {
             runtime: config.runtime,
         };
         let kernels = steps::Kernels::of(config);
-        let ac = config.activation_checkpointing;
-        let exec = match self.exec.iter().find(|(a, k, _)| *a == ac && *k == kernels) {
-            Some((_, _, e)) => e.clone(),
-            None => {
-                let e = std::sync::Arc::new(steps::ExecOrder::for_kernels(joint, ac, kernels));
-                self.exec.push((ac, kernels, e.clone()));
-                e
-            }
-        };
+        let exec = self.exec_for(joint, config);
         let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
         let times = match self
             .node_times

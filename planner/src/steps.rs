@@ -107,6 +107,13 @@ pub struct ActEvents {
 }
 
 impl ActEvents {
+    /// Records `e`, when `on` (a walk for the peak alone records none).
+    fn push(&mut self, on: bool, e: ActEvent) {
+        if on {
+            self.events.push(e);
+        }
+    }
+
     /// The events of step `s` (none for a step out of range).
     pub fn of(&self, s: StepId) -> &[ActEvent] {
         let (a, b) = (self.starts.get(s.index()), self.starts.get(s.index() + 1));
@@ -147,10 +154,10 @@ pub fn steps_and_events(
 
 /// Frees `bytes` of activation value `value` (`u32::MAX`: never numbered) from `live`,
 /// recording the free among `acts`' events.
-fn release(live: &mut u64, acts: &mut ActEvents, value: u32, bytes: u64) {
+fn release(live: &mut u64, acts: &mut ActEvents, detail: bool, value: u32, bytes: u64) {
     *live = live.saturating_sub(bytes);
     if bytes > 0 && value != u32::MAX {
-        acts.events.push(ActEvent { value, bytes: 0 });
+        acts.push(detail, ActEvent { value, bytes: 0 });
     }
 }
 
@@ -238,6 +245,27 @@ pub fn steps_and_events_in(
     groups: &[FsdpGroup],
     exec: &ExecOrder,
     kernels: Kernels,
+) -> (Vec<Step>, ActEvents) {
+    walk(joint, groups, exec, kernels, true)
+}
+
+/// The most activation bytes of any step [`steps_and_events_in`] makes: the same walk,
+/// without the steps' labels, reads and activation events. It is the same for every
+/// grouping (the running level follows the execution order; groups only cut it into
+/// steps).
+pub fn activation_peak_in(joint: &JointGraph, groups: &[FsdpGroup], exec: &ExecOrder, kernels: Kernels) -> u64 {
+    let (steps, _) = walk(joint, groups, exec, kernels, false);
+    steps.iter().map(|s| s.act_peak).max().unwrap_or(0)
+}
+
+/// [`steps_and_events_in`]; with `detail` false, its steps without labels, reads, gradients
+/// or nodes, and no activation events.
+fn walk(
+    joint: &JointGraph,
+    groups: &[FsdpGroup],
+    exec: &ExecOrder,
+    kernels: Kernels,
+    detail: bool,
 ) -> (Vec<Step>, ActEvents) {
     // PyTorch eager's cross-entropy (see below).
     let eager_cross_entropy = kernels != Kernels::Fused;
@@ -356,7 +384,7 @@ pub fn steps_and_events_in(
             });
         }
         let step = out.last_mut().expect("a step was just pushed");
-        if !node.op.is_leaf() {
+        if detail && !node.op.is_leaf() {
             let label = label_of(grp, id);
             if step.label.is_empty() {
                 step.label.push_str(label);
@@ -367,9 +395,10 @@ pub fn steps_and_events_in(
         }
         match step.nodes.last_mut() {
             Some(r) if r.end == id.0 => r.end += 1,
+            _ if !detail => {}
             _ => step.nodes.push(id.0..id.0 + 1),
         }
-        for &input in &node.inputs {
+        for &input in node.inputs.iter().filter(|_| detail) {
             if let Some(p) = param_of_node[input.index()] {
                 let pg = group_of_param[ParamId(p)];
                 if !step.reads.contains(&pg) {
@@ -390,7 +419,7 @@ pub fn steps_and_events_in(
         let mut overwritten = None;
         if let Some(x) = exec.in_place(id) {
             let s = exec.read_slot(id, copy, x);
-            release(&mut live, &mut acts, value_of[s], bytes(x));
+            release(&mut live, &mut acts, detail, value_of[s], bytes(x));
             overwritten = Some(s);
         }
         let made = bytes(id);
@@ -401,10 +430,13 @@ pub fn steps_and_events_in(
                 value_of[own] = acts.values;
                 acts.values += 1;
             }
-            acts.events.push(ActEvent {
-                value: value_of[own],
-                bytes: made,
-            });
+            acts.push(
+                detail,
+                ActEvent {
+                    value: value_of[own],
+                    bytes: made,
+                },
+            );
         }
         if eager_cross_entropy && matches!(node.op, Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. }) {
             // PyTorch eager's cross-entropy is `log_softmax` then `nll_loss`: its backward
@@ -412,14 +444,20 @@ pub fn steps_and_events_in(
             // logits' gradient, beside it.
             let extra = g.node(node.inputs[0]).ty.bytes().unwrap_or(u64::MAX);
             step.act_peak = step.act_peak.max(live.saturating_add(extra));
-            acts.events.push(ActEvent {
-                value: acts.values,
-                bytes: extra,
-            });
-            acts.events.push(ActEvent {
-                value: acts.values,
-                bytes: 0,
-            });
+            acts.push(
+                detail,
+                ActEvent {
+                    value: acts.values,
+                    bytes: extra,
+                },
+            );
+            acts.push(
+                detail,
+                ActEvent {
+                    value: acts.values,
+                    bytes: 0,
+                },
+            );
             acts.values += 1;
         }
         let extra = if id.index() >= joint.forward_len {
@@ -436,7 +474,7 @@ pub fn steps_and_events_in(
             step.act_peak = step.act_peak.max(live);
             let value = acts.values;
             acts.values += 1;
-            acts.events.push(ActEvent { value, bytes: extra });
+            acts.push(detail, ActEvent { value, bytes: extra });
             let kept = copy || !exec.recomputed(id);
             let until = if id == joint.loss {
                 order.len() - 1
@@ -448,7 +486,7 @@ pub fn steps_and_events_in(
                 next_due = next_due.min(until);
             } else {
                 live = live.saturating_sub(extra);
-                acts.events.push(ActEvent { value, bytes: 0 });
+                acts.push(detail, ActEvent { value, bytes: 0 });
             }
         }
         // (Scanned only where one is due: a long model saves hundreds at once.)
@@ -458,7 +496,7 @@ pub fn steps_and_events_in(
                 if saved_live[i].0 == pos {
                     let (_, value, b) = saved_live.swap_remove(i);
                     live = live.saturating_sub(b);
-                    acts.events.push(ActEvent { value, bytes: 0 });
+                    acts.push(detail, ActEvent { value, bytes: 0 });
                 } else {
                     i += 1;
                 }
@@ -473,16 +511,19 @@ pub fn steps_and_events_in(
             let s = exec.read_slot(id, copy, input);
             if exec.last_use[s] == pos && !freed.contains(&s) && overwritten != Some(s) {
                 freed.push(s);
-                release(&mut live, &mut acts, value_of[s], bytes(input));
+                release(&mut live, &mut acts, detail, value_of[s], bytes(input));
             }
         }
         if exec.last_use[own] == usize::MAX {
             live = live.saturating_sub(made);
             if made > 0 {
-                acts.events.push(ActEvent {
-                    value: value_of[own],
-                    bytes: 0,
-                });
+                acts.push(
+                    detail,
+                    ActEvent {
+                        value: value_of[own],
+                        bytes: 0,
+                    },
+                );
             }
         }
         step.act_end = live;
