@@ -205,6 +205,10 @@ pub enum ReduceOp {
     Avg,
 }
 
+/// The buffers a compute step reads or writes: one or two groups' as a rule, held inline
+/// (a search builds hundreds of schedules of thousands of steps). Serialised as a list.
+pub type Bufs = smallvec::SmallVec<[BufId; 2]>;
+
 /// One instruction. Each kind is one small function in the executor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -215,8 +219,8 @@ pub enum Instr {
     Compute {
         step: StepId,
         micro: u32,
-        reads: Vec<BufId>,
-        writes: Vec<BufId>,
+        reads: Bufs,
+        writes: Bufs,
     },
     Alloc {
         buf: BufId,

@@ -146,8 +146,12 @@ impl Builder<'_> {
         self.groups[g.index()].layout.shard_numel
     }
 
+    /// The part of a buffer's name that says its pass and micro-batch (empty, and not
+    /// allocated, when buffers go unnamed: it is read only by their names).
     fn suffix(&self, micro: u32, phase: &str) -> String {
-        if self.policy.grad_accum > 1 {
+        if !self.named {
+            String::new()
+        } else if self.policy.grad_accum > 1 {
             format!("{phase}{micro}")
         } else {
             phase.to_string()
@@ -758,7 +762,7 @@ pub fn schedule_gated(
                     b.gather(g, gate, micro, phase);
                 }
             }
-            let mut reads = Vec::with_capacity(s.reads.len());
+            let mut reads = crate::plan::Bufs::with_capacity(s.reads.len());
             for &g in &s.reads {
                 let (mut buf, event, waited) = b.gathered[g].expect("every read group is gathered by its need");
                 if !waited {
@@ -776,7 +780,7 @@ pub fn schedule_gated(
                     b.gather(g, gate, micro, phase);
                 }
             }
-            let mut writes = Vec::with_capacity(s.grads.len());
+            let mut writes = crate::plan::Bufs::with_capacity(s.grads.len());
             for &g in &s.grads {
                 let existing = b.pieces[g].iter().find(|(at, _)| *at == pos).map(|(_, buf)| *buf);
                 let buf = match existing {
@@ -797,15 +801,18 @@ pub fn schedule_gated(
                             .filter(|l| params.contains(&l.param))
                             .map(|l| l.numel())
                             .sum();
-                        let mut tag = String::new();
-                        if policy.grad_accum > 1 && policy.grad_sync == GradSync::EveryMicroBatch {
-                            tag.push_str(&format!("{micro}"));
-                        }
-                        if writers[g] > 1 {
-                            tag.push_str(&format!(".{}", StepId::new(pos)));
-                        }
+                        let several = writers[g] > 1;
                         let buf = b.buf(
-                            || format!("{g}.unsharded_grads{tag}"),
+                            || {
+                                let mut tag = String::new();
+                                if policy.grad_accum > 1 && policy.grad_sync == GradSync::EveryMicroBatch {
+                                    tag.push_str(&format!("{micro}"));
+                                }
+                                if several {
+                                    tag.push_str(&format!(".{}", StepId::new(pos)));
+                                }
+                                format!("{g}.unsharded_grads{tag}")
+                            },
                             Category::UnshardedGrads,
                             g,
                             policy.mixed_precision.param,
