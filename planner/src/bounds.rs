@@ -385,17 +385,44 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
     out
 }
 
+/// What both bounds read of a candidate's precision and mesh: bytes per element of the
+/// parameter, reduce and master dtypes, the replicate and shard axes, and each group's
+/// flat shard on that shard axis.
+struct Sizes<'a> {
+    param_b: u64,
+    reduce_b: u64,
+    master_b: u64,
+    replicate: u64,
+    shard: u64,
+    shard_numel: &'a [u64],
+}
+
+impl<'a> Sizes<'a> {
+    fn of(config: &ParallelConfig, grouping: &'a Grouping) -> Sizes<'a> {
+        let precision = Precision::from(config.mixed_precision);
+        let shard = config.mesh.shard;
+        Sizes {
+            param_b: precision.param.size_bytes(),
+            reduce_b: precision.reduce.size_bytes(),
+            master_b: precision.master.size_bytes(),
+            replicate: config.mesh.replicate,
+            shard,
+            shard_numel: &grouping.shard_numel[&shard],
+        }
+    }
+}
+
 /// The bound on the device total.
 fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts, held: &[Held]) -> u64 {
     let hw = &config.hardware;
-    let precision = Precision::from(config.mixed_precision);
-    let (param_b, reduce_b, master_b) = (
-        precision.param.size_bytes(),
-        precision.reduce.size_bytes(),
-        precision.master.size_bytes(),
-    );
-    let (replicate, shard) = (config.mesh.replicate, config.mesh.shard);
-    let shard_numel = &grouping.shard_numel[&shard];
+    let Sizes {
+        param_b,
+        reduce_b,
+        master_b,
+        replicate,
+        shard,
+        shard_numel,
+    } = Sizes::of(config, grouping);
 
     // Memory. Every group's flat shard of master parameters, and its optimizer state, are
     // persistent device buffers without offload (allocated before the first instruction,
@@ -463,14 +490,14 @@ fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts,
 /// beyond whether a group is gathered again in backward ([`TimeKey`]).
 fn time_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts) -> f64 {
     let hw = &config.hardware;
-    let precision = Precision::from(config.mixed_precision);
-    let (param_b, reduce_b, master_b) = (
-        precision.param.size_bytes(),
-        precision.reduce.size_bytes(),
-        precision.master.size_bytes(),
-    );
-    let (replicate, shard) = (config.mesh.replicate, config.mesh.shard);
-    let shard_numel = &grouping.shard_numel[&shard];
+    let Sizes {
+        param_b,
+        reduce_b,
+        master_b,
+        replicate,
+        shard,
+        shard_numel,
+    } = Sizes::of(config, grouping);
     let micro = config.batch.grad_accum as f64;
 
     // Time. Each stream runs its instructions one after another, so the step lasts at
