@@ -56,8 +56,6 @@ struct StepFacts {
     read_in_backward: Vec<bool>,
     /// Groups whose gradients some step makes.
     has_grads: Vec<bool>,
-    /// Most activation bytes of any step.
-    act_max: u64,
     /// Per step: its activation peak and the elements of the groups it reads.
     per_step: Vec<(u64, u64)>,
     /// Per step: the groups it reads.
@@ -235,7 +233,6 @@ impl BoundCache {
                     .map(|s| s.grads.iter().map(|g| g.index()).collect())
                     .unwrap_or_default(),
                 first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
-                act_max: cached.steps.iter().map(|s| s.act_peak).max().unwrap_or(0),
                 per_step,
                 reads,
                 ends,
@@ -427,10 +424,11 @@ fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts,
     // Memory. Every group's flat shard of master parameters, and its optimizer state, are
     // persistent device buffers without offload (allocated before the first instruction,
     // never freed). While a compute step runs, the memory model holds its activation peak
-    // on top of every live buffer; with more than one shard, the unsharded parameters of
-    // every group it reads are live then too (the verifier's first invariant: a read comes
-    // after the group's all-gather and before its free), at least their elements in the
-    // parameter dtype. The allocator reserves at least what is requested (its requested
+    // on top of every live buffer; the unsharded parameters of every group it reads are
+    // live then too (the verifier's first invariant: a read comes after the group's
+    // all-gather and before its free), at least their elements in the parameter dtype. So
+    // with one shard: the schedule gathers over the one-rank shard axis all the same, into
+    // an unsharded buffer of its own (with CPU offload, from the shard's device copy). The allocator reserves at least what is requested (its requested
     // peak is the model's peak) and the CUDA context comes on top.
     let persistent = if config.offload == Offload::None {
         let k = config.optimizer.state_per_param();
@@ -438,30 +436,23 @@ fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts,
     } else {
         0
     };
-    let during_steps = if shard > 1 {
-        facts
-            .per_step
-            .iter()
-            .map(|&(act, read)| act.saturating_add(read.saturating_mul(param_b)))
-            .max()
-            .unwrap_or(0)
-    } else {
-        facts.act_max
-    };
+    let during_steps = facts
+        .per_step
+        .iter()
+        .map(|&(act, read)| act.saturating_add(read.saturating_mul(param_b)))
+        .max()
+        .unwrap_or(0);
     // In backward, groups kept after forward add to the groups a step reads
     // (`held_while_running`).
-    let kept = if shard > 1 {
-        held.iter()
-            .map(|&(elems, bytes, reduced)| {
-                bytes
-                    .saturating_add(elems.saturating_mul(param_b))
-                    .saturating_add(reduced.saturating_mul(reduce_b))
-            })
-            .max()
-            .unwrap_or(0)
-    } else {
-        0
-    };
+    let kept = held
+        .iter()
+        .map(|&(elems, bytes, reduced)| {
+            bytes
+                .saturating_add(elems.saturating_mul(param_b))
+                .saturating_add(reduced.saturating_mul(reduce_b))
+        })
+        .max()
+        .unwrap_or(0);
     // NCCL's buffers: one set per communicator (a comm and the stream it runs on) of more
     // than one rank that the program uses (`simulate::overhead`). With more than one shard,
     // every group some step reads is all-gathered over the shard axis on the all-gather
