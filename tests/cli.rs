@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{json_lines, shardplan, stderr, stdout};
+use common::{json_lines, shardplan, shardplan_ok, stderr, stdout};
 
 use std::process::Command;
 
@@ -17,14 +17,13 @@ fn bad(args: &[&str], want: &str) {
 
 #[test]
 fn inspect_json_has_exact_counts() {
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "inspect",
         "--model",
         "examples/models/llama3-8b.yaml",
         "--format",
         "json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["params"]["total"], 8_030_261_248u64);
     assert_eq!(v["params"]["embedding"], 525_336_576u64);
@@ -59,7 +58,7 @@ fn inspect_json_has_exact_counts() {
 fn inspect_text_with_parallel_spec_and_dot() {
     let scratch = tempfile::tempdir().unwrap();
     let dot = scratch.path().join("graph.dot");
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "inspect",
         "--model",
         "tiny-llama",
@@ -68,7 +67,6 @@ fn inspect_text_with_parallel_spec_and_dot() {
         "--dot",
         dot.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     for want in [
         "model    tiny-llama (llama)",
@@ -245,7 +243,7 @@ fn temp(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
 fn train_logs_json_lines_and_the_loss_falls() {
     let scratch = tempfile::tempdir().unwrap();
     let log = temp(scratch.path(), "metrics.jsonl");
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "train",
         "--model",
         "tiny-llama",
@@ -256,7 +254,6 @@ fn train_logs_json_lines_and_the_loss_falls() {
         "--log",
         log.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stdout(&o).starts_with("trained 60 steps of tiny-llama: loss "),
         "{}",
@@ -285,7 +282,7 @@ fn train_logs_json_lines_and_the_loss_falls() {
 fn train_runs_a_sharded_mesh_and_a_saved_plan() {
     let scratch = tempfile::tempdir().unwrap();
     let log = temp(scratch.path(), "sharded.jsonl");
-    let o = shardplan(&[
+    shardplan_ok(&[
         "train",
         "--model",
         "tiny-llama",
@@ -296,7 +293,6 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         "--log",
         log.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let direct = json_lines(&log);
     assert_eq!(
         direct[0]["measured"].as_array().unwrap().len(),
@@ -305,7 +301,7 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
     );
 
     let plan = temp(scratch.path(), "plan.json");
-    let o = shardplan(&[
+    shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -316,9 +312,8 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         "--out",
         plan.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let log2 = temp(scratch.path(), "from-plan.jsonl");
-    let o = shardplan(&[
+    shardplan_ok(&[
         "train",
         "--plan",
         plan.to_str().unwrap(),
@@ -327,7 +322,6 @@ fn train_runs_a_sharded_mesh_and_a_saved_plan() {
         "--log",
         log2.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let from_plan = json_lines(&log2);
     for (a, b) in direct.iter().zip(&from_plan) {
         assert_eq!(a["loss"], b["loss"], "the saved plan runs the same training");
@@ -474,15 +468,14 @@ fn train_device_choices() {
         &with("cuda:1"),
         "this shardplan was built without CUDA support; build one with `scripts/build-cuda.sh`",
     );
-    let o = shardplan(&with("cpu"));
-    assert!(o.status.success(), "{}", stderr(&o));
+    shardplan_ok(&with("cpu"));
 }
 
 #[test]
 fn calibrate_writes_a_hardware_line_that_plans() {
     let scratch = tempfile::tempdir().unwrap();
     let out = scratch.path().join("hw.txt");
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "calibrate",
         "--ranks",
         "2",
@@ -491,7 +484,6 @@ fn calibrate_writes_a_hardware_line_that_plans() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let line = stdout(&o);
     assert_eq!(std::fs::read_to_string(&out).unwrap(), line);
     assert!(
@@ -519,8 +511,7 @@ fn calibrate_writes_a_hardware_line_that_plans() {
     // The line is a parallel spec's hardware: the plan uses it.
     let spec = scratch.path().join("p.yaml");
     std::fs::write(&spec, format!("mesh: {{shard: 2}}\ngpus_per_node: 2\nmixed_precision: {{param: f32, reduce: f32}}\nbatch: {{per_rank: 2, seq_len: 16}}\n{line}")).unwrap();
-    let o = shardplan(&["plan", "--model", "tiny-llama", "--parallel", spec.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardplan_ok(&["plan", "--model", "tiny-llama", "--parallel", spec.to_str().unwrap()]);
     assert!(stdout(&o).contains("cpu-2-ranks"), "{}", stdout(&o));
 }
 

@@ -9,7 +9,7 @@ mod common;
 #[path = "../planner/tests/common/edit.rs"]
 mod edit;
 
-use common::{shardplan, stderr};
+use common::{shardplan, shardplan_ok, stderr};
 use std::path::Path;
 use std::process::Command;
 
@@ -169,7 +169,7 @@ fn the_literals_are_the_plans_decisions() {
 fn a_plan_file_exports_as_its_specs_do() {
     let d = tempfile::tempdir().unwrap();
     let plan = d.path().join("plan.json");
-    let o = shardplan(&[
+    shardplan_ok(&[
         "plan",
         "--model",
         "examples/models/tiny-gpt2.yaml",
@@ -180,7 +180,6 @@ fn a_plan_file_exports_as_its_specs_do() {
         "--out",
         plan.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let (a, b) = (d.path().join("a"), d.path().join("b"));
     let o = export(
         "examples/models/tiny-gpt2.yaml",
@@ -188,7 +187,7 @@ fn a_plan_file_exports_as_its_specs_do() {
         &a,
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = shardplan(&[
+    shardplan_ok(&[
         "export",
         "fsdp2",
         "--plan",
@@ -196,7 +195,6 @@ fn a_plan_file_exports_as_its_specs_do() {
         "--out",
         b.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     // Everything but the command line in the header is the same.
     let body = |p: &Path| {
         let t = std::fs::read_to_string(p.join("train.py")).unwrap();
@@ -220,7 +218,7 @@ fn a_hand_edited_issue_order_is_exported_as_edited() {
     .unwrap();
     let plan_of = |parallel: &str, name: &str| {
         let out = d.path().join(name);
-        let o = shardplan(&[
+        shardplan_ok(&[
             "plan",
             "--model",
             "tiny-llama",
@@ -231,7 +229,6 @@ fn a_hand_edited_issue_order_is_exported_as_edited() {
             "--out",
             out.to_str().unwrap(),
         ]);
-        assert!(o.status.success(), "{}", stderr(&o));
         let p: shardplan_planner::Plan = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         (out, p)
     };
@@ -242,7 +239,7 @@ fn a_hand_edited_issue_order_is_exported_as_edited() {
     std::fs::write(&edited, edit::with_schedule_of(&p1, &p2).to_string()).unwrap();
     let program = |plan: &Path, out: &str| {
         let dir = d.path().join(out);
-        let o = shardplan(&[
+        shardplan_ok(&[
             "export",
             "fsdp2",
             "--plan",
@@ -250,7 +247,6 @@ fn a_hand_edited_issue_order_is_exported_as_edited() {
             "--out",
             dir.to_str().unwrap(),
         ]);
-        assert!(o.status.success(), "{}", stderr(&o));
         std::fs::read_to_string(dir.join("train.py")).unwrap()
     };
     let (plain, deeper) = (program(&p1_path, "plain"), program(&edited, "edited"));

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{json_lines, shardplan, stderr, stdout};
+use common::{json_lines, shardplan, shardplan_ok, stderr, stdout};
 
 const TOKENIZER: &str = "tests/fixtures/tokenizer/tokenizer.json";
 
@@ -21,7 +21,7 @@ fn prepare_train_with_validation_and_generate() {
         .map(|v| v.as_str().unwrap().to_string())
         .collect();
     std::fs::write(p("corpus.txt"), text.join("\n\n").repeat(4)).unwrap();
-    let o = shardplan(&[
+    shardplan_ok(&[
         "data",
         "prepare",
         "--tokenizer",
@@ -32,7 +32,6 @@ fn prepare_train_with_validation_and_generate() {
         "0.2",
         &p("corpus.txt"),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     std::fs::write(
         p("m.yaml"),
         "name: t\nfamily: llama\nvocab_size: 512\ndim: 32\nn_layers: 2\nn_heads: 2\nffn_dim: 64\nmax_seq_len: 64\n",
@@ -44,7 +43,7 @@ fn prepare_train_with_validation_and_generate() {
          optimizer: {adamw: {lr: 1.0e-2}}\ndata: {tokens: tok/train.bin, val: tok/val.bin, eval_every: 2, eval_batches: 2}\n",
     )
     .unwrap();
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "train",
         "--model",
         &p("m.yaml"),
@@ -57,7 +56,6 @@ fn prepare_train_with_validation_and_generate() {
         "--checkpoint-dir",
         &p("ckpt"),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let log = json_lines(&d.path().join("log.jsonl"));
     let val: Vec<Option<f64>> = log.iter().map(|l| l["val_loss"].as_f64()).collect();
     assert!(val[0].is_none() && val[2].is_none(), "{val:?}");
@@ -93,8 +91,7 @@ fn prepare_train_with_validation_and_generate() {
     assert!(text.starts_with("The ") && text.len() > 5, "{text:?}");
     assert!(stderr(&greedy).contains("new tokens in"), "{}", stderr(&greedy));
     // The exported safetensors (with the model named) generate the same text.
-    let o = shardplan(&["checkpoint", "export", &p("ckpt"), "--out", &p("model.safetensors")]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    shardplan_ok(&["checkpoint", "export", &p("ckpt"), "--out", &p("model.safetensors")]);
     let again = generate(
         &p("model.safetensors"),
         &["--temperature", "0", "--model", &p("m.yaml")],

@@ -3,13 +3,13 @@
 
 mod common;
 
-use common::shardplan;
+use common::{shardplan, shardplan_ok};
 
 use std::process::Command;
 
 #[test]
 fn launch_runs_the_command_once_per_rank() {
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "launch",
         "--nproc-per-node",
         "3",
@@ -20,7 +20,6 @@ fn launch_runs_the_command_once_per_rank() {
         "--model",
         "tiny-llama",
     ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(out.matches("model    tiny-llama (llama)").count(), 3, "{out}");
 }
@@ -201,7 +200,7 @@ fn missing_backends_are_named() {
 fn train_writes_a_measured_trace_in_thread_mode() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("t.json");
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "train",
         "--model",
         "tiny-llama",
@@ -212,7 +211,6 @@ fn train_writes_a_measured_trace_in_thread_mode() {
         "--trace",
         trace.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("predicted vs measured") && out.contains("unsharded params"),

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{json_lines, stderr};
+use common::{json_lines, shardplan_ok, stderr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -121,14 +121,13 @@ fn close(a: &[f64], b: &[f64], rel: f64, what: &str) {
 
 /// The f32 tensors of a checkpoint, exported to one safetensors file.
 fn weights(ckpt: &Path, out: &Path) -> Vec<(String, Vec<f32>)> {
-    let o = common::shardplan(&[
+    shardplan_ok(&[
         "checkpoint",
         "export",
         ckpt.to_str().unwrap(),
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let bytes = std::fs::read(out).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut out: Vec<(String, Vec<f32>)> = st
@@ -276,7 +275,7 @@ fn measured_trace_follows_the_plan_in_both_modes() {
     let d = dir.path();
     let s = spec(d, "t", 2, 2, "");
     let plan_file = d.join("plan.json");
-    let o = common::shardplan(&[
+    shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -287,7 +286,6 @@ fn measured_trace_follows_the_plan_in_both_modes() {
         "--out",
         plan_file.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let plan: serde_json::Value = serde_json::from_slice(&std::fs::read(&plan_file).unwrap()).unwrap();
     let instrs = plan["programs"][0]["instrs"].as_array().unwrap().clone();
     let untraced = ["alloc", "free", "record", "wait"];

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{shardplan, stderr, stdout};
+use common::{shardplan, shardplan_ok, stderr, stdout};
 
 fn bad(args: &[&str], want: &[&str]) {
     let o = shardplan(args);
@@ -24,14 +24,13 @@ const LLAMA8B: &str = "examples/models/llama3-8b.yaml";
 
 #[test]
 fn text_plan_of_the_bundled_example() {
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         LLAMA8B,
         "--parallel",
         "examples/parallel/fsdp-8.yaml",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     for want in [
         "plan: llama3-8b (8,030,261,248 params) on 8 ranks: mesh 1 replicate x 8 shard",
@@ -59,7 +58,7 @@ fn text_plan_of_the_bundled_example() {
 #[test]
 fn json_plan_reads_back_and_trace_is_chrome_json() {
     let scratch = tempfile::tempdir().unwrap();
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -68,7 +67,6 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
         "--format",
         "json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let plan: shardplan_planner::Plan = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(plan.version, shardplan_planner::PLAN_VERSION);
     assert_eq!(plan.mesh.world(), 4);
@@ -83,7 +81,7 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
     );
 
     let out = temp(scratch.path(), "trace.json", "");
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -96,7 +94,6 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).is_empty());
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let events = v["traceEvents"].as_array().unwrap();
@@ -118,7 +115,7 @@ fn json_plan_reads_back_and_trace_is_chrome_json() {
 
 #[test]
 fn rank_view_names_that_ranks_groups() {
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         LLAMA8B,
@@ -127,7 +124,6 @@ fn rank_view_names_that_ranks_groups() {
         "--rank",
         "11",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.contains("schedule of rank 11 (replicate 1, shard 3)"), "{out}");
     assert!(out.contains("over shard 8-15"), "{out}");
@@ -155,7 +151,7 @@ fn a_budget_the_plan_misses_says_by_how_much_and_what_helps() {
     );
     // The budget is for the device total (reserved + CUDA context + NCCL), above the
     // allocated peak: 41.0 GiB allocated needs 46.2 GiB (expandable segments, the default).
-    let o = shardplan(&[
+    shardplan_ok(&[
         "plan",
         "--model",
         LLAMA8B,
@@ -164,7 +160,6 @@ fn a_budget_the_plan_misses_says_by_how_much_and_what_helps() {
         "--memory-budget",
         "47GiB",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     bad(
         &[
             "plan",
@@ -254,7 +249,7 @@ fn wrap_modules_and_buckets_shape_the_groups() {
         "buckets.yaml",
         "mesh: {shard: 4}\ngpus_per_node: 4\nwrap_modules: [output]\nbucket_mib: 1\nbatch: {per_rank: 1, seq_len: 8}\n",
     );
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -263,7 +258,6 @@ fn wrap_modules_and_buckets_shape_the_groups() {
         "--format",
         "json",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let plan: shardplan_planner::Plan = serde_json::from_str(&stdout(&o)).unwrap();
     let modules: Vec<&str> = plan.groups.iter().map(|g| g.group.module.as_str()).collect();
     assert_eq!(modules, ["layers.0+layers.1+output", "<root>"]);
@@ -274,7 +268,7 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
     let scratch = tempfile::tempdir().unwrap();
     let spec = temp(scratch.path(), "auto.yaml", "mesh: {shard: 16}\ngpus_per_node: 8\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 8192}\n");
     let emitted = temp(scratch.path(), "emitted.yaml", "");
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         LLAMA8B,
@@ -286,7 +280,6 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
         "--emit-spec",
         emitted.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     for want in [
         "auto: ",
@@ -313,7 +306,7 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
     ]);
     let v: serde_json::Value = serde_json::from_slice(&auto_json.stdout).unwrap();
     assert!(v["candidates"].as_array().unwrap().len() > 10);
-    let direct = shardplan(&[
+    let direct = shardplan_ok(&[
         "plan",
         "--model",
         LLAMA8B,
@@ -322,7 +315,6 @@ fn auto_finds_a_plan_shows_the_table_and_emits_a_reproducible_spec() {
         "--format",
         "json",
     ]);
-    assert!(direct.status.success(), "{}", stderr(&direct));
     let w: serde_json::Value = serde_json::from_slice(&direct.stdout).unwrap();
     assert_eq!(v["plan"]["programs"], w["programs"]);
     assert_eq!(v["plan"]["memory"], w["memory"]);
@@ -362,8 +354,7 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
         "mesh: {shard: 2}\ngpus_per_node: 2\nruntime: fsdp2\nbatch: {per_rank: 2, seq_len: 16}\n",
     );
     let args = ["plan", "--model", "tiny-llama", "--parallel", par.to_str().unwrap()];
-    let o = shardplan(&args);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardplan_ok(&args);
     let out = stdout(&o);
     for want in [
         "runtime: fsdp2 — the figures above predict PyTorch FSDP2",
@@ -374,8 +365,7 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
     }
     let json = dir.path().join("plan.json");
-    let o = shardplan(&[&args[..], &["--format", "json", "--out", json.to_str().unwrap()]].concat());
-    assert!(o.status.success(), "{}", stderr(&o));
+    shardplan_ok(&[&args[..], &["--format", "json", "--out", json.to_str().unwrap()]].concat());
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["policy"]["runtime"], "fsdp2");
     assert!(v["shardplan_executor"]["peak"].as_u64().unwrap() > 0);
@@ -389,7 +379,7 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
         ],
     );
     // From the specs it trains, planned for its own runtime.
-    let o = shardplan(&[
+    shardplan_ok(&[
         "train",
         "--model",
         "tiny-llama",
@@ -398,15 +388,13 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
         "--steps",
         "1",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     // --compare reads against the FSDP2 prediction and names it.
     let m = temp(
         dir.path(),
         "m.json",
         "{\"tokens_per_second\": 1000, \"step_seconds\": 0.1, \"peak_allocated\": 1000000}",
     );
-    let o = shardplan(&[&args[..], &["--compare", m.to_str().unwrap()]].concat());
-    assert!(o.status.success(), "{}", stderr(&o));
+    let o = shardplan_ok(&[&args[..], &["--compare", m.to_str().unwrap()]].concat());
     let out = stdout(&o);
     assert!(
         out.contains("predicted for PyTorch FSDP2 (runtime: fsdp2) vs measured"),
@@ -427,14 +415,13 @@ fn runtime_fsdp2_prints_both_predictions_and_train_refuses_its_plan() {
 
 #[test]
 fn a_tensor_parallel_plan_says_its_mesh_and_collectives() {
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "llama3-70b",
         "--parallel",
         "examples/parallel/fsdp-32-tp-8.yaml",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     for want in [
         "plan: llama3-70b (70,553,706,496 params) on 256 ranks: mesh 1 replicate x 32 shard x 8 tensor",
@@ -448,7 +435,7 @@ fn a_tensor_parallel_plan_says_its_mesh_and_collectives() {
         assert!(out.contains(want), "`{want}` not in:\n{out}");
     }
     // The trace nests each collective in its compute slice.
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "llama3-70b",
@@ -457,7 +444,6 @@ fn a_tensor_parallel_plan_says_its_mesh_and_collectives() {
         "--format",
         "trace",
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(
         out.contains("\"name\":\"tp_reduce_scatter n"),

@@ -7,13 +7,13 @@ mod common;
 #[path = "../planner/tests/common/edit.rs"]
 mod edit;
 
-use common::{json_lines, shardplan, stderr};
+use common::{json_lines, shardplan, shardplan_ok, stderr};
 use shardplan_planner::Plan;
 use std::path::Path;
 
 fn plan_json(dir: &Path, name: &str, parallel: &Path) -> (std::path::PathBuf, Plan) {
     let out = dir.join(name);
-    let o = shardplan(&[
+    shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -24,13 +24,12 @@ fn plan_json(dir: &Path, name: &str, parallel: &Path) -> (std::path::PathBuf, Pl
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let plan = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     (out, plan)
 }
 
 fn losses(plan: &Path, log: &Path) -> Vec<serde_json::Value> {
-    let o = shardplan(&[
+    shardplan_ok(&[
         "train",
         "--plan",
         plan.to_str().unwrap(),
@@ -39,7 +38,6 @@ fn losses(plan: &Path, log: &Path) -> Vec<serde_json::Value> {
         "--log",
         log.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     json_lines(log)
         .iter()
         .map(|l| serde_json::json!([l["loss"], l["grad_norm"], l["rank0_loss"]]))

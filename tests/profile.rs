@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{shardplan, stderr, stdout};
+use common::{shardplan, shardplan_ok, stderr, stdout};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -19,7 +19,7 @@ fn spec_1x2(dir: &Path) -> PathBuf {
 }
 
 fn train(spec: &Path, profile: &Path, steps: &str) -> String {
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "train",
         "--model",
         "tiny-llama",
@@ -30,7 +30,6 @@ fn train(spec: &Path, profile: &Path, steps: &str) -> String {
         "--profile",
         profile.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     stdout(&o)
 }
 
@@ -126,7 +125,7 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
     }
 
     // plan --compare reads it: the plan's predicted time of each kind beside it.
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -135,7 +134,6 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
         "--compare",
         path.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     for want in [
         "train profile, mean of 2 rank(s), steps 2-3",
@@ -153,7 +151,7 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
     assert!(!out.contains("instructions per step differ"), "{out}");
 
     // A profile of another mesh is flagged.
-    let o = shardplan(&[
+    let o = shardplan_ok(&[
         "plan",
         "--model",
         "tiny-llama",
@@ -162,7 +160,6 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
         "--compare",
         path.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stdout(&o).contains("measured on tiny-llama 1x2, this plan is tiny-llama 1x4"),
         "{}",

@@ -12,6 +12,15 @@ pub fn shardplan(args: &[&str]) -> Output {
         .expect("run shardplan")
 }
 
+/// Runs `shardplan` with `args`; fails the test, showing the arguments and the standard
+/// error, unless it exits 0.
+#[track_caller]
+pub fn shardplan_ok(args: &[&str]) -> Output {
+    let o = shardplan(args);
+    assert!(o.status.success(), "shardplan {}: {}", args.join(" "), stderr(&o));
+    o
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
