@@ -286,7 +286,7 @@ impl BoundCache {
 /// What is live, apart from persistent buffers, at points of the program under resharding
 /// `mode` (0: free after forward, 1: keep, n: keep a post-forward shard of n ranks) and
 /// prefetch `depths` (forward, backward; 0 where the depth is not what the schedule
-/// applies), when the shard axis has more than one rank: [`Held`] per point.
+/// applies): [`Held`] per point.
 ///
 /// While a step runs: its activation peak; the unsharded parameters of every group it reads
 /// and of the groups whose gathers are issued ahead of it; the gradient pieces it writes
