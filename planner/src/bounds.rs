@@ -56,8 +56,8 @@ struct StepFacts {
     read_in_backward: Vec<bool>,
     /// Groups whose gradients some step makes.
     has_grads: Vec<bool>,
-    /// Per step: its activation peak and the elements of the groups it reads.
-    per_step: Vec<(u64, u64)>,
+    /// Per step: its activation peak.
+    act_peak: Vec<u64>,
     /// Per step: the groups it reads.
     reads: Vec<Vec<usize>>,
     /// Per step: its activation bytes when it ends, and the elements of the gradients it
@@ -183,7 +183,7 @@ impl BoundCache {
             let mut read = vec![false; n];
             let mut read_in_backward = vec![false; n];
             let mut has_grads = vec![false; n];
-            let mut per_step = Vec::with_capacity(cached.steps.len());
+            let mut act_peak = Vec::with_capacity(cached.steps.len());
             let mut reads = Vec::with_capacity(cached.steps.len());
             let mut first_read = vec![None; n];
             let mut last_read = vec![None; n];
@@ -214,8 +214,7 @@ impl BoundCache {
                 for g in &s.grads {
                     has_grads[g.index()] = true;
                 }
-                let read: u64 = s.reads.iter().map(|g| grouping.numel[g.index()]).sum();
-                per_step.push((s.act_peak, read));
+                act_peak.push(s.act_peak);
             }
             slot.insert(StepFacts {
                 compute_s: cached.step_s.iter().sum(),
@@ -233,7 +232,7 @@ impl BoundCache {
                     .map(|s| s.grads.iter().map(|g| g.index()).collect())
                     .unwrap_or_default(),
                 first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
-                per_step,
+                act_peak,
                 reads,
                 ends,
                 last_grad,
@@ -373,7 +372,7 @@ fn held_while_running(grouping: &Grouping, facts: &StepFacts, mode: u64, depths:
                 .sum(),
             None => 0,
         };
-        out.push((read + kept(s, &skip) + made + early, facts.per_step[s].0, reducing));
+        out.push((read + kept(s, &skip) + made + early, facts.act_peak[s], reducing));
         for g in (0..grouping.groups.len()).filter(|&g| facts.last_grad[g] == Some(s)) {
             // (elements in the parameter dtype, bytes, elements in the reduce dtype)
             out.push((kept(s, &[g]).saturating_add(made), act_end, grouping.numel[g]));
@@ -428,23 +427,19 @@ fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts,
     // live then too (the verifier's first invariant: a read comes after the group's
     // all-gather and before its free), at least their elements in the parameter dtype. So
     // with one shard: the schedule gathers over the one-rank shard axis all the same, into
-    // an unsharded buffer of its own (with CPU offload, from the shard's device copy). The allocator reserves at least what is requested (its requested
-    // peak is the model's peak) and the CUDA context comes on top.
+    // an unsharded buffer of its own (with CPU offload, from the shard's device copy). The
+    // allocator reserves at least what is requested (its requested peak is the model's
+    // peak) and the CUDA context comes on top.
     let persistent = if config.offload == Offload::None {
         let k = config.optimizer.state_per_param();
         shard_numel.iter().sum::<u64>().saturating_mul(master_b * (1 + k))
     } else {
         0
     };
-    let during_steps = facts
-        .per_step
-        .iter()
-        .map(|&(act, read)| act.saturating_add(read.saturating_mul(param_b)))
-        .max()
-        .unwrap_or(0);
-    // In backward, groups kept after forward add to the groups a step reads
-    // (`held_while_running`).
-    let kept = held
+    // Each step's activation peak and reads, with the groups kept after forward, gathered
+    // ahead, reduced and the gradient pieces beside them (`held_while_running`: one point
+    // per step, and one per reduction).
+    let held_most = held
         .iter()
         .map(|&(elems, bytes, reduced)| {
             bytes
@@ -472,7 +467,7 @@ fn device_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts,
     .filter(|&&c| c)
     .count() as u64;
     persistent
-        .saturating_add(during_steps.max(kept))
+        .saturating_add(held_most)
         .saturating_add(hw.cuda_context_bytes())
         .saturating_add(hw.nccl_bytes_per_communicator().saturating_mul(communicators))
 }
