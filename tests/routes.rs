@@ -44,10 +44,12 @@ fn yaml_json_and_preset_give_the_same_graph() {
 }
 
 #[test]
-fn hf_imports_match_presets() {
+fn imports_match_presets() {
     for (json, preset_name) in [
         ("examples/models/mistral-7b.config.json", "mistral-7b"),
         ("examples/models/qwen2-0.5b.config.json", "qwen2-0.5b"),
+        ("examples/models/qwen3-8b.config.json", "qwen3-8b"),
+        ("examples/models/tiny-qwen3.yaml", "tiny-qwen3"),
     ] {
         let a = graph_of(json);
         let b = trace(
@@ -62,6 +64,29 @@ fn hf_imports_match_presets() {
     }
 }
 
+/// The published MoE config.json files read into their presets' configs, field for field.
+#[test]
+fn moe_imports_match_presets() {
+    for (file, preset_name) in [
+        ("examples/models/mixtral-8x7b.config.json", "mixtral-8x7b"),
+        ("examples/models/qwen2-57b-a14b.config.json", "qwen2-57b-a14b"),
+        ("examples/models/qwen3-30b-a3b.config.json", "qwen3-30b-a3b"),
+    ] {
+        let m = load_model(Path::new(file)).unwrap_or_else(|e| panic!("{e}"));
+        let shardplan_models::ModelConfig::Llama(mut c) = m.config else {
+            panic!("{file} is not a llama-family model")
+        };
+        // `"hidden_act": "silu"` is the family's default activation, which presets leave unset.
+        assert_eq!(c.activation, Some(shardplan_models::Activation::Silu), "{file}");
+        c.activation = None;
+        assert_eq!(
+            shardplan_models::ModelConfig::Llama(c),
+            preset(preset_name).unwrap(),
+            "{file}"
+        );
+    }
+}
+
 #[test]
 fn every_bundled_example_loads_and_traces_with_a_fitting_layout() {
     let mut models = 0;
@@ -69,6 +94,18 @@ fn every_bundled_example_loads_and_traces_with_a_fitting_layout() {
         let path = entry.unwrap().path();
         let m = load_model(&path).unwrap_or_else(|e| panic!("{e}"));
         models += 1;
+        if m.config.is_moe() {
+            // Mixtures of experts load and count, but are not traced yet: every layout is
+            // refused, naming the `moe` field.
+            let p = load_parallel(Path::new("examples/parallel/cpu-1.yaml")).unwrap();
+            let e = trace_error(trace(&m.config, trace_options(Some(&p))).unwrap_err(), &m, Some(&p));
+            assert_eq!(e.field.as_deref(), Some("moe"), "{e}");
+            assert!(
+                e.to_string().contains("not traced yet") || e.to_string().contains("cannot be traced yet"),
+                "{e}"
+            );
+            continue;
+        }
         let mut traced = 0;
         for p in std::fs::read_dir("examples/parallel").unwrap() {
             let p = load_parallel(&p.unwrap().path()).unwrap_or_else(|e| panic!("{e}"));

@@ -32,6 +32,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         activation: None,
         tie_embeddings: false,
         qkv_bias: false,
+        qk_norm: false,
+        moe: None,
         max_seq_len: 128,
     });
     let spec = "mesh: {shard: 4}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 8}\n";

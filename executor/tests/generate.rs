@@ -97,6 +97,71 @@ fn full_sequence_logits_match_the_training_forward_and_transformers() {
     }
 }
 
+/// Qwen3's per-head q/k norms in the cached decoder: its logits equal the training
+/// graph's forward on random weights, for the whole sequence and one token at a time.
+#[test]
+fn qwen3_decoding_matches_the_training_forward() {
+    let c = shardplan_models::preset("tiny-qwen3").unwrap();
+    let shapes = param_shapes(&c).unwrap();
+    assert!(shapes
+        .iter()
+        .any(|(n, s)| n == "model.layers.1.self_attn.k_norm.weight" && s == &[32]));
+    let weights: HashMap<String, Tensor> = shapes
+        .iter()
+        .map(|(n, s)| {
+            let dims: Vec<usize> = s.iter().map(|&d| d as usize).collect();
+            // Norm weights away from 1, so a skipped norm shows.
+            let t = if n.ends_with("norm.weight") {
+                Tensor::rand(0.5f32, 1.5, dims.as_slice(), &Device::Cpu).unwrap()
+            } else {
+                Tensor::randn(0f32, 0.1, dims.as_slice(), &Device::Cpu).unwrap()
+            };
+            (n.clone(), t)
+        })
+        .collect();
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 256).collect();
+    let g = trace(
+        &c,
+        TraceOptions {
+            batch: 1,
+            seq_len: Some(tokens.len() as u64),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (loss, _) = g.nodes().find(|(_, n)| matches!(n.op, Op::CrossEntropy)).unwrap();
+    let logits = g.node(loss).inputs[0];
+    let names: HashMap<_, _> = g.params().map(|(_, p)| (p.node, p.name.clone())).collect();
+    let out = Interpreter::new(g.clone(), &[logits])
+        .run(&Ctx::new(Device::Cpu), &[logits], &mut |id| {
+            if let Some(n) = names.get(&id) {
+                return Ok(weights[n].clone());
+            }
+            Ok(match &g.node(id).op {
+                Op::Input { name } if name == "tokens" => {
+                    Tensor::from_vec(tokens.clone(), (1, tokens.len()), &Device::Cpu)?
+                }
+                _ => Tensor::zeros(tokens.len(), DType::U32, &Device::Cpu)?,
+            })
+        })
+        .unwrap();
+    let train = out.kept[0].reshape((tokens.len(), ())).unwrap();
+    let m = Model::new(c, weights).unwrap();
+    let full = m.forward(&tokens, &mut KvCache::default()).unwrap();
+    let e = rel(&full, &train);
+    assert!(e < 1e-5, "qwen3 decoder differs from the training forward by {e:e}");
+    let mut cache = KvCache::default();
+    let mut rows = vec![m.forward(&tokens[..5], &mut cache).unwrap()];
+    for &t in &tokens[5..] {
+        rows.push(m.forward(&[t], &mut cache).unwrap());
+    }
+    let e = rel(&Tensor::cat(&rows, 0).unwrap(), &train);
+    assert!(
+        e < 1e-5,
+        "qwen3 cached decoding differs from the training forward by {e:e}"
+    );
+}
+
 #[test]
 fn decoding_through_the_cache_gives_the_full_sequence_logits() {
     for variant in VARIANTS {

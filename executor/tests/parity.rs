@@ -122,6 +122,27 @@ fn gpt2_on_every_mesh() {
 }
 
 #[test]
+fn qwen3_on_every_mesh() {
+    // Per-head q/k norms: their weights' gradients sum over every head of every rank.
+    for (r, s) in [(1, 1), (1, 2), (1, 4), (2, 2), (1, 3)] {
+        check("tiny-qwen3", r, s, "", F32);
+    }
+    check("tiny-qwen3", 1, 4, "activation_checkpointing: selective\n", F32);
+    check(
+        "tiny-qwen3",
+        1,
+        4,
+        "mixed_precision: {param: bf16, reduce: f32}\n",
+        BF16,
+    );
+    // Under tensor parallelism each rank normalises its own heads with the whole weight,
+    // whose gradient is summed over the tensor group, with or without sequence parallelism.
+    let qwen3 = preset("tiny-qwen3").unwrap();
+    check_mesh(&qwen3, (1, 2, 2), "", F32);
+    check_mesh(&qwen3, (2, 1, 2), "tensor_parallel: {sequence_parallel: false}\n", F32);
+}
+
+#[test]
 fn llama_under_every_knob() {
     for extra in [
         "reshard_after_forward: false\n",

@@ -48,9 +48,10 @@ fn tiny_llama_learns_the_synthetic_task() {
 }
 
 #[test]
-fn gpt2_mlp_sgd_accumulation_and_bf16_train_too() {
+fn gpt2_qwen3_mlp_sgd_accumulation_and_bf16_train_too() {
     for (model, extra, steps, factor) in [
         ("tiny-gpt2", "", 100, 0.5),
+        ("tiny-qwen3", "", 100, 0.5),
         ("tiny-mlp", "", 100, 0.6),
         ("tiny-llama", "optimizer: {sgd: {lr: 0.5, momentum: 0.9}}\n", 100, 0.5),
         (

@@ -1,5 +1,6 @@
 //! Hugging Face `config.json` import for LlamaForCausalLM, MistralForCausalLM,
-//! Qwen2ForCausalLM and GPT2LMHeadModel.
+//! Qwen2ForCausalLM, Qwen3ForCausalLM, the mixtures of experts MixtralForCausalLM,
+//! Qwen2MoeForCausalLM and Qwen3MoeForCausalLM, and GPT2LMHeadModel.
 //!
 //! Every key of the file is accounted for ([`field_rule`]): honoured, checked against
 //! the value shardplan implements (a value that would change the math and is not
@@ -10,7 +11,7 @@
 use crate::model_spec::file_stem;
 use crate::{did_you_mean, Origin, Source, SpecError};
 use serde::Deserialize;
-use shardplan_models::{Gpt2Config, LlamaConfig, ModelConfig};
+use shardplan_models::{Gpt2Config, LlamaConfig, ModelConfig, MoeConfig, Router};
 
 type JsonMap = serde_json::Map<String, serde_json::Value>;
 
@@ -19,6 +20,10 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
     "GPT2LMHeadModel",
 ];
 
@@ -49,6 +54,18 @@ pub struct HfConfig {
     pub use_sliding_window: Option<bool>,
     /// transformers 5: `full_attention` or `sliding_attention` per layer.
     pub layer_types: Option<Vec<String>>,
+    // Mixtures of experts.
+    pub num_local_experts: Option<u64>,
+    pub num_experts: Option<u64>,
+    pub num_experts_per_tok: Option<u64>,
+    pub moe_intermediate_size: Option<u64>,
+    pub shared_expert_intermediate_size: Option<u64>,
+    pub decoder_sparse_step: Option<u64>,
+    pub mlp_only_layers: Option<Vec<u64>>,
+    pub norm_topk_prob: Option<bool>,
+    pub output_router_logits: Option<bool>,
+    pub router_aux_loss_coef: Option<f64>,
+    pub qkv_bias: Option<bool>,
     // GPT-2.
     pub n_embd: Option<u64>,
     pub n_layer: Option<u64>,
@@ -63,7 +80,17 @@ enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
     Gpt2,
+}
+
+impl Arch {
+    fn is_moe(self) -> bool {
+        matches!(self, Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe)
+    }
 }
 
 /// The config.json key a model-config field comes from, per family.
@@ -92,6 +119,10 @@ impl HfConfig {
             "LlamaForCausalLM" => Some(Arch::Llama),
             "MistralForCausalLM" => Some(Arch::Mistral),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
+            "MixtralForCausalLM" => Some(Arch::Mixtral),
+            "Qwen2MoeForCausalLM" => Some(Arch::Qwen2Moe),
+            "Qwen3MoeForCausalLM" => Some(Arch::Qwen3Moe),
             "GPT2LMHeadModel" => Some(Arch::Gpt2),
             _ => None,
         };
@@ -112,6 +143,10 @@ impl HfConfig {
             Some("llama") => Ok(Arch::Llama),
             Some("mistral") => Ok(Arch::Mistral),
             Some("qwen2") => Ok(Arch::Qwen2),
+            Some("qwen3") => Ok(Arch::Qwen3),
+            Some("mixtral") => Ok(Arch::Mixtral),
+            Some("qwen2_moe") => Ok(Arch::Qwen2Moe),
+            Some("qwen3_moe") => Ok(Arch::Qwen3Moe),
             Some("gpt2") => Ok(Arch::Gpt2),
             Some(other) => Err(SpecError::file(&src.path, format!("unsupported model_type `{other}`"))
                 .at(src.json_key_pos("model_type"))
@@ -148,7 +183,7 @@ impl HfConfig {
             SpecError::file(&src.path, format!("`{key}: true` ({what}) is not supported"))
                 .at(src.json_key_pos(key))
                 .field(key)
-                .help("shardplan models Llama/Mistral/Qwen2 without that bias")
+                .help("shardplan models Llama/Mistral/Qwen2/Qwen3 without that bias")
         };
         let key_pos = |k: &str| src.json_key_pos(k);
         // transformers 5 keeps rope_theta inside rope_parameters.
@@ -187,6 +222,17 @@ impl HfConfig {
                     return Err(unsupported("mlp_bias", "biases in the MLP"));
                 }
                 let n_heads = need(self.num_attention_heads, "n_heads")?;
+                // transformers' Qwen3Config sets head_dim to 128 when the file has none;
+                // the other families derive it from hidden_size / num_attention_heads.
+                let head_dim = match arch {
+                    Arch::Qwen3 => Some(self.head_dim.unwrap_or(128)),
+                    _ => self.head_dim,
+                };
+                let moe = if arch.is_moe() {
+                    Some(self.moe_config(src, arch)?)
+                } else {
+                    None
+                };
                 ModelConfig::Llama(LlamaConfig {
                     name,
                     vocab_size: need(self.vocab_size, "vocab_size")?,
@@ -194,14 +240,16 @@ impl HfConfig {
                     n_layers: need(self.num_hidden_layers, "n_layers")?,
                     n_heads,
                     n_kv_heads: self.num_key_value_heads.unwrap_or(n_heads),
-                    head_dim: self.head_dim,
+                    head_dim,
                     ffn_dim: need(self.intermediate_size, "ffn_dim")?,
                     norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
                     rope_theta: rope_theta.unwrap_or(10000.0),
                     rope_scaling: rope_scaling(src, map)?,
                     activation: activation(&self.hidden_act),
                     tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
-                    qkv_bias: arch == Arch::Qwen2,
+                    qkv_bias: arch == Arch::Qwen2 || (arch == Arch::Qwen2Moe && self.qkv_bias != Some(false)),
+                    qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+                    moe,
                     max_seq_len: self.max_position_embeddings.unwrap_or(4096),
                 })
             }
@@ -214,7 +262,12 @@ impl HfConfig {
             .is_some_and(|t| t.iter().any(|l| l == "sliding_attention"));
         let window = match arch {
             Arch::Mistral | Arch::Llama => self.sliding_window,
-            Arch::Qwen2 if self.use_sliding_window == Some(true) || sliding_layers => self.sliding_window,
+            Arch::Mixtral => self.sliding_window,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe
+                if self.use_sliding_window == Some(true) || sliding_layers =>
+            {
+                self.sliding_window
+            }
             _ => None,
         };
         let mut config = config;
@@ -233,7 +286,7 @@ impl HfConfig {
         }
         let mut origin = Origin::new(&src.path);
         config.validate().map_err(|e| {
-            let key = hf_key(arch, e.field);
+            let key = moe_key(arch, e.field).unwrap_or_else(|| hf_key(arch, e.field));
             SpecError::file(&src.path, e.message.clone())
                 .at(src.json_key_pos(key))
                 .field(key)
@@ -252,12 +305,129 @@ impl HfConfig {
                 origin.insert(field, p);
             }
         }
+        if arch.is_moe() {
+            // A refusal of the experts as a whole (`moe`) points at their count.
+            if let Some(p) = key_pos("num_experts").or_else(|| key_pos("num_local_experts")) {
+                origin.insert("moe", p);
+            }
+        }
         if window_caps {
             if let Some(p) = key_pos("sliding_window") {
                 origin.insert("max_seq_len", p);
             }
         }
         Ok((config, origin))
+    }
+}
+
+/// The config.json key a `moe.` field comes from, for errors.
+fn moe_key(arch: Arch, field: &str) -> Option<&'static str> {
+    Some(match field {
+        "moe.experts" if arch == Arch::Mixtral => "num_local_experts",
+        "moe.experts" => "num_experts",
+        "moe.top_k" => "num_experts_per_tok",
+        "moe.expert_ffn_dim" if arch == Arch::Mixtral => "intermediate_size",
+        "moe.expert_ffn_dim" => "moe_intermediate_size",
+        "moe.shared_experts" | "moe.shared_expert_ffn_dim" => "shared_expert_intermediate_size",
+        "moe.every" => "decoder_sparse_step",
+        "moe.first_dense" => "mlp_only_layers",
+        "moe.aux_loss_coef" => "router_aux_loss_coef",
+        _ => return None,
+    })
+}
+
+impl HfConfig {
+    /// The mixture of experts of a Mixtral, Qwen2-MoE or Qwen3-MoE config, as transformers
+    /// builds it: softmax routing; Mixtral's experts as wide as `intermediate_size` and its
+    /// chosen scores always renormalised; Qwen2-MoE's one shared expert behind a sigmoid
+    /// gate; the load-balancing loss only with `output_router_logits`, as transformers adds
+    /// it to the loss then.
+    fn moe_config(&self, src: &Source, arch: Arch) -> Result<MoeConfig, SpecError> {
+        let fail = |key: &str, msg: String, help: &str| {
+            SpecError::file(&src.path, msg)
+                .at(src.json_key_pos(key))
+                .field(key)
+                .help(help.to_string())
+        };
+        let missing = |key: &str| {
+            SpecError::file(&src.path, format!("missing `{key}`"))
+                .field(key)
+                .help(format!(
+                    "add \"{key}\": <integer> (see the model's config.json on the Hub)"
+                ))
+        };
+        let experts = match arch {
+            Arch::Mixtral => match (self.num_local_experts, self.num_experts) {
+                (Some(a), Some(b)) if a != b => {
+                    return Err(fail(
+                        "num_experts",
+                        format!("`num_experts` is {b} but `num_local_experts` is {a}"),
+                        "keep num_local_experts, Mixtral's name for it",
+                    ))
+                }
+                (a, b) => a.or(b).ok_or_else(|| missing("num_local_experts"))?,
+            },
+            _ => self.num_experts.ok_or_else(|| missing("num_experts"))?,
+        };
+        let top_k = self.num_experts_per_tok.ok_or_else(|| missing("num_experts_per_tok"))?;
+        let expert_ffn_dim = match arch {
+            Arch::Mixtral => self.intermediate_size.ok_or_else(|| missing("intermediate_size"))?,
+            _ => self
+                .moe_intermediate_size
+                .ok_or_else(|| missing("moe_intermediate_size"))?,
+        };
+        let (shared_experts, shared_expert_ffn_dim) =
+            match arch {
+                Arch::Qwen2Moe => match self.shared_expert_intermediate_size {
+                    Some(0) => return Err(fail(
+                        "shared_expert_intermediate_size",
+                        "`shared_expert_intermediate_size` is 0: Qwen2-MoE always has a shared expert (and its gate)"
+                            .into(),
+                        "give the shared expert's width, as the published configs do",
+                    )),
+                    Some(w) => (1, w),
+                    None => return Err(missing("shared_expert_intermediate_size")),
+                },
+                _ => (0, 0),
+            };
+        let first_dense = match &self.mlp_only_layers {
+            None => 0,
+            Some(layers) => {
+                let n = layers.len() as u64;
+                if layers.iter().enumerate().any(|(i, &l)| l != i as u64) {
+                    return Err(fail(
+                        "mlp_only_layers",
+                        format!("`mlp_only_layers` is {layers:?}: dense layers other than the first ones are not implemented"),
+                        "shardplan keeps the dense MLP on leading layers (0, 1, ..) only; list a prefix such as [0, 1], or []",
+                    ));
+                }
+                n
+            }
+        };
+        let aux_loss_coef = if self.output_router_logits == Some(true) {
+            self.router_aux_loss_coef.unwrap_or(0.001)
+        } else {
+            0.0
+        };
+        Ok(MoeConfig {
+            experts,
+            top_k,
+            expert_ffn_dim,
+            shared_experts,
+            shared_expert_ffn_dim,
+            shared_expert_gate: arch == Arch::Qwen2Moe,
+            router: Router::SoftmaxTopk,
+            norm_topk_prob: match arch {
+                Arch::Mixtral => true,
+                _ => self.norm_topk_prob.unwrap_or(false),
+            },
+            aux_loss_coef,
+            every: match arch {
+                Arch::Mixtral => 1,
+                _ => self.decoder_sparse_step.unwrap_or(1),
+            },
+            first_dense,
+        })
     }
 }
 
@@ -447,8 +617,28 @@ fn field_rule(arch: Arch, key: &str) -> Option<FieldRule> {
         }
         "n_embd" | "n_layer" | "n_head" | "n_inner" | "n_positions" | "layer_norm_epsilon" if !llama => Honoured,
         "hidden_act" | "attention_bias" | "mlp_bias" | "rope_scaling" | "rope_parameters" if llama => Checked,
-        "sliding_window" if matches!(arch, Arch::Mistral | Arch::Qwen2 | Arch::Llama) => Checked,
-        "use_sliding_window" | "max_window_layers" if arch == Arch::Qwen2 => Checked,
+        "sliding_window" if llama => Checked,
+        "use_sliding_window" | "max_window_layers"
+            if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe) =>
+        {
+            Checked
+        }
+        "num_local_experts"
+        | "num_experts"
+        | "num_experts_per_tok"
+        | "router_aux_loss_coef"
+        | "output_router_logits"
+            if arch.is_moe() =>
+        {
+            Honoured
+        }
+        "router_jitter_noise" if arch == Arch::Mixtral => Checked,
+        "moe_intermediate_size" | "decoder_sparse_step" | "mlp_only_layers" | "norm_topk_prob"
+            if matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe) =>
+        {
+            Honoured
+        }
+        "shared_expert_intermediate_size" | "qkv_bias" if arch == Arch::Qwen2Moe => Honoured,
         "layer_types" if llama => Checked,
         "activation_function"
         | "scale_attn_by_inverse_layer_idx"
@@ -541,6 +731,10 @@ pub fn field_table(architecture: &str) -> Vec<(&'static str, FieldRule)> {
     let arch = match architecture {
         "MistralForCausalLM" => Arch::Mistral,
         "Qwen2ForCausalLM" => Arch::Qwen2,
+        "Qwen3ForCausalLM" => Arch::Qwen3,
+        "MixtralForCausalLM" => Arch::Mixtral,
+        "Qwen2MoeForCausalLM" => Arch::Qwen2Moe,
+        "Qwen3MoeForCausalLM" => Arch::Qwen3Moe,
         "GPT2LMHeadModel" => Arch::Gpt2,
         _ => Arch::Llama,
     };
@@ -581,6 +775,18 @@ const KNOWN_KEYS: &[&str] = &[
     "use_sliding_window",
     "max_window_layers",
     "layer_types",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "qkv_bias",
     "activation_function",
     "scale_attn_by_inverse_layer_idx",
     "scale_attn_weights",
@@ -674,6 +880,10 @@ fn check_fields(src: &Source, arch: Arch, map: &JsonMap) -> Result<(), SpecError
         Arch::Llama => "LlamaForCausalLM",
         Arch::Mistral => "MistralForCausalLM",
         Arch::Qwen2 => "Qwen2ForCausalLM",
+        Arch::Qwen3 => "Qwen3ForCausalLM",
+        Arch::Mixtral => "MixtralForCausalLM",
+        Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
+        Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
         Arch::Gpt2 => "GPT2LMHeadModel",
     };
     let rope_type = |v: &Value| -> Option<String> {
@@ -751,6 +961,12 @@ fn check_fields(src: &Source, arch: Arch, map: &JsonMap) -> Result<(), SpecError
                 return bad(
                     "attention kinds other than full_attention and sliding_attention",
                     "shardplan implements causal attention, and a sliding window as long as the trained sequences",
+                )
+            }
+            "router_jitter_noise" if v.as_f64() != Some(0.0) => {
+                return bad(
+                    "multiplicative noise on the router's input while training",
+                    "shardplan routes without jitter, as the published Mixtral configs do (0.0)",
                 )
             }
             "sliding_window" | "max_window_layers" if v.as_u64().is_none() => {

@@ -5,13 +5,13 @@ use crate::yaml::{self, pos};
 use crate::{Origin, Pos, Source, SpecError};
 use serde::Deserialize;
 use serde_saphyr::Spanned;
-use shardplan_models::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig};
+use shardplan_models::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, Router};
 
 /// Model families a spec may name.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
-    /// Llama 2/3, Mistral, Qwen2 (set `qkv_bias: true` for Qwen2).
+    /// Llama 2/3, Mistral, Qwen2 (set `qkv_bias: true`), Qwen3 (set `qk_norm: true`).
     Llama,
     Gpt2,
     Mlp,
@@ -46,6 +46,9 @@ pub struct ModelSpecFile {
     pub tie_embeddings: Option<Spanned<bool>>,
     /// Bias on q/k/v projections (llama; true for Qwen2; default false).
     pub qkv_bias: Option<Spanned<bool>>,
+    /// RMSNorm over each head's queries and keys before rotary (llama; true for Qwen3;
+    /// default false).
+    pub qk_norm: Option<Spanned<bool>>,
     /// Context length (llama: default 4096; gpt2: learned positions, default 1024).
     pub max_seq_len: Option<Spanned<u64>>,
     /// Output classes (mlp).
@@ -58,6 +61,79 @@ pub struct ModelSpecFile {
     /// high_freq_factor, original_max_position_embeddings}` or `{rope_type: yarn, factor,
     /// original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate}`.
     pub rope_scaling: Option<Spanned<shardplan_ir::RopeScaling>>,
+    /// Mixture-of-experts feed-forward (llama): see [`MoeSpecFile`].
+    pub moe: Option<Spanned<MoeSpecFile>>,
+}
+
+/// `moe:` of a llama spec, as written: Mixtral is `{experts: 8, top_k: 2, expert_ffn_dim:
+/// 14336}`; Qwen2-MoE adds `shared_experts: 1, shared_expert_ffn_dim: 20480,
+/// shared_expert_gate: true`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeSpecFile {
+    /// Routed experts per MoE layer (required).
+    pub experts: Spanned<u64>,
+    /// Experts each token is sent to (required).
+    pub top_k: Spanned<u64>,
+    /// Hidden width of one routed expert (default: the model's ffn_dim).
+    pub expert_ffn_dim: Option<Spanned<u64>>,
+    /// Shared experts every token passes through (default 0).
+    pub shared_experts: Option<Spanned<u64>>,
+    /// Hidden width of the shared experts together (required with shared_experts).
+    pub shared_expert_ffn_dim: Option<Spanned<u64>>,
+    /// Scale the shared experts' output by a per-token sigmoid gate (Qwen2-MoE; default false).
+    pub shared_expert_gate: Option<Spanned<bool>>,
+    /// softmax_topk (default) or sigmoid_topk.
+    pub router: Option<Spanned<Router>>,
+    /// Divide the chosen experts' scores by their sum (default true, as Mixtral).
+    pub norm_topk_prob: Option<Spanned<bool>>,
+    /// Weight of the load-balancing loss added to the cross-entropy (default 0: none).
+    pub aux_loss_coef: Option<Spanned<f64>>,
+    /// Every N-th layer has experts (default 1: all).
+    pub every: Option<Spanned<u64>>,
+    /// The first D layers keep the dense MLP (default 0).
+    pub first_dense: Option<Spanned<u64>>,
+}
+
+impl MoeSpecFile {
+    /// `(moe.field, position)` of every field written.
+    fn positions(&self) -> Vec<(&'static str, Pos)> {
+        let mut v = vec![("moe.experts", pos(&self.experts)), ("moe.top_k", pos(&self.top_k))];
+        macro_rules! at_opt {
+            ($($f:ident),*) => {$( if let Some(s) = &self.$f { v.push((concat!("moe.", stringify!($f)), pos(s))); } )*};
+        }
+        at_opt!(
+            expert_ffn_dim,
+            shared_experts,
+            shared_expert_ffn_dim,
+            shared_expert_gate,
+            router,
+            norm_topk_prob,
+            aux_loss_coef,
+            every,
+            first_dense
+        );
+        v
+    }
+
+    /// The config; unwritten fields take their documented defaults.
+    fn to_config(&self, ffn_dim: u64) -> MoeConfig {
+        let v = |x: &Option<Spanned<u64>>, d: u64| x.as_ref().map_or(d, |s| s.value);
+        let b = |x: &Option<Spanned<bool>>, d: bool| x.as_ref().map_or(d, |s| s.value);
+        MoeConfig {
+            experts: self.experts.value,
+            top_k: self.top_k.value,
+            expert_ffn_dim: v(&self.expert_ffn_dim, ffn_dim),
+            shared_experts: v(&self.shared_experts, 0),
+            shared_expert_ffn_dim: v(&self.shared_expert_ffn_dim, 0),
+            shared_expert_gate: b(&self.shared_expert_gate, false),
+            router: self.router.as_ref().map_or(Router::SoftmaxTopk, |s| s.value),
+            norm_topk_prob: b(&self.norm_topk_prob, true),
+            aux_loss_coef: self.aux_loss_coef.as_ref().map_or(0.0, |s| s.value),
+            every: v(&self.every, 1),
+            first_dense: v(&self.first_dense, 0),
+        }
+    }
 }
 
 /// Which fields each family takes.
@@ -75,9 +151,11 @@ fn allowed(family: Family) -> &'static [&'static str] {
             "rope_theta",
             "tie_embeddings",
             "qkv_bias",
+            "qk_norm",
             "max_seq_len",
             "activation",
             "rope_scaling",
+            "moe",
         ],
         Family::Gpt2 => &[
             "vocab_size",
@@ -112,10 +190,12 @@ impl ModelSpecFile {
             rope_theta,
             tie_embeddings,
             qkv_bias,
+            qk_norm,
             max_seq_len,
             n_classes,
             activation,
-            rope_scaling
+            rope_scaling,
+            moe
         );
         v
     }
@@ -159,6 +239,8 @@ impl ModelSpecFile {
         let config = match family {
             Family::Llama => {
                 let n_heads = need(&self.n_heads, "n_heads")?;
+                let ffn_dim = need(&self.ffn_dim, "ffn_dim")?;
+                let moe = self.moe.as_ref().map(|m| m.value.to_config(ffn_dim));
                 ModelConfig::Llama(LlamaConfig {
                     name,
                     vocab_size: need(&self.vocab_size, "vocab_size")?,
@@ -167,13 +249,15 @@ impl ModelSpecFile {
                     n_heads,
                     n_kv_heads: val(&self.n_kv_heads).unwrap_or(n_heads),
                     head_dim: val(&self.head_dim),
-                    ffn_dim: need(&self.ffn_dim, "ffn_dim")?,
+                    ffn_dim,
                     norm_eps: fval(&self.norm_eps, 1e-5),
                     rope_theta: fval(&self.rope_theta, 10000.0),
                     rope_scaling,
                     activation,
                     tie_embeddings: self.tie_embeddings.as_ref().is_some_and(|s| s.value),
                     qkv_bias: self.qkv_bias.as_ref().is_some_and(|s| s.value),
+                    qk_norm: self.qk_norm.as_ref().is_some_and(|s| s.value),
+                    moe,
                     max_seq_len: val(&self.max_seq_len).unwrap_or(4096),
                 })
             }
@@ -202,9 +286,19 @@ impl ModelSpecFile {
                 })
             }
         };
+        if let Some(m) = &self.moe {
+            for (field, p) in m.value.positions() {
+                origin.insert(field, p);
+            }
+        }
         config.validate().map_err(|e| {
-            // A derived value (head_dim from dim / n_heads) is blamed on a field the user wrote.
-            let field = if origin.has(e.field) { e.field } else { "n_heads" };
+            // A derived value (head_dim from dim / n_heads) is blamed on a field the user
+            // wrote; a defaulted `moe` field on the `moe` mapping.
+            let field = if origin.pos(e.field).is_some() {
+                e.field
+            } else {
+                "n_heads"
+            };
             origin.error(field, e.message.clone(), e.help.clone())
         })?;
         Ok((config, origin))

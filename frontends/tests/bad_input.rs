@@ -160,13 +160,141 @@ fn fields_of_another_family_and_missing_fields() {
 }
 
 #[test]
+fn qk_norm_field() {
+    let ok = format!("{LLAMA}qk_norm: true\nhead_dim: 32\n");
+    parse_model_spec(&Source::from_text("m.yaml", ok.as_str())).unwrap();
+    let e = model(&format!("{LLAMA}qk_norm: 3\n"));
+    check(&e, 8, 10, &["qk_norm"]);
+    assert_eq!(e.field.as_deref(), Some("qk_norm"));
+    let e = model("family: gpt2\nvocab_size: 10\ndim: 8\nn_layers: 1\nn_heads: 2\nqk_norm: true\n");
+    check(&e, 6, 10, &["does not apply to family gpt2"]);
+    let e = model(&format!("{LLAMA}qk_norm: true\nhead_dim: 0\n"));
+    check(&e, 9, 11, &["`head_dim`", "at least 1"]);
+    let e = hf("{\"architectures\": [\"Qwen3ForCausalLM\"], \"vocab_size\": 256, \"hidden_size\": 64,\n \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"intermediate_size\": 128,\n \"head_dim\": 31}");
+    check(&e, 3, 2, &["even head_dim"]);
+    assert_eq!(e.field.as_deref(), Some("head_dim"));
+}
+
+const MOE: &str = "moe:\n  experts: 8\n  top_k: 2\n  expert_ffn_dim: 32\n";
+
+#[test]
+fn moe_fields() {
+    let ok = format!("{LLAMA}{MOE}");
+    parse_model_spec(&Source::from_text("m.yaml", ok.as_str())).unwrap();
+    // Lines: LLAMA has 7; `moe:` is line 8, experts 9, top_k 10, expert_ffn_dim 11.
+    let e = model(&format!("{LLAMA}{}", MOE.replace("top_k: 2", "top_k: 9")));
+    check(&e, 10, 10, &["`moe.top_k`", "more than the 8 experts"]);
+    let e = model(&format!("{LLAMA}{}", MOE.replace("experts: 8", "experts: 0")));
+    check(&e, 9, 12, &["`moe.experts`", "at least 1"]);
+    let e = model(&format!("{LLAMA}{}", MOE.replace("top_k", "topk")));
+    check(&e, 10, 3, &["unknown field `topk`", "did you mean `top_k`?"]);
+    let e = model(&format!("{LLAMA}{MOE}  router: softmax_top2\n"));
+    check(
+        &e,
+        12,
+        11,
+        &["unknown variant `softmax_top2`", "did you mean `softmax_topk`?"],
+    );
+    let e = model(&format!("{LLAMA}{MOE}  shared_experts: 1\n"));
+    check(
+        &e,
+        12,
+        19,
+        &["`moe.shared_experts`", "need a width", "shared_expert_ffn_dim"],
+    );
+    let e = model(&format!("{LLAMA}{MOE}  shared_expert_ffn_dim: 64\n"));
+    check(&e, 12, 26, &["`moe.shared_expert_ffn_dim`", "no shared experts"]);
+    let e = model(&format!("{LLAMA}{MOE}  shared_expert_gate: true\n"));
+    check(&e, 12, 23, &["`moe.shared_expert_gate`", "there are none"]);
+    let e = model(&format!("{LLAMA}{MOE}  aux_loss_coef: -0.1\n"));
+    check(&e, 12, 18, &["`moe.aux_loss_coef`", "finite number >= 0"]);
+    let e = model(&format!("{LLAMA}{MOE}  aux_loss_coef: .nan\n"));
+    check(&e, 12, 18, &["`moe.aux_loss_coef`"]);
+    let e = model(&format!("{LLAMA}{MOE}  first_dense: 2\n"));
+    check(&e, 12, 16, &["`moe.first_dense`", "no layer of 2 has experts"]);
+    let e = model(&format!("{LLAMA}{MOE}  every: 3\n"));
+    check(&e, 12, 10, &["`moe.every`", "no layer of 2 has experts"]);
+    let e = model(&format!("{LLAMA}{MOE}  every: 0\n"));
+    check(&e, 12, 10, &["`moe.every`", "at least 1"]);
+    let e = model(&format!("{LLAMA}moe:\n  experts: 8\n"));
+    check(&e, 9, 3, &["missing field `top_k`"]);
+    // A defaulted width (the model's ffn_dim) that is 0 is blamed on `moe`... ffn_dim is
+    // checked first; the expert width written as 0 is named.
+    let e = model(&format!(
+        "{LLAMA}{}",
+        MOE.replace("expert_ffn_dim: 32", "expert_ffn_dim: 0")
+    ));
+    check(&e, 11, 19, &["`moe.expert_ffn_dim`", "at least 1"]);
+    let e = model(&format!(
+        "family: gpt2\nvocab_size: 10\ndim: 8\nn_layers: 1\nn_heads: 2\n{MOE}"
+    ));
+    check(&e, 7, 3, &["`moe`", "does not apply to family gpt2"]);
+}
+
+const QWEN3_MOE: &str = "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 256, \"hidden_size\": 64,\n \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"intermediate_size\": 128,\n \"num_experts\": 8, \"num_experts_per_tok\": 2, \"moe_intermediate_size\": 32";
+
+#[test]
+fn moe_config_json_fields() {
+    parse_hf_config(&Source::from_text("config.json", format!("{QWEN3_MOE}}}"))).unwrap();
+    let e = hf(&format!("{QWEN3_MOE},\n \"mlp_only_layers\": [1]}}"));
+    check(&e, 4, 2, &["`mlp_only_layers`", "[1]", "prefix"]);
+    let e = hf(&format!("{QWEN3_MOE},\n \"mlp_only_layers\": [0, 1]}}"));
+    check(&e, 4, 2, &["`mlp_only_layers`", "no layer of 2 has experts"]);
+    let e = hf(&format!(
+        "{}}}",
+        QWEN3_MOE.replace("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 9")
+    ));
+    check(&e, 3, 20, &["`num_experts_per_tok`", "more than the 8 experts"]);
+    let e = hf(&format!(
+        "{}}}",
+        QWEN3_MOE.replace(", \"moe_intermediate_size\": 32", "")
+    ));
+    assert!(e.to_string().contains("missing `moe_intermediate_size`"), "{e}");
+    let e = hf(&format!("{QWEN3_MOE},\n \"decoder_sparse_step\": 0}}"));
+    check(&e, 4, 2, &["`decoder_sparse_step`", "at least 1"]);
+    let e = hf(&format!("{QWEN3_MOE},\n \"shared_expert_intermediate_size\": 64}}"));
+    check(
+        &e,
+        4,
+        2,
+        &["unknown Qwen3MoeForCausalLM config key `shared_expert_intermediate_size`"],
+    );
+    let qwen2 = QWEN3_MOE.replace("Qwen3Moe", "Qwen2Moe");
+    let e = hf(&format!("{qwen2}}}"));
+    assert!(
+        e.to_string().contains("missing `shared_expert_intermediate_size`"),
+        "{e}"
+    );
+    let e = hf(&format!("{qwen2},\n \"shared_expert_intermediate_size\": 0}}"));
+    check(&e, 4, 2, &["`shared_expert_intermediate_size` is 0"]);
+    let mixtral = "{\"architectures\": [\"MixtralForCausalLM\"], \"vocab_size\": 256, \"hidden_size\": 64,\n \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"intermediate_size\": 128,\n \"num_local_experts\": 8, \"num_experts_per_tok\": 2";
+    parse_hf_config(&Source::from_text("config.json", format!("{mixtral}}}"))).unwrap();
+    let e = hf(&format!("{mixtral},\n \"router_jitter_noise\": 0.01}}"));
+    check(&e, 4, 2, &["`router_jitter_noise`", "not implemented"]);
+    let e = hf(&format!("{mixtral},\n \"num_experts\": 4}}"));
+    check(&e, 4, 2, &["`num_experts` is 4 but `num_local_experts` is 8"]);
+    let e = hf(&format!("{mixtral},\n \"moe_intermediate_size\": 32}}"));
+    check(
+        &e,
+        4,
+        2,
+        &["unknown MixtralForCausalLM config key `moe_intermediate_size`"],
+    );
+    let e = hf(&format!("{mixtral},\n \"norm_topk_prob\": \"yes\"}}"));
+    check(&e, 4, 24, &["`norm_topk_prob`", "wrong type"]);
+}
+
+#[test]
 fn unsupported_architecture() {
-    let e = hf("{\n  \"architectures\": [\"MixtralForCausalLM\"]\n}");
+    let e = hf("{\n  \"architectures\": [\"MixtralForCausalLm\"]\n}");
     check(
         &e,
         2,
         3,
-        &["unsupported architecture `MixtralForCausalLM`", "MistralForCausalLM"],
+        &[
+            "unsupported architecture `MixtralForCausalLm`",
+            "did you mean `MixtralForCausalLM`?",
+        ],
     );
     let e = hf("{\"model_type\": \"t5\"}");
     check(&e, 1, 2, &["unsupported model_type `t5`"]);
@@ -351,6 +479,24 @@ fn parallel_spec_rules() {
             2,
             28,
             "in [0, 1)",
+        ),
+        (
+            "mesh: {shard: 8}\noptimizer: {adamw: {implementation: foreach_}}\n",
+            2,
+            37,
+            "did you mean `foreach`?",
+        ),
+        (
+            "mesh: {shard: 8}\noptimizer: {adamw: {implementation: 1}}\n",
+            2,
+            37,
+            "fused",
+        ),
+        (
+            "mesh: {shard: 8}\noptimizer: {sgd: {implementation: fused}}\n",
+            2,
+            19,
+            "unknown field",
         ),
         (
             "mesh: {shard: 8}\noptimizer: {adam: {lr: 1}}\n",

@@ -14,6 +14,9 @@ const MISTRAL: &str = r#""architectures": ["MistralForCausalLM"], "vocab_size": 
 const QWEN2: &str = r#""architectures": ["Qwen2ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
   "max_position_embeddings": 512"#;
+const QWEN3: &str = r#""architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "max_position_embeddings": 512"#;
 const GPT2: &str = r#""architectures": ["GPT2LMHeadModel"], "vocab_size": 256, "n_embd": 64, "n_layer": 2,
   "n_head": 4, "n_positions": 128"#;
 
@@ -182,6 +185,93 @@ fn what_shardplan_implements_or_cannot_change_the_math_is_accepted() {
 }
 
 #[test]
+fn qwen3_has_per_head_qk_norms_and_head_dim_128_unless_given() {
+    let c = llama(parse(QWEN3, "").unwrap());
+    assert!(c.qk_norm && !c.qkv_bias);
+    // transformers' Qwen3Config default, not hidden_size / num_attention_heads = 16.
+    assert_eq!(c.head_dim, Some(128));
+    assert_eq!(c.norm_eps, 1e-6);
+    let c = llama(parse(QWEN3, r#""head_dim": 32, "rms_norm_eps": 1e-5"#).unwrap());
+    assert_eq!((c.head_dim, c.norm_eps), (Some(32), 1e-5));
+    // The model_type alone names it too.
+    let by_type = QWEN3.replace(r#""architectures": ["Qwen3ForCausalLM"]"#, r#""model_type": "qwen3""#);
+    assert!(llama(parse(&by_type, "").unwrap()).qk_norm);
+    // Only Qwen3 normalises queries and keys.
+    assert!(!llama(parse(QWEN2, "").unwrap()).qk_norm);
+    assert!(!llama(parse(LLAMA, r#""head_dim": 32"#).unwrap()).qk_norm);
+    // Qwen3's window applies only with use_sliding_window, as Qwen2's.
+    let c = llama(parse(QWEN3, r#""use_sliding_window": false, "sliding_window": 64"#).unwrap());
+    assert_eq!(c.max_seq_len, 512);
+    let c = llama(parse(QWEN3, r#""use_sliding_window": true, "sliding_window": 64"#).unwrap());
+    assert_eq!(c.max_seq_len, 64);
+    // Its attention bias covers o_proj as well: refused as Llama's is.
+    let e = parse(QWEN3, r#""attention_bias": true"#).unwrap_err();
+    assert!(e.contains("attention_bias"), "{e}");
+    let e = parse(QWEN3, r#""head_dim": 0"#).unwrap_err();
+    assert!(e.contains("head_dim"), "{e}");
+}
+
+const QWEN3_MOE: &str = r#""architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+  "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32"#;
+
+#[test]
+fn moe_keys_map_onto_the_moe_feed_forward() {
+    use shardplan_models::Router;
+    let c = llama(parse(QWEN3_MOE, "").unwrap());
+    let m = c.moe.unwrap();
+    assert!(c.qk_norm && !c.qkv_bias);
+    assert_eq!((m.experts, m.top_k, m.expert_ffn_dim), (8, 2, 32));
+    assert_eq!((m.shared_experts, m.shared_expert_gate), (0, false));
+    assert_eq!((m.router, m.every, m.first_dense), (Router::SoftmaxTopk, 1, 0));
+    // transformers' defaults: no renormalisation, and no aux loss unless the router's
+    // logits are output (then router_aux_loss_coef, default 0.001).
+    assert!(!m.norm_topk_prob);
+    assert_eq!(m.aux_loss_coef, 0.0);
+    let m = llama(parse(QWEN3_MOE, r#""output_router_logits": true"#).unwrap())
+        .moe
+        .unwrap();
+    assert_eq!(m.aux_loss_coef, 0.001);
+    let m = llama(
+        parse(
+            QWEN3_MOE,
+            r#""output_router_logits": true, "router_aux_loss_coef": 0.02, "norm_topk_prob": true"#,
+        )
+        .unwrap(),
+    )
+    .moe
+    .unwrap();
+    assert_eq!(m.aux_loss_coef, 0.02);
+    assert!(m.norm_topk_prob);
+    let m = llama(parse(QWEN3_MOE, r#""decoder_sparse_step": 2, "mlp_only_layers": [0, 1]"#).unwrap())
+        .moe
+        .unwrap();
+    assert_eq!((m.every, m.first_dense, m.layers_of(4)), (2, 2, 1));
+    // Qwen2-MoE: q/k/v biases unless qkv_bias is false, one gated shared expert.
+    let qwen2 = QWEN3_MOE.replace("Qwen3Moe", "Qwen2Moe");
+    let c = llama(parse(&qwen2, r#""shared_expert_intermediate_size": 96"#).unwrap());
+    let m = c.moe.unwrap();
+    assert!(c.qkv_bias && !c.qk_norm);
+    assert_eq!(
+        (m.shared_experts, m.shared_expert_ffn_dim, m.shared_expert_gate),
+        (1, 96, true)
+    );
+    let c = llama(parse(&qwen2, r#""shared_expert_intermediate_size": 96, "qkv_bias": false"#).unwrap());
+    assert!(!c.qkv_bias);
+    // Mixtral: experts as wide as intermediate_size, scores always renormalised, a
+    // sliding window as Mistral's.
+    let mixtral = r#""architectures": ["MixtralForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "max_position_embeddings": 512, "num_local_experts": 4, "num_experts_per_tok": 2"#;
+    let c = llama(parse(mixtral, r#""sliding_window": 64, "router_jitter_noise": 0.0"#).unwrap());
+    let m = c.moe.unwrap();
+    assert_eq!((m.experts, m.expert_ffn_dim, m.norm_topk_prob), (4, 128, true));
+    assert_eq!(c.max_seq_len, 64);
+    // The dense families have no experts.
+    assert!(llama(parse(QWEN3, "").unwrap()).moe.is_none());
+}
+
+#[test]
 fn llama3_and_linear_rope_scaling_are_read_from_either_layout() {
     use shardplan_models::RopeScaling;
     let c = llama(
@@ -269,7 +359,16 @@ fn a_sliding_window_bounds_the_sequences_trained() {
 
 #[test]
 fn every_bundled_config_parses_and_the_table_covers_every_key_it_holds() {
-    for f in ["gpt2", "llama3-8b", "mistral-7b", "qwen2-0.5b"] {
+    for f in [
+        "gpt2",
+        "llama3-8b",
+        "mistral-7b",
+        "qwen2-0.5b",
+        "qwen3-8b",
+        "mixtral-8x7b",
+        "qwen2-57b-a14b",
+        "qwen3-30b-a3b",
+    ] {
         let path = format!("{}/../examples/models/{f}.config.json", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
         parse_hf_config(&Source::from_text(&path, text.clone())).unwrap_or_else(|e| panic!("{f}: {e}"));

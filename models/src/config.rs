@@ -51,12 +51,150 @@ pub struct LlamaConfig {
     pub tie_embeddings: bool,
     /// Bias on q/k/v projections (Qwen2).
     pub qkv_bias: bool,
+    /// RMSNorm over each head's queries and keys, before rotary (Qwen3's `q_norm` and
+    /// `k_norm`, weights of `head_dim`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub qk_norm: bool,
     pub max_seq_len: u64,
+    /// Mixture-of-experts feed-forward on some layers (Mixtral, Qwen2-MoE, Qwen3-MoE);
+    /// `None`: every layer has the dense SwiGLU MLP of `ffn_dim`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+}
+
+/// How a router turns its logits into expert scores before the top-k choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Router {
+    /// Softmax over the experts, then the `top_k` largest (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    SoftmaxTopk,
+    /// A sigmoid per expert, then the `top_k` largest (DeepSeek-V3's scoring).
+    SigmoidTopk,
+}
+
+impl Router {
+    pub fn name(self) -> &'static str {
+        match self {
+            Router::SoftmaxTopk => "softmax_topk",
+            Router::SigmoidTopk => "sigmoid_topk",
+        }
+    }
+}
+
+/// A mixture-of-experts feed-forward: each token's router picks `top_k` of `experts`
+/// SwiGLU experts of width `expert_ffn_dim` and sums their outputs weighted by its scores;
+/// `shared_experts` more (of `shared_expert_ffn_dim` together) see every token.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer.
+    pub experts: u64,
+    /// Experts each token is sent to.
+    pub top_k: u64,
+    /// Hidden width of one routed expert.
+    pub expert_ffn_dim: u64,
+    /// Shared experts every token passes through (0: none). They are traced as one
+    /// SwiGLU MLP of `shared_expert_ffn_dim`, as Hugging Face's Qwen2-MoE holds them.
+    pub shared_experts: u64,
+    /// Hidden width of the shared experts together (0 without them).
+    pub shared_expert_ffn_dim: u64,
+    /// The shared experts' output is scaled per token by `sigmoid(x . w)` (Qwen2-MoE's
+    /// `shared_expert_gate`).
+    pub shared_expert_gate: bool,
+    pub router: Router,
+    /// The chosen experts' scores are divided by their sum (Mixtral always; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Weight of the load-balancing loss (Switch / Hugging Face's `router_aux_loss_coef`)
+    /// added to the cross-entropy; 0: none.
+    pub aux_loss_coef: f64,
+    /// Every `every`-th layer is an MoE layer (Hugging Face's `decoder_sparse_step`):
+    /// layer `i` (from 0) when `(i + 1) % every == 0`.
+    pub every: u64,
+    /// The first `first_dense` layers keep the dense MLP of `ffn_dim` (DeepSeek's
+    /// `first_k_dense_replace`; Qwen's `mlp_only_layers` when they lead).
+    pub first_dense: u64,
+}
+
+impl MoeConfig {
+    /// Whether layer `i` (from 0) has the MoE feed-forward.
+    pub fn is_moe_layer(&self, i: u64) -> bool {
+        i >= self.first_dense && self.every > 0 && (i + 1).is_multiple_of(self.every)
+    }
+
+    /// How many of `n_layers` layers have experts: the `i + 1` in `first_dense + 1..=n_layers`
+    /// that `every` divides.
+    pub fn layers_of(&self, n_layers: u64) -> u64 {
+        if self.every == 0 || self.first_dense >= n_layers {
+            return 0;
+        }
+        n_layers / self.every - self.first_dense / self.every
+    }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl LlamaConfig {
     pub fn head_dim(&self) -> u64 {
         self.head_dim.unwrap_or(self.dim / self.n_heads.max(1))
+    }
+
+    /// Layers with the MoE feed-forward.
+    pub fn moe_layers(&self) -> u64 {
+        self.moe.as_ref().map_or(0, |m| m.layers_of(self.n_layers))
+    }
+
+    /// Parameters of one layer: `(total, active per token)`, or `None` on overflow. The
+    /// active count takes `top_k` routed experts and every shared one.
+    fn layer_params(&self, moe_layer: bool) -> Option<(u64, u64)> {
+        let hd = self.head_dim();
+        let (q, kv) = (self.n_heads.checked_mul(hd)?, self.n_kv_heads.checked_mul(hd)?);
+        let bias = if self.qkv_bias {
+            checked_sum(&[&[q], &[kv], &[kv]])?
+        } else {
+            0
+        };
+        let qk_norm = if self.qk_norm { hd.checked_mul(2)? } else { 0 };
+        let attn = checked_sum(&[
+            &[self.dim, q],
+            &[self.dim, kv],
+            &[self.dim, kv],
+            &[q, self.dim],
+            &[2, self.dim],
+            &[bias],
+            &[qk_norm],
+        ])?;
+        let m = match (&self.moe, moe_layer) {
+            (Some(m), true) => m,
+            _ => {
+                let n = checked_sum(&[&[attn], &[3, self.dim, self.ffn_dim]])?;
+                return Some((n, n));
+            }
+        };
+        let expert = checked_sum(&[&[3, self.dim, m.expert_ffn_dim]])?;
+        let shared = checked_sum(&[
+            &[3, self.dim, m.shared_expert_ffn_dim],
+            &[if m.shared_expert_gate { self.dim } else { 0 }],
+        ])?;
+        let router = self.dim.checked_mul(m.experts)?;
+        let total = checked_sum(&[&[attn], &[router], &[shared], &[m.experts, expert]])?;
+        let active = checked_sum(&[&[attn], &[router], &[shared], &[m.top_k, expert]])?;
+        Some((total, active))
+    }
+
+    /// `(total, active per token)` parameters, or `None` on overflow.
+    pub fn param_counts(&self) -> Option<(u64, u64)> {
+        let moe = self.moe_layers();
+        let dense = self.n_layers - moe;
+        let (dt, da) = self.layer_params(false)?;
+        let (mt, ma) = if moe > 0 { self.layer_params(true)? } else { (0, 0) };
+        let head = if self.tie_embeddings { 0 } else { 1 };
+        let rest = checked_sum(&[&[1 + head, self.vocab_size, self.dim], &[self.dim]])?;
+        Some((
+            checked_sum(&[&[dt, dense], &[mt, moe], &[rest]])?,
+            checked_sum(&[&[da, dense], &[ma, moe], &[rest]])?,
+        ))
     }
 }
 
@@ -180,6 +318,69 @@ fn divides(field: &'static str, part: u64, whole_name: &str, whole: u64, help: &
     Ok(())
 }
 
+/// The MoE fields: sizes positive, `top_k` at most `experts`, shared experts and their
+/// width together, some layer left to route, a usable loss weight.
+fn validate_moe(m: &MoeConfig, n_layers: u64) -> Result<(), ConfigError> {
+    positive("moe.experts", m.experts)?;
+    positive("moe.top_k", m.top_k)?;
+    positive("moe.expert_ffn_dim", m.expert_ffn_dim)?;
+    positive("moe.every", m.every)?;
+    if m.top_k > m.experts {
+        return Err(ConfigError::new(
+            "moe.top_k",
+            format!("top_k = {} is more than the {} experts", m.top_k, m.experts),
+            "set moe.top_k to at most moe.experts",
+        ));
+    }
+    match (m.shared_experts, m.shared_expert_ffn_dim) {
+        (0, 0) => {}
+        (0, w) => {
+            return Err(ConfigError::new(
+                "moe.shared_expert_ffn_dim",
+                format!("is {w} but there are no shared experts"),
+                "set moe.shared_experts, or remove moe.shared_expert_ffn_dim",
+            ))
+        }
+        (n, 0) => {
+            return Err(ConfigError::new(
+                "moe.shared_experts",
+                format!("{n} shared expert(s) need a width"),
+                "set moe.shared_expert_ffn_dim to the shared experts' hidden width (all of them together)",
+            ))
+        }
+        _ => {}
+    }
+    if m.shared_expert_gate && m.shared_experts == 0 {
+        return Err(ConfigError::new(
+            "moe.shared_expert_gate",
+            "gates shared experts, but there are none",
+            "set moe.shared_experts and moe.shared_expert_ffn_dim, or remove moe.shared_expert_gate",
+        ));
+    }
+    if !(m.aux_loss_coef.is_finite() && m.aux_loss_coef >= 0.0) {
+        return Err(ConfigError::new(
+            "moe.aux_loss_coef",
+            format!("must be a finite number >= 0, got {}", m.aux_loss_coef),
+            "set moe.aux_loss_coef to 0 (no load-balancing loss) or a small weight such as 0.001",
+        ));
+    }
+    if m.layers_of(n_layers) == 0 {
+        return Err(ConfigError::new(
+            if m.first_dense > 0 {
+                "moe.first_dense"
+            } else {
+                "moe.every"
+            },
+            format!(
+                "no layer of {n_layers} has experts: first_dense = {}, every = {}",
+                m.first_dense, m.every
+            ),
+            "leave some layer i >= first_dense with (i + 1) a multiple of every, or remove `moe`",
+        ));
+    }
+    Ok(())
+}
+
 /// Checked sum of products: the parameter count, or `None` on u64 overflow.
 fn checked_sum(terms: &[&[u64]]) -> Option<u64> {
     terms.iter().try_fold(0u64, |acc, t| {
@@ -225,26 +426,7 @@ impl ModelConfig {
     /// Exact parameter count, or `None` if it overflows u64.
     pub fn param_count(&self) -> Option<u64> {
         match self {
-            ModelConfig::Llama(c) => {
-                let hd = c.head_dim();
-                let (q, kv) = (c.n_heads.checked_mul(hd)?, c.n_kv_heads.checked_mul(hd)?);
-                let bias = if c.qkv_bias {
-                    checked_sum(&[&[q], &[kv], &[kv]])?
-                } else {
-                    0
-                };
-                let layer = checked_sum(&[
-                    &[c.dim, q],
-                    &[c.dim, kv],
-                    &[c.dim, kv],
-                    &[q, c.dim],
-                    &[3, c.dim, c.ffn_dim],
-                    &[2, c.dim],
-                    &[bias],
-                ])?;
-                let head = if c.tie_embeddings { 0 } else { 1 };
-                checked_sum(&[&[layer, c.n_layers], &[1 + head, c.vocab_size, c.dim], &[c.dim]])
-            }
+            ModelConfig::Llama(c) => c.param_counts().map(|(total, _)| total),
             ModelConfig::Gpt2(c) => {
                 let d = c.dim;
                 let layer = checked_sum(&[
@@ -264,6 +446,20 @@ impl ModelConfig {
                 checked_sum(&[&[layer, c.n_layers], &[c.n_classes, c.dim], &[c.n_classes]])
             }
         }
+    }
+
+    /// Parameters a token passes through: the total less the routed experts it is not sent
+    /// to (equal to the total for a dense model), or `None` on overflow.
+    pub fn active_param_count(&self) -> Option<u64> {
+        match self {
+            ModelConfig::Llama(c) => c.param_counts().map(|(_, active)| active),
+            _ => self.param_count(),
+        }
+    }
+
+    /// True when some layer routes tokens to experts.
+    pub fn is_moe(&self) -> bool {
+        matches!(self, ModelConfig::Llama(c) if c.moe_layers() > 0)
     }
 
     /// Checks every number; the error names the field and the fix.
@@ -303,6 +499,9 @@ impl ModelConfig {
                 )?;
                 finite_positive("norm_eps", c.norm_eps)?;
                 finite_positive("rope_theta", c.rope_theta)?;
+                if let Some(m) = &c.moe {
+                    validate_moe(m, c.n_layers)?;
+                }
             }
             ModelConfig::Gpt2(c) => {
                 positive("vocab_size", c.vocab_size)?;
@@ -341,6 +540,12 @@ impl ModelConfig {
                 ("ffn_dim", c.ffn_dim),
                 ("n_heads", c.n_heads),
                 ("head_dim", c.head_dim()),
+                ("moe.experts", c.moe.map_or(0, |m| m.experts)),
+                ("moe.expert_ffn_dim", c.moe.map_or(0, |m| m.expert_ffn_dim)),
+                (
+                    "moe.shared_expert_ffn_dim",
+                    c.moe.map_or(0, |m| m.shared_expert_ffn_dim),
+                ),
             ],
             ModelConfig::Gpt2(c) => vec![
                 ("vocab_size", c.vocab_size),

@@ -10,7 +10,9 @@ mod mlp;
 mod presets;
 mod trace;
 
-pub use config::{Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MAX_LAYERS};
+pub use config::{
+    Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, Router, MAX_LAYERS,
+};
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
 pub use trace::{trace, TensorOptions, TraceError, TraceOptions};

@@ -1,4 +1,4 @@
-//! The Llama family (Llama 2/3, Mistral, Qwen2), with HF parameter names and torchtitan
+//! The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), with HF parameter names and torchtitan
 //! module paths (`layers.3.attention`, `layers.3.feed_forward`).
 
 use crate::trace::Tracer;
@@ -56,7 +56,14 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
             )?;
             qkv.push(t.reshape(attn, y, &[batch, seq, n, hd])?);
         }
-        let heads_in = qkv;
+        let mut heads_in = qkv;
+        if c.qk_norm {
+            // Qwen3: each head's queries and keys normalised over head_dim before rotary.
+            for (i, name) in [(0, "q_norm"), (1, "k_norm")] {
+                let norm = t.scope(attn, name, ModuleKind::Norm);
+                heads_in[i] = head_norm(t, norm, heads_in[i], &format!("{sa}.{name}.weight"), hd, c.norm_eps)?;
+            }
+        }
         let q = t.op(
             attn,
             Op::Rope {
@@ -157,6 +164,20 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
 fn rms_norm(t: &mut Tracer, scope: ScopeId, x: NodeId, name: &str, d: u64, eps: f64) -> Result<NodeId, IrError> {
     let w = t.param(scope, name, &[d])?;
     let w = t.tp_replicated(scope, w)?;
+    t.op(scope, Op::RmsNorm { eps }, &[x, w])
+}
+
+/// RMSNorm over the last dim of `[b, s, heads, head_dim]` (Qwen3's q_norm / k_norm).
+/// Under tensor parallelism each rank holds some of the heads, so the whole weight's
+/// gradient is partial on each: it is read through `tp_copy`, whose gradient sums over the
+/// group, with or without sequence parallelism.
+fn head_norm(t: &mut Tracer, scope: ScopeId, x: NodeId, name: &str, hd: u64, eps: f64) -> Result<NodeId, IrError> {
+    let w = t.param(scope, name, &[hd])?;
+    let w = if t.tp.is_parallel() {
+        t.tp_op(scope, |degree| Op::TpCopy { degree }, w)?
+    } else {
+        w
+    };
     t.op(scope, Op::RmsNorm { eps }, &[x, w])
 }
 

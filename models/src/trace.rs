@@ -113,6 +113,13 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
         }
     }
     check_tensor(config, &opts.tensor, seq)?;
+    if config.is_moe() {
+        return Err(TraceError::Config(ConfigError {
+            field: "moe",
+            message: "mixture-of-experts layers cannot be traced yet: the IR has no routing ops".into(),
+            help: "remove `moe` to trace the dense model".into(),
+        }));
+    }
     let mut t = Tracer {
         g: Graph::new(config.name()),
         dtype: opts.dtype,

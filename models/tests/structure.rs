@@ -85,6 +85,46 @@ fn qwen2_has_qkv_biases_and_ties() {
 }
 
 #[test]
+fn qwen3_normalises_each_head_before_rotary() {
+    let g = trace(&preset("tiny-qwen3").unwrap(), TraceOptions::default()).unwrap();
+    for name in ["q_norm", "k_norm"] {
+        let (id, p) = g
+            .params()
+            .find(|(_, p)| p.name == format!("model.layers.1.self_attn.{name}.weight"))
+            .unwrap_or_else(|| panic!("{name} missing"));
+        // head_dim 32 is set apart from dim / n_heads = 16.
+        assert_eq!(p.ty.shape.dims(), &[32]);
+        assert_eq!(g.scope(p.scope).path, format!("layers.1.attention.{name}"));
+        assert_eq!(g.scope(p.scope).kind, ModuleKind::Norm);
+        // The norm reads [b, s, heads, head_dim] and feeds rotary.
+        let param_node = g.param(id).node;
+        let (norm, node) = g
+            .nodes()
+            .find(|(_, n)| matches!(n.op, Op::RmsNorm { .. }) && n.inputs.contains(&param_node))
+            .unwrap();
+        let heads = if name == "q_norm" { 4 } else { 2 };
+        assert_eq!(node.ty.shape.dims(), &[1, 128, heads, 32]);
+        assert!(
+            g.nodes()
+                .any(|(_, n)| matches!(n.op, Op::Rope { .. }) && n.inputs.as_slice() == [norm]),
+            "{name} does not feed rope"
+        );
+    }
+    // q_proj is [n_heads * head_dim, dim] = [128, 64].
+    let q = g
+        .params()
+        .find(|(_, p)| p.name == "model.layers.0.self_attn.q_proj.weight")
+        .unwrap()
+        .1;
+    assert_eq!(q.ty.shape.dims(), &[128, 64]);
+    // Without qk_norm the Llama builder makes no such weights.
+    let llama = trace(&preset("tiny-llama").unwrap(), TraceOptions::default()).unwrap();
+    assert!(!llama
+        .params()
+        .any(|(_, p)| p.name.contains("_norm.weight") && p.name.contains("self_attn")));
+}
+
+#[test]
 fn trace_options_set_shapes_and_dtype() {
     let opts = TraceOptions {
         batch: 3,

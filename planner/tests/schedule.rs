@@ -22,6 +22,8 @@ fn four_blocks() -> ModelConfig {
         activation: None,
         tie_embeddings: false,
         qkv_bias: false,
+        qk_norm: false,
+        moe: None,
         max_seq_len: 2048,
     })
 }

@@ -241,8 +241,18 @@ impl Model {
                 };
                 Ok(linear(&hx, self.get(&format!("{p}.self_attn.{name}.weight"))?, b)?.reshape((1, n, heads, hd))?)
             };
-            let q = candle_nn::rotary_emb::rope_thd(&proj("q_proj", h)?, &cos, &sin)?.squeeze(0)?;
-            let k = candle_nn::rotary_emb::rope_thd(&proj("k_proj", kvh)?, &cos, &sin)?.squeeze(0)?;
+            // Qwen3: each head's queries and keys RMS-normalised before rotary.
+            let head_norm = |t: Tensor, name: &str| -> Result<Tensor> {
+                if !c.qk_norm {
+                    return Ok(t);
+                }
+                let w = self.get(&format!("{p}.self_attn.{name}.weight"))?;
+                Ok(candle_nn::ops::rms_norm(&t.contiguous()?, w, eps)?)
+            };
+            let q = head_norm(proj("q_proj", h)?, "q_norm")?;
+            let k = head_norm(proj("k_proj", kvh)?, "k_norm")?;
+            let q = candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?.squeeze(0)?;
+            let k = candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?.squeeze(0)?;
             let v = proj("v_proj", kvh)?.squeeze(0)?;
             let (k, v) = Self::cached(cache, i, k, v)?;
             let a = attention(&q, &k, &v, start)?;

@@ -19,6 +19,8 @@ pub fn llama(vocab: u64, dim: u64, layers: u64, heads: u64, kv: u64, ffn: u64, t
         activation: None,
         tie_embeddings: tie,
         qkv_bias: false,
+        qk_norm: false,
+        moe: None,
         max_seq_len: 64,
     })
 }
