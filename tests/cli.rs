@@ -55,6 +55,52 @@ fn inspect_json_has_exact_counts() {
 }
 
 #[test]
+fn inspect_counts_a_mixture_of_experts_and_plan_and_train_refuse_it() {
+    let o = shardplan_ok(&["inspect", "--model", "examples/models/qwen3-30b-a3b.config.json"]);
+    let out = stdout(&o);
+    assert!(
+        out.contains("30,532,122,624 total, 3,353,032,704 active per token"),
+        "{out}"
+    );
+    assert!(
+        out.contains("48 of 48 layers: 128 experts of width 768, top 8"),
+        "{out}"
+    );
+    let o = shardplan_ok(&["inspect", "--model", "mixtral-8x7b", "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["params"]["total"], 46_702_792_704u64);
+    assert_eq!(v["params"]["active_per_token"], 12_879_925_248u64);
+    assert_eq!(v["traced"], false);
+    for cmd in [
+        vec![
+            "plan",
+            "--model",
+            "examples/models/tiny-moe.yaml",
+            "--parallel",
+            "examples/parallel/cpu-1.yaml",
+        ],
+        vec![
+            "train",
+            "--model",
+            "examples/models/tiny-moe.yaml",
+            "--parallel",
+            "examples/parallel/cpu-1.yaml",
+            "--steps",
+            "1",
+        ],
+    ] {
+        let o = shardplan(&cmd);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{cmd:?}: {err}");
+        assert!(
+            err.contains("tiny-moe.yaml:18:3") && err.contains("`moe`"),
+            "{cmd:?}: {err}"
+        );
+        assert!(err.contains("cannot be traced yet"), "{cmd:?}: {err}");
+    }
+}
+
+#[test]
 fn inspect_text_with_parallel_spec_and_dot() {
     let scratch = tempfile::tempdir().unwrap();
     let dot = scratch.path().join("graph.dot");
