@@ -238,7 +238,11 @@ fn render(
         data_literal(parallel),
     ));
     lits.push(("SEED", "initialisation and data order", json!(parallel.seed)));
-    lits.push(("OPTIMIZER", "the optimizer", optimizer_literal(&parallel.optimizer)));
+    lits.push((
+        "OPTIMIZER",
+        "the optimizer (AdamW: torch's fused or foreach implementation)",
+        optimizer_literal(parallel),
+    ));
     lits.push((
         "LR_SCHEDULE",
         "linear warmup, then cosine decay to min_lr_ratio * lr at the last step",
@@ -453,14 +457,21 @@ fn data_literal(parallel: &ParallelConfig) -> Value {
     }
 }
 
-fn optimizer_literal(o: &Optimizer) -> Value {
-    match *o {
+fn optimizer_literal(parallel: &ParallelConfig) -> Value {
+    match parallel.optimizer {
         Optimizer::AdamW {
             lr,
             betas,
             eps,
             weight_decay,
-        } => json!({"name": "adamw", "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}),
+        } => json!({
+            "name": "adamw",
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "implementation": parallel.adamw_implementation.name(),
+        }),
         Optimizer::Sgd {
             lr,
             momentum,

@@ -344,3 +344,137 @@ fn exported_programs_train_as_shardplan_does() {
     assert!(o.status.success(), "{text}\n{}", String::from_utf8_lossy(&o.stderr));
     assert!(text.contains("all 24 runs within tolerance"), "{text}");
 }
+
+/// torch.distributed's functions that take no tensor (setup, queries, the barrier, which
+/// NCCL runs on the device the group was made with).
+const NO_TENSOR: [&str; 7] = [
+    "init_process_group",
+    "destroy_process_group",
+    "barrier",
+    "get_world_size",
+    "get_rank",
+    "ReduceOp",
+    "is_initialized",
+];
+
+/// Every torch.distributed call of `program` that hands it a tensor, with the name of that
+/// tensor and the lines of the function it is made in, checked to be made on the process
+/// group's device: each assignment to the name in that function says `device=device` (the
+/// device `start` made the group for: CUDA under NCCL). A call whose tensor is not a plain
+/// name, or a name with no assignment in its function, is reported too: the check cannot
+/// see where it lives. Returns one line per problem.
+fn collectives_off_device(program: &str) -> Vec<String> {
+    let lines: Vec<&str> = program.lines().collect();
+    let mut problems = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let code = line.split('#').next().unwrap_or("");
+        for prefix in ["dist.", "torch.distributed."] {
+            let mut rest = code;
+            while let Some(at) = rest.find(prefix) {
+                let before = rest[..at].chars().last();
+                let after = &rest[at + prefix.len()..];
+                rest = after;
+                if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.') {
+                    continue; // `torch.distributed.` seen as `dist.`, or another module's
+                }
+                let name: String = after
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if NO_TENSOR.contains(&name.as_str()) || !after[name.len()..].starts_with('(') {
+                    continue;
+                }
+                let arg: String = after[name.len() + 1..]
+                    .chars()
+                    .take_while(|c| !matches!(c, ',' | ')'))
+                    .collect::<String>()
+                    .trim()
+                    .to_string();
+                let at_line = format!("line {}: `{}`", i + 1, line.trim());
+                if arg.is_empty() || !arg.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    problems.push(format!(
+                        "{at_line}: the tensor `{arg}` is not a name made in this function"
+                    ));
+                    continue;
+                }
+                // The enclosing function: the nearest `def` above with less indentation.
+                let indent = line.len() - line.trim_start().len();
+                let start = (0..i)
+                    .rev()
+                    .find(|&k| {
+                        let l = lines[k];
+                        l.trim_start().starts_with("def ") && l.len() - l.trim_start().len() < indent
+                    })
+                    .unwrap_or(0);
+                let def_indent = lines[start].len() - lines[start].trim_start().len();
+                let end = (start + 1..lines.len())
+                    .find(|&k| {
+                        let l = lines[k];
+                        !l.trim().is_empty() && l.len() - l.trim_start().len() <= def_indent
+                    })
+                    .unwrap_or(lines.len());
+                let made: Vec<&str> = lines[start..end]
+                    .iter()
+                    .map(|l| l.trim())
+                    .filter(|l| l.starts_with(&format!("{arg} = ")))
+                    .collect();
+                if made.is_empty() {
+                    problems.push(format!("{at_line}: `{arg}` is not made in its function"));
+                }
+                for m in made {
+                    if !m.contains("device=device") {
+                        problems.push(format!(
+                            "{at_line}: `{m}` does not put `{arg}` on the process group's device"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_collective_of_the_program_gets_a_tensor_on_the_process_groups_device() {
+    // Under NCCL a CPU tensor handed to a collective fails ("No backend type associated
+    // with device type cpu"); gloo takes it, so CPU runs cannot show it. Checked on the
+    // program text: the body is the same for every plan, so two plans cover it (one with
+    // a validation file, whose loss is reduced too).
+    let d = tempfile::tempdir().unwrap();
+    let val = d.path().join("val.bin");
+    std::fs::write(&val, vec![1u8; 2 * 4096]).unwrap();
+    let spec = d.path().join("p.yaml");
+    std::fs::write(
+        &spec,
+        format!(
+            "mesh: {{shard: 4}}\ngpus_per_node: 4\nbatch: {{per_rank: 2, seq_len: 16}}\n\
+             data: {{tokens: {0}, val: {0}, eval_every: 2, eval_batches: 1}}\n",
+            val.display()
+        ),
+    )
+    .unwrap();
+    for (k, (m, p)) in [
+        ("examples/models/tiny-llama.yaml", "examples/parallel/fsdp-1x4-cpu.yaml"),
+        ("examples/models/tiny-gpt2.yaml", spec.to_str().unwrap()),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = d.path().join(format!("e{k}"));
+        let o = export(m, p, &out);
+        assert!(o.status.success(), "{m} {p}: {}", stderr(&o));
+        let text = std::fs::read_to_string(out.join("train.py")).unwrap();
+        let problems = collectives_off_device(&text);
+        assert!(problems.is_empty(), "{m} {p}:\n{}", problems.join("\n"));
+        // The check sees the program's collectives: the loss, validation and peak reductions.
+        let calls = text.matches("dist.all_reduce(").count();
+        assert!(calls >= 3, "{calls} all_reduce calls in the program");
+    }
+    // And it catches a tensor made on the host, as the peaks once were.
+    let bad = "def f(device):\n    x = torch.tensor([1.0], dtype=torch.float64)\n    dist.all_reduce(x)\n";
+    assert_eq!(collectives_off_device(bad).len(), 1);
+    let unknown = "def f(device):\n    dist.broadcast(g(), 0)\n";
+    assert_eq!(collectives_off_device(unknown).len(), 1);
+    let good = "def f(device):\n    x = torch.zeros((), device=device)\n    x += 1\n    dist.all_reduce(x)\n";
+    assert!(collectives_off_device(good).is_empty());
+}

@@ -302,6 +302,12 @@ fn passes(
             shardplan_frontends::Optimizer::AdamW { .. } => "adamw".into(),
             shardplan_frontends::Optimizer::Sgd { .. } => "sgd".into(),
         },
+        // Only PyTorch's run has a choice of AdamW; shardplan's executor has its own.
+        adamw_implementation: if config.runtime.is_shardplan() {
+            Default::default()
+        } else {
+            config.adamw_implementation
+        },
         grad_clip: config.grad_clip,
         tensor_parallel: if mesh.tensor() > 1 {
             config.tensor_parallel

@@ -13,8 +13,8 @@ use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
-    ActivationCheckpointing, AllocatorConfig, GradSync, HardwareProfile, MixedPrecision, Offload, Runtime,
-    TensorParallel,
+    ActivationCheckpointing, AdamwImplementation, AllocatorConfig, GradSync, HardwareProfile, MixedPrecision, Offload,
+    Runtime, TensorParallel,
 };
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
@@ -431,6 +431,12 @@ pub struct Policy {
     /// Optimizer state elements (f32) per parameter element.
     pub optimizer_state_per_param: u64,
     pub optimizer: String,
+    /// AdamW's implementation in a PyTorch run: under `runtime: fsdp2`, `foreach` holds a
+    /// temporary the size of each parameter shard through the optimizer step (`gN.optim.tmp`).
+    /// `fused` (and absent from the JSON) under `runtime: shardplan`, and for plans written
+    /// before the field, which modelled no temporaries.
+    #[serde(default, skip_serializing_if = "AdamwImplementation::is_fused")]
+    pub adamw_implementation: AdamwImplementation,
     pub grad_clip: Option<f64>,
     /// Whose run the schedule models: shardplan's executor, or PyTorch FSDP2's buffers and
     /// hooks (`runtime: fsdp2`; see `schedule`). Absent from the JSON for `shardplan`.

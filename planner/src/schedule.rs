@@ -39,7 +39,7 @@ use crate::plan::{
     Stream,
 };
 use crate::steps::{Phase, Step, StepId};
-use shardplan_frontends::{GradSync, Offload, Runtime};
+use shardplan_frontends::{AdamwImplementation, GradSync, Offload, Runtime};
 use shardplan_ir::{DType, IdVec, ParamId};
 
 /// Buffers, event count and program of one rank.
@@ -981,6 +981,32 @@ pub fn schedule_gated(
         b.emit(opt, Instr::Wait { event: reduced });
         id
     });
+    // torch's foreach AdamW (FSDP2's run with `implementation: foreach`) steps every
+    // parameter at once: `_foreach_sqrt` of the second moments makes one temporary per
+    // parameter, the size of its shard, all alive until the update (the first group's
+    // gradients are still alive beside them: freeing them after its step changes no peak);
+    // the fused kernel makes none. They are freed when the step ends.
+    let temporaries: Vec<BufId> =
+        if b.fsdp2 && policy.optimizer == "adamw" && policy.adamw_implementation == AdamwImplementation::Foreach {
+            finals
+                .iter()
+                .map(|&(g, _, _)| {
+                    let shard = groups[g.index()].layout.shard_numel;
+                    let t = b.buf(
+                        || format!("{g}.optim.tmp"),
+                        Category::OptimizerState,
+                        g,
+                        master,
+                        shard,
+                        pool,
+                    );
+                    b.emit(opt, Instr::Alloc { buf: t });
+                    t
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
     for &(g, grads, _) in &finals {
         b.emit(
             opt,
@@ -993,6 +1019,9 @@ pub fn schedule_gated(
             },
         );
         b.emit(opt, Instr::Free { buf: grads });
+    }
+    for buf in temporaries {
+        b.emit(opt, Instr::Free { buf });
     }
     if let Some(n) = norm {
         b.emit(opt, Instr::Free { buf: n });

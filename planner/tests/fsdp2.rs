@@ -408,3 +408,147 @@ fn autograd_makes_each_parameter_gradient_as_its_own_tensor() {
     let most = |p: &Plan| p.steps.iter().map(|s| s.grad_params.len()).max().unwrap_or(0);
     assert!(most(&f) < most(&o), "{} vs {}", most(&f), most(&o));
 }
+
+/// The device level going into the first optimizer step (the memory timeline's last sample
+/// issued before it), and that step's issue index.
+fn level_at_optimizer_step(p: &Plan) -> (u64, usize) {
+    let at = p.programs[0]
+        .instrs
+        .iter()
+        .position(|x| matches!(x.instr, Instr::OptimizerStep { .. }))
+        .expect("an optimizer step");
+    let level = p
+        .memory
+        .timeline
+        .iter()
+        .rfind(|s| (s.instr as usize) < at)
+        .map_or(0, |s| s.total);
+    (level, at)
+}
+
+/// The foreach temporaries of `p`: (bytes, every one allocated before the first optimizer
+/// step and freed after the last).
+fn foreach_temporaries(p: &Plan) -> u64 {
+    let life = lifetimes(p);
+    let instrs = &p.programs[0].instrs;
+    let steps: Vec<usize> = (0..instrs.len())
+        .filter(|&i| matches!(instrs[i].instr, Instr::OptimizerStep { .. }))
+        .collect();
+    p.buffers
+        .iter()
+        .filter(|b| b.name.ends_with("optim.tmp"))
+        .map(|b| {
+            assert_eq!(b.category, Category::OptimizerState);
+            assert!(!b.persistent);
+            let (alloc, free) = life[b.id.index()];
+            assert!(
+                alloc.unwrap() < steps[0] && free.unwrap() > *steps.last().unwrap(),
+                "{}",
+                b.name
+            );
+            b.bytes()
+        })
+        .sum()
+}
+
+#[test]
+fn foreach_adamw_holds_a_temporary_the_size_of_the_parameters_through_the_step() {
+    // One rank and a batch small enough that the optimizer step, not the backward, is
+    // FSDP2's peak (every rank holds whole parameters, gradients and state).
+    let small = "mesh: {shard: 1}\ngpus_per_node: 1\nruntime: fsdp2\nbatch: {per_rank: 1, seq_len: 4}\n";
+    let with = |opt: &str| plan_preset("tiny-llama", &format!("{small}{opt}"));
+    let fused = with("optimizer: {adamw: {implementation: fused}}\n");
+    let foreach = with("optimizer: {adamw: {implementation: foreach}}\n");
+    // `fused` is the default: the same plan as no field at all.
+    assert_eq!(fused, with(""));
+    assert_eq!(foreach_temporaries(&fused), 0);
+    // One f32 temporary per parameter shard: the size of the sharded parameters.
+    let shards: u64 = foreach.groups.iter().map(|g| 4 * g.layout.shard_numel).sum();
+    assert_eq!(foreach_temporaries(&foreach), shards);
+    let ((lf, _), (le, at)) = (level_at_optimizer_step(&fused), level_at_optimizer_step(&foreach));
+    assert_eq!(le, lf + shards, "the step holds the temporaries beside everything else");
+    // At that point: parameters, gradients, both moments and the temporaries, as many
+    // bytes each.
+    assert!(le >= 5 * shards, "{le} < 5 x {shards}");
+    assert_eq!(foreach.memory.peak, le, "the optimizer step is the peak");
+    assert!(foreach.memory.peak_instr as usize <= at);
+    assert!(fused.memory.peak < foreach.memory.peak);
+    assert!(foreach.memory.active_peak >= le && foreach.memory.reserved_peak >= le);
+    assert!(foreach.memory.max_by_category.optimizer_state >= fused.memory.max_by_category.optimizer_state + shards);
+    // shardplan's own executor has one AdamW: the field changes none of its plans.
+    assert_eq!(own("optimizer: {adamw: {implementation: foreach}}\n"), own(""));
+    // SGD keeps no temporaries.
+    let sgd = with("optimizer: {sgd: {lr: 0.1, momentum: 0.9}}\n");
+    assert_eq!(
+        foreach_temporaries(&fsdp2("optimizer: {adamw: {implementation: foreach}}\n")),
+        {
+            let p = fsdp2("");
+            p.groups.iter().map(|g| 4 * g.layout.shard_numel).sum::<u64>()
+        }
+    );
+    assert_eq!(foreach_temporaries(&sgd), 0);
+}
+
+fn parallel_of(extra: &str) -> shardplan_frontends::ParallelConfig {
+    parallel(&spec(extra))
+}
+
+#[test]
+fn the_implementation_is_in_the_plan_and_re_derived() {
+    let config = parallel(&spec("runtime: fsdp2\noptimizer: {adamw: {implementation: foreach}}\n"));
+    let model = preset("tiny-llama").unwrap();
+    let joint = joint_of(&model, &config);
+    let mut p = plan(&joint, &config).unwrap();
+    p.source = Some(PlanSource {
+        model,
+        parallel: config,
+    });
+    let v = serde_json::to_value(&p).unwrap();
+    assert_eq!(v["policy"]["adamw_implementation"], "foreach");
+    assert_eq!(v["source"]["parallel"]["adamw_implementation"], "foreach");
+    let back: Plan = serde_json::from_value(v.clone()).unwrap();
+    assert_eq!(back, p);
+    rederive(&v, &back, &joint).unwrap_or_else(|e| panic!("{e}"));
+    // The spec written back (`--emit-spec`, re-derivation's check) keeps it.
+    let parallel = &p.source.as_ref().unwrap().parallel;
+    let yaml = shardplan_frontends::spec_yaml(parallel);
+    assert!(yaml.contains("implementation: foreach"), "{yaml}");
+    assert_eq!(&common::parallel(&yaml), parallel, "{yaml}");
+    shardplan_planner::rederive::check_parallel(parallel).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!shardplan_frontends::spec_yaml(&parallel_of("")).contains("implementation"));
+    // `fused`, the default, is left out, so plans written before the field read as they did.
+    let f = serde_json::to_value(fsdp2("")).unwrap();
+    assert!(f["policy"].get("adamw_implementation").is_none());
+}
+
+/// The H200 runs of issue 38 (torch 2.x, one GPU, `examples/models/llama-1b.yaml` at
+/// 4 x 2048, full activation checkpointing, foreach AdamW as the exported program then
+/// ran it): torch's `max_memory_allocated` was 20.63 GiB, the optimizer step's, where the
+/// model without the foreach temporaries said 17.46.
+#[test]
+fn the_h200_optimizer_step_peak_is_predicted() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/llama-1b.yaml");
+    let model = shardplan_frontends::load_model(std::path::Path::new(path))
+        .unwrap()
+        .config;
+    let spec = |implementation: &str| {
+        format!(
+            "mesh: {{shard: 1}}\ngpus_per_node: 1\nhardware: h200\nruntime: fsdp2\nwrap: [block]\n\
+             mixed_precision: {{param: bf16, reduce: f32}}\nactivation_checkpointing: full\n\
+             batch: {{per_rank: 4, seq_len: 2048}}\n\
+             optimizer: {{adamw: {{lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1, implementation: {implementation}}}}}\n"
+        )
+    };
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let foreach = common::plan_model(&model, &spec("foreach"));
+    let fused = common::plan_model(&model, &spec("fused"));
+    let ratio = 20.63 / gib(foreach.memory.peak);
+    assert!(
+        (0.95..=1.05).contains(&ratio),
+        "foreach: {:.2} GiB predicted, 20.63 measured",
+        gib(foreach.memory.peak)
+    );
+    // Fused holds nothing beyond the state: its peak is lower by the temporaries or is the
+    // backward's.
+    assert!(foreach.memory.peak > fused.memory.peak);
+}

@@ -580,8 +580,11 @@ class Batches:
 def make_optimizer(model):
     o = OPTIMIZER
     if o["name"] == "adamw":
+        # fused: one kernel over every parameter (torchtitan's default); foreach: list ops,
+        # with a temporary the size of the parameters during the step.
+        fused = o["implementation"] == "fused"
         return torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
-                                 weight_decay=o["weight_decay"])
+                                 weight_decay=o["weight_decay"], fused=fused, foreach=not fused)
     return torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
 
 
@@ -722,7 +725,8 @@ def run(a, device, rank, world):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-        peaks = torch.tensor([alloc or 0, reserved or 0], dtype=torch.float64)
+        # On the process group's device: NCCL reduces CUDA tensors only.
+        peaks = torch.tensor([alloc or 0, reserved or 0], dtype=torch.float64, device=device)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         line = {
             "step": step + 1,

@@ -236,6 +236,34 @@ impl Optimizer {
     }
 }
 
+/// How PyTorch's `torch.optim.AdamW` runs its step (`optimizer.adamw.implementation`): the
+/// same update either way, with different memory and speed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdamwImplementation {
+    /// `fused=True`: one kernel over every parameter, holding nothing beyond the parameters,
+    /// gradients and state (torchtitan's default).
+    #[default]
+    Fused,
+    /// `foreach=True` (torch's default on CUDA when neither is given): list ops over all
+    /// parameters at once, which hold a temporary the size of the parameters (`sqrt` of the
+    /// second moments, f32) until the update.
+    Foreach,
+}
+
+impl AdamwImplementation {
+    pub fn is_fused(&self) -> bool {
+        *self == AdamwImplementation::Fused
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AdamwImplementation::Fused => "fused",
+            AdamwImplementation::Foreach => "foreach",
+        }
+    }
+}
+
 /// Learning rate over a run: linear warmup from 0, then cosine decay to `min_lr_ratio * lr`
 /// at the last step.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -361,6 +389,13 @@ pub struct ParallelConfig {
     pub activation_checkpointing: ActivationCheckpointing,
     pub batch: Batch,
     pub optimizer: Optimizer,
+    /// AdamW's implementation in a PyTorch run (`optimizer.adamw.implementation`): what an
+    /// exported FSDP2 program passes to `torch.optim.AdamW`, and under `runtime: fsdp2` what
+    /// its optimizer step holds. Beside `optimizer`, not in it: the update's arithmetic is
+    /// the same, and shardplan's own executor has one AdamW whatever it says. `fused` for
+    /// SGD; absent from a serialised config when `fused`, so older plans read as before.
+    #[serde(default, skip_serializing_if = "AdamwImplementation::is_fused")]
+    pub adamw_implementation: AdamwImplementation,
     /// Global gradient-norm clip; `None`: no clipping.
     pub grad_clip: Option<f64>,
     /// Seed of initialisation and data order.

@@ -349,7 +349,7 @@ impl ParallelSpecFile {
             batch.grad_sync = b.grad_sync.map_or(GradSync::EveryMicroBatch, |s| s.value);
         }
 
-        let optimizer = optimizer(&mut o, self.optimizer)?;
+        let (optimizer, adamw_implementation) = optimizer(&mut o, self.optimizer)?;
 
         record(&mut o, "grad_clip", &self.grad_clip);
         let grad_clip = match self.grad_clip.map(|s| s.value) {
@@ -489,6 +489,7 @@ impl ParallelSpecFile {
             activation_checkpointing,
             batch,
             optimizer,
+            adamw_implementation,
             grad_clip,
             seed,
             lr_schedule,
@@ -664,14 +665,19 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
     }
 }
 
-fn optimizer(o: &mut Origin, spec: Option<Spanned<OptimizerFile>>) -> Result<Optimizer, SpecError> {
+/// The optimizer, and AdamW's implementation in a PyTorch run (`fused` unless written).
+fn optimizer(
+    o: &mut Origin,
+    spec: Option<Spanned<OptimizerFile>>,
+) -> Result<(Optimizer, AdamwImplementation), SpecError> {
     let Some(spec) = spec else {
-        return Ok(Optimizer::AdamW {
+        let adamw = Optimizer::AdamW {
             lr: 3e-4,
             betas: [0.9, 0.95],
             eps: 1e-8,
             weight_decay: 0.1,
-        });
+        };
+        return Ok((adamw, AdamwImplementation::Fused));
     };
     o.insert("optimizer", pos(&spec));
     let get = |o: &mut Origin,
@@ -711,32 +717,38 @@ fn optimizer(o: &mut Origin, spec: Option<Spanned<OptimizerFile>>) -> Result<Opt
                     b.value
                 }
             };
-            Optimizer::AdamW {
+            record(o, "optimizer.adamw.implementation", &a.implementation);
+            let implementation = a.implementation.map_or(AdamwImplementation::Fused, |s| s.value);
+            let adamw = Optimizer::AdamW {
                 lr,
                 betas,
                 eps,
                 weight_decay,
-            }
+            };
+            (adamw, implementation)
         }
-        OptimizerFile::Sgd(s) => Optimizer::Sgd {
-            lr: get(o, "optimizer.sgd.lr", s.lr, 1e-2, |v| v > 0.0, "> 0")?,
-            momentum: get(
-                o,
-                "optimizer.sgd.momentum",
-                s.momentum,
-                0.0,
-                |v| (0.0..1.0).contains(&v),
-                "in [0, 1)",
-            )?,
-            weight_decay: get(
-                o,
-                "optimizer.sgd.weight_decay",
-                s.weight_decay,
-                0.0,
-                |v| v >= 0.0,
-                ">= 0",
-            )?,
-        },
+        OptimizerFile::Sgd(s) => (
+            Optimizer::Sgd {
+                lr: get(o, "optimizer.sgd.lr", s.lr, 1e-2, |v| v > 0.0, "> 0")?,
+                momentum: get(
+                    o,
+                    "optimizer.sgd.momentum",
+                    s.momentum,
+                    0.0,
+                    |v| (0.0..1.0).contains(&v),
+                    "in [0, 1)",
+                )?,
+                weight_decay: get(
+                    o,
+                    "optimizer.sgd.weight_decay",
+                    s.weight_decay,
+                    0.0,
+                    |v| v >= 0.0,
+                    ">= 0",
+                )?,
+            },
+            AdamwImplementation::Fused,
+        ),
     })
 }
 

@@ -175,6 +175,7 @@ pub(super) struct AdamwFile {
     pub(super) betas: Option<Spanned<[f64; 2]>>,
     pub(super) eps: Option<Spanned<f64>>,
     pub(super) weight_decay: Option<Spanned<f64>>,
+    pub(super) implementation: Option<Spanned<AdamwImplementation>>,
 }
 
 #[derive(Debug, Deserialize)]

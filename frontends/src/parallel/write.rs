@@ -81,10 +81,18 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
             betas,
             eps,
             weight_decay,
-        } => format!(
-            "{{adamw: {{lr: {lr:?}, betas: [{:?}, {:?}], eps: {eps:?}, weight_decay: {weight_decay:?}}}}}",
-            betas[0], betas[1]
-        ),
+        } => {
+            // Written only when not the default, as the other defaulted fields are.
+            let implementation = if c.adamw_implementation.is_fused() {
+                String::new()
+            } else {
+                format!(", implementation: {}", c.adamw_implementation.name())
+            };
+            format!(
+                "{{adamw: {{lr: {lr:?}, betas: [{:?}, {:?}], eps: {eps:?}, weight_decay: {weight_decay:?}{implementation}}}}}",
+                betas[0], betas[1]
+            )
+        }
         Optimizer::Sgd {
             lr,
             momentum,
