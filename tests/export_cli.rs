@@ -97,6 +97,13 @@ fn every_bundled_example_exports_a_program_that_compiles() {
             done.insert(key_m);
             continue;
         }
+        if !o.status.success() && err.contains("`moe`") {
+            // Mixture-of-experts models are not traced yet: refused at their field.
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            assert!(err.contains(&format!("{m}:")), "{err}");
+            done.insert(key_m);
+            continue;
+        }
         if !o.status.success() && err.contains("`mesh.tensor`") {
             // A tensor-parallel spec is refused for every model (FSDP2 alone is exported),
             // if the model splits over it at all.
