@@ -16,6 +16,12 @@ export CUDA_HOME CUDA_PATH=$CUDA_HOME
 export PATH=$CUDA_HOME/bin:$PATH
 export NVCC=$CUDA_HOME/bin/nvcc
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+# The cuDNN flash-attention shim's headers (cuDNN 9.19 and cudnn-frontend 1.32, unpacked by
+# cuda-toolkit.sh beside the toolkit); libcudnn itself is opened at run time.
+TOOLKIT_DIR=${CUDA_TOOLKIT_DIR:-target/cuda-toolkit}
+case $TOOLKIT_DIR in /*) ;; *) TOOLKIT_DIR=$PWD/$TOOLKIT_DIR ;; esac
+export CUDNN_INCLUDE_DIR=${CUDNN_INCLUDE_DIR:-$TOOLKIT_DIR/cudnn/include}
+export CUDNN_FRONTEND_INCLUDE_DIR=${CUDNN_FRONTEND_INCLUDE_DIR:-$TOOLKIT_DIR/cudnn/frontend/include}
 # cudarc would otherwise ask `nvcc --version`; pin the API level to the driver's.
 export CUDARC_CUDA_VERSION=13000
 # Link against the wheels' libraries and the driver stub (the real libcuda.so.1 comes with

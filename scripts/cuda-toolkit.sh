@@ -9,6 +9,9 @@
 # ships, which is what the binary finds on the GPU machine at run time (scripts/run-cuda.sh).
 # No wheel ships the driver library (libcuda.so.1), so a link-time stub is made from the
 # `cu*` names in cuda.h; the real one comes with the GPU's driver.
+# cuDNN contributes headers only (its 366 MB wheel is unpacked for `include/`): the flash
+# attention shim (executor/cudnn/attn.cpp) is built over cudnn-frontend's header-only graph
+# API and opens libcudnn.so.9 at run time, from the GPU machine's PyTorch packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-target/cuda-toolkit}
@@ -25,16 +28,41 @@ WHEELS=(
   nvidia-nccl-cu13==2.28.9
 )
 mkdir -p "$DEST/wheels" "$DEST/root"
+platforms=()
+for p in manylinux2010 manylinux_2_12 manylinux2014 manylinux_2_17 manylinux_2_18 manylinux_2_27 manylinux_2_28; do
+  platforms+=(--platform "${p}_x86_64")
+done
 if [ ! -f "$DEST/root/.done" ]; then
-  platforms=()
-  for p in manylinux2010 manylinux_2_12 manylinux2014 manylinux_2_17 manylinux_2_18 manylinux_2_27 manylinux_2_28; do
-    platforms+=(--platform "${p}_x86_64")
-  done
   "$PY" -m pip download -q --no-deps --only-binary=:all: "${platforms[@]}" -d "$DEST/wheels" "${WHEELS[@]}"
   for w in "$DEST"/wheels/*.whl; do
     "$PY" -m zipfile -e "$w" "$DEST/root"
   done
   touch "$DEST/root/.done"
+fi
+# cuDNN 9.19 (what PyTorch 2.11+cu130 pins, so what the GPU machines load) and
+# cudnn-frontend 1.32: headers only, into $DEST/cudnn/{include,frontend/include}.
+if [ ! -f "$DEST/cudnn/.done" ]; then
+  mkdir -p "$DEST/cudnn-wheels" "$DEST/cudnn"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 312 "${platforms[@]}" \
+    -d "$DEST/cudnn-wheels" nvidia-cudnn-cu13==9.19.0.56 nvidia-cudnn-frontend==1.32.0
+  "$PY" - "$DEST" <<'PY'
+import glob, os, sys, zipfile
+dest = sys.argv[1]
+for wheel, prefix, out in [("nvidia_cudnn_cu13-", "nvidia/cudnn/include/", "include"),
+                           ("nvidia_cudnn_frontend-", "include/", "frontend/include")]:
+    [path] = glob.glob(os.path.join(dest, "cudnn-wheels", wheel + "*.whl"))
+    with zipfile.ZipFile(path) as z:
+        for name in z.namelist():
+            if name.startswith(prefix) and not name.endswith("/"):
+                target = os.path.join(dest, "cudnn", out, name[len(prefix):])
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with z.open(name) as src, open(target, "wb") as dst:
+                    dst.write(src.read())
+PY
+  rm -rf "$DEST/cudnn-wheels"
+  [ -f "$DEST/cudnn/include/cudnn.h" ] && [ -f "$DEST/cudnn/frontend/include/cudnn_frontend.h" ] \
+    || { echo "error: no cudnn.h / cudnn_frontend.h after unpacking the cuDNN wheels" >&2; exit 1; }
+  touch "$DEST/cudnn/.done"
 fi
 CUDA=$DEST/root/nvidia/cu13
 NCCL=$DEST/root/nvidia/nccl

@@ -4,6 +4,10 @@
 #
 #   scripts/gpu-check.sh [--bin PATH] [--out DIR] [options]
 #
+#   selftest   `shardplan gpu-selftest`: every CUDA kernel of shardplan's (executor/kernels, the
+#              cuDNN flash attention) against its CPU twin on random inputs and edge shapes:
+#              worst error against tolerance and time per kernel (selftest.json); first, so a
+#              short lease checks the kernels before anything else
 #   parity     `shardplan train --device cuda` against `--device cpu` on tiny-llama, meshes
 #              1x1, 1x2 and 2x2 (ranks as threads on the one GPU): per-step losses and
 #              gradient norms from the --log files, max relative difference, pass at --tol
@@ -15,7 +19,10 @@
 #   shardplan  `shardplan train --device cuda` of examples/models/llama-1b.yaml (~1.1B
 #              params, seq 2048, bf16 compute, f32 reduce, one FSDP unit per block, mesh 1x1):
 #              `--profile` (profile.json, and compare.txt: `plan --compare` of it), tokens/s and step time (median after --warmup steps), the executor's
-#              measured and planned peak bytes, and the GPU's memory in use (nvidia-smi)
+#              measured and planned peak bytes, and the GPU's memory in use (nvidia-smi);
+#              run twice, `--kernels native` (shardplan-1b-native.json) then `--kernels
+#              candle` (shardplan-1b.json), and their losses checked against each other
+#              (kernels-agree.json)
 #   fsdp2      benches/fsdp2_step.py: PyTorch FSDP2 on the same model, batch and optimizer on
 #              the same GPU: tokens/s, torch.cuda peak allocated / reserved, nvidia-smi
 #   export     `shardplan export fsdp2` of the same 1B plan, run under torchrun on this GPU
@@ -49,7 +56,7 @@ Options:
                       a .gz file is unpacked into a temporary folder first
   --out DIR           output folder (created; default $OUT/gpu-check or target/gpu-check)
   --python PY         interpreter with torch (default $PYTHON or python3)
-  --checks LIST       comma-separated subset of parity,nccl,shardplan,fsdp2,export,profile
+  --checks LIST       comma-separated subset of selftest,parity,nccl,shardplan,fsdp2,export,profile
                       (default: all)
   --parity-steps N    training steps per parity run (default 20)
   --tol X             parity tolerance, relative, per step (default 1e-3)
@@ -70,7 +77,8 @@ BIN=target/cuda/release/shardplan
 OUTDIR=
 if [ -n "${OUT:-}" ]; then OUTDIR=$OUT/gpu-check; else OUTDIR=target/gpu-check; fi
 PY=${PYTHON:-python3}
-CHECKS=parity,nccl,shardplan,fsdp2,export,profile
+CHECKS=selftest,parity,nccl,shardplan,fsdp2,export,profile
+SELFTEST_TIMEOUT=600
 PARITY_STEPS=20
 TOL=1e-3
 BATCH=2
@@ -112,11 +120,11 @@ is_uint "$WARMUP" || die "--warmup must be a whole number, not \`$WARMUP\`"
 [[ $TOL =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "--tol must be a number, not \`$TOL\`"
 IFS=, read -r -a want <<<"$CHECKS"
 for c in "${want[@]}"; do
-  case $c in parity|nccl|shardplan|fsdp2|export|profile) ;; *) die "--checks: unknown check \`$c\` (parity, nccl, shardplan, fsdp2, export, profile)" ;; esac
+  case $c in selftest|parity|nccl|shardplan|fsdp2|export|profile) ;; *) die "--checks: unknown check \`$c\` (selftest, parity, nccl, shardplan, fsdp2, export, profile)" ;; esac
 done
 wants() { [[ ",$CHECKS," == *",$1,"* ]]; }
 # The checks that run shardplan itself.
-needs_bin() { wants parity || wants nccl || wants shardplan || wants export; }
+needs_bin() { wants selftest || wants parity || wants nccl || wants shardplan || wants export; }
 read -r -a profile_args <<<"$PROFILE_ARGS"
 
 # Preconditions, each exit 2 with what is missing.
@@ -192,6 +200,18 @@ echo "gpu-check: $GPU_NAME; results in $OUTDIR"
 smi_start() { nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader,nounits -lms 100 >"$1" 2>/dev/null & SMI_PID=$!; }
 smi_stop() { kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; }
 gpu_used_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1 | tr -d ' '; }
+
+# --- (0) the kernels against their CPU twins --------------------------------------------------
+if wants selftest; then
+  mkdir -p "$OUTDIR/selftest"
+  timeout "$SELFTEST_TIMEOUT" "$(pwd)/scripts/run-cuda.sh" "$BIN" -- gpu-selftest --json "$OUTDIR/selftest.json" \
+    >"$OUTDIR/selftest/out.txt" 2>"$OUTDIR/selftest/err.txt"
+  rc=$?
+  if [ $rc = 0 ]; then status selftest ok "$(tail -n 1 "$OUTDIR/selftest/out.txt")"
+  else status selftest FAIL "exit $rc: $(tail -n 1 "$OUTDIR/selftest/out.txt") $(tail -n 2 "$OUTDIR/selftest/err.txt" | tr '\n' ' ' | cut -c1-300)"; FAILED=1; fi
+else
+  status selftest skipped "--checks"
+fi
 
 # --- (a) parity: CUDA against CPU on tiny-llama ------------------------------------------
 if wants parity; then
@@ -358,77 +378,104 @@ fi
 
 # --- (b) shardplan on the 1B Llama ---------------------------------------------------------
 if wants shardplan; then
-  d=$OUTDIR/shardplan-1b
-  mkdir -p "$d"
-  # The spec with this run's batch.
-  sed -E "s/per_rank: *[0-9]+/per_rank: $BATCH/" "$SPEC_1B" >"$d/parallel.yaml"
-  cp "$MODEL" "$d/model.yaml"
-  sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" --format json --out "$d/plan.json" \
-    >"$d/plan.out" 2>"$d/plan.err" || true
-  sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" >"$d/plan.txt" 2>>"$d/plan.err" || true
-  rm -f "$d/log.jsonl"
-  base=$(gpu_used_mib)
-  smi_start "$d/nvidia-smi.csv"
-  start=$(date +%s%N)
-  timeout "$TIMEOUT" "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
-    --steps $((WARMUP + STEPS)) --device cuda --log "$d/log.jsonl" --profile "$d/profile.json" \
-    >"$d/train.out" 2>"$d/train.err"
-  rc=$?
-  wall=$(( ($(date +%s%N) - start) / 1000000 ))
-  smi_stop
-  # Measured time per instruction kind beside the plan's prediction (profile.json).
-  [ -s "$d/profile.json" ] && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
-    --compare "$d/profile.json" >"$d/compare.txt" 2>&1
-  "$PY" - "$d" "$rc" "$WARMUP" "$STEPS" "$base" "$wall" "$BATCH" <<'EOF'
-import json, os, statistics, sys
-d, rc, warmup, steps, base, wall, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) / 1e3, int(sys.argv[7])
-rows = [json.loads(l) for l in open(f"{d}/log.jsonl")] if os.path.exists(f"{d}/log.jsonl") else []
-smi = [[int(v) for v in l.split(",")] for l in open(f"{d}/nvidia-smi.csv") if l.count(",") == 1 and l.replace(",", "").split() and all(v.strip().isdigit() for v in l.split(","))]
-err = open(f"{d}/train.err", errors="replace").read().strip().splitlines()
-r = {"framework": "shardplan", "model": "examples/models/llama-1b.yaml", "batch_per_rank": batch, "seq": 2048,
-     "exit": rc, "timed_out": rc in (124, 137), "wall_seconds": wall, "steps_logged": len(rows), "warmup_steps": warmup}
-if rows:
-    meas = rows[warmup:] or rows[-1:]
-    r["losses"] = [x["loss"] for x in rows]
-    r["grad_norms"] = [x["grad_norm"] for x in rows]
-    r["step_seconds"] = [x["step_seconds"] for x in rows]
-    r["step_seconds_median"] = statistics.median(x["step_seconds"] for x in meas)
-    r["tokens_per_step"] = rows[0]["tokens"]
-    r["tokens_per_second"] = rows[0]["tokens"] / r["step_seconds_median"]
-    r["measured_steps"] = len(meas)
-    r["executor_measured_peak_bytes"] = max(max(x["measured_peak"]) for x in rows)
-    r["executor_measured_by_category"] = rows[-1]["measured"][0]
-    r["planned_peak_bytes"] = rows[-1]["planned_peak"]
-    r["planned_by_category"] = rows[-1]["planned"]
-    r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds; device_*: the CUDA allocator's high-water marks and cuMemGetInfo"
-    dev = [m for x in rows for m in (x.get("measured_device") or []) if m]
-    if dev:
-        r["device_allocated_peak_bytes"] = max(m["allocated_peak"] for m in dev)
-        r["device_reserved_peak_bytes"] = max(m["reserved_peak"] for m in dev)
-        r["device_in_use_bytes"] = max(m["in_use"] for m in dev)
-if rows:
-    r["startup_seconds"] = round(wall - sum(r["step_seconds"]), 3)
-if smi:
-    peak = max(m for m, _ in smi)
-    r["nvidia_smi_baseline_mib"] = base
-    r["nvidia_smi_peak_used_mib"] = peak - base
-    # Utilisation while training: the samples once memory is near its peak (after start-up).
-    busy = [u for m, u in smi if m >= base + 0.9 * (peak - base)]
-    r["nvidia_smi_util_pct_while_training"] = round(sum(busy) / len(busy), 1) if busy else None
-if rc != 0 or len(rows) < warmup + steps:
-    r["error"] = "\n".join(err[-25:])
-r["ok"] = rc == 0 and len(rows) == warmup + steps
-json.dump(r, open(f"{d}/../shardplan-1b.json", "w"), indent=2)
-if r["ok"]:
-    print(f"shardplan 1B: {r['tokens_per_second']:.0f} tok/s, {r['step_seconds_median']*1e3:.0f} ms/step, "
-          f"executor peak {r['executor_measured_peak_bytes']/2**30:.2f} GiB (planned {r['planned_peak_bytes']/2**30:.2f}), "
-          f"nvidia-smi {r.get('nvidia_smi_peak_used_mib', 0)/1024:.2f} GiB")
+  # shardplan's own CUDA kernels first (what a short lease should see), then candle's ops
+  # (the path checked against the CPU); then their losses against each other.
+  for KERN in native candle; do
+    if [ "$KERN" = candle ]; then NAME=shardplan-1b; else NAME=shardplan-1b-$KERN; fi
+    d=$OUTDIR/$NAME
+    mkdir -p "$d"
+    # The spec with this run's batch.
+    sed -E "s/per_rank: *[0-9]+/per_rank: $BATCH/" "$SPEC_1B" >"$d/parallel.yaml"
+    cp "$MODEL" "$d/model.yaml"
+    sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" --format json --out "$d/plan.json" \
+      >"$d/plan.out" 2>"$d/plan.err" || true
+    sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" >"$d/plan.txt" 2>>"$d/plan.err" || true
+    rm -f "$d/log.jsonl"
+    base=$(gpu_used_mib)
+    smi_start "$d/nvidia-smi.csv"
+    start=$(date +%s%N)
+    timeout "$TIMEOUT" "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
+      --steps $((WARMUP + STEPS)) --device cuda --kernels "$KERN" --log "$d/log.jsonl" --profile "$d/profile.json" \
+      >"$d/train.out" 2>"$d/train.err"
+    rc=$?
+    wall=$(( ($(date +%s%N) - start) / 1000000 ))
+    smi_stop
+    # Measured time per instruction kind beside the plan's prediction (profile.json).
+    [ -s "$d/profile.json" ] && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
+      --compare "$d/profile.json" >"$d/compare.txt" 2>&1
+    "$PY" - "$d" "$rc" "$WARMUP" "$STEPS" "$base" "$wall" "$BATCH" "$KERN" <<'EOF'
+  import json, os, statistics, sys
+  d, rc, warmup, steps, base, wall, batch, kernels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) / 1e3, int(sys.argv[7]), sys.argv[8]
+  rows = [json.loads(l) for l in open(f"{d}/log.jsonl")] if os.path.exists(f"{d}/log.jsonl") else []
+  smi = [[int(v) for v in l.split(",")] for l in open(f"{d}/nvidia-smi.csv") if l.count(",") == 1 and l.replace(",", "").split() and all(v.strip().isdigit() for v in l.split(","))]
+  err = open(f"{d}/train.err", errors="replace").read().strip().splitlines()
+  r = {"framework": "shardplan", "kernels": kernels, "model": "examples/models/llama-1b.yaml", "batch_per_rank": batch, "seq": 2048,
+       "exit": rc, "timed_out": rc in (124, 137), "wall_seconds": wall, "steps_logged": len(rows), "warmup_steps": warmup}
+  if rows:
+      meas = rows[warmup:] or rows[-1:]
+      r["losses"] = [x["loss"] for x in rows]
+      r["grad_norms"] = [x["grad_norm"] for x in rows]
+      r["step_seconds"] = [x["step_seconds"] for x in rows]
+      r["step_seconds_median"] = statistics.median(x["step_seconds"] for x in meas)
+      r["tokens_per_step"] = rows[0]["tokens"]
+      r["tokens_per_second"] = rows[0]["tokens"] / r["step_seconds_median"]
+      r["measured_steps"] = len(meas)
+      r["executor_measured_peak_bytes"] = max(max(x["measured_peak"]) for x in rows)
+      r["executor_measured_by_category"] = rows[-1]["measured"][0]
+      r["planned_peak_bytes"] = rows[-1]["planned_peak"]
+      r["planned_by_category"] = rows[-1]["planned"]
+      r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds; device_*: the CUDA allocator's high-water marks and cuMemGetInfo"
+      dev = [m for x in rows for m in (x.get("measured_device") or []) if m]
+      if dev:
+          r["device_allocated_peak_bytes"] = max(m["allocated_peak"] for m in dev)
+          r["device_reserved_peak_bytes"] = max(m["reserved_peak"] for m in dev)
+          r["device_in_use_bytes"] = max(m["in_use"] for m in dev)
+  if rows:
+      r["startup_seconds"] = round(wall - sum(r["step_seconds"]), 3)
+  if smi:
+      peak = max(m for m, _ in smi)
+      r["nvidia_smi_baseline_mib"] = base
+      r["nvidia_smi_peak_used_mib"] = peak - base
+      # Utilisation while training: the samples once memory is near its peak (after start-up).
+      busy = [u for m, u in smi if m >= base + 0.9 * (peak - base)]
+      r["nvidia_smi_util_pct_while_training"] = round(sum(busy) / len(busy), 1) if busy else None
+  if rc != 0 or len(rows) < warmup + steps:
+      r["error"] = "\n".join(err[-25:])
+  r["ok"] = rc == 0 and len(rows) == warmup + steps
+  json.dump(r, open(f"{d}.json", "w"), indent=2)
+  if r["ok"]:
+      print(f"shardplan 1B ({kernels} kernels): {r['tokens_per_second']:.0f} tok/s, {r['step_seconds_median']*1e3:.0f} ms/step, "
+            f"executor peak {r['executor_measured_peak_bytes']/2**30:.2f} GiB (planned {r['planned_peak_bytes']/2**30:.2f}), "
+            f"nvidia-smi {r.get('nvidia_smi_peak_used_mib', 0)/1024:.2f} GiB")
+  else:
+      print("shardplan 1B (%s kernels) failed (exit %d): %s" % (kernels, rc, (err[-1] if err else "")))
+  sys.exit(0 if r["ok"] else 1)
+EOF
+    if [ $? = 0 ]; then status "$NAME" ok "$(tail -c 300 "$d/train.out" | tr '\n' ' ')"
+    else status "$NAME" FAIL "exit $rc: $(tail -n 3 "$d/train.err" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+  done
+  "$PY" - "$OUTDIR" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+runs = {k: json.load(open(f"{out}/{n}.json")) for k, n in (("native", "shardplan-1b-native"), ("candle", "shardplan-1b")) if os.path.exists(f"{out}/{n}.json")}
+r = {"tolerance_relative": 2e-2}
+if all(k in runs and runs[k].get("losses") for k in ("native", "candle")):
+    a, b = runs["native"]["losses"], runs["candle"]["losses"]
+    n = min(len(a), len(b))
+    r["losses_native"], r["losses_candle"] = a[:n], b[:n]
+    r["max_relative_difference"] = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
+    r["ok"] = n > 0 and r["max_relative_difference"] <= r["tolerance_relative"]
+    if runs["native"].get("tokens_per_second") and runs["candle"].get("tokens_per_second"):
+        r["speedup_native_over_candle"] = runs["native"]["tokens_per_second"] / runs["candle"]["tokens_per_second"]
 else:
-    print("shardplan 1B failed (exit %d): %s" % (rc, (err[-1] if err else "")))
+    r["ok"] = False
+    r["error"] = "one of the two 1B runs logged no losses"
+json.dump(r, open(f"{out}/kernels-agree.json", "w"), indent=2)
+print("native vs candle kernels: " + (f"losses within {r['max_relative_difference']:.2e} relative" if "max_relative_difference" in r else r["error"]))
 sys.exit(0 if r["ok"] else 1)
 EOF
-  if [ $? = 0 ]; then status shardplan ok "$(tail -c 300 "$d/train.out" | tr '\n' ' ')"
-  else status shardplan FAIL "exit $rc: $(tail -n 3 "$d/train.err" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+  if [ $? = 0 ]; then status kernels ok "1B losses of --kernels native and candle agree (kernels-agree.json)"
+  else status kernels FAIL "1B losses of --kernels native and candle differ or are missing (kernels-agree.json)"; FAILED=1; fi
 else
   status shardplan skipped "--checks"
 fi
@@ -591,10 +638,17 @@ def load(name):
     p = os.path.join(out, name)
     return json.load(open(p)) if os.path.exists(p) else None
 parity, ours, theirs, nccl = load("parity.json"), load("shardplan-1b.json"), load("fsdp2-1b.json"), load("nccl.json")
+native, selftest, agree = load("shardplan-1b-native.json"), load("selftest.json"), load("kernels-agree.json")
 profile = load("profile.json")
 gib = lambda b: None if b is None else b / 2**30
 s = {"gpu": gpu, "parity": None, "shardplan": None, "fsdp2": None, "ratios": {}}
 lines = [f"GPU: {gpu}", ""]
+if selftest:
+    res = selftest.get("results") or []
+    missed = [r for r in res if not r.get("pass")]
+    s["selftest"] = {"outputs": len(res), "missed": len(missed), "pass": bool(res) and not missed}
+    lines.append(f"gpu-selftest: {len(res)} kernel outputs against their CPU twins, {len(missed)} missed" + ("" if not missed else ": " + ", ".join(sorted({r['kernel'] for r in missed}))))
+    lines.append("")
 if parity:
     s["parity"] = {m: {"max_rel_diff_loss": r.get("max_rel_diff_loss"), "max_rel_diff_grad_norm": r.get("max_rel_diff_grad_norm"), "pass": r["pass"]}
                    for m, r in parity["meshes"].items()}
@@ -655,6 +709,22 @@ else:
         lines.append(f"  shardplan: {s['shardplan']['tokens_per_second']:.0f} tok/s")
     if s["fsdp2"]:
         lines.append(f"  FSDP2: {s['fsdp2']['tokens_per_second']:.0f} tok/s, peak allocated {gib(s['fsdp2']['peak_allocated_bytes'] or 0):.2f} GiB")
+if native and native.get("ok"):
+    s["shardplan_native"] = {k: native.get(k) for k in ("tokens_per_second", "step_seconds_median", "device_allocated_peak_bytes", "device_reserved_peak_bytes", "planned_peak_bytes")}
+    line = f"shardplan --kernels native: {native['tokens_per_second']:.0f} tok/s, {native['step_seconds_median']*1e3:.1f} ms/step"
+    if s["fsdp2"]:
+        s["ratios"]["native_tokens_per_second"] = native["tokens_per_second"] / s["fsdp2"]["tokens_per_second"]
+        line += f" ({s['ratios']['native_tokens_per_second']:.3f}x FSDP2)"
+        if native.get("device_allocated_peak_bytes") and s["fsdp2"].get("peak_allocated_bytes"):
+            s["ratios"]["native_peak_memory_allocated"] = native["device_allocated_peak_bytes"] / s["fsdp2"]["peak_allocated_bytes"]
+            line += f", allocated peak {gib(native['device_allocated_peak_bytes']):.2f} GiB ({s['ratios']['native_peak_memory_allocated']:.3f}x FSDP2)"
+    lines += ["", line]
+elif native:
+    lines += ["", "shardplan --kernels native: run failed (see shardplan-1b-native.json)"]
+if agree:
+    s["kernels_agree"] = agree
+    if agree.get("max_relative_difference") is not None:
+        lines.append(f"  losses of native vs candle kernels: max relative difference {agree['max_relative_difference']:.2e} (tolerance {agree['tolerance_relative']:g})")
 if profile:
     ref = profile.get("reference") or {}
     s["profile"] = {"ok": profile.get("ok"), "measured": profile.get("profile"), "builtin": ref.get("builtin"),

@@ -20,4 +20,6 @@ for d in "$SP/nvidia/cu13/lib" "$SP/nvidia/nccl/lib"; do
   [ -d "$d" ] || { echo "error: $d not found: install PyTorch with CUDA 13 wheels for $PY, or set PYTHON" >&2; exit 2; }
 done
 export LD_LIBRARY_PATH=$SP/nvidia/cu13/lib:$SP/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# cuDNN (the flash attention of `--kernels native`) is opened at run time from its package.
+[ -d "$SP/nvidia/cudnn/lib" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$SP/nvidia/cudnn/lib
 exec "$BIN" "$@"

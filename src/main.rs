@@ -11,6 +11,7 @@ mod generate;
 mod inspect;
 mod launch;
 mod plan;
+mod selftest;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -46,6 +47,8 @@ enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// Train on any mesh: every rank as a thread of this process, or one rank per process under mpirun / srun (MPI); progress bar, JSON-lines metrics, measured trace, Ctrl-C stops after the current step.
     Train(train::TrainArgs),
+    /// Check shardplan's CUDA kernels against their CPU twins on random inputs and edge shapes: worst error against tolerance and time per kernel (exit 1 on a miss, 2 without a GPU).
+    GpuSelftest(selftest::SelftestArgs),
     /// Continue a prompt with a trained model (a checkpoint or Hugging Face safetensors) on one CPU rank, with a KV cache: greedy or top-p sampling.
     Generate(generate::GenerateArgs),
 }
@@ -127,6 +130,7 @@ fn main() -> ExitCode {
         Command::Data(cmd) => data::run(&cmd).map(|()| None),
         Command::Calibrate(args) => calibrate::run(&args).map(|()| None),
         Command::Generate(args) => generate::run(&args).map(|()| None),
+        Command::GpuSelftest(args) => selftest::run(&args),
     };
     match result {
         Ok(None) => ExitCode::SUCCESS,

@@ -57,6 +57,12 @@ pub struct TrainArgs {
     /// With `--backend local` every rank of the mesh runs as a thread on this one device.
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     pub device: String,
+    /// On CUDA, which kernels run the ops shardplan has its own for: `candle` (candle's
+    /// ops: the path checked against the CPU) or `native` (shardplan's CUDA kernels and
+    /// cuDNN flash attention; `shardplan gpu-selftest` checks them against their CPU twins).
+    /// Needs `--device cuda` for `native`.
+    #[arg(long, value_name = "KERNELS", default_value = "candle")]
+    pub kernels: String,
     /// How ranks exchange data: `local` (every rank of the mesh as a thread of this one
     /// process), `mpi` (one rank per process under mpirun or srun; a build with
     /// `--features mpi`), `nccl` (one rank per GPU; CUDA builds). Default: `local` for a
@@ -292,6 +298,13 @@ fn train(
     let device_name = device;
     let device =
         shardplan_executor::runtime::device::open(device).map_err(|e| CliError::Usage(format!("--device: {e}")))?;
+    let kernels = shardplan_executor::gpu::Kernels::parse(&args.kernels)
+        .map_err(|e| CliError::Usage(format!("--kernels: {e}")))?;
+    if kernels == shardplan_executor::gpu::Kernels::Native && !device.is_cuda() {
+        return Err(CliError::Usage(format!(
+            "--kernels native runs shardplan's CUDA kernels, but --device is `{device_name}`: give --device cuda, or leave --kernels at `candle`"
+        )));
+    }
     shardplan_executor::cpu::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
@@ -366,6 +379,9 @@ fn train(
         );
     }
     trainer.to_device(&device).map_err(|e| exec_error(e, &specs))?;
+    trainer
+        .set_kernels(kernels)
+        .map_err(|e| CliError::Usage(format!("--kernels: {e}")))?;
     if let Some(p) = &args.init_from {
         trainer.init_from(p).map_err(|e| exec_error(e, &specs))?;
     }

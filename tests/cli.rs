@@ -517,6 +517,46 @@ fn train_device_choices() {
     shardplan_ok(&with("cpu"));
 }
 
+/// `--kernels`: shardplan's CUDA kernels need a CUDA device; unknown names are refused.
+#[test]
+fn train_kernels_choices() {
+    let base = [
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/cpu-1.yaml",
+        "--steps",
+        "1",
+    ];
+    let with = |k: &'static str| [&base[..], &["--kernels", k]].concat();
+    bad(
+        &with("fast"),
+        "--kernels: unknown kernels `fast`: use `candle` or `native`",
+    );
+    bad(
+        &with("native"),
+        "--kernels native runs shardplan's CUDA kernels, but --device is `cpu`: give --device cuda",
+    );
+    shardplan_ok(&with("candle"));
+}
+
+/// Without a GPU (here: a build without CUDA) the self-test says so and exits 2; a CPU
+/// device is refused as a usage error.
+#[test]
+fn gpu_selftest_without_a_gpu_exits_2() {
+    let o = shardplan(&["gpu-selftest"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("gpu-selftest: no GPU to test"), "{}", stderr(&o));
+    let o = shardplan(&["gpu-selftest", "--device", "cpu"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the GPU self-test runs on a CUDA device"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn calibrate_writes_a_hardware_line_that_plans() {
     let scratch = tempfile::tempdir().unwrap();

@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod cpu;
 mod error;
+pub mod gpu;
 pub mod infer;
 pub mod runtime;
 pub mod train;

@@ -24,6 +24,18 @@ pub fn cdtype(d: DType) -> CDType {
     }
 }
 
+/// The IR dtype of a candle dtype (the ones the IR has; others read as f32).
+pub fn ir_dtype(d: CDType) -> DType {
+    match d {
+        CDType::F64 => DType::F64,
+        CDType::BF16 => DType::BF16,
+        CDType::F16 => DType::F16,
+        CDType::I64 => DType::I64,
+        CDType::U32 => DType::U32,
+        _ => DType::F32,
+    }
+}
+
 /// `(theta bits, seq, head_dim, dtype)` of a rotary table.
 type RopeKey = (u64, String, usize, usize, CDType);
 
@@ -33,6 +45,9 @@ pub struct Ctx {
     pub device: Device,
     rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
     tensor: Option<TensorGroup>,
+    /// Run the ops shardplan has its own CUDA kernels for on them (`--kernels native`):
+    /// see [`crate::gpu`]. Only on a CUDA device.
+    pub native: bool,
 }
 
 impl Ctx {
@@ -41,6 +56,7 @@ impl Ctx {
             device,
             rope: RefCell::new(HashMap::new()),
             tensor: None,
+            native: false,
         }
     }
 
@@ -58,6 +74,7 @@ impl Ctx {
             device,
             rope: RefCell::new(HashMap::new()),
             tensor: self.tensor,
+            native: self.native,
         }
     }
 
@@ -278,6 +295,11 @@ fn dims(t: &TensorType) -> Vec<usize> {
 
 /// Applies `op` to `ins`, producing a tensor of type `out`.
 pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Tensor> {
+    if ctx.native {
+        if let Some(t) = native_op(ctx, op, ins, out)? {
+            return Ok(t);
+        }
+    }
     let odims = dims(out);
     let t = match op {
         Op::Input { .. } | Op::Param { .. } => {
@@ -403,6 +425,42 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::VocabCrossEntropyGrad { degree } => ctx.tensor(op)?.cross_entropy_grad(ins[0], ins[1], ins[2], *degree)?,
     };
     Ok(t)
+}
+
+/// `op` on shardplan's own CUDA kernels ([`crate::gpu`]) where one takes its operands
+/// (CUDA tensors of one dtype the kernel has); `None` leaves it to candle's ops.
+pub(crate) fn native_op(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Option<Tensor>> {
+    use crate::gpu;
+    let takes = |ts: &[&Tensor]| {
+        ts.iter().all(|t| t.device().is_cuda() && gpu::takes(t.dtype()))
+            && ts.windows(2).all(|w| w[0].dtype() == w[1].dtype())
+    };
+    let t = match op {
+        Op::RmsNorm { eps } if takes(&ins[..2]) => gpu::rms_norm(ins[0], ins[1], *eps)?,
+        Op::RmsNormGrad { eps, wrt } if takes(&ins[..3]) => {
+            gpu::rms_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt == NormWrt::Weight)?
+        }
+        Op::Silu if takes(&ins[..1]) => gpu::silu(ins[0])?,
+        Op::SiluGrad if takes(&ins[..2]) => gpu::silu_grad(ins[0], ins[1])?,
+        Op::Rope { theta, scaling } | Op::RopeGrad { theta, scaling } if takes(&ins[..1]) => {
+            let (_, s, _, d) = ins[0].dims4()?;
+            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, d, ins[0].dtype())?;
+            gpu::rope(ins[0], &cos, &sin, matches!(op, Op::RopeGrad { .. }))?
+        }
+        Op::Attention { causal } if gpu::attention_applies(ins[0], ins[1], ins[2]) => {
+            gpu::attention(ins[0], ins[1], ins[2], *causal)?.0
+        }
+        Op::CrossEntropy if takes(&ins[..1]) && ins[0].rank() == 2 => gpu::cross_entropy(ins[0], ins[1])?,
+        Op::CrossEntropyGrad if takes(&ins[..1]) && ins[0].rank() == 2 => {
+            gpu::cross_entropy_grad(ins[0], ins[1], ins[2])?
+        }
+        Op::EmbeddingGrad { .. } if takes(&ins[1..2]) && out.shape.rank() == 2 => {
+            let d = dims(out);
+            gpu::embedding_grad(ins[0], ins[1], d[0], d[1])?
+        }
+        _ => return Ok(None),
+    };
+    Ok(Some(t.to_dtype(cdtype(out.dtype))?))
 }
 
 fn embedding(table: &Tensor, ids: &Tensor, out: &[usize]) -> Result<Tensor> {

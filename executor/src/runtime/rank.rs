@@ -43,6 +43,9 @@ pub struct Shared {
     /// Time every node the compute stream runs (`RankStepOut::node_seconds`); off, the
     /// node loop reads no clock.
     pub profile: bool,
+    /// shardplan's own CUDA kernels for attention's backward, the gradient norm and AdamW
+    /// (`--kernels native`, [`crate::gpu`]); the ranks' kernel contexts say the same.
+    pub native: bool,
 }
 
 /// A failure a test injects at one instruction of one rank.
@@ -430,14 +433,29 @@ impl StepCtx<'_> {
             );
         }
         let outs = [b.dq, b.dk, b.dv];
-        let made = crate::cpu::kernels::attention_backward_blockwise(
-            &ops[0],
-            &ops[1],
-            &ops[2],
-            &ops[3],
-            b.causal,
-            outs.map(|o| o.is_some()),
-        )?;
+        let made = if sh.native && crate::gpu::attention_applies(&ops[0], &ops[1], &ops[2]) {
+            // cuDNN's backward reads the forward's output and log-sum-exp; the plan keeps
+            // neither, so the forward runs again here (a fifth of the backward's time on an
+            // H200 at the 1.1B shape) and one plan serves every device.
+            let (o, lse) = crate::gpu::attention(&ops[0], &ops[1], &ops[2], b.causal)?;
+            let grads = crate::gpu::attention_backward(&ops[0], &ops[1], &ops[2], &o, &ops[3], &lse, b.causal)?;
+            let mut made: [Option<Tensor>; 3] = grads.map(Some);
+            for (m, o) in made.iter_mut().zip(outs) {
+                if o.is_none() {
+                    *m = None;
+                }
+            }
+            made
+        } else {
+            crate::cpu::kernels::attention_backward_blockwise(
+                &ops[0],
+                &ops[1],
+                &ops[2],
+                &ops[3],
+                b.causal,
+                outs.map(|o| o.is_some()),
+            )?
+        };
         let mut own = None;
         for (node, t) in outs.into_iter().zip(made) {
             let (Some(node), Some(t)) = (node, t) else { continue };
@@ -774,6 +792,18 @@ impl StepCtx<'_> {
                     Some(n) => self.clip_scale(&self.get(*n)?, accum)?,
                 };
                 let mut g = self.get(*grads)?;
+                if self.shared.native {
+                    let (host, factor) = match &scale {
+                        GradScale::Host(s) => (*s, None),
+                        GradScale::Device(s) => (1.0, Some(s)),
+                    };
+                    let mut p = [self.get(*params)?];
+                    if lock(&self.opt)[group.index()].step_native(&mut p, &g, self.lr, host, factor)? {
+                        let [p] = p;
+                        self.set(*params, p)?;
+                        return Ok(());
+                    }
+                }
                 let host_scale = match scale {
                     GradScale::Host(s) => s,
                     GradScale::Device(s) => {
@@ -804,6 +834,21 @@ impl StepCtx<'_> {
     /// the buffers' device. On the host it is summed in f64 as it goes (the fused kernel
     /// for f32); on a GPU every tensor is reduced there and nothing is read back.
     fn sum_squares(&self, grads: &[BufId], scale: f64) -> Result<Tensor, ExecError> {
+        if self.shared.native {
+            let mut parts = Vec::new();
+            for g in grads {
+                let t = self.get(*g)?;
+                parts.extend(self.norm_parts(*g, &t)?);
+            }
+            if !parts.is_empty()
+                && parts
+                    .iter()
+                    .all(|(t, _)| t.device().is_cuda() && t.dtype() == CDType::F32)
+            {
+                // One launch over every shard of the rank (per 48 tensors), nothing read back.
+                return crate::gpu::sum_squares(&parts, scale);
+            }
+        }
         let mut host = 0f64;
         let mut device: Option<Tensor> = None;
         for g in grads {

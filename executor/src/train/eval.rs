@@ -114,6 +114,7 @@ impl Validation {
                 faults: Vec::new(),
                 ordered_launch: false,
                 profile: false,
+                native: false,
             },
             data,
             every: e.every,

@@ -105,6 +105,50 @@ impl OptState {
             .sum()
     }
 
+    /// One AdamW update of the single parameter in `params` on shardplan's CUDA kernel
+    /// ([`crate::gpu::adamw`]), its gradient multiplied by `host_scale` and by `factor` (a
+    /// one-element f64 device tensor, read on the device). Returns false, having done
+    /// nothing, where the kernel does not apply (SGD, not f32, not on a CUDA device): the
+    /// caller then takes [`OptState::step_scaled`].
+    pub fn step_native(
+        &mut self,
+        params: &mut [Tensor],
+        grad: &Tensor,
+        lr: f64,
+        host_scale: f64,
+        factor: Option<&Tensor>,
+    ) -> Result<bool, ExecError> {
+        let Optimizer::AdamW {
+            betas: [b1, b2],
+            eps,
+            weight_decay,
+            ..
+        } = self.kind
+        else {
+            return Ok(false);
+        };
+        let [p] = params else { return Ok(false) };
+        let f32_cuda = |t: &Tensor| t.device().is_cuda() && t.dtype() == candle_core::DType::F32;
+        if !f32_cuda(p) || !f32_cuda(grad) || self.m.len() != 1 {
+            return Ok(false);
+        }
+        self.steps += 1;
+        let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
+        let h = crate::gpu::AdamWStep {
+            lr: lr as f32,
+            beta1: b1 as f32,
+            beta2: b2 as f32,
+            eps: eps as f32,
+            weight_decay: weight_decay as f32,
+            bias1: (1.0 - b1.powi(t)) as f32,
+            bias2: (1.0 - b2.powi(t)) as f32,
+            host_scale: host_scale as f32,
+        };
+        let (np, m, v) = crate::gpu::adamw(p, grad, self.m[0].as_ref(), self.v[0].as_ref(), factor, h)?;
+        (*p, self.m[0], self.v[0]) = (np, Some(m), Some(v));
+        Ok(true)
+    }
+
     /// One update of every parameter from its gradient, at learning rate `lr`.
     pub fn step(&mut self, params: &mut [Tensor], grads: &[Tensor], lr: f64) -> Result<(), ExecError> {
         self.step_scaled(params, grads, lr, 1.0)

@@ -262,6 +262,7 @@ impl ShardedTrainer {
                 faults: Vec::new(),
                 ordered_launch: false,
                 profile: false,
+                native: false,
             },
             ranks,
             data,
@@ -307,6 +308,23 @@ impl ShardedTrainer {
             r.ctx = std::mem::replace(&mut r.ctx, Ctx::new(device.clone())).to_device(device.clone());
         }
         self.device = device.clone();
+        Ok(())
+    }
+
+    /// Which kernels the ranks run ([`crate::gpu::Kernels`]): shardplan's own CUDA kernels
+    /// need the ranks on a CUDA device (call after [`ShardedTrainer::to_device`]).
+    pub fn set_kernels(&mut self, kernels: crate::gpu::Kernels) -> Result<(), ExecError> {
+        let native = kernels == crate::gpu::Kernels::Native;
+        if native && !self.device.is_cuda() {
+            return Err(ExecError::Unsupported(
+                "`--kernels native` runs shardplan's CUDA kernels: it needs `--device cuda` (on the CPU the executor's own fused kernels always run)"
+                    .into(),
+            ));
+        }
+        self.shared.native = native;
+        for r in &mut self.ranks {
+            r.ctx.native = native;
+        }
         Ok(())
     }
 
