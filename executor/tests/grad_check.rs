@@ -8,7 +8,7 @@
 use candle_core::{Device, Tensor};
 use proptest::prelude::*;
 use shardplan_executor::{cdtype, Ctx, Interpreter};
-use shardplan_ir::{differentiate, DType, Graph, ModuleKind, NodeId, Op, Shape, TensorType, WeightLayout};
+use shardplan_ir::{differentiate, DType, Graph, ModuleKind, NodeId, Op, RouterScore, Shape, TensorType, WeightLayout};
 use std::collections::HashMap;
 
 const F: DType = DType::F64;
@@ -281,5 +281,60 @@ proptest! {
         let down = c.op(Op::Cast { dtype: DType::F32 }, &[x]);
         let y = c.op(Op::Silu, &[down]);
         c.check_with(y, 1e-3, 1e-4);
+    }
+
+    /// A whole routed feed-forward: router, top-k, weights (both scores, renormalised or
+    /// not), permutation to expert order, the grouped SwiGLU experts and the weighted
+    /// combine back. The selection is piecewise constant, so the step stays far below the
+    /// gap between random scores.
+    #[test]
+    fn moe_routed_experts(t in 1u64..6, d in 1u64..4, f in 1u64..4, (e, k) in (2u64..5).prop_flat_map(|e| (Just(e), 1..=e)), sigmoid in any::<bool>(), norm in any::<bool>(), seed in any::<u64>()) {
+        let score = if sigmoid { RouterScore::Sigmoid } else { RouterScore::Softmax };
+        let mut c = Case::new(seed);
+        let x = c.param(&[t, d]);
+        let router = c.param(&[e, d]);
+        let linear = Op::Linear { bias: false, layout: WeightLayout::OutIn };
+        let logits = c.op(linear, &[x, router]);
+        let ids = c.op(Op::MoeTopK { k, score }, &[logits]);
+        let w = c.op(Op::MoeRouterWeights { score, norm }, &[logits, ids]);
+        let xs = c.op(Op::MoePermute, &[x, ids]);
+        let grouped = |c: &mut Case, x, dims: [u64; 2]| {
+            let mut ins = vec![x, ids];
+            ins.extend((0..e).map(|_| c.param(&dims)));
+            c.op(Op::GroupedLinear { layout: WeightLayout::OutIn }, &ins)
+        };
+        let gate = grouped(&mut c, xs, [f, d]);
+        let up = grouped(&mut c, xs, [f, d]);
+        let act = c.op(Op::Silu, &[gate]);
+        let h = c.op(Op::Mul, &[act, up]);
+        let y = grouped(&mut c, h, [d, f]);
+        let w3 = c.op(Op::Reshape { shape: Shape::new([t, k, 1]) }, &[w]);
+        let wp = c.op(Op::MoePermute, &[w3, ids]);
+        let weighted = c.op(Op::Mul, &[y, wp]);
+        let out = c.op(Op::MoeUnpermute { sum: true }, &[weighted, ids]);
+        c.check(out);
+    }
+
+    /// The per-slot unpermute and the permute of per-slot rows, inverse to each other (any
+    /// ids, repeated experts included).
+    #[test]
+    fn moe_unpermute_per_slot(t in 1u64..6, d in 1u64..4, e in 2u64..5, seed in any::<u64>()) {
+        let mut c = Case::new(seed);
+        let ids = c.ints(&[t, 2], e as u32);
+        let y = c.param(&[t * 2, d]);
+        let back = c.op(Op::MoeUnpermute { sum: false }, &[y, ids]);
+        let again = c.op(Op::MoePermute, &[back, ids]);
+        let s = c.op(Op::Silu, &[again]);
+        c.check(s);
+    }
+
+    /// The load-balancing loss over two layers' logits.
+    #[test]
+    fn moe_aux_loss(t in 1u64..6, (e, k) in (2u64..6).prop_flat_map(|e| (Just(e), 1..=e)), seed in any::<u64>()) {
+        let mut c = Case::new(seed);
+        let a = c.param(&[t, e]);
+        let b = c.param(&[t, e]);
+        let y = c.op(Op::MoeAuxLoss { top_k: k, coef: 0.25 }, &[a, b]);
+        c.check(y);
     }
 }

@@ -476,6 +476,62 @@ fn vjp(
                 put(0, g.add_grad_node(op, &[ins[0], ins[1], dy], id)?);
             }
         }
+        // The chosen experts are integers: no gradient flows through the selection.
+        Op::MoeTopK { .. } => {}
+        Op::MoeRouterWeights { score, norm } => {
+            if wanted[0] {
+                let op = Op::MoeRouterWeightsGrad {
+                    score: *score,
+                    norm: *norm,
+                };
+                put(0, g.add_grad_node(op, &[ins[0], ins[1], dy], id)?);
+            }
+        }
+        Op::MoePermute => {
+            if wanted[0] {
+                let sum = ty(g, 0).shape.rank() == 2;
+                put(0, g.add_grad_node(Op::MoeUnpermute { sum }, &[dy, ins[1]], id)?);
+            }
+        }
+        Op::MoeUnpermute { .. } => {
+            if wanted[0] {
+                put(0, g.add_grad_node(Op::MoePermute, &[dy, ins[1]], id)?);
+            }
+        }
+        Op::GroupedLinear { layout } => {
+            if wanted[0] {
+                let flipped = match layout {
+                    WeightLayout::OutIn => WeightLayout::InOut,
+                    WeightLayout::InOut => WeightLayout::OutIn,
+                };
+                let mut operands = vec![dy, ins[1]];
+                operands.extend_from_slice(&ins[2..]);
+                put(
+                    0,
+                    g.add_grad_node(Op::GroupedLinear { layout: flipped }, &operands, id)?,
+                );
+            }
+            for (i, _) in wanted.iter().enumerate().skip(2).filter(|(_, w)| **w) {
+                let op = Op::GroupedWeightGrad {
+                    expert: (i - 2) as u64,
+                    experts: (ins.len() - 2) as u64,
+                    layout: *layout,
+                };
+                put(i, g.add_grad_node(op, &[ins[0], dy, ins[1]], id)?);
+            }
+        }
+        Op::MoeAuxLoss { top_k, coef } => {
+            let mut operands = vec![dy];
+            operands.extend_from_slice(&ins);
+            for (layer, _) in wanted.iter().enumerate().filter(|(_, w)| **w) {
+                let op = Op::MoeAuxLossGrad {
+                    layer,
+                    top_k: *top_k,
+                    coef: *coef,
+                };
+                put(layer, g.add_grad_node(op, &operands, id)?);
+            }
+        }
         op => return Err(IrError::Autodiff(format!("{id} ({}) has no gradient rule", op.name()))),
     }
     Ok(out)

@@ -135,6 +135,36 @@ impl Graph {
                 (ins[0].numel().unwrap_or(u64::MAX).saturating_mul(per), 0)
             }
             Op::RopeGrad { .. } => (out_numel.saturating_mul(3), 0),
+            // Routing: a softmax (or sigmoid) over each token's logits and a top-k pass; the
+            // backward through the weights is a softmax gradient on the same logits.
+            Op::MoeTopK { k, .. } => {
+                let n = ins[0].numel().unwrap_or(u64::MAX);
+                (n.saturating_mul(5).saturating_add(n.saturating_mul(*k)), 0)
+            }
+            Op::MoeRouterWeights { .. } => (ins[0].numel().unwrap_or(u64::MAX).saturating_mul(5), 0),
+            Op::MoeRouterWeightsGrad { .. } => (ins[0].numel().unwrap_or(u64::MAX).saturating_mul(5), 0),
+            // Pure data movement; the summing unpermute adds each row once.
+            Op::MoePermute | Op::MoeUnpermute { sum: false } => (0, 0),
+            Op::MoeUnpermute { sum: true } => (ins[0].numel().unwrap_or(u64::MAX), 0),
+            // Every assignment's row meets exactly one expert's weight: `2 * T * k * in * out`
+            // whatever the routing.
+            Op::GroupedLinear { .. } => {
+                let w = ins[2].shape.dims();
+                let mm = mul(&[2, ins[0].shape.dims()[0], w[0], w[1]]);
+                (mm, mm.saturating_mul(2))
+            }
+            // One expert's weight gradient over its rows, `T * k / E` of them at the even
+            // split: the experts' nodes together cost the exact `2 * T * k * in * out`.
+            Op::GroupedWeightGrad { experts, .. } => {
+                let rows = ins[0].shape.dims()[0] / (*experts).max(1);
+                (mul(&[2, rows, out_numel]), 0)
+            }
+            Op::MoeAuxLoss { .. } | Op::MoeAuxLossGrad { .. } => {
+                let n = ins
+                    .iter()
+                    .fold(0u64, |a, t| a.saturating_add(t.numel().unwrap_or(u64::MAX)));
+                (n.saturating_mul(6), 0)
+            }
             Op::SiluGrad => (out_numel.saturating_mul(8), 0),
             Op::GeluGrad | Op::GeluErfGrad => (out_numel.saturating_mul(16), 0),
             Op::ReluGrad => (out_numel, 0),

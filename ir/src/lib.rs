@@ -25,7 +25,7 @@ pub use graph::{Graph, Node, Operands, Param, TensorSplit};
 #[doc(hidden)]
 pub use ids::__private;
 pub use ids::{Entity, IdVec, IdVecIter, NodeId, ParamId, ScopeId};
-pub use op::{NormWrt, Op, RopeScaling, TpGrad, WeightLayout};
+pub use op::{NormWrt, Op, RopeScaling, RouterScore, TpGrad, WeightLayout};
 pub use print::to_text;
 pub use scope::{ModuleKind, Scope};
 pub use shape::{Shape, TensorType};

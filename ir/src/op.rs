@@ -217,8 +217,51 @@ pub enum Op {
     SoftmaxGrad { dim: usize },
     /// `(logits [n, v], targets [n], g []) -> dlogits [n, v]` of mean cross-entropy.
     CrossEntropyGrad,
+    /// `(logits [T, E], experts [T, k], g [T, k]) -> dlogits [T, E]` of `moe_router_weights`.
+    MoeRouterWeightsGrad { score: RouterScore, norm: bool },
+    /// Weight gradient of expert `expert` (of `experts`) of `grouped_linear`: `(x [T * k, in], g [T * k,
+    /// out], experts [T, k] int) -> its weight's shape` from its run of rows.
+    GroupedWeightGrad {
+        expert: u64,
+        experts: u64,
+        layout: WeightLayout,
+    },
+    /// `(g [], logits_0, ..., logits_{L-1}) -> dlogits_layer` of `moe_aux_loss`.
+    MoeAuxLossGrad { layer: usize, top_k: u64, coef: f64 },
     /// Zero padding along `dim` (the gradient of `narrow`).
     Pad { dim: usize, before: u64, after: u64 },
+
+    // ---- mixture of experts: routing ----
+    // `T` tokens (rows), `E` experts, `k` experts per token. An assignment is one (token,
+    // slot) pair; the "expert order" of the `T * k` assignments sorts them by expert, stably
+    // (ties by token, then slot): the rows of a permuted buffer, each expert's rows a run.
+    /// The `k` experts each token is routed to: `(logits [T, E] float) -> u32 [T, k]`, the
+    /// highest scores (`score` of the logits, in f32) first, ties to the lower expert (torch's
+    /// `topk` of the routing probabilities). No gradient.
+    MoeTopK { k: u64, score: RouterScore },
+    /// The chosen experts' routing weights: `(logits [T, E] float, experts [T, k] int) -> [T,
+    /// k]` of the logits' dtype (Hugging Face routes f32 logits), `score` (softmax over all
+    /// `E`, or sigmoid) of the logits at the chosen experts, divided by their sum when `norm`
+    /// (Hugging Face's `norm_topk_prob`; Mixtral always).
+    MoeRouterWeights { score: RouterScore, norm: bool },
+    /// Rows to expert order: `(x [T, D] | [T, k, D], experts [T, k] int) -> [T * k, D]`, the
+    /// row of assignment (t, j) is `x[t]` (or `x[t, j]`).
+    MoePermute,
+    /// Rows back from expert order: `(y [T * k, D], experts [T, k] int) -> [T, k, D]`, or with
+    /// `sum` `[T, D]`, each token's `k` rows summed in increasing expert order (Hugging
+    /// Face's `index_add_` over the experts).
+    MoeUnpermute { sum: bool },
+    /// The grouped expert matmul: `(x [T * k, in] in expert order, experts [T, k] int, w_0,
+    /// ..., w_{E-1}) -> [T * k, out]`, each expert's run of rows times its own weight (as
+    /// [`Op::Linear`] without bias, in `layout`).
+    GroupedLinear { layout: WeightLayout },
+    /// The load-balancing loss (Switch; Hugging Face's `load_balancing_loss_func` over every
+    /// MoE layer's router logits together): `(logits_0 [T, E], ..., logits_{L-1}) -> f32 []`
+    /// (f64 for f64 logits)
+    /// = `coef * E * sum_e f_e * P_e`, `f_e` the share of the `L * T` tokens' `top_k` picks
+    /// (by softmax) that went to `e` (summed over the slots), `P_e` the mean softmax
+    /// probability of `e`.
+    MoeAuxLoss { top_k: u64, coef: f64 },
 
     // ---- tensor parallelism: ops over the `degree` ranks of one tensor group ----
     // A tensor-parallel graph is one tensor rank's program: every rank of the group runs
@@ -268,6 +311,16 @@ pub enum TpGrad {
     /// Every rank holds the whole gradient: keep this rank's chunk (logits gathered for a
     /// replicated loss).
     Replicated,
+}
+
+/// How a router turns logits into scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RouterScore {
+    /// Softmax over all experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    Softmax,
+    /// Each expert's sigmoid on its own.
+    Sigmoid,
 }
 
 /// Which operand a normalisation gradient is taken with respect to.
@@ -334,6 +387,15 @@ impl Op {
             Op::VocabEmbeddingGrad { .. } => "vocab_embedding_grad",
             Op::VocabCrossEntropy { .. } => "vocab_cross_entropy",
             Op::VocabCrossEntropyGrad { .. } => "vocab_cross_entropy_grad",
+            Op::MoeTopK { .. } => "moe_top_k",
+            Op::MoeRouterWeights { .. } => "moe_router_weights",
+            Op::MoePermute => "moe_permute",
+            Op::MoeUnpermute { .. } => "moe_unpermute",
+            Op::GroupedLinear { .. } => "grouped_linear",
+            Op::MoeAuxLoss { .. } => "moe_aux_loss",
+            Op::MoeRouterWeightsGrad { .. } => "moe_router_weights_grad",
+            Op::GroupedWeightGrad { .. } => "grouped_weight_grad",
+            Op::MoeAuxLossGrad { .. } => "moe_aux_loss_grad",
         }
     }
 
@@ -402,6 +464,28 @@ impl Op {
             | Op::VocabCrossEntropy { degree }
             | Op::VocabCrossEntropyGrad { degree } => format!("tp={degree}"),
             Op::VocabEmbeddingGrad { vocab, degree } => format!("vocab={vocab} tp={degree}"),
+            Op::MoeTopK { k, score } => format!("k={k} score={}", score.name()),
+            Op::MoeRouterWeights { score, norm } | Op::MoeRouterWeightsGrad { score, norm } => {
+                format!("score={}{}", score.name(), if *norm { " norm" } else { "" })
+            }
+            Op::MoeUnpermute { sum: true } => "sum".to_string(),
+            Op::GroupedLinear {
+                layout: WeightLayout::InOut,
+            } => "w=[in,out]".to_string(),
+            Op::GroupedWeightGrad {
+                expert,
+                experts,
+                layout,
+            } => format!(
+                "expert={expert}/{experts}{}",
+                if *layout == WeightLayout::InOut {
+                    " w=[in,out]"
+                } else {
+                    ""
+                }
+            ),
+            Op::MoeAuxLoss { top_k, coef } => format!("top_k={top_k} coef={coef}"),
+            Op::MoeAuxLossGrad { layer, top_k, coef } => format!("layer={layer} top_k={top_k} coef={coef}"),
             _ => String::new(),
         }
     }
@@ -433,7 +517,12 @@ impl Op {
             | Op::TpSlice { .. } => 1,
             Op::VocabEmbedding { .. } | Op::VocabEmbeddingGrad { .. } | Op::VocabCrossEntropy { .. } => 2,
             Op::VocabCrossEntropyGrad { .. } => 3,
-            Op::Concat { .. } => return None,
+            Op::MoeTopK { .. } => 1,
+            Op::MoeRouterWeights { .. } | Op::MoePermute | Op::MoeUnpermute { .. } => 2,
+            Op::MoeRouterWeightsGrad { .. } | Op::GroupedWeightGrad { .. } => 3,
+            Op::Concat { .. } | Op::GroupedLinear { .. } | Op::MoeAuxLoss { .. } | Op::MoeAuxLossGrad { .. } => {
+                return None
+            }
         })
     }
 
@@ -694,6 +783,134 @@ impl Op {
                 float(ins[0], "input")?;
                 Ok(ins[0].clone())
             }
+            Op::MoeTopK { k, .. } => {
+                let (t, e) = router_logits(ins[0])?;
+                if *k == 0 || *k > e {
+                    return Err(format!("k = {k} must be in 1..={e} (the experts of {})", ins[0].shape));
+                }
+                Ok(TensorType::new(DType::U32, [t, *k]))
+            }
+            Op::MoeRouterWeights { .. } => {
+                let (t, _) = router_logits(ins[0])?;
+                let k = expert_ids(ins[1], t)?;
+                Ok(TensorType::new(ins[0].dtype, [t, k]))
+            }
+            Op::MoeRouterWeightsGrad { .. } => {
+                let (t, _) = router_logits(ins[0])?;
+                let k = expert_ids(ins[1], t)?;
+                float(ins[2], "gradient")?;
+                if ins[2].shape.dims() != [t, k] {
+                    return Err(format!("gradient must be [{t}, {k}], got {}", ins[2].shape));
+                }
+                Ok(ins[0].clone())
+            }
+            Op::MoePermute => {
+                float(ins[0], "input")?;
+                let x = ins[0].shape.dims();
+                let t = *x.first().ok_or_else(|| "input must be [tokens, dim]".to_string())?;
+                let k = expert_ids(ins[1], t)?;
+                let d = match x.len() {
+                    2 => x[1],
+                    3 if x[1] == k => x[2],
+                    _ => {
+                        return Err(format!(
+                            "input must be [{t}, dim] or [{t}, {k}, dim], got {}",
+                            ins[0].shape
+                        ))
+                    }
+                };
+                Ok(TensorType::new(ins[0].dtype, [assignments(t, k)?, d]))
+            }
+            Op::MoeUnpermute { sum } => {
+                float(ins[0], "input")?;
+                let ids = ins[1].shape.dims();
+                let t = *ids.first().ok_or_else(|| "experts must be [tokens, k]".to_string())?;
+                let k = expert_ids(ins[1], t)?;
+                let y = ins[0].shape.dims();
+                if y.len() != 2 || y[0] != assignments(t, k)? {
+                    return Err(format!(
+                        "input must be [{t} * {k}, dim] (one row per assignment), got {}",
+                        ins[0].shape
+                    ));
+                }
+                Ok(if *sum {
+                    TensorType::new(ins[0].dtype, [t, y[1]])
+                } else {
+                    TensorType::new(ins[0].dtype, [t, k, y[1]])
+                })
+            }
+            Op::GroupedLinear { layout } => {
+                if ins.len() < 3 {
+                    return Err("expects the input, the expert ids and at least one weight".into());
+                }
+                let ids = ins[1].shape.dims();
+                let t = *ids.first().ok_or_else(|| "experts must be [tokens, k]".to_string())?;
+                let k = expert_ids(ins[1], t)?;
+                let x = ins[0];
+                if x.shape.rank() != 2 || x.shape.dims()[0] != assignments(t, k)? {
+                    return Err(format!(
+                        "input must be [{t} * {k}, in] (one row per assignment), got {}",
+                        x.shape
+                    ));
+                }
+                let w0 = ins[2];
+                if ins[3..].iter().any(|w| w.shape != w0.shape || w.dtype != w0.dtype) {
+                    return Err("every expert's weight must have the same type".into());
+                }
+                infer_linear(*layout, &[x, w0])
+            }
+            Op::GroupedWeightGrad {
+                expert,
+                experts,
+                layout,
+            } => {
+                if expert >= experts {
+                    return Err(format!("expert {expert} is out of range ({experts} experts)"));
+                }
+                let ids = ins[2].shape.dims();
+                let t = *ids.first().ok_or_else(|| "experts must be [tokens, k]".to_string())?;
+                let k = expert_ids(ins[2], t)?;
+                let n = assignments(t, k)?;
+                if ins[0].shape.rank() != 2 || ins[0].shape.dims()[0] != n {
+                    return Err(format!("input must be [{n}, in], got {}", ins[0].shape));
+                }
+                infer_weight_grad(*layout, ins[0], ins[1])
+            }
+            Op::MoeAuxLoss { top_k, .. } => {
+                let (t, e) = router_logits(ins[0])?;
+                for l in ins {
+                    if l.shape.dims() != [t, e] {
+                        return Err(format!(
+                            "every layer's logits must be [{t}, {e}] like the first, got {}",
+                            l.shape
+                        ));
+                    }
+                    float(l, "logits")?;
+                }
+                if *top_k == 0 || *top_k > e {
+                    return Err(format!("top_k = {top_k} must be in 1..={e}"));
+                }
+                let dtype = if ins[0].dtype == DType::F64 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
+                Ok(TensorType::new(dtype, Shape::scalar()))
+            }
+            Op::MoeAuxLossGrad { layer, top_k, coef } => {
+                float(ins[0], "gradient")?;
+                if ins[0].shape.rank() != 0 {
+                    return Err(format!("gradient of the loss must be a scalar, got {}", ins[0].shape));
+                }
+                Op::MoeAuxLoss {
+                    top_k: *top_k,
+                    coef: *coef,
+                }
+                .infer(&ins[1..])?;
+                ins.get(1 + layer)
+                    .map(|t| (*t).clone())
+                    .ok_or_else(|| format!("layer {layer} is out of range ({} layers)", ins.len() - 1))
+            }
         }
     }
 
@@ -723,6 +940,9 @@ impl Op {
                 | Op::Pad { .. }
                 | Op::VocabEmbeddingGrad { .. }
                 | Op::VocabCrossEntropyGrad { .. }
+                | Op::MoeRouterWeightsGrad { .. }
+                | Op::GroupedWeightGrad { .. }
+                | Op::MoeAuxLossGrad { .. }
         )
     }
 
@@ -737,6 +957,39 @@ impl Op {
                 | Op::VocabCrossEntropyGrad { .. }
         )
     }
+}
+
+impl RouterScore {
+    pub fn name(&self) -> &'static str {
+        match self {
+            RouterScore::Softmax => "softmax",
+            RouterScore::Sigmoid => "sigmoid",
+        }
+    }
+}
+
+/// `(tokens, experts)` of router logits `[T, E]`.
+fn router_logits(l: &TensorType) -> Result<(u64, u64), String> {
+    float(l, "logits")?;
+    match l.shape.dims() {
+        [t, e] if *e > 0 => Ok((*t, *e)),
+        _ => Err(format!("logits must be [tokens, experts], got {}", l.shape)),
+    }
+}
+
+/// `k` of expert ids `[tokens, k]` (integer, `tokens` rows).
+fn expert_ids(ids: &TensorType, tokens: u64) -> Result<u64, String> {
+    if ids.dtype.is_float() {
+        return Err(format!("expert ids must be an integer tensor, got {ids}"));
+    }
+    match ids.shape.dims() {
+        [t, k] if *t == tokens && *k > 0 => Ok(*k),
+        _ => Err(format!("expert ids must be [{tokens}, k], got {}", ids.shape)),
+    }
+}
+
+fn assignments(t: u64, k: u64) -> Result<u64, String> {
+    t.checked_mul(k).ok_or_else(|| "tokens * k overflows u64".to_string())
 }
 
 fn infer_weight_grad(layout: WeightLayout, x: &TensorType, g: &TensorType) -> Result<TensorType, String> {

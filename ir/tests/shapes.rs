@@ -332,3 +332,100 @@ fn module_stats_count_params_costs_and_non_view_bytes() {
     assert_eq!((counts.total, counts.embedding), (64, 0));
     assert_eq!(counts.by_kind.get(&ModuleKind::Block), Some(&64));
 }
+
+const U: DType = DType::U32;
+
+#[test]
+fn moe_routing() {
+    use shardplan_ir::RouterScore::{Sigmoid, Softmax};
+    let top = |k| Op::MoeTopK { k, score: Softmax };
+    assert_eq!(ok(top(2), &[(F, &[6, 4])]), "u32[6,2]");
+    let e = err(top(5), &[(F, &[6, 4])]);
+    assert!(e.contains("k = 5 must be in 1..=4"), "{e}");
+    let e = err(top(2), &[(F, &[2, 6, 4])]);
+    assert!(e.contains("logits must be [tokens, experts]"), "{e}");
+
+    let weights = Op::MoeRouterWeights {
+        score: Sigmoid,
+        norm: true,
+    };
+    assert_eq!(ok(weights.clone(), &[(F, &[6, 4]), (U, &[6, 2])]), "f32[6,2]");
+    assert_eq!(ok(weights.clone(), &[(DType::F64, &[6, 4]), (U, &[6, 2])]), "f64[6,2]");
+    let e = err(weights.clone(), &[(F, &[6, 4]), (F, &[6, 2])]);
+    assert!(e.contains("expert ids must be an integer tensor"), "{e}");
+    let e = err(weights, &[(F, &[6, 4]), (U, &[5, 2])]);
+    assert!(e.contains("expert ids must be [6, k]"), "{e}");
+    let grad = Op::MoeRouterWeightsGrad {
+        score: Softmax,
+        norm: false,
+    };
+    assert_eq!(
+        ok(grad.clone(), &[(F, &[6, 4]), (U, &[6, 2]), (F, &[6, 2])]),
+        "f32[6,4]"
+    );
+    let e = err(grad, &[(F, &[6, 4]), (U, &[6, 2]), (F, &[6, 3])]);
+    assert!(e.contains("gradient must be [6, 2]"), "{e}");
+}
+
+#[test]
+fn moe_permute_and_unpermute() {
+    assert_eq!(ok(Op::MoePermute, &[(F, &[6, 8]), (U, &[6, 2])]), "f32[12,8]");
+    assert_eq!(ok(Op::MoePermute, &[(F, &[6, 2, 8]), (U, &[6, 2])]), "f32[12,8]");
+    let e = err(Op::MoePermute, &[(F, &[6, 3, 8]), (U, &[6, 2])]);
+    assert!(e.contains("input must be [6, dim] or [6, 2, dim]"), "{e}");
+    let sum = Op::MoeUnpermute { sum: true };
+    let keep = Op::MoeUnpermute { sum: false };
+    assert_eq!(ok(sum.clone(), &[(F, &[12, 8]), (U, &[6, 2])]), "f32[6,8]");
+    assert_eq!(ok(keep, &[(F, &[12, 8]), (U, &[6, 2])]), "f32[6,2,8]");
+    let e = err(sum, &[(F, &[11, 8]), (U, &[6, 2])]);
+    assert!(e.contains("one row per assignment"), "{e}");
+}
+
+#[test]
+fn grouped_linear_and_its_weight_grad() {
+    let op = Op::GroupedLinear {
+        layout: WeightLayout::OutIn,
+    };
+    let w: &[u64] = &[5, 8];
+    assert_eq!(
+        ok(op.clone(), &[(F, &[12, 8]), (U, &[6, 2]), (F, w), (F, w), (F, w)]),
+        "f32[12,5]"
+    );
+    let flipped = Op::GroupedLinear {
+        layout: WeightLayout::InOut,
+    };
+    assert_eq!(ok(flipped, &[(F, &[12, 5]), (U, &[6, 2]), (F, w), (F, w)]), "f32[12,8]");
+    let e = err(op.clone(), &[(F, &[12, 8]), (U, &[6, 2]), (F, w), (F, &[5, 7])]);
+    assert!(e.contains("every expert's weight must have the same type"), "{e}");
+    let e = err(op.clone(), &[(F, &[12, 7]), (U, &[6, 2]), (F, w)]);
+    assert!(e.contains("do not match the weight's input features 8"), "{e}");
+    let e = err(op, &[(F, &[12, 8]), (U, &[6, 2])]);
+    assert!(e.contains("at least one weight"), "{e}");
+
+    let grad = |expert| Op::GroupedWeightGrad {
+        expert,
+        experts: 3,
+        layout: WeightLayout::OutIn,
+    };
+    assert_eq!(ok(grad(2), &[(F, &[12, 8]), (F, &[12, 5]), (U, &[6, 2])]), "f32[5,8]");
+    let e = err(grad(3), &[(F, &[12, 8]), (F, &[12, 5]), (U, &[6, 2])]);
+    assert!(e.contains("expert 3 is out of range (3 experts)"), "{e}");
+}
+
+#[test]
+fn moe_aux_loss() {
+    let op = Op::MoeAuxLoss { top_k: 2, coef: 0.01 };
+    assert_eq!(ok(op.clone(), &[(F, &[6, 4]), (F, &[6, 4])]), "f32[]");
+    let e = err(op, &[(F, &[6, 4]), (F, &[6, 5])]);
+    assert!(e.contains("every layer's logits must be [6, 4]"), "{e}");
+    let e = err(Op::MoeAuxLoss { top_k: 5, coef: 0.01 }, &[(F, &[6, 4])]);
+    assert!(e.contains("top_k = 5 must be in 1..=4"), "{e}");
+    let grad = |layer| Op::MoeAuxLossGrad {
+        layer,
+        top_k: 2,
+        coef: 0.01,
+    };
+    assert_eq!(ok(grad(1), &[(F, &[]), (F, &[6, 4]), (F, &[6, 4])]), "f32[6,4]");
+    let e = err(grad(2), &[(F, &[]), (F, &[6, 4]), (F, &[6, 4])]);
+    assert!(e.contains("layer 2 is out of range (2 layers)"), "{e}");
+}

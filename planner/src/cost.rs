@@ -122,7 +122,11 @@ pub fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
 /// The kind of work `op` is, for the estimate's breakdown.
 pub fn work_kind(op: &Op) -> WorkKind {
     match op {
-        Op::Linear { .. } | Op::MatMul | Op::WeightGrad { .. } => WorkKind::Matmul,
+        Op::Linear { .. }
+        | Op::MatMul
+        | Op::WeightGrad { .. }
+        | Op::GroupedLinear { .. }
+        | Op::GroupedWeightGrad { .. } => WorkKind::Matmul,
         Op::Attention { .. }
         | Op::AttnProbs { .. }
         | Op::AttnGradV { .. }
@@ -149,7 +153,12 @@ pub fn work_kind(op: &Op) -> WorkKind {
         | Op::Relu
         | Op::ReluGrad
         | Op::Softmax { .. }
-        | Op::SoftmaxGrad { .. } => WorkKind::Elementwise,
+        | Op::SoftmaxGrad { .. }
+        | Op::MoeTopK { .. }
+        | Op::MoeRouterWeights { .. }
+        | Op::MoeRouterWeightsGrad { .. }
+        | Op::MoeAuxLoss { .. }
+        | Op::MoeAuxLossGrad { .. } => WorkKind::Elementwise,
         Op::Input { .. }
         | Op::Param { .. }
         | Op::Reshape { .. }
@@ -163,7 +172,9 @@ pub fn work_kind(op: &Op) -> WorkKind {
         | Op::BroadcastTo { .. }
         | Op::Pad { .. }
         | Op::TpCopy { .. }
-        | Op::TpSlice { .. } => WorkKind::Layout,
+        | Op::TpSlice { .. }
+        | Op::MoePermute
+        | Op::MoeUnpermute { .. } => WorkKind::Layout,
     }
 }
 

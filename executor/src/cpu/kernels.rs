@@ -3,7 +3,7 @@
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
 use crate::cpu::tensor::TensorGroup;
-use crate::cpu::{attention, fused};
+use crate::cpu::{attention, fused, moe};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
 use shardplan_ir::{DType, NormWrt, Op, TensorType, WeightLayout};
@@ -423,6 +423,29 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         }
         Op::VocabCrossEntropy { degree } => ctx.tensor(op)?.cross_entropy(ins[0], ins[1], *degree)?,
         Op::VocabCrossEntropyGrad { degree } => ctx.tensor(op)?.cross_entropy_grad(ins[0], ins[1], ins[2], *degree)?,
+        Op::MoeTopK { k, score } => moe::top_k(ins[0], *k as usize, *score)?,
+        Op::MoeRouterWeights { score, norm } => moe::router_weights(ins[0], ins[1], *score, *norm)?,
+        Op::MoeRouterWeightsGrad { score, norm } => moe::router_weights_grad(ins[0], ins[1], ins[2], *score, *norm)?,
+        Op::MoePermute => moe::permute(ins[0], ins[1])?,
+        Op::MoeUnpermute { sum } => moe::unpermute(ins[0], ins[1], *sum)?,
+        Op::GroupedLinear { layout } => moe::grouped_linear(ins[0], ins[1], &ins[2..], *layout)?,
+        Op::GroupedWeightGrad {
+            expert,
+            experts,
+            layout,
+        } => moe::grouped_weight_grad(
+            ins[0],
+            ins[1],
+            ins[2],
+            *expert as usize,
+            *experts as usize,
+            *layout,
+            &odims,
+        )?,
+        Op::MoeAuxLoss { top_k, coef } => moe::aux_loss(ins, *top_k as usize, *coef)?,
+        Op::MoeAuxLossGrad { layer, top_k, coef } => {
+            moe::aux_loss_grad(ins[0], &ins[1..], *layer, *top_k as usize, *coef)?
+        }
     };
     Ok(t)
 }
@@ -474,7 +497,7 @@ fn rows(x: &Tensor) -> Result<Tensor> {
     Ok(x.reshape(((), last))?)
 }
 
-fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result<Tensor> {
     let x2 = rows(&x.contiguous()?)?;
     if fused::applies(&[&x2, w]) {
         let w = fused::Operand {
@@ -494,7 +517,7 @@ fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result
     Ok(y.reshape(out)?)
 }
 
-fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+pub(crate) fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
     let (x2, g2) = (rows(&x.contiguous()?)?, rows(&g.contiguous()?)?);
     if fused::applies(&[&x2, &g2]) {
         let op = |t, transposed| fused::Operand { data: t, transposed };
