@@ -25,7 +25,8 @@ use std::time::Duration;
 
 /// The sum of `parts` (one per group member, in member order) in that order and in their
 /// dtype, as NCCL keeps it; divided by the member count for `Avg`. Every backend reduces
-/// through this one function, so their results agree bit for bit.
+/// through this one function, or (MPI, on its receive buffer) through the same operations
+/// element by element, so their results agree bit for bit.
 pub(crate) fn rank_order_sum(
     mut parts: impl Iterator<Item = Result<Tensor, ExecError>>,
     n: usize,

@@ -4,11 +4,16 @@
 //! - Every (process group, stream) pair of the plan gets its own communicator, split from
 //!   the world and duplicated per stream, so an all-gather never queues behind a
 //!   reduce-scatter on another stream.
-//! - Results equal the Local backend's bit for bit: a reduce-scatter is an all-to-all of
-//!   chunks followed by a sum in rank order on the receiving rank (the Local backend sums
-//!   in rank order too), an all-reduce is that reduce-scatter followed by an all-gather.
-//!   Sums never depend on MPI's own reduction order, and 16-bit data needs no MPI
-//!   reduction type.
+//! - Data moves as it lies: a tensor's elements are sent from its own storage, typed (f32
+//!   as `MPI_FLOAT`, 16-bit floats as `u16`), and received straight into the vector that
+//!   becomes the result tensor; no byte-wise conversion, no staging copy.
+//! - An all-gather is `MPI_Allgather`. A reduce-scatter is `MPI_Alltoall` of chunks into a
+//!   receive buffer each communicator keeps between calls, then a sum in rank order on the
+//!   receiving rank; an all-reduce is that reduce-scatter followed by an all-gather.
+//!   `MPI_Reduce_scatter_block` is not used: its summation order is the library's choice,
+//!   and results must equal the Local backend's bit for bit (it sums in rank order too);
+//!   16-bit data then needs no MPI reduction type either. The receive buffer is host
+//!   memory the plan does not count: per communicator, its largest reduce-scatter input.
 //! - MPI collectives cannot time out, so a watchdog thread does: when a collective has
 //!   waited longer than the timeout, or a local stream failed, it prints why and calls
 //!   `MPI_Abort`, which makes the launcher stop every rank.
@@ -16,10 +21,14 @@
 use super::{Abort, Collectives, Placement, Reduce};
 use crate::runtime::rank::Comms;
 use crate::ExecError;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use mpi::collective::CommunicatorCollectives;
+use mpi::datatype::Equivalence;
+use mpi::ffi;
+use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
+use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -39,10 +48,16 @@ pub struct MpiWorld {
     _universe: mpi::environment::Universe,
     pub rank: u64,
     pub size: u64,
+    /// Processes of this job on this node, this one included.
+    pub on_node: u64,
+    /// Threads of this process's kernel pool (its share of the node's cores).
+    pub threads: u64,
 }
 
 impl MpiWorld {
-    /// Initialises MPI with `MPI_THREAD_MULTIPLE`; refuses a library that cannot provide it.
+    /// Initialises MPI with `MPI_THREAD_MULTIPLE`, refusing a library that cannot provide it,
+    /// and sizes this process's kernel thread pool to its share of the node's cores
+    /// (`cpu::host::share_cores`).
     pub fn init() -> Result<MpiWorld, ExecError> {
         let (universe, level) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| ExecError::Unsupported("MPI was already initialised in this process".into()))?;
@@ -53,11 +68,17 @@ impl MpiWorld {
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as u64, world.size() as u64);
+        // The processes of this job on this node (those that can share memory) split its
+        // cores between their kernel thread pools.
+        let on_node = world.split_shared(world.rank()).size() as u64;
+        let threads = crate::cpu::host::share_cores(on_node as usize) as u64;
         Ok(MpiWorld {
             world: Arc::new(SharedComm(world)),
             _universe: universe,
             rank,
             size,
+            on_node,
+            threads,
         })
     }
 
@@ -76,6 +97,7 @@ impl MpiWorld {
             index: self.rank as usize,
             name: "world (between steps)".into(),
             dog,
+            recv: Mutex::default(),
         }
     }
 
@@ -151,109 +173,193 @@ pub struct MpiGroup {
     index: usize,
     name: String,
     dog: Arc<Watchdog>,
+    /// Where a reduce-scatter's all-to-all lands, kept between calls (as large as this
+    /// communicator's largest reduce-scatter input so far).
+    recv: Mutex<Vec<u64>>,
 }
 
-/// A tensor's elements on the host, in an MPI type of the same width (16-bit floats travel
-/// as `u16`: MPI only moves them, never adds them).
-enum Host {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    U16(Vec<u16>),
-    U8(Vec<u8>),
-    U32(Vec<u32>),
-    I64(Vec<i64>),
+/// An element type the backend moves, and the MPI type of the same width that carries it
+/// (16-bit floats travel as `u16`: MPI only moves them, never adds them).
+///
+/// # Safety
+/// `Self` and `Wire` have the same size and alignment and accept the same bit patterns, so a
+/// slice of one may be read as a slice of the other.
+unsafe trait Elem: WithDType {
+    type Wire: Equivalence;
 }
 
-/// Runs `$body` with `$v` bound to the vector inside `$h`, whatever its element type.
-macro_rules! with_host {
-    ($h:expr, $v:ident => $body:expr) => {
-        match $h {
-            Host::F32($v) => $body,
-            Host::F64($v) => $body,
-            Host::U16($v) => $body,
-            Host::U8($v) => $body,
-            Host::U32($v) => $body,
-            Host::I64($v) => $body,
-        }
-    };
+// SAFETY: the same type.
+unsafe impl Elem for f32 {
+    type Wire = f32;
+}
+// SAFETY: the same type.
+unsafe impl Elem for f64 {
+    type Wire = f64;
+}
+// SAFETY: `half::bf16` is `#[repr(transparent)]` over `u16`.
+unsafe impl Elem for half::bf16 {
+    type Wire = u16;
+}
+// SAFETY: `half::f16` is `#[repr(transparent)]` over `u16`.
+unsafe impl Elem for half::f16 {
+    type Wire = u16;
+}
+// SAFETY: the same type.
+unsafe impl Elem for u8 {
+    type Wire = u8;
+}
+// SAFETY: the same type.
+unsafe impl Elem for u32 {
+    type Wire = u32;
+}
+// SAFETY: the same type.
+unsafe impl Elem for i64 {
+    type Wire = i64;
 }
 
-/// Maps `$f` (a generic function of a slice) over `$h`, rewrapping its vector result.
-macro_rules! map_host {
-    ($h:expr, $f:expr) => {
-        match $h {
-            Host::F32(v) => Host::F32($f(&v[..])),
-            Host::F64(v) => Host::F64($f(&v[..])),
-            Host::U16(v) => Host::U16($f(&v[..])),
-            Host::U8(v) => Host::U8($f(&v[..])),
-            Host::U32(v) => Host::U32($f(&v[..])),
-            Host::I64(v) => Host::I64($f(&v[..])),
-        }
-    };
-}
-
-impl Host {
-    /// The elements of `t` (moved to the CPU if it lives elsewhere), one copy.
-    fn of(t: &Tensor) -> Result<Host, ExecError> {
-        let t = t.flatten_all()?.to_device(&Device::Cpu)?;
-        Ok(match t.dtype() {
-            DType::F32 => Host::F32(t.to_vec1::<f32>()?),
-            DType::F64 => Host::F64(t.to_vec1::<f64>()?),
-            DType::BF16 => Host::U16(t.to_vec1::<half::bf16>()?.iter().map(|x| x.to_bits()).collect()),
-            DType::F16 => Host::U16(t.to_vec1::<half::f16>()?.iter().map(|x| x.to_bits()).collect()),
-            DType::U8 => Host::U8(t.to_vec1::<u8>()?),
-            DType::U32 => Host::U32(t.to_vec1::<u32>()?),
-            DType::I64 => Host::I64(t.to_vec1::<i64>()?),
-            other => return Err(ExecError::Unsupported(format!("MPI collectives of {other:?} data"))),
-        })
-    }
-
-    fn len(&self) -> usize {
-        with_host!(self, v => v.len())
-    }
-
-    /// A 1-D tensor of `dtype` (the dtype `of` read) on `device`, without copying f32 data.
-    fn into_tensor(self, dtype: DType, device: &Device) -> Result<Tensor, ExecError> {
-        let n = self.len();
-        let cpu = &Device::Cpu;
-        let t = match (self, dtype) {
-            (Host::F32(v), _) => Tensor::from_vec(v, n, cpu)?,
-            (Host::F64(v), _) => Tensor::from_vec(v, n, cpu)?,
-            (Host::U16(v), DType::BF16) => {
-                Tensor::from_vec(v.into_iter().map(half::bf16::from_bits).collect::<Vec<_>>(), n, cpu)?
+/// Runs `$body` with the type `$e` bound to the element type of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $e:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $e = f32;
+                $body
             }
-            (Host::U16(v), _) => Tensor::from_vec(v.into_iter().map(half::f16::from_bits).collect::<Vec<_>>(), n, cpu)?,
-            (Host::U8(v), _) => Tensor::from_vec(v, n, cpu)?,
-            (Host::U32(v), _) => Tensor::from_vec(v, n, cpu)?,
-            (Host::I64(v), _) => Tensor::from_vec(v, n, cpu)?,
-        };
-        Ok(t.to_device(device)?)
-    }
+            DType::F64 => {
+                type $e = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $e = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $e = half::f16;
+                $body
+            }
+            DType::U8 => {
+                type $e = u8;
+                $body
+            }
+            DType::U32 => {
+                type $e = u32;
+                $body
+            }
+            DType::I64 => {
+                type $e = i64;
+                $body
+            }
+            other => Err(ExecError::Unsupported(format!("MPI collectives of {other:?} data"))),
+        }
+    };
 }
 
-/// Refuses a call whose element count does not fit MPI's int counts.
-fn check_count(elements: usize, what: &str) -> Result<(), ExecError> {
-    if elements > i32::MAX as usize {
-        return Err(ExecError::Unsupported(format!(
+/// The MPI datatype that carries `E`.
+fn datatype<E: Elem>() -> ffi::MPI_Datatype {
+    E::Wire::equivalent_datatype().as_raw()
+}
+
+/// An MPI element count, or an error when `elements` is more than one MPI call moves.
+fn count(elements: usize, what: &str) -> Result<c_int, ExecError> {
+    c_int::try_from(elements).map_err(|_| {
+        ExecError::Unsupported(format!(
             "{what} of {elements} elements is larger than one MPI call moves (2^31 - 1); use smaller FSDP units (bucket_mib, wrap)"
-        )));
+        ))
+    })
+}
+
+/// Runs `f` on the elements of `t` in row-major order, borrowed from its CPU storage: a
+/// copy is made only when `t` is not contiguous or not on the CPU.
+fn with_elems<E: Elem, R>(t: &Tensor, f: impl FnOnce(&[E]) -> Result<R, ExecError>) -> Result<R, ExecError> {
+    let owned;
+    let t = if t.device().is_cpu() && t.is_contiguous() {
+        t
+    } else {
+        owned = t.to_device(&Device::Cpu)?.contiguous()?;
+        &owned
+    };
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(ExecError::Internal("a CPU tensor without CPU storage".into()));
+    };
+    let elems = layout
+        .contiguous_offsets()
+        .and_then(|(start, end)| E::cpu_storage_as_slice(cpu).ok()?.get(start..end))
+        .ok_or_else(|| ExecError::Internal(format!("the {:?} tensor's elements are not one slice", t.dtype())))?;
+    f(elems)
+}
+
+/// A new vector of `n` elements that `fill` writes in full, through MPI, before anything
+/// reads it: no zeroing pass, no conversion afterwards.
+fn filled<E: Elem>(n: usize, fill: impl FnOnce(*mut c_void) -> c_int) -> Result<Vec<E>, ExecError> {
+    let mut v = Vec::<E>::with_capacity(n);
+    huge_pages(v.as_mut_ptr().cast(), n * std::mem::size_of::<E>());
+    checked(fill(v.as_mut_ptr().cast()))?;
+    // SAFETY: the MPI call wrote all `n` elements (it returned success), and `E` accepts
+    // any bit pattern of its wire type.
+    unsafe { v.set_len(n) };
+    Ok(v)
+}
+
+/// Asks the kernel to back the fresh allocation at `ptr` with 2 MiB pages where it is
+/// large enough to have been mapped afresh (above the 32 MiB mmap threshold that
+/// `cpu::host::retain_freed_memory` sets): the receive then takes a few hundred page faults
+/// instead of hundreds of thousands. Advice only; ignored where the kernel declines.
+fn huge_pages(ptr: *mut u8, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        if bytes < 32 << 20 {
+            return;
+        }
+        let start = (ptr as usize).next_multiple_of(HUGE);
+        let end = (ptr as usize + bytes) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: the range lies inside this process's own allocation; MADV_HUGEPAGE
+            // changes how its pages are backed, never their contents.
+            unsafe {
+                libc::madvise(start as *mut c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
     }
-    Ok(())
 }
 
-fn all_gather_slice<T: mpi::datatype::Equivalence + Default + Clone>(
-    comm: &SimpleCommunicator,
-    mine: &[T],
-    n: usize,
-) -> Vec<T> {
-    let mut out = vec![T::default(); mine.len() * n];
-    comm.all_gather_into(mine, &mut out[..]);
-    out
+/// An MPI return code as a result (the default error handler aborts before returning an
+/// error; a library set up otherwise still gets a message).
+fn checked(rc: c_int) -> Result<(), ExecError> {
+    if rc == ffi::MPI_SUCCESS as c_int {
+        Ok(())
+    } else {
+        Err(ExecError::Internal(format!(
+            "an MPI collective returned error code {rc}"
+        )))
+    }
 }
 
-fn all_to_all_slice<T: mpi::datatype::Equivalence + Default + Clone>(comm: &SimpleCommunicator, mine: &[T]) -> Vec<T> {
-    let mut out = vec![T::default(); mine.len()];
-    comm.all_to_all_into(mine, &mut out[..]);
+/// The rank-order sum of the `n` equal rows of `rows` (row r: member r's contribution),
+/// divided by `n` for `Avg`: element for element the operations, in the order and dtype,
+/// of [`super::rank_order_sum`] on those rows (`acc + row`, then candle's `affine(1/n, 0)`),
+/// so the bits are the Local backend's.
+fn sum_rows<E: Elem>(rows: &[E], n: usize, op: Reduce) -> Vec<E> {
+    let m = rows.len() / n;
+    let mut out = rows[..m].to_vec();
+    // Blocks of the output stay in cache while every row is added to them.
+    const BLOCK: usize = 4096;
+    for (b, acc) in out.chunks_mut(BLOCK).enumerate() {
+        let base = b * BLOCK;
+        for r in 1..n {
+            let row = &rows[r * m + base..r * m + base + acc.len()];
+            for (a, &x) in acc.iter_mut().zip(row) {
+                *a += x;
+            }
+        }
+        if op == Reduce::Avg && n > 1 {
+            let (mul, add) = (E::from_f64(1.0 / n as f64), E::from_f64(0.0));
+            for a in acc.iter_mut() {
+                *a = *a * mul + add;
+            }
+        }
+    }
     out
 }
 
@@ -262,25 +368,105 @@ impl MpiGroup {
         self.dog.enter(format!("{what} {tag} on the {}", self.name))
     }
 
-    /// Sums the `size` equal rows of `rows` in rank order (as the Local backend does).
-    fn sum_rows(&self, rows: Tensor, op: Reduce) -> Result<Tensor, ExecError> {
-        let n = self.size;
-        super::rank_order_sum((0..n).map(|r| rows.get(r).map_err(Into::into)), n, op)
+    /// Every member's `mine`, in member order, by `MPI_Allgather` into a new vector.
+    fn gather_elems<E: Elem>(&self, tag: u64, mine: &[E]) -> Result<Vec<E>, ExecError> {
+        let each = count(mine.len(), "an all-gather")?;
+        count(mine.len() * self.size, "an all-gather")?;
+        let _g = self.guard("all-gather", tag);
+        filled::<E>(mine.len() * self.size, |out| {
+            // SAFETY: `mine` holds `each` elements and `out` room for `each` per member;
+            // the communicator is this stream's alone (see `SharedComm`).
+            unsafe {
+                ffi::MPI_Allgather(
+                    mine.as_ptr().cast(),
+                    each,
+                    datatype::<E>(),
+                    out,
+                    each,
+                    datatype::<E>(),
+                    self.comm.0.as_raw(),
+                )
+            }
+        })
     }
 
-    /// This rank's chunk of the rank-order sum of every member's `input`.
-    fn reduce_chunk(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+    /// This rank's chunk of the rank-order sum of every member's `input` (its length a
+    /// multiple of the group size): every member's chunks arrive by `MPI_Alltoall` in this
+    /// group's receive buffer, then add up in rank order.
+    fn reduce_elems<E: Elem>(&self, tag: u64, input: &[E], op: Reduce) -> Result<Vec<E>, ExecError> {
+        let n = self.size;
+        let each = count(input.len() / n, "a reduce-scatter")?;
+        let mut buf = self.recv.lock().unwrap_or_else(|e| e.into_inner());
+        let words = (std::mem::size_of_val(input)).div_ceil(8);
+        if buf.len() < words {
+            buf.resize(words, 0);
+        }
+        // SAFETY: the buffer is 8-byte aligned (u64), at least as aligned as any `E`, and
+        // holds at least `input.len()` elements of `E`, each valid for any bits.
+        let rows = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<E>(), input.len()) };
+        {
+            let _g = self.guard("reduce-scatter", tag);
+            // SAFETY: `input` and `rows` hold `each` elements per member; the communicator
+            // is this stream's alone.
+            checked(unsafe {
+                ffi::MPI_Alltoall(
+                    input.as_ptr().cast(),
+                    each,
+                    datatype::<E>(),
+                    rows.as_mut_ptr().cast(),
+                    each,
+                    datatype::<E>(),
+                    self.comm.0.as_raw(),
+                )
+            })?;
+        }
+        Ok(sum_rows(rows, n, op))
+    }
+
+    fn all_gather_as<E: Elem>(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        let all = with_elems::<E, _>(input, |mine| self.gather_elems(tag, mine))?;
+        let n = all.len();
+        Ok(Tensor::from_vec(all, n, &Device::Cpu)?.to_device(input.device())?)
+    }
+
+    fn reduce_scatter_as<E: Elem>(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+        let mine = with_elems::<E, _>(input, |all| self.reduce_elems(tag, all, op))?;
+        let n = mine.len();
+        Ok(Tensor::from_vec(mine, n, &Device::Cpu)?.to_device(input.device())?)
+    }
+
+    /// The reduce-scatter of `input` padded with zeros to a multiple of the group size,
+    /// gathered back and cut to `input`'s shape.
+    fn all_reduce_as<E: Elem>(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
         let n = self.size;
         let len = input.elem_count();
-        let host = Host::of(input)?;
-        check_count(host.len(), "a reduce-scatter")?;
-        let got = {
-            let _g = self.guard("reduce-scatter", tag);
-            map_host!(host, |v| all_to_all_slice(&self.comm.0, v))
-        };
-        // Row r: member r's contribution to this rank's chunk.
-        let rows = got.into_tensor(input.dtype(), &Device::Cpu)?.reshape((n, len / n))?;
-        self.sum_rows(rows, op)?.to_device(input.device()).map_err(Into::into)
+        let mut all = with_elems::<E, _>(input, |elems| {
+            let padded_len = len.div_ceil(n) * n;
+            let mine = if padded_len == len {
+                self.reduce_elems(tag, elems, op)?
+            } else {
+                let mut padded = Vec::with_capacity(padded_len);
+                padded.extend_from_slice(elems);
+                padded.resize(padded_len, E::zero());
+                self.reduce_elems(tag, &padded, op)?
+            };
+            self.gather_elems(tag, &mine)
+        })?;
+        all.truncate(len);
+        Ok(Tensor::from_vec(all, input.shape(), &Device::Cpu)?.to_device(input.device())?)
+    }
+
+    fn broadcast_as<E: Elem>(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+        let out = with_elems::<E, _>(input, |elems| {
+            let n = count(elems.len(), "a broadcast")?;
+            let mut out = elems.to_vec();
+            let _g = self.guard("broadcast", tag);
+            // SAFETY: `out` holds `n` elements on every member; the communicator is this
+            // stream's alone.
+            checked(unsafe { ffi::MPI_Bcast(out.as_mut_ptr().cast(), n, datatype::<E>(), 0, self.comm.0.as_raw()) })?;
+            Ok(out)
+        })?;
+        Ok(Tensor::from_vec(out, input.shape(), &Device::Cpu)?.to_device(input.device())?)
     }
 }
 
@@ -294,13 +480,7 @@ impl Collectives for MpiGroup {
     }
 
     fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
-        let host = Host::of(input)?;
-        check_count(host.len() * self.size, "an all-gather")?;
-        let out = {
-            let _g = self.guard("all-gather", tag);
-            map_host!(host, |v| all_gather_slice(&self.comm.0, v, self.size))
-        };
-        out.into_tensor(input.dtype(), input.device())
+        by_dtype!(input.dtype(), E => self.all_gather_as::<E>(tag, input))
     }
 
     fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
@@ -312,43 +492,18 @@ impl Collectives for MpiGroup {
                 self.size
             )));
         }
-        self.reduce_chunk(tag, input, op)
+        by_dtype!(input.dtype(), E => self.reduce_scatter_as::<E>(tag, input, op))
     }
 
     fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
-        let n = self.size;
-        if n == 1 {
-            return self.sum_rows(input.unsqueeze(0)?, op);
+        if self.size == 1 {
+            return super::rank_order_sum(std::iter::once(Ok(input.clone())), 1, op);
         }
-        // Padded to a multiple of the group size, reduce-scattered, gathered back.
-        let len = input.elem_count();
-        let padded_len = len.div_ceil(n) * n;
-        let flat = input.flatten_all()?;
-        let padded = if padded_len > len {
-            Tensor::cat(
-                &[flat, Tensor::zeros(padded_len - len, input.dtype(), input.device())?],
-                0,
-            )?
-        } else {
-            flat
-        };
-        let mine = self.reduce_chunk(tag, &padded, op)?;
-        let all = self.all_gather(tag, &mine)?;
-        Ok(all.narrow(0, 0, len)?.reshape(input.shape())?)
+        by_dtype!(input.dtype(), E => self.all_reduce_as::<E>(tag, input, op))
     }
 
     fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
-        let mut host = Host::of(input)?;
-        check_count(host.len(), "a broadcast")?;
-        {
-            let _g = self.guard("broadcast", tag);
-            use mpi::collective::Root;
-            let root = self.comm.0.process_at_rank(0);
-            with_host!(&mut host, v => root.broadcast_into(&mut v[..]));
-        }
-        Ok(host
-            .into_tensor(input.dtype(), input.device())?
-            .reshape(input.shape())?)
+        by_dtype!(input.dtype(), E => self.broadcast_as::<E>(tag, input))
     }
 
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {
@@ -402,6 +557,7 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
             index,
             name: format!("{what} {members:?}"),
             dog: dog.clone(),
+            recv: Mutex::default(),
         })
     };
     let mut comms = Comms::default();
@@ -422,6 +578,7 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
         index: rank as usize,
         name: "world (between steps)".into(),
         dog,
+        recv: Mutex::default(),
     };
     Ok(Placement {
         ranks: vec![(rank, comms)],
