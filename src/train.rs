@@ -18,6 +18,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+mod fit;
+
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// Model: a YAML model spec, a Hugging Face config.json, or a preset name.
@@ -323,6 +325,9 @@ fn train(
             }
             let specs = Specs::Plan(p.clone());
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
+            if device.is_cpu() {
+                fit::check(&plan, placement.ranks.len(), &model, &parallel, p)?;
+            }
             let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)
                 .map_err(|e| exec_error(e, &specs))?;
             (specs, t, model)
@@ -336,6 +341,9 @@ fn train(
             let config = model.config.clone();
             let specs = Specs::Files(Box::new((model, parallel)));
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
+            if device.is_cpu() {
+                fit::check(&plan, placement.ranks.len(), &config, &run_config, specs.file())?;
+            }
             let t = match &specs {
                 Specs::Files(b) => {
                     ShardedTrainer::from_placement(&b.0.config, &b.1.config, plan, joint, args.steps, placement)

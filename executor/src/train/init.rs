@@ -1,6 +1,7 @@
 //! Deterministic initialisation: every element is a pure function of (seed, parameter,
 //! element index), computed on the host, so weights are the same on any device and any
-//! rank can compute just its own slice of a parameter.
+//! rank can compute just its own slice of a parameter. Large ranges are made in blocks on
+//! every core (rayon); the values do not depend on the split.
 
 use shardplan_ir::{Graph, ModuleKind, ParamId};
 
@@ -20,14 +21,61 @@ pub fn uniform(seed: u64, stream: u64, index: u64) -> f64 {
 /// A standard normal for element `index` of stream `stream` (Box-Muller on the pair of
 /// uniforms that the even/odd pair of elements shares).
 pub fn normal(seed: u64, stream: u64, index: u64) -> f64 {
-    let pair = index & !1;
+    let (even, odd) = normal_pair(seed, stream, index & !1);
+    if index & 1 == 0 {
+        even
+    } else {
+        odd
+    }
+}
+
+/// The normals of elements `pair` (even) and `pair + 1`: one Box-Muller transform for both.
+fn normal_pair(seed: u64, stream: u64, pair: u64) -> (f64, f64) {
     let (u1, u2) = (uniform(seed, stream, pair), uniform(seed, stream, pair + 1));
     let r = (-2.0 * u1.ln()).sqrt();
     let angle = std::f64::consts::TAU * u2;
-    if index & 1 == 0 {
-        r * angle.cos()
+    (r * angle.cos(), r * angle.sin())
+}
+
+/// Elements below this many are made on the calling thread.
+const PARALLEL_ELEMS: usize = 1 << 16;
+
+/// `f32` elements `range` of a counter-based generator, made in blocks on every core of
+/// rayon's pool: each element is a pure function of its index, so the values are those of
+/// a loop over `range` on one thread. `block(out, start)` fills `out` with elements
+/// `start..start + out.len()`.
+fn par_elements(range: std::ops::Range<u64>, block: impl Fn(&mut [f32], u64) + Sync) -> Vec<f32> {
+    use rayon::prelude::*;
+    let n = range.end.saturating_sub(range.start) as usize;
+    // Zeroed by the allocator (fresh pages), then written once.
+    let mut out = vec![0f32; n];
+    if n < PARALLEL_ELEMS {
+        block(&mut out, range.start);
     } else {
-        r * angle.sin()
+        out.par_chunks_mut(PARALLEL_ELEMS)
+            .enumerate()
+            .for_each(|(c, chunk)| block(chunk, range.start + (c * PARALLEL_ELEMS) as u64));
+    }
+    out
+}
+
+/// Fills `out` with `std` x the normals of elements `start..` of `stream`, a Box-Muller
+/// transform per pair of elements (the values `normal` gives one by one).
+fn normal_block(out: &mut [f32], start: u64, seed: u64, stream: u64, std: f64) {
+    let mut k = 0;
+    let mut i = start;
+    if i & 1 == 1 && k < out.len() {
+        out[k] = (std * normal(seed, stream, i)) as f32;
+        (k, i) = (k + 1, i + 1);
+    }
+    while k + 1 < out.len() {
+        let (even, odd) = normal_pair(seed, stream, i);
+        out[k] = (std * even) as f32;
+        out[k + 1] = (std * odd) as f32;
+        (k, i) = (k + 2, i + 2);
+    }
+    if k < out.len() {
+        out[k] = (std * normal(seed, stream, i)) as f32;
     }
 }
 
@@ -75,7 +123,9 @@ pub fn rule(graph: &Graph, p: ParamId) -> InitRule {
 pub fn init_elements(graph: &Graph, p: ParamId, seed: u64, range: std::ops::Range<u64>) -> Vec<f32> {
     match rule(graph, p) {
         InitRule::Constant(c) => vec![c; (range.end - range.start) as usize],
-        InitRule::Normal { std } => range.map(|i| (std * normal(seed, u64::from(p.0), i)) as f32).collect(),
+        InitRule::Normal { std } => {
+            par_elements(range, |out, start| normal_block(out, start, seed, u64::from(p.0), std))
+        }
     }
 }
 
@@ -96,9 +146,11 @@ pub fn init_slice_elements(
     let local = param.ty.shape.dims();
     match rule(graph, p) {
         InitRule::Constant(c) => vec![c; (range.end - range.start) as usize],
-        InitRule::Normal { std } => range
-            .map(|i| (std * normal(seed, u64::from(p.0), split.whole_index(local, tensor_rank, i))) as f32)
-            .collect(),
+        InitRule::Normal { std } => par_elements(range, |out, start| {
+            for (o, i) in out.iter_mut().zip(start..) {
+                *o = (std * normal(seed, u64::from(p.0), split.whole_index(local, tensor_rank, i))) as f32;
+            }
+        }),
     }
 }
 
@@ -118,5 +170,29 @@ mod tests {
         assert_eq!(normal(7, 3, 12_345), xs[12_345]);
         assert_ne!(normal(7, 3, 5), normal(8, 3, 5));
         assert_ne!(normal(7, 3, 5), normal(7, 4, 5));
+    }
+
+    /// The blocked, paired, parallel path gives every element of the one-by-one loop, bit
+    /// for bit, from any start (odd or even) and for any length around the block size.
+    #[test]
+    fn blocks_in_parallel_equal_the_element_loop() {
+        let (seed, stream, std) = (11u64, 9u64, 0.02f64);
+        let one = |i: u64| (std * normal(seed, stream, i)) as f32;
+        for (start, len) in [
+            (0u64, 0u64),
+            (0, 1),
+            (1, 1),
+            (3, 6),
+            (7, 2 * PARALLEL_ELEMS as u64 + 3),
+            (4, PARALLEL_ELEMS as u64),
+        ] {
+            let got = par_elements(start..start + len, |out, s| normal_block(out, s, seed, stream, std));
+            let want: Vec<f32> = (start..start + len).map(one).collect();
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "start {start}, len {len}"
+            );
+        }
     }
 }
