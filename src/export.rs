@@ -71,14 +71,19 @@ enum Origin {
     PlanFile(PathBuf),
 }
 
+/// The fields a refusal names in the model's file rather than the parallel spec's.
+const MODEL_FIELDS: &[&str] = &["family", "qk_norm"];
+
 impl Origin {
     fn refuse(&self, field: &str, message: String, help: &str) -> CliError {
         CliError::Input(match self {
-            Origin::Spec(b) if field == "family" => b.1.origin.error(field, message, help),
+            Origin::Spec(b) if MODEL_FIELDS.contains(&field) => b.1.origin.error(field, message, help),
             Origin::Spec(b) => b.0.origin.error(field, message, help),
             Origin::PlanFile(path) => {
                 let f = if field.starts_with("programs") {
                     field.to_string()
+                } else if MODEL_FIELDS.contains(&field) {
+                    format!("source.model.{field}")
                 } else {
                     format!("source.parallel.{field}")
                 };
@@ -318,6 +323,14 @@ fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError
         })
     };
     Ok(match model {
+        ModelConfig::Llama(c) if c.qk_norm => {
+            return Err(origin.refuse(
+                "qk_norm",
+                "`export fsdp2` does not write the per-head query and key RMSNorm (Qwen3's q_norm and k_norm) into its program yet; the program would train a different model"
+                    .into(),
+                "train this model with `shardplan train`, or export a model without `qk_norm`",
+            ))
+        }
         ModelConfig::Llama(c) => {
             let hd = c.head_dim();
             let inv: Vec<f64> = (0..hd / 2)

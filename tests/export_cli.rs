@@ -59,6 +59,25 @@ fn files(dir: &str) -> Vec<String> {
     v
 }
 
+/// A model the program cannot express is refused, never exported without the part: Qwen3's
+/// per-head q/k norms, named in the model's file.
+#[test]
+fn qwen3_norms_are_refused_not_dropped() {
+    let d = tempfile::tempdir().unwrap();
+    let o = export(
+        "examples/models/tiny-qwen3.yaml",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        &d.path().join("qwen3"),
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("`qk_norm`") && err.contains("tiny-qwen3.yaml:"), "{err}");
+    assert!(
+        !d.path().join("qwen3").exists(),
+        "nothing is written for a refused model"
+    );
+}
+
 #[test]
 fn every_bundled_example_exports_a_program_that_compiles() {
     let d = tempfile::tempdir().unwrap();
@@ -94,6 +113,16 @@ fn every_bundled_example_exports_a_program_that_compiles() {
         if m.ends_with("mlp.yaml") {
             assert_eq!(o.status.code(), Some(2), "{err}");
             assert!(err.contains("`family`") && err.contains("mlp.yaml:"), "{err}");
+            done.insert(key_m);
+            continue;
+        }
+        if !o.status.success() && err.contains("`qk_norm`") {
+            // Qwen3's q/k norms are not in the exported program yet: refused, never dropped.
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            assert!(
+                err.contains(&format!("{m}:")) && err.contains("per-head query and key RMSNorm"),
+                "{err}"
+            );
             done.insert(key_m);
             continue;
         }
