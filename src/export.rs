@@ -72,7 +72,7 @@ enum Origin {
 }
 
 /// The fields a refusal names in the model's file rather than the parallel spec's.
-const MODEL_FIELDS: &[&str] = &["family", "qk_norm"];
+const MODEL_FIELDS: &[&str] = &["family", "qk_norm", "moe"];
 
 impl Origin {
     fn refuse(&self, field: &str, message: String, help: &str) -> CliError {
@@ -329,6 +329,14 @@ fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError
                 "`export fsdp2` does not write the per-head query and key RMSNorm (Qwen3's q_norm and k_norm) into its program yet; the program would train a different model"
                     .into(),
                 "train this model with `shardplan train`, or export a model without `qk_norm`",
+            ))
+        }
+        ModelConfig::Llama(_) if model.is_moe() => {
+            return Err(origin.refuse(
+                "moe",
+                "`export fsdp2` does not write the mixture-of-experts feed-forward (router, experts, load-balancing loss) into its program yet; the program would train a different model"
+                    .into(),
+                "train this model with `shardplan train`, or export a model without `moe`",
             ))
         }
         ModelConfig::Llama(c) => {

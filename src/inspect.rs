@@ -47,6 +47,9 @@ struct Report<'a> {
     graph: GraphSize,
     layers: Vec<ModuleStats>,
     parallel: Option<&'a ParallelConfig>,
+    /// Mixtures of experts only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    moe: Option<MoeReport>,
 }
 
 #[derive(Serialize)]
@@ -76,9 +79,6 @@ struct GraphSize {
 pub fn run(args: &InspectArgs) -> Result<(), CliError> {
     let model = load_model(&args.model)?;
     let parallel: Option<LoadedParallel> = args.parallel.as_deref().map(load_parallel).transpose()?;
-    if model.config.is_moe() {
-        return moe_counts(args, &model.config);
-    }
     let opts = trace_options(parallel.as_ref());
     let graph = trace(&model.config, opts).map_err(|e| trace_error(e, &model, parallel.as_ref()))?;
     if let Some(path) = &args.dot {
@@ -92,71 +92,48 @@ pub fn run(args: &InspectArgs) -> Result<(), CliError> {
     crate::emit(&out)
 }
 
-/// What the IR cannot trace yet (its routing ops are still to come): a mixture of
-/// experts' exact parameter counts, total and per token, from the validated config.
-fn moe_counts(args: &InspectArgs, model: &ModelConfig) -> Result<(), CliError> {
-    let ModelConfig::Llama(c) = model else {
-        unreachable!("only the llama family has experts")
+/// A mixture of experts' numbers beyond the graph's: parameters active per token (the
+/// chosen experts' only) and the expert layout, from the validated config.
+#[derive(Serialize)]
+struct MoeReport {
+    active_params_per_token: u64,
+    moe_layers: u64,
+    line: String,
+}
+
+fn moe_report(model: &ModelConfig) -> Option<MoeReport> {
+    let ModelConfig::Llama(c) = model else { return None };
+    let m = c.moe.as_ref().filter(|_| model.is_moe())?;
+    let shared = if m.shared_experts > 0 {
+        format!(
+            ", {} shared of width {}{}",
+            m.shared_experts,
+            m.shared_expert_ffn_dim,
+            if m.shared_expert_gate { " (sigmoid-gated)" } else { "" }
+        )
+    } else {
+        String::new()
     };
-    let m = c.moe.expect("is_moe() means a moe config");
-    let not_traced = "mixture-of-experts layers are not traced yet (the IR has no routing ops): `plan` and `train` refuse this model";
-    if let Some(path) = &args.dot {
-        return Err(CliError::Other(anyhow::anyhow!(
-            "cannot write {}: {not_traced}",
-            path.display()
-        )));
-    }
-    // Validation bounded both counts to u64.
-    let (total, active) = (
-        model.param_count().unwrap_or(0),
-        model.active_param_count().unwrap_or(0),
-    );
-    let out = match args.format {
-        Format::Json => {
-            let v = serde_json::json!({
-                "model": model,
-                "params": {"total": total, "active_per_token": active},
-                "moe_layers": c.moe_layers(),
-                "traced": false,
-                "reason": not_traced,
-            });
-            serde_json::to_string_pretty(&v).context("serialising the report")? + "\n"
-        }
-        Format::Text => {
-            let mut s = String::new();
-            let _ = writeln!(s, "model    {} ({}, mixture of experts)", model.name(), model.family());
-            let _ = writeln!(
-                s,
-                "params   {} total, {} active per token",
-                thousands(total),
-                thousands(active)
-            );
-            let shared = if m.shared_experts > 0 {
-                format!(
-                    ", {} shared of width {}{}",
-                    m.shared_experts,
-                    m.shared_expert_ffn_dim,
-                    if m.shared_expert_gate { " (sigmoid-gated)" } else { "" }
-                )
-            } else {
-                String::new()
-            };
-            let _ = writeln!(
-                s,
-                "moe      {} of {} layers: {} experts of width {}, top {} ({}{}){shared}",
-                c.moe_layers(),
-                c.n_layers,
-                m.experts,
-                m.expert_ffn_dim,
-                m.top_k,
-                m.router.name(),
-                if m.norm_topk_prob { ", renormalised" } else { "" },
-            );
-            let _ = writeln!(s, "graph    not traced: {not_traced}");
-            s
-        }
+    let aux = if m.aux_loss_coef > 0.0 {
+        format!(", load-balancing loss x {}", m.aux_loss_coef)
+    } else {
+        String::new()
     };
-    crate::emit(&out)
+    Some(MoeReport {
+        // Validation bounded the count to u64.
+        active_params_per_token: model.active_param_count().unwrap_or(0),
+        moe_layers: c.moe_layers(),
+        line: format!(
+            "{} of {} layers: {} experts of width {}, top {} ({}{}){shared}{aux}",
+            c.moe_layers(),
+            c.n_layers,
+            m.experts,
+            m.expert_ffn_dim,
+            m.top_k,
+            m.router.name(),
+            if m.norm_topk_prob { ", renormalised" } else { "" },
+        ),
+    })
 }
 
 fn build_report<'a>(model: &'a ModelConfig, parallel: Option<&'a ParallelConfig>, g: &Graph) -> Report<'a> {
@@ -194,6 +171,7 @@ fn build_report<'a>(model: &'a ModelConfig, parallel: Option<&'a ParallelConfig>
             .filter(|l| l.params > 0 || l.cost.fwd_flops > 0 || l.activation_bytes > 0)
             .collect(),
         parallel,
+        moe: moe_report(model),
     }
 }
 
@@ -213,6 +191,15 @@ fn text(r: &Report) -> String {
         thousands(p.embedding),
         thousands(p.non_embedding)
     );
+    if let Some(m) = &r.moe {
+        let _ = writeln!(
+            s,
+            "         {} total, {} active per token (FLOPs below are the routed ones: top-k experts per token)",
+            thousands(p.total),
+            thousands(m.active_params_per_token)
+        );
+        let _ = writeln!(s, "moe      {}", m.line);
+    }
     let kinds: Vec<String> = p
         .by_kind
         .iter()

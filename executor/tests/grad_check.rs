@@ -233,7 +233,7 @@ proptest! {
 
     #[test]
     fn activations_and_softmax((a, b, d) in dims(), seed in any::<u64>()) {
-        for op in [Op::Silu, Op::Gelu, Op::GeluErf, Op::Softmax { dim: 2 }, Op::Softmax { dim: 0 }] {
+        for op in [Op::Silu, Op::Gelu, Op::GeluErf, Op::Sigmoid, Op::Softmax { dim: 2 }, Op::Softmax { dim: 0 }] {
             let mut c = Case::new(seed);
             let x = c.param(&[a, b, d]);
             let y = c.op(op, &[x]);

@@ -11,7 +11,7 @@
 use crate::model_spec::file_stem;
 use crate::{did_you_mean, Origin, Source, SpecError};
 use serde::Deserialize;
-use shardplan_models::{Gpt2Config, LlamaConfig, ModelConfig, MoeConfig, Router};
+use shardplan_models::{Gpt2Config, LlamaConfig, ModelConfig, MoeConfig, MoeNames, Router};
 
 type JsonMap = serde_json::Map<String, serde_json::Value>;
 
@@ -427,6 +427,10 @@ impl HfConfig {
                 _ => self.decoder_sparse_step.unwrap_or(1),
             },
             first_dense,
+            hf_names: match arch {
+                Arch::Mixtral => MoeNames::Mixtral,
+                _ => MoeNames::Qwen,
+            },
         })
     }
 }

@@ -5,7 +5,7 @@ use crate::yaml::{self, pos};
 use crate::{Origin, Pos, Source, SpecError};
 use serde::Deserialize;
 use serde_saphyr::Spanned;
-use shardplan_models::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, Router};
+use shardplan_models::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router};
 
 /// Model families a spec may name.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
@@ -93,6 +93,9 @@ pub struct MoeSpecFile {
     pub every: Option<Spanned<u64>>,
     /// The first D layers keep the dense MLP (default 0).
     pub first_dense: Option<Spanned<u64>>,
+    /// Hugging Face parameter names: qwen (default; `mlp.experts.E.gate_proj`) or mixtral
+    /// (`block_sparse_moe.experts.E.w1`).
+    pub hf_names: Option<Spanned<MoeNames>>,
 }
 
 impl MoeSpecFile {
@@ -111,7 +114,8 @@ impl MoeSpecFile {
             norm_topk_prob,
             aux_loss_coef,
             every,
-            first_dense
+            first_dense,
+            hf_names
         );
         v
     }
@@ -132,6 +136,7 @@ impl MoeSpecFile {
             aux_loss_coef: self.aux_loss_coef.as_ref().map_or(0.0, |s| s.value),
             every: v(&self.every, 1),
             first_dense: v(&self.first_dense, 0),
+            hf_names: self.hf_names.as_ref().map_or(MoeNames::Qwen, |s| s.value),
         }
     }
 }

@@ -347,12 +347,13 @@ fn vjp(
                 }
             }
         }
-        Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu => {
+        Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Sigmoid => {
             if wanted[0] {
                 let op = match node.op {
                     Op::Silu => Op::SiluGrad,
                     Op::Gelu => Op::GeluGrad,
                     Op::GeluErf => Op::GeluErfGrad,
+                    Op::Sigmoid => Op::SigmoidGrad,
                     _ => Op::ReluGrad,
                 };
                 put(0, g.add_grad_node(op, &[ins[0], dy], id)?);

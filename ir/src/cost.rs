@@ -41,6 +41,7 @@ pub fn elementwise_flops(op: &Op) -> (u64, u64) {
         Op::Silu => (4, 8),
         Op::Gelu | Op::GeluErf => (8, 16),
         Op::Relu => (1, 1),
+        Op::Sigmoid => (4, 3),
         Op::RmsNorm { .. } => (4, 8),
         Op::LayerNorm { .. } => (7, 14),
         Op::Rope { .. } => (3, 3),
@@ -168,6 +169,7 @@ impl Graph {
             Op::SiluGrad => (out_numel.saturating_mul(8), 0),
             Op::GeluGrad | Op::GeluErfGrad => (out_numel.saturating_mul(16), 0),
             Op::ReluGrad => (out_numel, 0),
+            Op::SigmoidGrad => (out_numel.saturating_mul(7), 0),
             Op::SoftmaxGrad { .. } => (out_numel.saturating_mul(5), 0),
             op => {
                 let (f, b) = elementwise_flops(op);

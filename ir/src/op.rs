@@ -156,6 +156,8 @@ pub enum Op {
     GeluErf,
     /// `max(x, 0)`.
     Relu,
+    /// `1 / (1 + exp(-x))` (Qwen2-MoE's shared-expert gate).
+    Sigmoid,
     /// Softmax over one dim.
     Softmax { dim: usize },
     /// Mean token cross-entropy: `(logits [n, v] float, targets [n] int) -> f32 []`
@@ -213,6 +215,8 @@ pub enum Op {
     GeluErfGrad,
     /// `(x, g) -> dx` of relu.
     ReluGrad,
+    /// `(x, g) -> dx` of sigmoid.
+    SigmoidGrad,
     /// `(y, g) -> dx` of softmax, from its output `y`.
     SoftmaxGrad { dim: usize },
     /// `(logits [n, v], targets [n], g []) -> dlogits [n, v]` of mean cross-entropy.
@@ -350,6 +354,7 @@ impl Op {
             Op::Gelu => "gelu",
             Op::GeluErf => "gelu_erf",
             Op::Relu => "relu",
+            Op::Sigmoid => "sigmoid",
             Op::Softmax { .. } => "softmax",
             Op::CrossEntropy => "cross_entropy",
             Op::Reshape { .. } => "reshape",
@@ -375,6 +380,7 @@ impl Op {
             Op::GeluGrad => "gelu_grad",
             Op::GeluErfGrad => "gelu_erf_grad",
             Op::ReluGrad => "relu_grad",
+            Op::SigmoidGrad => "sigmoid_grad",
             Op::SoftmaxGrad { .. } => "softmax_grad",
             Op::CrossEntropyGrad => "cross_entropy_grad",
             Op::Pad { .. } => "pad",
@@ -503,12 +509,13 @@ impl Op {
             | Op::GeluGrad
             | Op::GeluErfGrad
             | Op::ReluGrad
+            | Op::SigmoidGrad
             | Op::SoftmaxGrad { .. } => 2,
             Op::RmsNormGrad { .. } | Op::LayerNormGrad { .. } | Op::AttnGradScores | Op::CrossEntropyGrad => 3,
             Op::CrossEntropy => 2,
             Op::Linear { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::Attention { .. } => 3,
-            Op::Rope { .. } | Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Softmax { .. } => 1,
+            Op::Rope { .. } | Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Sigmoid | Op::Softmax { .. } => 1,
             Op::Reshape { .. } | Op::Transpose { .. } | Op::Narrow { .. } | Op::Cast { .. } => 1,
             Op::TpAllGather { .. }
             | Op::TpReduceScatter { .. }
@@ -564,7 +571,7 @@ impl Op {
                 Ok(ins[0].clone())
             }
             Op::Attention { .. } => infer_attention(ins[0], ins[1], ins[2]),
-            Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu => {
+            Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Sigmoid => {
                 float(ins[0], "input")?;
                 Ok(ins[0].clone())
             }
@@ -731,7 +738,7 @@ impl Op {
                 }
                 Ok(TensorType::new(ins[0].dtype, [ds[0], ds[3], *kv_heads, q[3]]))
             }
-            Op::SiluGrad | Op::GeluGrad | Op::GeluErfGrad | Op::ReluGrad | Op::SoftmaxGrad { .. } => {
+            Op::SiluGrad | Op::GeluGrad | Op::GeluErfGrad | Op::ReluGrad | Op::SigmoidGrad | Op::SoftmaxGrad { .. } => {
                 same_float_dtype(ins)?;
                 if ins[0].shape != ins[1].shape {
                     return Err(format!("shapes {} and {} must be equal", ins[0].shape, ins[1].shape));
@@ -935,6 +942,7 @@ impl Op {
                 | Op::GeluGrad
                 | Op::GeluErfGrad
                 | Op::ReluGrad
+                | Op::SigmoidGrad
                 | Op::SoftmaxGrad { .. }
                 | Op::CrossEntropyGrad
                 | Op::Pad { .. }

@@ -72,6 +72,27 @@ pub enum Router {
     SigmoidTopk,
 }
 
+/// Which Hugging Face module names an MoE layer's parameters take.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeNames {
+    /// Qwen2-MoE / Qwen3-MoE: `mlp.gate`, `mlp.experts.E.{gate,up,down}_proj`,
+    /// `mlp.shared_expert.*`, `mlp.shared_expert_gate`.
+    #[default]
+    Qwen,
+    /// Mixtral: `block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1,w3,w2}`.
+    Mixtral,
+}
+
+impl MoeNames {
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeNames::Qwen => "qwen",
+            MoeNames::Mixtral => "mixtral",
+        }
+    }
+}
+
 impl Router {
     pub fn name(self) -> &'static str {
         match self {
@@ -113,6 +134,9 @@ pub struct MoeConfig {
     /// The first `first_dense` layers keep the dense MLP of `ffn_dim` (DeepSeek's
     /// `first_k_dense_replace`; Qwen's `mlp_only_layers` when they lead).
     pub first_dense: u64,
+    /// The parameters' Hugging Face names (Qwen's or Mixtral's modules).
+    #[serde(default)]
+    pub hf_names: MoeNames,
 }
 
 impl MoeConfig {

@@ -11,7 +11,7 @@ mod presets;
 mod trace;
 
 pub use config::{
-    Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, Router, MAX_LAYERS,
+    Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router, MAX_LAYERS,
 };
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;

@@ -2,8 +2,8 @@
 //! module paths (`layers.3.attention`, `layers.3.feed_forward`).
 
 use crate::trace::Tracer;
-use crate::LlamaConfig;
-use shardplan_ir::{DType, IrError, ModuleKind, NodeId, Op, ScopeId, TpGrad, WeightLayout};
+use crate::{LlamaConfig, MoeConfig, MoeNames, Router};
+use shardplan_ir::{DType, IrError, ModuleKind, NodeId, Op, RouterScore, ScopeId, TpGrad, WeightLayout};
 
 /// Builds the model, or with tensor parallelism one tensor rank's program of it
 /// (torchtitan's Llama plan: q/k/v and w1/w3 column-wise, the attention output and w2
@@ -29,6 +29,8 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
         split_vocab,
     )?;
 
+    // Every MoE layer's router logits (f32), for the load-balancing loss.
+    let mut router_logits = Vec::new();
     for i in 0..c.n_layers {
         let block = t.scope(root, &format!("layers.{i}"), ModuleKind::Block);
         let p = format!("model.layers.{i}");
@@ -103,6 +105,12 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
         )?;
 
         let ff = t.scope(block, "feed_forward", ModuleKind::Mlp);
+        if let Some(m) = c.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
+            let (y, logits) = moe_ffn(t, ff, c, m, h, &p, [batch, seq])?;
+            router_logits.push(logits);
+            x = t.op(block, Op::Add, &[x, y])?;
+            continue;
+        }
         let h = t.tp_enter(ff, h)?;
         let mlp = format!("{p}.mlp");
         let gate = t.col_linear(
@@ -136,6 +144,18 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
         x = t.op(block, Op::Add, &[x, down])?;
     }
 
+    if let Some(m) = c
+        .moe
+        .as_ref()
+        .filter(|m| m.aux_loss_coef > 0.0 && !router_logits.is_empty())
+    {
+        let op = Op::MoeAuxLoss {
+            top_k: m.top_k,
+            coef: m.aux_loss_coef,
+        };
+        t.aux_loss = Some((op, router_logits));
+    }
+
     let norm = t.scope(root, "norm", ModuleKind::Norm);
     let x = rms_norm(t, norm, x, "model.norm.weight", d, c.norm_eps)?;
 
@@ -157,6 +177,112 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
     };
     tp_loss(t, head, logits, targets, split_vocab)?;
     Ok(())
+}
+
+/// The mixture-of-experts feed-forward of one layer, as Hugging Face's Mixtral / Qwen2-MoE /
+/// Qwen3-MoE sparse blocks compute it: router logits (a linear layer, then f32), each token's
+/// `top_k` experts and their weights, the tokens permuted to expert order, every expert's
+/// SwiGLU as grouped matmuls over its rows, the rows scaled by their weights and summed back
+/// per token; plus the shared expert (behind its sigmoid gate) on every token. Returns the
+/// output `[batch, seq, dim]` and the f32 router logits `[tokens, experts]`.
+fn moe_ffn(
+    t: &mut Tracer,
+    ff: ScopeId,
+    c: &LlamaConfig,
+    m: &MoeConfig,
+    h: NodeId,
+    layer: &str,
+    [batch, seq]: [u64; 2],
+) -> Result<(NodeId, NodeId), IrError> {
+    let (d, tokens, dtype) = (c.dim, batch * seq, t.dtype);
+    let (prefix, [gate_name, up_name, down_name]) = match m.hf_names {
+        MoeNames::Mixtral => (format!("{layer}.block_sparse_moe"), ["w1", "w3", "w2"]),
+        MoeNames::Qwen => (format!("{layer}.mlp"), ["gate_proj", "up_proj", "down_proj"]),
+    };
+    let x = t.reshape(ff, h, &[tokens, d])?;
+    let router = ff;
+    let mut logits = t.linear(
+        router,
+        x,
+        &format!("{prefix}.gate"),
+        [m.experts, d],
+        WeightLayout::OutIn,
+        false,
+    )?;
+    if dtype != DType::F32 {
+        logits = t.op(router, Op::Cast { dtype: DType::F32 }, &[logits])?;
+    }
+    let score = match m.router {
+        Router::SoftmaxTopk => RouterScore::Softmax,
+        Router::SigmoidTopk => RouterScore::Sigmoid,
+    };
+    let ids = t.op(router, Op::MoeTopK { k: m.top_k, score }, &[logits])?;
+    let mut weights = t.op(
+        router,
+        Op::MoeRouterWeights {
+            score,
+            norm: m.norm_topk_prob,
+        },
+        &[logits, ids],
+    )?;
+    if dtype != DType::F32 {
+        weights = t.op(router, Op::Cast { dtype }, &[weights])?;
+    }
+
+    let experts = ff;
+    let rows = t.op(experts, Op::MoePermute, &[x, ids])?;
+    let grouped = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2]| -> Result<NodeId, IrError> {
+        let mut ins = vec![x, ids];
+        for e in 0..m.experts {
+            ins.push(t.param(experts, &format!("{prefix}.experts.{e}.{name}.weight"), &shape)?);
+        }
+        t.op(
+            experts,
+            Op::GroupedLinear {
+                layout: WeightLayout::OutIn,
+            },
+            &ins,
+        )
+    };
+    let f = m.expert_ffn_dim;
+    let gate = grouped(t, rows, gate_name, [f, d])?;
+    let up = grouped(t, rows, up_name, [f, d])?;
+    let gate = t.op(experts, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
+    let hidden = t.op(experts, Op::Mul, &[gate, up])?;
+    let down = grouped(t, hidden, down_name, [d, f])?;
+    let weights = t.reshape(experts, weights, &[tokens, m.top_k, 1])?;
+    let weights = t.op(experts, Op::MoePermute, &[weights, ids])?;
+    let down = t.op(experts, Op::Mul, &[down, weights])?;
+    let mut y = t.op(experts, Op::MoeUnpermute { sum: true }, &[down, ids])?;
+
+    if m.shared_experts > 0 {
+        let shared = ff;
+        let sp = format!("{prefix}.shared_expert");
+        let fs = m.shared_expert_ffn_dim;
+        let lin = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2]| {
+            t.linear(shared, x, &format!("{sp}.{name}"), shape, WeightLayout::OutIn, false)
+        };
+        let gate = lin(t, x, "gate_proj", [fs, d])?;
+        let up = lin(t, x, "up_proj", [fs, d])?;
+        let gate = t.op(shared, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
+        let hidden = t.op(shared, Op::Mul, &[gate, up])?;
+        let mut out = lin(t, hidden, "down_proj", [d, fs])?;
+        if m.shared_expert_gate {
+            let g = t.linear(
+                shared,
+                x,
+                &format!("{prefix}.shared_expert_gate"),
+                [1, d],
+                WeightLayout::OutIn,
+                false,
+            )?;
+            let g = t.op(shared, Op::Sigmoid, &[g])?;
+            out = t.op(shared, Op::Mul, &[g, out])?;
+        }
+        y = t.op(ff, Op::Add, &[y, out])?;
+    }
+    let y = t.reshape(ff, y, &[batch, seq, d])?;
+    Ok((y, logits))
 }
 
 /// `x * rsqrt(mean(x^2) + eps) * w`, the weight read through `tp_copy` under sequence

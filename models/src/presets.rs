@@ -1,7 +1,7 @@
 //! Named model sizes: tiny ones for tests, and public architectures with their published
 //! config.json numbers.
 
-use crate::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, Router};
+use crate::{Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router};
 
 /// Every preset name, in a stable order.
 pub const PRESET_NAMES: &[&str] = &[
@@ -87,6 +87,7 @@ fn moe(experts: u64, top_k: u64, width: u64, norm_topk_prob: bool) -> MoeConfig 
         aux_loss_coef: 0.0,
         every: 1,
         first_dense: 0,
+        hf_names: MoeNames::Qwen,
     }
 }
 
@@ -144,7 +145,10 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
         // mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts as wide as intermediate_size,
         // 2 per token, scores renormalised over the two.
         "mixtral-8x7b" => ModelConfig::Llama(LlamaConfig {
-            moe: Some(moe(8, 2, 14336, true)),
+            moe: Some(MoeConfig {
+                hf_names: MoeNames::Mixtral,
+                ..moe(8, 2, 14336, true)
+            }),
             ..llama(name, 32000, 4096, 32, 32, 8, 14336, 1000000.0, 32768)
         }),
         // Qwen/Qwen2-57B-A14B config.json: q/k/v biases, 64 experts of 2560, 8 per token

@@ -113,17 +113,18 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
         }
     }
     check_tensor(config, &opts.tensor, seq)?;
-    if config.is_moe() {
+    if config.is_moe() && opts.tensor.is_parallel() {
         return Err(TraceError::Config(ConfigError {
             field: "moe",
-            message: "mixture-of-experts layers cannot be traced yet: the IR has no routing ops".into(),
-            help: "remove `moe` to trace the dense model".into(),
+            message: "mixture-of-experts layers are not split over a tensor group yet".into(),
+            help: "set mesh.tensor to 1 for a model with `moe`, or remove `moe`".into(),
         }));
     }
     let mut t = Tracer {
         g: Graph::new(config.name()),
         dtype: opts.dtype,
         tp: opts.tensor,
+        aux_loss: None,
     };
     t.g.set_tensor_degree(opts.tensor.degree);
     match config {
@@ -190,6 +191,8 @@ pub(crate) struct Tracer {
     pub dtype: DType,
     /// Tensor parallelism of the graph being traced.
     pub tp: TensorOptions,
+    /// A term added to the loss (the MoE load-balancing loss), made in the loss's scope.
+    pub aux_loss: Option<(Op, Vec<NodeId>)>,
 }
 
 impl Tracer {
@@ -419,7 +422,11 @@ impl Tracer {
             Some(degree) => Op::VocabCrossEntropy { degree },
             None => Op::CrossEntropy,
         };
-        let loss = self.op(scope, op, &[flat, targets])?;
+        let mut loss = self.op(scope, op, &[flat, targets])?;
+        if let Some((op, ins)) = self.aux_loss.take() {
+            let aux = self.op(scope, op, &ins)?;
+            loss = self.op(scope, Op::Add, &[loss, aux])?;
+        }
         self.g.add_output(loss);
         Ok(loss)
     }

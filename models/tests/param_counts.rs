@@ -106,9 +106,49 @@ fn moe_layers_follow_every_and_first_dense() {
 
 #[test]
 fn closed_form_matches_trace_for_every_preset() {
-    // Mixtures of experts are not traced yet (`trace` refuses them); their counts are
-    // checked against the published figures above.
-    for name in PRESET_NAMES.iter().filter(|n| !preset(n).unwrap().is_moe()) {
+    // Mixtures of experts included: every routed expert's, router's and shared expert's
+    // weights are parameters of the traced graph.
+    for name in PRESET_NAMES.iter() {
         assert_eq!(preset(name).unwrap().param_count(), Some(traced_total(name)), "{name}");
+    }
+}
+
+/// The traced parameters of a mixture of experts follow `every` / `first_dense` and the
+/// shared expert and its gate, count for count with the closed form.
+#[test]
+fn traced_moe_counts_follow_every_first_dense_and_shared_experts() {
+    let shardplan_models::ModelConfig::Llama(base) = preset("qwen2-57b-a14b").unwrap() else {
+        unreachable!()
+    };
+    let small = shardplan_models::LlamaConfig {
+        vocab_size: 64,
+        dim: 16,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn_dim: 24,
+        ..base
+    };
+    for (every, first_dense, shared, gate) in [(1, 0, 1, true), (2, 0, 1, false), (1, 2, 0, false), (3, 1, 2, true)] {
+        let mut c = small.clone();
+        let m = c.moe.as_mut().unwrap();
+        (m.experts, m.top_k, m.expert_ffn_dim) = (4, 2, 8);
+        (m.every, m.first_dense, m.shared_experts) = (every, first_dense, shared);
+        m.shared_expert_ffn_dim = if shared > 0 { 12 } else { 0 };
+        m.shared_expert_gate = gate && shared > 0;
+        let cfg = shardplan_models::ModelConfig::Llama(c);
+        let g = trace(
+            &cfg,
+            TraceOptions {
+                seq_len: Some(8),
+                ..TraceOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.param_count(),
+            Some(param_counts(&g).total),
+            "every {every} first_dense {first_dense} shared {shared} gate {gate}"
+        );
     }
 }

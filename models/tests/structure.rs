@@ -231,3 +231,121 @@ fn validation_names_the_field() {
         assert!(e.message.contains(text), "{e}");
     }
 }
+
+fn seq8() -> TraceOptions {
+    TraceOptions {
+        seq_len: Some(8),
+        ..TraceOptions::default()
+    }
+}
+
+/// A small copy of an MoE preset: its names, router and shared experts, tiny widths.
+fn tiny_moe(name: &str, aux_loss_coef: f64) -> ModelConfig {
+    let ModelConfig::Llama(c) = preset(name).unwrap() else {
+        unreachable!()
+    };
+    let mut c = shardplan_models::LlamaConfig {
+        vocab_size: 64,
+        dim: 16,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: None,
+        ffn_dim: 24,
+        ..c
+    };
+    let m = c.moe.as_mut().unwrap();
+    (m.experts, m.top_k, m.expert_ffn_dim, m.aux_loss_coef) = (4, 2, 8, aux_loss_coef);
+    if m.shared_experts > 0 {
+        m.shared_expert_ffn_dim = 12;
+    }
+    ModelConfig::Llama(c)
+}
+
+#[test]
+fn moe_parameter_names_match_hf_checkpoints() {
+    for (name, expected) in [
+        (
+            "mixtral-8x7b",
+            &[
+                "model.layers.1.block_sparse_moe.gate.weight",
+                "model.layers.1.block_sparse_moe.experts.0.w1.weight",
+                "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+            ][..],
+        ),
+        (
+            "qwen2-57b-a14b",
+            &[
+                "model.layers.0.mlp.gate.weight",
+                "model.layers.0.mlp.experts.3.gate_proj.weight",
+                "model.layers.0.mlp.experts.0.up_proj.weight",
+                "model.layers.0.mlp.experts.1.down_proj.weight",
+                "model.layers.0.mlp.shared_expert.gate_proj.weight",
+                "model.layers.0.mlp.shared_expert.up_proj.weight",
+                "model.layers.0.mlp.shared_expert.down_proj.weight",
+                "model.layers.0.mlp.shared_expert_gate.weight",
+            ][..],
+        ),
+        (
+            "qwen3-30b-a3b",
+            &[
+                "model.layers.1.mlp.gate.weight",
+                "model.layers.1.mlp.experts.3.down_proj.weight",
+                "model.layers.1.self_attn.q_norm.weight",
+            ][..],
+        ),
+    ] {
+        let g = trace(&tiny_moe(name, 0.0), seq8()).unwrap();
+        let names: Vec<&str> = g.params().map(|(_, p)| p.name.as_str()).collect();
+        for e in expected {
+            assert!(names.contains(e), "{name}: {e} missing from {names:?}");
+        }
+        assert!(!names.iter().any(|n| n.contains(".mlp.gate_proj")), "{name}: {names:?}");
+        let shape = |n: &str| {
+            g.params()
+                .find(|(_, p)| p.name == n)
+                .unwrap()
+                .1
+                .ty
+                .shape
+                .dims()
+                .to_vec()
+        };
+        assert_eq!(shape(expected[0]), [4, 16], "{name}: the router is [experts, dim]");
+        // Without the load-balancing loss the loss is the cross-entropy alone.
+        let loss = g.node(g.outputs()[0]);
+        assert_eq!(loss.op, Op::CrossEntropy, "{name}");
+    }
+}
+
+#[test]
+fn moe_aux_loss_adds_into_the_loss_over_every_moe_layer() {
+    let g = trace(&tiny_moe("qwen3-30b-a3b", 0.001), seq8()).unwrap();
+    let loss = g.node(g.outputs()[0]);
+    assert_eq!(loss.op, Op::Add);
+    let aux = g.node(loss.inputs[1]);
+    assert_eq!(aux.op, Op::MoeAuxLoss { top_k: 2, coef: 0.001 });
+    assert_eq!(aux.inputs.len(), 2, "one logits operand per MoE layer");
+    for &l in &aux.inputs {
+        assert_eq!(g.node(l).ty.to_string(), "f32[8,4]");
+    }
+}
+
+#[test]
+fn moe_under_tensor_parallelism_is_refused_at_the_moe_field() {
+    let e = trace(
+        &tiny_moe("mixtral-8x7b", 0.0),
+        TraceOptions {
+            tensor: shardplan_models::TensorOptions {
+                degree: 2,
+                ..Default::default()
+            },
+            ..seq8()
+        },
+    )
+    .unwrap_err();
+    let TraceError::Config(c) = e else { panic!("{e:?}") };
+    assert_eq!(c.field, "moe");
+    assert!(c.message.contains("tensor group"), "{}", c.message);
+}

@@ -152,6 +152,8 @@ pub fn work_kind(op: &Op) -> WorkKind {
         | Op::GeluErfGrad
         | Op::Relu
         | Op::ReluGrad
+        | Op::Sigmoid
+        | Op::SigmoidGrad
         | Op::Softmax { .. }
         | Op::SoftmaxGrad { .. }
         | Op::MoeTopK { .. }

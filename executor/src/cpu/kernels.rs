@@ -356,6 +356,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::Gelu => ins[0].gelu()?,
         Op::GeluErf => ins[0].gelu_erf()?,
         Op::Relu => ins[0].relu()?,
+        Op::Sigmoid => sigmoid(ins[0])?,
         Op::Softmax { dim } => softmax(ins[0], *dim)?,
         Op::CrossEntropy if fused::applies(&[ins[0]]) => fused::cross_entropy(ins[0], ins[1])?,
         Op::CrossEntropy => cross_entropy(ins[0], ins[1])?,
@@ -399,6 +400,11 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::ReluGrad => {
             let x = ins[0];
             (ins[1] * x.gt(&x.zeros_like()?)?.to_dtype(ins[1].dtype())?)?
+        }
+        Op::SigmoidGrad => {
+            let s = wide(&sigmoid(ins[0])?)?;
+            let slope = (&s * s.affine(-1.0, 1.0)?)?;
+            (wide(ins[1])? * slope)?.to_dtype(ins[1].dtype())?
         }
         Op::SoftmaxGrad { dim } if *dim + 1 == ins[0].rank() && fused::applies(&[ins[0], ins[1]]) => {
             fused::softmax_backward(ins[0], ins[1])?
@@ -515,6 +521,12 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]
         WeightLayout::InOut => x2.matmul(w)?,
     };
     Ok(y.reshape(out)?)
+}
+
+/// `1 / (1 + exp(-x))`, in f32 (or f64) and cast back.
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    let w = wide(x)?;
+    Ok(w.neg()?.exp()?.affine(1.0, 1.0)?.recip()?.to_dtype(x.dtype())?)
 }
 
 pub(crate) fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
@@ -753,6 +765,17 @@ mod tests {
         let z = Tensor::new(&[0.0f64], &Device::Cpu).unwrap();
         let one = Tensor::new(&[1.0f64], &Device::Cpu).unwrap();
         assert_eq!(run(Op::ReluGrad, &[&z, &one]), vec![0.0]);
+        let s: Vec<f64> = [1.0f64, -0.5, 2.0, -3.0]
+            .iter()
+            .map(|v| 1.0 / (1.0 + (-v).exp()))
+            .collect();
+        assert!(
+            close(&run(Op::Sigmoid, &[&x]), &s, 1e-12),
+            "{:?}",
+            run(Op::Sigmoid, &[&x])
+        );
+        let ds: Vec<f64> = s.iter().map(|s| 3.0 * s * (1.0 - s)).collect();
+        assert!(close(&run(Op::SigmoidGrad, &[&x, &g]), &ds, 1e-12));
     }
 
     #[test]
