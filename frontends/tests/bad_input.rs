@@ -3,6 +3,7 @@
 use shardplan_frontends::{
     load_model, load_parallel, parse_hf_config, parse_model_spec, parse_parallel_spec, Source, SpecError,
 };
+use shardplan_models::{ModelConfig, MoeNames};
 use std::path::PathBuf;
 
 fn model(text: &str) -> SpecError {
@@ -212,6 +213,26 @@ fn moe_fields() {
     check(&e, 12, 18, &["`moe.aux_loss_coef`"]);
     let e = model(&format!("{LLAMA}{MOE}  first_dense: 2\n"));
     check(&e, 12, 16, &["`moe.first_dense`", "no layer of 2 has experts"]);
+    let e = model(&format!("{LLAMA}{MOE}  hf_names: deepseek\n"));
+    check(
+        &e,
+        12,
+        13,
+        &[
+            "`moe.hf_names`",
+            "unknown variant `deepseek`",
+            "valid here: qwen, mixtral",
+        ],
+    );
+    for (names, want) in [("mixtral", MoeNames::Mixtral), ("qwen", MoeNames::Qwen)] {
+        let (c, _) = parse_model_spec(&Source::from_text(
+            "m.yaml",
+            format!("{LLAMA}{MOE}  hf_names: {names}\n").as_str(),
+        ))
+        .unwrap();
+        let ModelConfig::Llama(c) = c else { unreachable!() };
+        assert_eq!(c.moe.unwrap().hf_names, want);
+    }
     let e = model(&format!("{LLAMA}{MOE}  every: 3\n"));
     check(&e, 12, 10, &["`moe.every`", "no layer of 2 has experts"]);
     let e = model(&format!("{LLAMA}{MOE}  every: 0\n"));
