@@ -5,7 +5,7 @@
 //! Kernels take raw device addresses of contiguous tensors: the inputs stay alive in the
 //! caller until the launch is queued, and a later free is queued on the same stream.
 
-use super::AdamWStep;
+use crate::cpu::fused::AdamW;
 use crate::ExecError;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -441,7 +441,7 @@ pub fn sum_squares(parts: &[(Tensor, f64)], scale: f64) -> Result<Tensor> {
 }
 
 /// One AdamW update of f32 `p` from `g` in one pass; `m`, `v` absent start at zero. The
-/// gradient factor is `h.host_scale` times `factor` (a one-element f64 device tensor: the
+/// gradient factor is `h.grad_scale` times `factor` (a one-element f64 device tensor: the
 /// clipping factor the gradient norm left there), read on the device.
 pub fn adamw(
     p: &Tensor,
@@ -449,7 +449,7 @@ pub fn adamw(
     m: Option<&Tensor>,
     v: Option<&Tensor>,
     factor: Option<&Tensor>,
-    h: AdamWStep,
+    h: AdamW,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dev = device(p)?;
     let n = p.elem_count();
@@ -497,7 +497,7 @@ pub fn adamw(
         None => 0u64,
     };
     let nn = n as u64;
-    let AdamWStep {
+    let AdamW {
         lr,
         beta1,
         beta2,
@@ -505,10 +505,10 @@ pub fn adamw(
         weight_decay,
         bias1,
         bias2,
-        host_scale,
+        grad_scale,
     } = h;
     launch!(&dev, OPTIM, "adamw_f32", elementwise(n);
-        pp, gp, mp, vp, npp, nmp, nvp, nn, fp, host_scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        pp, gp, mp, vp, npp, nmp, nvp, nn, fp, grad_scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
     Ok((np, nm, nv))
 }
 

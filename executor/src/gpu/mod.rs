@@ -63,21 +63,6 @@ impl Kernels {
     }
 }
 
-/// AdamW's settings for one fused update ([`adamw`]).
-#[derive(Clone, Copy, Debug)]
-pub struct AdamWStep {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// `1 - beta1^t`, `1 - beta2^t`.
-    pub bias1: f32,
-    pub bias2: f32,
-    /// Multiplies the gradient, times the device factor when one is given.
-    pub host_scale: f32,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

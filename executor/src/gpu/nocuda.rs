@@ -2,7 +2,7 @@
 //! saying so. Native kernels are only chosen on a CUDA device, which such a build cannot
 //! open, so these are reached only by a caller that skipped that check.
 
-use super::AdamWStep;
+use crate::cpu::fused::AdamW;
 use crate::ExecError;
 use candle_core::{DType, Device, Tensor};
 
@@ -69,7 +69,7 @@ pub fn sum_squares(_parts: &[(Tensor, f64)], _scale: f64) -> Result<Tensor> {
 }
 
 /// One AdamW update of f32 `p` from `g` in one pass; `m`, `v` absent start at zero. The
-/// gradient factor is `h.host_scale` times `factor` (a one-element f64 device tensor: the
+/// gradient factor is `h.grad_scale` times `factor` (a one-element f64 device tensor: the
 /// clipping factor the gradient norm left there), read on the device.
 pub fn adamw(
     _p: &Tensor,
@@ -77,7 +77,7 @@ pub fn adamw(
     _m: Option<&Tensor>,
     _v: Option<&Tensor>,
     _factor: Option<&Tensor>,
-    _h: AdamWStep,
+    _h: AdamW,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     unbuilt()
 }

@@ -10,8 +10,8 @@
 //! under test against [`Composed`] (candle's composed ops in f64), which checks the twins
 //! and the harness on every machine.
 
+use crate::cpu::fused::AdamW;
 use crate::cpu::kernels::{self, Ctx};
-use crate::gpu::AdamWStep;
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
 use shardplan_ir::{DType, NormWrt, Op, RopeScaling, TensorType};
@@ -176,7 +176,7 @@ pub trait Backend {
         m: &Tensor,
         v: &Tensor,
         factor: Option<f64>,
-        h: AdamWStep,
+        h: AdamW,
     ) -> Result<[Tensor; 3]>;
     /// Waits for queued work (timing).
     fn sync(&self) -> Result<()>;
@@ -280,19 +280,13 @@ impl Backend for Twin {
         m: &Tensor,
         v: &Tensor,
         factor: Option<f64>,
-        h: AdamWStep,
+        h: AdamW,
     ) -> Result<[Tensor; 3]> {
-        let fh = crate::cpu::fused::AdamW {
-            lr: h.lr,
-            beta1: h.beta1,
-            beta2: h.beta2,
-            eps: h.eps,
-            weight_decay: h.weight_decay,
-            bias1: h.bias1,
-            bias2: h.bias2,
-            grad_scale: (factor.unwrap_or(1.0) * f64::from(h.host_scale)) as f32,
+        let h = AdamW {
+            grad_scale: (factor.unwrap_or(1.0) * f64::from(h.grad_scale)) as f32,
+            ..h
         };
-        let (np, nm, nv) = crate::cpu::fused::adamw(p, g, Some(m), Some(v), fh)?;
+        let (np, nm, nv) = crate::cpu::fused::adamw(p, g, Some(m), Some(v), h)?;
         Ok([np, nm, nv])
     }
     fn sync(&self) -> Result<()> {
@@ -370,10 +364,10 @@ impl Backend for Composed {
         m: &Tensor,
         v: &Tensor,
         factor: Option<f64>,
-        h: AdamWStep,
+        h: AdamW,
     ) -> Result<[Tensor; 3]> {
         let (b1, b2) = (f64::from(h.beta1), f64::from(h.beta2));
-        let g = (g * (factor.unwrap_or(1.0) * f64::from(h.host_scale)))?;
+        let g = (g * (factor.unwrap_or(1.0) * f64::from(h.grad_scale)))?;
         let m = ((m * b1)? + (&g * (1.0 - b1))?)?;
         let v = ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?;
         let update = ((&m / f64::from(h.bias1))? / ((&v / f64::from(h.bias2))?.sqrt()? + f64::from(h.eps))?)?;
@@ -459,7 +453,7 @@ impl Backend for Native {
         m: &Tensor,
         v: &Tensor,
         factor: Option<f64>,
-        h: AdamWStep,
+        h: AdamW,
     ) -> Result<[Tensor; 3]> {
         let f = factor.map(|f| Tensor::new(&[f], &self.ctx.device)).transpose()?;
         let f32s = |t: &Tensor| t.to_dtype(CDType::F32);
@@ -850,7 +844,7 @@ fn compare(
             let v = rng.floats(&[*n], 1e-4, p)?.abs()?;
             // The third update of a run: bias corrections of t = 3.
             let (b1, b2) = (0.9f32, 0.95f32);
-            let h = AdamWStep {
+            let h = AdamW {
                 lr: 3e-4,
                 beta1: b1,
                 beta2: b2,
@@ -858,7 +852,7 @@ fn compare(
                 weight_decay: 0.1,
                 bias1: 1.0 - b1.powi(3),
                 bias2: 1.0 - b2.powi(3),
-                host_scale: 0.5,
+                grad_scale: 0.5,
             };
             let put = |be: &dyn Backend| -> Result<[Tensor; 4]> {
                 Ok([
@@ -991,7 +985,7 @@ mod tests {
             m: &Tensor,
             v: &Tensor,
             factor: Option<f64>,
-            h: AdamWStep,
+            h: AdamW,
         ) -> Result<[Tensor; 3]> {
             // The factor ignored.
             let factor = if self.1 == "adamw" { None } else { factor };
@@ -1069,7 +1063,7 @@ mod tests {
                 _: &Tensor,
                 _: &Tensor,
                 _: Option<f64>,
-                _: AdamWStep,
+                _: AdamW,
             ) -> Result<[Tensor; 3]> {
                 Err(ExecError::Internal("no kernel here".into()))
             }

@@ -35,6 +35,32 @@ pub fn state_names(o: &Optimizer) -> &'static [&'static str] {
     }
 }
 
+/// AdamW's settings for update `step` (1-based) at learning rate `lr`, the gradient first
+/// multiplied by `grad_scale`; `None` for other optimizers.
+fn adamw_settings(kind: Optimizer, lr: f64, grad_scale: f64, step: u64) -> Option<fused::AdamW> {
+    let Optimizer::AdamW {
+        betas: [b1, b2],
+        eps,
+        weight_decay,
+        ..
+    } = kind
+    else {
+        return None;
+    };
+    // Past i32::MAX steps the bias corrections are 1 to f64 precision; saturate, never wrap.
+    let t = i32::try_from(step).unwrap_or(i32::MAX);
+    Some(fused::AdamW {
+        lr: lr as f32,
+        beta1: b1 as f32,
+        beta2: b2 as f32,
+        eps: eps as f32,
+        weight_decay: weight_decay as f32,
+        bias1: (1.0 - b1.powi(t)) as f32,
+        bias2: (1.0 - b2.powi(t)) as f32,
+        grad_scale: grad_scale as f32,
+    })
+}
+
 /// Optimizer state, one slot per parameter.
 pub struct OptState {
     kind: Optimizer,
@@ -118,32 +144,15 @@ impl OptState {
         host_scale: f64,
         factor: Option<&Tensor>,
     ) -> Result<bool, ExecError> {
-        let Optimizer::AdamW {
-            betas: [b1, b2],
-            eps,
-            weight_decay,
-            ..
-        } = self.kind
-        else {
-            return Ok(false);
-        };
         let [p] = params else { return Ok(false) };
         let f32_cuda = |t: &Tensor| t.device().is_cuda() && t.dtype() == candle_core::DType::F32;
+        let Some(h) = adamw_settings(self.kind, lr, host_scale, self.steps + 1) else {
+            return Ok(false);
+        };
         if !f32_cuda(p) || !f32_cuda(grad) || self.m.len() != 1 {
             return Ok(false);
         }
         self.steps += 1;
-        let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
-        let h = crate::gpu::AdamWStep {
-            lr: lr as f32,
-            beta1: b1 as f32,
-            beta2: b2 as f32,
-            eps: eps as f32,
-            weight_decay: weight_decay as f32,
-            bias1: (1.0 - b1.powi(t)) as f32,
-            bias2: (1.0 - b2.powi(t)) as f32,
-            host_scale: host_scale as f32,
-        };
         let (np, m, v) = crate::gpu::adamw(p, grad, self.m[0].as_ref(), self.v[0].as_ref(), factor, h)?;
         (*p, self.m[0], self.v[0]) = (np, Some(m), Some(v));
         Ok(true)
@@ -164,27 +173,10 @@ impl OptState {
         grad_scale: f64,
     ) -> Result<(), ExecError> {
         self.steps += 1;
-        // Past i32::MAX steps the bias corrections are 1 to f64 precision; saturate, never wrap.
         let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
         for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
-            if let Optimizer::AdamW {
-                betas: [b1, b2],
-                eps,
-                weight_decay,
-                ..
-            } = self.kind
-            {
+            if let Some(h) = adamw_settings(self.kind, lr, grad_scale, self.steps) {
                 if fused::applies(&[p, g]) {
-                    let h = fused::AdamW {
-                        lr: lr as f32,
-                        beta1: b1 as f32,
-                        beta2: b2 as f32,
-                        eps: eps as f32,
-                        weight_decay: weight_decay as f32,
-                        bias1: (1.0 - b1.powi(t)) as f32,
-                        bias2: (1.0 - b2.powi(t)) as f32,
-                        grad_scale: grad_scale as f32,
-                    };
                     let (np, m, v) = fused::adamw(p, g, self.m[i].as_ref(), self.v[i].as_ref(), h)?;
                     (*p, self.m[i], self.v[i]) = (np, Some(m), Some(v));
                     continue;
