@@ -178,6 +178,15 @@ impl Graph {
         };
         let fwd_bytes = match node.op {
             Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } | Op::Reshape { .. } | Op::TpCopy { .. } => 0,
+            // One expert's weight gradient reads its own run of rows (`1 / E` of them at the
+            // even split), not the whole permuted buffers.
+            Op::GroupedWeightGrad { experts, .. } => {
+                let rows = |t: &crate::TensorType| t.bytes().unwrap_or(u64::MAX) / experts.max(1);
+                rows(ins[0])
+                    .saturating_add(rows(ins[1]))
+                    .saturating_add(ins[2].bytes().unwrap_or(u64::MAX))
+                    .saturating_add(node.ty.bytes().unwrap_or(u64::MAX))
+            }
             _ => ins
                 .iter()
                 .chain(std::iter::once(&&node.ty))

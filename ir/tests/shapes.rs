@@ -429,3 +429,41 @@ fn moe_aux_loss() {
     let e = err(grad(2), &[(F, &[]), (F, &[6, 4]), (F, &[6, 4])]);
     assert!(e.contains("layer 2 is out of range (2 layers)"), "{e}");
 }
+
+/// The grouped matmul costs `2 * T * k * in * out` whatever the routing; its experts' weight
+/// gradients together cost as much again, each reading its own share of the rows.
+#[test]
+fn grouped_linear_costs_the_routed_flops() {
+    let mut g = Graph::new("t");
+    let root = g.root();
+    let x = g.add_param("x", TensorType::new(F, [6, 8]), root).unwrap();
+    let ids = g.add_input("ids", TensorType::new(U, [3, 2]), root).unwrap();
+    let mut ins = vec![x, ids];
+    for e in 0..3 {
+        ins.push(g.add_param(&format!("w{e}"), TensorType::new(F, [5, 8]), root).unwrap());
+    }
+    let y = g
+        .add_node(
+            Op::GroupedLinear {
+                layout: WeightLayout::OutIn,
+            },
+            &ins,
+            root,
+        )
+        .unwrap();
+    let s = g.add_node(Op::Sum, &[y], root).unwrap();
+    g.add_output(s);
+    let forward = g.node_cost(y);
+    assert_eq!((forward.fwd_flops, forward.bwd_flops), (2 * 6 * 8 * 5, 4 * 6 * 8 * 5));
+    let joint = shardplan_ir::differentiate(&g).unwrap();
+    let grads: Vec<_> = joint
+        .graph
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::GroupedWeightGrad { .. }))
+        .map(|(id, _)| joint.graph.node_cost(id))
+        .collect();
+    assert_eq!(grads.len(), 3);
+    assert_eq!(grads.iter().map(|c| c.fwd_flops).sum::<u64>(), forward.fwd_flops);
+    // Rows of x [6, 8] and g [6, 5] in thirds, the ids, the [5, 8] gradient.
+    assert_eq!(grads[0].fwd_bytes, (2 * 8 + 2 * 5) * 4 + 6 * 4 + 5 * 8 * 4);
+}

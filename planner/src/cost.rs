@@ -361,6 +361,21 @@ impl<'a> OpModel<'a> {
                 let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
                 self.launched(t.max(bytes / self.bw), 1.0)
             }
+            // One grouped GEMM over the experts: each expert's `T * k / E` rows (the even
+            // split) by its weight, the experts' tiles sharing the waves.
+            Op::GroupedLinear { .. } => {
+                let experts = (node.inputs.len() - 2).max(1) as f64;
+                let rows = dims(0)[0] as f64 / experts;
+                let n = out.last().copied().unwrap_or(1) as f64;
+                let fill = self.tile_fill(rows.max(1.0), n, experts);
+                let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
+                self.launched(t.max(bytes / self.bw), 1.0)
+            }
+            Op::GroupedWeightGrad { .. } => {
+                let fill = self.tile_fill(out[0] as f64, out[1] as f64, 1.0);
+                let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
+                self.launched(t.max(bytes / self.bw), 1.0)
+            }
             Op::Attention { causal } => {
                 let q = dims(0);
                 let t = dims(1)[1];
