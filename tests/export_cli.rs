@@ -127,7 +127,7 @@ fn every_bundled_example_exports_a_program_that_compiles() {
             continue;
         }
         if !o.status.success() && err.contains("`moe`") {
-            // Mixture-of-experts models are not traced yet: refused at their field.
+            // `export fsdp2` does not write mixture-of-experts layers yet: refused at their field.
             assert_eq!(o.status.code(), Some(2), "{err}");
             assert!(err.contains(&format!("{m}:")), "{err}");
             done.insert(key_m);
