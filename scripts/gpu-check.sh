@@ -404,52 +404,52 @@ if wants shardplan; then
     [ -s "$d/profile.json" ] && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
       --compare "$d/profile.json" >"$d/compare.txt" 2>&1
     "$PY" - "$d" "$rc" "$WARMUP" "$STEPS" "$base" "$wall" "$BATCH" "$KERN" <<'EOF'
-  import json, os, statistics, sys
-  d, rc, warmup, steps, base, wall, batch, kernels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) / 1e3, int(sys.argv[7]), sys.argv[8]
-  rows = [json.loads(l) for l in open(f"{d}/log.jsonl")] if os.path.exists(f"{d}/log.jsonl") else []
-  smi = [[int(v) for v in l.split(",")] for l in open(f"{d}/nvidia-smi.csv") if l.count(",") == 1 and l.replace(",", "").split() and all(v.strip().isdigit() for v in l.split(","))]
-  err = open(f"{d}/train.err", errors="replace").read().strip().splitlines()
-  r = {"framework": "shardplan", "kernels": kernels, "model": "examples/models/llama-1b.yaml", "batch_per_rank": batch, "seq": 2048,
-       "exit": rc, "timed_out": rc in (124, 137), "wall_seconds": wall, "steps_logged": len(rows), "warmup_steps": warmup}
-  if rows:
-      meas = rows[warmup:] or rows[-1:]
-      r["losses"] = [x["loss"] for x in rows]
-      r["grad_norms"] = [x["grad_norm"] for x in rows]
-      r["step_seconds"] = [x["step_seconds"] for x in rows]
-      r["step_seconds_median"] = statistics.median(x["step_seconds"] for x in meas)
-      r["tokens_per_step"] = rows[0]["tokens"]
-      r["tokens_per_second"] = rows[0]["tokens"] / r["step_seconds_median"]
-      r["measured_steps"] = len(meas)
-      r["executor_measured_peak_bytes"] = max(max(x["measured_peak"]) for x in rows)
-      r["executor_measured_by_category"] = rows[-1]["measured"][0]
-      r["planned_peak_bytes"] = rows[-1]["planned_peak"]
-      r["planned_by_category"] = rows[-1]["planned"]
-      r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds; device_*: the CUDA allocator's high-water marks and cuMemGetInfo"
-      dev = [m for x in rows for m in (x.get("measured_device") or []) if m]
-      if dev:
-          r["device_allocated_peak_bytes"] = max(m["allocated_peak"] for m in dev)
-          r["device_reserved_peak_bytes"] = max(m["reserved_peak"] for m in dev)
-          r["device_in_use_bytes"] = max(m["in_use"] for m in dev)
-  if rows:
-      r["startup_seconds"] = round(wall - sum(r["step_seconds"]), 3)
-  if smi:
-      peak = max(m for m, _ in smi)
-      r["nvidia_smi_baseline_mib"] = base
-      r["nvidia_smi_peak_used_mib"] = peak - base
-      # Utilisation while training: the samples once memory is near its peak (after start-up).
-      busy = [u for m, u in smi if m >= base + 0.9 * (peak - base)]
-      r["nvidia_smi_util_pct_while_training"] = round(sum(busy) / len(busy), 1) if busy else None
-  if rc != 0 or len(rows) < warmup + steps:
-      r["error"] = "\n".join(err[-25:])
-  r["ok"] = rc == 0 and len(rows) == warmup + steps
-  json.dump(r, open(f"{d}.json", "w"), indent=2)
-  if r["ok"]:
-      print(f"shardplan 1B ({kernels} kernels): {r['tokens_per_second']:.0f} tok/s, {r['step_seconds_median']*1e3:.0f} ms/step, "
-            f"executor peak {r['executor_measured_peak_bytes']/2**30:.2f} GiB (planned {r['planned_peak_bytes']/2**30:.2f}), "
-            f"nvidia-smi {r.get('nvidia_smi_peak_used_mib', 0)/1024:.2f} GiB")
-  else:
-      print("shardplan 1B (%s kernels) failed (exit %d): %s" % (kernels, rc, (err[-1] if err else "")))
-  sys.exit(0 if r["ok"] else 1)
+import json, os, statistics, sys
+d, rc, warmup, steps, base, wall, batch, kernels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]) / 1e3, int(sys.argv[7]), sys.argv[8]
+rows = [json.loads(l) for l in open(f"{d}/log.jsonl")] if os.path.exists(f"{d}/log.jsonl") else []
+smi = [[int(v) for v in l.split(",")] for l in open(f"{d}/nvidia-smi.csv") if l.count(",") == 1 and l.replace(",", "").split() and all(v.strip().isdigit() for v in l.split(","))]
+err = open(f"{d}/train.err", errors="replace").read().strip().splitlines()
+r = {"framework": "shardplan", "kernels": kernels, "model": "examples/models/llama-1b.yaml", "batch_per_rank": batch, "seq": 2048,
+     "exit": rc, "timed_out": rc in (124, 137), "wall_seconds": wall, "steps_logged": len(rows), "warmup_steps": warmup}
+if rows:
+    meas = rows[warmup:] or rows[-1:]
+    r["losses"] = [x["loss"] for x in rows]
+    r["grad_norms"] = [x["grad_norm"] for x in rows]
+    r["step_seconds"] = [x["step_seconds"] for x in rows]
+    r["step_seconds_median"] = statistics.median(x["step_seconds"] for x in meas)
+    r["tokens_per_step"] = rows[0]["tokens"]
+    r["tokens_per_second"] = rows[0]["tokens"] / r["step_seconds_median"]
+    r["measured_steps"] = len(meas)
+    r["executor_measured_peak_bytes"] = max(max(x["measured_peak"]) for x in rows)
+    r["executor_measured_by_category"] = rows[-1]["measured"][0]
+    r["planned_peak_bytes"] = rows[-1]["planned_peak"]
+    r["planned_by_category"] = rows[-1]["planned"]
+    r["memory_note"] = "executor_measured: the executor's own accounting of the tensors it holds; device_*: the CUDA allocator's high-water marks and cuMemGetInfo"
+    dev = [m for x in rows for m in (x.get("measured_device") or []) if m]
+    if dev:
+        r["device_allocated_peak_bytes"] = max(m["allocated_peak"] for m in dev)
+        r["device_reserved_peak_bytes"] = max(m["reserved_peak"] for m in dev)
+        r["device_in_use_bytes"] = max(m["in_use"] for m in dev)
+if rows:
+    r["startup_seconds"] = round(wall - sum(r["step_seconds"]), 3)
+if smi:
+    peak = max(m for m, _ in smi)
+    r["nvidia_smi_baseline_mib"] = base
+    r["nvidia_smi_peak_used_mib"] = peak - base
+    # Utilisation while training: the samples once memory is near its peak (after start-up).
+    busy = [u for m, u in smi if m >= base + 0.9 * (peak - base)]
+    r["nvidia_smi_util_pct_while_training"] = round(sum(busy) / len(busy), 1) if busy else None
+if rc != 0 or len(rows) < warmup + steps:
+    r["error"] = "\n".join(err[-25:])
+r["ok"] = rc == 0 and len(rows) == warmup + steps
+json.dump(r, open(f"{d}.json", "w"), indent=2)
+if r["ok"]:
+    print(f"shardplan 1B ({kernels} kernels): {r['tokens_per_second']:.0f} tok/s, {r['step_seconds_median']*1e3:.0f} ms/step, "
+          f"executor peak {r['executor_measured_peak_bytes']/2**30:.2f} GiB (planned {r['planned_peak_bytes']/2**30:.2f}), "
+          f"nvidia-smi {r.get('nvidia_smi_peak_used_mib', 0)/1024:.2f} GiB")
+else:
+    print("shardplan 1B (%s kernels) failed (exit %d): %s" % (kernels, rc, (err[-1] if err else "")))
+sys.exit(0 if r["ok"] else 1)
 EOF
     if [ $? = 0 ]; then status "$NAME" ok "$(tail -c 300 "$d/train.out" | tr '\n' ' ')"
     else status "$NAME" FAIL "exit $rc: $(tail -n 3 "$d/train.err" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
