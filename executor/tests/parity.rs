@@ -295,5 +295,8 @@ fn moe_on_every_mesh() {
 #[test]
 fn moe_aux_loss_is_per_rank_batch() {
     let (l, _) = compare_mesh(&tiny_moe(0.5), (1, 2, 1), "", 1);
-    assert!(l > 1e-5, "per-rank and whole-batch load-balancing losses agree to {l:e}");
+    assert!(
+        l > 1e-5,
+        "per-rank and whole-batch load-balancing losses agree to {l:e}"
+    );
 }
