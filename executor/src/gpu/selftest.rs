@@ -653,19 +653,24 @@ pub fn cases(full: bool) -> Vec<Case> {
     v
 }
 
-/// Deterministic inputs: splitmix64 to uniform f32 in [-scale, scale].
-struct Rng(u64);
+/// Deterministic inputs: the initialiser's counter-based uniforms (`train::init::uniform`),
+/// element after element of one stream per case.
+struct Rng {
+    seed: u64,
+    next: u64,
+}
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    fn new(seed: u64) -> Self {
+        Rng { seed, next: 0 }
+    }
+    /// A uniform in (0, 1).
+    fn unit(&mut self) -> f64 {
+        self.next += 1;
+        crate::train::init::uniform(self.seed, 0, self.next)
     }
     fn uniform(&mut self, scale: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        ((self.unit() * 2.0 - 1.0) * f64::from(scale)) as f32
     }
     /// f32 values rounded through `p`, as a CPU f32 tensor.
     fn floats(&mut self, dims: &[usize], scale: f32, p: Precision) -> Result<Tensor> {
@@ -679,7 +684,10 @@ impl Rng {
     }
     fn ids(&mut self, dims: &[usize], max: u32) -> Result<Tensor> {
         let n: usize = dims.iter().product();
-        let v: Vec<u32> = (0..n).map(|_| (self.next() % u64::from(max.max(1))) as u32).collect();
+        let max = max.max(1);
+        let v: Vec<u32> = (0..n)
+            .map(|_| ((self.unit() * f64::from(max)) as u32).min(max - 1))
+            .collect();
         Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
     }
 }
@@ -766,7 +774,7 @@ fn compare(
     reps: usize,
     seed: u64,
 ) -> Result<(Vec<f64>, Option<f64>)> {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let p = case.precision;
     match &case.kind {
         Kind::Op { op, inputs } => {
