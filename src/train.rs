@@ -288,6 +288,36 @@ fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cli
     }
 }
 
+/// Makes the ranks' weights and optimizer state on `device` through `make`, with a
+/// progress bar on the process that runs rank 0 (a large model's start-up takes a while).
+fn startup(
+    placement: Placement,
+    device: &candle_core::Device,
+    make: impl FnOnce(Placement, &mut dyn FnMut(u64, u64)) -> Result<ShardedTrainer, ExecError>,
+) -> Result<ShardedTrainer, ExecError> {
+    let bar = if placement.ranks.iter().any(|(r, _)| *r == 0) {
+        ProgressBar::new(0)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} making weights on {msg}: shard {pos}/{len} [{bar:30}] {elapsed}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(if device.is_cpu() {
+        "the CPU".to_string()
+    } else {
+        "the GPU".to_string()
+    });
+    let t = make(placement, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    t
+}
+
 /// Runs the training loop with the ranks `place` gives this process.
 fn train(
     args: &TrainArgs,
@@ -325,11 +355,13 @@ fn train(
             }
             let specs = Specs::Plan(p.clone());
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
-            if device.is_cpu() {
-                fit::check(&plan, placement.ranks.len(), &model, &parallel, p)?;
-            }
-            let t = ShardedTrainer::from_placement(&model, &parallel, plan, joint, args.steps, placement)
-                .map_err(|e| exec_error(e, &specs))?;
+            fit::check(&plan, placement.ranks.len(), &device, device_name, &model, &parallel, p)?;
+            let t = startup(placement, &device, |placement, progress| {
+                ShardedTrainer::from_placement_on(
+                    &model, &parallel, plan, joint, args.steps, placement, &device, progress,
+                )
+            })
+            .map_err(|e| exec_error(e, &specs))?;
             (specs, t, model)
         }
         (None, Some(m), Some(par)) => {
@@ -341,13 +373,28 @@ fn train(
             let config = model.config.clone();
             let specs = Specs::Files(Box::new((model, parallel)));
             let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
-            if device.is_cpu() {
-                fit::check(&plan, placement.ranks.len(), &config, &run_config, specs.file())?;
-            }
+            fit::check(
+                &plan,
+                placement.ranks.len(),
+                &device,
+                device_name,
+                &config,
+                &run_config,
+                specs.file(),
+            )?;
             let t = match &specs {
-                Specs::Files(b) => {
-                    ShardedTrainer::from_placement(&b.0.config, &b.1.config, plan, joint, args.steps, placement)
-                }
+                Specs::Files(b) => startup(placement, &device, |placement, progress| {
+                    ShardedTrainer::from_placement_on(
+                        &b.0.config,
+                        &b.1.config,
+                        plan,
+                        joint,
+                        args.steps,
+                        placement,
+                        &device,
+                        progress,
+                    )
+                }),
                 Specs::Plan(_) => unreachable!("built from files just above"),
             }
             .map_err(|e| exec_error(e, &specs))?;
@@ -386,7 +433,6 @@ fn train(
             }
         );
     }
-    trainer.to_device(&device).map_err(|e| exec_error(e, &specs))?;
     trainer
         .set_kernels(kernels)
         .map_err(|e| CliError::Usage(format!("--kernels: {e}")))?;

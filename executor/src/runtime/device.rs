@@ -86,6 +86,18 @@ pub fn measure(device: &Device) -> Result<Option<DeviceMemory>, ExecError> {
     Ok(None)
 }
 
+/// Memory a new run may still take on `device` and its total, as the driver reports them
+/// now (`cuMemGetInfo`: what the CUDA context, other processes and earlier runs hold is
+/// already gone from the first figure); `None` on the CPU, whose budget is the host's.
+pub fn free_memory(device: &Device) -> Result<Option<(u64, u64)>, ExecError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return cuda_memory::free(d).map(Some);
+    }
+    let _ = device;
+    Ok(None)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_memory {
     //! The device's default memory pool (cudarc allocates through `cuMemAllocAsync`, which
@@ -144,6 +156,12 @@ mod cuda_memory {
         }
         .result()
         .map_err(|e| fail("cuMemPoolSetAttribute(release threshold)", e))
+    }
+
+    pub(super) fn free(d: &CudaDevice) -> Result<(u64, u64), ExecError> {
+        let ctx = d.cuda_stream().context().clone();
+        let (free, total) = ctx.mem_get_info().map_err(|e| fail("cuMemGetInfo", e))?;
+        Ok((free.min(total) as u64, total as u64))
     }
 
     pub(super) fn measure(d: &CudaDevice) -> Result<DeviceMemory, ExecError> {
@@ -214,6 +232,7 @@ mod tests {
     fn the_cpu_has_no_device_memory_to_measure() {
         reset_peaks(&Device::Cpu).unwrap();
         assert_eq!(measure(&Device::Cpu).unwrap(), None);
+        assert_eq!(free_memory(&Device::Cpu).unwrap(), None);
     }
 
     #[cfg(not(feature = "cuda"))]

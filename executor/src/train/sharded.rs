@@ -18,7 +18,7 @@ use crate::train::init::init_slice_elements;
 use crate::train::optim::{base_lr, lr_at, OptState};
 use crate::train::trainer::data_source;
 use crate::ExecError;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate_with, JointGraph};
@@ -151,6 +151,34 @@ impl ShardedTrainer {
         total_steps: u64,
         place: Placement,
     ) -> Result<Self, ExecError> {
+        Self::from_placement_on(
+            model,
+            config,
+            plan,
+            joint,
+            total_steps,
+            place,
+            &Device::Cpu,
+            &mut |_, _| {},
+        )
+    }
+
+    /// [`ShardedTrainer::from_placement`] with the ranks on `device` from the start: each
+    /// parameter group's shard is made on the host (on every core) and moved to its pool's
+    /// device at once, and the optimizer state is made there as zeros, so the host never
+    /// holds more than one group's shard (a 8B model's f32 weights and two moments are
+    /// 96 GiB). `progress(done, total)` is called after each (rank, group) shard.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_placement_on(
+        model: &ModelConfig,
+        config: &ParallelConfig,
+        plan: Plan,
+        joint: JointGraph,
+        total_steps: u64,
+        place: Placement,
+        device: &Device,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self, ExecError> {
         if !plan.policy.runtime.is_shardplan() {
             // FSDP2's buffers (flat all-gather outputs, its reduce-scatter state) are a
             // prediction of another framework's run, not this executor's schedule.
@@ -191,24 +219,34 @@ impl ShardedTrainer {
         // A tensor group shares its sequences: the batch is split over the data-parallel
         // ranks only.
         let data_world = mesh.data_parallel();
+        // Host-pool state (CPU offload) stays on the CPU.
+        let pool_of = |g: usize, c: Category| plan.persistent_buffer(g, c).map_or(Pool::Device, |b| b.pool);
+        let on = |pool: Pool| {
+            if pool == Pool::Host {
+                Device::Cpu
+            } else {
+                device.clone()
+            }
+        };
+        let (shards, mut made) = ((placed.len() * plan.groups.len()) as u64, 0u64);
         for (rank, mut comms) in placed {
             if rank >= world {
                 return Err(ExecError::Internal(format!("rank {rank} placed on a world of {world}")));
             }
             let coords = mesh.coords(rank);
             let ctx = match comms.tensor.take() {
-                Some(t) => Ctx::with_tensor_group(Device::Cpu, TensorGroup::new(std::sync::Arc::from(t))),
+                Some(t) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(std::sync::Arc::from(t))),
                 None if mesh.tensor() > 1 => {
                     return Err(ExecError::Unsupported(format!(
                         "the {backend} backend does not run tensor parallelism yet (mesh.tensor {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
                         mesh.tensor()
                     )))
                 }
-                None => Ctx::new(Device::Cpu),
+                None => Ctx::new(device.clone()),
             };
             let mut params = Vec::with_capacity(plan.groups.len());
             let mut opt = Vec::with_capacity(plan.groups.len());
-            for grp in &plan.groups {
+            for (gi, grp) in plan.groups.iter().enumerate() {
                 let l = &grp.layout;
                 let mut flat = vec![0f32; l.shard_numel as usize];
                 for pl in &l.params {
@@ -218,11 +256,20 @@ impl ShardedTrainer {
                     let at = pl.shard_offset as usize;
                     flat[at..at + vals.len()].copy_from_slice(&vals);
                 }
-                let t = Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?;
+                let t = Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?
+                    .to_device(&on(pool_of(gi, Category::ShardedParams)))?;
                 let mut o = OptState::new(config.optimizer, 1);
-                o.materialize(std::slice::from_ref(&t))?;
+                // The state is made as zeros like a tensor on its own pool's device.
+                let state_at = on(pool_of(gi, Category::OptimizerState));
+                if state_at.same_device(t.device()) {
+                    o.materialize(std::slice::from_ref(&t))?;
+                } else {
+                    o.materialize(&[Tensor::zeros(l.shard_numel as usize, DType::F32, &state_at)?])?;
+                }
                 params.push(t);
                 opt.push(o);
+                made += 1;
+                progress(made, shards);
             }
             ranks.push(RankState {
                 rank,
@@ -279,7 +326,7 @@ impl ShardedTrainer {
             model: model.clone(),
             total_steps,
             step: 0,
-            device: Device::Cpu,
+            device: device.clone(),
         })
     }
 
