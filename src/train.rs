@@ -80,6 +80,11 @@ pub struct TrainArgs {
     /// the first); the end of the run prints the mean. `plan --compare FILE` reads it.
     #[arg(long, value_name = "FILE")]
     pub profile: Option<PathBuf>,
+    /// How `--profile` and `--trace` time a GPU run: `device` (CUDA events recorded on the
+    /// stream each instruction's work is issued to, read after the step: the work's own
+    /// time) or `host` (when the host issued it). The CPU is always timed by the host.
+    #[arg(long, value_enum, value_name = "CLOCK", default_value = "device")]
+    pub profile_clock: ProfileClock,
     /// Seconds a collective or a cross-stream wait may take before the run stops with an
     /// error naming it (a rank that died or hung).
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
@@ -288,6 +293,13 @@ fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cli
     }
 }
 
+/// Where a GPU run's instructions are timed (`--profile-clock`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProfileClock {
+    Device,
+    Host,
+}
+
 /// Makes the ranks' weights and optimizer state on `device` through `make`, with a
 /// progress bar on the process that runs rank 0 (a large model's start-up takes a while).
 fn startup(
@@ -458,6 +470,7 @@ fn train(
     if args.trace.is_some() {
         trainer.record_times();
     }
+    trainer.set_device_clock(args.profile_clock == ProfileClock::Device);
     if args.profile.is_some() {
         trainer.record_profile();
     }

@@ -258,3 +258,41 @@ fn bad_profiles_are_refused_at_their_line_and_field() {
         }
     }
 }
+
+/// The CPU is timed by the host whichever clock is asked for; an unknown clock is refused.
+#[test]
+fn the_cpu_is_timed_by_the_host_under_either_profile_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec_1x2(dir.path());
+    for clock in ["device", "host"] {
+        let path = dir.path().join(format!("profile-{clock}.json"));
+        shardplan_ok(&[
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            spec.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--profile",
+            path.to_str().unwrap(),
+            "--profile-clock",
+            clock,
+        ]);
+        let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(p["clock"], "host timers", "--profile-clock {clock}");
+    }
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--profile-clock",
+        "wall",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--profile-clock"), "{}", stderr(&o));
+}

@@ -12,6 +12,7 @@
 //! or Plan it is given, in the order it is given.
 
 pub mod checkpoint;
+pub mod clock;
 pub mod comm;
 pub mod cpu;
 mod error;

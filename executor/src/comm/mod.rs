@@ -90,6 +90,11 @@ pub trait Collectives: Send + Sync {
     fn flush(&self) -> Result<(), ExecError> {
         Ok(())
     }
+    /// Where this group's work is timed: the host for a backend that does the work in the
+    /// call, the CUDA stream it enqueues on for one that `enqueues`.
+    fn clock(&self) -> crate::clock::Clock {
+        crate::clock::Clock::Host
+    }
 }
 
 /// Why the world stopped (the first failure any rank reported), and how long any wait may

@@ -14,6 +14,7 @@
 
 use crate::comm::{tensor_bytes, Abort, Collectives, Reduce};
 
+use crate::clock::{Clock, Mark, Origin};
 use crate::cpu::fused;
 use crate::cpu::kernels::{apply, cdtype, Ctx};
 use crate::train::optim::OptState;
@@ -46,6 +47,10 @@ pub struct Shared {
     /// shardplan's own CUDA kernels for attention's backward, the gradient norm and AdamW
     /// (`--kernels native`, [`crate::gpu`]); the ranks' kernel contexts say the same.
     pub native: bool,
+    /// Time instructions (and, with `profile`, nodes) by CUDA events on the streams their
+    /// work is issued to, not by the host's clock (`crate::clock`): a GPU run's `--profile`
+    /// and `--trace`. No effect on the CPU, whose work the host clock times.
+    pub device_clock: bool,
 }
 
 /// A failure a test injects at one instruction of one rank.
@@ -114,11 +119,7 @@ pub struct RankStepOut {
 }
 
 /// Seconds since the Unix epoch, as an f64 (microsecond resolution for centuries).
-pub fn wall_seconds() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
+pub use crate::clock::wall_seconds;
 
 struct Event {
     set: Mutex<bool>,
@@ -192,6 +193,13 @@ struct StepCtx<'a> {
     out: Mutex<RankStepOut>,
     /// Start and end of each instruction (written by the stream that runs it).
     times: Vec<Mutex<[f64; 2]>>,
+    /// With device timing: the step's origin on the compute stream, the compute stream's
+    /// clock, each instruction's marks on its stream (resolved into `times` after the step)
+    /// and the compute nodes' marks (into `node_seconds`).
+    origin: Option<Origin>,
+    clock: Clock,
+    marks: Vec<Mutex<Option<(Mark, Mark)>>>,
+    node_marks: Mutex<Vec<(NodeId, Mark, Mark)>>,
     /// The reduced sum of squares of the gradients when it lives on a GPU, read after the
     /// step (the one host wait of a step).
     norm: Mutex<Option<Tensor>>,
@@ -525,9 +533,16 @@ impl StepCtx<'_> {
         let copy = s.phase == shardplan_planner::Phase::Recompute;
         let mut pos = sh.step_start[step];
         let mut node_seconds = Vec::new();
+        let mut node_marks = Vec::new();
+        let on_device = self.origin.is_some();
         for r in &s.nodes {
             for i in r.clone() {
-                let started = sh.profile.then(Instant::now);
+                let started = (sh.profile && !on_device).then(Instant::now);
+                let mark = if sh.profile && on_device {
+                    Some(self.clock.mark()?)
+                } else {
+                    None
+                };
                 let id = NodeId(i);
                 let node = g.node(id);
                 // Bytes already in `live` for this value (made early by a blockwise attention).
@@ -633,10 +648,14 @@ impl StepCtx<'_> {
                 if let Some(t) = started {
                     node_seconds.push((id, t.elapsed().as_secs_f64()));
                 }
+                if let Some(m) = mark {
+                    node_marks.push((id, m, self.clock.mark()?));
+                }
             }
         }
         if sh.profile {
             lock(&self.out).node_seconds.extend(node_seconds);
+            lock(&self.node_marks).extend(node_marks);
         }
         lock(&self.memory).activations = c.live;
         // The gradients into their pieces: each piece's parameters, whole, one after another.
@@ -1011,6 +1030,13 @@ pub fn run_step(
         }
     }
     memory.observe();
+    // Device timing: one origin on the compute stream, every mark measured from it.
+    let device_clock = Clock::of_device(&ctx.device);
+    let origin = if shared.device_clock && device_clock.is_device() {
+        Some(Origin::new(&device_clock)?)
+    } else {
+        None
+    };
     let cx = StepCtx {
         shared,
         // The device pool's device; the host pool is the CPU (`pool_device`). On the CPU
@@ -1040,6 +1066,10 @@ pub fn run_step(
         lr,
         out: Mutex::new(RankStepOut::default()),
         times: (0..program.instrs.len()).map(|_| Mutex::new([0.0; 2])).collect(),
+        clock: if origin.is_some() { device_clock } else { Clock::Host },
+        origin,
+        marks: (0..program.instrs.len()).map(|_| Mutex::new(None)).collect(),
+        node_marks: Mutex::new(Vec::new()),
         norm: Mutex::new(None),
         device_losses: Mutex::new(Vec::new()),
     };
@@ -1064,6 +1094,19 @@ pub fn run_step(
             } else {
                 None
             };
+            // The CUDA stream this plan stream's work is issued to: the compute stream's,
+            // or that of the communicators its collectives run on (one per plan stream).
+            let clock = match (&cx.origin, stream) {
+                (None, _) => None,
+                (Some(_), Stream::Compute) => Some(cx.clock.clone()),
+                (Some(_), _) => Some(
+                    list.iter()
+                        .find_map(|&i| program.instrs[i].instr.collective().map(|(c, _, _)| c))
+                        .map(|c| cx.comms.get(c, stream).map(|g| g.clock()))
+                        .transpose()?
+                        .unwrap_or_else(|| cx.clock.clone()),
+                ),
+            };
             handles.push(scope.spawn(move || -> Result<(), ExecError> {
                 crate::runtime::device::bind_thread(&cx.device)?;
                 let mut compute = mine.map(|ctx| Compute {
@@ -1085,6 +1128,7 @@ pub fn run_step(
                         .find(|f| f.0 == cx.rank && f.1 == i)
                         .map(|f| f.2);
                     let started = wall_seconds();
+                    let mark = clock.as_ref().map(|c| c.mark()).transpose()?;
                     let result = match fault {
                         Some(Fault::Stall) => loop {
                             if let Some(r) = cx.abort.reason() {
@@ -1096,6 +1140,9 @@ pub fn run_step(
                         None => cx.execute(i, &mut compute),
                     };
                     *lock(&cx.times[i]) = [started, wall_seconds()];
+                    if let (Some(c), Some(m)) = (&clock, mark) {
+                        *lock(&cx.marks[i]) = Some((m, c.mark()?));
+                    }
                     if let Err(e) = result {
                         if !matches!(e, ExecError::Aborted(_)) {
                             let what = shardplan_planner::print::describe(
@@ -1176,5 +1223,16 @@ pub fn run_step(
         .into_iter()
         .map(|t| t.into_inner().unwrap_or_else(|e| e.into_inner()))
         .collect();
+    if let Some(origin) = &cx.origin {
+        // The step's work has been waited for: every event is complete.
+        for (t, m) in out.times.iter_mut().zip(cx.marks) {
+            if let Some((a, b)) = m.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                *t = [origin.seconds(&a)?, origin.seconds(&b)?];
+            }
+        }
+        for (id, a, b) in cx.node_marks.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            out.node_seconds.push((id, origin.between(&a, &b)?));
+        }
+    }
     Ok(out)
 }

@@ -115,6 +115,7 @@ impl Validation {
                 ordered_launch: false,
                 profile: false,
                 native: false,
+                device_clock: false,
             },
             data,
             every: e.every,

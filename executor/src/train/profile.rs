@@ -5,9 +5,9 @@
 //!
 //! The times come from the rank runtime: `RankStepOut::times` (each instruction's start
 //! and end) and `RankStepOut::node_seconds` (each node of a compute step, when
-//! `Shared::profile` is on). On the CPU both are host timers; a GPU build fills the same
-//! two fields from CUDA events, and nothing here depends on where they come from (the
-//! file's `clock` says which).
+//! `Shared::profile` is on). On the CPU both are host timers; a GPU run fills the same
+//! two fields from CUDA events (`Shared::device_clock`, `crate::clock`), and nothing here
+//! depends on where they come from (the file's `clock` says which).
 
 use super::sharded::ShardedTrainer;
 use crate::runtime::rank::{RankStepOut, Shared};
@@ -24,8 +24,12 @@ use std::path::Path;
 pub const FORMAT: &str = "shardplan-profile";
 /// The profile file's format version.
 pub const VERSION: u32 = 1;
-/// What measured the times of this build: host timers around each instruction and node.
+/// What measured the times: host timers around each instruction and node (the CPU, or a
+/// GPU run with `--profile-clock host`).
 pub const CLOCK: &str = "host timers";
+/// What measured a GPU run's times: CUDA events on the stream each instruction's work was
+/// issued to (`crate::clock`).
+pub const DEVICE_CLOCK: &str = "CUDA events";
 
 /// What an instruction does, the unit of the profile's `by_instruction` totals.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -494,7 +498,7 @@ impl ShardedTrainer {
             instructions: plan.programs[0].instrs.len() as u64,
             device: Name(device.to_string()),
             backend: Name(self.backend().to_string()),
-            clock: Name(CLOCK.into()),
+            clock: Name(if self.shared.device_clock { DEVICE_CLOCK } else { CLOCK }.into()),
             steps: Steps { first, last, run },
             mean: mean(&ranks),
             ranks,

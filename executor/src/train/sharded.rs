@@ -310,6 +310,7 @@ impl ShardedTrainer {
                 ordered_launch: false,
                 profile: false,
                 native: false,
+                device_clock: false,
             },
             ranks,
             data,
@@ -653,6 +654,14 @@ impl ShardedTrainer {
     /// Records every instruction's measured start and end from now on (`trace`).
     pub fn record_times(&mut self) {
         self.times.get_or_insert_with(Vec::new);
+    }
+
+    /// Whether a GPU run's recorded times (`record_times`, `record_profile`) are read from
+    /// CUDA events on the streams the work is issued to (`crate::clock`) rather than the
+    /// host's clock; the CPU's are the host's either way. Call after the ranks are on their
+    /// device.
+    pub fn set_device_clock(&mut self, on: bool) {
+        self.shared.device_clock = on && self.device.is_cuda();
     }
 
     /// The global ranks this process runs.

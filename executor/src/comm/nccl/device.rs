@@ -192,6 +192,10 @@ impl Collectives for NcclGroup {
         self.size
     }
 
+    fn clock(&self) -> crate::clock::Clock {
+        crate::clock::Clock::Device(self.stream.clone())
+    }
+
     fn index(&self) -> usize {
         self.index
     }
