@@ -74,6 +74,13 @@ fn fits(c: &Candidate, budget: u64) -> &'static str {
     }
 }
 
+/// `plan --auto`: the specs from `args`, searched.
+pub fn run_args(args: &PlanArgs) -> Result<(), CliError> {
+    let model = shardplan_frontends::load_model(&args.model)?;
+    let parallel = shardplan_frontends::load_parallel(&args.parallel)?;
+    run(args, &model, &parallel)
+}
+
 pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> Result<(), CliError> {
     let base = &parallel.config;
     let budget = args.memory_budget.unwrap_or_else(|| default_budget(&base.hardware));

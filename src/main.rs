@@ -122,6 +122,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args).map(|()| None),
+        // `plan --auto` searches; `auto` builds on `plan`'s helpers, so the choice is made here.
+        Command::Plan(args) if args.auto => auto::run_args(&args).map(|()| None),
         Command::Plan(args) => plan::run(&args).map(|()| None),
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(&cmd).map(|()| None),

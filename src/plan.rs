@@ -168,9 +168,6 @@ fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget:
 pub fn run(args: &PlanArgs) -> Result<(), CliError> {
     let model = load_model(&args.model)?;
     let parallel = load_parallel(&args.parallel)?;
-    if args.auto {
-        return crate::auto::run(args, &model, &parallel);
-    }
     let world = parallel.config.mesh.world();
     if args.rank >= world {
         return Err(CliError::Input(parallel.origin.error(

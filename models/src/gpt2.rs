@@ -1,7 +1,7 @@
 //! GPT-2 with HF names (`transformer.h.3.attn.c_attn.weight`, Conv1D `[in, out]` weights)
 //! and HF module paths without the `transformer.` prefix (`h.3.attn`).
 
-use crate::trace::Tracer;
+use crate::tracer::Tracer;
 use crate::Gpt2Config;
 use shardplan_ir::{DType, IrError, ModuleKind, NodeId, Op, ScopeId, WeightLayout};
 

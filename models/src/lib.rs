@@ -9,10 +9,12 @@ mod llama;
 mod mlp;
 mod presets;
 mod trace;
+mod tracer;
 
 pub use config::{
     Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router, MAX_LAYERS,
 };
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
-pub use trace::{trace, TensorOptions, TraceError, TraceOptions};
+pub use trace::{trace, TraceError, TraceOptions};
+pub use tracer::TensorOptions;

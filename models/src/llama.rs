@@ -1,7 +1,7 @@
 //! The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), with HF parameter names and torchtitan
 //! module paths (`layers.3.attention`, `layers.3.feed_forward`).
 
-use crate::trace::Tracer;
+use crate::tracer::Tracer;
 use crate::{LlamaConfig, MoeConfig, MoeNames, Router};
 use shardplan_ir::{DType, IrError, ModuleKind, NodeId, Op, RouterScore, ScopeId, TpGrad, WeightLayout};
 

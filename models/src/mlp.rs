@@ -1,7 +1,7 @@
 //! A residual MLP classifier: `x + fc2(gelu(fc1(x)))` per layer, then a linear head.
 //! Every row of features (batch x seq of them) is classified on its own.
 
-use crate::trace::Tracer;
+use crate::tracer::Tracer;
 use crate::MlpConfig;
 use shardplan_ir::{DType, IrError, ModuleKind, Op, WeightLayout};
 

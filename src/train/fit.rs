@@ -94,6 +94,8 @@ pub struct Pool<'a> {
     pub per_rank: &'a dyn Fn(&Plan) -> u64,
     /// How many ranks of a plan share it, and how to say so.
     pub ranks: &'a dyn Fn(&Plan) -> (u64, String),
+    /// What one rank's figure is made of.
+    pub breakdown: &'a dyn Fn(&Plan) -> String,
     /// What runs out otherwise.
     pub consequence: &'a str,
     /// The change beyond the spec: more hosts, more GPUs.
@@ -119,26 +121,44 @@ fn need(pool: &Pool, plan: &Plan) -> Need {
     }
 }
 
-/// The breakdown of a rank's bytes: the device pool's allocated peak and what is offloaded.
-fn breakdown(plan: &Plan, device_part: bool, host_part: bool) -> String {
-    let mut parts = Vec::new();
-    if device_part {
-        parts.push(format!("allocated peak {}", bytes(plan.memory.peak)));
-    }
-    if host_part && plan.memory.host.total() > 0 {
+/// A CPU rank's bytes: the device pool's allocated peak and what is offloaded.
+fn host_breakdown(plan: &Plan) -> String {
+    let mut parts = vec![format!("allocated peak {}", bytes(plan.memory.peak))];
+    if plan.memory.host.total() > 0 {
         parts.push(format!("offloaded {}", bytes(plan.memory.host.total())));
     }
     parts.join(" + ")
 }
 
+/// Bytes one rank of `plan` needs on its GPU once the CUDA context is up (the free memory
+/// it is checked against is measured after that): what the allocator reserves at the
+/// peak (at least the allocated peak), plus NCCL's buffers where `nccl`.
+pub fn gpu_rank_bytes(plan: &Plan, nccl: bool) -> u64 {
+    let m = &plan.memory;
+    m.reserved_peak
+        .max(m.peak)
+        .saturating_add(if nccl { m.overhead.nccl } else { 0 })
+}
+
+fn gpu_breakdown(plan: &Plan, nccl: bool) -> String {
+    let m = &plan.memory;
+    let mut s = format!(
+        "reserved peak {} for an allocated peak of {}",
+        bytes(m.reserved_peak.max(m.peak)),
+        bytes(m.peak)
+    );
+    if nccl && m.overhead.nccl > 0 {
+        s += &format!(" + NCCL buffers {}", bytes(m.overhead.nccl));
+    }
+    s
+}
+
 /// Refuses `plan` when its ranks need more of `pool` than it has. `model` and `config`
 /// (the spec the plan was made from, as the executor runs it) give the alternatives;
-/// `file` is the parallel spec or plan file the error points at; `parts` says which of the
-/// plan's pools the per-rank figure counts (device, host).
+/// `file` is the parallel spec or plan file the error points at.
 pub fn refuse_over(
     pool: &Pool,
     plan: &Plan,
-    parts: (bool, bool),
     model: &ModelConfig,
     config: &ParallelConfig,
     file: &Path,
@@ -153,7 +173,7 @@ pub fn refuse_over(
         pool.what,
         n.who,
         bytes(n.per_rank),
-        breakdown(plan, parts.0, parts.1),
+        (pool.breakdown)(plan),
         bytes(n.total - pool.budget),
         bytes(pool.budget),
         pool.source,
@@ -240,11 +260,12 @@ pub fn check(
             source,
             per_rank: &rank_bytes,
             ranks: &host_ranks,
+            breakdown: &host_breakdown,
             consequence: "on the CPU the host is the device, and this run would be killed when memory runs out",
             more: host_more,
             var: HOST_MEMORY_VAR,
         };
-        return refuse_over(&pool, plan, (true, true), model, config, file);
+        return refuse_over(&pool, plan, model, config, file);
     }
     if let Some((budget, source)) = device_budget(device, device_name)? {
         // Every rank of this process shares its one device (threads), or the process is one
@@ -263,8 +284,10 @@ pub fn check(
             what: format!("memory on {device_name}"),
             budget,
             source,
-            per_rank: &|p: &Plan| p.memory.peak,
+            // One rank per process is the NCCL backend; threads share no NCCL communicator.
+            per_rank: &|p: &Plan| gpu_rank_bytes(p, !all_here),
             ranks: &device_ranks,
+            breakdown: &|p: &Plan| gpu_breakdown(p, !all_here),
             consequence: "the run would stop with CUDA out of memory",
             more: if all_here {
                 "run one rank per GPU (--backend nccl under torchrun or `shardplan launch`)"
@@ -273,7 +296,7 @@ pub fn check(
             },
             var: DEVICE_MEMORY_VAR,
         };
-        refuse_over(&pool, plan, (true, false), model, config, file)?;
+        refuse_over(&pool, plan, model, config, file)?;
     }
     if plan.memory.host.total() > 0 {
         if let Some((budget, source)) = host_budget()? {
@@ -283,11 +306,12 @@ pub fn check(
                 source,
                 per_rank: &|p: &Plan| p.memory.host.total(),
                 ranks: &host_ranks,
+                breakdown: &|p: &Plan| format!("offloaded {}", bytes(p.memory.host.total())),
                 consequence: "the host would run out of memory",
                 more: host_more,
                 var: HOST_MEMORY_VAR,
             };
-            refuse_over(&pool, plan, (false, true), model, config, file)?;
+            refuse_over(&pool, plan, model, config, file)?;
         }
     }
     Ok(())
@@ -311,31 +335,40 @@ mod tests {
         (model, config, plan)
     }
 
-    fn device_pool<'a>(
-        budget: u64,
-        per_rank: &'a dyn Fn(&Plan) -> u64,
-        ranks: &'a dyn Fn(&Plan) -> (u64, String),
-    ) -> Pool<'a> {
+    fn gpu<'a>(budget: u64, nccl: &'a dyn Fn(&Plan) -> u64, ranks: &'a dyn Fn(&Plan) -> (u64, String)) -> Pool<'a> {
         Pool {
             what: "memory on cuda:0".into(),
             budget,
             source: "free of 139.8 GiB on cuda:0, as cuMemGetInfo says".into(),
-            per_rank,
+            per_rank: nccl,
             ranks,
+            breakdown: &|p: &Plan| gpu_breakdown(p, false),
             consequence: "the run would stop with CUDA out of memory",
             more: "spread the mesh over more GPUs",
             var: DEVICE_MEMORY_VAR,
         }
     }
 
-    /// A GPU's pool counts the device peak of the ranks on it, not offloaded state; the
-    /// refusal names the device, the shortfall, and changes judged by the same count.
+    fn refused(r: Result<(), CliError>) -> String {
+        match r {
+            Err(CliError::Input(e)) => format!("{e:?} {e}"),
+            other => panic!("not refused as bad input: {}", other.is_ok()),
+        }
+    }
+
+    /// A GPU's pool counts what the allocator reserves at the peak for every rank on it,
+    /// NCCL's buffers only for a process's one rank; the refusal names the device, the
+    /// shortfall, and changes judged by the same count.
     #[test]
-    fn a_device_pool_counts_the_device_peak_of_its_ranks() {
+    fn a_gpu_pool_counts_the_reserved_peak_of_its_ranks() {
         let (model, config, plan) = planned(
             "mesh: {replicate: 1, shard: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 4, seq_len: 64}\nreshard_after_forward: false\n",
         );
-        let peak = |p: &Plan| p.memory.peak;
+        let m = &plan.memory;
+        assert!(m.reserved_peak >= m.peak && m.overhead.nccl > 0, "{m:?}");
+        assert_eq!(gpu_rank_bytes(&plan, false), m.reserved_peak);
+        assert_eq!(gpu_rank_bytes(&plan, true), m.reserved_peak + m.overhead.nccl);
+        let per = |p: &Plan| gpu_rank_bytes(p, false);
         let threads = |p: &Plan| {
             (
                 p.mesh.world(),
@@ -343,63 +376,42 @@ mod tests {
             )
         };
         let file = Path::new("parallel.yaml");
-        let need = plan.memory.peak * 2;
-        refuse_over(
-            &device_pool(need, &peak, &threads),
+        let need = m.reserved_peak * 2;
+        refuse_over(&gpu(need, &per, &threads), &plan, &model, &config, file).unwrap();
+        let e = refused(refuse_over(
+            &gpu(need - 1, &per, &threads),
             &plan,
-            (true, false),
             &model,
             &config,
             file,
-        )
-        .unwrap();
-        let e = match refuse_over(
-            &device_pool(need - 1, &peak, &threads),
-            &plan,
-            (true, false),
-            &model,
-            &config,
-            file,
-        ) {
-            Err(CliError::Input(e)) => format!("{e:?} {e}"),
-            other => panic!("not refused as bad input: {}", other.is_ok()),
-        };
+        ));
         assert!(
             e.contains("of memory on cuda:0 (2 rank(s) as threads on one GPU x")
+                && e.contains("reserved peak")
                 && e.contains("1 B more than the")
                 && e.contains("CUDA out of memory")
                 && e.contains("parallel.yaml"),
             "{e}"
         );
         assert!(!e.contains("offloaded"), "{e}");
-        // One rank per GPU: half the need, so the same budget fits.
+        // One rank on the GPU: half the need, so the same budget fits.
         let one = |_: &Plan| (1, "1 rank(s) on this GPU".to_string());
-        refuse_over(
-            &device_pool(need - 1, &peak, &one),
-            &plan,
-            (true, false),
-            &model,
-            &config,
-            file,
-        )
-        .unwrap();
+        refuse_over(&gpu(need - 1, &per, &one), &plan, &model, &config, file).unwrap();
     }
 
-    /// Offloaded optimizer state leaves the device's count and joins the host's.
+    /// Offloaded optimizer state is the host's, and a CPU rank counts both.
     #[test]
     fn offloaded_state_is_the_hosts() {
         let (_, _, plan) = planned(
             "mesh: {replicate: 1, shard: 2}\ngpus_per_node: 2\nbatch: {per_rank: 2, seq_len: 32}\noffload: cpu\n",
         );
-        assert!(plan.memory.host.total() > 0);
-        assert_eq!(rank_bytes(&plan), plan.memory.peak + plan.memory.host.total());
+        let m = &plan.memory;
+        assert!(m.host.total() > 0);
+        assert_eq!(rank_bytes(&plan), m.peak + m.host.total());
         assert_eq!(
-            breakdown(&plan, true, false),
-            format!("allocated peak {}", bytes(plan.memory.peak))
+            host_breakdown(&plan),
+            format!("allocated peak {} + offloaded {}", bytes(m.peak), bytes(m.host.total()))
         );
-        assert_eq!(
-            breakdown(&plan, false, true),
-            format!("offloaded {}", bytes(plan.memory.host.total()))
-        );
+        assert!(!gpu_breakdown(&plan, false).contains("offloaded"));
     }
 }

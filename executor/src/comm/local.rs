@@ -273,7 +273,7 @@ pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
     let mesh = plan.mesh;
     let world = mesh.world();
     let abort = Arc::new(Abort::default());
-    let mut comms: Vec<crate::runtime::rank::Comms> = (0..world).map(|_| Default::default()).collect();
+    let mut comms: Vec<crate::comm::Comms> = (0..world).map(|_| Default::default()).collect();
     for (c, s) in super::channels(plan) {
         let kind = format!("{c:?} ({s:?} stream)").to_lowercase();
         let mut handles = local_groups(world, &kind, |r| c.members(&mesh, r), &abort);

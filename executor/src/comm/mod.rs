@@ -20,6 +20,8 @@ pub mod tcp;
 
 use crate::ExecError;
 use candle_core::Tensor;
+use shardplan_planner::{Comm, Stream};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,6 +96,31 @@ pub trait Collectives: Send + Sync {
     /// call, the CUDA stream it enqueues on for one that `enqueues`.
     fn clock(&self) -> crate::clock::Clock {
         crate::clock::Clock::Host
+    }
+}
+
+/// The communicators of one rank: one per (process group, stream) its program issues
+/// collectives on, so collectives of different streams never queue behind one another.
+#[derive(Default)]
+pub struct Comms {
+    by: HashMap<(Comm, Stream), Box<dyn Collectives>>,
+    /// The tensor group the compute stream's tensor-parallel ops run over (a
+    /// communicator of its own, apart from the plan's instructions'); `None` without
+    /// tensor parallelism.
+    pub tensor: Option<Box<dyn Collectives>>,
+}
+
+impl Comms {
+    /// Adds the communicator of process group `c` used by stream `s`.
+    pub fn insert(&mut self, c: Comm, s: Stream, handle: Box<dyn Collectives>) {
+        self.by.insert((c, s), handle);
+    }
+
+    pub fn get(&self, c: Comm, s: Stream) -> Result<&dyn Collectives, ExecError> {
+        self.by
+            .get(&(c, s))
+            .map(|b| b.as_ref())
+            .ok_or_else(|| ExecError::Internal(format!("no communicator for the {c:?} group on the {s:?} stream")))
     }
 }
 
@@ -195,7 +222,7 @@ pub fn channels(plan: &shardplan_planner::Plan) -> Vec<(shardplan_planner::Comm,
 /// The ranks this process runs, their communicators, and how processes talk to each other.
 pub struct Placement {
     /// Every rank this process runs, in rank order, with its communicators.
-    pub ranks: Vec<(u64, crate::runtime::rank::Comms)>,
+    pub ranks: Vec<(u64, Comms)>,
     /// One member per process, for what the processes agree on between steps (metrics, a
     /// stop request, checkpoint completion); `None` when this process runs every rank.
     pub processes: Option<Box<dyn Collectives>>,

@@ -19,7 +19,7 @@
 //!   `MPI_Abort`, which makes the launcher stop every rank.
 
 use super::{Abort, Collectives, Placement, Reduce};
-use crate::runtime::rank::Comms;
+use crate::comm::Comms;
 use crate::ExecError;
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use mpi::collective::CommunicatorCollectives;

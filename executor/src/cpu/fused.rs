@@ -549,20 +549,8 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
     })
 }
 
-/// AdamW hyper-parameters of one update, bias corrections included.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamW {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// `1 - beta1^t` and `1 - beta2^t`.
-    pub bias1: f32,
-    pub bias2: f32,
-    /// Factor applied to the gradient first (global-norm clipping).
-    pub grad_scale: f32,
-}
+/// AdamW's hyper-parameters (the vector maths' type: its update loop takes them).
+pub use crate::cpu::vmath::AdamW;
 
 /// One AdamW update in a single pass: returns the new `(param, m, v)`.
 pub fn adamw(

@@ -2,11 +2,12 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
+use crate::cpu::linear::{linear, rows, weight_grad};
 use crate::cpu::tensor::TensorGroup;
 use crate::cpu::{attention, fused, moe};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
-use shardplan_ir::{DType, NormWrt, Op, TensorType, WeightLayout};
+use shardplan_ir::{DType, NormWrt, Op, TensorType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -497,52 +498,10 @@ fn embedding(table: &Tensor, ids: &Tensor, out: &[usize]) -> Result<Tensor> {
     Ok(table.index_select(&flat, 0)?.reshape(out)?)
 }
 
-/// `[..., in] -> [rows, in]`.
-fn rows(x: &Tensor) -> Result<Tensor> {
-    let last = x.dim(D::Minus1)?;
-    Ok(x.reshape(((), last))?)
-}
-
-pub(crate) fn linear(x: &Tensor, w: &Tensor, layout: WeightLayout, out: &[usize]) -> Result<Tensor> {
-    let x2 = rows(&x.contiguous()?)?;
-    if fused::applies(&[&x2, w]) {
-        let w = fused::Operand {
-            data: w,
-            transposed: layout == WeightLayout::OutIn,
-        };
-        let x2 = fused::Operand {
-            data: &x2,
-            transposed: false,
-        };
-        return Ok(fused::matmul(x2, w)?.reshape(out)?);
-    }
-    let y = match layout {
-        WeightLayout::OutIn => x2.matmul(&w.t()?)?,
-        WeightLayout::InOut => x2.matmul(w)?,
-    };
-    Ok(y.reshape(out)?)
-}
-
 /// `1 / (1 + exp(-x))`, in f32 (or f64) and cast back.
 fn sigmoid(x: &Tensor) -> Result<Tensor> {
     let w = wide(x)?;
     Ok(w.neg()?.exp()?.affine(1.0, 1.0)?.recip()?.to_dtype(x.dtype())?)
-}
-
-pub(crate) fn weight_grad(x: &Tensor, g: &Tensor, layout: WeightLayout) -> Result<Tensor> {
-    let (x2, g2) = (rows(&x.contiguous()?)?, rows(&g.contiguous()?)?);
-    if fused::applies(&[&x2, &g2]) {
-        let op = |t, transposed| fused::Operand { data: t, transposed };
-        return match layout {
-            // dW [out, in] = g^T x; dW [in, out] = x^T g.
-            WeightLayout::OutIn => fused::matmul(op(&g2, true), op(&x2, false)),
-            WeightLayout::InOut => fused::matmul(op(&x2, true), op(&g2, false)),
-        };
-    }
-    Ok(match layout {
-        WeightLayout::OutIn => g2.t()?.matmul(&x2)?,
-        WeightLayout::InOut => x2.t()?.matmul(&g2)?,
-    })
 }
 
 fn embedding_grad(ids: &Tensor, g: &Tensor, out: &[usize]) -> Result<Tensor> {

@@ -8,6 +8,7 @@ mod attention;
 pub(crate) mod fused;
 pub mod host;
 pub mod kernels;
+mod linear;
 mod moe;
 pub mod tensor;
 mod vmath;

@@ -6,7 +6,7 @@
 //! op's dtype; row movement is `index_select` on the operand's own dtype, and the expert
 //! matmuls are the dense `linear` / `weight_grad` kernels on each expert's run of rows.
 
-use crate::cpu::kernels::{linear, weight_grad};
+use crate::cpu::linear::{linear, weight_grad};
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
 use shardplan_ir::{RouterScore, WeightLayout};

@@ -221,7 +221,7 @@ multiversion! {
         op: &mut [MaybeUninit<f32>],
         om: &mut [MaybeUninit<f32>],
         ov: &mut [MaybeUninit<f32>],
-        h: crate::cpu::fused::AdamW,
+        h: AdamW,
     ) {
         let n = op.len();
         assert!(p.len() == n && g.len() == n && m.len() == n && v.len() == n && om.len() == n && ov.len() == n);
@@ -300,6 +300,21 @@ multiversion! {
             }
         }
     }
+}
+
+/// AdamW hyper-parameters of one update, bias corrections included.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// `1 - beta1^t` and `1 - beta2^t`.
+    pub bias1: f32,
+    pub bias2: f32,
+    /// Factor applied to the gradient first (global-norm clipping).
+    pub grad_scale: f32,
 }
 
 #[cfg(test)]

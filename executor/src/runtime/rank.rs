@@ -12,7 +12,8 @@
 //!   backward runs blockwise (`ExecOrder::blockwise_attention`): its `[b, h, s, t]` values
 //!   are empty placeholders, and its first gradient node makes all of its gradients.
 
-use crate::comm::{tensor_bytes, Abort, Collectives, Reduce};
+pub use crate::comm::Comms;
+use crate::comm::{tensor_bytes, Abort, Reduce};
 
 use crate::clock::{Clock, Mark, Origin};
 use crate::cpu::fused;
@@ -60,31 +61,6 @@ pub enum Fault {
     Stall,
     /// The instruction fails.
     Fail,
-}
-
-/// The communicators of one rank: one per (process group, stream) its program issues
-/// collectives on, so collectives of different streams never queue behind one another.
-#[derive(Default)]
-pub struct Comms {
-    by: HashMap<(Comm, Stream), Box<dyn Collectives>>,
-    /// The tensor group the compute stream's tensor-parallel ops run over (a
-    /// communicator of its own, apart from the plan's instructions'); `None` without
-    /// tensor parallelism.
-    pub tensor: Option<Box<dyn Collectives>>,
-}
-
-impl Comms {
-    /// Adds the communicator of process group `c` used by stream `s`.
-    pub fn insert(&mut self, c: Comm, s: Stream, handle: Box<dyn Collectives>) {
-        self.by.insert((c, s), handle);
-    }
-
-    fn get(&self, c: Comm, s: Stream) -> Result<&dyn Collectives, ExecError> {
-        self.by
-            .get(&(c, s))
-            .map(|b| b.as_ref())
-            .ok_or_else(|| ExecError::Internal(format!("no communicator for the {c:?} group on the {s:?} stream")))
-    }
 }
 
 /// What a rank keeps between steps.

@@ -8,6 +8,7 @@ use crate::train::init::uniform;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use shardplan_frontends::TokenDType;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// One micro-batch: a tensor per graph input name.
@@ -332,4 +333,19 @@ impl DataSource for TokenFile {
     fn seek(&mut self, position: u64) {
         self.position = position;
     }
+}
+/// Rank `rank`'s rows (of `world` equal shares along dim 0) of every input of a global
+/// batch.
+pub(crate) fn rank_rows(
+    inputs: Vec<(String, Tensor)>,
+    rank: usize,
+    world: usize,
+) -> Result<HashMap<String, Tensor>, ExecError> {
+    inputs
+        .into_iter()
+        .map(|(name, t)| {
+            let per = t.dim(0)? / world;
+            Ok((name, t.narrow(0, rank * per, per)?))
+        })
+        .collect()
 }

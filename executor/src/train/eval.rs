@@ -10,8 +10,7 @@
 //! over the global batches whatever the mesh.
 
 use crate::runtime::rank::{run_step, RankState, Shared};
-use crate::train::data::{DataSource, TokenFile};
-use crate::train::sharded::rank_rows;
+use crate::train::data::{rank_rows, DataSource, TokenFile};
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use shardplan_frontends::{DataSource as DataSpec, ParallelConfig};

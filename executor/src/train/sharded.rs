@@ -12,7 +12,7 @@ use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 pub use crate::runtime::rank::Fault;
 use crate::runtime::rank::{run_step, RankState, Shared};
-use crate::train::data::DataSource;
+use crate::train::data::{rank_rows, DataSource};
 use crate::train::eval::{step_starts, Validation};
 use crate::train::init::init_slice_elements;
 use crate::train::optim::{base_lr, lr_at, OptState};
@@ -99,22 +99,6 @@ pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
     c.hardware.kernels = shardplan_frontends::KernelMode::Fused;
     c.runtime = shardplan_frontends::Runtime::Shardplan;
     c
-}
-
-/// Rank `rank`'s rows (of `world` equal shares along dim 0) of every input of a global
-/// batch.
-pub(crate) fn rank_rows(
-    inputs: Vec<(String, Tensor)>,
-    rank: usize,
-    world: usize,
-) -> Result<HashMap<String, Tensor>, ExecError> {
-    inputs
-        .into_iter()
-        .map(|(name, t)| {
-            let per = t.dim(0)? / world;
-            Ok((name, t.narrow(0, rank * per, per)?))
-        })
-        .collect()
 }
 
 impl ShardedTrainer {

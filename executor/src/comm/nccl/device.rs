@@ -6,8 +6,8 @@
 //! from the plain, CPU-tested parts of `comm::nccl`.
 
 use super::{comm_specs, comm_streams, exchange_ids, wait_done, ID_BYTES};
+use crate::comm::Comms;
 use crate::comm::{all_gather_bytes, Abort, Collectives, Placement, Reduce};
-use crate::runtime::rank::Comms;
 use crate::ExecError;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
