@@ -9,6 +9,8 @@
 //! this file check that both agree.
 
 use crate::cpu::vmath;
+/// AdamW's hyper-parameters (the vector maths' type: its update loop takes them).
+pub use crate::cpu::vmath::AdamW;
 use crate::ExecError;
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -548,9 +550,6 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
         parts.iter().sum()
     })
 }
-
-/// AdamW's hyper-parameters (the vector maths' type: its update loop takes them).
-pub use crate::cpu::vmath::AdamW;
 
 /// One AdamW update in a single pass: returns the new `(param, m, v)`.
 pub fn adamw(
