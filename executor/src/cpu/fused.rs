@@ -336,195 +336,6 @@ pub fn activation_grad(x: &Tensor, g: &Tensor, gelu: bool) -> Result<Tensor> {
     out(v, x)
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use candle_core::D;
-
-    /// `a` equals `b` within `tol` relative to `b`'s largest magnitude (at least 1).
-    pub(crate) fn close(a: &Tensor, b: &Tensor, tol: f32) {
-        assert_eq!(a.dims(), b.dims());
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let s = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
-        assert!(d <= tol * s, "max difference {d} (scale {s})");
-    }
-
-    fn randn(dims: &[usize]) -> Tensor {
-        Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap()
-    }
-
-    #[test]
-    fn embedding_grad_equals_index_add_bit_for_bit() {
-        let ids: Vec<u32> = (0..97u32).map(|i| (i * 31 + 7) % 13).collect();
-        let g = randn(&[97, 24]);
-        let got = embedding_grad(&ids, &g, 13, 24).unwrap();
-        let idx = Tensor::from_vec(ids.clone(), 97, &Device::Cpu).unwrap();
-        let want = Tensor::zeros((13, 24), candle_core::DType::F32, &Device::Cpu)
-            .unwrap()
-            .index_add(&idx, &g, 0)
-            .unwrap();
-        let (a, b) = (
-            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-        );
-        assert_eq!(a, b);
-        assert!(
-            embedding_grad(&[13], &randn(&[1, 24]), 13, 24).is_err(),
-            "id past the table"
-        );
-    }
-
-    #[test]
-    fn masked_softmax_matches_composed() {
-        for (s, t) in [(5, 5), (3, 7), (64, 64)] {
-            let x = randn(&[2, 3, s, t]);
-            let mask: Vec<f32> = (0..s)
-                .flat_map(|i| (0..t).map(move |j| if j > i + t - s { f32::NEG_INFINITY } else { 0.0 }))
-                .collect();
-            let mask = Tensor::from_vec(mask, (s, t), &Device::Cpu).unwrap();
-            let want =
-                candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap().broadcast_add(&mask).unwrap()).unwrap();
-            close(&masked_softmax(&x, 0.5, true).unwrap(), &want, 1e-6);
-            let want = candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap()).unwrap();
-            close(&masked_softmax(&x, 0.5, false).unwrap(), &want, 1e-6);
-        }
-    }
-
-    #[test]
-    fn softmax_backward_matches_composed() {
-        let p = candle_nn::ops::softmax_last_dim(&randn(&[4, 9, 33])).unwrap();
-        let g = randn(&[4, 9, 33]);
-        let want = (&p
-            * g.broadcast_sub(&(&g * &p).unwrap().sum_keepdim(D::Minus1).unwrap())
-                .unwrap())
-        .unwrap();
-        close(&softmax_backward(&p, &g).unwrap(), &want, 1e-6);
-    }
-
-    #[test]
-    fn cross_entropy_and_grad_match_composed() {
-        let (n, v) = (300, 77);
-        let logits = randn(&[n, v]);
-        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31) % v as u32).collect();
-        let targets = Tensor::from_vec(ids, n, &Device::Cpu).unwrap();
-        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-        let want = (logp
-            .gather(&targets.reshape((n, 1)).unwrap(), 1)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            * (-1.0 / n as f64))
-            .unwrap();
-        close(&cross_entropy(&logits, &targets).unwrap(), &want, 1e-5);
-        let g = Tensor::new(2.0f32, &Device::Cpu).unwrap();
-        let onehot = Tensor::zeros((n, v), candle_core::DType::F32, &Device::Cpu)
-            .unwrap()
-            .scatter_add(
-                &targets.reshape((n, 1)).unwrap(),
-                &Tensor::ones((n, 1), candle_core::DType::F32, &Device::Cpu).unwrap(),
-                1,
-            )
-            .unwrap();
-        let want = ((candle_nn::ops::softmax_last_dim(&logits).unwrap() - onehot).unwrap() * (2.0 / n as f64)).unwrap();
-        close(&cross_entropy_grad(&logits, &targets, &g).unwrap(), &want, 1e-6);
-    }
-
-    #[test]
-    fn swap_dims_1_2_matches_transpose() {
-        let x = randn(&[2, 5, 3, 7]);
-        let want = x.transpose(1, 2).unwrap().contiguous().unwrap();
-        let got = swap_dims_1_2(&x).unwrap();
-        assert!(got.is_contiguous());
-        close(&got, &want, 0.0);
-    }
-
-    #[test]
-    fn elementwise_matches_candle() {
-        for dims in [&[3usize, 5][..], &[4, 256, 384]] {
-            let (a, b) = (randn(dims), randn(dims));
-            close(&elementwise(&a, &b, false).unwrap(), &(&a + &b).unwrap(), 0.0);
-            close(&elementwise(&a, &b, true).unwrap(), &(&a * &b).unwrap(), 0.0);
-        }
-        let empty = randn(&[0, 7]);
-        assert_eq!(elementwise(&empty, &empty, true).unwrap().dims(), &[0, 7]);
-    }
-
-    #[test]
-    fn matmul_matches_candle_for_every_transposition() {
-        for (m, k, n) in [(1, 1, 1), (37, 5, 70), (64, 384, 130), (3, 0, 4)] {
-            let (a, b) = (randn(&[m, k]), randn(&[k, n]));
-            let (at, bt) = (
-                a.t().unwrap().contiguous().unwrap(),
-                b.t().unwrap().contiguous().unwrap(),
-            );
-            let want = if k == 0 {
-                Tensor::zeros((m, n), candle_core::DType::F32, &Device::Cpu).unwrap()
-            } else {
-                a.matmul(&b).unwrap()
-            };
-            let op = |t, transposed| Operand { data: t, transposed };
-            for (x, y) in [
-                (op(&a, false), op(&b, false)),
-                (op(&at, true), op(&b, false)),
-                (op(&a, false), op(&bt, true)),
-                (op(&at, true), op(&bt, true)),
-            ] {
-                close(&matmul(x, y).unwrap(), &want, 1e-5);
-            }
-        }
-    }
-
-    #[test]
-    fn rms_norm_grads_match_composed() {
-        let (x, w, g) = (randn(&[3, 50, 64]), randn(&[64]), randn(&[3, 50, 64]));
-        let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-5)
-            .unwrap()
-            .sqrt()
-            .unwrap()
-            .recip()
-            .unwrap();
-        let xhat = x.broadcast_mul(&r).unwrap();
-        let gw = g.broadcast_mul(&w).unwrap();
-        let m = (&gw * &xhat).unwrap().mean_keepdim(D::Minus1).unwrap();
-        let want = (gw - xhat.broadcast_mul(&m).unwrap())
-            .unwrap()
-            .broadcast_mul(&r)
-            .unwrap();
-        close(&rms_norm_grad_input(&x, &w, &g, 1e-5).unwrap(), &want, 1e-5);
-        let want = (&g * &xhat)
-            .unwrap()
-            .sum_keepdim(0)
-            .unwrap()
-            .sum_keepdim(1)
-            .unwrap()
-            .flatten_all()
-            .unwrap();
-        close(&rms_norm_grad_weight(&x, &g, 1e-5).unwrap(), &want, 1e-5);
-    }
-
-    #[test]
-    fn activation_grads_match_composed() {
-        let (x, g) = (randn(&[7, 1000]), randn(&[7, 1000]));
-        let s = candle_nn::ops::sigmoid(&x).unwrap();
-        let want = (&g * (&s * ((&x * (1.0 - &s).unwrap()).unwrap() + 1.0).unwrap()).unwrap()).unwrap();
-        close(&activation_grad(&x, &g, false).unwrap(), &want, 1e-5);
-        close(&silu(&x).unwrap(), &x.silu().unwrap(), 1e-6);
-        // gelu: check against a central difference of candle's own gelu.
-        let h = 1e-2;
-        let num = ((x.affine(1.0, h).unwrap().gelu().unwrap() - x.affine(1.0, -h).unwrap().gelu().unwrap()).unwrap()
-            * (1.0 / (2.0 * h)))
-            .unwrap();
-        close(&activation_grad(&x, &g, true).unwrap(), &(&g * num).unwrap(), 1e-3);
-    }
-}
-
 /// Sum of squares of all elements, in f64 (for the global gradient norm). Chunks are summed
 /// in a fixed order so the result does not depend on thread timing.
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
@@ -742,4 +553,193 @@ pub fn matmul(a: Operand, b: Operand) -> Result<Tensor> {
         })
     })??;
     Ok(Tensor::from_vec(out, (m, n), a.data.device())?)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use candle_core::D;
+
+    /// `a` equals `b` within `tol` relative to `b`'s largest magnitude (at least 1).
+    pub(crate) fn close(a: &Tensor, b: &Tensor, tol: f32) {
+        assert_eq!(a.dims(), b.dims());
+        let d = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let s = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
+        assert!(d <= tol * s, "max difference {d} (scale {s})");
+    }
+
+    fn randn(dims: &[usize]) -> Tensor {
+        Tensor::randn(0f32, 1.0, dims, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn embedding_grad_equals_index_add_bit_for_bit() {
+        let ids: Vec<u32> = (0..97u32).map(|i| (i * 31 + 7) % 13).collect();
+        let g = randn(&[97, 24]);
+        let got = embedding_grad(&ids, &g, 13, 24).unwrap();
+        let idx = Tensor::from_vec(ids.clone(), 97, &Device::Cpu).unwrap();
+        let want = Tensor::zeros((13, 24), candle_core::DType::F32, &Device::Cpu)
+            .unwrap()
+            .index_add(&idx, &g, 0)
+            .unwrap();
+        let (a, b) = (
+            got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert_eq!(a, b);
+        assert!(
+            embedding_grad(&[13], &randn(&[1, 24]), 13, 24).is_err(),
+            "id past the table"
+        );
+    }
+
+    #[test]
+    fn masked_softmax_matches_composed() {
+        for (s, t) in [(5, 5), (3, 7), (64, 64)] {
+            let x = randn(&[2, 3, s, t]);
+            let mask: Vec<f32> = (0..s)
+                .flat_map(|i| (0..t).map(move |j| if j > i + t - s { f32::NEG_INFINITY } else { 0.0 }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (s, t), &Device::Cpu).unwrap();
+            let want =
+                candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap().broadcast_add(&mask).unwrap()).unwrap();
+            close(&masked_softmax(&x, 0.5, true).unwrap(), &want, 1e-6);
+            let want = candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap()).unwrap();
+            close(&masked_softmax(&x, 0.5, false).unwrap(), &want, 1e-6);
+        }
+    }
+
+    #[test]
+    fn softmax_backward_matches_composed() {
+        let p = candle_nn::ops::softmax_last_dim(&randn(&[4, 9, 33])).unwrap();
+        let g = randn(&[4, 9, 33]);
+        let want = (&p
+            * g.broadcast_sub(&(&g * &p).unwrap().sum_keepdim(D::Minus1).unwrap())
+                .unwrap())
+        .unwrap();
+        close(&softmax_backward(&p, &g).unwrap(), &want, 1e-6);
+    }
+
+    #[test]
+    fn cross_entropy_and_grad_match_composed() {
+        let (n, v) = (300, 77);
+        let logits = randn(&[n, v]);
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 31) % v as u32).collect();
+        let targets = Tensor::from_vec(ids, n, &Device::Cpu).unwrap();
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
+        let want = (logp
+            .gather(&targets.reshape((n, 1)).unwrap(), 1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            * (-1.0 / n as f64))
+            .unwrap();
+        close(&cross_entropy(&logits, &targets).unwrap(), &want, 1e-5);
+        let g = Tensor::new(2.0f32, &Device::Cpu).unwrap();
+        let onehot = Tensor::zeros((n, v), candle_core::DType::F32, &Device::Cpu)
+            .unwrap()
+            .scatter_add(
+                &targets.reshape((n, 1)).unwrap(),
+                &Tensor::ones((n, 1), candle_core::DType::F32, &Device::Cpu).unwrap(),
+                1,
+            )
+            .unwrap();
+        let want = ((candle_nn::ops::softmax_last_dim(&logits).unwrap() - onehot).unwrap() * (2.0 / n as f64)).unwrap();
+        close(&cross_entropy_grad(&logits, &targets, &g).unwrap(), &want, 1e-6);
+    }
+
+    #[test]
+    fn swap_dims_1_2_matches_transpose() {
+        let x = randn(&[2, 5, 3, 7]);
+        let want = x.transpose(1, 2).unwrap().contiguous().unwrap();
+        let got = swap_dims_1_2(&x).unwrap();
+        assert!(got.is_contiguous());
+        close(&got, &want, 0.0);
+    }
+
+    #[test]
+    fn elementwise_matches_candle() {
+        for dims in [&[3usize, 5][..], &[4, 256, 384]] {
+            let (a, b) = (randn(dims), randn(dims));
+            close(&elementwise(&a, &b, false).unwrap(), &(&a + &b).unwrap(), 0.0);
+            close(&elementwise(&a, &b, true).unwrap(), &(&a * &b).unwrap(), 0.0);
+        }
+        let empty = randn(&[0, 7]);
+        assert_eq!(elementwise(&empty, &empty, true).unwrap().dims(), &[0, 7]);
+    }
+
+    #[test]
+    fn matmul_matches_candle_for_every_transposition() {
+        for (m, k, n) in [(1, 1, 1), (37, 5, 70), (64, 384, 130), (3, 0, 4)] {
+            let (a, b) = (randn(&[m, k]), randn(&[k, n]));
+            let (at, bt) = (
+                a.t().unwrap().contiguous().unwrap(),
+                b.t().unwrap().contiguous().unwrap(),
+            );
+            let want = if k == 0 {
+                Tensor::zeros((m, n), candle_core::DType::F32, &Device::Cpu).unwrap()
+            } else {
+                a.matmul(&b).unwrap()
+            };
+            let op = |t, transposed| Operand { data: t, transposed };
+            for (x, y) in [
+                (op(&a, false), op(&b, false)),
+                (op(&at, true), op(&b, false)),
+                (op(&a, false), op(&bt, true)),
+                (op(&at, true), op(&bt, true)),
+            ] {
+                close(&matmul(x, y).unwrap(), &want, 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_grads_match_composed() {
+        let (x, w, g) = (randn(&[3, 50, 64]), randn(&[64]), randn(&[3, 50, 64]));
+        let r = (x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + 1e-5)
+            .unwrap()
+            .sqrt()
+            .unwrap()
+            .recip()
+            .unwrap();
+        let xhat = x.broadcast_mul(&r).unwrap();
+        let gw = g.broadcast_mul(&w).unwrap();
+        let m = (&gw * &xhat).unwrap().mean_keepdim(D::Minus1).unwrap();
+        let want = (gw - xhat.broadcast_mul(&m).unwrap())
+            .unwrap()
+            .broadcast_mul(&r)
+            .unwrap();
+        close(&rms_norm_grad_input(&x, &w, &g, 1e-5).unwrap(), &want, 1e-5);
+        let want = (&g * &xhat)
+            .unwrap()
+            .sum_keepdim(0)
+            .unwrap()
+            .sum_keepdim(1)
+            .unwrap()
+            .flatten_all()
+            .unwrap();
+        close(&rms_norm_grad_weight(&x, &g, 1e-5).unwrap(), &want, 1e-5);
+    }
+
+    #[test]
+    fn activation_grads_match_composed() {
+        let (x, g) = (randn(&[7, 1000]), randn(&[7, 1000]));
+        let s = candle_nn::ops::sigmoid(&x).unwrap();
+        let want = (&g * (&s * ((&x * (1.0 - &s).unwrap()).unwrap() + 1.0).unwrap()).unwrap()).unwrap();
+        close(&activation_grad(&x, &g, false).unwrap(), &want, 1e-5);
+        close(&silu(&x).unwrap(), &x.silu().unwrap(), 1e-6);
+        // gelu: check against a central difference of candle's own gelu.
+        let h = 1e-2;
+        let num = ((x.affine(1.0, h).unwrap().gelu().unwrap() - x.affine(1.0, -h).unwrap().gelu().unwrap()).unwrap()
+            * (1.0 / (2.0 * h)))
+            .unwrap();
+        close(&activation_grad(&x, &g, true).unwrap(), &(&g * num).unwrap(), 1e-3);
+    }
 }
