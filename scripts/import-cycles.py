@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Import circles between the files of the workspace's crates.
+"""Import circles between the files of the workspace's crates, and the executor's layers.
 
     scripts/import-cycles.py [--verbose]
 
@@ -10,7 +10,11 @@ Each `.rs` file under a crate's `src/` is a module (`a/b.rs` and `a/b/mod.rs` ar
 longest module it names. A module's children are not imports of it (`mod x;` declares, and
 a parent re-exporting a child's items is the usual facade), but a child naming its parent's
 items is. The strongly connected components of that graph with more than one file are the
-circles; each is printed with one cycle through it. Exit 1 when there is any.
+circles; each is printed with one cycle through it.
+
+The executor's top-level modules are also held to their layers (ARCHITECTURE.md): a module
+imports only modules of lower layers, never one of its own layer or above. Exit 1 when
+there is any circle or any import against the layers.
 """
 
 import os
@@ -18,6 +22,17 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The executor's layers, lowest first: each top-level module (folder or file) of
+# executor/src and the layer it sits in. The crate root (lib.rs) declares and re-exports.
+EXECUTOR_LAYERS = [
+    ["adamw", "clock", "error", "host", "init"],
+    ["comm", "gpu"],
+    ["cpu"],
+    ["runtime"],
+    ["train"],
+    ["checkpoint", "infer", "selftest"],
+]
 
 
 def crates():
@@ -98,6 +113,8 @@ def main():
     verbose = "--verbose" in sys.argv
     edges = {}
     names = {}
+    layer = {m: i for i, ms in enumerate(EXECUTOR_LAYERS) for m in ms}
+    against = []
     for crate, src in crates():
         files = {}
         for d, _, fs in os.walk(src):
@@ -136,6 +153,10 @@ def main():
                 if best[: len(mod)] == mod:
                     continue
                 edges[node].add((crate, best))
+                if crate == "executor" and mod and best and mod[0] != best[0]:
+                    a, b = layer.get(mod[0]), layer.get(best[0])
+                    if a is None or b is None or b >= a:
+                        against.append((names[node], "::".join(best)))
     # Tarjan's strongly connected components.
     index, low, stack, on, comps, counter = {}, {}, [], set(), [], [0]
 
@@ -191,9 +212,14 @@ def main():
         if verbose:
             for v in c:
                 print(f"    {names[v]}")
+    for src, dst in sorted(set(against)):
+        print(f"against the executor's layers: {src} imports crate::{dst}")
     if verbose:
-        print(f"{len(edges)} files, {sum(len(e) for e in edges.values())} imports, {len(circles)} circle(s)")
-    return 1 if circles else 0
+        print(
+            f"{len(edges)} files, {sum(len(e) for e in edges.values())} imports, {len(circles)} circle(s), "
+            f"{len(set(against))} import(s) against the executor's layers"
+        )
+    return 1 if circles or against else 0
 
 
 if __name__ == "__main__":

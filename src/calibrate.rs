@@ -138,7 +138,7 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     let secs = args.seconds;
     // As `train` runs: freed memory is kept for reuse, not returned to the system and
     // faulted in again by the next op.
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let linear = |m: u64, k: u64, n: u64| {
         Bench::new(
             Op::Linear {

@@ -20,7 +20,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
-use shardplan_executor::train::init::{rule, InitRule};
+use shardplan_executor::init::{rule, InitRule};
 use shardplan_frontends::{
     load_model, load_parallel, ActivationCheckpointing, DataSource, GradSync, Offload, Optimizer, ParallelConfig,
     Runtime, SpecError,

@@ -1,9 +1,9 @@
 //! `shardplan gpu-selftest`: every one of shardplan's CUDA kernels against its CPU twin
-//! (`shardplan_executor::gpu::selftest`), each case's worst error against its tolerance and
+//! (`shardplan_executor::selftest`), each case's worst error against its tolerance and
 //! its time. Exit 0 when all are within tolerance, 1 on a miss, 2 where there is no GPU.
 
 use crate::CliError;
-use shardplan_executor::gpu::selftest::{self, Native, Twin};
+use shardplan_executor::selftest::{self, Native, Twin};
 use std::io::Write;
 use std::path::PathBuf;
 

@@ -349,7 +349,7 @@ fn train(
             "--kernels native runs shardplan's CUDA kernels, but --device is `{device_name}`: give --device cuda, or leave --kernels at `candle`"
         )));
     }
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => {
             let shardplan_planner::rederive::CheckedPlan {

@@ -69,7 +69,7 @@ fn time_collective(world: &SimpleCommunicator, reps: usize, mut op: impl FnMut()
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reps: usize = std::env::args().nth(1).map_or(Ok(10), |s| s.parse())?;
     // As `shardplan train` does: the allocator keeps freed memory (fewer page faults).
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let world = MpiWorld::init()?;
     let n = world.size as usize;
     let leader = world.rank == 0;

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 fn main() {
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let model = load_model(Path::new(&args[1])).unwrap();
     let par = load_parallel(Path::new(&args[2])).unwrap();

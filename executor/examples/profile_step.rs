@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 fn main() {
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let model = load_model(Path::new(args.get(1).map_or("examples/models/llama-10m.yaml", |s| s))).unwrap();
     let par = load_parallel(Path::new(

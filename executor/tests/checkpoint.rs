@@ -62,7 +62,7 @@ fn resume_on_another_mesh_continues_the_same_run() {
     resume("tiny-gpt2", (2, 2), (1, 4));
 }
 
-/// Every setting `train::optim` supports, as a spec's `optimizer:` value: SGD without
+/// Every setting `runtime::optim` supports, as a spec's `optimizer:` value: SGD without
 /// momentum keeps no state, with momentum one buffer; AdamW two moments (beta1 0 still keeps
 /// both); weight decay changes the update, not the state.
 const OPTIMIZERS: [&str; 7] = [

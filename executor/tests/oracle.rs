@@ -4,7 +4,7 @@
 //! |ours - candle| <= 1e-4 * max(1, max|candle|) per tensor.
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use shardplan_executor::train::init::init_elements;
+use shardplan_executor::init::init_elements;
 use shardplan_executor::{Ctx, Interpreter};
 use shardplan_ir::{differentiate, Graph, Op};
 use shardplan_models::{preset, trace, Gpt2Config, LlamaConfig, ModelConfig, TraceOptions};

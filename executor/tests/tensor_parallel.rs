@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use shardplan_executor::comm::local::local_group;
 use shardplan_executor::comm::{Abort, Collectives};
 use shardplan_executor::cpu::tensor::{slice_of_whole, whole_from_slices, TensorGroup};
-use shardplan_executor::train::init::init_elements;
+use shardplan_executor::init::init_elements;
 use shardplan_executor::{Ctx, Interpreter};
 use shardplan_ir::{differentiate, Graph, Op};
 use shardplan_models::{preset, trace, Gpt2Config, LlamaConfig, ModelConfig, TensorOptions, TraceOptions};

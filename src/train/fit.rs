@@ -1,7 +1,7 @@
 //! A run that cannot fit is refused before it allocates. On the CPU the host is the
 //! device: every rank this host runs (the threads of this process, times the processes of
 //! the job on this host) holds the plan's per-rank memory, and together they must fit in
-//! the memory the host has available (`cpu::host::available_memory`: MemAvailable, or a
+//! the memory the host has available (`host::available_memory`: MemAvailable, or a
 //! cgroup's limit where that leaves less). `SHARDPLAN_HOST_MEMORY=SIZE` (`16GiB`, bytes)
 //! replaces the detected figure, for a share of a machine or for tests.
 //!
@@ -64,7 +64,7 @@ fn host_budget() -> Result<Option<(u64, String)>, CliError> {
     if let Some(o) = override_from(HOST_MEMORY_VAR)? {
         return Ok(Some(o));
     }
-    Ok(shardplan_executor::cpu::host::available_memory().map(|m| (m.bytes, m.source)))
+    Ok(shardplan_executor::host::available_memory().map(|m| (m.bytes, m.source)))
 }
 
 /// The device memory a run may use on `device` and where that figure comes from.

@@ -57,7 +57,7 @@ pub struct MpiWorld {
 impl MpiWorld {
     /// Initialises MPI with `MPI_THREAD_MULTIPLE`, refusing a library that cannot provide it,
     /// and sizes this process's kernel thread pool to its share of the node's cores
-    /// (`cpu::host::share_cores`).
+    /// (`host::share_cores`).
     pub fn init() -> Result<MpiWorld, ExecError> {
         let (universe, level) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| ExecError::Unsupported("MPI was already initialised in this process".into()))?;
@@ -71,7 +71,7 @@ impl MpiWorld {
         // The processes of this job on this node (those that can share memory) split its
         // cores between their kernel thread pools.
         let on_node = world.split_shared(world.rank()).size() as u64;
-        let threads = crate::cpu::host::share_cores(on_node as usize) as u64;
+        let threads = crate::host::share_cores(on_node as usize) as u64;
         Ok(MpiWorld {
             world: Arc::new(SharedComm(world)),
             _universe: universe,
@@ -303,7 +303,7 @@ fn filled<E: Elem>(n: usize, fill: impl FnOnce(*mut c_void) -> c_int) -> Result<
 
 /// Asks the kernel to back the fresh allocation at `ptr` with 2 MiB pages where it is
 /// large enough to have been mapped afresh (above the 32 MiB mmap threshold that
-/// `cpu::host::retain_freed_memory` sets): the receive then takes a few hundred page faults
+/// `host::retain_freed_memory` sets): the receive then takes a few hundred page faults
 /// instead of hundreds of thousands. Advice only; ignored where the kernel declines.
 fn huge_pages(ptr: *mut u8, bytes: usize) {
     #[cfg(target_os = "linux")]

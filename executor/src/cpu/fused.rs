@@ -8,9 +8,8 @@
 //! on the CPU and keeps its composed candle versions for every other case; the tests in
 //! this file check that both agree.
 
+pub use crate::adamw::AdamW;
 use crate::cpu::vmath;
-/// AdamW's hyper-parameters (the vector maths' type: its update loop takes them).
-pub use crate::cpu::vmath::AdamW;
 use crate::ExecError;
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;

@@ -46,6 +46,7 @@ macro_rules! multiversion {
     };
 }
 
+use crate::adamw::AdamW;
 use std::mem::MaybeUninit;
 
 const LANES: usize = 16;
@@ -300,21 +301,6 @@ multiversion! {
             }
         }
     }
-}
-
-/// AdamW hyper-parameters of one update, bias corrections included.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamW {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// `1 - beta1^t` and `1 - beta2^t`.
-    pub bias1: f32,
-    pub bias2: f32,
-    /// Factor applied to the gradient first (global-norm clipping).
-    pub grad_scale: f32,
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! Kernels take raw device addresses of contiguous tensors: the inputs stay alive in the
 //! caller until the launch is queued, and a later free is queued on the same stream.
 
-use crate::cpu::fused::AdamW;
+use crate::adamw::AdamW;
 use crate::ExecError;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,

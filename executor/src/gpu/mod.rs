@@ -5,7 +5,7 @@
 //!
 //! Every kernel has a CPU twin: the CPU executor's kernel for the same op (`cpu::kernels`,
 //! `cpu::fused`), which the rest of the test suite checks against finite differences and
-//! the single-rank reference. `shardplan gpu-selftest` ([`selftest`]) runs each kernel
+//! the single-rank reference. `shardplan gpu-selftest` ([`crate::selftest`]) runs each kernel
 //! against its twin on random inputs and edge shapes.
 //!
 //! Without the `cuda` feature the same functions exist and return "built without CUDA"
@@ -15,7 +15,6 @@
 mod cuda;
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
-pub mod selftest;
 
 #[cfg(feature = "cuda")]
 pub use cuda::*;

@@ -2,7 +2,7 @@
 //! saying so. Native kernels are only chosen on a CUDA device, which such a build cannot
 //! open, so these are reached only by a caller that skipped that check.
 
-use crate::cpu::fused::AdamW;
+use crate::adamw::AdamW;
 use crate::ExecError;
 use candle_core::{DType, Device, Tensor};
 

@@ -2,7 +2,7 @@
 //! sampling from the tempered softmax, with draws from the counter-based generator so a
 //! seed repeats a generation exactly.
 
-use crate::train::init::uniform;
+use crate::init::uniform;
 use crate::ExecError;
 
 /// How to choose tokens.

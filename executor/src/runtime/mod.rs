@@ -4,4 +4,5 @@
 
 pub mod device;
 pub mod interp;
+pub mod optim;
 pub(crate) mod rank;

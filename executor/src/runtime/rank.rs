@@ -18,7 +18,7 @@ use crate::comm::{tensor_bytes, Abort, Reduce};
 use crate::clock::{Clock, Mark, Origin};
 use crate::cpu::fused;
 use crate::cpu::kernels::{apply, cdtype, Ctx};
-use crate::train::optim::OptState;
+use crate::runtime::optim::OptState;
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
 use shardplan_ir::{JointGraph, NodeId, Op};

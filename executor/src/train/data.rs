@@ -4,7 +4,7 @@
 //! Every source is deterministic in its seed and its position, so a run can be repeated
 //! bit for bit (and, later, resumed from a checkpoint).
 
-use crate::train::init::uniform;
+use crate::init::uniform;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use shardplan_frontends::TokenDType;
@@ -180,7 +180,7 @@ impl DataSource for SyntheticFeatures {
         for r in 0..n as u64 {
             let row: Vec<f64> = (0..self.dim as u64)
                 .map(|j| {
-                    crate::train::init::normal(
+                    crate::init::normal(
                         self.seed,
                         u64::MAX - 2,
                         (self.position * n as u64 + r) * self.dim as u64 + j,
@@ -193,9 +193,7 @@ impl DataSource for SyntheticFeatures {
                         c,
                         row.iter()
                             .enumerate()
-                            .map(|(j, v)| {
-                                v * crate::train::init::normal(self.seed, u64::MAX - 3, (c * self.dim + j) as u64)
-                            })
+                            .map(|(j, v)| v * crate::init::normal(self.seed, u64::MAX - 3, (c * self.dim + j) as u64))
                             .sum::<f64>(),
                     )
                 })

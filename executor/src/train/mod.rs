@@ -1,11 +1,10 @@
 //! Training: the single-rank reference `Trainer`, the `ShardedTrainer` that runs a Plan
-//! on every rank this process holds, optimizers, data sources, and counter-based
-//! initialisation.
+//! on every rank this process holds, data sources, evaluation, profiles and traces. The
+//! optimizers are the rank runtime's (`runtime::optim`), the initialisation a leaf
+//! (`crate::init`).
 
 pub mod data;
 pub mod eval;
-pub mod init;
-pub mod optim;
 pub mod profile;
 pub mod sharded;
 pub mod trace;

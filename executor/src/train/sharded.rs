@@ -10,12 +10,12 @@
 use crate::comm::{Abort, Collectives, Placement};
 use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
+use crate::init::init_slice_elements;
+use crate::runtime::optim::{base_lr, lr_at, OptState};
 pub use crate::runtime::rank::Fault;
 use crate::runtime::rank::{run_step, RankState, Shared};
 use crate::train::data::{rank_rows, DataSource};
 use crate::train::eval::{step_starts, Validation};
-use crate::train::init::init_slice_elements;
-use crate::train::optim::{base_lr, lr_at, OptState};
 use crate::train::trainer::data_source;
 use crate::ExecError;
 use candle_core::{DType, Device, Tensor};

@@ -2,10 +2,10 @@
 //! compared with.
 
 use crate::cpu::kernels::{cdtype, Ctx};
+use crate::init::init_elements;
 use crate::runtime::interp::{all_finite, Interpreter};
+use crate::runtime::optim::{base_lr, lr_at, OptState};
 use crate::train::data::{DataSource, SyntheticFeatures, SyntheticTokens, TokenFile};
-use crate::train::init::init_elements;
-use crate::train::optim::{base_lr, lr_at, OptState};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor};
 use serde::Serialize;

@@ -10,7 +10,7 @@
 //! under test against [`Composed`] (candle's composed ops in f64), which checks the twins
 //! and the harness on every machine.
 
-use crate::cpu::fused::AdamW;
+use crate::adamw::AdamW;
 use crate::cpu::kernels::{self, Ctx};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
@@ -653,7 +653,7 @@ pub fn cases(full: bool) -> Vec<Case> {
     v
 }
 
-/// Deterministic inputs: the initialiser's counter-based uniforms (`train::init::uniform`),
+/// Deterministic inputs: the initialiser's counter-based uniforms (`init::uniform`),
 /// element after element of one stream per case.
 struct Rng {
     seed: u64,
@@ -667,7 +667,7 @@ impl Rng {
     /// A uniform in (0, 1).
     fn unit(&mut self) -> f64 {
         self.next += 1;
-        crate::train::init::uniform(self.seed, 0, self.next)
+        crate::init::uniform(self.seed, 0, self.next)
     }
     fn uniform(&mut self, scale: f32) -> f32 {
         ((self.unit() * 2.0 - 1.0) * f64::from(scale)) as f32
