@@ -19,7 +19,7 @@ fn cpu_time() -> Duration {
 }
 
 fn sharded_step(c: &mut Criterion) {
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let model = load_model(Path::new("examples/models/llama-10m.yaml")).expect("model spec");
     let mut group = c.benchmark_group("sharded_step_cpu_time");
     group.sample_size(10).measurement_time(Duration::from_secs(30));

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 fn train_step(c: &mut Criterion) {
-    shardplan_executor::cpu::host::retain_freed_memory();
+    shardplan_executor::host::retain_freed_memory();
     let model = load_model(Path::new("examples/models/llama-10m.yaml")).expect("model spec");
     let parallel = load_parallel(Path::new("examples/parallel/cpu-b4-s256.yaml")).expect("parallel spec");
     let mut trainer =
