@@ -1,0 +1,339 @@
+//! The compute stream's instructions: a step's nodes in the plan's execution order, with
+//! the parameters as views of their groups' gathered buffers and the gradients packed into
+//! the reduce-scatter layout (`Instr::Compute`, `Instr::PackGrads`'s helpers).
+
+use super::*;
+
+/// The rows of `layout`'s parameter `i` that shard rank `s` holds, as (offset in its flat
+/// shard, elements).
+pub(super) fn valid(layout: &GroupLayout, i: usize, s: u64) -> (usize, usize) {
+    let p = &layout.params[i];
+    let r = chunk_rows(p.dims.first().copied().unwrap_or(1), layout.shard, s);
+    (p.shard_offset as usize, ((r.end - r.start) * p.row_elems) as usize)
+}
+
+/// The full parameters of a group from its flat all-gather output.
+pub(super) fn unflatten(layout: &GroupLayout, gathered: &Tensor) -> Result<Vec<Tensor>, ExecError> {
+    let mut out = Vec::with_capacity(layout.params.len());
+    for (i, p) in layout.params.iter().enumerate() {
+        let mut pieces = Vec::new();
+        for s in 0..layout.shard {
+            let (off, n) = valid(layout, i, s);
+            if n > 0 {
+                pieces.push(gathered.narrow(0, s as usize * layout.shard_numel as usize + off, n)?);
+            }
+        }
+        let dims: Vec<usize> = p.dims.iter().map(|&d| d as usize).collect();
+        out.push(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
+    }
+    Ok(out)
+}
+
+/// Gradients (full shapes, by position in the layout; `None` = zero) laid out as a flat
+/// all-gather-shaped buffer: rank-major padded shards.
+pub(super) fn flatten(
+    layout: &GroupLayout,
+    grads: &[Option<Tensor>],
+    dtype: CDType,
+    device: &candle_core::Device,
+) -> Result<Tensor, ExecError> {
+    let mut pieces = Vec::new();
+    let flat: Vec<Option<Tensor>> = grads
+        .iter()
+        .map(|g| g.as_ref().map(|g| g.flatten_all()).transpose())
+        .collect::<Result<_, _>>()?;
+    for s in 0..layout.shard {
+        for (i, p) in layout.params.iter().enumerate() {
+            let rows = chunk_rows(p.dims.first().copied().unwrap_or(1), layout.shard, s);
+            let n = ((rows.end - rows.start) * p.row_elems) as usize;
+            let pad = p.shard_numel() as usize - n;
+            match &flat[i] {
+                Some(g) if n > 0 => pieces.push(g.narrow(0, (rows.start * p.row_elems) as usize, n)?.to_dtype(dtype)?),
+                _ if n > 0 => pieces.push(Tensor::zeros(n, dtype, device)?),
+                _ => {}
+            }
+            if pad > 0 {
+                pieces.push(Tensor::zeros(pad, dtype, device)?);
+            }
+        }
+    }
+    Ok(Tensor::cat(&pieces, 0)?)
+}
+
+/// The compute stream's own state: activations and parameter views.
+pub(super) struct Compute<'c> {
+    pub(super) ctx: &'c mut Ctx,
+    pub(super) values: Vec<Option<Tensor>>,
+    /// Gradients a blockwise attention backward made before their own nodes run (see
+    /// `ExecOrder::blockwise_attention`); counted in `live` from when they are made.
+    pub(super) early: HashMap<NodeId, Tensor>,
+    pub(super) live: u64,
+    pub(super) micro: Option<u32>,
+    pub(super) params: HashMap<BufId, Vec<Tensor>>,
+}
+
+impl StepCtx<'_> {
+    /// The first gradient node `id` of a blockwise attention backward: computes all of its
+    /// gradients, keeps the others in `c.early` (counted in `c.live` now) and returns `id`'s.
+    pub(super) fn blockwise_attention(&self, c: &mut Compute, id: NodeId, copy: bool) -> Result<Tensor, ExecError> {
+        let sh = self.shared;
+        let g = &sh.joint.graph;
+        let b = sh
+            .exec
+            .blockwise_group(id)
+            .ok_or_else(|| ExecError::Internal(format!("{id} is not part of a blockwise attention")))?;
+        let mut ops = Vec::with_capacity(4);
+        for x in b.operands {
+            let slot = sh.exec.read_slot(id, copy, x);
+            ops.push(
+                c.values[slot]
+                    .clone()
+                    .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?,
+            );
+        }
+        let outs = [b.dq, b.dk, b.dv];
+        let made = if sh.native && crate::gpu::attention_applies(&ops[0], &ops[1], &ops[2]) {
+            // cuDNN's backward reads the forward's output and log-sum-exp; the plan keeps
+            // neither, so the forward runs again here (a fifth of the backward's time on an
+            // H200 at the 1.1B shape) and one plan serves every device.
+            let (o, lse) = crate::gpu::attention(&ops[0], &ops[1], &ops[2], b.causal)?;
+            let grads = crate::gpu::attention_backward(&ops[0], &ops[1], &ops[2], &o, &ops[3], &lse, b.causal)?;
+            let mut made: [Option<Tensor>; 3] = grads.map(Some);
+            for (m, o) in made.iter_mut().zip(outs) {
+                if o.is_none() {
+                    *m = None;
+                }
+            }
+            made
+        } else {
+            crate::cpu::kernels::attention_backward_blockwise(
+                &ops[0],
+                &ops[1],
+                &ops[2],
+                &ops[3],
+                b.causal,
+                outs.map(|o| o.is_some()),
+            )?
+        };
+        let mut own = None;
+        for (node, t) in outs.into_iter().zip(made) {
+            let (Some(node), Some(t)) = (node, t) else { continue };
+            if node == id {
+                own = Some(t);
+            } else {
+                c.live += sh.exec.value_bytes(g, node);
+                c.early.insert(node, t);
+            }
+        }
+        own.ok_or_else(|| ExecError::Internal(format!("{id} is not an output of its blockwise attention")))
+    }
+
+    /// Whether node `id` runs in place over its first input
+    /// (`ExecOrder::in_place_cross_entropy`): where the fused CPU kernel takes it; other
+    /// devices and dtypes make the gradient beside the logits.
+    pub(super) fn overwritable(&self, c: &Compute, id: NodeId, copy: bool) -> bool {
+        let sh = self.shared;
+        let Some(x) = sh.exec.in_place(id) else { return false };
+        let node = sh.joint.graph.node(id);
+        let slot = sh.exec.read_slot(id, copy, x);
+        matches!(node.op, Op::CrossEntropyGrad)
+            && node.inputs.len() == 3
+            && node.inputs[0] == x
+            && c.values[slot]
+                .as_ref()
+                .is_some_and(|t| fused::applies(&[t]) && t.is_contiguous())
+    }
+
+    pub(super) fn compute(
+        &self,
+        c: &mut Compute,
+        step: usize,
+        micro: u32,
+        reads: &[BufId],
+        writes: &[BufId],
+    ) -> Result<(), ExecError> {
+        let sh = self.shared;
+        let plan = &sh.plan;
+        let g = &sh.joint.graph;
+        let s = plan
+            .steps
+            .get(step)
+            .ok_or_else(|| ExecError::Internal(format!("no step s{step}")))?;
+        if c.micro != Some(micro) {
+            c.values.iter_mut().for_each(|v| *v = None);
+            c.early.clear();
+            c.live = 0;
+            c.micro = Some(micro);
+        }
+        // Parameter views of the groups this step reads.
+        let mut param_of: HashMap<u32, Tensor> = HashMap::new();
+        for (k, &b) in reads.iter().enumerate() {
+            let group = s.reads[k];
+            let views = match c.params.entry(b) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(unflatten(&plan.groups[group.index()].layout, &self.get(b)?)?)
+                }
+            };
+            for (i, p) in plan.groups[group.index()].group.params.iter().enumerate() {
+                param_of.insert(p.0, views[i].clone());
+            }
+        }
+        let batch = &self.batches[micro as usize];
+        let mut grads: HashMap<u32, Tensor> = HashMap::new();
+        let copy = s.phase == shardplan_planner::Phase::Recompute;
+        let mut pos = sh.step_start[step];
+        let mut node_seconds = Vec::new();
+        let mut node_marks = Vec::new();
+        let on_device = self.origin.is_some();
+        for r in &s.nodes {
+            for i in r.clone() {
+                let started = (sh.profile && !on_device).then(Instant::now);
+                let mark = if sh.profile && on_device {
+                    Some(self.clock.mark()?)
+                } else {
+                    None
+                };
+                let id = NodeId(i);
+                let node = g.node(id);
+                // Bytes already in `live` for this value (made early by a blockwise attention).
+                let mut counted = false;
+                let value = match &node.op {
+                    Op::Input { name } => batch
+                        .get(name)
+                        .cloned()
+                        .ok_or_else(|| ExecError::Internal(format!("no data for input `{name}`")))?,
+                    _ if sh.exec.placeholder(id) => Tensor::zeros(0, cdtype(node.ty.dtype), &c.ctx.device)?,
+                    _ if self.overwritable(c, id, copy) => {
+                        // The cross-entropy's gradient over its logits, which die here.
+                        let x = node.inputs[0];
+                        let slot = sh.exec.read_slot(id, copy, x);
+                        let logits = c.values[slot]
+                            .take()
+                            .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?;
+                        c.live -= sh.exec.value_bytes(g, x);
+                        let mut rest = Vec::with_capacity(2);
+                        for &input in &node.inputs[1..] {
+                            let slot = sh.exec.read_slot(id, copy, input);
+                            rest.push(c.values[slot].clone().ok_or_else(|| {
+                                ExecError::Internal(format!("{id} reads {input} after it was freed"))
+                            })?);
+                        }
+                        fused::cross_entropy_grad_in_place(&logits, &rest[0], &rest[1])?;
+                        logits
+                    }
+                    _ if sh.exec.blockwise_group(id).is_some() => {
+                        if let Some(t) = c.early.remove(&id) {
+                            counted = true;
+                            t
+                        } else {
+                            self.blockwise_attention(c, id, copy)?
+                        }
+                    }
+                    _ => {
+                        let mut ins = Vec::with_capacity(node.inputs.len());
+                        for &input in &node.inputs {
+                            let t = match sh.exec.param_of_node[input.index()] {
+                                Some(p) => param_of.get(&p).cloned().ok_or_else(|| {
+                                    ExecError::Internal(format!(
+                                        "{id} reads parameter p{p}, not gathered for this step"
+                                    ))
+                                })?,
+                                None => {
+                                    let slot = sh.exec.read_slot(id, copy, input);
+                                    c.values[slot].clone().ok_or_else(|| {
+                                        ExecError::Internal(format!("{id} reads {input} after it was freed"))
+                                    })?
+                                }
+                            };
+                            ins.push(t);
+                        }
+                        let refs: Vec<&Tensor> = ins.iter().collect();
+                        apply(c.ctx, &node.op, &refs, &node.ty)?
+                    }
+                };
+                if !copy && id == sh.joint.loss && !value.device().is_cpu() {
+                    // Read after the step, not here: reading a GPU value waits for the device.
+                    lock(&self.device_losses).push((value.clone(), id));
+                } else if !copy && id == sh.joint.loss {
+                    let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
+                    if !loss.is_finite() {
+                        return Err(ExecError::NonFinite {
+                            step: 0,
+                            loss,
+                            module: g.scope(node.scope).display_path().to_string(),
+                            node: id.to_string(),
+                            op: node.op.name().to_string(),
+                        });
+                    }
+                    lock(&self.out).losses.push(loss);
+                }
+                if !copy && sh.exec.is_param_grad[id.index()] {
+                    if let Some(p) = sh.joint.param_grads.iter().position(|x| *x == Some(id)) {
+                        grads.insert(p as u32, value.clone());
+                    }
+                }
+                if !counted {
+                    c.live += sh.exec.value_bytes(g, id);
+                }
+                c.values[ExecOrder::slot(id, copy)] = Some(value);
+                {
+                    let mut m = lock(&self.memory);
+                    m.activations = c.live;
+                    m.observe();
+                }
+                for &input in node.inputs.iter().chain(sh.exec.extra_reads(g, id)) {
+                    if sh.exec.param_of_node[input.index()].is_some() {
+                        continue;
+                    }
+                    let slot = sh.exec.read_slot(id, copy, input);
+                    if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
+                        c.live -= sh.exec.value_bytes(g, input);
+                    }
+                }
+                let own = ExecOrder::slot(id, copy);
+                if sh.exec.last_use[own] == usize::MAX && c.values[own].take().is_some() {
+                    c.live -= sh.exec.value_bytes(g, id);
+                }
+                pos += 1;
+                if let Some(t) = started {
+                    node_seconds.push((id, t.elapsed().as_secs_f64()));
+                }
+                if let Some(m) = mark {
+                    node_marks.push((id, m, self.clock.mark()?));
+                }
+            }
+        }
+        if sh.profile {
+            lock(&self.out).node_seconds.extend(node_seconds);
+            lock(&self.node_marks).extend(node_marks);
+        }
+        lock(&self.memory).activations = c.live;
+        // The gradients into their pieces: each piece's parameters, whole, one after another.
+        for &b in writes {
+            let buf = plan.buffer(b);
+            let dtype = cdtype(buf.dtype);
+            let mut parts = Vec::with_capacity(buf.params.len());
+            for p in &buf.params {
+                let t = grads.remove(&p.0).ok_or_else(|| {
+                    ExecError::Internal(format!(
+                        "step s{step} made no gradient for {p}, which {} holds",
+                        buf.name
+                    ))
+                })?;
+                parts.push(t.flatten_all()?.to_dtype(dtype)?);
+            }
+            let update = Tensor::cat(&parts, 0)?;
+            if update.elem_count() as u64 != buf.numel {
+                return Err(ExecError::Internal(format!(
+                    "{} holds {} elements, its gradients {}",
+                    buf.name,
+                    buf.numel,
+                    update.elem_count()
+                )));
+            }
+            self.accumulate(b, update)?;
+        }
+        Ok(())
+    }
+}
