@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use shardplan_executor::comm::env::{Launcher, ProcessEnv};
 use shardplan_executor::comm::Placement;
 use shardplan_executor::runtime::device::DeviceMemory;
+use shardplan_executor::train::engine::Engine;
 use shardplan_executor::{ExecError, ShardedTrainer};
 use shardplan_frontends::{load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, Source, SpecError};
 use std::io::Write;
@@ -181,9 +182,7 @@ pub fn run(args: &TrainArgs) -> Result<Option<u8>, CliError> {
                     e.rank, e.world_size, e.launcher.name(), processes
                 )));
             }
-            train(args, &args.device, &|plan, _| {
-                Ok(shardplan_executor::comm::local::place(plan))
-            })
+            train(args, &args.device, &shardplan_executor::train::engine::Threads)
         }
         Backend::Mpi => run_mpi(args, env.as_ref()),
         Backend::Nccl => run_nccl(args, env.as_ref()),
@@ -203,60 +202,18 @@ fn run_nccl(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, C
     )))
 }
 
-/// One rank per process on its node's GPU `LOCAL_RANK`, collectives over NCCL; the
-/// processes agree on ids and step figures over TCP (torchrun, `shardplan launch`) or MPI
-/// (mpirun, srun; needs the `mpi` feature too).
+/// One rank per process on its node's GPU `LOCAL_RANK`, collectives over NCCL
+/// (`train::engine::Nccl`).
 #[cfg(feature = "cuda")]
 fn run_nccl(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
-    use shardplan_executor::comm::{nccl, tcp::TcpWorld, Abort, Collectives};
-    use std::sync::{Arc, Mutex};
-    let who = rank_prefix(env);
-    if !args.device.starts_with("cuda") {
-        return Err(CliError::Usage(format!(
-            "{who}--backend nccl runs each rank on a GPU, not on `{}`: give --device cuda",
-            args.device
-        )));
-    }
-    // Each process takes its node's GPU LOCAL_RANK unless --device names one.
-    let device = match (args.device.as_str(), env) {
-        ("cuda", Some(e)) => format!("cuda:{}", e.local_rank),
-        (d, _) => d.to_string(),
-    };
-    let abort = Arc::new(Abort::default());
-    abort.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
-    // MPI stays initialised until the run ends (dropping the world finalises it).
-    #[cfg(feature = "mpi")]
-    let mut mpi_world = None;
-    let (rank, processes): (u64, Option<Box<dyn Collectives>>) = match env {
-        None => (0, None),
-        Some(e) => match (&e.torchrun, e.launcher) {
-            (Some(d), _) => (
-                e.rank,
-                Some(Box::new(
-                    TcpWorld::connect(d, abort.clone()).map_err(|x| CliError::Usage(x.to_string()))?,
-                )),
-            ),
-            #[cfg(feature = "mpi")]
-            (None, _) => {
-                let world = mpi_world.insert(
-                    shardplan_executor::comm::mpi::MpiWorld::init().map_err(|x| CliError::Usage(x.to_string()))?,
-                );
-                (e.rank, Some(Box::new(world.process_group(abort.clone()))))
-            }
-            #[cfg(not(feature = "mpi"))]
-            (None, launcher) => {
-                return Err(CliError::Usage(format!(
-                    "{who}under {}, the NCCL backend agrees on its ids over MPI, and this shardplan was built without it: build with `--features cuda,mpi`, or start the ranks with `shardplan launch` or torchrun",
-                    launcher.name()
-                )))
-            }
-        },
-    };
-    let processes = Mutex::new(processes);
-    train(args, &device, &|plan, device| {
-        let procs = processes.lock().unwrap_or_else(|e| e.into_inner()).take();
-        nccl::device::place(plan, rank, device, procs, abort.clone())
-    })
+    let engine = shardplan_executor::train::engine::Nccl::start(
+        env,
+        &args.device,
+        std::time::Duration::from_secs_f64(args.collective_timeout),
+        &rank_prefix(env),
+    )
+    .map_err(|x| CliError::Usage(x.to_string()))?;
+    train(args, &engine.device.clone(), &engine)
 }
 
 #[cfg(not(feature = "mpi"))]
@@ -269,26 +226,14 @@ fn run_mpi(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cl
 
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
-    use shardplan_executor::comm::mpi::{place, MpiWorld};
-    let world = MpiWorld::init().map_err(|e| CliError::Usage(e.to_string()))?;
-    if let Some(e) = env {
-        if e.world_size != world.size {
-            return Err(CliError::Usage(format!(
-                "{} says {} processes, MPI says {}: start the ranks with mpirun or srun, not {}",
-                e.launcher.name(),
-                e.world_size,
-                world.size,
-                e.launcher.name()
-            )));
-        }
-    }
+    let engine = shardplan_executor::train::engine::Mpi::start(env).map_err(|e| CliError::Usage(e.to_string()))?;
     // Every process runs one rank; on any failure this process stops the whole job, so
     // no rank waits on one that is gone.
-    match train(args, &args.device, &|plan, _| place(&world, plan)) {
+    match train(args, &args.device, &engine) {
         Ok(code) => Ok(code),
         Err(e) => {
             let code = crate::report(&e);
-            world.abort(i32::from(code))
+            engine.abort(i32::from(code))
         }
     }
 }
@@ -331,11 +276,7 @@ fn startup(
 }
 
 /// Runs the training loop with the ranks `place` gives this process.
-fn train(
-    args: &TrainArgs,
-    device: &str,
-    place: &dyn Fn(&shardplan_planner::Plan, &candle_core::Device) -> Result<Placement, ExecError>,
-) -> Result<Option<u8>, CliError> {
+fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
@@ -366,7 +307,7 @@ fn train(
                 )));
             }
             let specs = Specs::Plan(p.clone());
-            let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
+            let placement = engine.place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             fit::check(&plan, placement.ranks.len(), &device, device_name, &model, &parallel, p)?;
             let t = startup(placement, &device, |placement, progress| {
                 ShardedTrainer::from_placement_on(
@@ -384,7 +325,7 @@ fn train(
             let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &run_config)?;
             let config = model.config.clone();
             let specs = Specs::Files(Box::new((model, parallel)));
-            let placement = place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
+            let placement = engine.place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
             fit::check(
                 &plan,
                 placement.ranks.len(),

@@ -4,6 +4,7 @@
 //! (`crate::init`).
 
 pub mod data;
+pub mod engine;
 pub mod eval;
 pub mod profile;
 pub mod sharded;
