@@ -126,7 +126,8 @@ def main():
             node = (crate, mod)
             names[node] = os.path.relpath(path, ROOT)
             edges.setdefault(node, set())
-            here = mod if os.path.basename(path) in ("mod.rs", "lib.rs", "main.rs") else mod[:-1]
+            # `self` is this module, `super` its parent, a bare name a child of this module.
+            here = mod
             for p in use_paths(strip(open(path).read())):
                 if p[0] == "crate":
                     target = p[1:]

@@ -9,7 +9,6 @@
 //! two fields from CUDA events (`Shared::device_clock`, `crate::clock`), and nothing here
 //! depends on where they come from (the file's `clock` says which).
 
-use super::sharded::ShardedTrainer;
 use crate::runtime::rank::{RankStepOut, Shared};
 use crate::ExecError;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -457,53 +456,70 @@ fn mean(ranks: &[Figures]) -> Figures {
     }
 }
 
-impl ShardedTrainer {
-    /// Times every instruction and every compute node from the next step on (`profile`).
-    pub fn record_profile(&mut self) {
-        self.shared.profile = true;
-        if self.profile.is_none() {
-            self.profile = Some(Recorder::new(self.ranks.iter().map(|r| r.rank).collect()));
-        }
-    }
+/// What a profile says of the plan it measured.
+pub(crate) struct About {
+    pub model: String,
+    pub replicate: u64,
+    pub shard: u64,
+    /// Instructions in one step of a rank's program.
+    pub instructions: u64,
+}
 
-    /// The profile of the steps recorded since `record_profile`, every rank's (a
-    /// collective: every process calls it and each gets the whole profile); `None` before
-    /// any step. `device` names where the ranks computed.
-    pub fn profile(&mut self, device: &str) -> Result<Option<Profile>, ExecError> {
-        let Some((first, last, sums)) = self.profile.as_ref().and_then(Recorder::covered) else {
-            return Ok(None);
-        };
-        let run = self
-            .profile
-            .as_ref()
-            .map_or(0, |r| r.last + 1 - r.first.as_ref().map_or(0, |f| f.0));
-        let mine: Vec<Figures> = sums.iter().map(|(rank, s)| s.figures(Some(*rank))).collect();
-        let bytes = serde_json::to_vec(&mine).map_err(|e| ExecError::Internal(e.to_string()))?;
-        let mut ranks: Vec<Figures> = Vec::new();
-        for part in self.gather_bytes(bytes)? {
-            let theirs: Vec<Figures> = serde_json::from_slice(&part)
-                .map_err(|e| ExecError::Internal(format!("a process sent a malformed profile: {e}")))?;
-            ranks.extend(theirs);
+impl About {
+    pub fn of(plan: &Plan) -> About {
+        About {
+            model: plan.model.clone(),
+            replicate: plan.mesh.replicate(),
+            shard: plan.mesh.shard(),
+            instructions: plan.programs.first().map_or(0, |p| p.instrs.len() as u64),
         }
-        ranks.sort_by_key(|r| r.rank);
-        let plan = &self.shared.plan;
-        Ok(Some(Profile {
-            format: FORMAT.into(),
-            version: VERSION,
-            model: Name(plan.model.clone()),
-            mesh: MeshDims {
-                replicate: plan.mesh.replicate(),
-                shard: plan.mesh.shard(),
-            },
-            instructions: plan.programs[0].instrs.len() as u64,
-            device: Name(device.to_string()),
-            backend: Name(self.backend().to_string()),
-            clock: Name(if self.shared.device_clock { DEVICE_CLOCK } else { CLOCK }.into()),
-            steps: Steps { first, last, run },
-            mean: mean(&ranks),
-            ranks,
-        }))
     }
+}
+
+/// The profile of the steps `recorder` covers (`None` before any), every process's ranks
+/// gathered by `gather` (which every process calls with its own ranks' figures and which
+/// returns every process's), for the plan `about` describes run on `device` over
+/// `backend`, timed by CUDA events where `device_clock`.
+pub(crate) fn assemble(
+    recorder: Option<&Recorder>,
+    about: About,
+    device: &str,
+    backend: &str,
+    device_clock: bool,
+    gather: impl FnOnce(Vec<u8>) -> Result<Vec<Vec<u8>>, ExecError>,
+) -> Result<Option<Profile>, ExecError> {
+    let Some(rec) = recorder else {
+        return Ok(None);
+    };
+    let Some((first, last, sums)) = rec.covered() else {
+        return Ok(None);
+    };
+    let run = rec.last + 1 - rec.first.as_ref().map_or(0, |f| f.0);
+    let mine: Vec<Figures> = sums.iter().map(|(rank, s)| s.figures(Some(*rank))).collect();
+    let bytes = serde_json::to_vec(&mine).map_err(|e| ExecError::Internal(e.to_string()))?;
+    let mut ranks: Vec<Figures> = Vec::new();
+    for part in gather(bytes)? {
+        let theirs: Vec<Figures> = serde_json::from_slice(&part)
+            .map_err(|e| ExecError::Internal(format!("a process sent a malformed profile: {e}")))?;
+        ranks.extend(theirs);
+    }
+    ranks.sort_by_key(|r| r.rank);
+    Ok(Some(Profile {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: Name(about.model),
+        mesh: MeshDims {
+            replicate: about.replicate,
+            shard: about.shard,
+        },
+        instructions: about.instructions,
+        device: Name(device.to_string()),
+        backend: Name(backend.to_string()),
+        clock: Name(if device_clock { DEVICE_CLOCK } else { CLOCK }.into()),
+        steps: Steps { first, last, run },
+        mean: mean(&ranks),
+        ranks,
+    }))
 }
 
 /// The plan's predicted seconds and instructions per kind for one step: each instruction's

@@ -640,6 +640,34 @@ impl ShardedTrainer {
         self.times.get_or_insert_with(Vec::new);
     }
 
+    /// Times every instruction and every compute node from the next step on (`profile`).
+    pub fn record_profile(&mut self) {
+        self.shared.profile = true;
+        if self.profile.is_none() {
+            self.profile = Some(crate::train::profile::Recorder::new(
+                self.ranks.iter().map(|r| r.rank).collect(),
+            ));
+        }
+    }
+
+    /// The profile of the steps recorded since `record_profile`, every rank's (a
+    /// collective: every process calls it and each gets the whole profile); `None` before
+    /// any step. `device` names where the ranks computed.
+    pub fn profile(&mut self, device: &str) -> Result<Option<crate::train::profile::Profile>, ExecError> {
+        let backend = self.backend().to_string();
+        let recorder = self.profile.take();
+        let out = crate::train::profile::assemble(
+            recorder.as_ref(),
+            crate::train::profile::About::of(&self.shared.plan),
+            device,
+            &backend,
+            self.shared.device_clock,
+            |bytes| self.gather_bytes(bytes),
+        );
+        self.profile = recorder;
+        out
+    }
+
     /// Whether a GPU run's recorded times (`record_times`, `record_profile`) are read from
     /// CUDA events on the streams the work is issued to (`crate::clock`) rather than the
     /// host's clock; the CPU's are the host's either way. Call after the ranks are on their
