@@ -213,7 +213,7 @@ fn run_nccl(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cl
         &rank_prefix(env),
     )
     .map_err(|x| CliError::Usage(x.to_string()))?;
-    train(args, &engine.device.clone(), &engine)
+    train(args, &engine.device, &engine)
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -101,6 +101,15 @@ pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
     c
 }
 
+/// Where group `g`'s persistent state of category `c` lives on a run computing on
+/// `device`: the CPU for the host pool (CPU offload), `device` otherwise.
+fn state_device(plan: &Plan, g: usize, c: Category, device: &Device) -> Device {
+    match plan.persistent_buffer(g, c).map_or(Pool::Device, |b| b.pool) {
+        Pool::Host => Device::Cpu,
+        _ => device.clone(),
+    }
+}
+
 impl ShardedTrainer {
     /// Traces and differentiates `model`, plans it for `config` as this executor runs it
     /// ([`executor_config`]), and initialises every rank.
@@ -203,15 +212,6 @@ impl ShardedTrainer {
         // A tensor group shares its sequences: the batch is split over the data-parallel
         // ranks only.
         let data_world = mesh.data_parallel();
-        // Host-pool state (CPU offload) stays on the CPU.
-        let pool_of = |g: usize, c: Category| plan.persistent_buffer(g, c).map_or(Pool::Device, |b| b.pool);
-        let on = |pool: Pool| {
-            if pool == Pool::Host {
-                Device::Cpu
-            } else {
-                device.clone()
-            }
-        };
         let (shards, mut made) = ((placed.len() * plan.groups.len()) as u64, 0u64);
         for (rank, mut comms) in placed {
             if rank >= world {
@@ -240,11 +240,15 @@ impl ShardedTrainer {
                     let at = pl.shard_offset as usize;
                     flat[at..at + vals.len()].copy_from_slice(&vals);
                 }
-                let t = Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?
-                    .to_device(&on(pool_of(gi, Category::ShardedParams)))?;
+                let t = Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?.to_device(&state_device(
+                    &plan,
+                    gi,
+                    Category::ShardedParams,
+                    device,
+                ))?;
                 let mut o = OptState::new(config.optimizer, 1);
                 // The state is made as zeros like a tensor on its own pool's device.
-                let state_at = on(pool_of(gi, Category::OptimizerState));
+                let state_at = state_device(&plan, gi, Category::OptimizerState, device);
                 if state_at.same_device(t.device()) {
                     o.materialize(std::slice::from_ref(&t))?;
                 } else {
@@ -319,20 +323,12 @@ impl ShardedTrainer {
     /// device-pool buffers and the batches; host-pool state (CPU offload) stays on the CPU.
     pub fn to_device(&mut self, device: &Device) -> Result<(), ExecError> {
         let plan = &self.shared.plan;
-        let pool_of = |g: usize, c: Category| plan.persistent_buffer(g, c).map_or(Pool::Device, |b| b.pool);
-        let place = |pool: Pool| {
-            if pool == Pool::Host {
-                Device::Cpu
-            } else {
-                device.clone()
-            }
-        };
         for r in &mut self.ranks {
             for (g, p) in r.params.iter_mut().enumerate() {
-                *p = p.to_device(&place(pool_of(g, Category::ShardedParams)))?;
+                *p = p.to_device(&state_device(plan, g, Category::ShardedParams, device))?;
             }
             for (g, o) in r.opt.iter_mut().enumerate() {
-                let at = place(pool_of(g, Category::OptimizerState));
+                let at = state_device(plan, g, Category::OptimizerState, device);
                 for t in o.m.iter_mut().chain(o.v.iter_mut()).flatten() {
                     *t = t.to_device(&at)?;
                 }
