@@ -121,34 +121,40 @@ pub fn rule(graph: &Graph, p: ParamId) -> InitRule {
 
 /// Elements `range` of parameter `p` (row-major), as f32.
 pub fn init_elements(graph: &Graph, p: ParamId, seed: u64, range: std::ops::Range<u64>) -> Vec<f32> {
+    keyed_elements(graph, p, u64::from(p.0), seed, range)
+}
+
+/// As [`init_elements`], drawn as the parameter numbered `key` of the whole model.
+fn keyed_elements(graph: &Graph, p: ParamId, key: u64, seed: u64, range: std::ops::Range<u64>) -> Vec<f32> {
     match rule(graph, p) {
         InitRule::Constant(c) => vec![c; (range.end - range.start) as usize],
-        InitRule::Normal { std } => {
-            par_elements(range, |out, start| normal_block(out, start, seed, u64::from(p.0), std))
-        }
+        InitRule::Normal { std } => par_elements(range, |out, start| normal_block(out, start, seed, key, std)),
     }
 }
 
 /// Elements `range` (row-major, of this rank's slice) of parameter `p` on tensor rank
 /// `tensor_rank`: the whole parameter's elements at the same places, so a tensor-parallel
-/// model starts as the whole one does.
+/// model starts as the whole one does. `key` is the parameter's number in the whole
+/// model's graph (under expert parallelism a rank's graph holds only its experts, so its
+/// own numbers differ).
 pub fn init_slice_elements(
     graph: &Graph,
     p: ParamId,
+    key: u64,
     seed: u64,
     range: std::ops::Range<u64>,
     tensor_rank: u64,
 ) -> Vec<f32> {
     let param = graph.param(p);
     let Some(split) = param.tensor else {
-        return init_elements(graph, p, seed, range);
+        return keyed_elements(graph, p, key, seed, range);
     };
     let local = param.ty.shape.dims();
     match rule(graph, p) {
         InitRule::Constant(c) => vec![c; (range.end - range.start) as usize],
         InitRule::Normal { std } => par_elements(range, |out, start| {
             for (o, i) in out.iter_mut().zip(start..) {
-                *o = (std * normal(seed, u64::from(p.0), split.whole_index(local, tensor_rank, i))) as f32;
+                *o = (std * normal(seed, key, split.whole_index(local, tensor_rank, i))) as f32;
             }
         }),
     }

@@ -28,6 +28,16 @@ fn compare(model: &str, replicate: u64, shard: u64, extra: &str, steps: u64) -> 
 /// As [`compare`] on a replicate x shard x tensor mesh; a tensor group shares its
 /// data-parallel rank's sequences.
 fn compare_mesh(m: &ModelConfig, (replicate, shard, tensor): (u64, u64, u64), extra: &str, steps: u64) -> (f64, f64) {
+    compare_expert_mesh(m, (replicate, shard, tensor, 1), extra, steps)
+}
+
+/// As [`compare_mesh`] with an expert axis of `expert` ranks inside the shard axis.
+fn compare_expert_mesh(
+    m: &ModelConfig,
+    (replicate, shard, tensor, expert): (u64, u64, u64, u64),
+    extra: &str,
+    steps: u64,
+) -> (f64, f64) {
     let world = replicate * shard * tensor;
     let data_world = replicate * shard;
     let per_rank = 2;
@@ -39,7 +49,7 @@ fn compare_mesh(m: &ModelConfig, (replicate, shard, tensor): (u64, u64, u64), ex
         }
     };
     let sharded = config(&format!(
-        "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n{COMMON}{}",
+        "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}, expert: {expert}}}\ngpus_per_node: {world}\n{COMMON}{}",
         batch_line(per_rank)
     ));
     // The reference takes only what changes the math: batch shape and precision.
@@ -287,6 +297,19 @@ fn moe_on_every_mesh() {
     // The load-balancing loss is over each forward pass's own tokens (Hugging Face's, per
     // micro-batch): on one rank it is the one-rank run's to the bit.
     check_mesh(&tiny_moe(0.01), (1, 1, 1), "", F32);
+}
+
+#[test]
+fn moe_expert_parallel() {
+    // Each rank computes its own experts over the rows every rank of its expert group
+    // routes to them (all-to-all out and back); FSDP shards those experts over the ranks
+    // holding the same ones. Every mesh equals one rank step for step.
+    let moe = tiny_moe(0.0);
+    for mesh in [(1, 2, 1, 2), (1, 4, 1, 2), (1, 4, 1, 4), (2, 2, 1, 2)] {
+        let (l, w) = compare_expert_mesh(&moe, mesh, "", 20);
+        eprintln!("tiny-moe {mesh:?}: loss {l:.2e} weights {w:.2e}");
+        assert!(l < F32.0 && w < F32.1, "tiny-moe {mesh:?}: loss {l:e}, weights {w:e}");
+    }
 }
 
 /// The load-balancing loss is each rank's own: over a sharded batch it differs from the

@@ -478,7 +478,28 @@ fn vjp(
             }
         }
         // The chosen experts are integers: no gradient flows through the selection.
-        Op::MoeTopK { .. } => {}
+        Op::MoeTopK { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => {}
+        // The dispatch and the combine move rows between ranks without changing them: each
+        // is the other's adjoint (padding rows get no gradient).
+        Op::MoeDispatch { degree, experts, .. } => {
+            if wanted[0] {
+                let op = Op::MoeCombine {
+                    degree: *degree,
+                    experts: *experts,
+                };
+                put(0, g.add_grad_node(op, &[dy, ins[1]], id)?);
+            }
+        }
+        Op::MoeCombine { degree, experts } => {
+            if wanted[0] {
+                let op = Op::MoeDispatch {
+                    degree: *degree,
+                    experts: *experts,
+                    rows: ty(g, 0).shape.dims()[0],
+                };
+                put(0, g.add_grad_node(op, &[dy, ins[1]], id)?);
+            }
+        }
         Op::MoeRouterWeights { score, norm } => {
             if wanted[0] {
                 let op = Op::MoeRouterWeightsGrad {

@@ -145,7 +145,12 @@ impl Graph {
             Op::MoeRouterWeights { .. } => (ins[0].numel().unwrap_or(u64::MAX).saturating_mul(5), 0),
             Op::MoeRouterWeightsGrad { .. } => (ins[0].numel().unwrap_or(u64::MAX).saturating_mul(5), 0),
             // Pure data movement; the summing unpermute adds each row once.
-            Op::MoePermute | Op::MoeUnpermute { sum: false } => (0, 0),
+            Op::MoePermute
+            | Op::MoeUnpermute { sum: false }
+            | Op::MoeGatherIds { .. }
+            | Op::MoeDispatch { .. }
+            | Op::MoeCombine { .. }
+            | Op::MoeLocalIds { .. } => (0, 0),
             Op::MoeUnpermute { sum: true } => (ins[0].numel().unwrap_or(u64::MAX), 0),
             // Every assignment's row meets exactly one expert's weight: `2 * T * k * in * out`
             // whatever the routing.

@@ -43,6 +43,9 @@ pub struct Param {
     /// In a tensor-parallel graph: how this rank's tensor is cut from the whole one
     /// (`None`: every tensor rank holds it whole).
     pub tensor: Option<TensorSplit>,
+    /// In an expert-parallel graph: a routed expert's parameter, which each expert rank
+    /// holds for its own experts (`None`: every expert rank holds it).
+    pub expert: Option<ExpertSplit>,
 }
 
 impl Param {
@@ -53,6 +56,43 @@ impl Param {
             Some(s) => local.saturating_mul(s.degree),
             None => local,
         }
+    }
+}
+
+impl Param {
+    /// Its Hugging Face name on expert rank `rank` (the graph names expert rank 0's).
+    pub fn name_on(&self, rank: u64) -> std::borrow::Cow<'_, str> {
+        match &self.expert {
+            Some(e) if rank > 0 => std::borrow::Cow::Owned(e.name_on(&self.name, rank)),
+            _ => std::borrow::Cow::Borrowed(&self.name),
+        }
+    }
+}
+
+/// Which routed expert a parameter of an expert-parallel graph belongs to: expert rank `r`
+/// holds experts `r * per_rank .. (r + 1) * per_rank` of every MoE layer, and this
+/// parameter is its expert `local` of them. The graph names the parameter as on rank 0,
+/// where the expert's number is `local`, written at byte `name_at` of the name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertSplit {
+    pub local: u64,
+    pub per_rank: u64,
+    pub degree: u64,
+    pub name_at: u32,
+}
+
+impl ExpertSplit {
+    /// The expert's number (of `per_rank * degree`) on expert rank `rank`.
+    pub fn expert(&self, rank: u64) -> u64 {
+        rank * self.per_rank + self.local
+    }
+
+    /// `name` (rank 0's) with the expert's number on `rank`.
+    pub fn name_on(&self, name: &str, rank: u64) -> String {
+        let at = (self.name_at as usize).min(name.len());
+        let digits = self.local.to_string().len();
+        let rest = name.get(at + digits..).unwrap_or("");
+        format!("{}{}{rest}", &name[..at], self.expert(rank))
     }
 }
 
@@ -116,6 +156,7 @@ pub struct Graph {
     inputs: Vec<NodeId>,
     outputs: Vec<NodeId>,
     tensor_degree: u64,
+    expert_degree: u64,
 }
 
 impl Graph {
@@ -134,6 +175,7 @@ impl Graph {
             inputs: Vec::new(),
             outputs: Vec::new(),
             tensor_degree: 1,
+            expert_degree: 1,
         }
     }
 
@@ -183,6 +225,7 @@ impl Graph {
             scope,
             node,
             tensor: None,
+            expert: None,
         });
         debug_assert_eq!(pushed, param);
         Ok(node)
@@ -202,6 +245,28 @@ impl Graph {
         }
         self.tensor_degree = self.tensor_degree.max(split.degree);
         Ok(node)
+    }
+
+    /// As [`Graph::add_param`], for a routed expert's parameter of an expert-parallel graph.
+    pub fn add_expert_param(
+        &mut self,
+        name: &str,
+        ty: TensorType,
+        scope: ScopeId,
+        split: ExpertSplit,
+    ) -> Result<NodeId, IrError> {
+        let node = self.add_param(name, ty, scope)?;
+        if let Op::Param { param } = self.dag[NodeIndex::new(node.index())].op {
+            self.params[param].expert = Some(split);
+        }
+        self.expert_degree = self.expert_degree.max(split.degree);
+        Ok(node)
+    }
+
+    /// Ranks of the expert-parallel group this graph is one rank's program for (1: every
+    /// rank holds every expert).
+    pub fn expert_degree(&self) -> u64 {
+        self.expert_degree
     }
 
     /// Ranks of the tensor-parallel group this graph is one rank's program for (1: not

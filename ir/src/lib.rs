@@ -21,7 +21,7 @@ pub use cost::{elementwise_flops, Cost};
 pub use dot::to_dot;
 pub use dtype::DType;
 pub use error::IrError;
-pub use graph::{Graph, Node, Operands, Param, TensorSplit};
+pub use graph::{ExpertSplit, Graph, Node, Operands, Param, TensorSplit};
 #[doc(hidden)]
 pub use ids::__private;
 pub use ids::{Entity, IdVec, IdVecIter, NodeId, ParamId, ScopeId};

@@ -267,6 +267,28 @@ pub enum Op {
     /// probability of `e`.
     MoeAuxLoss { top_k: u64, coef: f64 },
 
+    // ---- expert parallelism: ops over the `degree` ranks of one expert group ----
+    // Each rank of an expert group holds `experts / degree` of every MoE layer's routed
+    // experts (rank `r` the experts `r * n .. (r + 1) * n`); tokens travel to their experts
+    // and back. The received rows are bounded by `rows` (the plan's capacity), so every
+    // shape stays static; routing is data-dependent, so the counts are checked at run time.
+    /// Every expert rank's routing: `(experts [T, k] int) -> u32 [degree * T, k]`, the ranks'
+    /// tables one after another in rank order: what the dispatch and the combine read to
+    /// know which rows go where. No gradient.
+    MoeGatherIds { degree: u64 },
+    /// Rows to the ranks holding their experts: `(x [T * k, D] in expert order, table
+    /// [degree * T, k]) -> [rows, D]`, this rank's experts' rows from every rank ordered by
+    /// (local expert, source rank, source order), then zero rows. More than `rows` arriving
+    /// is a run-time error. Backward: `moe_combine` of the gradient.
+    MoeDispatch { degree: u64, experts: u64, rows: u64 },
+    /// The dispatch undone: `(y [rows, D], table [degree * T, k]) -> [T * k, D]` in this
+    /// rank's expert order. Backward: `moe_dispatch` of the gradient.
+    MoeCombine { degree: u64, experts: u64 },
+    /// The local expert of each received row: `(table [degree * T, k]) -> u32 [rows, 1]`,
+    /// `experts / degree` (no expert) for the padding rows after them; `grouped_linear`
+    /// leaves those rows zero. No gradient.
+    MoeLocalIds { degree: u64, experts: u64, rows: u64 },
+
     // ---- tensor parallelism: ops over the `degree` ranks of one tensor group ----
     // A tensor-parallel graph is one tensor rank's program: every rank of the group runs
     // the same nodes on its own slices. These ops are where the slices meet. Each names how
@@ -402,6 +424,10 @@ impl Op {
             Op::MoeRouterWeightsGrad { .. } => "moe_router_weights_grad",
             Op::GroupedWeightGrad { .. } => "grouped_weight_grad",
             Op::MoeAuxLossGrad { .. } => "moe_aux_loss_grad",
+            Op::MoeGatherIds { .. } => "moe_gather_ids",
+            Op::MoeDispatch { .. } => "moe_dispatch",
+            Op::MoeCombine { .. } => "moe_combine",
+            Op::MoeLocalIds { .. } => "moe_local_ids",
         }
     }
 
@@ -492,6 +518,11 @@ impl Op {
             ),
             Op::MoeAuxLoss { top_k, coef } => format!("top_k={top_k} coef={coef}"),
             Op::MoeAuxLossGrad { layer, top_k, coef } => format!("layer={layer} top_k={top_k} coef={coef}"),
+            Op::MoeGatherIds { degree } => format!("degree={degree}"),
+            Op::MoeDispatch { degree, experts, rows } | Op::MoeLocalIds { degree, experts, rows } => {
+                format!("degree={degree} experts={experts} rows={rows}")
+            }
+            Op::MoeCombine { degree, experts } => format!("degree={degree} experts={experts}"),
             _ => String::new(),
         }
     }
@@ -524,7 +555,8 @@ impl Op {
             | Op::TpSlice { .. } => 1,
             Op::VocabEmbedding { .. } | Op::VocabEmbeddingGrad { .. } | Op::VocabCrossEntropy { .. } => 2,
             Op::VocabCrossEntropyGrad { .. } => 3,
-            Op::MoeTopK { .. } => 1,
+            Op::MoeTopK { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => 1,
+            Op::MoeDispatch { .. } | Op::MoeCombine { .. } => 2,
             Op::MoeRouterWeights { .. } | Op::MoePermute | Op::MoeUnpermute { .. } => 2,
             Op::MoeRouterWeightsGrad { .. } | Op::GroupedWeightGrad { .. } => 3,
             Op::Concat { .. } | Op::GroupedLinear { .. } | Op::MoeAuxLoss { .. } | Op::MoeAuxLossGrad { .. } => {
@@ -846,6 +878,42 @@ impl Op {
                     TensorType::new(ins[0].dtype, [t, k, y[1]])
                 })
             }
+            Op::MoeGatherIds { degree } => {
+                let t = *ins[0]
+                    .shape
+                    .dims()
+                    .first()
+                    .ok_or_else(|| "experts must be [tokens, k]".to_string())?;
+                let k = expert_ids(ins[0], t)?;
+                let all = t
+                    .checked_mul(*degree)
+                    .ok_or_else(|| "gathered size overflows u64".to_string())?;
+                Ok(TensorType::new(DType::U32, [all, k]))
+            }
+            Op::MoeDispatch { degree, experts, rows } => {
+                float(ins[0], "input")?;
+                let (t, k) = routing_table(ins[1], *degree, *experts)?;
+                let x = ins[0].shape.dims();
+                if x.len() != 2 || x[0] != assignments(t, k)? {
+                    return Err(format!(
+                        "input must be [{t} * {k}, dim] (this rank's assignments in expert order), got {}",
+                        ins[0].shape
+                    ));
+                }
+                Ok(TensorType::new(ins[0].dtype, [*rows, x[1]]))
+            }
+            Op::MoeCombine { degree, experts } => {
+                float(ins[0], "input")?;
+                let (t, k) = routing_table(ins[1], *degree, *experts)?;
+                match ins[0].shape.dims() {
+                    [_, d] => Ok(TensorType::new(ins[0].dtype, [assignments(t, k)?, *d])),
+                    _ => Err(format!("input must be [rows, dim], got {}", ins[0].shape)),
+                }
+            }
+            Op::MoeLocalIds { degree, experts, rows } => {
+                routing_table(ins[0], *degree, *experts)?;
+                Ok(TensorType::new(DType::U32, [*rows, 1]))
+            }
             Op::GroupedLinear { layout } => {
                 if ins.len() < 3 {
                     return Err("expects the input, the expert ids and at least one weight".into());
@@ -954,6 +1022,14 @@ impl Op {
         )
     }
 
+    /// True for the ops that exchange data within the expert-parallel group.
+    pub fn is_expert_collective(&self) -> bool {
+        matches!(
+            self,
+            Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. }
+        )
+    }
+
     /// True for the ops that exchange data within the tensor-parallel group.
     pub fn is_tensor_collective(&self) -> bool {
         matches!(
@@ -994,6 +1070,26 @@ fn expert_ids(ids: &TensorType, tokens: u64) -> Result<u64, String> {
         [t, k] if *t == tokens && *k > 0 => Ok(*k),
         _ => Err(format!("expert ids must be [{tokens}, k], got {}", ids.shape)),
     }
+}
+
+/// `(tokens per rank, k)` of an expert group's routing table `[degree * T, k]`, whose
+/// `experts` split evenly over the `degree` ranks.
+fn routing_table(table: &TensorType, degree: u64, experts: u64) -> Result<(u64, u64), String> {
+    if degree == 0 || experts == 0 || !experts.is_multiple_of(degree) {
+        return Err(format!(
+            "{experts} experts do not split evenly over {degree} expert ranks"
+        ));
+    }
+    let all = *table
+        .shape
+        .dims()
+        .first()
+        .ok_or_else(|| "routing table must be [ranks * tokens, k]".to_string())?;
+    if !all.is_multiple_of(degree) {
+        return Err(format!("routing table {} is not {degree} ranks' tables", table.shape));
+    }
+    let k = expert_ids(table, all)?;
+    Ok((all / degree, k))
 }
 
 fn assignments(t: u64, k: u64) -> Result<u64, String> {

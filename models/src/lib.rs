@@ -17,4 +17,4 @@ pub use config::{
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
 pub use trace::{trace, TraceError, TraceOptions};
-pub use tracer::TensorOptions;
+pub use tracer::{ExpertOptions, TensorOptions};

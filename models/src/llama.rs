@@ -231,10 +231,51 @@ fn moe_ffn(
 
     let experts = ff;
     let rows = t.op(experts, Op::MoePermute, &[x, ids])?;
+    // Under expert parallelism the rows travel to the ranks holding their experts and back;
+    // this rank computes its own experts over what it received.
+    let ep = t.ep;
+    let (per_rank, table) = if ep.is_parallel() {
+        let table = t.op(experts, Op::MoeGatherIds { degree: ep.degree }, &[ids])?;
+        (m.experts / ep.degree, Some(table))
+    } else {
+        (m.experts, None)
+    };
+    let (rows, local_ids) = match table {
+        Some(table) => {
+            let cap = ep.rows(tokens * m.top_k);
+            let (degree, n) = (ep.degree, m.experts);
+            let recv = t.op(
+                experts,
+                Op::MoeDispatch {
+                    degree,
+                    experts: n,
+                    rows: cap,
+                },
+                &[rows, table],
+            )?;
+            let lids = t.op(
+                experts,
+                Op::MoeLocalIds {
+                    degree,
+                    experts: n,
+                    rows: cap,
+                },
+                &[table],
+            )?;
+            (recv, lids)
+        }
+        None => (rows, ids),
+    };
     let grouped = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2]| -> Result<NodeId, IrError> {
-        let mut ins = vec![x, ids];
-        for e in 0..m.experts {
-            ins.push(t.param(experts, &format!("{prefix}.experts.{e}.{name}.weight"), &shape)?);
+        let mut ins = vec![x, local_ids];
+        for e in 0..per_rank {
+            let at = prefix.len() + ".experts.".len();
+            let pname = format!("{prefix}.experts.{e}.{name}.weight");
+            ins.push(if ep.is_parallel() {
+                t.expert_param(experts, &pname, &shape, e, per_rank, at)?
+            } else {
+                t.param(experts, &pname, &shape)?
+            });
         }
         t.op(
             experts,
@@ -249,7 +290,17 @@ fn moe_ffn(
     let up = grouped(t, rows, up_name, [f, d])?;
     let gate = t.op(experts, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
     let hidden = t.op(experts, Op::Mul, &[gate, up])?;
-    let down = grouped(t, hidden, down_name, [d, f])?;
+    let mut down = grouped(t, hidden, down_name, [d, f])?;
+    if let Some(table) = table {
+        down = t.op(
+            experts,
+            Op::MoeCombine {
+                degree: ep.degree,
+                experts: m.experts,
+            },
+            &[down, table],
+        )?;
+    }
     let weights = t.reshape(experts, weights, &[tokens, m.top_k, 1])?;
     let weights = t.op(experts, Op::MoePermute, &[weights, ids])?;
     let down = t.op(experts, Op::Mul, &[down, weights])?;

@@ -1,12 +1,12 @@
 //! Entry point of tracing: a validated config and the batch shape in, an IR graph out.
 
-use crate::tracer::{TensorOptions, Tracer};
+use crate::tracer::{ExpertOptions, TensorOptions, Tracer};
 use crate::{gpt2, llama, mlp, ConfigError, ModelConfig};
 use shardplan_ir::{DType, Graph, IrError};
 use thiserror::Error;
 
 /// The concrete shape a graph is traced for (a plan is for one shape).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TraceOptions {
     /// Sequences per micro-batch on one rank.
     pub batch: u64,
@@ -16,6 +16,8 @@ pub struct TraceOptions {
     pub dtype: DType,
     /// Tensor parallelism: with `degree > 1` the graph is one tensor rank's program.
     pub tensor: TensorOptions,
+    /// Expert parallelism: with `degree > 1` the graph is one expert rank's program.
+    pub expert: ExpertOptions,
 }
 
 impl Default for TraceOptions {
@@ -25,6 +27,7 @@ impl Default for TraceOptions {
             seq_len: None,
             dtype: DType::F32,
             tensor: TensorOptions::default(),
+            expert: ExpertOptions::default(),
         }
     }
 }
@@ -86,10 +89,12 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
             help: "set mesh.tensor to 1 for a model with `moe`, or remove `moe`".into(),
         }));
     }
+    check_expert(config, &opts.expert)?;
     let mut t = Tracer {
         g: Graph::new(config.name()),
         dtype: opts.dtype,
         tp: opts.tensor,
+        ep: opts.expert,
         aux_loss: None,
     };
     t.g.set_tensor_degree(opts.tensor.degree);
@@ -99,6 +104,48 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
         ModelConfig::Mlp(c) => mlp::build(&mut t, c, opts.batch, seq)?,
     }
     Ok(t.g)
+}
+
+/// What an expert-parallel degree needs of the model: routed experts, as many on every
+/// expert rank.
+fn check_expert(config: &ModelConfig, ep: &ExpertOptions) -> Result<(), TraceError> {
+    let e = ep.degree;
+    if e <= 1 {
+        return Ok(());
+    }
+    let shape = |message: String, help: String| TraceError::Shape {
+        field: "mesh.expert",
+        message,
+        help,
+    };
+    let experts = match config {
+        ModelConfig::Llama(c) => c.moe.as_ref().map(|m| m.experts),
+        _ => None,
+    };
+    let Some(experts) = experts else {
+        return Err(shape(
+            format!(
+                "an expert group of {e} ranks needs a model with routed experts; {} has none",
+                config.name()
+            ),
+            "set mesh.expert to 1 (or leave it out), or give the model a `moe` section".into(),
+        ));
+    };
+    if !experts.is_multiple_of(e) {
+        return Err(shape(
+            format!("the model's {experts} routed experts do not split evenly over {e} expert ranks"),
+            format!("set mesh.expert to a divisor of {experts}"),
+        ));
+    }
+    if !(ep.capacity.is_finite() && ep.capacity >= 1.0) {
+        return Err(TraceError::Shape {
+            field: "moe.capacity",
+            message: format!("capacity {} is below the even split (1.0)", ep.capacity),
+            help: "set moe.capacity to at least 1.0: the factor over the rows an even routing sends each expert rank"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// What a tensor-parallel degree needs of the model: every split dimension divisible.

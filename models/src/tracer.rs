@@ -4,7 +4,8 @@
 //! imports them and this, so nothing imports back.
 
 use shardplan_ir::{
-    DType, Graph, IrError, ModuleKind, NodeId, Op, ScopeId, Shape, TensorSplit, TensorType, TpGrad, WeightLayout,
+    DType, ExpertSplit, Graph, IrError, ModuleKind, NodeId, Op, ScopeId, Shape, TensorSplit, TensorType, TpGrad,
+    WeightLayout,
 };
 
 /// How a model is split over a tensor-parallel group (torchtitan's Llama plan): attention
@@ -40,12 +41,49 @@ impl TensorOptions {
     }
 }
 
+/// How a mixture of experts' routed experts split over an expert-parallel group
+/// (torchtitan's expert parallelism): each rank holds `experts / degree` of every MoE
+/// layer's experts and receives, per layer, at most `capacity` times the rows an even
+/// routing would send it (`tokens * top_k`): dropless routing within that bound.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertOptions {
+    /// Ranks of the expert group; 1: every rank holds every expert.
+    pub degree: u64,
+    /// The bound on received rows, as a factor over the even split (at least 1).
+    pub capacity: f64,
+}
+
+impl Default for ExpertOptions {
+    fn default() -> Self {
+        ExpertOptions {
+            degree: 1,
+            capacity: 2.0,
+        }
+    }
+}
+
+impl ExpertOptions {
+    pub fn is_parallel(&self) -> bool {
+        self.degree > 1
+    }
+
+    /// The rows one rank receives at most, of `assignments` (`tokens * top_k`) sent by
+    /// each rank.
+    pub fn rows(&self, assignments: u64) -> u64 {
+        let bound = (assignments as f64 * self.capacity.max(1.0)).ceil();
+        // Never more than every rank's every row.
+        (bound as u64).min(assignments.saturating_mul(self.degree)).max(1)
+    }
+}
+
 /// Small helpers shared by the builders.
 pub(crate) struct Tracer {
     pub g: Graph,
     pub dtype: DType,
     /// Tensor parallelism of the graph being traced.
     pub tp: TensorOptions,
+    /// Expert parallelism of the graph being traced.
+    pub ep: ExpertOptions,
     /// A term added to the loss (the MoE load-balancing loss), made in the loss's scope.
     pub aux_loss: Option<(Op, Vec<NodeId>)>,
 }
@@ -57,6 +95,27 @@ impl Tracer {
 
     pub fn param(&mut self, scope: ScopeId, name: &str, dims: &[u64]) -> Result<NodeId, IrError> {
         self.g.add_param(name, TensorType::new(self.dtype, dims), scope)
+    }
+
+    /// A routed expert's parameter under expert parallelism: this rank's expert `local`,
+    /// named as on expert rank 0 with its number at byte `name_at` of `name`.
+    pub fn expert_param(
+        &mut self,
+        scope: ScopeId,
+        name: &str,
+        dims: &[u64],
+        local: u64,
+        per_rank: u64,
+        name_at: usize,
+    ) -> Result<NodeId, IrError> {
+        let split = ExpertSplit {
+            local,
+            per_rank,
+            degree: self.ep.degree,
+            name_at: name_at as u32,
+        };
+        self.g
+            .add_expert_param(name, TensorType::new(self.dtype, dims), scope, split)
     }
 
     /// A parameter split over the tensor group: this rank's slice (`local` dims) of the

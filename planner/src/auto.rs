@@ -183,10 +183,12 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
     } else {
         (1..=world)
             .filter(|s| world.is_multiple_of(*s) && (s.is_multiple_of(gpn) || gpn.is_multiple_of(*s)))
+            .filter(|shard| shard.is_multiple_of(base.mesh.expert))
             .map(|shard| MeshShape {
                 replicate: world / shard,
                 shard,
                 tensor,
+                expert: base.mesh.expert,
             })
             .collect()
     };
@@ -777,6 +779,7 @@ pub fn model_spaces(
             replicate,
             shard: world / (replicate * t),
             tensor: t,
+            expert: base.mesh.expert,
         };
         // The step's batch stays the spec's: a tensor group shares its sequences, so each
         // data-parallel rank takes `t / base t` times the spec's.

@@ -86,7 +86,7 @@ pub fn step_costs(times: &NodeTimes, steps: &[Step]) -> (Vec<f64>, Vec<Breakdown
 /// Records each step's tensor-parallel collectives ([`crate::steps::TensorOp`]) with
 /// where they fall in the step by [`OpModel::seconds`]; nothing without tensor parallelism.
 pub fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
-    if g.tensor_degree() <= 1 {
+    if g.tensor_degree() <= 1 && g.expert_degree() <= 1 {
         return;
     }
     for s in steps {
@@ -95,9 +95,9 @@ pub fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
             let id = NodeId(i);
             let dur = times.get(id).0;
             let node = g.node(id);
-            if node.op.is_tensor_collective() {
+            if node.op.is_tensor_collective() || node.op.is_expert_collective() {
                 let bytes = match node.op {
-                    Op::TpAllGather { .. } => node.ty.bytes(),
+                    Op::TpAllGather { .. } | Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } => node.ty.bytes(),
                     Op::VocabCrossEntropy { degree } | Op::VocabCrossEntropyGrad { degree } => {
                         // Row maxima gathered, exponential sums and target logits reduced.
                         let rows = g.node(node.inputs[0]).ty.shape.dims().first().copied().unwrap_or(0);
@@ -142,6 +142,8 @@ pub fn work_kind(op: &Op) -> WorkKind {
             WorkKind::CrossEntropy
         }
         Op::TpAllGather { .. } | Op::TpReduceScatter { .. } | Op::TpAllReduce { .. } => WorkKind::TensorComm,
+        Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. } => WorkKind::ExpertComm,
+        Op::MoeLocalIds { .. } => WorkKind::Layout,
         Op::Add
         | Op::Mul
         | Op::Silu
@@ -331,6 +333,25 @@ impl<'a> OpModel<'a> {
                 let all_reduce = matches!(node.op, Op::TpAllReduce { .. });
                 self.launched(ring_seconds(*degree, full, self.tensor_link(), all_reduce), 1.0)
             }
+            // Expert parallelism's exchanges, inside a node (consecutive shards): the
+            // routing table all-gathered, the rows sent out and back (each rank keeps
+            // `1 / degree` of what it sends at the even split; the buffer is sized at the
+            // capacity bound, which the time follows).
+            Op::MoeGatherIds { degree } => self.launched(
+                ring_seconds(*degree, node.ty.bytes().unwrap_or(u64::MAX), self.tensor_link(), false),
+                1.0,
+            ),
+            Op::MoeDispatch { degree, .. } | Op::MoeCombine { degree, .. } => {
+                let moved = match node.op {
+                    Op::MoeDispatch { .. } => node.ty.bytes(),
+                    _ => self.g.node(node.inputs[0]).ty.bytes(),
+                }
+                .unwrap_or(u64::MAX) as f64;
+                let (bw, alpha) = self.tensor_link();
+                let d = *degree as f64;
+                let t = (d - 1.0) * alpha + moved * (d - 1.0) / d / bw;
+                self.launched(t + 2.0 * moved / self.bw, 2.0)
+            }
             Op::VocabCrossEntropy { degree } | Op::VocabCrossEntropyGrad { degree } => {
                 // The local log-softmax's traffic, plus the row maxima all-gathered and the
                 // exponential sums with the target logits all-reduced over the group
@@ -484,6 +505,10 @@ pub fn intra_node(mesh: &Mesh, comm: Comm) -> bool {
         }
         // The spec keeps a tensor group inside a node.
         Comm::Tensor => true,
+        // Consecutive shards, as a reshard group of `expert`.
+        Comm::Expert => intra_node(mesh, Comm::Reshard(mesh.expert())),
+        // Every `expert`-th shard: inside a node only if the whole shard group is.
+        Comm::ExpertShard => mesh.expert_shard() <= 1 || intra_node(mesh, Comm::Shard),
         Comm::Replicate => {
             let stride = mesh.shard() * t;
             let last = (mesh.replicate() - 1) * stride;
@@ -518,6 +543,9 @@ pub fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
             (g / mesh.tensor().max(1)).clamp(1, size.max(1))
         }
         Comm::Tensor => mesh.tensor().clamp(1, g),
+        Comm::Expert => (g / mesh.tensor().max(1)).clamp(1, mesh.expert().max(1)),
+        // Members are `expert x tensor` ranks apart.
+        Comm::ExpertShard => (g / (mesh.expert() * mesh.tensor()).max(1)).clamp(1, mesh.expert_shard().max(1)),
         // Replicas are `shard x tensor` ranks apart.
         Comm::Replicate => (g / (mesh.shard() * mesh.tensor()).max(1)).clamp(1, mesh.replicate().max(1)),
     }

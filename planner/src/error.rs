@@ -26,6 +26,9 @@ pub enum PlanError {
     /// An axis of size 0.
     #[error("mesh axes must be at least 1 (replicate {replicate}, shard {shard}{})", tensor_axis(*tensor).replace(" x", ","))]
     EmptyAxis { replicate: u64, shard: u64, tensor: u64 },
+    /// `mesh.expert` does not divide the shard axis.
+    #[error("an expert group of {expert} ranks does not divide the shard axis ({shard})")]
+    ExpertDoesNotDivide { expert: u64, shard: u64 },
     /// A wrap policy kind that matches no module of the model.
     #[error("wrap policy `{kind}` matches no module of this model (its module kinds: {present})")]
     WrapMatchesNothing { kind: String, present: String },
@@ -51,6 +54,7 @@ impl PlanError {
     pub fn field(&self) -> &'static str {
         match self {
             PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => "mesh",
+            PlanError::ExpertDoesNotDivide { .. } => "mesh.expert",
             PlanError::WrapMatchesNothing { .. } => "wrap",
             PlanError::NoSuchModule { .. } => "wrap_modules",
             PlanError::PrefetchModule { .. } => "prefetch.explicit",
@@ -64,6 +68,9 @@ impl PlanError {
         match self {
             PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => {
                 "make replicate x shard x tensor equal the number of ranks".into()
+            }
+            PlanError::ExpertDoesNotDivide { shard, .. } => {
+                format!("set mesh.expert to a divisor of mesh.shard ({shard})")
             }
             PlanError::WrapMatchesNothing { present, .. } => format!("wrap one of: {present}"),
             PlanError::NoSuchModule { .. } => "use a dotted module path as `shardplan inspect` prints it".into(),

@@ -26,6 +26,10 @@ pub struct FsdpGroup {
     pub scopes: Vec<ScopeId>,
     /// In parameter-id order.
     pub params: Vec<ParamId>,
+    /// Routed experts' parameters under expert parallelism: sharded over the ranks that
+    /// hold the same experts (`Comm::ExpertShard`), not the whole shard group.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub experts: bool,
 }
 
 impl FsdpGroup {
@@ -101,21 +105,30 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
     // Where each parameter is first read in the forward pass.
     let first_use = |node: NodeId| -> usize { g.users(node).first().map_or(usize::MAX, |u| u.index()) };
 
-    let mut units: Vec<(usize, ScopeId, Vec<ParamId>)> = Vec::new();
+    // Under expert parallelism a unit's routed experts are a unit of their own (sharded
+    // over another group: torchtitan's `fully_shard` of `moe.experts` on the expert-FSDP
+    // mesh), wrapped even where their module is not.
+    let mut units: Vec<(usize, ScopeId, bool, Vec<ParamId>)> = Vec::new();
     let mut root = Vec::new();
     for (p, param) in g.params() {
-        match unit_of(param.scope) {
-            Some(unit) => match units.iter_mut().find(|u| u.1 == unit) {
+        let experts = param.expert.is_some();
+        let unit = if experts {
+            Some(unit_of(param.scope).unwrap_or(param.scope))
+        } else {
+            unit_of(param.scope)
+        };
+        match unit {
+            Some(unit) => match units.iter_mut().find(|u| u.1 == unit && u.2 == experts) {
                 Some(u) => {
                     u.0 = u.0.min(first_use(param.node));
-                    u.2.push(p);
+                    u.3.push(p);
                 }
-                None => units.push((first_use(param.node), unit, vec![p])),
+                None => units.push((first_use(param.node), unit, experts, vec![p])),
             },
             None => root.push(p),
         }
     }
-    units.sort_by_key(|u| (u.0, u.1));
+    units.sort_by_key(|u| (u.0, u.1, u.2));
 
     let bytes = |ps: &[ParamId]| -> u64 {
         ps.iter()
@@ -124,29 +137,39 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
                 a.saturating_add(n.saturating_mul(policy.bucket_dtype.size_bytes()))
             })
     };
-    let mut merged: Vec<(Vec<ScopeId>, Vec<ParamId>)> = Vec::new();
-    for (_, scope, params) in units {
+    let mut merged: Vec<(Vec<ScopeId>, Vec<ParamId>, bool)> = Vec::new();
+    for (_, scope, experts, params) in units {
         match (merged.last_mut(), policy.bucket_bytes) {
-            (Some(last), Some(budget)) if bytes(&last.1).saturating_add(bytes(&params)) <= budget => {
+            (Some(last), Some(budget))
+                if last.2 == experts && bytes(&last.1).saturating_add(bytes(&params)) <= budget =>
+            {
                 last.0.push(scope);
                 last.1.extend(params);
                 last.1.sort_unstable();
             }
-            _ => merged.push((vec![scope], params)),
+            _ => merged.push((vec![scope], params, experts)),
         }
     }
     let mut groups: Vec<FsdpGroup> = merged
         .into_iter()
         .enumerate()
-        .map(|(i, (scopes, params))| FsdpGroup {
+        .map(|(i, (scopes, params, experts))| FsdpGroup {
             id: GroupId::new(i),
             module: scopes
                 .iter()
-                .map(|&s| g.scope(s).display_path())
+                .map(|&s| {
+                    let path = g.scope(s).display_path();
+                    if experts {
+                        format!("{path}.experts")
+                    } else {
+                        path.to_string()
+                    }
+                })
                 .collect::<Vec<_>>()
                 .join("+"),
             scopes,
             params,
+            experts,
         })
         .collect();
     if !root.is_empty() || groups.is_empty() {
@@ -155,6 +178,7 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
             module: "<root>".into(),
             scopes: Vec::new(),
             params: root,
+            experts: false,
         });
     }
     Ok(groups)

@@ -260,7 +260,8 @@ fn passes(
         config.mesh.tensor,
         config.mesh.world(),
         config.gpus_per_node,
-    )?;
+    )?
+    .with_expert(config.mesh.expert)?;
     let reshard = match config.reshard_after_forward {
         Reshard::AfterForward => GroupReshard::Free,
         Reshard::Keep => GroupReshard::Keep,
@@ -329,8 +330,14 @@ fn passes(
         .iter()
         .cloned()
         .map(|grp| {
-            let layout = layout(g, &grp, mesh.shard());
-            let reshard = if grp.is_root() { GroupReshard::Keep } else { reshard };
+            let layout = layout(g, &grp, mesh.shard_of(&grp));
+            let reshard = match reshard {
+                _ if grp.is_root() => GroupReshard::Keep,
+                // A slice of the shard group is not a slice of the expert-shard group: the
+                // routed experts are freed after forward instead.
+                GroupReshard::ToGroupOf(_) if grp.experts => GroupReshard::Free,
+                r => r,
+            };
             PlannedGroup {
                 param_names: if lean {
                     Vec::new()

@@ -18,6 +18,10 @@ pub struct Mesh {
     /// Absent from plans without tensor parallelism, which read as before.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     tensor: u64,
+    /// Ranks of an expert-parallel group, carved out of the shard axis; absent from plans
+    /// without expert parallelism.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    expert: u64,
     gpus_per_node: u64,
 }
 
@@ -64,6 +68,7 @@ impl Mesh {
                 replicate,
                 shard,
                 tensor,
+                expert: 1,
                 gpus_per_node: gpus_per_node.max(1),
             }),
             p => Err(PlanError::MeshWorld {
@@ -82,8 +87,91 @@ impl Mesh {
             replicate: c.mesh.replicate,
             shard: c.mesh.shard,
             tensor: c.mesh.tensor,
+            expert: c.mesh.expert,
             gpus_per_node: c.gpus_per_node,
         }
+    }
+
+    /// This mesh with an expert axis of `expert` ranks inside the shard axis.
+    pub fn with_expert(self, expert: u64) -> Result<Self, PlanError> {
+        if expert == 0 || !self.shard.is_multiple_of(expert) {
+            return Err(PlanError::ExpertDoesNotDivide {
+                expert,
+                shard: self.shard,
+            });
+        }
+        Ok(Mesh { expert, ..self })
+    }
+
+    /// Ranks of one expert-parallel group (1: none).
+    pub fn expert(&self) -> u64 {
+        self.expert
+    }
+
+    /// Ranks that hold the same experts within a replica (`shard / expert`): the group
+    /// the routed experts' parameters are sharded over.
+    pub fn expert_shard(&self) -> u64 {
+        self.shard / self.expert.max(1)
+    }
+
+    /// Ranks a group's parameters are sharded over: the shard axis, or the ranks holding
+    /// the same experts for a group of routed experts.
+    pub fn shard_of(&self, group: &crate::FsdpGroup) -> u64 {
+        if group.experts {
+            self.expert_shard()
+        } else {
+            self.shard
+        }
+    }
+
+    /// The process group a group's parameters are gathered and its gradients reduced over.
+    pub fn shard_comm(&self, group: &crate::FsdpGroup) -> crate::Comm {
+        if group.experts {
+            crate::Comm::ExpertShard
+        } else {
+            crate::Comm::Shard
+        }
+    }
+
+    /// `rank`'s place in the group `group`'s parameters are sharded over (its shard of them).
+    pub fn shard_rank(&self, rank: u64, group: &crate::FsdpGroup) -> u64 {
+        let s = self.coords(rank).shard;
+        if group.experts {
+            s / self.expert.max(1)
+        } else {
+            s
+        }
+    }
+
+    /// `rank`'s index in its expert group: which experts it holds.
+    pub fn expert_index(&self, rank: u64) -> u64 {
+        self.coords(rank).shard % self.expert.max(1)
+    }
+
+    /// The expert group of `rank`: the `expert` consecutive ranks of its shard group that
+    /// hold every expert between them (the tokens' all-to-all), in expert order.
+    pub fn expert_group(&self, rank: u64) -> Vec<u64> {
+        let c = self.coords(rank);
+        let e = self.expert.max(1);
+        let first = c.shard / e * e;
+        (first..first + e)
+            .map(|s| self.rank(Coords { shard: s, ..c }))
+            .collect()
+    }
+
+    /// The ranks of `rank`'s shard group holding its experts (same expert index), in
+    /// shard order: FSDP's group for the routed experts.
+    pub fn expert_shard_group(&self, rank: u64) -> Vec<u64> {
+        let c = self.coords(rank);
+        let e = self.expert.max(1);
+        (0..self.shard / e)
+            .map(|i| {
+                self.rank(Coords {
+                    shard: i * e + c.shard % e,
+                    ..c
+                })
+            })
+            .collect()
     }
 
     pub fn world(&self) -> u64 {

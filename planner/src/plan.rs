@@ -85,6 +85,12 @@ pub enum Comm {
     /// norm's sum over the parameters split across it. (Activation collectives run inside
     /// compute steps, as graph ops.)
     Tensor,
+    /// The rank's expert-parallel group: the tokens' all-to-all (graph ops of compute
+    /// steps, as the tensor group's).
+    Expert,
+    /// The ranks of its shard group that hold the same routed experts: FSDP's group for
+    /// them.
+    ExpertShard,
 }
 
 impl Comm {
@@ -95,6 +101,8 @@ impl Comm {
             Comm::Replicate => mesh.replicate(),
             Comm::Reshard(n) => n,
             Comm::Tensor => mesh.tensor(),
+            Comm::Expert => mesh.expert(),
+            Comm::ExpertShard => mesh.expert_shard(),
         }
     }
 
@@ -105,6 +113,8 @@ impl Comm {
             Comm::Replicate => mesh.replicate_group(rank),
             Comm::Reshard(n) => mesh.reshard_group(rank, n),
             Comm::Tensor => mesh.tensor_group(rank),
+            Comm::Expert => mesh.expert_group(rank),
+            Comm::ExpertShard => mesh.expert_shard_group(rank),
         }
     }
 }
@@ -116,6 +126,8 @@ impl fmt::Display for Comm {
             Comm::Replicate => write!(f, "replicate"),
             Comm::Reshard(n) => write!(f, "reshard{n}"),
             Comm::Tensor => write!(f, "tensor"),
+            Comm::Expert => write!(f, "expert"),
+            Comm::ExpertShard => write!(f, "expert-shard"),
         }
     }
 }
@@ -203,6 +215,11 @@ pub enum ReduceOp {
     Sum,
     /// Sum divided by the group size.
     Avg,
+    /// Sum divided by `ranks`: the routed experts' gradients, which sum the tokens of
+    /// every rank of the expert group already, reduced over the ranks holding the same
+    /// experts but averaged over the whole shard axis (torchtitan's gradient divide
+    /// factor for expert FSDP).
+    AvgOver(u64),
 }
 
 /// The buffers a compute step reads or writes: one or two groups' as a rule, held inline
@@ -701,10 +718,13 @@ pub enum WorkKind {
     /// Tensor parallelism's activation collectives, which run on the compute stream
     /// between the ops that need them.
     TensorComm,
+    /// Expert parallelism's all-to-all (and routing-table gather), on the compute stream
+    /// between the router and the experts and after them.
+    ExpertComm,
 }
 
 impl WorkKind {
-    pub const ALL: [WorkKind; 13] = [
+    pub const ALL: [WorkKind; 14] = [
         WorkKind::Matmul,
         WorkKind::Attention,
         WorkKind::Norm,
@@ -718,6 +738,7 @@ impl WorkKind {
         WorkKind::Optimizer,
         WorkKind::Overlap,
         WorkKind::TensorComm,
+        WorkKind::ExpertComm,
     ];
 
     pub fn name(self) -> &'static str {
@@ -735,6 +756,7 @@ impl WorkKind {
             WorkKind::Optimizer => "optimizer",
             WorkKind::Overlap => "overlap slowdown",
             WorkKind::TensorComm => "tensor collectives",
+            WorkKind::ExpertComm => "expert all-to-all",
         }
     }
 }
@@ -758,6 +780,9 @@ pub struct Breakdown {
     /// Absent from the JSON without tensor parallelism.
     #[serde(skip_serializing_if = "is_zero")]
     pub tensor_comm_s: f64,
+    /// Absent from the JSON without expert parallelism.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub expert_comm_s: f64,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -803,6 +828,7 @@ impl Breakdown {
             WorkKind::Optimizer => &mut self.optimizer_s,
             WorkKind::Overlap => &mut self.overlap_s,
             WorkKind::TensorComm => &mut self.tensor_comm_s,
+            WorkKind::ExpertComm => &mut self.expert_comm_s,
         }
     }
 }

@@ -138,6 +138,22 @@ impl Builder<'_> {
         self.policy.offload == Offload::Cpu
     }
 
+    /// The process group `g` is sharded over.
+    fn shard_comm(&self, g: GroupId) -> Comm {
+        self.mesh.shard_comm(&self.groups[g.index()].group)
+    }
+
+    /// How `g`'s gradients are reduced over its shard group: averaged, and the routed
+    /// experts' (which sum the tokens of their whole expert group already) over the whole
+    /// shard axis.
+    fn grad_reduce(&self, g: GroupId) -> ReduceOp {
+        if self.groups[g.index()].group.experts && self.mesh.expert() > 1 {
+            ReduceOp::AvgOver(self.mesh.shard())
+        } else {
+            ReduceOp::Avg
+        }
+    }
+
     fn gathered_numel(&self, g: GroupId) -> u64 {
         self.groups[g.index()].layout.gathered_numel()
     }
@@ -207,11 +223,11 @@ impl Builder<'_> {
                 );
                 let copied = self.record(Stream::Copy);
                 self.emit(Stream::AllGather, Instr::Wait { event: copied });
-                (dev, Comm::Shard, true)
+                (dev, self.shard_comm(g), true)
             }
             None => {
                 self.emit(Stream::AllGather, Instr::Wait { event: gate });
-                (self.sharded[g], Comm::Shard, false)
+                (self.sharded[g], self.shard_comm(g), false)
             }
         };
         // FSDP2 copies a shard to be cast into a flat input of the parameter dtype first
@@ -378,8 +394,8 @@ impl Builder<'_> {
             Stream::ReduceScatter,
             Instr::ReduceScatter {
                 group: g,
-                comm: Comm::Shard,
-                op: ReduceOp::Avg,
+                comm: self.shard_comm(g),
+                op: self.grad_reduce(g),
                 src: packed,
                 dst: acc,
             },
@@ -469,8 +485,8 @@ impl Builder<'_> {
             Stream::ReduceScatter,
             Instr::ReduceScatter {
                 group: g,
-                comm: Comm::Shard,
-                op: ReduceOp::Avg,
+                comm: self.shard_comm(g),
+                op: self.grad_reduce(g),
                 src: packed,
                 dst: out,
             },

@@ -79,16 +79,28 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
             ))
         }
     };
-    if let Some(g) = plan.groups.iter().find(|g| g.layout.shard != m.shard()) {
+    if m.expert() == 0 || !m.shard().is_multiple_of(m.expert()) {
         return Err(err(
             "mesh",
             0,
             None,
             format!(
-                "group {} is laid out over {} ranks, the mesh's shard axis has {}",
+                "an expert axis of {} ranks does not divide the shard axis of {}",
+                m.expert(),
+                m.shard()
+            ),
+        ));
+    }
+    if let Some(g) = plan.groups.iter().find(|g| g.layout.shard != m.shard_of(&g.group)) {
+        return Err(err(
+            "mesh",
+            0,
+            None,
+            format!(
+                "group {} is laid out over {} ranks, the mesh shards it over {}",
                 g.group.id,
                 g.layout.shard,
-                m.shard()
+                m.shard_of(&g.group)
             ),
         ));
     }
@@ -472,18 +484,25 @@ fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
     if plan.programs.len() < 2 {
         return Ok(()); // every rank runs the same program: orders agree by construction
     }
-    if plan.mesh.tensor() > 1 {
-        // A tensor group's activation collectives run inside compute steps: every member
-        // must run the same ones in the same order.
-        let seqs: Vec<_> = plan.programs.iter().map(|p| tensor_ops(plan, p)).collect();
-        let program_of = |rank: u64| -> usize {
-            plan.ranks
-                .iter()
-                .find(|s| rank >= s.first && rank - s.first < s.count)
-                .map_or(0, |s| s.program as usize)
-        };
+    // A tensor or expert group's activation collectives run inside compute steps: every
+    // member must run the same ones in the same order.
+    let seqs: Vec<_> = plan.programs.iter().map(|p| tensor_ops(plan, p)).collect();
+    let program_of = |rank: u64| -> usize {
+        plan.ranks
+            .iter()
+            .find(|s| rank >= s.first && rank - s.first < s.count)
+            .map_or(0, |s| s.program as usize)
+    };
+    for (axis, size) in [("tensor", plan.mesh.tensor()), ("expert", plan.mesh.expert())] {
+        if size <= 1 {
+            continue;
+        }
         for rank in 0..plan.mesh.world() {
-            let first = plan.mesh.tensor_group(rank)[0];
+            let first = if axis == "tensor" {
+                plan.mesh.tensor_group(rank)[0]
+            } else {
+                plan.mesh.expert_group(rank)[0]
+            };
             let (a, b) = (program_of(first), program_of(rank));
             let (sa, sb) = (&seqs[a], &seqs[b]);
             let n = sa.len().max(sb.len());
@@ -493,7 +512,7 @@ fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
                     program: b,
                     instr: sb.get(k).map(|x| x.2),
                     message: format!(
-                        "on the tensor group of rank {rank}, the compute steps' tensor collectives differ from rank {first}'s at the {}-th step that runs any: NCCL would hang",
+                        "on the {axis} group of rank {rank}, the compute steps' {axis} collectives differ from rank {first}'s at the {}-th step that runs any: NCCL would hang",
                         k + 1
                     ),
                 });
@@ -503,6 +522,9 @@ fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
     let mut comms: Vec<Comm> = vec![Comm::Shard, Comm::Replicate];
     if plan.mesh.tensor() > 1 {
         comms.push(Comm::Tensor);
+    }
+    if plan.mesh.expert() > 1 {
+        comms.push(Comm::ExpertShard);
     }
     for program in &plan.programs {
         for issued in &program.instrs {

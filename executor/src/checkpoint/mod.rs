@@ -142,7 +142,7 @@ impl ShardedTrainer {
     /// HF names of the parameters, by parameter id.
     /// Every parameter's Hugging Face name, in parameter order (as `full_params`).
     pub fn param_names(&self) -> Vec<String> {
-        self.shared.joint.graph.params().map(|(_, p)| p.name.clone()).collect()
+        self.whole.names.clone()
     }
 
     /// Saves a checkpoint of the current step under `root` (see the module doc); returns

@@ -291,6 +291,14 @@ pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
             }
         }
     }
+    if mesh.expert() > 1 {
+        let mut handles = local_groups(world, "expert (compute stream)", |r| mesh.expert_group(r), &abort);
+        for (rank, comm) in comms.iter_mut().enumerate() {
+            if let Some(h) = handles.remove(&(rank as u64)) {
+                comm.expert = Some(Box::new(h));
+            }
+        }
+    }
     super::Placement {
         ranks: (0..world).zip(comms).collect(),
         processes: None,

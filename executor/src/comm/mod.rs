@@ -79,6 +79,53 @@ pub trait Collectives: Send + Sync {
     fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError>;
     /// Returns when every member has arrived.
     fn barrier(&self, tag: u64) -> Result<(), ExecError>;
+    /// Sends `parts[i]` (1-D, one dtype, any lengths) to member `i` and returns what each
+    /// member sent this one, in member order; a collective taking two tags, `tag` and
+    /// `tag + 1`. This default moves every member's parts to every member through two
+    /// all-gathers (the lengths, then the parts padded to the longest): correct on every
+    /// backend, `size` times the traffic of a real all-to-all.
+    fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+        let n = self.size();
+        if parts.len() != n {
+            return Err(ExecError::Internal(format!(
+                "an all-to-all of {} parts over {n} members",
+                parts.len()
+            )));
+        }
+        let first = parts
+            .first()
+            .ok_or_else(|| ExecError::Internal("an all-to-all over no members".into()))?;
+        let (dtype, device) = (first.dtype(), first.device().clone());
+        let lens: Vec<f64> = parts.iter().map(|p| p.elem_count() as f64).collect();
+        let all_lens = self
+            .all_gather(tag, &Tensor::from_vec(lens, n, &device)?)?
+            .to_vec1::<f64>()?;
+        let width = all_lens.iter().fold(0f64, |a, &b| a.max(b)) as usize;
+        if width == 0 {
+            return Ok((0..n)
+                .map(|_| Tensor::zeros(0, dtype, &device))
+                .collect::<Result<_, _>>()?);
+        }
+        let padded: Vec<Tensor> = parts
+            .iter()
+            .map(|p| {
+                let short = width - p.elem_count();
+                if short == 0 {
+                    Ok(p.clone())
+                } else {
+                    Tensor::cat(&[p.clone(), Tensor::zeros(short, dtype, &device)?], 0)
+                }
+            })
+            .collect::<Result<_, _>>()?;
+        let all = self.all_gather(tag.wrapping_add(1), &Tensor::cat(&padded, 0)?)?;
+        let me = self.index();
+        (0..n)
+            .map(|q| {
+                let len = all_lens[q * n + me] as usize;
+                Ok(all.narrow(0, (q * n + me) * width, len)?)
+            })
+            .collect()
+    }
     /// Whether a call only enqueues its collective, which completes later on the device
     /// (NCCL). A rank then launches the collectives of all its communicators in one order,
     /// the plan's issue order, the same on every rank (`runtime::rank`), as NCCL requires of
@@ -108,6 +155,9 @@ pub struct Comms {
     /// communicator of its own, apart from the plan's instructions'); `None` without
     /// tensor parallelism.
     pub tensor: Option<Box<dyn Collectives>>,
+    /// The expert group the compute stream's expert-parallel ops (the tokens' all-to-all)
+    /// run over; `None` without expert parallelism.
+    pub expert: Option<Box<dyn Collectives>>,
 }
 
 impl Comms {

@@ -572,6 +572,13 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
             "tensor group (compute stream)".into(),
         )?));
     }
+    if mesh.expert() > 1 {
+        // The compute stream's expert-parallel ops (the tokens' all-to-all).
+        comms.expert = Some(Box::new(split(
+            mesh.expert_group(rank),
+            "expert group (compute stream)".into(),
+        )?));
+    }
     let processes = MpiGroup {
         comm: SharedComm(world.world.0.duplicate()),
         size: world.size as usize,

@@ -2,6 +2,7 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
+use crate::cpu::expert::ExpertGroup;
 use crate::cpu::linear::{linear, rows, weight_grad};
 use crate::cpu::tensor::TensorGroup;
 use crate::cpu::{attention, fused, moe};
@@ -46,6 +47,7 @@ pub struct Ctx {
     pub device: Device,
     rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
     tensor: Option<TensorGroup>,
+    expert: Option<ExpertGroup>,
     /// Run the ops shardplan has its own CUDA kernels for on them (`--kernels native`):
     /// see [`crate::gpu`]. Only on a CUDA device.
     pub native: bool,
@@ -57,7 +59,16 @@ impl Ctx {
             device,
             rope: RefCell::new(HashMap::new()),
             tensor: None,
+            expert: None,
             native: false,
+        }
+    }
+
+    /// This context with its expert-parallel ops running over `group`.
+    pub fn with_expert_group(self, group: ExpertGroup) -> Self {
+        Ctx {
+            expert: Some(group),
+            ..self
         }
     }
 
@@ -75,6 +86,7 @@ impl Ctx {
             device,
             rope: RefCell::new(HashMap::new()),
             tensor: self.tensor,
+            expert: self.expert,
             native: self.native,
         }
     }
@@ -84,6 +96,16 @@ impl Ctx {
         self.tensor.as_ref().ok_or_else(|| {
             ExecError::Internal(format!(
                 "{} is a tensor-parallel op, but this rank has no tensor group",
+                op.name()
+            ))
+        })
+    }
+
+    /// The expert group an expert-parallel op runs over.
+    fn expert(&self, op: &Op) -> Result<&ExpertGroup> {
+        self.expert.as_ref().ok_or_else(|| {
+            ExecError::Internal(format!(
+                "{} is an expert-parallel op, but this rank has no expert group",
                 op.name()
             ))
         })
@@ -436,6 +458,12 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::MoePermute => moe::permute(ins[0], ins[1])?,
         Op::MoeUnpermute { sum } => moe::unpermute(ins[0], ins[1], *sum)?,
         Op::GroupedLinear { layout } => moe::grouped_linear(ins[0], ins[1], &ins[2..], *layout)?,
+        Op::MoeGatherIds { degree } => ctx.expert(op)?.gather_ids(ins[0], *degree)?,
+        Op::MoeDispatch { degree, experts, rows } => {
+            ctx.expert(op)?.dispatch(ins[0], ins[1], *degree, *experts, *rows)?
+        }
+        Op::MoeCombine { degree, experts } => ctx.expert(op)?.combine(ins[0], ins[1], *degree, *experts)?,
+        Op::MoeLocalIds { degree, experts, rows } => ctx.expert(op)?.local_ids(ins[0], *degree, *experts, *rows)?,
         Op::GroupedWeightGrad {
             expert,
             experts,

@@ -197,11 +197,12 @@ pub fn unpermute(y: &Tensor, experts: &Tensor, sum: bool) -> Result<Tensor> {
     acc.ok_or_else(|| ExecError::Internal("moe_unpermute with k = 0".into()))
 }
 
-/// Rows per expert, in expert order.
+/// Rows per expert, in expert order, then the padding rows (id `experts`: the rows an
+/// expert-parallel dispatch left empty, after every expert's).
 fn counts(ids: &[usize], experts: usize) -> Result<Vec<usize>> {
-    let mut c = vec![0usize; experts];
+    let mut c = vec![0usize; experts + 1];
     for &e in ids {
-        check_expert(e, experts)?;
+        check_expert(e, experts + 1)?;
         c[e] += 1;
     }
     Ok(c)
@@ -224,6 +225,15 @@ pub fn grouped_linear(x: &Tensor, experts: &Tensor, ws: &[&Tensor], layout: Weig
         };
         parts.push(linear(&x.narrow(0, start, n)?, w, layout, &[n, out])?);
         start += n;
+    }
+    let pad = counts[ws.len()];
+    if pad > 0 {
+        let out = match (layout, ws.first()) {
+            (WeightLayout::OutIn, Some(w)) => w.dim(0)?,
+            (WeightLayout::InOut, Some(w)) => w.dim(1)?,
+            (_, None) => return Err(ExecError::Internal("grouped_linear without weights".into())),
+        };
+        parts.push(Tensor::zeros((pad, out), x.dtype(), x.device())?);
     }
     Ok(Tensor::cat(&parts, 0)?)
 }

@@ -8,6 +8,7 @@
 //! the model equals the single-rank one bit for bit without any rank building it whole.
 
 use crate::comm::{Abort, Collectives, Placement};
+use crate::cpu::expert::ExpertGroup;
 use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 use crate::init::init_slice_elements;
@@ -88,6 +89,59 @@ pub struct ShardedTrainer {
     pub(crate) step: u64,
     /// Where the ranks compute (all on one device: Local ranks are threads).
     device: Device,
+    /// Where each parameter of the plan's graph sits in the whole model.
+    pub(crate) whole: WholeParams,
+}
+
+/// Where the parameters of a rank's graph sit in the whole model. Under expert parallelism
+/// a rank's graph holds only its own experts, named and numbered as expert rank 0's; the
+/// whole model (traced without it) numbers every expert's parameters, and initial values,
+/// checkpoints and exports follow the whole model's numbers and names.
+pub(crate) struct WholeParams {
+    /// The whole model's parameter names, in its order.
+    pub names: Vec<String>,
+    /// `ids[p][r]`: the whole model's number of the graph's parameter `p` on expert rank
+    /// `r` (one entry for a parameter every expert rank holds).
+    pub ids: Vec<Vec<usize>>,
+}
+
+impl WholeParams {
+    /// The map for `g`, traced for `model` under `config`.
+    fn new(model: &ModelConfig, config: &ParallelConfig, g: &shardplan_ir::Graph) -> Result<Self, ExecError> {
+        let degree = g.expert_degree();
+        if degree <= 1 {
+            return Ok(WholeParams {
+                names: g.params().map(|(_, p)| p.name.clone()).collect(),
+                ids: (0..g.params().len()).map(|p| vec![p]).collect(),
+            });
+        }
+        let mut opts = config.trace_options();
+        opts.expert = Default::default();
+        let whole = trace(model, opts)?;
+        let index: HashMap<&str, usize> = whole.params().map(|(id, p)| (p.name.as_str(), id.index())).collect();
+        let mut ids = Vec::with_capacity(g.params().len());
+        for (_, p) in g.params() {
+            let ranks = if p.expert.is_some() { degree } else { 1 };
+            let mut row = Vec::with_capacity(ranks as usize);
+            for r in 0..ranks {
+                let name = p.name_on(r);
+                row.push(*index.get(name.as_ref()).ok_or_else(|| {
+                    ExecError::Internal(format!("parameter {name} of expert rank {r} is not in the whole model"))
+                })?);
+            }
+            ids.push(row);
+        }
+        Ok(WholeParams {
+            names: whole.params().map(|(_, p)| p.name.clone()).collect(),
+            ids,
+        })
+    }
+
+    /// The whole model's number of parameter `p` on expert rank `r`.
+    pub fn id(&self, p: shardplan_ir::ParamId, r: u64) -> usize {
+        let row = &self.ids[p.index()];
+        row[(r as usize).min(row.len() - 1)]
+    }
 }
 
 /// `config` as this executor runs it: one kernel per graph op, attention's backward
@@ -207,6 +261,7 @@ impl ShardedTrainer {
         let g = &joint.graph;
         let first = g.node(g.inputs()[0]).ty.shape.dims().to_vec();
         let (per_rank, seq) = (first[0] as usize, first[1] as usize);
+        let whole = WholeParams::new(model, config, g)?;
         let mut ranks = Vec::with_capacity(placed.len());
         let mut data = Vec::with_capacity(placed.len());
         // A tensor group shares its sequences: the batch is split over the data-parallel
@@ -218,7 +273,7 @@ impl ShardedTrainer {
                 return Err(ExecError::Internal(format!("rank {rank} placed on a world of {world}")));
             }
             let coords = mesh.coords(rank);
-            let ctx = match comms.tensor.take() {
+            let mut ctx = match comms.tensor.take() {
                 Some(t) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(std::sync::Arc::from(t))),
                 None if mesh.tensor() > 1 => {
                     return Err(ExecError::Unsupported(format!(
@@ -228,15 +283,31 @@ impl ShardedTrainer {
                 }
                 None => Ctx::new(device.clone()),
             };
+            match comms.expert.take() {
+                Some(e) => ctx = ctx.with_expert_group(ExpertGroup::new(std::sync::Arc::from(e))),
+                None if mesh.expert() > 1 => {
+                    return Err(ExecError::Unsupported(format!(
+                        "the {backend} backend does not run expert parallelism yet (mesh.expert {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
+                        mesh.expert()
+                    )))
+                }
+                None => {}
+            }
+            let expert_rank = mesh.expert_index(rank);
             let mut params = Vec::with_capacity(plan.groups.len());
             let mut opt = Vec::with_capacity(plan.groups.len());
             for (gi, grp) in plan.groups.iter().enumerate() {
                 let l = &grp.layout;
                 let mut flat = vec![0f32; l.shard_numel as usize];
                 for pl in &l.params {
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    let rows = chunk_rows(
+                        pl.dims.first().copied().unwrap_or(1),
+                        l.shard,
+                        mesh.shard_rank(rank, &grp.group),
+                    );
                     let range = rows.start * pl.row_elems..rows.end * pl.row_elems;
-                    let vals = init_slice_elements(g, pl.param, config.seed, range, coords.tensor);
+                    let key = whole.id(pl.param, expert_rank) as u64;
+                    let vals = init_slice_elements(g, pl.param, key, config.seed, range, coords.tensor);
                     let at = pl.shard_offset as usize;
                     flat[at..at + vals.len()].copy_from_slice(&vals);
                 }
@@ -316,6 +387,7 @@ impl ShardedTrainer {
             total_steps,
             step: 0,
             device: device.clone(),
+            whole,
         })
     }
 
@@ -696,15 +768,17 @@ impl ShardedTrainer {
         }
     }
 
-    /// The full f32 parameters, assembled from the shards of replica 0 (for checks and
-    /// export; no rank holds them): each tensor rank's slice from its shard group's
-    /// shards, then, for a parameter split over the tensor group, the whole from the slices.
+    /// The full f32 parameters of the whole model, assembled from the shards of replica 0
+    /// (for checks and export; no rank holds them): each tensor rank's slice from its shard
+    /// group's shards, then, for a parameter split over the tensor group, the whole from
+    /// the slices; under expert parallelism every expert rank's experts.
     pub fn full_params(&self) -> Result<Vec<Tensor>, ExecError> {
         self.assemble(|r, gi| Some(r.params[gi].clone()))
     }
 
-    /// Whole f32 tensors, one per parameter, from each rank's flat per-group tensors that
-    /// `pick` gives (its parameters, or an optimizer state), as [`ShardedTrainer::full_params`].
+    /// Whole f32 tensors, one per parameter of the whole model, from each rank's flat
+    /// per-group tensors that `pick` gives (its parameters, or an optimizer state), as
+    /// [`ShardedTrainer::full_params`].
     pub(crate) fn assemble(
         &self,
         pick: impl Fn(&crate::runtime::rank::RankState, usize) -> Option<Tensor>,
@@ -712,45 +786,51 @@ impl ShardedTrainer {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let g = &self.shared.joint.graph;
-        let mut out: Vec<Option<Tensor>> = vec![None; g.params().len()];
+        let mut out: Vec<Option<Tensor>> = vec![None; self.whole.names.len()];
         for (gi, grp) in plan.groups.iter().enumerate() {
             let l = &grp.layout;
+            let expert_ranks = if grp.group.experts { mesh.expert() } else { 1 };
             for pl in &l.params {
                 let dims: Vec<usize> = pl.dims.iter().map(|&d| d as usize).collect();
-                let mut slices = Vec::with_capacity(mesh.tensor() as usize);
-                for t in 0..mesh.tensor() {
-                    let mut pieces = Vec::new();
-                    for s in 0..l.shard {
-                        let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, s);
-                        let n = ((rows.end - rows.start) * pl.row_elems) as usize;
-                        if n > 0 {
-                            let rank = mesh.rank(Coords {
-                                replicate: 0,
-                                shard: s,
-                                tensor: t,
-                            });
-                            let state = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| {
-                                ExecError::Unsupported(format!(
-                                    "full_params needs rank {rank}, which runs in another process"
-                                ))
-                            })?;
-                            let flat = pick(state, gi).ok_or_else(|| {
-                                ExecError::Internal(format!("rank {rank} holds no such state of group g{gi}"))
-                            })?;
-                            pieces.push(flat.narrow(0, pl.shard_offset as usize, n)?);
+                for e in 0..expert_ranks {
+                    let mut slices = Vec::with_capacity(mesh.tensor() as usize);
+                    for t in 0..mesh.tensor() {
+                        let mut pieces = Vec::new();
+                        for s in 0..l.shard {
+                            let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, s);
+                            let n = ((rows.end - rows.start) * pl.row_elems) as usize;
+                            if n > 0 {
+                                let shard = if grp.group.experts { s * mesh.expert() + e } else { s };
+                                let rank = mesh.rank(Coords {
+                                    replicate: 0,
+                                    shard,
+                                    tensor: t,
+                                });
+                                let state = self.ranks.iter().find(|r| r.rank == rank).ok_or_else(|| {
+                                    ExecError::Unsupported(format!(
+                                        "full_params needs rank {rank}, which runs in another process"
+                                    ))
+                                })?;
+                                let flat = pick(state, gi).ok_or_else(|| {
+                                    ExecError::Internal(format!("rank {rank} holds no such state of group g{gi}"))
+                                })?;
+                                pieces.push(flat.narrow(0, pl.shard_offset as usize, n)?);
+                            }
                         }
+                        slices.push(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
                     }
-                    slices.push(Tensor::cat(&pieces, 0)?.reshape(dims.as_slice())?);
+                    out[self.whole.id(pl.param, e)] = Some(match &g.param(pl.param).tensor {
+                        Some(split) => whole_from_slices(&slices, split)?,
+                        None => slices.swap_remove(0),
+                    });
                 }
-                out[pl.param.index()] = Some(match &g.param(pl.param).tensor {
-                    Some(split) => whole_from_slices(&slices, split)?,
-                    None => slices.swap_remove(0),
-                });
             }
         }
         out.into_iter()
             .enumerate()
-            .map(|(i, t)| t.ok_or_else(|| ExecError::Internal(format!("parameter p{i} is in no group"))))
+            .map(|(i, t)| {
+                t.ok_or_else(|| ExecError::Internal(format!("parameter {} is in no group", self.whole.names[i])))
+            })
             .collect()
     }
 }

@@ -17,6 +17,12 @@ pub struct MeshShape {
     /// plans made before the axis existed read as they did.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tensor: u64,
+    /// Ranks of one expert-parallel group, carved out of the shard axis (torchtitan's
+    /// `dp_shard_in_ep`): each holds `experts / expert` of every MoE layer's routed experts,
+    /// and FSDP shards them over the `shard / expert` ranks that hold the same ones. Not a
+    /// factor of the world; absent from serialised configs when 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub expert: u64,
 }
 
 fn one() -> u64 {
@@ -63,6 +69,32 @@ impl Default for TensorParallel {
 impl TensorParallel {
     pub fn is_default(&self) -> bool {
         *self == TensorParallel::default()
+    }
+}
+
+/// Mixture-of-experts options of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeParallel {
+    /// Under expert parallelism: the most rows one rank's experts receive per layer, as a
+    /// factor over the even split (`tokens * top_k` per rank). Routing stays dropless; a
+    /// batch that routes more is a run-time error naming the layer and the count.
+    pub capacity: f64,
+}
+
+/// `moe.capacity`'s default. See `benches/moe_routing.rs` for the routing it was read from.
+pub const DEFAULT_MOE_CAPACITY: f64 = 2.0;
+
+impl Default for MoeParallel {
+    fn default() -> Self {
+        MoeParallel {
+            capacity: DEFAULT_MOE_CAPACITY,
+        }
+    }
+}
+
+impl MoeParallel {
+    pub fn is_default(&self) -> bool {
+        *self == MoeParallel::default()
     }
 }
 
@@ -414,6 +446,9 @@ pub struct ParallelConfig {
     /// serialised config when default.
     #[serde(default, skip_serializing_if = "TensorParallel::is_default")]
     pub tensor_parallel: TensorParallel,
+    /// Mixture-of-experts options; absent from a serialised config when default.
+    #[serde(default, skip_serializing_if = "MoeParallel::is_default")]
+    pub moe: MoeParallel,
 }
 
 impl ParallelConfig {
@@ -429,6 +464,10 @@ impl ParallelConfig {
                 degree: self.mesh.tensor,
                 sequence_parallel: self.tensor_parallel.sequence_parallel,
                 loss_parallel: self.tensor_parallel.loss_parallel,
+            },
+            expert: shardplan_models::ExpertOptions {
+                degree: self.mesh.expert,
+                capacity: self.moe.capacity,
             },
         }
     }

@@ -51,10 +51,20 @@ impl ParallelSpecFile {
         let replicate = at_least_1(&o, "mesh.replicate", mesh_file.replicate.map_or(1, |s| s.value))?;
         let shard = at_least_1(&o, "mesh.shard", mesh_file.shard.value)?;
         let tensor = at_least_1(&o, "mesh.tensor", mesh_file.tensor.map_or(1, |s| s.value))?;
+        record(&mut o, "mesh.expert", &mesh_file.expert);
+        let expert = at_least_1(&o, "mesh.expert", mesh_file.expert.map_or(1, |s| s.value))?;
+        if !shard.is_multiple_of(expert) {
+            return Err(o.error(
+                "mesh.expert",
+                format!("an expert group of {expert} ranks does not divide the shard axis of {shard} ranks"),
+                format!("set mesh.expert to a divisor of mesh.shard ({shard}): expert parallelism is carved out of the shard axis"),
+            ));
+        }
         let mesh = MeshShape {
             replicate,
             shard,
             tensor,
+            expert,
         };
         let axes = if tensor > 1 {
             format!("replicate x shard x tensor = {replicate} x {shard} x {tensor}")
@@ -125,6 +135,21 @@ impl ParallelSpecFile {
             }
         }
 
+        let mut moe = MoeParallel::default();
+        if let Some(m) = self.moe {
+            o.insert("moe", pos(&m));
+            if let Some(v) = &m.value.capacity {
+                o.insert("moe.capacity", pos(v));
+                moe.capacity = number(
+                    &o,
+                    "moe.capacity",
+                    v.value,
+                    |c| c >= 1.0,
+                    "at least 1.0 (the even split)",
+                )?;
+            }
+        }
+
         let mut hardware = hardware(&mut o, self.hardware)?;
         record(&mut o, "runtime", &self.runtime);
         let runtime = self.runtime.map_or(Runtime::Shardplan, |s| s.value);
@@ -139,6 +164,13 @@ impl ParallelSpecFile {
                 ));
             }
             hardware.kernels = crate::hardware::KernelMode::Eager;
+            if expert > 1 {
+                return Err(o.error(
+                    "runtime",
+                    "`runtime: fsdp2` models FSDP2's hooks on a data-parallel mesh; shardplan has no model of torchtitan's expert parallelism under FSDP2 yet",
+                    "plan expert parallelism with `runtime: shardplan` (the default), or set mesh.expert to 1",
+                ));
+            }
             if tensor > 1 {
                 return Err(o.error(
                     "runtime",
@@ -497,6 +529,7 @@ impl ParallelSpecFile {
             runtime,
             allocator,
             tensor_parallel,
+            moe,
         };
         Ok((config, o))
     }

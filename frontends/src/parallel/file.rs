@@ -34,6 +34,13 @@ pub(super) struct ParallelSpecFile {
     pub(super) runtime: Option<Spanned<Runtime>>,
     pub(super) allocator: Option<Spanned<AllocatorFile>>,
     pub(super) tensor_parallel: Option<Spanned<TensorParallelFile>>,
+    pub(super) moe: Option<Spanned<MoeFile>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct MoeFile {
+    pub(super) capacity: Option<Spanned<f64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,6 +83,7 @@ pub(super) struct MeshFile {
     pub(super) replicate: Option<Spanned<u64>>,
     pub(super) shard: Spanned<u64>,
     pub(super) tensor: Option<Spanned<u64>>,
+    pub(super) expert: Option<Spanned<u64>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -101,16 +101,16 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     };
     let mut y = String::new();
     y.push_str("# Written by `shardplan plan --auto --emit-spec`.\n");
+    let mut axes = format!("replicate: {}, shard: {}", c.mesh.replicate, c.mesh.shard);
     if c.mesh.tensor > 1 {
-        y.push_str(&format!(
-            "mesh: {{replicate: {}, shard: {}, tensor: {}}}\n",
-            c.mesh.replicate, c.mesh.shard, c.mesh.tensor
-        ));
-    } else {
-        y.push_str(&format!(
-            "mesh: {{replicate: {}, shard: {}}}\n",
-            c.mesh.replicate, c.mesh.shard
-        ));
+        axes.push_str(&format!(", tensor: {}", c.mesh.tensor));
+    }
+    if c.mesh.expert > 1 {
+        axes.push_str(&format!(", expert: {}", c.mesh.expert));
+    }
+    y.push_str(&format!("mesh: {{{axes}}}\n"));
+    if !c.moe.is_default() {
+        y.push_str(&format!("moe: {{capacity: {:?}}}\n", c.moe.capacity));
     }
     if !c.tensor_parallel.is_default() {
         y.push_str(&format!(

@@ -414,13 +414,13 @@ impl StepCtx<'_> {
                 let input = self.get(*src)?;
                 let c = self.comms.get(*comm, issued.stream)?;
                 let part = self.launch(i, || c.reduce_scatter(self.tags[i], &input, reduce(*op)))?;
-                self.accumulate(*dst, part)?;
+                self.accumulate(*dst, scaled(part, *op)?)?;
             }
             Instr::AllReduce { comm, op, buf, .. } => {
                 let t = self.get(*buf)?;
                 let c = self.comms.get(*comm, issued.stream)?;
                 let r = self.launch(i, || c.all_reduce(self.tags[i], &t, reduce(*op)))?;
-                self.set(*buf, r)?;
+                self.set(*buf, scaled(r, *op)?)?;
             }
             Instr::Copy { src, dst, accumulate } => {
                 let s = self.get(*src)?;
@@ -491,8 +491,16 @@ impl StepCtx<'_> {
 
 fn reduce(op: ReduceOp) -> Reduce {
     match op {
-        ReduceOp::Sum => Reduce::Sum,
+        ReduceOp::Sum | ReduceOp::AvgOver(_) => Reduce::Sum,
         ReduceOp::Avg => Reduce::Avg,
+    }
+}
+
+/// `t` divided as `op` asks after the backend's reduction ([`ReduceOp::AvgOver`]).
+fn scaled(t: Tensor, op: ReduceOp) -> Result<Tensor, ExecError> {
+    match op {
+        ReduceOp::AvgOver(n) if n > 1 => Ok((t / n as f64)?),
+        _ => Ok(t),
     }
 }
 
