@@ -723,17 +723,27 @@ fn config3((replicate, shard, tensor): (u64, u64, u64), global: u64) -> Parallel
 /// 10 steps on `from`, save, resume on each of `to`, 10 more; against 20 steps on `from`
 /// (`global` sequences a step).
 fn resume_on(m: &shardplan_models::ModelConfig, from: (u64, u64, u64), to: &[(u64, u64, u64)], global: u64) {
+    resume_with(m, from, to, |mesh| config3(mesh, global))
+}
+
+/// [`resume_on`] over meshes that `config` turns into specs.
+fn resume_with<M: Copy + std::fmt::Debug>(
+    m: &shardplan_models::ModelConfig,
+    from: M,
+    to: &[M],
+    config: impl Fn(M) -> ParallelConfig,
+) {
     let scratch = tempfile::tempdir().unwrap();
-    let mut straight = ShardedTrainer::new(m, &config3(from, global), 20).unwrap();
+    let mut straight = ShardedTrainer::new(m, &config(from), 20).unwrap();
     let want: Vec<f32> = (0..20).map(|_| straight.step().unwrap().loss).collect();
     let dir = temp(scratch.path(), "tp");
-    let mut first = ShardedTrainer::new(m, &config3(from, global), 20).unwrap();
+    let mut first = ShardedTrainer::new(m, &config(from), 20).unwrap();
     for _ in 0..10 {
         first.step().unwrap();
     }
     first.save(&dir).unwrap();
     for &mesh in to {
-        let mut second = ShardedTrainer::new(m, &config3(mesh, global), 20).unwrap();
+        let mut second = ShardedTrainer::new(m, &config(mesh), 20).unwrap();
         let warnings = second.load(&dir).unwrap();
         assert!(warnings.is_empty(), "{warnings:?}");
         for (k, w) in want.iter().enumerate().skip(10) {
@@ -769,6 +779,56 @@ fn tensor_parallel_checkpoints_resume_on_any_mesh() {
     resume_on(&llama, (1, 4, 1), &[(1, 2, 2)], 8);
     let gpt2 = preset("tiny-gpt2").unwrap();
     resume_on(&gpt2, (2, 1, 2), &[(1, 1, 4), (1, 2, 1)], 8);
+}
+
+/// A replicate x shard spec with an expert axis of `expert` ranks, `global` sequences a step.
+fn config_ep((replicate, shard, expert): (u64, u64, u64), global: u64) -> ParallelConfig {
+    let world = replicate * shard;
+    let yaml = format!(
+        "mesh: {{replicate: {replicate}, shard: {shard}, expert: {expert}}}\ngpus_per_node: {world}\n\
+         batch: {{per_rank: {}, seq_len: 16}}\noptimizer: {{adamw: {{lr: 3.0e-3}}}}\nlr_schedule: {{warmup_steps: 2}}\n",
+        global / world
+    );
+    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .0
+}
+
+#[test]
+fn expert_parallel_checkpoints_resume_on_any_expert_degree() {
+    // Saved as the whole model's tensors (every expert by its Hugging Face name), so a run
+    // resumes with its experts split over any expert degree, or none.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+    let shardplan_models::ModelConfig::Llama(mut c) = shardplan_frontends::load_model(&path).unwrap().config else {
+        unreachable!()
+    };
+    // The load-balancing loss is each rank's own batch's: off, so that meshes of another
+    // data-parallel width continue the same run.
+    c.moe.as_mut().unwrap().aux_loss_coef = 0.0;
+    let moe = shardplan_models::ModelConfig::Llama(c);
+    resume_with(&moe, (1, 4, 2), &[(1, 4, 4), (1, 4, 1), (2, 2, 2), (1, 1, 1)], |m| {
+        config_ep(m, 8)
+    });
+    resume_with(&moe, (1, 2, 1), &[(1, 4, 2)], |m| config_ep(m, 8));
+
+    // Hugging Face weights out of an expert-parallel run and into one of another degree.
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = temp(scratch.path(), "ep-export");
+    let mut t = ShardedTrainer::new(&moe, &config_ep((1, 4, 2), 8), 5).unwrap();
+    for _ in 0..3 {
+        t.step().unwrap();
+    }
+    t.save(&dir).unwrap();
+    let out = dir.join("model.safetensors");
+    export(&dir, &out, ExportDType::F32).unwrap();
+    let want = t.full_params().unwrap();
+    for mesh in [(1, 4, 4), (1, 2, 1)] {
+        let mut fresh = ShardedTrainer::new(&moe, &config_ep(mesh, 8), 5).unwrap();
+        fresh.init_from(&out).unwrap();
+        for (a, b) in fresh.full_params().unwrap().iter().zip(&want) {
+            assert_eq!(rel(a, b), 0.0, "{mesh:?}");
+        }
+    }
 }
 
 #[test]

@@ -31,7 +31,7 @@ impl ShardedTrainer {
                 let l = &grp.layout;
                 let mut flat = vec![0f32; l.shard_numel as usize];
                 for pl in &l.params {
-                    let name = &names[pl.param.index()];
+                    let name = &names[self.whole.id(pl.param, mesh.expert_index(rank))];
                     let file = files.get(name).or_else(|| files.get("*")).ok_or_else(|| {
                         ExecError::Checkpoint(format!(
                             "{}: no tensor `{name}` (the index lists no file for it)",
@@ -70,7 +70,8 @@ impl ShardedTrainer {
                             all_rows * row_bytes
                         )));
                     }
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    let shard = mesh.shard_rank(rank, &grp.group);
+                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, shard);
                     if rows.is_empty() {
                         continue;
                     }

@@ -215,7 +215,7 @@ impl ShardedTrainer {
         std::fs::create_dir_all(dir).map_err(|e| io(dir, "cannot create", e))?;
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
-        if mesh.tensor() > 1 {
+        if mesh.tensor() > 1 || mesh.expert() > 1 {
             return self.write_whole_rows(dir, hook);
         }
         let names = self.param_names();
@@ -266,14 +266,14 @@ impl ShardedTrainer {
         Ok(out)
     }
 
-    /// With tensor parallelism: every parameter and optimizer state put back together
+    /// With tensor or expert parallelism: every parameter and optimizer state put back together
     /// (all ranks run in this process), then written as the same mesh without a tensor axis
     /// writes it (rank file `s` holds shard `s`'s rows of each whole tensor), so the
     /// checkpoint loads on any mesh.
     fn write_whole_rows(&self, dir: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<Vec<Written>, ExecError> {
         if self.processes.is_some() {
             return Err(ExecError::Unsupported(format!(
-                "{}: a tensor-parallel run's checkpoint is put together by one process holding every rank; run it as threads (`--backend local`) to save, or leave out --checkpoint-dir",
+                "{}: a tensor- or expert-parallel run's checkpoint is put together by one process holding every rank; run it as threads (`--backend local`) to save, or leave out --checkpoint-dir",
                 dir.display()
             )));
         }
@@ -330,14 +330,23 @@ impl ShardedTrainer {
             }
         }
         let g = &self.shared.joint.graph;
+        // The whole model's parameters, in its order (each of a rank's experts once per
+        // expert rank).
+        let mut whole: Vec<(usize, Vec<u64>)> = g
+            .params()
+            .flat_map(|(p, param)| {
+                let ranks = if param.expert.is_some() { mesh.expert() } else { 1 };
+                (0..ranks).map(move |r| (self.whole.id(p, r), whole_dims(param)))
+            })
+            .collect();
+        whole.sort_by_key(|w| w.0);
         let mut tensors = Vec::new();
-        for (p, param) in g.params() {
-            let shape = whole_dims(param);
+        for (p, shape) in whole {
             for prefix in std::iter::once("").chain(states.iter().copied()) {
                 let name = if prefix.is_empty() {
-                    names[p.index()].clone()
+                    names[p].clone()
                 } else {
-                    format!("{prefix}.{}", names[p.index()])
+                    format!("{prefix}.{}", names[p])
                 };
                 let mut ps = pieces.remove(&name).unwrap_or_default();
                 ps.sort_by_key(|x| x.start);
@@ -482,18 +491,20 @@ impl ShardedTrainer {
                 let l = &grp.layout;
                 let mut flats = vec![vec![0f32; l.shard_numel as usize]; 1 + states.len()];
                 for pl in &l.params {
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, coords.shard);
+                    let shard = mesh.shard_rank(rank, &grp.group);
+                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, shard);
                     if rows.is_empty() {
                         continue;
                     }
+                    let whole_name = &names[self.whole.id(pl.param, mesh.expert_index(rank))];
                     for (k, prefix) in std::iter::once("").chain(states.iter().copied()).enumerate() {
                         if k > 0 && absent[k - 1] {
                             continue;
                         }
                         let name = if prefix.is_empty() {
-                            names[pl.param.index()].clone()
+                            whole_name.clone()
                         } else {
-                            format!("{prefix}.{}", names[pl.param.index()])
+                            format!("{prefix}.{whole_name}")
                         };
                         let t = by_name.get(name.as_str()).ok_or_else(|| {
                             ExecError::Checkpoint(format!(
