@@ -359,13 +359,18 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
             )))
         }
     };
+    let mesh = trainer.plan().mesh;
     if args.checkpoint_dir.is_some()
-        && trainer.plan().mesh.tensor() > 1
-        && trainer.local_ranks().len() as u64 != trainer.plan().mesh.world()
+        && (mesh.tensor() > 1 || mesh.expert() > 1)
+        && trainer.local_ranks().len() as u64 != mesh.world()
     {
+        let axis = if mesh.tensor() > 1 {
+            format!("a tensor-parallel run (mesh.tensor {})", mesh.tensor())
+        } else {
+            format!("an expert-parallel run (mesh.expert {})", mesh.expert())
+        };
         return Err(CliError::Usage(format!(
-            "--checkpoint-dir: a tensor-parallel run (mesh.tensor {}) saves its checkpoints from one process holding every rank; run it as threads (`--backend local`), or leave out --checkpoint-dir",
-            trainer.plan().mesh.tensor()
+            "--checkpoint-dir: {axis} saves its checkpoints from one process holding every rank; run it as threads (`--backend local`), or leave out --checkpoint-dir"
         )));
     }
     trainer.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));

@@ -597,6 +597,72 @@ fn tensor_parity(model: &str, name: &str, (replicate, shard, tensor): (u64, u64,
     );
 }
 
+/// examples/models/tiny-moe.yaml with an expert axis as threads and as one MPI process
+/// per rank: the tokens' all-to-all over the MPI backend gives the threads' losses.
+#[test]
+fn mpi_matches_threads_expert_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/models/tiny-moe.yaml");
+    for (name, replicate, shard, expert) in [("1x4-ep2", 1, 4, 2), ("2x2-ep2", 2, 2, 2)] {
+        let world = replicate * shard;
+        let s = d.join(format!("{name}.yaml"));
+        std::fs::write(
+            &s,
+            format!(
+                "mesh: {{replicate: {replicate}, shard: {shard}, expert: {expert}}}\ngpus_per_node: {world}\n\
+                 mixed_precision: {{param: f32, reduce: f32}}\noptimizer: {{adamw: {{lr: 3.0e-3}}}}\ngrad_clip: 1.0\nseed: 0\n\
+                 batch: {{per_rank: 2, seq_len: 16}}\n"
+            ),
+        )
+        .unwrap();
+        let args = |log: &Path| -> Vec<String> {
+            let mut a: Vec<String> = [
+                "train",
+                "--model",
+                model.to_str().unwrap(),
+                "--parallel",
+                s.to_str().unwrap(),
+            ]
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+            a.extend(["--steps", "10", "--collective-timeout", "60", "--log"].map(String::from));
+            a.push(log.to_str().unwrap().to_string());
+            a
+        };
+        let (tl, ml) = (
+            d.join(format!("{name}-threads.jsonl")),
+            d.join(format!("{name}-mpi.jsonl")),
+        );
+        let o = run({
+            let mut c = Command::new(bin());
+            c.args(args(&tl));
+            c
+        });
+        assert!(o.status.success(), "{name} threads: {}", stderr(&o));
+        let o = run({
+            let mut c = mpirun(world);
+            c.args(args(&ml));
+            c
+        });
+        assert!(o.status.success(), "{name} mpi: {}", stderr(&o));
+        close(&losses(&tl), &losses(&ml), 1e-5, name);
+        let o = run({
+            let mut c = mpirun(world);
+            c.args(args(&d.join("refused.jsonl")))
+                .args(["--checkpoint-dir", d.join("ckpt").to_str().unwrap()]);
+            c
+        });
+        assert_eq!(o.status.code(), Some(2), "{name}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("--checkpoint-dir: an expert-parallel run"),
+            "{}",
+            stderr(&o)
+        );
+    }
+}
+
 #[test]
 fn mpi_matches_threads_tensor_parallel() {
     tensor_parity("tiny-llama", "1x2x2", (1, 2, 2), "");
