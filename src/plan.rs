@@ -118,6 +118,20 @@ pub fn make_plan_and_graph(
         model: model.config.clone(),
         parallel: config.clone(),
     });
+    if p.experts.as_ref().is_some_and(|e| e.capacity > 1.0) {
+        // Routing is data-dependent: the plan is sized at the capacity bound; the same
+        // spec routed evenly shows what the bound costs.
+        let mut even = config.clone();
+        even.moe.capacity = 1.0;
+        let graph = trace(&model.config, even.trace_options()).map_err(|e| trace_error(e, model, Some(parallel)))?;
+        let joint = differentiate_with(&graph, even.diff_options())
+            .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
+        let q = plan(&joint, &even)
+            .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+        if let Some(e) = p.experts.as_mut() {
+            e.even = Some([q.memory.peak, q.memory.reserved_peak, q.memory.device_total]);
+        }
+    }
     Ok((p, joint))
 }
 

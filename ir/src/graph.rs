@@ -50,11 +50,17 @@ pub struct Param {
 
 impl Param {
     /// Elements of the whole parameter (every tensor rank's slice together).
+    /// Under expert parallelism, every expert rank's copy of a routed expert's parameter
+    /// counts (the whole model's experts).
     pub fn whole_numel(&self) -> u64 {
         let local = self.ty.numel().unwrap_or(0);
-        match &self.tensor {
+        let whole = match &self.tensor {
             Some(s) => local.saturating_mul(s.degree),
             None => local,
+        };
+        match &self.expert {
+            Some(e) => whole.saturating_mul(e.degree),
+            None => whole,
         }
     }
 }

@@ -35,6 +35,24 @@ pub use verify::{verify, VerifyError};
 use shardplan_frontends::{ParallelConfig, Reshard};
 use shardplan_ir::{DType, JointGraph, ParamId};
 
+/// The routing bound of an expert-parallel graph, from its first dispatch.
+fn expert_routing(g: &shardplan_ir::Graph, config: &ParallelConfig) -> Option<ExpertRouting> {
+    if g.expert_degree() <= 1 {
+        return None;
+    }
+    g.nodes().find_map(|(_, n)| match n.op {
+        shardplan_ir::Op::MoeDispatch { degree, experts, rows } => Some(ExpertRouting {
+            experts,
+            per_rank: experts / degree.max(1),
+            capacity: config.moe.capacity,
+            rows,
+            even_rows: g.node(n.inputs[0]).ty.shape.dims().first().copied().unwrap_or(0),
+            even: None,
+        }),
+        _ => None,
+    })
+}
+
 /// Plans one optimizer step of `joint` (traced at the per-rank micro-batch shape, in the
 /// mixed-precision param dtype) for `config`, and verifies the result.
 pub fn plan(joint: &JointGraph, config: &ParallelConfig) -> Result<Plan, PlanError> {
@@ -443,6 +461,7 @@ fn passes(
         memory,
         estimate,
         shardplan_executor: None,
+        experts: expert_routing(g, config),
         prefetch_moves,
     };
     let mut plan = plan;

@@ -871,6 +871,26 @@ impl RuntimePrediction {
     }
 }
 
+/// What expert parallelism's data-dependent routing means for a plan: every MoE layer's
+/// received rows are bounded by `moe.capacity` over the even split, and the buffers are
+/// sized at the bound (a batch that routes more fails at run time, naming the count).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExpertRouting {
+    /// Routed experts per MoE layer, and those each rank holds.
+    pub experts: u64,
+    pub per_rank: u64,
+    /// `moe.capacity`.
+    pub capacity: f64,
+    /// Rows one rank's experts receive per MoE layer at most (the bound) and at the even
+    /// split (`tokens x top_k` per rank).
+    pub rows: u64,
+    pub even_rows: u64,
+    /// The plan's memory with every layer routed evenly (planned again at capacity 1),
+    /// when the caller planned it: allocated peak, reserved peak, device total.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub even: Option<[u64; 3]>,
+}
+
 /// A complete plan.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -896,6 +916,9 @@ pub struct Plan {
     /// prediction for the same spec (`kernels: fused`, its own schedule). Absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shardplan_executor: Option<RuntimePrediction>,
+    /// Expert parallelism's routing bound; absent without an expert axis.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertRouting>,
     /// The all-gathers `prefetch: auto` moved, in the order it moved them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub prefetch_moves: Vec<PrefetchMove>,

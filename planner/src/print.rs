@@ -91,7 +91,8 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
                     String::new()
                 } else {
                     let b: u64 = s.tensor_ops.iter().map(|t| t.bytes).sum();
-                    format!(" +{} tensor collectives {}", s.tensor_ops.len(), bytes(b))
+                    let axis = if plan.mesh.tensor() > 1 { "tensor" } else { "expert" };
+                    format!(" +{} {axis} collectives {}", s.tensor_ops.len(), bytes(b))
                 };
                 format!("{} {}{mb} [{step}]{tp}", s.phase.name(), s.label)
             }
@@ -158,6 +159,10 @@ pub fn summary(o: &mut String, plan: &Plan) {
             format!(" x {} tensor", m.tensor())
         } else {
             String::new()
+        } + &if m.expert() > 1 {
+            format!(" (expert {} inside shard)", m.expert())
+        } else {
+            String::new()
         },
         if m.replicate() > 1 { " (HSDP)" } else { "" },
         nodes,
@@ -175,6 +180,32 @@ pub fn summary(o: &mut String, plan: &Plan) {
             m.tensor(),
             if tp.sequence_parallel { "on" } else { "off" },
             if tp.loss_parallel { "on" } else { "off" },
+        );
+    }
+    if let Some(e) = &plan.experts {
+        let _ = writeln!(
+            o,
+            "expert parallel: groups of {} consecutive shard ranks, each holding {} of every MoE layer's {} routed experts, sharded over the {} ranks holding the same ones",
+            m.expert(),
+            e.per_rank,
+            e.experts,
+            m.expert_shard()
+        );
+        let even = match e.even {
+            Some([peak, reserved, total]) => format!(
+                "; at the even split ({} rows) allocated peak {}, reserved {}, device total {}",
+                thousands(e.even_rows),
+                bytes(peak),
+                bytes(reserved),
+                bytes(total)
+            ),
+            None => format!("; the even split is {} rows", thousands(e.even_rows)),
+        };
+        let _ = writeln!(
+            o,
+            "  routing bound: each rank receives at most {} rows per MoE layer (moe.capacity {} x the even split), memory below is at the bound{even}",
+            thousands(e.rows),
+            e.capacity,
         );
     }
     let reshard = match p.reshard_after_forward {

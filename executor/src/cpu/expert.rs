@@ -63,13 +63,23 @@ impl Routes {
         self.counts[q][r * self.n..(r + 1) * self.n].iter().sum()
     }
 
+    /// Rows rank `r`'s local expert `j` receives from every rank.
+    fn expert_rows_of(&self, r: usize, j: usize) -> usize {
+        self.counts.iter().map(|c| c[r * self.n + j]).sum()
+    }
+
     /// Rows this rank's local expert `j` receives from every rank.
     fn expert_rows(&self, j: usize) -> usize {
-        self.counts.iter().map(|c| c[self.me * self.n + j]).sum()
+        self.expert_rows_of(self.me, j)
+    }
+
+    /// Rows rank `r` receives.
+    fn received_by(&self, r: usize) -> usize {
+        (0..self.degree()).map(|q| self.sends(q, r)).sum()
     }
 
     fn received(&self) -> usize {
-        (0..self.degree()).map(|q| self.sends(q, self.me)).sum()
+        self.received_by(self.me)
     }
 
     /// For each row of the dispatch's output order (local expert, source rank, source
@@ -92,23 +102,27 @@ impl Routes {
         order
     }
 
-    /// The run-time check of the plan's bound on received rows.
+    /// The run-time check of the plan's bound on received rows. Every rank of the group
+    /// reads the same table, so every rank finds the same overflow and fails with the
+    /// same message before any row moves: none waits on a rank that stopped.
     fn check(&self, rows: usize) -> Result<()> {
-        let got = self.received();
-        if got <= rows {
+        let Some(r) = (0..self.degree())
+            .filter(|&r| self.received_by(r) > rows)
+            .max_by_key(|&r| self.received_by(r))
+        else {
             return Ok(());
-        }
-        let first = self.me * self.n;
-        let busiest = (0..self.n).max_by_key(|&j| self.expert_rows(j)).unwrap_or(0);
-        let even = self.counts[self.me].iter().sum::<usize>();
+        };
+        let got = self.received_by(r);
+        let first = r * self.n;
+        let busiest = (0..self.n).max_by_key(|&j| self.expert_rows_of(r, j)).unwrap_or(0);
+        let even = self.counts[r].iter().sum::<usize>();
+        let ratio = got as f64 / even.max(1) as f64;
         Err(ExecError::Data(format!(
-            "expert rank {} (experts {first}..{}) was routed {got} rows, more than the plan's bound of {rows} ({:.2}x the even split of {even}); its busiest expert, {}, took {}: raise moe.capacity to at least {:.2}, or train with a larger load-balancing loss (moe.aux_loss_coef)",
-            self.me,
+            "expert rank {r} (experts {first}..{}) was routed {got} rows, more than the plan's bound of {rows} ({ratio:.2}x the even split of {even}); its busiest expert, {}, took {}: raise moe.capacity to at least {:.2}, or train with a larger load-balancing loss (moe.aux_loss_coef)",
             first + self.n,
-            got as f64 / even.max(1) as f64,
             first + busiest,
-            self.expert_rows(busiest),
-            got as f64 / even.max(1) as f64,
+            self.expert_rows_of(r, busiest),
+            (ratio * 100.0).ceil() / 100.0,
         )))
     }
 }
@@ -239,5 +253,101 @@ impl ExpertGroup {
         }
         ids.resize(rows as usize, routes.n as u32);
         Ok(Tensor::from_vec(ids, (rows as usize, 1), table.device())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::local::local_group;
+    use crate::comm::Abort;
+    use candle_core::Device;
+
+    /// Runs `f(group, rank)` on every rank of a Local expert group of `n` threads.
+    fn on_group<T: Send>(n: usize, f: impl Fn(&ExpertGroup, usize) -> T + Sync) -> Vec<T> {
+        let abort = Arc::new(Abort::default());
+        let groups = local_group(n, "expert test", &abort);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    let f = &f;
+                    s.spawn(move || f(&ExpertGroup::new(Arc::new(g)), r))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Rank `r`'s routing of 3 tokens, top 2, over 4 experts (2 per rank), deliberately
+    /// uneven: rank 0 sends 5 of its 6 rows to rank 1's experts.
+    fn ids(r: usize) -> Tensor {
+        let v: Vec<u32> = if r == 0 {
+            vec![2, 3, 0, 3, 2, 3]
+        } else {
+            vec![0, 1, 1, 2, 0, 3]
+        };
+        Tensor::from_vec(v, (3, 2), &Device::Cpu).unwrap()
+    }
+
+    /// A rank's rows in expert order, each row its (rank, position) so moves are visible.
+    fn rows(r: usize) -> Tensor {
+        let v: Vec<f32> = (0..6).flat_map(|i| [r as f32, i as f32]).collect();
+        Tensor::from_vec(v, (6, 2), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn dispatch_orders_by_local_expert_then_source_and_combine_undoes_it() {
+        let out = on_group(2, |g, r| {
+            let table = g.gather_ids(&ids(r), 2).unwrap();
+            let recv = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
+            let lids = g.local_ids(&table, 2, 4, 8).unwrap();
+            let back = g.combine(&recv, &table, 2, 4).unwrap();
+            (
+                recv.to_vec2::<f32>().unwrap(),
+                lids.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
+                back.to_vec2::<f32>().unwrap(),
+            )
+        });
+        // Rank 0 holds experts 0, 1: rank 0's row of expert 0 (its first in expert order),
+        // then rank 1's two rows of expert 0, then rank 1's two of expert 1; zero padding.
+        let (recv0, lids0, back0) = &out[0];
+        assert_eq!(&recv0[..5], &[[0., 0.], [1., 0.], [1., 1.], [1., 2.], [1., 3.]]);
+        assert_eq!(&recv0[5..], &[[0., 0.]; 3]);
+        assert_eq!(lids0, &[0, 0, 0, 1, 1, 2, 2, 2]);
+        // Rank 1 holds experts 2, 3: rank 0's two rows of expert 2, rank 1's one, then
+        // rank 0's three of expert 3, rank 1's one.
+        let (recv1, lids1, _) = &out[1];
+        assert_eq!(
+            &recv1[..7],
+            &[[0., 1.], [0., 2.], [1., 4.], [0., 3.], [0., 4.], [0., 5.], [1., 5.]]
+        );
+        assert_eq!(lids1, &[0, 0, 0, 1, 1, 1, 1, 2]);
+        // The combine brings every row home in its place.
+        for (r, (_, _, back)) in out.iter().enumerate() {
+            assert_eq!(back, &rows(r).to_vec2::<f32>().unwrap(), "rank {r}");
+        }
+        assert_eq!(back0.len(), 6);
+    }
+
+    #[test]
+    fn more_rows_than_the_bound_name_the_rank_the_count_and_the_fix() {
+        let out = on_group(2, |g, r| {
+            let table = g.gather_ids(&ids(r), 2).unwrap();
+            g.dispatch(&rows(r), &table, 2, 4, 6)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        // Rank 0 receives 5 rows, rank 1 7: both see it in the table and stop before the
+        // all-to-all, with the same message.
+        for e in &out {
+            let e = e.as_ref().unwrap_err();
+            assert!(
+                e.contains("expert rank 1 (experts 2..4) was routed 7 rows, more than the plan's bound of 6")
+                    && e.contains("raise moe.capacity to at least 1.17"),
+                "{e}"
+            );
+        }
     }
 }

@@ -689,8 +689,11 @@ pub fn run_step(
                                 &cx.shared.plan,
                                 &cx.shared.plan.programs[0].instrs[i],
                             );
-                            cx.abort
-                                .abort(format!("rank {}: instruction #{i} `{what}` failed: {e}", cx.rank));
+                            cx.abort.abort(format!(
+                                "step {}: rank {}: instruction #{i} `{what}` failed: {e}",
+                                step_no + 1,
+                                cx.rank
+                            ));
                         }
                         return Err(e);
                     }
