@@ -3,6 +3,8 @@
 //! 100 ms on a 2-core machine; time linear in layers and independent of the replicate axis
 //! (compare `llama3-405b-1x8` with `llama3-405b-2048x8`). `llama3-405b-32x64x8-tp` plans the
 //! same 16,384 ranks with tensor parallelism over each node (target: under 10 ms).
+//! `qwen3-30b-a3b-64-ep8` plans a mixture of experts (48 MoE layers of 128 experts) on 64
+//! H100s with expert parallelism 8 (target: under 10 ms).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardplan_frontends::{load_model, load_parallel, trace_options};
@@ -20,6 +22,7 @@ fn planning(c: &mut Criterion) {
         ("llama3-405b-1x8", "llama3-405b.yaml", "fsdp-1x8-405b.yaml"),
         ("llama3-405b-2048x8", "llama3-405b.yaml", "hsdp-2048x8.yaml"),
         ("llama3-405b-32x64x8-tp", "llama3-405b.yaml", "hsdp-32x64-tp-8.yaml"),
+        ("qwen3-30b-a3b-64-ep8", "qwen3-30b-a3b.config.json", "ep-8-fsdp-64.yaml"),
     ] {
         let m = load_model(&Path::new("examples/models").join(model)).expect("model");
         let p = load_parallel(&Path::new("examples/parallel").join(parallel)).expect("parallel");

@@ -518,7 +518,7 @@ fn fuzz_spec(kind: &str, originals: &[&str], other: &str, default: usize, json: 
         let file = dir.path().join(&name);
         std::fs::write(&file, &mutated).unwrap();
         let case = format!("{kind} case {k} of {orig}: {what}");
-        let (model, parallel) = if kind == "parallel" {
+        let (model, parallel) = if kind.starts_with("parallel") {
             (PathBuf::from(other), file.clone())
         } else {
             (file.clone(), PathBuf::from(other))
@@ -529,7 +529,7 @@ fn fuzz_spec(kind: &str, originals: &[&str], other: &str, default: usize, json: 
             assert_located(&case, &msg, named);
         }
         if k % 25 == 0 {
-            let (m, p) = if kind == "parallel" {
+            let (m, p) = if kind.starts_with("parallel") {
                 (other.to_string(), file.display().to_string())
             } else {
                 (file.display().to_string(), other.to_string())
@@ -579,6 +579,18 @@ fn fuzz_parallel_yaml() {
         ],
         "tiny-llama",
         1000,
+        false,
+    );
+}
+
+/// Expert parallelism's fields (`mesh.expert`, `moe.capacity`) with a mixture of experts.
+#[test]
+fn fuzz_expert_parallel_yaml() {
+    fuzz_spec(
+        "parallel-ep",
+        &["examples/parallel/ep-1x4-cpu.yaml"],
+        "examples/models/tiny-moe.yaml",
+        300,
         false,
     );
 }

@@ -480,3 +480,63 @@ fn bad_tensor_specs_exit_2_naming_the_field() {
         );
     }
 }
+
+#[test]
+fn an_expert_parallel_plan_says_its_groups_bound_and_memory_at_both() {
+    let o = shardplan_ok(&[
+        "plan",
+        "--model",
+        "examples/models/qwen3-30b-a3b.config.json",
+        "--parallel",
+        "examples/parallel/ep-8-fsdp-64.yaml",
+    ]);
+    let out = stdout(&o);
+    for want in [
+        "plan: qwen3-30b-a3b (30,532,122,624 params) on 64 ranks: mesh 1 replicate x 64 shard (expert 8 inside shard)",
+        "expert parallel: groups of 8 consecutive shard ranks, each holding 16 of every MoE layer's 128 routed experts, sharded over the 8 ranks holding the same ones",
+        "routing bound: each rank receives at most 131,072 rows per MoE layer (moe.capacity 2 x the even split), memory below is at the bound; at the even split (65,536 rows) allocated peak ",
+        "layers.0.experts ",
+        "expert all-to-all ",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+}
+
+#[test]
+fn bad_expert_specs_exit_2_naming_the_field() {
+    let scratch = tempfile::tempdir().unwrap();
+    let moe = "examples/models/tiny-moe.yaml";
+    for (model, text, want) in [
+        (
+            moe,
+            "mesh: {shard: 4, expert: 3}\ngpus_per_node: 4\n",
+            "`mesh.expert`: an expert group of 3 ranks does not divide the shard axis of 4 ranks",
+        ),
+        (
+            "tiny-llama",
+            "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\n",
+            "`mesh.expert`: an expert group of 2 ranks needs a model with routed experts; tiny-llama has none",
+        ),
+        (
+            moe,
+            "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nmoe: {capacity: 0.5}\n",
+            "`moe.capacity`: must be at least 1.0 (the even split), got 0.5",
+        ),
+        (
+            moe,
+            "mesh: {shard: 8, expert: 8}\ngpus_per_node: 8\nruntime: fsdp2\n",
+            "`runtime: fsdp2` models FSDP2's hooks on a data-parallel mesh; shardplan has no model of torchtitan's expert parallelism",
+        ),
+        (
+            moe,
+            "mesh: {shard: 16, expert: 16}\ngpus_per_node: 8\n",
+            "`mesh.expert`: the model's 8 routed experts do not split evenly over 16 expert ranks",
+        ),
+    ] {
+        let spec = temp(scratch.path(), "ep.yaml", &format!("{text}batch: {{per_rank: 1, seq_len: 16}}\n"));
+        bad(
+            &["plan", "--model", model, "--parallel", spec.to_str().unwrap()],
+            &[want],
+        );
+    }
+}
