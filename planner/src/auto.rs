@@ -44,6 +44,9 @@ pub struct Fixed {
     pub offload: bool,
     /// The tensor-parallel degree (`mesh.tensor`); only [`search_model`] searches it.
     pub tensor: bool,
+    /// The expert-parallel degree (`mesh.expert`); only [`search_model`] searches it, and
+    /// only for a model with routed experts.
+    pub expert: bool,
 }
 
 impl Fixed {
@@ -59,6 +62,7 @@ impl Fixed {
             checkpointing: origin.has("activation_checkpointing"),
             offload: origin.has("offload"),
             tensor: origin.has("mesh.tensor"),
+            expert: origin.has("mesh.expert"),
         }
     }
 }
@@ -80,6 +84,9 @@ pub struct Knobs {
     /// Ranks of a tensor-parallel group.
     #[serde(default = "one")]
     pub tensor: u64,
+    /// Ranks of an expert-parallel group (inside the shard axis).
+    #[serde(default = "one")]
+    pub expert: u64,
 }
 
 fn one() -> u64 {
@@ -89,10 +96,15 @@ fn one() -> u64 {
 impl Knobs {
     /// The mesh as `replicate x shard`, with `x tensor` when there is a tensor axis.
     pub fn mesh(&self) -> String {
-        if self.tensor > 1 {
+        let base = if self.tensor > 1 {
             format!("{}x{}x{}", self.replicate, self.shard, self.tensor)
         } else {
             format!("{}x{}", self.replicate, self.shard)
+        };
+        if self.expert > 1 {
+            format!("{base} ep{}", self.expert)
+        } else {
+            base
         }
     }
 }
@@ -263,6 +275,7 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
                                 activation_checkpointing: ac_name(ac),
                                 offload: offload == Offload::Cpu,
                                 tensor: mesh.tensor,
+                                expert: mesh.expert,
                             };
                             out.push((knobs, c));
                         }
@@ -742,6 +755,24 @@ pub fn tensor_degrees(base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
         .collect()
 }
 
+/// The expert-parallel degrees `--auto` tries for `model` under `base`: for a mixture of
+/// experts, 1 and the powers of two that divide its routed experts and the node (the
+/// tokens' all-to-all stays on NVLink, as torchtitan lays it out); the spec's own when it
+/// fixes `mesh.expert` or the model has no routed experts.
+pub fn expert_degrees(model: &shardplan_models::ModelConfig, base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
+    let experts = match model {
+        shardplan_models::ModelConfig::Llama(c) => c.moe.as_ref().map(|m| m.experts),
+        _ => None,
+    };
+    match experts {
+        Some(n) if !fixed.expert => std::iter::successors(Some(1u64), |e| e.checked_mul(2))
+            .take_while(|&e| e <= base.gpus_per_node && e <= base.mesh.world())
+            .filter(|&e| n.is_multiple_of(e))
+            .collect(),
+        _ => vec![base.mesh.expert],
+    }
+}
+
 /// [`search`] with the tensor-parallel degree searched too ([`tensor_degrees`]): the model
 /// traced as one tensor rank's program at each degree the model divides, each over the
 /// same knobs with the data-parallel ranks left and the same tokens per step
@@ -773,22 +804,27 @@ pub fn model_spaces(
     let world = base.mesh.world();
     let mut configs: Vec<ParallelConfig> = Vec::new();
     for t in tensor_degrees(base, fixed) {
-        let mut config = base.clone();
-        let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
-        config.mesh = MeshShape {
-            replicate,
-            shard: world / (replicate * t),
-            tensor: t,
-            expert: base.mesh.expert,
-        };
-        // The step's batch stays the spec's: a tensor group shares its sequences, so each
-        // data-parallel rank takes `t / base t` times the spec's.
-        let per_rank = base.batch.per_rank * t;
-        if !per_rank.is_multiple_of(base.mesh.tensor) {
-            continue;
+        for e in expert_degrees(model, base, fixed) {
+            let mut config = base.clone();
+            let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
+            config.mesh = MeshShape {
+                replicate,
+                shard: world / (replicate * t),
+                tensor: t,
+                expert: e,
+            };
+            if !config.mesh.shard.is_multiple_of(e) {
+                continue;
+            }
+            // The step's batch stays the spec's: a tensor group shares its sequences, so each
+            // data-parallel rank takes `t / base t` times the spec's.
+            let per_rank = base.batch.per_rank * t;
+            if !per_rank.is_multiple_of(base.mesh.tensor) {
+                continue;
+            }
+            config.batch.per_rank = per_rank / base.mesh.tensor;
+            configs.push(config);
         }
-        config.batch.per_rank = per_rank / base.mesh.tensor;
-        configs.push(config);
     }
     // Each degree traced and differentiated on a thread of its own.
     let traced: Vec<Result<Option<JointGraph>, PlanError>> = std::thread::scope(|scope| {
@@ -823,7 +859,7 @@ pub fn model_spaces(
     }
     if spaces.is_empty() {
         return Err(PlanError::Graph(
-            "the model splits over no tensor-parallel degree the node and world allow".into(),
+            "the model splits over no tensor- or expert-parallel degree the node and world allow".into(),
         ));
     }
     Ok(spaces)

@@ -217,6 +217,7 @@ fn fixed_knobs_are_the_fields_the_spec_writes() {
             checkpointing: true,
             offload: true,
             tensor: false,
+            expert: false,
         }
     );
     assert_eq!(
@@ -233,4 +234,23 @@ fn the_default_budget_is_the_device_memory() {
     // Context, NCCL and fragmentation are in each plan's device total, not held back here.
     let c = parallel("mesh: {shard: 8}\nhardware: {base: h100-sxm, hbm_gib: 80}\n");
     assert_eq!(default_budget(&c.hardware), 80 << 30);
+}
+
+#[test]
+fn auto_tries_expert_degrees_for_a_mixture_of_experts_only() {
+    use shardplan_planner::auto::expert_degrees;
+    let spec = |yaml: &str| parse_parallel_spec(&Source::from_text("e.yaml", yaml)).unwrap();
+    let moe = shardplan_models::preset("qwen3-30b-a3b").unwrap();
+    let (c, o) = spec("mesh: {shard: 64}\ngpus_per_node: 8\n");
+    // 128 experts: every power of two up to the node.
+    assert_eq!(expert_degrees(&moe, &c, Fixed::from_origin(&o)), vec![1, 2, 4, 8]);
+    let (c, o) = spec("mesh: {shard: 64, expert: 4}\ngpus_per_node: 8\n");
+    assert_eq!(expert_degrees(&moe, &c, Fixed::from_origin(&o)), vec![4]);
+    let (c, o) = spec("mesh: {shard: 64}\ngpus_per_node: 8\n");
+    let llama = shardplan_models::preset("llama3-8b").unwrap();
+    assert_eq!(expert_degrees(&llama, &c, Fixed::from_origin(&o)), vec![1]);
+    // Mixtral's 8 experts on nodes of 16: 1 to 8.
+    let (c, o) = spec("mesh: {shard: 32}\ngpus_per_node: 16\n");
+    let mixtral = shardplan_models::preset("mixtral-8x7b").unwrap();
+    assert_eq!(expert_degrees(&mixtral, &c, Fixed::from_origin(&o)), vec![1, 2, 4, 8]);
 }
