@@ -196,7 +196,12 @@ pub fn device_memory(
 /// The CUDA context and NCCL's buffers: every communicator of more than one rank holds its
 /// channels' buffers (a group of one talks to nobody).
 pub fn overhead(program: &Program, mesh: &Mesh, hw: &HardwareProfile) -> Overhead {
-    let communicators = program.communicators().iter().filter(|(c, _)| c.size(mesh) > 1).count() as u32;
+    let mut communicators = program.communicators().iter().filter(|(c, _)| c.size(mesh) > 1).count() as u32;
+    // The expert group's all-to-all runs on a communicator of its own (the compute
+    // stream's graph ops, not the program's instructions).
+    if mesh.expert() > 1 {
+        communicators += 1;
+    }
     Overhead {
         cuda_context: hw.cuda_context_bytes(),
         nccl: hw
