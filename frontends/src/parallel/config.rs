@@ -81,7 +81,11 @@ pub struct MoeParallel {
     pub capacity: f64,
 }
 
-/// `moe.capacity`'s default. See `benches/moe_routing.rs` for the routing it was read from.
+/// `moe.capacity`'s default: GShard's training capacity factor. The bound is on the rows
+/// one expert rank receives, the sum of `experts / expert` experts' loads, which varies
+/// less than one expert's, so 2.0 leaves room for routing well away from even; a run that
+/// exceeds it stops naming the capacity that would have fit. Not yet read from routing
+/// measured over a real model's training.
 pub const DEFAULT_MOE_CAPACITY: f64 = 2.0;
 
 impl Default for MoeParallel {
