@@ -126,6 +126,14 @@ fn every_bundled_example_exports_a_program_that_compiles() {
             done.insert(key_m);
             continue;
         }
+        if !o.status.success() && err.contains("`mesh.expert`") {
+            // An expert-parallel spec needs a mixture of experts, which `export fsdp2` does not
+            // write yet: refused at the field either way.
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            assert!(err.contains(&format!("{p}:")), "{m} {p}: {err}");
+            done.insert(key_p);
+            continue;
+        }
         if !o.status.success() && err.contains("`moe`") {
             // `export fsdp2` does not write mixture-of-experts layers yet: refused at their field.
             assert_eq!(o.status.code(), Some(2), "{err}");
