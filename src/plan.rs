@@ -105,15 +105,7 @@ pub fn make_plan_and_graph(
     parallel: &LoadedParallel,
     config: &ParallelConfig,
 ) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
-    let p = LoadedParallel {
-        config: config.clone(),
-        origin: parallel.origin.clone(),
-    };
-    let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
-    let joint = differentiate_with(&graph, config.diff_options())
-        .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
-    let mut p =
-        plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    let (mut p, joint) = trace_and_plan(model, parallel, config)?;
     p.source = Some(shardplan_planner::PlanSource {
         model: model.config.clone(),
         parallel: config.clone(),
@@ -123,16 +115,31 @@ pub fn make_plan_and_graph(
         // spec routed evenly shows what the bound costs.
         let mut even = config.clone();
         even.moe.capacity = 1.0;
-        let graph = trace(&model.config, even.trace_options()).map_err(|e| trace_error(e, model, Some(parallel)))?;
-        let joint = differentiate_with(&graph, even.diff_options())
-            .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
-        let q = plan(&joint, &even)
-            .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+        let (q, _) = trace_and_plan(model, parallel, &even)?;
         if let Some(e) = p.experts.as_mut() {
             e.even = Some([q.memory.peak, q.memory.reserved_peak, q.memory.device_total]);
         }
     }
     Ok((p, joint))
+}
+
+/// The model traced at `config`'s shape, differentiated and planned; errors located in
+/// the spec files.
+fn trace_and_plan(
+    model: &LoadedModel,
+    parallel: &LoadedParallel,
+    config: &ParallelConfig,
+) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
+    let p = LoadedParallel {
+        config: config.clone(),
+        origin: parallel.origin.clone(),
+    };
+    let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
+    let joint = differentiate_with(&graph, config.diff_options())
+        .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
+    let plan =
+        plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    Ok((plan, joint))
 }
 
 fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget: u64) -> CliError {

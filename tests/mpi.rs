@@ -548,27 +548,28 @@ fn tensor_parity(model: &str, name: &str, (replicate, shard, tensor): (u64, u64,
         ),
     )
     .unwrap();
+    threads_then_mpi(name, model, &s, world, "--checkpoint-dir: a tensor-parallel run");
+}
+
+/// Trains `spec` of `model` for 10 steps as threads and as `world` MPI processes: the same
+/// losses within 1e-5; with `--checkpoint-dir` the MPI run is refused before any step
+/// (every rank must be in one process), saying `refusal`.
+fn threads_then_mpi(name: &str, model: &str, spec: &Path, world: u64, refusal: &str) {
+    let d = spec.parent().unwrap();
     let args = |log: &Path| -> Vec<String> {
-        [
-            "train",
-            "--model",
-            model,
-            "--parallel",
-            s.to_str().unwrap(),
-            "--steps",
-            "10",
-            "--log",
-        ]
-        .iter()
-        .map(|x| x.to_string())
-        .chain([
-            log.to_str().unwrap().to_string(),
-            "--collective-timeout".into(),
-            "60".into(),
-        ])
-        .collect()
+        let mut a: Vec<String> = ["train", "--model", model, "--parallel", spec.to_str().unwrap()]
+            .iter()
+            .map(|x| x.to_string())
+            .collect();
+        a.extend(["--steps", "10", "--log"].map(String::from));
+        a.push(log.to_str().unwrap().to_string());
+        a.extend(["--collective-timeout", "60"].map(String::from));
+        a
     };
-    let (tl, ml) = (d.join("threads.jsonl"), d.join("mpi.jsonl"));
+    let (tl, ml) = (
+        d.join(format!("{name}-threads.jsonl")),
+        d.join(format!("{name}-mpi.jsonl")),
+    );
     let o = run({
         let mut c = Command::new(bin());
         c.args(args(&tl));
@@ -585,16 +586,12 @@ fn tensor_parity(model: &str, name: &str, (replicate, shard, tensor): (u64, u64,
     // A checkpoint needs every rank in one process: refused before any step.
     let o = run({
         let mut c = mpirun(world);
-        c.args(args(&d.join("refused.jsonl")))
+        c.args(args(&d.join(format!("{name}-refused.jsonl"))))
             .args(["--checkpoint-dir", d.join("ckpt").to_str().unwrap()]);
         c
     });
     assert_eq!(o.status.code(), Some(2), "{name}: {}", stderr(&o));
-    assert!(
-        stderr(&o).contains("--checkpoint-dir: a tensor-parallel run"),
-        "{}",
-        stderr(&o)
-    );
+    assert!(stderr(&o).contains(refusal), "{}", stderr(&o));
 }
 
 /// examples/models/tiny-moe.yaml with an expert axis as threads and as one MPI process
@@ -616,49 +613,12 @@ fn mpi_matches_threads_expert_parallel() {
             ),
         )
         .unwrap();
-        let args = |log: &Path| -> Vec<String> {
-            let mut a: Vec<String> = [
-                "train",
-                "--model",
-                model.to_str().unwrap(),
-                "--parallel",
-                s.to_str().unwrap(),
-            ]
-            .iter()
-            .map(|x| x.to_string())
-            .collect();
-            a.extend(["--steps", "10", "--collective-timeout", "60", "--log"].map(String::from));
-            a.push(log.to_str().unwrap().to_string());
-            a
-        };
-        let (tl, ml) = (
-            d.join(format!("{name}-threads.jsonl")),
-            d.join(format!("{name}-mpi.jsonl")),
-        );
-        let o = run({
-            let mut c = Command::new(bin());
-            c.args(args(&tl));
-            c
-        });
-        assert!(o.status.success(), "{name} threads: {}", stderr(&o));
-        let o = run({
-            let mut c = mpirun(world);
-            c.args(args(&ml));
-            c
-        });
-        assert!(o.status.success(), "{name} mpi: {}", stderr(&o));
-        close(&losses(&tl), &losses(&ml), 1e-5, name);
-        let o = run({
-            let mut c = mpirun(world);
-            c.args(args(&d.join("refused.jsonl")))
-                .args(["--checkpoint-dir", d.join("ckpt").to_str().unwrap()]);
-            c
-        });
-        assert_eq!(o.status.code(), Some(2), "{name}: {}", stderr(&o));
-        assert!(
-            stderr(&o).contains("--checkpoint-dir: an expert-parallel run"),
-            "{}",
-            stderr(&o)
+        threads_then_mpi(
+            name,
+            model.to_str().unwrap(),
+            &s,
+            world,
+            "--checkpoint-dir: an expert-parallel run",
         );
     }
 }

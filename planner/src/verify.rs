@@ -535,17 +535,11 @@ fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
             }
         }
     }
-    let program_index = |rank: u64| -> usize {
-        plan.ranks
-            .iter()
-            .find(|s| rank >= s.first && rank - s.first < s.count)
-            .map_or(0, |s| s.program as usize)
-    };
     for comm in comms {
         let seqs: Vec<_> = plan.programs.iter().map(|p| collectives(plan, p, comm)).collect();
         for rank in 0..plan.mesh.world() {
             let members = comm.members(&plan.mesh, rank);
-            let (a, b) = (program_index(members[0]), program_index(rank));
+            let (a, b) = (program_of(members[0]), program_of(rank));
             if a == b {
                 continue;
             }

@@ -127,6 +127,15 @@ impl Routes {
     }
 }
 
+/// Rows `idx` of `t` (`[n, d]`), in that order; none gives `[0, d]`.
+fn rows_at(t: &Tensor, idx: Vec<u32>) -> Result<Tensor> {
+    let n = idx.len();
+    if n == 0 {
+        return Ok(Tensor::zeros((0, t.dim(1)?), t.dtype(), t.device())?);
+    }
+    Ok(t.index_select(&Tensor::from_vec(idx, n, t.device())?, 0)?)
+}
+
 impl ExpertGroup {
     pub fn new(comm: Arc<dyn Collectives>) -> Self {
         ExpertGroup {
@@ -151,6 +160,17 @@ impl ExpertGroup {
                 self.comm.size()
             )))
         }
+    }
+
+    /// Sends `parts[r]` (flat rows of width `d`) to member `r`; returns what every member
+    /// sent this one, as rows, in member order.
+    fn exchange(&self, parts: &[Tensor], d: usize) -> Result<Tensor> {
+        let got = self.comm.all_to_all(self.tags(2), parts)?;
+        let chunks: Vec<Tensor> = got
+            .iter()
+            .map(|t| t.reshape(((), d)))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Tensor::cat(&chunks, 0)?)
     }
 
     /// `moe_gather_ids`: every rank's `[T, k]` expert ids, one after another.
@@ -180,19 +200,10 @@ impl ExpertGroup {
             parts.push(x.narrow(0, start, n)?.flatten_all()?);
             start += n;
         }
-        let got = self.comm.all_to_all(self.tags(2), &parts)?;
-        let chunks: Vec<Tensor> = got
-            .iter()
-            .map(|t| t.reshape(((), d)))
-            .collect::<std::result::Result<_, _>>()?;
-        let recv = Tensor::cat(&chunks, 0)?;
+        let recv = self.exchange(&parts, d)?;
         let order = routes.output_order();
         let n = order.len();
-        let mut out = if n == 0 {
-            Tensor::zeros((0, d), x.dtype(), x.device())?
-        } else {
-            recv.index_select(&Tensor::from_vec(order, n, x.device())?, 0)?
-        };
+        let mut out = rows_at(&recv, order)?;
         if (rows as usize) > n {
             let pad = Tensor::zeros((rows as usize - n, d), x.dtype(), x.device())?;
             out = Tensor::cat(&[out, pad], 0)?;
@@ -224,21 +235,10 @@ impl ExpertGroup {
         let mut start = 0;
         for q in 0..routes.degree() {
             let n = routes.sends(q, routes.me);
-            let idx = at[start..start + n].to_vec();
-            parts.push(if n == 0 {
-                Tensor::zeros(0, y.dtype(), y.device())?
-            } else {
-                y.index_select(&Tensor::from_vec(idx, n, y.device())?, 0)?
-                    .flatten_all()?
-            });
+            parts.push(rows_at(&y, at[start..start + n].to_vec())?.flatten_all()?);
             start += n;
         }
-        let back = self.comm.all_to_all(self.tags(2), &parts)?;
-        let chunks: Vec<Tensor> = back
-            .iter()
-            .map(|t| t.reshape(((), d)))
-            .collect::<std::result::Result<_, _>>()?;
-        Ok(Tensor::cat(&chunks, 0)?)
+        self.exchange(&parts, d)
     }
 
     /// `moe_local_ids`: the local expert of each of the `rows` received rows, the expert
