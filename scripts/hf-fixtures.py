@@ -23,11 +23,12 @@ decodes the prompts greedily and compares the tokens.
 import argparse
 import json
 import os
+import tempfile
 
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -35,8 +36,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 BATCH, SEQ, LR, SEED = 4, 32, 0.1, 1234
@@ -118,6 +127,53 @@ VARIANTS = {
 # GPT-2 with exact gelu.
 VARIANTS["gpt2-gelu"] = (GPT2LMHeadModel, GPT2Config(**{**VARIANTS["gpt2"][1].to_dict(), "activation_function": "gelu"}))
 
+# Qwen3: per-head RMSNorm on queries and keys, a head_dim that is not hidden_size / heads.
+VARIANTS["qwen3"] = (Qwen3ForCausalLM, Qwen3Config(**{**LLAMA, "head_dim": 16, "use_sliding_window": False}))
+# Mixtures of experts: 4 routed experts, 2 per token (so EP 2 and EP 4 split them), no
+# router noise, no load-balancing loss in the model's loss (output_router_logits is off, as
+# the published configs ship).
+MOE = dict(LLAMA, num_experts_per_tok=2)
+VARIANTS["mixtral"] = (
+    MixtralForCausalLM,
+    MixtralConfig(**{**MOE, "num_local_experts": 4, "sliding_window": None, "router_jitter_noise": 0.0}),
+)
+# Qwen2-MoE: narrower experts, the shared expert behind its sigmoid gate, q/k/v biases, the
+# chosen scores not renormalised (norm_topk_prob false, the published value).
+VARIANTS["qwen2-moe"] = (
+    Qwen2MoeForCausalLM,
+    Qwen2MoeConfig(
+        **{
+            **MOE,
+            "num_experts": 4,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "use_sliding_window": False,
+        }
+    ),
+)
+# Qwen3-MoE: renormalised scores (norm_topk_prob true, the published value), per-head q/k
+# norms, three layers of which the first is dense (mlp_only_layers [0]).
+VARIANTS["qwen3-moe"] = (
+    Qwen3MoeForCausalLM,
+    Qwen3MoeConfig(
+        **{
+            **MOE,
+            "num_hidden_layers": 3,
+            "head_dim": 8,
+            "num_experts": 4,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+            "use_sliding_window": False,
+        }
+    ),
+)
+MOE_VARIANTS = {"mixtral", "qwen2-moe", "qwen3-moe"}
+# The smallest lead of a token's k-th routing score over its (k+1)-th in any MoE layer: a
+# near tie would let rounding pick another expert in shardplan than in transformers.
+MIN_ROUTE_MARGIN = 1e-4
+
 
 def write(out, name, cls, config):
     d = os.path.join(out, name)
@@ -130,24 +186,46 @@ def write(out, name, cls, config):
         for n, p in model.named_parameters():
             if n.endswith(".bias"):
                 p.normal_(0.0, 0.02)
+            # Routers 25x wider than the default init: decisive routing, so a batch without
+            # near ties exists (at 0.02 every score is close to 1 / experts).
+            if name in MOE_VARIANTS and n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(d, safe_serialization=True)
     # Generation defaults are not part of the fixture.
     gen = os.path.join(d, "generation_config.json")
     if os.path.exists(gen):
         os.remove(gen)
     g = torch.Generator().manual_seed(SEED + 1)
-    seqs = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=g)
-    tokens, targets = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+    for _ in range(100):
+        seqs = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=g)
+        tokens, targets = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        margin = route_margin(model, config, tokens) if name in MOE_VARIANTS else None
+        if margin is None or margin >= MIN_ROUTE_MARGIN:
+            break
+    else:
+        raise SystemExit(f"{name}: no batch without a near tie in routing")
     save_file({"tokens": tokens, "targets": targets}, os.path.join(d, "data.safetensors"))
     model.train()
     logits = model(input_ids=tokens).logits
     loss = F.cross_entropy(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
     loss.backward()
     expected = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+    # Under the checkpoint's names: transformers keeps a layer's experts fused in memory
+    # (experts.gate_up_proj) but saves them one by one (experts.N.gate_proj.weight), so the
+    # gradients and the updated weights go through save_pretrained too.
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for n, p in model.named_parameters():
-            expected[f"grad.{n}"] = p.grad.detach().clone().contiguous()
-            expected[f"after.{n}"] = (p - LR * p.grad).detach().clone().contiguous()
+            p.copy_(p.grad)
+        for n, t in saved(model).items():
+            expected[f"grad.{n}"] = t
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    with torch.no_grad():
+        before = load_file(os.path.join(d, "model.safetensors"))
+        for n, t in expected.copy().items():
+            if n.startswith("grad."):
+                expected[f"after.{n[5:]}"] = (before[n[5:]] - LR * t).contiguous()
     save_file(expected, os.path.join(d, "expected.safetensors"))
     meta = {
         "lr": LR,
@@ -156,12 +234,43 @@ def write(out, name, cls, config):
         "loss": loss.item(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "parameters": [n for n, _ in model.named_parameters()],
+        "parameters": sorted(k[6:] for k in expected if k.startswith("after.")),
     }
+    if margin is not None:
+        meta["min_route_margin"] = margin
     with open(os.path.join(d, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     write_generations(d, model, config)
     print(f"{name}: loss {loss.item():.6f}, {sum(p.numel() for p in model.parameters())} parameters -> {d}")
+
+
+def saved(model):
+    """The model's tensors as save_pretrained writes them (the checkpoint's names)."""
+    with tempfile.TemporaryDirectory() as t:
+        model.save_pretrained(t, safe_serialization=True)
+        return {n: v.contiguous() for n, v in load_file(os.path.join(t, "model.safetensors")).items()}
+
+
+def route_margin(model, config, tokens):
+    """The smallest lead of the k-th softmax routing score over the (k+1)-th, over every
+    token of every MoE layer, read from the input of each router (`mlp.gate`)."""
+    k, margins, hooks = config.num_experts_per_tok, [], []
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "weight") or gate.weight.shape[0] != getattr(config, "num_experts", getattr(config, "num_local_experts", None)):
+            continue
+
+        def hook(mod, args, _out):
+            x = args[0].reshape(-1, mod.weight.shape[1])
+            p = torch.softmax(x @ mod.weight.t(), dim=-1).topk(k + 1, dim=-1).values
+            margins.append((p[:, k - 1] - p[:, k]).min().item())
+
+        hooks.append(gate.register_forward_hook(hook))
+    with torch.no_grad():
+        model(input_ids=tokens)
+    for h in hooks:
+        h.remove()
+    return min(margins)
 
 
 def write_generations(d, model, config):
@@ -202,10 +311,12 @@ def write_generations(d, model, config):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf"))
+    ap.add_argument("--only", nargs="*", help="write these variants only (default: every one)")
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     for name, (cls, config) in VARIANTS.items():
-        write(a.out, name, cls, config)
+        if not a.only or name in a.only:
+            write(a.out, name, cls, config)
 
 
 if __name__ == "__main__":

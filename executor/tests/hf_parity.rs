@@ -6,7 +6,8 @@
 //! one rank) and the loss match transformers' within 1e-5 relative; one SGD step on 1x1,
 //! 1x4 and 2x2 meshes gives the same loss, and every parameter's update within 1e-3
 //! relative of transformers' (updates, not only the loss: a loss can hide a wrong
-//! gradient).
+//! gradient). The mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are checked on the
+//! expert-parallel meshes 1x4 EP 2, 1x4 EP 4 and 2x2 EP 2 too.
 
 mod hf_fixtures;
 
@@ -132,16 +133,28 @@ fn the_forward_pass_matches_transformers_logits_and_loss() {
 fn one_sgd_step_matches_transformers_on_every_mesh() {
     for variant in VARIANTS {
         let f = load(variant);
-        for (r, s) in [(1u64, 1u64), (1, 4), (2, 2)] {
+        // Mixtures of experts also on expert-parallel meshes: EP 2 inside FSDP 4 (each rank
+        // holds 2 of the 4 experts, sharded again over 2 ranks) and EP 4. Routing is dropless
+        // here: a capacity of the expert degree holds any batch.
+        let moe = matches!(&f.model, ModelConfig::Llama(c) if c.moe.is_some());
+        let mut meshes = vec![(1u64, 1u64, 1u64), (1, 4, 1), (2, 2, 1)];
+        if moe {
+            meshes.extend([(1, 4, 2), (1, 4, 4), (2, 2, 2)]);
+        }
+        for (r, s, e) in meshes {
             let world = r * s;
-            let yaml = format!(
-                "mesh: {{replicate: {r}, shard: {s}}}\ngpus_per_node: {world}\nmixed_precision: {{param: f32, reduce: f32}}\n\
+            let mut yaml = format!(
+                "mesh: {{replicate: {r}, shard: {s}, expert: {e}}}\ngpus_per_node: {world}\nmixed_precision: {{param: f32, reduce: f32}}\n\
                  batch: {{per_rank: {}, seq_len: {}}}\noptimizer: {{sgd: {{lr: {}, momentum: 0.0, weight_decay: 0.0}}}}\n\
                  lr_schedule: {{warmup_steps: 0}}\ngrad_clip: null\n",
                 f.batch as u64 / world,
                 f.seq,
                 f.lr
             );
+            if e > 1 {
+                yaml += &format!("moe: {{capacity: {e}}}\n");
+            }
+            let r = format!("{r}x{s} ep{e}");
             let cfg = parse_parallel_spec(&Source::from_text("p.yaml", yaml)).unwrap().0;
             let mut t = ShardedTrainer::new(&f.model, &cfg, 1).unwrap();
             t.init_from(&dir(variant)).unwrap_or_else(|e| panic!("{variant}: {e}"));
@@ -151,7 +164,7 @@ fn one_sgd_step_matches_transformers_on_every_mesh() {
             let want = f.expected["loss"].to_vec1::<f32>().unwrap()[0] as f64;
             assert!(
                 (m.loss as f64 - want).abs() / want < 1e-5,
-                "{variant} {r}x{s}: loss {} vs transformers' {want}",
+                "{variant} {r}: loss {} vs transformers' {want}",
                 m.loss
             );
             let params = t.full_params().unwrap();
@@ -163,11 +176,11 @@ fn one_sgd_step_matches_transformers_on_every_mesh() {
                 let ours = (after - before).unwrap();
                 let e = rel(&ours, &theirs);
                 worst = worst.max(e);
-                assert!(e < 1e-3, "{variant} {r}x{s}: {name}'s update differs by {e:e}");
+                assert!(e < 1e-3, "{variant} {r}: {name}'s update differs by {e:e}");
                 checked += 1;
             }
             eprintln!(
-                "{variant} {r}x{s}: loss {:.1e} relative, worst update {worst:.1e} relative",
+                "{variant} {r}: loss {:.1e} relative, worst update {worst:.1e} relative",
                 (m.loss as f64 - want).abs() / want
             );
             assert_eq!(

@@ -356,18 +356,31 @@ impl HfConfig {
                     "add \"{key}\": <integer> (see the model's config.json on the Hub)"
                 ))
         };
-        let experts = match arch {
-            Arch::Mixtral => match (self.num_local_experts, self.num_experts) {
-                (Some(a), Some(b)) if a != b => {
-                    return Err(fail(
-                        "num_experts",
-                        format!("`num_experts` is {b} but `num_local_experts` is {a}"),
-                        "keep num_local_experts, Mixtral's name for it",
-                    ))
-                }
-                (a, b) => a.or(b).ok_or_else(|| missing("num_local_experts"))?,
-            },
-            _ => self.num_experts.ok_or_else(|| missing("num_experts"))?,
+        // Mixtral names the count num_local_experts, Qwen num_experts; transformers 5 saves
+        // Qwen3-MoE configs under Mixtral's name, so either is read for every family.
+        let (name, other, own, alias) = match arch {
+            Arch::Mixtral => (
+                "num_local_experts",
+                "num_experts",
+                self.num_local_experts,
+                self.num_experts,
+            ),
+            _ => (
+                "num_experts",
+                "num_local_experts",
+                self.num_experts,
+                self.num_local_experts,
+            ),
+        };
+        let experts = match (own, alias) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(fail(
+                    other,
+                    format!("`{other}` is {b} but `{name}` is {a}"),
+                    &format!("keep one of them ({name} is this family's name for it)"),
+                ))
+            }
+            (a, b) => a.or(b).ok_or_else(|| missing(name))?,
         };
         let top_k = self.num_experts_per_tok.ok_or_else(|| missing("num_experts_per_tok"))?;
         let expert_ffn_dim = match arch {

@@ -9,6 +9,6 @@ pub mod expert;
 pub(crate) mod fused;
 pub mod kernels;
 mod linear;
-mod moe;
+pub(crate) mod moe;
 pub mod tensor;
 mod vmath;

@@ -12,7 +12,8 @@ pub mod sample;
 
 use crate::ExecError;
 use candle_core::{DType, Device, Tensor};
-use shardplan_models::{Activation, Gpt2Config, LlamaConfig, ModelConfig, TraceOptions};
+use shardplan_ir::RouterScore;
+use shardplan_models::{Activation, Gpt2Config, LlamaConfig, ModelConfig, MoeConfig, MoeNames, Router, TraceOptions};
 use std::collections::HashMap;
 
 type Result<T> = std::result::Result<T, ExecError>;
@@ -258,12 +259,11 @@ impl Model {
             let a = attention(&q, &k, &v, start)?;
             x = (x + linear(&a, self.get(&format!("{p}.self_attn.o_proj.weight"))?, None)?)?;
             let hx = candle_nn::ops::rms_norm(&x, self.get(&format!("{p}.post_attention_layernorm.weight"))?, eps)?;
-            let gate = activate(
-                &linear(&hx, self.get(&format!("{p}.mlp.gate_proj.weight"))?, None)?,
-                act,
-            )?;
-            let up = linear(&hx, self.get(&format!("{p}.mlp.up_proj.weight"))?, None)?;
-            x = (x + linear(&(gate * up)?, self.get(&format!("{p}.mlp.down_proj.weight"))?, None)?)?;
+            let y = match &c.moe {
+                Some(m) if m.is_moe_layer(i as u64) => self.moe(m, &p, &hx, act)?,
+                _ => self.swiglu(&format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"], &hx, act)?,
+            };
+            x = (x + y)?;
         }
         let x = candle_nn::ops::rms_norm(&x, self.get("model.norm.weight")?, eps)?;
         let head = if c.tie_embeddings {
@@ -272,6 +272,70 @@ impl Model {
             self.get("lm_head.weight")?
         };
         linear(&x, head, None)
+    }
+
+    /// `down(act(gate(x)) * up(x))` with the weights `{prefix}.{name}.weight`.
+    fn swiglu(&self, prefix: &str, [g, u, d]: [&str; 3], x: &Tensor, act: Activation) -> Result<Tensor> {
+        let w = |name: &str| self.get(&format!("{prefix}.{name}.weight"));
+        let gate = activate(&linear(x, w(g)?, None)?, act)?;
+        let up = linear(x, w(u)?, None)?;
+        linear(&(gate * up)?, w(d)?, None)
+    }
+
+    /// The mixture of experts of one layer over `x` `[n, dim]`, as the training graph routes
+    /// it (`models::llama::moe_ffn`, with the training kernels' `top_k` and
+    /// `router_weights` over the f32 logits), each expert's SwiGLU over its tokens scaled by
+    /// their scores and summed per token; plus the shared expert behind its sigmoid gate.
+    fn moe(&self, m: &MoeConfig, layer: &str, x: &Tensor, act: Activation) -> Result<Tensor> {
+        let (prefix, names) = match m.hf_names {
+            MoeNames::Mixtral => (format!("{layer}.block_sparse_moe"), ["w1", "w3", "w2"]),
+            MoeNames::Qwen => (format!("{layer}.mlp"), ["gate_proj", "up_proj", "down_proj"]),
+        };
+        let logits = linear(x, self.get(&format!("{prefix}.gate.weight"))?, None)?.to_dtype(DType::F32)?;
+        // The training kernels' own routing, so decoding picks the experts training does.
+        let score = match m.router {
+            Router::SoftmaxTopk => RouterScore::Softmax,
+            Router::SigmoidTopk => RouterScore::Sigmoid,
+        };
+        let ids = crate::cpu::moe::top_k(&logits, m.top_k as usize, score)?;
+        let weights = crate::cpu::moe::router_weights(&logits, &ids, score, m.norm_topk_prob)?;
+        let (ids, weights): (Vec<Vec<u32>>, Vec<Vec<f32>>) = (ids.to_vec2()?, weights.to_vec2()?);
+        // Per expert: the tokens routed to it and their weights.
+        let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); m.experts as usize];
+        for (t, (chosen, w)) in ids.iter().zip(&weights).enumerate() {
+            for (&e, &w) in chosen.iter().zip(w) {
+                let r = routed
+                    .get_mut(e as usize)
+                    .ok_or_else(|| ExecError::Internal(format!("expert {e} routed, of {}", m.experts)))?;
+                r.0.push(t as u32);
+                r.1.push(w);
+            }
+        }
+        let mut y = x.zeros_like()?;
+        for (e, (tokens, weights)) in routed.iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let n = tokens.len();
+            let ids = Tensor::from_vec(tokens.clone(), n, &self.device)?;
+            let out = self.swiglu(&format!("{prefix}.experts.{e}"), names, &x.index_select(&ids, 0)?, act)?;
+            let w = Tensor::from_vec(weights.clone(), (n, 1), &self.device)?.to_dtype(out.dtype())?;
+            y = y.index_add(&ids, &out.broadcast_mul(&w)?, 0)?;
+        }
+        if m.shared_experts > 0 {
+            let mut s = self.swiglu(
+                &format!("{prefix}.shared_expert"),
+                ["gate_proj", "up_proj", "down_proj"],
+                x,
+                act,
+            )?;
+            if m.shared_expert_gate {
+                let g = linear(x, self.get(&format!("{prefix}.shared_expert_gate.weight"))?, None)?;
+                s = candle_nn::ops::sigmoid(&g)?.broadcast_mul(&s)?;
+            }
+            y = (y + s)?;
+        }
+        Ok(y)
     }
 
     fn gpt2(&self, c: &Gpt2Config, ids: &Tensor, start: usize, cache: &mut KvCache) -> Result<Tensor> {

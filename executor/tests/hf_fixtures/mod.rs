@@ -5,7 +5,7 @@ use shardplan_frontends::{parse_hf_config, Source};
 use shardplan_models::ModelConfig;
 use std::path::{Path, PathBuf};
 
-pub const VARIANTS: [&str; 14] = [
+pub const VARIANTS: [&str; 18] = [
     "llama",
     "llama-head-dim",
     "llama-rope-llama3",
@@ -19,7 +19,12 @@ pub const VARIANTS: [&str; 14] = [
     "mistral-window",
     "qwen2",
     "qwen2-tied",
+    "qwen3",
     "gpt2",
+    // Mixtures of experts: 4 routed experts, 2 per token.
+    "mixtral",
+    "qwen2-moe",
+    "qwen3-moe",
 ];
 
 /// The folder of one variant.
