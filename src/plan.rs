@@ -110,7 +110,10 @@ pub fn make_plan_and_graph(
         model: model.config.clone(),
         parallel: config.clone(),
     });
-    if p.experts.as_ref().is_some_and(|e| e.capacity > 1.0) {
+    if p.experts
+        .as_ref()
+        .is_some_and(|e| e.capacity > 1.0 && e.capacity_factor.is_none())
+    {
         // Routing is data-dependent: the plan is sized at the capacity bound; the same
         // spec routed evenly shows what the bound costs.
         let mut even = config.clone();

@@ -583,12 +583,16 @@ fn fuzz_parallel_yaml() {
     );
 }
 
-/// Expert parallelism's fields (`mesh.expert`, `moe.capacity`) with a mixture of experts.
+/// Expert parallelism's fields (`mesh.expert`, `moe.capacity`, `moe.capacity_factor`) with
+/// a mixture of experts.
 #[test]
 fn fuzz_expert_parallel_yaml() {
     fuzz_spec(
         "parallel-ep",
-        &["examples/parallel/ep-1x4-cpu.yaml"],
+        &[
+            "examples/parallel/ep-1x4-cpu.yaml",
+            "examples/parallel/ep-1x4-drop-cpu.yaml",
+        ],
         "examples/models/tiny-moe.yaml",
         300,
         false,

@@ -503,6 +503,38 @@ fn an_expert_parallel_plan_says_its_groups_bound_and_memory_at_both() {
 }
 
 #[test]
+fn a_token_dropping_plan_says_each_experts_capacity() {
+    let scratch = tempfile::tempdir().unwrap();
+    // 2 x 16 tokens, top 2, 8 experts: 64 assignments a rank, 10 each at factor 1.25.
+    for (mesh, received) in [
+        ("{shard: 4}", ""),
+        (
+            "{shard: 4, expert: 2}",
+            "; each rank receives at most 80 rows per MoE layer",
+        ),
+    ] {
+        let spec = temp(
+            scratch.path(),
+            "drop.yaml",
+            &format!(
+                "mesh: {mesh}\ngpus_per_node: 4\nbatch: {{per_rank: 2, seq_len: 16}}\nmoe: {{capacity_factor: 1.25}}\n"
+            ),
+        );
+        let o = shardplan_ok(&[
+            "plan",
+            "--model",
+            "examples/models/tiny-moe.yaml",
+            "--parallel",
+            spec.to_str().unwrap(),
+        ]);
+        let out = stdout(&o);
+        let want = format!("token dropping: each expert keeps at most 10 of a rank's 64 assignments per MoE layer (moe.capacity_factor 1.25; first choices first, then token order), the rest add nothing; every shape is exact{received}\n");
+        assert!(out.contains(&want), "`{want}` not in:\n{out}");
+        assert!(!out.contains("routing bound"), "{out}");
+    }
+}
+
+#[test]
 fn bad_expert_specs_exit_2_naming_the_field() {
     let scratch = tempfile::tempdir().unwrap();
     let moe = "examples/models/tiny-moe.yaml";
@@ -531,6 +563,21 @@ fn bad_expert_specs_exit_2_naming_the_field() {
             moe,
             "mesh: {shard: 16, expert: 16}\ngpus_per_node: 8\n",
             "`mesh.expert`: the model's 8 routed experts do not split evenly over 16 expert ranks",
+        ),
+        (
+            moe,
+            "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nmoe: {capacity: 2.0, capacity_factor: 1.25}\n",
+            "`moe.capacity_factor`: `moe.capacity` bounds dropless routing, `moe.capacity_factor` drops the tokens past each expert's capacity",
+        ),
+        (
+            moe,
+            "mesh: {shard: 4}\ngpus_per_node: 4\nmoe: {capacity_factor: 0}\n",
+            "`moe.capacity_factor`: must be above 0 (1.0: each expert's even share), got 0",
+        ),
+        (
+            "tiny-llama",
+            "mesh: {shard: 4}\ngpus_per_node: 4\nmoe: {capacity_factor: 1.25}\n",
+            "`moe.capacity_factor`: token dropping needs a model with routed experts; tiny-llama has none",
         ),
     ] {
         let spec = temp(scratch.path(), "ep.yaml", &format!("{text}batch: {{per_rank: 1, seq_len: 16}}\n"));

@@ -286,17 +286,22 @@ proptest! {
     /// A whole routed feed-forward: router, top-k, weights (both scores, renormalised or
     /// not), permutation to expert order, the grouped SwiGLU experts and the weighted
     /// combine back. The selection is piecewise constant, so the step stays far below the
-    /// gap between random scores.
+    /// gap between random scores. With `capacity` each expert keeps that many assignments
+    /// and the dropped ones leave the expert path (token dropping).
     #[test]
-    fn moe_routed_experts(t in 1u64..6, d in 1u64..4, f in 1u64..4, (e, k) in (2u64..5).prop_flat_map(|e| (Just(e), 1..=e)), sigmoid in any::<bool>(), norm in any::<bool>(), seed in any::<u64>()) {
+    fn moe_routed_experts(t in 1u64..6, d in 1u64..4, f in 1u64..4, (e, k) in (2u64..5).prop_flat_map(|e| (Just(e), 1..=e)), sigmoid in any::<bool>(), norm in any::<bool>(), capacity in proptest::option::of(1u64..4), seed in any::<u64>()) {
         let score = if sigmoid { RouterScore::Sigmoid } else { RouterScore::Softmax };
         let mut c = Case::new(seed);
         let x = c.param(&[t, d]);
         let router = c.param(&[e, d]);
         let linear = Op::Linear { bias: false, layout: WeightLayout::OutIn };
         let logits = c.op(linear, &[x, router]);
-        let ids = c.op(Op::MoeTopK { k, score }, &[logits]);
-        let w = c.op(Op::MoeRouterWeights { score, norm }, &[logits, ids]);
+        let top = c.op(Op::MoeTopK { k, score }, &[logits]);
+        let w = c.op(Op::MoeRouterWeights { score, norm }, &[logits, top]);
+        let ids = match capacity {
+            Some(capacity) => c.op(Op::MoeDrop { experts: e, capacity }, &[top]),
+            None => top,
+        };
         let xs = c.op(Op::MoePermute, &[x, ids]);
         let grouped = |c: &mut Case, x, dims: [u64; 2]| {
             let mut ins = vec![x, ids];

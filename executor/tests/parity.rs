@@ -312,6 +312,71 @@ fn moe_expert_parallel() {
     }
 }
 
+/// Losses per step and final whole-model weights of `steps` steps of tiny-moe on a
+/// replicate x shard mesh with an expert axis, with `moe` spec lines.
+fn run_moe(
+    m: &ModelConfig,
+    (replicate, shard, expert): (u64, u64, u64),
+    moe: &str,
+    steps: u64,
+) -> (Vec<f32>, Vec<Tensor>) {
+    let world = replicate * shard;
+    let c = config(&format!(
+        "mesh: {{replicate: {replicate}, shard: {shard}, expert: {expert}}}\ngpus_per_node: {world}\n{COMMON}batch: {{per_rank: 2, seq_len: 16}}\n{moe}"
+    ));
+    let mut t = ShardedTrainer::new(m, &c, steps).unwrap_or_else(|e| panic!("{e}"));
+    let losses = (0..steps)
+        .map(|s| t.step().unwrap_or_else(|e| panic!("step {s}: {e}")).loss)
+        .collect();
+    (losses, t.full_params().unwrap())
+}
+
+fn worst(a: &(Vec<f32>, Vec<Tensor>), b: &(Vec<f32>, Vec<Tensor>)) -> (f64, f64) {
+    let l =
+        a.0.iter()
+            .zip(&b.0)
+            .map(|(x, y)| ((x - y).abs() / y.abs().max(1e-6)) as f64)
+            .fold(0.0, f64::max);
+    let w = a.1.iter().zip(&b.1).map(|(p, q)| rel(p, q)).fold(0.0, f64::max);
+    (l, w)
+}
+
+/// Token dropping (`moe.capacity_factor`) keeps each expert's capacity of every rank's own
+/// assignments, so expert parallelism, which only moves the kept rows, equals the same mesh
+/// without it step for step; a capacity that holds every assignment is dropless routing.
+#[test]
+fn moe_token_dropping() {
+    let moe = tiny_moe(0.0);
+    let drop = "moe: {capacity_factor: 1.0}\n";
+    let dense = run_moe(&moe, (1, 4, 1), drop, 20);
+    for mesh in [(1, 4, 2), (1, 4, 4), (2, 2, 2)] {
+        let base = if mesh.0 == 2 {
+            run_moe(&moe, (2, 2, 1), drop, 20)
+        } else {
+            dense.clone()
+        };
+        let (l, w) = worst(&run_moe(&moe, mesh, drop, 20), &base);
+        eprintln!("tiny-moe dropping {mesh:?}: loss {l:.2e} weights {w:.2e}");
+        assert!(l < F32.0 && w < F32.1, "dropping {mesh:?}: loss {l:e}, weights {w:e}");
+    }
+    // Tokens were dropped: the run is not the dropless one (the experts start small, so
+    // the first losses differ little; the training curves part).
+    let (l, w) = worst(&dense, &run_moe(&moe, (1, 4, 1), "", 20));
+    eprintln!("tiny-moe dropping vs dropless: loss {l:.2e} weights {w:.2e}");
+    assert!(
+        l > 5e-4 && w > 1e-1,
+        "capacity factor 1.0 vs dropless: loss {l:e}, weights {w:e}"
+    );
+    // A capacity of every assignment (8 experts, top 2: factor 4) drops nothing.
+    let all = run_moe(&moe, (1, 4, 2), "moe: {capacity_factor: 4.0}\n", 3);
+    let free = run_moe(&moe, (1, 4, 2), "", 3);
+    let (l, w) = worst(&all, &free);
+    assert!(
+        l == 0.0 && w == 0.0,
+        "capacity factor 4 vs dropless: loss {l:e}, weights {w:e}"
+    );
+}
+
 /// The load-balancing loss is each rank's own: over a sharded batch it differs from the
 /// loss over the whole batch (a product of means is not the mean of products), as it does
 /// under data parallelism in Hugging Face and torchtitan; the cross-entropy part stays exact.

@@ -478,7 +478,7 @@ fn vjp(
             }
         }
         // The chosen experts are integers: no gradient flows through the selection.
-        Op::MoeTopK { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => {}
+        Op::MoeTopK { .. } | Op::MoeDrop { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => {}
         // The dispatch and the combine move rows between ranks without changing them: each
         // is the other's adjoint (padding rows get no gradient).
         Op::MoeDispatch { degree, experts, .. } => {

@@ -148,6 +148,7 @@ impl Graph {
             Op::MoePermute
             | Op::MoeUnpermute { sum: false }
             | Op::MoeGatherIds { .. }
+            | Op::MoeDrop { .. }
             | Op::MoeDispatch { .. }
             | Op::MoeCombine { .. }
             | Op::MoeLocalIds { .. } => (0, 0),

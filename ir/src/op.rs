@@ -243,6 +243,13 @@ pub enum Op {
     /// highest scores (`score` of the logits, in f32) first, ties to the lower expert (torch's
     /// `topk` of the routing probabilities). No gradient.
     MoeTopK { k: u64, score: RouterScore },
+    /// Token dropping (GShard's capacity): `(experts [T, k] int) -> u32 [T, k]`, the same
+    /// ids except that each expert keeps at most `capacity` assignments and the others become
+    /// `experts` (no expert: `moe_permute` puts them after every expert's rows,
+    /// `grouped_linear` leaves them zero, an expert-parallel dispatch sends them nowhere).
+    /// Priority: every token's first choice before any second choice, then token order.
+    /// No gradient.
+    MoeDrop { experts: u64, capacity: u64 },
     /// The chosen experts' routing weights: `(logits [T, E] float, experts [T, k] int) -> [T,
     /// k]` of the logits' dtype (Hugging Face routes f32 logits), `score` (softmax over all
     /// `E`, or sigmoid) of the logits at the chosen experts, divided by their sum when `norm`
@@ -416,6 +423,7 @@ impl Op {
             Op::VocabCrossEntropy { .. } => "vocab_cross_entropy",
             Op::VocabCrossEntropyGrad { .. } => "vocab_cross_entropy_grad",
             Op::MoeTopK { .. } => "moe_top_k",
+            Op::MoeDrop { .. } => "moe_drop",
             Op::MoeRouterWeights { .. } => "moe_router_weights",
             Op::MoePermute => "moe_permute",
             Op::MoeUnpermute { .. } => "moe_unpermute",
@@ -519,6 +527,7 @@ impl Op {
             Op::MoeAuxLoss { top_k, coef } => format!("top_k={top_k} coef={coef}"),
             Op::MoeAuxLossGrad { layer, top_k, coef } => format!("layer={layer} top_k={top_k} coef={coef}"),
             Op::MoeGatherIds { degree } => format!("degree={degree}"),
+            Op::MoeDrop { experts, capacity } => format!("experts={experts} capacity={capacity}"),
             Op::MoeDispatch { degree, experts, rows } | Op::MoeLocalIds { degree, experts, rows } => {
                 format!("degree={degree} experts={experts} rows={rows}")
             }
@@ -555,7 +564,7 @@ impl Op {
             | Op::TpSlice { .. } => 1,
             Op::VocabEmbedding { .. } | Op::VocabEmbeddingGrad { .. } | Op::VocabCrossEntropy { .. } => 2,
             Op::VocabCrossEntropyGrad { .. } => 3,
-            Op::MoeTopK { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => 1,
+            Op::MoeTopK { .. } | Op::MoeDrop { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => 1,
             Op::MoeDispatch { .. } | Op::MoeCombine { .. } => 2,
             Op::MoeRouterWeights { .. } | Op::MoePermute | Op::MoeUnpermute { .. } => 2,
             Op::MoeRouterWeightsGrad { .. } | Op::GroupedWeightGrad { .. } => 3,
@@ -877,6 +886,20 @@ impl Op {
                 } else {
                     TensorType::new(ins[0].dtype, [t, k, y[1]])
                 })
+            }
+            Op::MoeDrop { experts, capacity } => {
+                let t = *ins[0]
+                    .shape
+                    .dims()
+                    .first()
+                    .ok_or_else(|| "experts must be [tokens, k]".to_string())?;
+                let k = expert_ids(ins[0], t)?;
+                if *experts == 0 || *capacity == 0 {
+                    return Err(format!(
+                        "experts ({experts}) and capacity ({capacity}) must be at least 1"
+                    ));
+                }
+                Ok(TensorType::new(DType::U32, [t, k]))
             }
             Op::MoeGatherIds { degree } => {
                 let t = *ins[0]

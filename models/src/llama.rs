@@ -229,11 +229,24 @@ fn moe_ffn(
         weights = t.op(router, Op::Cast { dtype }, &[weights])?;
     }
 
+    // Token dropping: each expert's assignments past its capacity leave the expert path
+    // (their rows are zero); the routing weights are still the top-k's.
+    let ep = t.ep;
+    let ids = match ep.per_expert(tokens * m.top_k, m.experts) {
+        Some(capacity) => t.op(
+            router,
+            Op::MoeDrop {
+                experts: m.experts,
+                capacity,
+            },
+            &[ids],
+        )?,
+        None => ids,
+    };
     let experts = ff;
     let rows = t.op(experts, Op::MoePermute, &[x, ids])?;
     // Under expert parallelism the rows travel to the ranks holding their experts and back;
     // this rank computes its own experts over what it received.
-    let ep = t.ep;
     let (per_rank, table) = if ep.is_parallel() {
         let table = t.op(experts, Op::MoeGatherIds { degree: ep.degree }, &[ids])?;
         (m.experts / ep.degree, Some(table))
@@ -242,7 +255,7 @@ fn moe_ffn(
     };
     let (rows, local_ids) = match table {
         Some(table) => {
-            let cap = ep.rows(tokens * m.top_k);
+            let cap = ep.rows(tokens * m.top_k, m.experts);
             let (degree, n) = (ep.degree, m.experts);
             let recv = t.op(
                 experts,

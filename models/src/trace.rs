@@ -106,9 +106,35 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
     Ok(t.g)
 }
 
-/// What an expert-parallel degree needs of the model: routed experts, as many on every
-/// expert rank.
+/// What an expert-parallel degree needs of the model (routed experts, as many on every
+/// expert rank), and token dropping (routed experts, a positive factor).
 fn check_expert(config: &ModelConfig, ep: &ExpertOptions) -> Result<(), TraceError> {
+    check_expert_degree(config, ep)?;
+    let Some(f) = ep.capacity_factor else {
+        return Ok(());
+    };
+    let field = "moe.capacity_factor";
+    if !matches!(config, ModelConfig::Llama(c) if c.moe.is_some()) {
+        return Err(TraceError::Shape {
+            field,
+            message: format!(
+                "token dropping needs a model with routed experts; {} has none",
+                config.name()
+            ),
+            help: "remove moe.capacity_factor, or give the model a `moe` section".into(),
+        });
+    }
+    if !(f.is_finite() && f > 0.0) {
+        return Err(TraceError::Shape {
+            field,
+            message: format!("capacity factor {f} keeps no tokens"),
+            help: "set moe.capacity_factor above 0 (GShard trains at 2.0, Switch at 1.25; 1.0 is each expert's even share)".into(),
+        });
+    }
+    Ok(())
+}
+
+fn check_expert_degree(config: &ModelConfig, ep: &ExpertOptions) -> Result<(), TraceError> {
     let e = ep.degree;
     if e <= 1 {
         return Ok(());

@@ -51,6 +51,10 @@ pub struct ExpertOptions {
     pub degree: u64,
     /// The bound on received rows, as a factor over the even split (at least 1).
     pub capacity: f64,
+    /// Token dropping (GShard): each expert takes at most this factor times its even share
+    /// of a rank's assignments per layer (`ceil(f * tokens * top_k / experts)`), the rest
+    /// are dropped; every shape is then exact. `None`: dropless routing.
+    pub capacity_factor: Option<f64>,
 }
 
 impl Default for ExpertOptions {
@@ -58,6 +62,7 @@ impl Default for ExpertOptions {
         ExpertOptions {
             degree: 1,
             capacity: 2.0,
+            capacity_factor: None,
         }
     }
 }
@@ -67,12 +72,24 @@ impl ExpertOptions {
         self.degree > 1
     }
 
+    /// Under token dropping, the assignments each expert keeps of a rank's `assignments`
+    /// (`tokens * top_k`) over `experts`.
+    pub fn per_expert(&self, assignments: u64, experts: u64) -> Option<u64> {
+        let f = self.capacity_factor?;
+        let c = (f * assignments as f64 / experts.max(1) as f64).ceil();
+        Some((c as u64).clamp(1, assignments.max(1)))
+    }
+
     /// The rows one rank receives at most, of `assignments` (`tokens * top_k`) sent by
-    /// each rank.
-    pub fn rows(&self, assignments: u64) -> u64 {
-        let bound = (assignments as f64 * self.capacity.max(1.0)).ceil();
+    /// each rank over `experts`: the dropless bound, or under token dropping every expert
+    /// of the rank full from every rank (exact).
+    pub fn rows(&self, assignments: u64, experts: u64) -> u64 {
+        let bound = match self.per_expert(assignments, experts) {
+            Some(c) => c.saturating_mul(experts),
+            None => (assignments as f64 * self.capacity.max(1.0)).ceil() as u64,
+        };
         // Never more than every rank's every row.
-        (bound as u64).min(assignments.saturating_mul(self.degree)).max(1)
+        bound.min(assignments.saturating_mul(self.degree)).max(1)
     }
 }
 

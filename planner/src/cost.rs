@@ -143,7 +143,7 @@ pub fn work_kind(op: &Op) -> WorkKind {
         }
         Op::TpAllGather { .. } | Op::TpReduceScatter { .. } | Op::TpAllReduce { .. } => WorkKind::TensorComm,
         Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. } => WorkKind::ExpertComm,
-        Op::MoeLocalIds { .. } => WorkKind::Layout,
+        Op::MoeLocalIds { .. } | Op::MoeDrop { .. } => WorkKind::Layout,
         Op::Add
         | Op::Mul
         | Op::Silu

@@ -36,9 +36,36 @@ use shardplan_frontends::{ParallelConfig, Reshard};
 use shardplan_ir::{DType, JointGraph, ParamId};
 
 /// The routing bound of an expert-parallel graph, from its first dispatch.
+/// The routing of a graph with token dropping, from its first `moe_drop`: (experts, the
+/// assignments each keeps, a rank's assignments per MoE layer).
+fn dropping(g: &shardplan_ir::Graph) -> Option<(u64, u64, u64)> {
+    g.nodes().find_map(|(_, n)| match n.op {
+        shardplan_ir::Op::MoeDrop { experts, capacity } => {
+            let a = n.ty.shape.dims().iter().product::<u64>();
+            Some((experts, capacity, a))
+        }
+        _ => None,
+    })
+}
+
+/// The routing bound of an expert-parallel graph, from its first dispatch, and its token
+/// dropping.
 fn expert_routing(g: &shardplan_ir::Graph, config: &ParallelConfig) -> Option<ExpertRouting> {
+    let drop = dropping(g);
+    let capacity_factor = drop.and(config.moe.capacity_factor);
+    let per_expert = drop.map(|(_, c, _)| c);
     if g.expert_degree() <= 1 {
-        return None;
+        let (experts, _, assignments) = drop?;
+        return Some(ExpertRouting {
+            experts,
+            per_rank: experts,
+            capacity: config.moe.capacity,
+            rows: assignments,
+            even_rows: assignments,
+            even: None,
+            capacity_factor,
+            per_expert,
+        });
     }
     g.nodes().find_map(|(_, n)| match n.op {
         shardplan_ir::Op::MoeDispatch { degree, experts, rows } => Some(ExpertRouting {
@@ -48,6 +75,8 @@ fn expert_routing(g: &shardplan_ir::Graph, config: &ParallelConfig) -> Option<Ex
             rows,
             even_rows: g.node(n.inputs[0]).ty.shape.dims().first().copied().unwrap_or(0),
             even: None,
+            capacity_factor,
+            per_expert,
         }),
         _ => None,
     })

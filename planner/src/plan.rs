@@ -873,7 +873,9 @@ impl RuntimePrediction {
 
 /// What expert parallelism's data-dependent routing means for a plan: every MoE layer's
 /// received rows are bounded by `moe.capacity` over the even split, and the buffers are
-/// sized at the bound (a batch that routes more fails at run time, naming the count).
+/// sized at the bound (a batch that routes more fails at run time, naming the count). With
+/// token dropping (`moe.capacity_factor`, with or without expert parallelism) each expert
+/// keeps at most `per_expert` of a rank's assignments and every shape is exact.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExpertRouting {
     /// Routed experts per MoE layer, and those each rank holds.
@@ -889,6 +891,12 @@ pub struct ExpertRouting {
     /// when the caller planned it: allocated peak, reserved peak, device total.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub even: Option<[u64; 3]>,
+    /// `moe.capacity_factor`, and the assignments each expert keeps of a rank's per MoE
+    /// layer, when tokens are dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_expert: Option<u64>,
 }
 
 /// A complete plan.

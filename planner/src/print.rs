@@ -183,30 +183,49 @@ pub fn summary(o: &mut String, plan: &Plan) {
         );
     }
     if let Some(e) = &plan.experts {
-        let _ = writeln!(
-            o,
-            "expert parallel: groups of {} consecutive shard ranks, each holding {} of every MoE layer's {} routed experts, sharded over the {} ranks holding the same ones",
-            m.expert(),
-            e.per_rank,
-            e.experts,
-            m.expert_shard()
-        );
-        let even = match e.even {
-            Some([peak, reserved, total]) => format!(
-                "; at the even split ({} rows) allocated peak {}, reserved {}, device total {}",
-                thousands(e.even_rows),
-                bytes(peak),
-                bytes(reserved),
-                bytes(total)
-            ),
-            None => format!("; the even split is {} rows", thousands(e.even_rows)),
-        };
-        let _ = writeln!(
-            o,
-            "  routing bound: each rank receives at most {} rows per MoE layer (moe.capacity {} x the even split), memory below is at the bound{even}",
-            thousands(e.rows),
-            e.capacity,
-        );
+        if m.expert() > 1 {
+            let _ = writeln!(
+                o,
+                "expert parallel: groups of {} consecutive shard ranks, each holding {} of every MoE layer's {} routed experts, sharded over the {} ranks holding the same ones",
+                m.expert(),
+                e.per_rank,
+                e.experts,
+                m.expert_shard()
+            );
+        }
+        match (e.capacity_factor, e.per_expert) {
+            (Some(f), Some(c)) => {
+                let received = if m.expert() > 1 {
+                    format!("; each rank receives at most {} rows per MoE layer", thousands(e.rows))
+                } else {
+                    String::new()
+                };
+                let _ = writeln!(
+                    o,
+                    "  token dropping: each expert keeps at most {} of a rank's {} assignments per MoE layer (moe.capacity_factor {f}; first choices first, then token order), the rest add nothing; every shape is exact{received}",
+                    thousands(c),
+                    thousands(e.even_rows),
+                );
+            }
+            _ => {
+                let even = match e.even {
+                    Some([peak, reserved, total]) => format!(
+                        "; at the even split ({} rows) allocated peak {}, reserved {}, device total {}",
+                        thousands(e.even_rows),
+                        bytes(peak),
+                        bytes(reserved),
+                        bytes(total)
+                    ),
+                    None => format!("; the even split is {} rows", thousands(e.even_rows)),
+                };
+                let _ = writeln!(
+                    o,
+                    "  routing bound: each rank receives at most {} rows per MoE layer (moe.capacity {} x the even split), memory below is at the bound{even}",
+                    thousands(e.rows),
+                    e.capacity,
+                );
+            }
+        }
     }
     let reshard = match p.reshard_after_forward {
         GroupReshard::Free => "true".to_string(),

@@ -39,7 +39,11 @@ impl Routes {
         for (q, c) in counts.iter_mut().enumerate() {
             for &e in &ids[q * per..(q + 1) * per] {
                 let e = e as usize;
-                if e >= experts {
+                // Dropped (`moe_drop`): last in the rank's expert order, sent nowhere.
+                if e == experts {
+                    continue;
+                }
+                if e > experts {
                     return Err(ExecError::Internal(format!(
                         "expert id {e} out of range ({experts} experts)"
                     )));
@@ -56,6 +60,12 @@ impl Routes {
 
     fn degree(&self) -> usize {
         self.counts.len()
+    }
+
+    /// This rank's assignments (`tokens * k`), dropped ones included.
+    fn assignments(&self, table: &Tensor) -> Result<usize> {
+        let (all, k) = table.dims2()?;
+        Ok(all / self.degree().max(1) * k)
     }
 
     /// Rows rank `q` sends to rank `r` (its rows of `r`'s experts).
@@ -238,7 +248,16 @@ impl ExpertGroup {
             parts.push(rows_at(&y, at[start..start + n].to_vec())?.flatten_all()?);
             start += n;
         }
-        self.exchange(&parts, d)
+        let back = self.exchange(&parts, d)?;
+        // The rows `moe_drop` dropped went nowhere: zero rows in their places, the last of
+        // this rank's expert order.
+        let all = routes.assignments(table)?;
+        let n = back.dim(0)?;
+        if n < all {
+            let pad = Tensor::zeros((all - n, d), back.dtype(), back.device())?;
+            return Ok(Tensor::cat(&[back, pad], 0)?);
+        }
+        Ok(back)
     }
 
     /// `moe_local_ids`: the local expert of each of the `rows` received rows, the expert
@@ -329,6 +348,43 @@ mod tests {
             assert_eq!(back, &rows(r).to_vec2::<f32>().unwrap(), "rank {r}");
         }
         assert_eq!(back0.len(), 6);
+    }
+
+    #[test]
+    fn dropped_rows_are_sent_nowhere_and_come_back_zero() {
+        // Rank 0's last two assignments dropped (id 4 of 4 experts): in expert order they are
+        // its last two rows.
+        let dropped = |r: usize| -> Tensor {
+            let v: Vec<u32> = if r == 0 {
+                vec![2, 3, 0, 4, 2, 4]
+            } else {
+                vec![0, 1, 1, 2, 0, 3]
+            };
+            Tensor::from_vec(v, (3, 2), &Device::Cpu).unwrap()
+        };
+        let out = on_group(2, |g, r| {
+            let table = g.gather_ids(&dropped(r), 2).unwrap();
+            let recv = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
+            let lids = g.local_ids(&table, 2, 4, 8).unwrap();
+            let back = g.combine(&recv, &table, 2, 4).unwrap();
+            (
+                recv.to_vec2::<f32>().unwrap(),
+                lids.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
+                back.to_vec2::<f32>().unwrap(),
+            )
+        });
+        // Rank 1 holds experts 2, 3: rank 0's two rows of expert 2 and its one of expert 3
+        // (rank 0's rows 1, 2, 3); its rows 4 and 5 were dropped and never arrive.
+        let (recv1, lids1, _) = &out[1];
+        assert_eq!(&recv1[..5], &[[0., 1.], [0., 2.], [1., 4.], [0., 3.], [1., 5.]]);
+        assert_eq!(lids1, &[0, 0, 0, 1, 1, 2, 2, 2]);
+        // Rank 0 gets its four routed rows back in place and zeros for the dropped two.
+        let (_, _, back0) = &out[0];
+        let mut want = rows(0).to_vec2::<f32>().unwrap();
+        want[4] = vec![0., 0.];
+        want[5] = vec![0., 0.];
+        assert_eq!(back0, &want);
+        assert_eq!(out[1].2, rows(1).to_vec2::<f32>().unwrap());
     }
 
     #[test]

@@ -453,6 +453,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::VocabCrossEntropy { degree } => ctx.tensor(op)?.cross_entropy(ins[0], ins[1], *degree)?,
         Op::VocabCrossEntropyGrad { degree } => ctx.tensor(op)?.cross_entropy_grad(ins[0], ins[1], ins[2], *degree)?,
         Op::MoeTopK { k, score } => moe::top_k(ins[0], *k as usize, *score)?,
+        Op::MoeDrop { experts, capacity } => moe::drop_over_capacity(ins[0], *experts as usize, *capacity as usize)?,
         Op::MoeRouterWeights { score, norm } => moe::router_weights(ins[0], ins[1], *score, *norm)?,
         Op::MoeRouterWeightsGrad { score, norm } => moe::router_weights_grad(ins[0], ins[1], ins[2], *score, *norm)?,
         Op::MoePermute => moe::permute(ins[0], ins[1])?,

@@ -59,6 +59,27 @@ pub fn top_k(logits: &Tensor, k: usize, score: RouterScore) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, (tokens, k), logits.device())?)
 }
 
+/// `moe_drop`: each expert keeps its first `capacity` assignments, in priority order (every
+/// token's slot 0 before any slot 1, ..., each slot in token order); the others become
+/// `experts` (dropped).
+pub fn drop_over_capacity(experts: &Tensor, n: usize, capacity: usize) -> Result<Tensor> {
+    let (ids, tokens, k) = ids(experts)?;
+    let mut kept = vec![0usize; n];
+    let mut out: Vec<u32> = ids.iter().map(|&e| e as u32).collect();
+    for j in 0..k {
+        for t in 0..tokens {
+            let e = ids[t * k + j];
+            check_expert(e, n)?;
+            if kept[e] < capacity {
+                kept[e] += 1;
+            } else {
+                out[t * k + j] = n as u32;
+            }
+        }
+    }
+    Ok(Tensor::from_vec(out, (tokens, k), experts.device())?)
+}
+
 fn check_expert(e: usize, experts: usize) -> Result<()> {
     if e < experts {
         Ok(())
@@ -366,6 +387,37 @@ mod tests {
         assert_eq!(ids_of(&ids), [[2, 1], [0, 2], [1, 2]]);
         let ids = top_k(&logits(), 2, RouterScore::Sigmoid).unwrap();
         assert_eq!(ids_of(&ids), [[2, 1], [0, 2], [1, 2]]);
+    }
+
+    #[test]
+    fn drop_keeps_first_choices_first_then_token_order() {
+        // 4 tokens, top 2, 3 experts, 2 assignments per expert. First choices: 0, 0, 0, 1
+        // (token 2's expert 0 is the third: dropped); second choices, in token order:
+        // 1 (kept: expert 1's second), 2, 1 (dropped: expert 1 is full), 2.
+        let ids = Tensor::new(&[[0u32, 1], [0, 2], [0, 1], [1, 2]], &Device::Cpu).unwrap();
+        let d = drop_over_capacity(&ids, 3, 2).unwrap();
+        assert_eq!(ids_of(&d), [[0, 1], [0, 2], [3, 3], [1, 2]]);
+        // Room for everything: unchanged.
+        assert_eq!(ids_of(&drop_over_capacity(&ids, 3, 8).unwrap()), ids_of(&ids));
+        // Dropped rows go after every expert's in the permuted order and come back zero
+        // from the grouped matmul, so they add nothing to their token.
+        let x = Tensor::new(&[[1.0f32], [2.0], [3.0], [4.0]], &Device::Cpu).unwrap();
+        let rows = permute(&x, &d).unwrap();
+        assert_eq!(
+            rows.to_vec2::<f32>().unwrap(),
+            [[1.0], [2.0], [1.0], [4.0], [2.0], [4.0], [3.0], [3.0]]
+        );
+        let w: Vec<Tensor> = (1..=3)
+            .map(|e| Tensor::new(&[[e as f32]], &Device::Cpu).unwrap())
+            .collect();
+        let ws: Vec<&Tensor> = w.iter().collect();
+        let y = grouped_linear(&rows, &d, &ws, WeightLayout::OutIn).unwrap();
+        let back = unpermute(&y, &d, true).unwrap();
+        // Token 0: experts 0 and 1 (1 + 2); token 2: nothing; token 3: experts 1 and 2.
+        assert_eq!(back.to_vec2::<f32>().unwrap(), [[3.0], [8.0], [0.0], [20.0]]);
+        // An out-of-range id is refused, not dropped.
+        let bad = Tensor::new(&[[0u32, 3]], &Device::Cpu).unwrap();
+        assert!(drop_over_capacity(&bad, 3, 2).is_err());
     }
 
     #[test]

@@ -79,6 +79,13 @@ pub struct MoeParallel {
     /// factor over the even split (`tokens * top_k` per rank). Routing stays dropless; a
     /// batch that routes more is a run-time error naming the layer and the count.
     pub capacity: f64,
+    /// Token dropping (GShard's capacity factor): each expert keeps at most this factor
+    /// times its even share of a rank's assignments per layer (`ceil(f * tokens * top_k /
+    /// experts)`; each token's first choice before any second, then token order), the rest
+    /// add nothing to their token. Every shape is then static and no batch can overflow.
+    /// `None`: dropless.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
 }
 
 /// `moe.capacity`'s default: GShard's training capacity factor. The bound is on the rows
@@ -92,6 +99,7 @@ impl Default for MoeParallel {
     fn default() -> Self {
         MoeParallel {
             capacity: DEFAULT_MOE_CAPACITY,
+            capacity_factor: None,
         }
     }
 }
@@ -472,6 +480,7 @@ impl ParallelConfig {
             expert: shardplan_models::ExpertOptions {
                 degree: self.mesh.expert,
                 capacity: self.moe.capacity,
+                capacity_factor: self.moe.capacity_factor,
             },
         }
     }

@@ -148,6 +148,23 @@ impl ParallelSpecFile {
                     "at least 1.0 (the even split)",
                 )?;
             }
+            if let Some(v) = &m.value.capacity_factor {
+                o.insert("moe.capacity_factor", pos(v));
+                if m.value.capacity.is_some() {
+                    return Err(o.error(
+                        "moe.capacity_factor",
+                        "`moe.capacity` bounds dropless routing, `moe.capacity_factor` drops the tokens past each expert's capacity: a run routes one way",
+                        "keep moe.capacity for dropless routing (torchtitan's and Hugging Face's), or moe.capacity_factor for token dropping (GShard's static shapes)",
+                    ));
+                }
+                moe.capacity_factor = Some(number(
+                    &o,
+                    "moe.capacity_factor",
+                    v.value,
+                    |c| c > 0.0,
+                    "above 0 (1.0: each expert's even share)",
+                )?);
+            }
         }
 
         let mut hardware = hardware(&mut o, self.hardware)?;

@@ -41,6 +41,7 @@ pub(super) struct ParallelSpecFile {
 #[serde(deny_unknown_fields)]
 pub(super) struct MoeFile {
     pub(super) capacity: Option<Spanned<f64>>,
+    pub(super) capacity_factor: Option<Spanned<f64>>,
 }
 
 #[derive(Debug, Deserialize)]

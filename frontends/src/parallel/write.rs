@@ -110,7 +110,10 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     }
     y.push_str(&format!("mesh: {{{axes}}}\n"));
     if !c.moe.is_default() {
-        y.push_str(&format!("moe: {{capacity: {:?}}}\n", c.moe.capacity));
+        match c.moe.capacity_factor {
+            Some(f) => y.push_str(&format!("moe: {{capacity_factor: {f:?}}}\n")),
+            None => y.push_str(&format!("moe: {{capacity: {:?}}}\n", c.moe.capacity)),
+        }
     }
     if !c.tensor_parallel.is_default() {
         y.push_str(&format!(
