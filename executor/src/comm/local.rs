@@ -1,7 +1,8 @@
 //! The `Local` backend: N ranks as threads of one process.
 //!
 //! Every result is computed by one thread from all contributions taken in rank order, so
-//! sums do not depend on which rank arrives first.
+//! sums do not depend on which rank arrives first. An all-to-all moves nothing: each member
+//! takes the parts addressed to it, which share their storage with the sender's.
 
 use super::{Abort, Collectives, Reduce, Wake};
 use crate::ExecError;
@@ -28,9 +29,18 @@ struct Entry {
     taken: usize,
 }
 
+/// One all-to-all being assembled: every member's parts, taken by reference (tensors share
+/// their storage), so nothing is copied.
+struct Exchange {
+    parts: Vec<Option<Vec<Tensor>>>,
+    taken: usize,
+}
+
 struct State {
     /// Collectives in flight, by tag.
     entries: HashMap<u64, Entry>,
+    /// All-to-alls in flight, by tag.
+    exchanges: HashMap<u64, Exchange>,
 }
 
 struct Shared {
@@ -61,6 +71,7 @@ pub fn local_group(size: usize, name: &str, abort: &Arc<Abort>) -> Vec<LocalGrou
         size,
         state: Mutex::new(State {
             entries: HashMap::new(),
+            exchanges: HashMap::new(),
         }),
         cv: Condvar::new(),
     });
@@ -114,6 +125,10 @@ impl LocalGroup {
         let deadline = Instant::now() + self.abort.timeout();
         let mut st = s.state.lock().unwrap_or_else(|e| e.into_inner());
         let size = s.size;
+        if st.exchanges.contains_key(&tag) {
+            drop(st);
+            return Err(self.disagree(tag, &format!("{kind:?}")));
+        }
         let entry = st.entries.entry(tag).or_insert_with(|| Entry {
             inputs: vec![None; size],
             outputs: vec![None; size],
@@ -165,6 +180,76 @@ impl LocalGroup {
         Ok(out)
     }
 
+    /// Aborts the run: member `self.index` issued `what` under a tag another member used for
+    /// a different collective.
+    fn disagree(&self, tag: u64, what: &str) -> ExecError {
+        let msg = format!(
+            "{}: collective {tag}: member {} issued {what} while another member issued a different collective: the ranks' schedules disagree",
+            self.name, self.index
+        );
+        self.abort.abort(msg.clone());
+        ExecError::Aborted(msg)
+    }
+
+    /// Sends `parts[q]` to member `q`: each member leaves its parts and takes, from every
+    /// member, the one addressed to it (in member order).
+    fn exchange(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+        let s = &self.shared;
+        let deadline = Instant::now() + self.abort.timeout();
+        let mut st = s.state.lock().unwrap_or_else(|e| e.into_inner());
+        let size = s.size;
+        if st.entries.contains_key(&tag) {
+            drop(st);
+            return Err(self.disagree(tag, "AllToAll"));
+        }
+        let x = st.exchanges.entry(tag).or_insert_with(|| Exchange {
+            parts: vec![None; size],
+            taken: 0,
+        });
+        if x.parts[self.index].is_some() {
+            return Err(ExecError::Internal(format!(
+                "{}: collective {tag} issued twice by member {}",
+                self.name, self.index
+            )));
+        }
+        x.parts[self.index] = Some(parts.to_vec());
+        if x.parts.iter().all(Option::is_some) {
+            s.cv.notify_all();
+        } else {
+            while !st
+                .exchanges
+                .get(&tag)
+                .is_some_and(|x| x.parts.iter().all(Option::is_some))
+            {
+                st = self.wait_for(st, deadline, "AllToAll", tag, |st| {
+                    st.exchanges.get(&tag).map_or(Vec::new(), |x| {
+                        x.parts
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, p)| p.is_some())
+                            .map(|(i, _)| i)
+                            .collect()
+                    })
+                })?;
+            }
+        }
+        let x = st
+            .exchanges
+            .get_mut(&tag)
+            .expect("the exchange lives until every member took its parts");
+        let me = self.index;
+        let got = x
+            .parts
+            .iter()
+            .map(|p| p.as_ref().expect("all arrived")[me].clone())
+            .collect();
+        x.taken += 1;
+        if x.taken == size {
+            st.exchanges.remove(&tag);
+        }
+        Ok(got)
+    }
+
     fn wait<'a>(
         &self,
         st: std::sync::MutexGuard<'a, State>,
@@ -172,19 +257,34 @@ impl LocalGroup {
         kind: Kind,
         tag: u64,
     ) -> Result<std::sync::MutexGuard<'a, State>, ExecError> {
-        self.check_abort()?;
-        let now = Instant::now();
-        if now >= deadline {
-            let arrived: Vec<usize> = st.entries.get(&tag).map_or(Vec::new(), |e| {
+        self.wait_for(st, deadline, &format!("{kind:?}"), tag, |st| {
+            st.entries.get(&tag).map_or(Vec::new(), |e| {
                 e.inputs
                     .iter()
                     .enumerate()
                     .filter(|(_, x)| x.is_some())
                     .map(|(i, _)| i)
                     .collect()
-            });
+            })
+        })
+    }
+
+    /// Waits for the group's next change, failing at `deadline` (naming the members that
+    /// `arrived` reports) or when the run aborts.
+    fn wait_for<'a>(
+        &self,
+        st: std::sync::MutexGuard<'a, State>,
+        deadline: Instant,
+        what: &str,
+        tag: u64,
+        arrived: impl Fn(&State) -> Vec<usize>,
+    ) -> Result<std::sync::MutexGuard<'a, State>, ExecError> {
+        self.check_abort()?;
+        let now = Instant::now();
+        if now >= deadline {
+            let arrived = arrived(&st);
             let msg = format!(
-                "{}: {kind:?} {tag} timed out after {:.1} s (members arrived: {arrived:?} of {})",
+                "{}: {what} {tag} timed out after {:.1} s (members arrived: {arrived:?} of {})",
                 self.name,
                 self.abort.timeout().as_secs_f64(),
                 self.shared.size
@@ -242,6 +342,18 @@ impl Collectives for LocalGroup {
 
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {
         self.run(tag, Kind::Barrier, None).map(|_| ())
+    }
+
+    fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+        if parts.len() != self.size() {
+            return Err(ExecError::Internal(format!(
+                "{}: an all-to-all of {} parts over {} members",
+                self.name,
+                parts.len(),
+                self.size()
+            )));
+        }
+        self.exchange(tag, parts)
     }
 }
 
@@ -304,5 +416,104 @@ pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
         processes: None,
         abort,
         backend: "local",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The trait's default all-to-all (two all-gathers) over a Local group.
+    struct Gathered(LocalGroup);
+
+    impl Collectives for Gathered {
+        fn size(&self) -> usize {
+            self.0.size()
+        }
+        fn index(&self) -> usize {
+            self.0.index()
+        }
+        fn all_gather(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+            self.0.all_gather(tag, input)
+        }
+        fn reduce_scatter(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+            self.0.reduce_scatter(tag, input, op)
+        }
+        fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
+            self.0.all_reduce(tag, input, op)
+        }
+        fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
+            self.0.broadcast(tag, input)
+        }
+        fn barrier(&self, tag: u64) -> Result<(), ExecError> {
+            self.0.barrier(tag)
+        }
+    }
+
+    /// Member `r`'s part for member `q`: `r * 10 + q` repeated `(r + 2 * q) % 4` times (some
+    /// empty).
+    fn part(r: usize, q: usize) -> Tensor {
+        let n = (r + 2 * q) % 4;
+        Tensor::from_vec(vec![(r * 10 + q) as f32; n], n, &Device::Cpu).unwrap()
+    }
+
+    fn on_group<T: Send>(n: usize, f: impl Fn(LocalGroup, usize) -> T + Sync) -> Vec<T> {
+        let abort = Arc::new(Abort::default());
+        let groups = local_group(n, "test", &abort);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    let f = &f;
+                    s.spawn(move || f(g, r))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn all_to_all_hands_each_member_its_parts_as_the_default_does() {
+        let n = 3;
+        let run = |gathered: bool| {
+            on_group(n, |g, r| {
+                let parts: Vec<Tensor> = (0..n).map(|q| part(r, q)).collect();
+                let got = if gathered {
+                    Gathered(g).all_to_all(0, &parts)
+                } else {
+                    g.all_to_all(0, &parts)
+                };
+                got.unwrap()
+                    .iter()
+                    .map(|t| t.to_vec1::<f32>().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let direct = run(false);
+        for (me, got) in direct.iter().enumerate() {
+            let want: Vec<Vec<f32>> = (0..n).map(|q| part(q, me).to_vec1().unwrap()).collect();
+            assert_eq!(got, &want, "member {me}");
+        }
+        assert_eq!(direct, run(true));
+    }
+
+    #[test]
+    fn an_all_to_all_against_another_collective_aborts_naming_it() {
+        let out = on_group(2, |g, r| {
+            if r == 0 {
+                let parts = [part(0, 0), part(0, 1)];
+                g.all_to_all(7, &parts).map(|_| ()).map_err(|e| e.to_string())
+            } else {
+                // Arrive second, so the all-to-all is already waiting.
+                std::thread::sleep(Duration::from_millis(50));
+                g.all_gather(7, &part(1, 1)).map(|_| ()).map_err(|e| e.to_string())
+            }
+        });
+        for e in &out {
+            let e = e.as_ref().unwrap_err();
+            assert!(e.contains("collective 7") && e.contains("schedules disagree"), "{e}");
+        }
     }
 }

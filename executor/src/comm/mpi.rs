@@ -14,6 +14,8 @@
 //!   and results must equal the Local backend's bit for bit (it sums in rank order too);
 //!   16-bit data then needs no MPI reduction type either. The receive buffer is host
 //!   memory the plan does not count: per communicator, its largest reduce-scatter input.
+//! - An all-to-all (expert parallelism's dispatch and combine) is `MPI_Alltoall` of the
+//!   counts, then `MPI_Alltoallv` of the parts: each element crosses once.
 //! - MPI collectives cannot time out, so a watchdog thread does: when a collective has
 //!   waited longer than the timeout, or a local stream failed, it prints why and calls
 //!   `MPI_Abort`, which makes the launcher stop every rank.
@@ -456,6 +458,82 @@ impl MpiGroup {
         Ok(Tensor::from_vec(all, input.shape(), &Device::Cpu)?.to_device(input.device())?)
     }
 
+    /// `parts[q]` to member `q` by `MPI_Alltoallv`, after an `MPI_Alltoall` of the counts
+    /// (each member learns what it receives from whom): every element crosses once.
+    fn all_to_all_as<E: Elem>(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+        let n = self.size;
+        let sends: Vec<c_int> = parts
+            .iter()
+            .map(|p| count(p.elem_count(), "an all-to-all"))
+            .collect::<Result<_, _>>()?;
+        let mut recvs = vec![0 as c_int; n];
+        {
+            let _g = self.guard("all-to-all counts", tag);
+            // SAFETY: one c_int to and from each member; this stream's communicator alone.
+            checked(unsafe {
+                ffi::MPI_Alltoall(
+                    sends.as_ptr().cast(),
+                    1,
+                    i32::equivalent_datatype().as_raw(),
+                    recvs.as_mut_ptr().cast(),
+                    1,
+                    i32::equivalent_datatype().as_raw(),
+                    self.comm.0.as_raw(),
+                )
+            })?;
+        }
+        let displs = |c: &[c_int]| -> Result<Vec<c_int>, ExecError> {
+            let mut at = 0usize;
+            c.iter()
+                .map(|&k| {
+                    let d = count(at, "an all-to-all")?;
+                    at += k as usize;
+                    Ok(d)
+                })
+                .collect()
+        };
+        let (sdispls, rdispls) = (displs(&sends)?, displs(&recvs)?);
+        let total: usize = recvs.iter().map(|&k| k as usize).sum();
+        count(total, "an all-to-all")?;
+        let mut send: Vec<E> = Vec::with_capacity(sends.iter().map(|&k| k as usize).sum());
+        for p in parts {
+            with_elems::<E, _>(p, |e| {
+                send.extend_from_slice(e);
+                Ok(())
+            })?;
+        }
+        let recv = {
+            let _g = self.guard("all-to-all", tag);
+            filled::<E>(total, |out| {
+                // SAFETY: `send` holds sends[q] elements for member q at sdispls[q], `out`
+                // room for recvs[q] at rdispls[q] (the counts every member exchanged above);
+                // the communicator is this stream's alone.
+                unsafe {
+                    ffi::MPI_Alltoallv(
+                        send.as_ptr().cast(),
+                        sends.as_ptr(),
+                        sdispls.as_ptr(),
+                        datatype::<E>(),
+                        out,
+                        recvs.as_ptr(),
+                        rdispls.as_ptr(),
+                        datatype::<E>(),
+                        self.comm.0.as_raw(),
+                    )
+                }
+            })?
+        };
+        let device = parts.first().map_or(Device::Cpu, |p| p.device().clone());
+        recvs
+            .iter()
+            .zip(&rdispls)
+            .map(|(&k, &d)| {
+                let part = recv[d as usize..d as usize + k as usize].to_vec();
+                Ok(Tensor::from_vec(part, k as usize, &Device::Cpu)?.to_device(&device)?)
+            })
+            .collect()
+    }
+
     fn broadcast_as<E: Elem>(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
         let out = with_elems::<E, _>(input, |elems| {
             let n = count(elems.len(), "a broadcast")?;
@@ -504,6 +582,27 @@ impl Collectives for MpiGroup {
 
     fn broadcast(&self, tag: u64, input: &Tensor) -> Result<Tensor, ExecError> {
         by_dtype!(input.dtype(), E => self.broadcast_as::<E>(tag, input))
+    }
+
+    fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+        if parts.len() != self.size {
+            return Err(ExecError::Internal(format!(
+                "{}: an all-to-all of {} parts over {} members",
+                self.name,
+                parts.len(),
+                self.size
+            )));
+        }
+        let dtype = parts[0].dtype();
+        if let Some(p) = parts.iter().find(|p| p.dtype() != dtype || p.rank() != 1) {
+            return Err(ExecError::Internal(format!(
+                "{}: an all-to-all part of {:?} {:?}, not 1-D {dtype:?}",
+                self.name,
+                p.dtype(),
+                p.dims()
+            )));
+        }
+        by_dtype!(dtype, E => self.all_to_all_as::<E>(tag, parts))
     }
 
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {
