@@ -871,9 +871,7 @@ impl Op {
             }
             Op::MoeUnpermute { sum } => {
                 float(ins[0], "input")?;
-                let ids = ins[1].shape.dims();
-                let t = *ids.first().ok_or_else(|| "experts must be [tokens, k]".to_string())?;
-                let k = expert_ids(ins[1], t)?;
+                let (t, k) = routing_ids(ins[1])?;
                 let y = ins[0].shape.dims();
                 if y.len() != 2 || y[0] != assignments(t, k)? {
                     return Err(format!(
@@ -888,12 +886,7 @@ impl Op {
                 })
             }
             Op::MoeDrop { experts, capacity } => {
-                let t = *ins[0]
-                    .shape
-                    .dims()
-                    .first()
-                    .ok_or_else(|| "experts must be [tokens, k]".to_string())?;
-                let k = expert_ids(ins[0], t)?;
+                let (t, k) = routing_ids(ins[0])?;
                 if *experts == 0 || *capacity == 0 {
                     return Err(format!(
                         "experts ({experts}) and capacity ({capacity}) must be at least 1"
@@ -902,12 +895,7 @@ impl Op {
                 Ok(TensorType::new(DType::U32, [t, k]))
             }
             Op::MoeGatherIds { degree } => {
-                let t = *ins[0]
-                    .shape
-                    .dims()
-                    .first()
-                    .ok_or_else(|| "experts must be [tokens, k]".to_string())?;
-                let k = expert_ids(ins[0], t)?;
+                let (t, k) = routing_ids(ins[0])?;
                 let all = t
                     .checked_mul(*degree)
                     .ok_or_else(|| "gathered size overflows u64".to_string())?;
@@ -941,9 +929,7 @@ impl Op {
                 if ins.len() < 3 {
                     return Err("expects the input, the expert ids and at least one weight".into());
                 }
-                let ids = ins[1].shape.dims();
-                let t = *ids.first().ok_or_else(|| "experts must be [tokens, k]".to_string())?;
-                let k = expert_ids(ins[1], t)?;
+                let (t, k) = routing_ids(ins[1])?;
                 let x = ins[0];
                 if x.shape.rank() != 2 || x.shape.dims()[0] != assignments(t, k)? {
                     return Err(format!(
@@ -965,9 +951,7 @@ impl Op {
                 if expert >= experts {
                     return Err(format!("expert {expert} is out of range ({experts} experts)"));
                 }
-                let ids = ins[2].shape.dims();
-                let t = *ids.first().ok_or_else(|| "experts must be [tokens, k]".to_string())?;
-                let k = expert_ids(ins[2], t)?;
+                let (t, k) = routing_ids(ins[2])?;
                 let n = assignments(t, k)?;
                 if ins[0].shape.rank() != 2 || ins[0].shape.dims()[0] != n {
                     return Err(format!("input must be [{n}, in], got {}", ins[0].shape));
@@ -1085,6 +1069,16 @@ fn router_logits(l: &TensorType) -> Result<(u64, u64), String> {
 }
 
 /// `k` of expert ids `[tokens, k]` (integer, `tokens` rows).
+/// `(T, k)` of expert ids `[T, k]`.
+fn routing_ids(ids: &TensorType) -> Result<(u64, u64), String> {
+    let t = *ids
+        .shape
+        .dims()
+        .first()
+        .ok_or_else(|| "experts must be [tokens, k]".to_string())?;
+    Ok((t, expert_ids(ids, t)?))
+}
+
 fn expert_ids(ids: &TensorType, tokens: u64) -> Result<u64, String> {
     if ids.dtype.is_float() {
         return Err(format!("expert ids must be an integer tensor, got {ids}"));

@@ -86,6 +86,16 @@ pub fn local_group(size: usize, name: &str, abort: &Arc<Abort>) -> Vec<LocalGrou
         .collect()
 }
 
+/// The members whose contribution has arrived.
+fn present<T>(slots: &[Option<T>]) -> Vec<usize> {
+    slots
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| x.is_some())
+        .map(|(i, _)| i)
+        .collect()
+}
+
 /// Every member's result from every member's input (in member order).
 pub(crate) fn combine(kind: Kind, inputs: Vec<Option<Tensor>>) -> Result<Vec<Tensor>, ExecError> {
     let n = inputs.len();
@@ -222,14 +232,7 @@ impl LocalGroup {
                 .is_some_and(|x| x.parts.iter().all(Option::is_some))
             {
                 st = self.wait_for(st, deadline, "AllToAll", tag, |st| {
-                    st.exchanges.get(&tag).map_or(Vec::new(), |x| {
-                        x.parts
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, p)| p.is_some())
-                            .map(|(i, _)| i)
-                            .collect()
-                    })
+                    st.exchanges.get(&tag).map_or(Vec::new(), |x| present(&x.parts))
                 })?;
             }
         }
@@ -258,14 +261,7 @@ impl LocalGroup {
         tag: u64,
     ) -> Result<std::sync::MutexGuard<'a, State>, ExecError> {
         self.wait_for(st, deadline, &format!("{kind:?}"), tag, |st| {
-            st.entries.get(&tag).map_or(Vec::new(), |e| {
-                e.inputs
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, x)| x.is_some())
-                    .map(|(i, _)| i)
-                    .collect()
-            })
+            st.entries.get(&tag).map_or(Vec::new(), |e| present(&e.inputs))
         })
     }
 
@@ -345,14 +341,7 @@ impl Collectives for LocalGroup {
     }
 
     fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
-        if parts.len() != self.size() {
-            return Err(ExecError::Internal(format!(
-                "{}: an all-to-all of {} parts over {} members",
-                self.name,
-                parts.len(),
-                self.size()
-            )));
-        }
+        super::check_parts(parts, self.size())?;
         self.exchange(tag, parts)
     }
 }
@@ -419,6 +408,25 @@ pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
     }
 }
 
+/// Runs `f(member, index)` on every member of a Local group of `n` threads; their results
+/// in member order (tests of the collectives and of what rides on them).
+#[cfg(test)]
+pub(crate) fn on_group<T: Send>(n: usize, f: impl Fn(LocalGroup, usize) -> T + Sync) -> Vec<T> {
+    let abort = Arc::new(Abort::default());
+    let groups = local_group(n, "test", &abort);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, g)| {
+                let f = &f;
+                s.spawn(move || f(g, r))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,22 +464,6 @@ mod tests {
     fn part(r: usize, q: usize) -> Tensor {
         let n = (r + 2 * q) % 4;
         Tensor::from_vec(vec![(r * 10 + q) as f32; n], n, &Device::Cpu).unwrap()
-    }
-
-    fn on_group<T: Send>(n: usize, f: impl Fn(LocalGroup, usize) -> T + Sync) -> Vec<T> {
-        let abort = Arc::new(Abort::default());
-        let groups = local_group(n, "test", &abort);
-        std::thread::scope(|s| {
-            let handles: Vec<_> = groups
-                .into_iter()
-                .enumerate()
-                .map(|(r, g)| {
-                    let f = &f;
-                    s.spawn(move || f(g, r))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
     }
 
     #[test]

@@ -59,6 +59,18 @@ pub enum Reduce {
     Avg,
 }
 
+/// What every all-to-all needs of its parts: one per member of the group.
+pub(crate) fn check_parts(parts: &[Tensor], members: usize) -> Result<(), ExecError> {
+    if parts.len() == members {
+        Ok(())
+    } else {
+        Err(ExecError::Internal(format!(
+            "an all-to-all of {} parts over {members} members",
+            parts.len()
+        )))
+    }
+}
+
 /// A process group as one rank sees it. `tag` is the collective's position in this
 /// group's issue order: every member calls it with the same tag (Local matches the
 /// contributions by it, so collectives issued from different streams cannot pair up
@@ -86,12 +98,7 @@ pub trait Collectives: Send + Sync {
     /// backend, `size` times the traffic of a real all-to-all.
     fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
         let n = self.size();
-        if parts.len() != n {
-            return Err(ExecError::Internal(format!(
-                "an all-to-all of {} parts over {n} members",
-                parts.len()
-            )));
-        }
+        check_parts(parts, n)?;
         let first = parts
             .first()
             .ok_or_else(|| ExecError::Internal("an all-to-all over no members".into()))?;

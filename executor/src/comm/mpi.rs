@@ -585,14 +585,7 @@ impl Collectives for MpiGroup {
     }
 
     fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
-        if parts.len() != self.size {
-            return Err(ExecError::Internal(format!(
-                "{}: an all-to-all of {} parts over {} members",
-                self.name,
-                parts.len(),
-                self.size
-            )));
-        }
+        super::check_parts(parts, self.size)?;
         let dtype = parts[0].dtype();
         if let Some(p) = parts.iter().find(|p| p.dtype() != dtype || p.rank() != 1) {
             return Err(ExecError::Internal(format!(

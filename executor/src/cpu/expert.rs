@@ -278,24 +278,27 @@ impl ExpertGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::local::local_group;
-    use crate::comm::Abort;
     use candle_core::Device;
 
     /// Runs `f(group, rank)` on every rank of a Local expert group of `n` threads.
     fn on_group<T: Send>(n: usize, f: impl Fn(&ExpertGroup, usize) -> T + Sync) -> Vec<T> {
-        let abort = Arc::new(Abort::default());
-        let groups = local_group(n, "expert test", &abort);
-        std::thread::scope(|s| {
-            let handles: Vec<_> = groups
-                .into_iter()
-                .enumerate()
-                .map(|(r, g)| {
-                    let f = &f;
-                    s.spawn(move || f(&ExpertGroup::new(Arc::new(g)), r))
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        crate::comm::local::on_group(n, |g, r| f(&ExpertGroup::new(Arc::new(g)), r))
+    }
+
+    /// Each rank's received rows, local ids and combined rows of a dispatch of `rows` over
+    /// 4 experts on 2 ranks routed by `ids(rank)`, with room for 8 rows.
+    #[allow(clippy::type_complexity)]
+    fn round_trip(ids: fn(usize) -> Tensor) -> Vec<(Vec<Vec<f32>>, Vec<u32>, Vec<Vec<f32>>)> {
+        on_group(2, |g, r| {
+            let table = g.gather_ids(&ids(r), 2).unwrap();
+            let recv = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
+            let lids = g.local_ids(&table, 2, 4, 8).unwrap();
+            let back = g.combine(&recv, &table, 2, 4).unwrap();
+            (
+                recv.to_vec2::<f32>().unwrap(),
+                lids.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
+                back.to_vec2::<f32>().unwrap(),
+            )
         })
     }
 
@@ -318,17 +321,7 @@ mod tests {
 
     #[test]
     fn dispatch_orders_by_local_expert_then_source_and_combine_undoes_it() {
-        let out = on_group(2, |g, r| {
-            let table = g.gather_ids(&ids(r), 2).unwrap();
-            let recv = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
-            let lids = g.local_ids(&table, 2, 4, 8).unwrap();
-            let back = g.combine(&recv, &table, 2, 4).unwrap();
-            (
-                recv.to_vec2::<f32>().unwrap(),
-                lids.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
-                back.to_vec2::<f32>().unwrap(),
-            )
-        });
+        let out = round_trip(ids);
         // Rank 0 holds experts 0, 1: rank 0's row of expert 0 (its first in expert order),
         // then rank 1's two rows of expert 0, then rank 1's two of expert 1; zero padding.
         let (recv0, lids0, back0) = &out[0];
@@ -362,17 +355,7 @@ mod tests {
             };
             Tensor::from_vec(v, (3, 2), &Device::Cpu).unwrap()
         };
-        let out = on_group(2, |g, r| {
-            let table = g.gather_ids(&dropped(r), 2).unwrap();
-            let recv = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
-            let lids = g.local_ids(&table, 2, 4, 8).unwrap();
-            let back = g.combine(&recv, &table, 2, 4).unwrap();
-            (
-                recv.to_vec2::<f32>().unwrap(),
-                lids.flatten_all().unwrap().to_vec1::<u32>().unwrap(),
-                back.to_vec2::<f32>().unwrap(),
-            )
-        });
+        let out = round_trip(dropped);
         // Rank 1 holds experts 2, 3: rank 0's two rows of expert 2 and its one of expert 3
         // (rank 0's rows 1, 2, 3); its rows 4 and 5 were dropped and never arrive.
         let (recv1, lids1, _) = &out[1];
