@@ -95,6 +95,12 @@ pub struct HardwareProfile {
     /// the rank and stream threads, making the batch (`kernels: fused`; 0 where not measured).
     #[serde(default)]
     pub step_overhead_us: f64,
+    /// Host time PyTorch FSDP2 spends per FSDP unit and training step outside its kernels'
+    /// launches, microseconds: its pre- and post-forward and backward hooks in Python and
+    /// the unit's autograd bookkeeping, which an eager step at a small batch waits for
+    /// (`runtime: fsdp2` only). Default [`FSDP2_UNIT_HOST_US`].
+    #[serde(default = "default_fsdp2_unit_host_us")]
+    pub fsdp2_unit_host_us: f64,
     /// How the framework being planned runs memory-bound ops: `eager` (PyTorch eager, as
     /// FSDP2 and torchtitan run: an RMSNorm or a rotary embedding is several kernels
     /// through f32 temporaries) or `fused` (one kernel per graph op, as shardplan's
@@ -160,6 +166,10 @@ fn default_nccl_channel_mib() -> f64 {
     NCCL_CHANNEL_MIB
 }
 
+fn default_fsdp2_unit_host_us() -> f64 {
+    FSDP2_UNIT_HOST_US
+}
+
 fn default_sm_count() -> f64 {
     132.0
 }
@@ -219,6 +229,37 @@ pub const KERNEL_LAUNCH_US: f64 = 5.0;
 /// InfiniBand is about 80% of the link rate (`nccl-tests` on DGX A100: ~235 of 300 GB/s;
 /// on DGX H100: ~360 of 450 GB/s).
 pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
+
+/// Host time of eager FSDP2 per FSDP unit and step, beyond `kernel_launch_us` per kernel:
+/// 2,400 us. Fitted to four PyTorch FSDP2 runs on an H200 (the exported 1.1B at 2 x 2048 and
+/// at 4 x 2048 under full and selective checkpointing, and a 3.2B at 1 x 4096; foreach AdamW;
+/// README "Held against an H200", `planner/tests/h200_runs.rs`): with the H200's measured
+/// constants the kernels account for 96-272 ms of steps measured at 133-325 ms, and what each
+/// row leaves is 1.5-3.5 ms per unit; this is about their mean, and the mean of any three
+/// predicts the fourth's speed within 11%. torch.profiler of the same step agrees that the
+/// host sets the pace at this batch: its kernels sum to 78 ms of a 131 ms step. FSDP2's
+/// four hooks per unit in Python, its copy-in and copy-out bookkeeping and the autograd
+/// recording of the unit's ops are what it stands for; it is not measured on its own yet.
+pub const FSDP2_UNIT_HOST_US: f64 = 2400.0;
+
+/// The cost-model constants `benches/gpu_profile.py` (`gpu-check --checks profile`)
+/// measured on one H200 SXM (141 GB; PyTorch 2.11, cuDNN 9.19; 2026-11-26): matmul 0.63 of
+/// 989 TFLOP/s over Llama's linear shapes, flash attention 0.34 forward and 0.29 backward,
+/// memory-bound kernels 0.79 of 4.8 TB/s, and 9.3 us per eager op (10,000 `x.add_(1)`).
+pub const H200_MEASURED: H200Measured = H200Measured {
+    matmul: 0.63,
+    attention: (0.34, 0.29),
+    memory: 0.79,
+    launch_us: 9.3,
+};
+
+/// See [`H200_MEASURED`].
+pub struct H200Measured {
+    pub matmul: f64,
+    pub attention: (f64, f64),
+    pub memory: f64,
+    pub launch_us: f64,
+}
 
 /// Built-in profile names.
 pub const HARDWARE_NAMES: &[&str] = &[
@@ -331,6 +372,7 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
         parallel_launch_us: 0.0,
         copy_gbps: 0.0,
         step_overhead_us: 0.0,
+        fsdp2_unit_host_us: FSDP2_UNIT_HOST_US,
         kernels: KernelMode::Eager,
     };
     Some(match name {
@@ -347,7 +389,15 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
             bf16_tflops: H100_96GB_500W_TFLOPS.0,
             ..p(&HOPPER, 93.6, 2400.0)
         },
-        "h200" => p(&HOPPER, 140.4, 4800.0),
+        // Hopper's figures with the efficiencies and launch cost measured on an H200.
+        "h200" => HardwareProfile {
+            matmul_efficiency: H200_MEASURED.matmul,
+            attention_fwd_efficiency: H200_MEASURED.attention.0,
+            attention_bwd_efficiency: H200_MEASURED.attention.1,
+            memory_efficiency: H200_MEASURED.memory,
+            kernel_launch_us: H200_MEASURED.launch_us,
+            ..p(&HOPPER, 140.4, 4800.0)
+        },
         "a100-40gb" => p(&AMPERE, 40.0, 1555.0),
         "a100-80gb" => p(&AMPERE, 80.0, 2039.0),
         // 183,359 MiB as the driver reports it (DGX B200: 180 GB per GPU).
@@ -358,7 +408,7 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
 
 impl HardwareProfile {
     /// `(field name, value)` of every number, for validation and printing.
-    pub fn numbers(&self) -> [(&'static str, f64); 27] {
+    pub fn numbers(&self) -> [(&'static str, f64); 28] {
         [
             ("bf16_tflops", self.bf16_tflops),
             ("f32_tflops", self.f32_tflops),
@@ -387,6 +437,7 @@ impl HardwareProfile {
             ("parallel_launch_us", self.parallel_launch_us),
             ("copy_gbps", self.copy_gbps),
             ("step_overhead_us", self.step_overhead_us),
+            ("fsdp2_unit_host_us", self.fsdp2_unit_host_us),
         ]
     }
 

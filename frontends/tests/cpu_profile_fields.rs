@@ -51,3 +51,48 @@ fn cpu_fields_round_trip_through_numbers() {
     let back = parse(&format!("{{name: again, kernels: fused, {}}}", line.join(", "))).unwrap();
     assert_eq!(back.hardware.numbers(), nums);
 }
+
+/// FSDP2's host time per unit: the built-in fit unless the spec sets it, 0 allowed (no host
+/// time), negative refused at the field, and listed by `numbers()`.
+#[test]
+fn fsdp2_unit_host_time_is_read_checked_and_listed() {
+    let d = parse("h200").unwrap();
+    assert_eq!(d.hardware.fsdp2_unit_host_us, shardplan_frontends::FSDP2_UNIT_HOST_US);
+    assert_eq!(
+        parse("{base: h200, fsdp2_unit_host_us: 0}")
+            .unwrap()
+            .hardware
+            .fsdp2_unit_host_us,
+        0.0
+    );
+    assert_eq!(
+        parse("{base: h200, fsdp2_unit_host_us: 1250}")
+            .unwrap()
+            .hardware
+            .fsdp2_unit_host_us,
+        1250.0
+    );
+    let e = parse("{base: h200, fsdp2_unit_host_us: -1}").unwrap_err().to_string();
+    assert!(e.contains("hardware.fsdp2_unit_host_us") && e.contains(">= 0"), "{e}");
+    assert!(d.hardware.numbers().iter().any(|(k, _)| *k == "fsdp2_unit_host_us"));
+}
+
+/// The H200 profile carries the constants measured on an H200; the H100's keep the
+/// published ones.
+#[test]
+fn h200_profile_carries_its_measured_constants() {
+    let h = builtin_hardware("h200").unwrap();
+    let m = shardplan_frontends::H200_MEASURED;
+    assert_eq!(
+        (
+            h.matmul_efficiency,
+            h.attention_fwd_efficiency,
+            h.attention_bwd_efficiency,
+            h.memory_efficiency,
+            h.kernel_launch_us
+        ),
+        (m.matmul, m.attention.0, m.attention.1, m.memory, m.launch_us)
+    );
+    let h100 = builtin_hardware("h100-sxm").unwrap();
+    assert_eq!((h100.matmul_efficiency, h100.kernel_launch_us), (0.70, 5.0));
+}

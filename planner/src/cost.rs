@@ -65,13 +65,22 @@ impl NodeTimes {
 
 /// Seconds to run each step (segment) once (the sum of its ops' [`OpModel::seconds`]), and
 /// the same seconds by kind of work, each op's time split into its work and the launches it
-/// does not hide ([`OpModel::parts`]).
-pub fn step_costs(times: &NodeTimes, steps: &[Step]) -> (Vec<f64>, Vec<Breakdown>) {
+/// does not hide ([`OpModel::parts`]). `unit_host_s` is a framework's host time per FSDP
+/// unit and step that the device waits for (PyTorch FSDP2's hooks: `fsdp2_unit_host_us`
+/// under `runtime: fsdp2`, else 0): half of it before each unit's first forward step, half
+/// before its first backward step, where FSDP2's pre-forward and pre-backward hooks run
+/// (the post hooks' time lands in the same gaps).
+pub fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) -> (Vec<f64>, Vec<Breakdown>) {
+    let mut hooked = std::collections::HashSet::new();
     steps
         .iter()
         .map(|s| {
             let mut total = 0.0;
             let mut b = Breakdown::default();
+            if unit_host_s > 0.0 && s.phase != crate::steps::Phase::Recompute && hooked.insert((s.group, s.phase)) {
+                total += unit_host_s / 2.0;
+                b.add(WorkKind::Hooks, unit_host_s / 2.0);
+            }
             for i in s.nodes.iter().flat_map(|r| r.clone()) {
                 let (seconds, kind, work, launch) = times.get(NodeId(i));
                 total += seconds;
@@ -570,6 +579,26 @@ pub fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: boo
     }
 }
 
+/// What decides the optimizer step's memory traffic.
+#[derive(Clone, Copy, Debug)]
+pub struct OptimizerTraffic {
+    /// Optimizer state elements per parameter element.
+    pub state_per_param: u64,
+    /// torch's foreach AdamW (`runtime: fsdp2`, `implementation: foreach`): a pass per op.
+    pub foreach_adamw: bool,
+}
+
+impl OptimizerTraffic {
+    pub fn of(policy: &crate::plan::Policy) -> Self {
+        OptimizerTraffic {
+            state_per_param: policy.optimizer_state_per_param,
+            foreach_adamw: !policy.runtime.is_shardplan()
+                && policy.optimizer == "adamw"
+                && policy.adamw_implementation == shardplan_frontends::AdamwImplementation::Foreach,
+        }
+    }
+}
+
 /// Seconds of one instruction. `step_s` comes from [`step_costs`].
 pub fn instr_seconds(
     instr: &Instr,
@@ -578,7 +607,7 @@ pub fn instr_seconds(
     step_s: &[f64],
     mesh: &Mesh,
     hw: &HardwareProfile,
-    state_per_param: u64,
+    optimizer: OptimizerTraffic,
 ) -> f64 {
     let bytes = |b: crate::plan::BufId| buffers[b.index()].bytes();
     let mem_bw = if stream == Stream::Host {
@@ -611,9 +640,20 @@ pub fn instr_seconds(
         }
         Instr::GradNorm { grads, .. } => grads.iter().map(|&b| bytes(b)).sum::<u64>() as f64 / mem_bw,
         Instr::OptimizerStep { grads, params, .. } => {
-            // Read and write the params and every state element, read the gradients.
             let p = buffers[params.index()].bytes();
-            (bytes(*grads) + 2 * p + 2 * p * state_per_param) as f64 / mem_bw
+            let moved = if optimizer.foreach_adamw {
+                // torch's foreach AdamW, one pass per `_foreach_` op over the shard (p the
+                // parameters' bytes, each moment as large): the decoupled weight decay's
+                // `mul_` (2p), `lerp_` of the first moment (2p + g), `mul_` and `addcmul_(g, g)`
+                // of the second (4p + 2g), `sqrt` into a temporary, its `div_` by the bias
+                // correction and `add_` of eps (6p), and the `addcdiv_` update (4p).
+                3 * bytes(*grads) + 16 * p
+            } else {
+                // One fused pass: read and write the params and every state element, read
+                // the gradients.
+                bytes(*grads) + 2 * p + 2 * p * optimizer.state_per_param
+            };
+            moved as f64 / mem_bw
         }
     }
 }

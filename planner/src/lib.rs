@@ -228,7 +228,12 @@ impl PlanCache {
                 t
             }
         };
-        let (step_s, step_parts) = cost::step_costs(&times, &steps);
+        let unit_host_s = if config.runtime.is_shardplan() {
+            0.0
+        } else {
+            config.hardware.fsdp2_unit_host_us * 1e-6
+        };
+        let (step_s, step_parts) = cost::step_costs(&times, &steps, unit_host_s);
         cost::annotate_tensor_ops(&joint.graph, &times, &mut steps);
         let x = std::sync::Arc::new(CachedSteps {
             steps,
@@ -558,7 +563,7 @@ pub(crate) fn simulate_program(
                 events,
                 mesh,
                 &config.hardware,
-                policy.optimizer_state_per_param,
+                crate::cost::OptimizerTraffic::of(policy),
             );
             let memory = simulate::memory(program, buffers, steps, &timing);
             (timing, stall, memory)

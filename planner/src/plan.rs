@@ -721,10 +721,13 @@ pub enum WorkKind {
     /// Expert parallelism's all-to-all (and routing-table gather), on the compute stream
     /// between the router and the experts and after them.
     ExpertComm,
+    /// PyTorch FSDP2's host time per FSDP unit that the GPU waits for (`runtime: fsdp2`,
+    /// `fsdp2_unit_host_us`): its hooks in Python and its ops' autograd bookkeeping.
+    Hooks,
 }
 
 impl WorkKind {
-    pub const ALL: [WorkKind; 14] = [
+    pub const ALL: [WorkKind; 15] = [
         WorkKind::Matmul,
         WorkKind::Attention,
         WorkKind::Norm,
@@ -739,6 +742,7 @@ impl WorkKind {
         WorkKind::Overlap,
         WorkKind::TensorComm,
         WorkKind::ExpertComm,
+        WorkKind::Hooks,
     ];
 
     pub fn name(self) -> &'static str {
@@ -757,6 +761,7 @@ impl WorkKind {
             WorkKind::Overlap => "overlap slowdown",
             WorkKind::TensorComm => "tensor collectives",
             WorkKind::ExpertComm => "expert all-to-all",
+            WorkKind::Hooks => "fsdp2 host (hooks)",
         }
     }
 }
@@ -783,6 +788,9 @@ pub struct Breakdown {
     /// Absent from the JSON without expert parallelism.
     #[serde(skip_serializing_if = "is_zero")]
     pub expert_comm_s: f64,
+    /// Absent from the JSON outside `runtime: fsdp2`.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub hooks_s: f64,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -829,6 +837,7 @@ impl Breakdown {
             WorkKind::Overlap => &mut self.overlap_s,
             WorkKind::TensorComm => &mut self.tensor_comm_s,
             WorkKind::ExpertComm => &mut self.expert_comm_s,
+            WorkKind::Hooks => &mut self.hooks_s,
         }
     }
 }

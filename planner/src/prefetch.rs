@@ -69,7 +69,7 @@ fn time(ctx: &Ctx, sched: &Schedule) -> (crate::plan::Timing, Vec<f64>, f64) {
         sched.events,
         ctx.mesh,
         ctx.hw,
-        ctx.policy.optimizer_state_per_param,
+        crate::cost::OptimizerTraffic::of(ctx.policy),
     );
     let step_s = timing.end.iter().copied().fold(0.0, f64::max);
     (timing, stall, step_s)

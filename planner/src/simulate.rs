@@ -37,7 +37,7 @@ pub fn timeline(
     events: u32,
     mesh: &Mesh,
     hw: &HardwareProfile,
-    state_per_param: u64,
+    optimizer: crate::cost::OptimizerTraffic,
 ) -> (Timing, Vec<f64>) {
     let n = program.instrs.len();
     let mut start = Vec::with_capacity(n);
@@ -62,7 +62,7 @@ pub fn timeline(
             _ => {}
         }
         stall.push(t - free_at[s]);
-        let mut d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, state_per_param);
+        let mut d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, optimizer);
         if matches!(issued.instr, Instr::Compute { .. }) {
             // Collectives issued before this step that are still running take SMs from it.
             let busy = [Stream::AllGather, Stream::ReduceScatter, Stream::AllReduce]

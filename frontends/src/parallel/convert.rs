@@ -650,6 +650,11 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                 ),
                 ("copy_gbps", h.copy_gbps, &mut profile.copy_gbps),
                 ("step_overhead_us", h.step_overhead_us, &mut profile.step_overhead_us),
+                (
+                    "fsdp2_unit_host_us",
+                    h.fsdp2_unit_host_us,
+                    &mut profile.fsdp2_unit_host_us,
+                ),
             ];
             if let Some(k) = &h.kernels {
                 o.insert("hardware.kernels", pos(k));
@@ -673,6 +678,7 @@ fn hardware(o: &mut Origin, spec: Option<Spanned<NameOr<HardwareFile>>>) -> Resu
                                 | "parallel_launch_us"
                                 | "copy_gbps"
                                 | "step_overhead_us"
+                                | "fsdp2_unit_host_us"
                         );
                         let fraction = name.ends_with("_efficiency");
                         let rule = if fraction {

@@ -120,6 +120,7 @@ pub(super) struct HardwareFile {
     pub(super) parallel_launch_us: Option<Spanned<f64>>,
     pub(super) copy_gbps: Option<Spanned<f64>>,
     pub(super) step_overhead_us: Option<Spanned<f64>>,
+    pub(super) fsdp2_unit_host_us: Option<Spanned<f64>>,
     pub(super) kernels: Option<Spanned<crate::hardware::KernelMode>>,
 }
 
