@@ -95,13 +95,15 @@ SECTIONS = ["matmul", "sustained", "attention", "memory", "launch", "eager", "ov
 
 # The built-in profiles of frontends/src/hardware.rs: the figures this script measures
 # against or compares with (bf16 TFLOP/s, HBM GB/s, SMs, cuBLAS tile, matmul efficiency,
-# attention forward / backward efficiency, NVLink GB/s). memory_efficiency 0.85,
-# kernel_launch_us 5, collective_efficiency 0.80 and overlap_slowdown
-# nccl_channels / (sm_count - nccl_channels) with 16 channels are the same for all.
+# attention forward / backward efficiency, NVLink GB/s). memory_efficiency 0.85 and
+# kernel_launch_us 5 unless a profile says otherwise (memory=, launch=); collective_efficiency
+# 0.80 and overlap_slowdown nccl_channels / (sm_count - nccl_channels) with 16 channels are
+# the same for all.
 BUILTINS = {
     "h100-sxm": dict(bf16=989.0, hbm=3350.0, sms=132, tile=(128, 256), matmul=0.70, attn=(0.35, 0.30), nvlink=450.0),
     "h100-sxm-96gb": dict(bf16=989.0, hbm=3350.0, sms=132, tile=(128, 256), matmul=0.70, attn=(0.35, 0.30), nvlink=450.0),
-    "h200": dict(bf16=989.0, hbm=4800.0, sms=132, tile=(128, 256), matmul=0.70, attn=(0.35, 0.30), nvlink=450.0),
+    # The H200's built-ins are this script's own measurements there (hardware.rs H200_MEASURED).
+    "h200": dict(bf16=989.0, hbm=4800.0, sms=132, tile=(128, 256), matmul=0.63, attn=(0.34, 0.29), nvlink=450.0, memory=0.79, launch=9.3),
     "a100-40gb": dict(bf16=312.0, hbm=1555.0, sms=108, tile=(128, 128), matmul=0.80, attn=(0.70, 0.60), nvlink=300.0),
     "a100-80gb": dict(bf16=312.0, hbm=2039.0, sms=108, tile=(128, 128), matmul=0.80, attn=(0.70, 0.60), nvlink=300.0),
     "b200": dict(bf16=2250.0, hbm=8000.0, sms=148, tile=(128, 256), matmul=0.70, attn=(0.35, 0.30), nvlink=900.0),
@@ -243,8 +245,8 @@ def describe_device(args):
             "matmul_efficiency": b["matmul"],
             "attention_fwd_efficiency": b["attn"][0],
             "attention_bwd_efficiency": b["attn"][1],
-            "memory_efficiency": MEMORY_EFFICIENCY,
-            "kernel_launch_us": KERNEL_LAUNCH_US,
+            "memory_efficiency": b.get("memory", MEMORY_EFFICIENCY),
+            "kernel_launch_us": b.get("launch", KERNEL_LAUNCH_US),
             "collective_efficiency": COLLECTIVE_EFFICIENCY,
             "overlap_slowdown": NCCL_CHANNELS / (b["sms"] - NCCL_CHANNELS),
         },
@@ -363,7 +365,7 @@ def bench_matmul(ctx):
     dt = torch.bfloat16
     peak = ref["bf16_tflops"] * 1e12
     b = ref["builtin"]
-    bw_builtin = ref["hbm_gbps"] * 1e9 * MEMORY_EFFICIENCY
+    bw_builtin = ref["hbm_gbps"] * 1e9 * b["memory_efficiency"]
     tm, tn, sms = ref["matmul_tile_m"], ref["matmul_tile_n"], ref["sm_count"]
 
     def row(kind, m, k, n, out_m, out_n, fn, operands_bytes):
@@ -372,7 +374,7 @@ def bench_matmul(ctx):
         secs = r["median_s"]
         fill = tile_fill(out_m, out_n, 1, tm, tn, sms)
         # The planner's time with the built-in matmul_efficiency, on this peak and tile.
-        pred = max(flops / (peak * b["matmul_efficiency"] * fill), operands_bytes / bw_builtin, KERNEL_LAUNCH_US * 1e-6)
+        pred = max(flops / (peak * b["matmul_efficiency"] * fill), operands_bytes / bw_builtin, b["kernel_launch_us"] * 1e-6)
         return {
             "kind": kind,
             "tokens": m if kind != "square" else None,
@@ -701,7 +703,7 @@ def bench_eager(ctx):
         def predict(eff, launch):
             return sum(node_seconds(b, EAGER_TRAFFIC[op][0], EAGER_TRAFFIC[op][1], hbm * eff, launch * 1e-6) for op, b in nodes)
 
-        pred_b = predict(MEMORY_EFFICIENCY, KERNEL_LAUNCH_US)
+        pred_b = predict(ref["builtin"]["memory_efficiency"], ref["builtin"]["kernel_launch_us"])
         r = {
             "name": name,
             "elements": numel,

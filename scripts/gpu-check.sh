@@ -34,6 +34,10 @@
 #              cross-entropy against the planner's eager prediction; with 2+ GPUs the
 #              compute slowdown beside NCCL) and a `hardware:` line to paste into a
 #              parallel spec; nvidia-smi's SM clock, power and temperature meanwhile
+#   host       benches/fsdp2_host.py: FSDP2's host time per FSDP unit (`fsdp2_unit_host_us`,
+#              fitted to four H200 runs until measured): FSDP2 on a model too small for its
+#              kernels to matter, at two depths, against the planner's time for the same
+#              (host.json, and a `hardware:` line)
 #   ratios     shardplan / PyTorch for tokens/s and peak memory (summary.json, summary.txt)
 #
 # Everything goes into one folder (--out, default $OUT/gpu-check when $OUT is set, else
@@ -56,7 +60,7 @@ Options:
                       a .gz file is unpacked into a temporary folder first
   --out DIR           output folder (created; default $OUT/gpu-check or target/gpu-check)
   --python PY         interpreter with torch (default $PYTHON or python3)
-  --checks LIST       comma-separated subset of selftest,parity,nccl,shardplan,fsdp2,export,profile
+  --checks LIST       comma-separated subset of selftest,parity,nccl,shardplan,fsdp2,export,profile,host
                       (default: all)
   --parity-steps N    training steps per parity run (default 20)
   --tol X             parity tolerance, relative, per step (default 1e-3)
@@ -77,7 +81,7 @@ BIN=target/cuda/release/shardplan
 OUTDIR=
 if [ -n "${OUT:-}" ]; then OUTDIR=$OUT/gpu-check; else OUTDIR=target/gpu-check; fi
 PY=${PYTHON:-python3}
-CHECKS=selftest,parity,nccl,shardplan,fsdp2,export,profile
+CHECKS=selftest,parity,nccl,shardplan,fsdp2,export,profile,host
 SELFTEST_TIMEOUT=600
 PARITY_STEPS=20
 TOL=1e-3
@@ -120,11 +124,11 @@ is_uint "$WARMUP" || die "--warmup must be a whole number, not \`$WARMUP\`"
 [[ $TOL =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "--tol must be a number, not \`$TOL\`"
 IFS=, read -r -a want <<<"$CHECKS"
 for c in "${want[@]}"; do
-  case $c in selftest|parity|nccl|shardplan|fsdp2|export|profile) ;; *) die "--checks: unknown check \`$c\` (selftest, parity, nccl, shardplan, fsdp2, export, profile)" ;; esac
+  case $c in selftest|parity|nccl|shardplan|fsdp2|export|profile|host) ;; *) die "--checks: unknown check \`$c\` (selftest, parity, nccl, shardplan, fsdp2, export, profile, host)" ;; esac
 done
 wants() { [[ ",$CHECKS," == *",$1,"* ]]; }
 # The checks that run shardplan itself.
-needs_bin() { wants selftest || wants parity || wants nccl || wants shardplan || wants export; }
+needs_bin() { wants selftest || wants parity || wants nccl || wants shardplan || wants export || wants host; }
 read -r -a profile_args <<<"$PROFILE_ARGS"
 
 # Preconditions, each exit 2 with what is missing.
@@ -628,6 +632,24 @@ EOF
   else status profile FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
 else
   status profile skipped "--checks"
+fi
+
+# --- (d2) FSDP2's host time per FSDP unit ----------------------------------------------------
+if wants host; then
+  d=$OUTDIR/host
+  mkdir -p "$d"
+  # The planner runs through the CUDA build's library path.
+  printf '#!/bin/sh\nexec "%s/scripts/run-cuda.sh" "%s" -- "$@"\n' "$(pwd)" "$BIN" >"$d/shardplan"
+  chmod +x "$d/shardplan"
+  hw=h100-sxm
+  case $GPU_NAME in *H200*) hw=h200 ;; esac
+  timeout "$PROFILE_TIMEOUT" "$PY" benches/fsdp2_host.py --device cuda --shardplan "$d/shardplan" --hardware "$hw" \
+    --out "$OUTDIR/host.json" >"$d/stdout.txt" 2>"$d/stderr.txt"
+  rc=$?
+  if [ $rc = 0 ]; then status host ok "$(grep -o '^hardware: {.*}' "$d/stderr.txt" | tail -1)"
+  else status host FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+else
+  status host skipped "--checks"
 fi
 
 # --- (e) the ratio table ---------------------------------------------------------------------

@@ -239,7 +239,8 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
 /// predicts the fourth's speed within 11%. torch.profiler of the same step agrees that the
 /// host sets the pace at this batch: its kernels sum to 78 ms of a 131 ms step. FSDP2's
 /// four hooks per unit in Python, its copy-in and copy-out bookkeeping and the autograd
-/// recording of the unit's ops are what it stands for; it is not measured on its own yet.
+/// recording of the unit's ops are what it stands for. `benches/fsdp2_host.py`
+/// (`gpu-check --checks host`) measures it on its own; not yet run on a GPU.
 pub const FSDP2_UNIT_HOST_US: f64 = 2400.0;
 
 /// The cost-model constants `benches/gpu_profile.py` (`gpu-check --checks profile`)
