@@ -139,12 +139,7 @@ def main(argv=None):
             fsdp2_unit_host_us=unit,
         )
         print(f"hardware: {{base: {a.hardware}, fsdp2_unit_host_us: {unit:.0f}}}", file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    fsdp2_step.write_report(report, a.out)
     return 0
 
 

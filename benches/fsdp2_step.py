@@ -271,12 +271,17 @@ def main(argv=None):
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        text = json.dumps(report, indent=2)
-        print(text)
-        if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                f.write(text + "\n")
+        write_report(report, a.out)
+
+
+def write_report(report, out):
+    """Prints the JSON report, and writes it to `out` too when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 def run(a, dev, rank, world):

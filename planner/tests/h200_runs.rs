@@ -11,9 +11,9 @@
 
 mod common;
 
-use common::parallel;
+use common::plan_model;
 use shardplan_frontends::{parse_model_spec, Source, FSDP2_UNIT_HOST_US};
-use shardplan_planner::{plan, Plan, WorkKind};
+use shardplan_planner::{Plan, WorkKind};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -102,11 +102,13 @@ lr_schedule: {{warmup_steps: 0, min_lr_ratio: 1.0}}\ngrad_clip: 1.0\nseed: 0\nda
 }
 
 fn plan_row(r: &Row, extra: &str) -> Plan {
+    plan_spec(r, &spec(r, extra))
+}
+
+/// `r`'s model planned under `yaml`.
+fn plan_spec(r: &Row, yaml: &str) -> Plan {
     let (model, _) = parse_model_spec(&Source::from_text("model.yaml", r.model)).unwrap_or_else(|e| panic!("{e}"));
-    let config = parallel(&spec(r, extra));
-    let g = shardplan_models::trace(&model, config.trace_options()).unwrap();
-    let joint = shardplan_ir::differentiate(&g).unwrap();
-    plan(&joint, &config).unwrap_or_else(|e| panic!("{e}"))
+    plan_model(&model, yaml)
 }
 
 /// Predicted over measured, or 1 inside a measured range.
@@ -201,10 +203,7 @@ fn fitted_without_a_row_that_row_holds() {
 #[test]
 fn shardplans_own_runtime_pays_no_hooks() {
     let r = &ROWS[0];
-    let (model, _) = parse_model_spec(&Source::from_text("model.yaml", r.model)).unwrap();
-    let config = parallel(&spec(r, "").replace("runtime: fsdp2\n", ""));
-    let g = shardplan_models::trace(&model, config.trace_options()).unwrap();
-    let p = plan(&shardplan_ir::differentiate(&g).unwrap(), &config).unwrap();
+    let p = plan_spec(r, &spec(r, "").replace("runtime: fsdp2\n", ""));
     assert_eq!(p.estimate.breakdown.get(WorkKind::Hooks), 0.0);
     let fsdp2 = plan_row(r, "");
     let hooks = fsdp2.estimate.breakdown.get(WorkKind::Hooks);
