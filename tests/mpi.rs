@@ -594,32 +594,36 @@ fn threads_then_mpi(name: &str, model: &str, spec: &Path, world: u64, refusal: &
     assert!(stderr(&o).contains(refusal), "{}", stderr(&o));
 }
 
-/// examples/models/tiny-moe.yaml with an expert axis as threads and as one MPI process
-/// per rank: the tokens' all-to-all over the MPI backend gives the threads' losses.
+/// examples/models/tiny-moe.yaml with an expert axis (and with a tensor axis too) as
+/// threads and as one MPI process per rank: the tokens' all-to-all over the MPI backend
+/// gives the threads' losses.
 #[test]
 fn mpi_matches_threads_expert_parallel() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/models/tiny-moe.yaml");
-    for (name, replicate, shard, expert) in [("1x4-ep2", 1, 4, 2), ("2x2-ep2", 2, 2, 2)] {
-        let world = replicate * shard;
+    for (name, replicate, shard, tensor, expert) in [
+        ("1x4-ep2", 1, 4, 1, 2),
+        ("2x2-ep2", 2, 2, 1, 2),
+        ("1x2x2-ep2", 1, 2, 2, 2),
+    ] {
+        let world = replicate * shard * tensor;
         let s = d.join(format!("{name}.yaml"));
         std::fs::write(
             &s,
             format!(
-                "mesh: {{replicate: {replicate}, shard: {shard}, expert: {expert}}}\ngpus_per_node: {world}\n\
+                "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}, expert: {expert}}}\ngpus_per_node: {world}\n\
                  mixed_precision: {{param: f32, reduce: f32}}\noptimizer: {{adamw: {{lr: 3.0e-3}}}}\ngrad_clip: 1.0\nseed: 0\n\
                  batch: {{per_rank: 2, seq_len: 16}}\n"
             ),
         )
         .unwrap();
-        threads_then_mpi(
-            name,
-            model.to_str().unwrap(),
-            &s,
-            world,
-            "--checkpoint-dir: an expert-parallel run",
-        );
+        let refusal = if tensor > 1 {
+            "--checkpoint-dir: a tensor-parallel run"
+        } else {
+            "--checkpoint-dir: an expert-parallel run"
+        };
+        threads_then_mpi(name, model.to_str().unwrap(), &s, world, refusal);
     }
 }
 

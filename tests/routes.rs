@@ -101,14 +101,10 @@ fn every_bundled_example_loads_and_traces_with_a_fitting_layout() {
                 Ok(_) => traced += 1,
                 // The only refusals allowed: a layout's sequence longer than the model's
                 // context, a tensor-parallel layout the model's heads, widths or
-                // vocabulary do not split over, any tensor-parallel layout for a mixture of
-                // experts (refused at its `moe` field), and an expert-parallel layout for a
-                // model without routed experts or whose experts it does not split.
+                // vocabulary (or experts' widths) do not split over, and an expert-parallel
+                // layout for a model without routed experts or whose experts it does not split.
                 Err(e) => {
                     let e = trace_error(e, &m, Some(&p));
-                    if m.config.is_moe() && p.config.mesh.tensor > 1 && e.field.as_deref() == Some("moe") {
-                        continue;
-                    }
                     if p.config.mesh.expert > 1 && e.field.as_deref() == Some("mesh.expert") {
                         continue;
                     }

@@ -783,11 +783,17 @@ fn tensor_parallel_checkpoints_resume_on_any_mesh() {
 
 /// A replicate x shard spec with an expert axis of `expert` ranks, `global` sequences a step.
 fn config_ep((replicate, shard, expert): (u64, u64, u64), global: u64) -> ParallelConfig {
-    let world = replicate * shard;
+    config_etp((replicate, shard, 1, expert), global)
+}
+
+/// A replicate x shard x tensor spec with an expert axis of `expert` ranks, `global`
+/// sequences a step (a tensor group shares its data-parallel rank's).
+fn config_etp((replicate, shard, tensor, expert): (u64, u64, u64, u64), global: u64) -> ParallelConfig {
+    let world = replicate * shard * tensor;
     let yaml = format!(
-        "mesh: {{replicate: {replicate}, shard: {shard}, expert: {expert}}}\ngpus_per_node: {world}\n\
+        "mesh: {{replicate: {replicate}, shard: {shard}, tensor: {tensor}, expert: {expert}}}\ngpus_per_node: {world}\n\
          batch: {{per_rank: {}, seq_len: 16}}\noptimizer: {{adamw: {{lr: 3.0e-3}}}}\nlr_schedule: {{warmup_steps: 2}}\n",
-        global / world
+        global / (replicate * shard)
     );
     parse_parallel_spec(&Source::from_text("test.yaml", yaml))
         .unwrap_or_else(|e| panic!("{e}"))
@@ -810,6 +816,14 @@ fn expert_parallel_checkpoints_resume_on_any_expert_degree() {
         config_ep(m, 8)
     });
     resume_with(&moe, (1, 2, 1), &[(1, 4, 2)], |m| config_ep(m, 8));
+    // Every expert's slices put back together across the tensor group: a run whose experts
+    // split over tensor and expert ranks resumes on meshes with either, both or neither.
+    resume_with(
+        &moe,
+        (1, 2, 2, 2),
+        &[(1, 4, 1, 1), (1, 2, 2, 1), (1, 1, 2, 1), (2, 2, 1, 2)],
+        |m| config_etp(m, 8),
+    );
 
     // Hugging Face weights out of an expert-parallel run and into one of another degree.
     let scratch = tempfile::tempdir().unwrap();

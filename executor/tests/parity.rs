@@ -388,3 +388,41 @@ fn moe_aux_loss_is_per_rank_batch() {
         "per-rank and whole-batch load-balancing losses agree to {l:e}"
     );
 }
+
+/// Expert tensor parallelism (torchtitan's, at the tensor degree): each tensor rank holds a
+/// slice of every expert's hidden units and of the shared expert's, routes every token of
+/// its group as the others do and sums its partial output with them; the router's
+/// gradient, the load-balancing loss's included, is whole on every tensor rank. A tensor
+/// group shares its tokens, so the load-balancing loss is the one-rank run's on a 1x1xT
+/// mesh; with an expert axis the tokens travel between ranks of the same tensor index.
+#[test]
+fn moe_tensor_parallel() {
+    let moe = tiny_moe(0.0);
+    for (mesh, extra) in [
+        ((1, 1, 2, 1), ""),
+        ((1, 2, 2, 1), ""),
+        ((1, 2, 2, 1), "tensor_parallel: {sequence_parallel: false}\n"),
+        ((1, 2, 2, 1), "tensor_parallel: {loss_parallel: false}\n"),
+        ((1, 2, 2, 1), "activation_checkpointing: full\n"),
+        ((1, 2, 2, 2), ""),
+        ((2, 2, 2, 2), "tensor_parallel: {sequence_parallel: false}\n"),
+    ] {
+        let (l, w) = compare_expert_mesh(&moe, mesh, extra, 20);
+        eprintln!("tiny-moe {mesh:?} {:?}: loss {l:.2e} weights {w:.2e}", extra.trim());
+        assert!(
+            l < F32.0 && w < F32.1,
+            "tiny-moe {mesh:?} {extra}: loss {l:e}, weights {w:e}"
+        );
+    }
+    for extra in ["", "tensor_parallel: {sequence_parallel: false}\n"] {
+        let (l, w) = compare_mesh(&tiny_moe(0.01), (1, 1, 2), extra, 20);
+        eprintln!(
+            "tiny-moe aux 0.01 1x1x2 {:?}: loss {l:.2e} weights {w:.2e}",
+            extra.trim()
+        );
+        assert!(
+            l < F32.0 && w < F32.1,
+            "aux loss 1x1x2 {extra}: loss {l:e}, weights {w:e}"
+        );
+    }
+}

@@ -269,6 +269,25 @@ impl Graph {
         Ok(node)
     }
 
+    /// As [`Graph::add_param`], for a routed expert's parameter that is also split over the
+    /// tensor group (expert tensor parallelism: each tensor rank holds a slice of each of
+    /// its expert rank's experts).
+    pub fn add_expert_split_param(
+        &mut self,
+        name: &str,
+        ty: TensorType,
+        scope: ScopeId,
+        expert: ExpertSplit,
+        tensor: TensorSplit,
+    ) -> Result<NodeId, IrError> {
+        let node = self.add_expert_param(name, ty, scope, expert)?;
+        if let Op::Param { param } = self.dag[NodeIndex::new(node.index())].op {
+            self.params[param].tensor = Some(tensor);
+        }
+        self.tensor_degree = self.tensor_degree.max(tensor.degree);
+        Ok(node)
+    }
+
     /// Ranks of the expert-parallel group this graph is one rank's program for (1: every
     /// rank holds every expert).
     pub fn expert_degree(&self) -> u64 {

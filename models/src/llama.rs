@@ -184,7 +184,18 @@ pub(crate) fn build(t: &mut Tracer, c: &LlamaConfig, batch: u64, seq: u64) -> Re
 /// `top_k` experts and their weights, the tokens permuted to expert order, every expert's
 /// SwiGLU as grouped matmuls over its rows, the rows scaled by their weights and summed back
 /// per token; plus the shared expert (behind its sigmoid gate) on every token. Returns the
-/// output `[batch, seq, dim]` and the f32 router logits `[tokens, experts]`.
+/// output `[batch, seq, dim]` (under sequence parallelism this rank's sequence chunk, as
+/// `h`) and the f32 router logits `[tokens, experts]` of every token.
+///
+/// Under tensor parallelism the experts split as the dense feed-forward does (torchtitan's
+/// expert tensor parallelism at the tensor degree): each tensor rank holds a column slice of
+/// every gate and up projection and a row slice of every down projection, routes every
+/// token of its group the same way and sums its partial outputs with the group at
+/// [`Tracer::tp_exit`]. The router runs where its input is (on the sequence chunk, its
+/// logits then gathered, its weight read through `tp_copy`; or on the whole input), so its
+/// logits and the routing are the same on every tensor rank; the routing weights are read
+/// through `tp_copy`, whose gradient sums the partial products they meet, so the router's
+/// gradient is whole on every rank, the load-balancing loss's included.
 fn moe_ffn(
     t: &mut Tracer,
     ff: ScopeId,
@@ -199,18 +210,38 @@ fn moe_ffn(
         MoeNames::Mixtral => (format!("{layer}.block_sparse_moe"), ["w1", "w3", "w2"]),
         MoeNames::Qwen => (format!("{layer}.mlp"), ["gate_proj", "up_proj", "down_proj"]),
     };
-    let x = t.reshape(ff, h, &[tokens, d])?;
+    let (tp, sp, n) = (t.tp.is_parallel(), t.sequence_parallel(), t.tp.degree);
+    // Every token, `[tokens, dim]`, where `h` holds them all.
+    let flat = if sp {
+        None
+    } else {
+        Some(t.reshape(ff, h, &[tokens, d])?)
+    };
     let router = ff;
-    let mut logits = t.linear(
-        router,
-        x,
-        &format!("{prefix}.gate"),
-        [m.experts, d],
-        WeightLayout::OutIn,
-        false,
-    )?;
+    let gate_w = t.param(router, &format!("{prefix}.gate.weight"), &[m.experts, d])?;
+    let gate_w = t.tp_replicated(router, gate_w)?;
+    let linear = Op::Linear {
+        bias: false,
+        layout: WeightLayout::OutIn,
+    };
+    // Under sequence parallelism on this rank's chunk `[batch, seq / n, dim]`, else on every token.
+    let router_in = flat.unwrap_or(h);
+    let mut logits = t.op(router, linear.clone(), &[router_in, gate_w])?;
     if dtype != DType::F32 {
         logits = t.op(router, Op::Cast { dtype: DType::F32 }, &[logits])?;
+    }
+    if sp {
+        // Every rank's logits: the same on each, so the gradient is each rank's chunk of it.
+        let all = t.tp_op(
+            router,
+            |degree| Op::TpAllGather {
+                dim: 1,
+                degree,
+                grad: TpGrad::Replicated,
+            },
+            logits,
+        )?;
+        logits = t.reshape(router, all, &[tokens, m.experts])?;
     }
     let score = match m.router {
         Router::SoftmaxTopk => RouterScore::Softmax,
@@ -228,6 +259,17 @@ fn moe_ffn(
     if dtype != DType::F32 {
         weights = t.op(router, Op::Cast { dtype }, &[weights])?;
     }
+    if tp {
+        weights = t.tp_op(router, |degree| Op::TpCopy { degree }, weights)?;
+    }
+    // The experts' input: every token, on every tensor rank.
+    let x = match flat {
+        Some(x) if !tp => x,
+        _ => {
+            let x = t.tp_enter(ff, h)?;
+            t.reshape(ff, x, &[tokens, d])?
+        }
+    };
 
     // Token dropping: each expert's assignments past its capacity leave the expert path
     // (their rows are zero); the routing weights are still the top-k's.
@@ -256,12 +298,12 @@ fn moe_ffn(
     let (rows, local_ids) = match table {
         Some(table) => {
             let cap = ep.rows(tokens * m.top_k, m.experts);
-            let (degree, n) = (ep.degree, m.experts);
+            let (degree, e) = (ep.degree, m.experts);
             let recv = t.op(
                 experts,
                 Op::MoeDispatch {
                     degree,
-                    experts: n,
+                    experts: e,
                     rows: cap,
                 },
                 &[rows, table],
@@ -270,7 +312,7 @@ fn moe_ffn(
                 experts,
                 Op::MoeLocalIds {
                     degree,
-                    experts: n,
+                    experts: e,
                     rows: cap,
                 },
                 &[table],
@@ -279,16 +321,14 @@ fn moe_ffn(
         }
         None => (rows, ids),
     };
-    let grouped = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2]| -> Result<NodeId, IrError> {
+    // `shape` is this tensor rank's slice, cut along `dim` (0: the gate and up projections'
+    // hidden units, 1: the down projection's).
+    let grouped = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2], dim: usize| -> Result<NodeId, IrError> {
         let mut ins = vec![x, local_ids];
         for e in 0..per_rank {
             let at = prefix.len() + ".experts.".len();
             let pname = format!("{prefix}.experts.{e}.{name}.weight");
-            ins.push(if ep.is_parallel() {
-                t.expert_param(experts, &pname, &shape, e, per_rank, at)?
-            } else {
-                t.param(experts, &pname, &shape)?
-            });
+            ins.push(t.routed_param(experts, &pname, &shape, dim, e, per_rank, at)?);
         }
         t.op(
             experts,
@@ -298,12 +338,12 @@ fn moe_ffn(
             &ins,
         )
     };
-    let f = m.expert_ffn_dim;
-    let gate = grouped(t, rows, gate_name, [f, d])?;
-    let up = grouped(t, rows, up_name, [f, d])?;
+    let f = m.expert_ffn_dim / n;
+    let gate = grouped(t, rows, gate_name, [f, d], 0)?;
+    let up = grouped(t, rows, up_name, [f, d], 0)?;
     let gate = t.op(experts, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
     let hidden = t.op(experts, Op::Mul, &[gate, up])?;
-    let mut down = grouped(t, hidden, down_name, [d, f])?;
+    let mut down = grouped(t, hidden, down_name, [d, f], 1)?;
     if let Some(table) = table {
         down = t.op(
             experts,
@@ -320,32 +360,43 @@ fn moe_ffn(
     let mut y = t.op(experts, Op::MoeUnpermute { sum: true }, &[down, ids])?;
 
     if m.shared_experts > 0 {
+        // Split as a dense feed-forward: its partial output joins the routed one's.
         let shared = ff;
-        let sp = format!("{prefix}.shared_expert");
+        let sp_name = format!("{prefix}.shared_expert");
         let fs = m.shared_expert_ffn_dim;
-        let lin = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2]| {
-            t.linear(shared, x, &format!("{sp}.{name}"), shape, WeightLayout::OutIn, false)
-        };
-        let gate = lin(t, x, "gate_proj", [fs, d])?;
-        let up = lin(t, x, "up_proj", [fs, d])?;
-        let gate = t.op(shared, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
-        let hidden = t.op(shared, Op::Mul, &[gate, up])?;
-        let mut out = lin(t, hidden, "down_proj", [d, fs])?;
-        if m.shared_expert_gate {
-            let g = t.linear(
+        let col = |t: &mut Tracer, name: &str| {
+            t.col_linear(
                 shared,
                 x,
-                &format!("{prefix}.shared_expert_gate"),
-                [1, d],
+                &format!("{sp_name}.{name}"),
+                [fs, d],
                 WeightLayout::OutIn,
                 false,
-            )?;
+                1,
+            )
+        };
+        let gate = col(t, "gate_proj")?;
+        let up = col(t, "up_proj")?;
+        let gate = t.op(shared, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
+        let hidden = t.op(shared, Op::Mul, &[gate, up])?;
+        let down_w = t.split_param(shared, &format!("{sp_name}.down_proj.weight"), &[d, fs / n], 1, 1)?;
+        let mut out = t.op(shared, linear.clone(), &[hidden, down_w])?;
+        if m.shared_expert_gate {
+            // Its gradient meets the partial output: summed over the group.
+            let g_w = t.param(shared, &format!("{prefix}.shared_expert_gate.weight"), &[1, d])?;
+            let g_w = if tp {
+                t.tp_op(shared, |degree| Op::TpCopy { degree }, g_w)?
+            } else {
+                g_w
+            };
+            let g = t.op(shared, linear, &[x, g_w])?;
             let g = t.op(shared, Op::Sigmoid, &[g])?;
             out = t.op(shared, Op::Mul, &[g, out])?;
         }
         y = t.op(ff, Op::Add, &[y, out])?;
     }
     let y = t.reshape(ff, y, &[batch, seq, d])?;
+    let y = t.tp_exit(ff, y)?;
     Ok((y, logits))
 }
 

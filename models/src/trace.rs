@@ -82,13 +82,6 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
         }
     }
     check_tensor(config, &opts.tensor, seq)?;
-    if config.is_moe() && opts.tensor.is_parallel() {
-        return Err(TraceError::Config(ConfigError {
-            field: "moe",
-            message: "mixture-of-experts layers are not split over a tensor group yet".into(),
-            help: "set mesh.tensor to 1 for a model with `moe`, or remove `moe`".into(),
-        }));
-    }
     check_expert(config, &opts.expert)?;
     let mut t = Tracer {
         g: Graph::new(config.name()),
@@ -182,7 +175,28 @@ fn check_tensor(config: &ModelConfig, tp: &TensorOptions, seq: u64) -> Result<()
     }
     let shape = |field: &'static str, message: String, help: String| TraceError::Shape { field, message, help };
     let (heads, kv_heads, ffn, vocab) = match config {
-        ModelConfig::Llama(c) => (c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size),
+        ModelConfig::Llama(c) => {
+            if let Some(m) = &c.moe {
+                // The experts split as the dense feed-forward does.
+                let mut widths = vec![("expert_ffn_dim", "moe.expert_ffn_dim", m.expert_ffn_dim)];
+                if m.shared_experts > 0 {
+                    widths.push(("shared expert width", "moe.shared_experts", m.shared_expert_ffn_dim));
+                }
+                for (what, field, w) in widths {
+                    if !w.is_multiple_of(t) {
+                        return Err(shape(
+                            "mesh.tensor",
+                            format!("the model's {what} of {w} does not split over {t} tensor ranks (`{field}`)"),
+                            format!("set mesh.tensor to a divisor of {w}: each tensor rank holds a slice of every expert, as of the dense feed-forward"),
+                        ));
+                    }
+                }
+            }
+            // A model whose every layer has experts has no dense feed-forward to split.
+            let dense = (0..c.n_layers).any(|i| c.moe.as_ref().is_none_or(|m| !m.is_moe_layer(i)));
+            let ffn = if dense { c.ffn_dim } else { t };
+            (c.n_heads, c.n_kv_heads, ffn, c.vocab_size)
+        }
         ModelConfig::Gpt2(c) => (c.n_heads, c.n_heads, c.ffn_dim, c.vocab_size),
         ModelConfig::Mlp(_) => {
             return Err(shape(

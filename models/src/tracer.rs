@@ -135,6 +135,43 @@ impl Tracer {
             .add_expert_param(name, TensorType::new(self.dtype, dims), scope, split)
     }
 
+    /// A routed expert's weight: under expert parallelism this rank's expert `local` of
+    /// `per_rank` (named as on expert rank 0, its number at byte `name_at`), under tensor
+    /// parallelism this tensor rank's slice along `dim` (`dims` are the slice's); a plain
+    /// parameter with neither.
+    #[allow(clippy::too_many_arguments)]
+    pub fn routed_param(
+        &mut self,
+        scope: ScopeId,
+        name: &str,
+        dims: &[u64],
+        dim: usize,
+        local: u64,
+        per_rank: u64,
+        name_at: usize,
+    ) -> Result<NodeId, IrError> {
+        match (self.ep.is_parallel(), self.tp.is_parallel()) {
+            (false, false) => self.param(scope, name, dims),
+            (false, true) => self.split_param(scope, name, dims, dim, 1),
+            (true, false) => self.expert_param(scope, name, dims, local, per_rank, name_at),
+            (true, true) => {
+                let expert = ExpertSplit {
+                    local,
+                    per_rank,
+                    degree: self.ep.degree,
+                    name_at: name_at as u32,
+                };
+                let tensor = TensorSplit {
+                    dim,
+                    parts: 1,
+                    degree: self.tp.degree,
+                };
+                self.g
+                    .add_expert_split_param(name, TensorType::new(self.dtype, dims), scope, expert, tensor)
+            }
+        }
+    }
+
     /// A parameter split over the tensor group: this rank's slice (`local` dims) of the
     /// whole one, cut along `dim` in `parts` blocks; a plain parameter without tensor
     /// parallelism.

@@ -332,20 +332,67 @@ fn moe_aux_loss_adds_into_the_loss_over_every_moe_layer() {
     }
 }
 
-#[test]
-fn moe_under_tensor_parallelism_is_refused_at_the_moe_field() {
-    let e = trace(
-        &tiny_moe("mixtral-8x7b", 0.0),
-        TraceOptions {
-            tensor: shardplan_models::TensorOptions {
-                degree: 2,
-                ..Default::default()
-            },
-            ..seq8()
+fn tp(degree: u64, sequence_parallel: bool) -> TraceOptions {
+    TraceOptions {
+        tensor: shardplan_models::TensorOptions {
+            degree,
+            sequence_parallel,
+            ..Default::default()
         },
-    )
-    .unwrap_err();
-    let TraceError::Config(c) = e else { panic!("{e:?}") };
-    assert_eq!(c.field, "moe");
-    assert!(c.message.contains("tensor group"), "{}", c.message);
+        ..seq8()
+    }
+}
+
+#[test]
+fn moe_under_tensor_parallelism_splits_every_expert_as_the_dense_feed_forward() {
+    for name in ["mixtral-8x7b", "qwen2-57b-a14b", "qwen3-30b-a3b"] {
+        let m = tiny_moe(name, 0.001);
+        let whole = m.param_count().unwrap();
+        for sp in [true, false] {
+            let g = trace(&m, tp(2, sp)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            // Every tensor rank's slices together are the whole model.
+            let total: u64 = g.params().map(|(_, p)| p.whole_numel()).sum();
+            assert_eq!(total, whole, "{name} sp {sp}");
+            for (_, p) in g.params() {
+                let dims = p.ty.shape.dims();
+                let split = p.tensor.map(|s| (s.dim, s.degree));
+                if p.name.contains(".experts.") || p.name.contains(".shared_expert.") {
+                    // Gate and up by hidden unit (rows), down by hidden unit (columns).
+                    let want = if p.name.contains("down_proj") || p.name.ends_with(".w2.weight") {
+                        (1, dims[1])
+                    } else {
+                        (0, dims[0])
+                    };
+                    assert_eq!(split, Some((want.0, 2)), "{name}: {}", p.name);
+                } else if p.name.ends_with(".gate.weight") || p.name.ends_with("shared_expert_gate.weight") {
+                    assert_eq!(
+                        split, None,
+                        "{name}: the router and the shared gate are whole: {}",
+                        p.name
+                    );
+                }
+            }
+            // The router's logits are every token's on every rank (gathered under sequence
+            // parallelism), so the routing is the same on each.
+            let loss = g.node(g.outputs()[0]);
+            let aux = g.node(loss.inputs[1]);
+            for &l in &aux.inputs {
+                assert_eq!(g.node(l).ty.to_string(), "f32[8,4]", "{name} sp {sp}");
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_under_tensor_parallelism_needs_expert_widths_that_split() {
+    // tiny_moe's expert width 8 does not split over 3.
+    let mut m = tiny_moe("qwen3-30b-a3b", 0.0);
+    let ModelConfig::Llama(c) = &mut m else { unreachable!() };
+    (c.n_heads, c.n_kv_heads, c.head_dim) = (6, 3, Some(4));
+    let e = trace(&m, tp(3, false)).unwrap_err();
+    let TraceError::Shape { field, message, .. } = e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(field, "mesh.tensor");
+    assert!(message.contains("expert_ffn_dim of 8"), "{message}");
 }

@@ -193,6 +193,13 @@ pub fn summary(o: &mut String, plan: &Plan) {
                 m.expert_shard()
             );
         }
+        if m.tensor() > 1 {
+            let _ = writeln!(
+                o,
+                "  experts under tensor parallelism: each tensor rank holds 1/{} of every expert's hidden units (the shared expert's too), as of the dense feed-forward; the router is whole on each, so every tensor rank routes alike",
+                m.tensor()
+            );
+        }
         match (e.capacity_factor, e.per_expert) {
             (Some(f), Some(c)) => {
                 let received = if m.expert() > 1 {
