@@ -485,8 +485,12 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
             last_val = Some(v);
         }
         let val = last_val.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+        let routing = m
+            .routing
+            .map(|l| format!(" | busiest expert rank {:.2}x even", l.factor()))
+            .unwrap_or_default();
         bar.set_message(format!(
-            "rank-0 loss {:.4}{val} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}",
+            "rank-0 loss {:.4}{val} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}{routing}",
             m.rank0_loss,
             m.tokens_per_second,
             m.step_seconds * 1e3,
@@ -589,6 +593,8 @@ struct Measured {
     peak: u64,
     /// The device's own figures, most on any rank over the steps (GPU runs).
     device: Option<DeviceMemory>,
+    /// Each step's heaviest routing, as a factor over the even split (expert parallelism).
+    routing: Vec<f64>,
 }
 
 impl Measured {
@@ -611,6 +617,7 @@ impl Measured {
         }
         self.step_seconds.push(m.step_seconds);
         self.exposed.push(m.exposed_seconds);
+        self.routing.extend(m.routing.map(|l| l.factor()));
         for by in &m.measured {
             for c in shardplan_planner::Category::ALL {
                 *self.max.slot(c) = self.max.get(c).max(by.get(c));
@@ -687,6 +694,23 @@ impl Measured {
                     ratio(m as f64, p as f64)
                 );
             }
+        }
+        if let (Some(e), Some(most)) = (&plan.experts, self.routing.iter().copied().reduce(f64::max)) {
+            let mut sorted = self.routing.clone();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted[sorted.len() / 2];
+            let bound = e.rows as f64 / e.even_rows.max(1) as f64;
+            let _ = writeln!(
+                o,
+                "  expert routing: the busiest expert rank of any MoE layer received {most:.2}x the even split of {} rows at most (median step {median:.2}x); the plan's bound is {bound:.2}x ({} rows{})",
+                e.even_rows,
+                e.rows,
+                if e.capacity_factor.is_some() {
+                    ", exact: tokens past each expert's capacity were dropped"
+                } else {
+                    ", moe.capacity: a batch over it stops the run"
+                }
+            );
         }
         o
     }

@@ -624,6 +624,22 @@ fn mpi_matches_threads_expert_parallel() {
             "--checkpoint-dir: an expert-parallel run"
         };
         threads_then_mpi(name, model.to_str().unwrap(), &s, world, refusal);
+        // Each step's heaviest routing (every expert group's, across processes under MPI).
+        let routing = |log: &Path| -> Vec<serde_json::Value> {
+            std::fs::read_to_string(log)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["routing"].clone())
+                .collect()
+        };
+        let threads = routing(&d.join(format!("{name}-threads.jsonl")));
+        assert!(
+            threads
+                .iter()
+                .all(|r| r["rows"].as_u64() >= r["even"].as_u64() && r["even"].as_u64() == Some(64)),
+            "{name}: {threads:?}"
+        );
+        assert_eq!(threads, routing(&d.join(format!("{name}-mpi.jsonl"))), "{name}");
     }
 }
 

@@ -19,6 +19,33 @@ type Result<T> = std::result::Result<T, ExecError>;
 pub struct ExpertGroup {
     comm: Arc<dyn Collectives>,
     next: Cell<u64>,
+    load: Cell<Option<RoutingLoad>>,
+}
+
+/// How unevenly a step routed: of every MoE layer's dispatch, the one whose busiest rank
+/// received the most rows (`rows`) beside the rows an even routing sends each rank
+/// (`even`: a rank's `tokens x top_k`). Every rank of an expert group reads the whole
+/// routing table, so each reports its group's figure.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct RoutingLoad {
+    pub rows: u64,
+    pub even: u64,
+}
+
+impl RoutingLoad {
+    /// `rows / even`: the factor over the even split, what `moe.capacity` bounds.
+    pub fn factor(&self) -> f64 {
+        self.rows as f64 / self.even.max(1) as f64
+    }
+
+    /// The heavier of two (by factor).
+    pub fn max(self, other: RoutingLoad) -> RoutingLoad {
+        if other.factor() > self.factor() {
+            other
+        } else {
+            self
+        }
+    }
 }
 
 /// Who sends which rows where, from the routing table of every rank of the group.
@@ -151,7 +178,13 @@ impl ExpertGroup {
         ExpertGroup {
             comm,
             next: Cell::new(0),
+            load: Cell::new(None),
         }
+    }
+
+    /// The heaviest routing of the dispatches since the last call (`None`: none ran).
+    pub fn take_load(&self) -> Option<RoutingLoad> {
+        self.load.take()
     }
 
     /// Tags for a collective that takes `n` of them.
@@ -200,6 +233,12 @@ impl ExpertGroup {
     pub fn dispatch(&self, x: &Tensor, table: &Tensor, degree: u64, experts: u64, rows: u64) -> Result<Tensor> {
         self.check(degree)?;
         let routes = Routes::new(table, degree as usize, experts as usize, self.comm.index())?;
+        let busiest = (0..routes.degree()).map(|r| routes.received_by(r)).max().unwrap_or(0);
+        let load = RoutingLoad {
+            rows: busiest as u64,
+            even: routes.assignments(table)? as u64,
+        };
+        self.load.set(Some(self.load.get().map_or(load, |l| l.max(load))));
         routes.check(rows as usize)?;
         let d = x.dim(1)?;
         let x = x.contiguous()?;
@@ -341,6 +380,26 @@ mod tests {
             assert_eq!(back, &rows(r).to_vec2::<f32>().unwrap(), "rank {r}");
         }
         assert_eq!(back0.len(), 6);
+    }
+
+    #[test]
+    fn every_rank_reports_the_heaviest_layer_of_its_group() {
+        let even = |_: usize| Tensor::from_vec(vec![0u32, 1, 2, 3, 0, 2], (3, 2), &Device::Cpu).unwrap();
+        let loads = on_group(2, |g, r| {
+            assert_eq!(g.take_load(), None);
+            // `ids`: rank 1 receives 7 rows, rank 0 five; then an even layer (6 each).
+            for layer in [ids, even] {
+                let table = g.gather_ids(&layer(r), 2).unwrap();
+                g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
+            }
+            (g.take_load(), g.take_load())
+        });
+        for (r, (first, then)) in loads.into_iter().enumerate() {
+            let want = RoutingLoad { rows: 7, even: 6 };
+            assert_eq!(first, Some(want), "rank {r}");
+            assert_eq!(then, None, "rank {r}: taken");
+            assert!((want.factor() - 7.0 / 6.0).abs() < 1e-12);
+        }
     }
 
     #[test]

@@ -101,6 +101,12 @@ impl Ctx {
         })
     }
 
+    /// The heaviest routing of this rank's expert group since the last call (`None`: no
+    /// expert group, or no dispatch ran).
+    pub fn take_routing_load(&self) -> Option<crate::cpu::expert::RoutingLoad> {
+        self.expert.as_ref().and_then(|g| g.take_load())
+    }
+
     /// The expert group an expert-parallel op runs over.
     fn expert(&self, op: &Op) -> Result<&ExpertGroup> {
         self.expert.as_ref().ok_or_else(|| {

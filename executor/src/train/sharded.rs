@@ -8,7 +8,7 @@
 //! the model equals the single-rank one bit for bit without any rank building it whole.
 
 use crate::comm::{Abort, Collectives, Placement};
-use crate::cpu::expert::ExpertGroup;
+use crate::cpu::expert::{ExpertGroup, RoutingLoad};
 use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 use crate::init::init_slice_elements;
@@ -60,6 +60,11 @@ pub struct ShardedMetrics {
     /// Each rank's GPU memory as the device reports it over the step (its process's
     /// device: ranks sharing one GPU as threads report the same figures); `None` on the CPU.
     pub measured_device: Vec<Option<crate::runtime::device::DeviceMemory>>,
+    /// Under expert parallelism: the step's heaviest routing over every expert group (the
+    /// most rows one rank received in one MoE layer, beside the even split), which
+    /// `moe.capacity` bounds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing: Option<RoutingLoad>,
 }
 
 /// A model, its Plan, and every rank's shards.
@@ -548,6 +553,7 @@ impl ShardedTrainer {
                 exposed: compute_waits.iter().map(|&i| o.times[i][1] - o.times[i][0]).sum(),
                 stop: stop_here,
                 dev,
+                routing: o.routing,
             })
             .collect();
         if let Some(p) = self.profile.as_mut() {
@@ -590,6 +596,7 @@ impl ShardedTrainer {
             exposed_seconds: r0.exposed,
             stop: all.iter().any(|r| r.stop),
             measured_device: all.iter().map(|o| o.dev).collect(),
+            routing: all.iter().filter_map(|o| o.routing).reduce(RoutingLoad::max),
             val_loss,
         })
     }
@@ -847,13 +854,14 @@ struct RankStats {
     exposed: f64,
     stop: bool,
     dev: Option<crate::runtime::device::DeviceMemory>,
+    routing: Option<RoutingLoad>,
 }
 
 impl RankStats {
     fn width(accum: usize) -> usize {
         // rank, losses, norm, peak, device and host by category, exposed, stop, the
-        // device's four figures
-        1 + accum + 1 + 1 + 2 * Category::ALL.len() + 1 + 1 + 4
+        // device's four figures, the routing's two
+        1 + accum + 1 + 1 + 2 * Category::ALL.len() + 1 + 1 + 4 + 2
     }
 
     // f64 holds every byte count below 2^53 (8 PiB) exactly.
@@ -869,6 +877,10 @@ impl RankStats {
         match self.dev {
             Some(d) => out.extend([d.allocated_peak, d.reserved_peak, d.in_use, d.total].map(|b| b as f64)),
             None => out.extend([f64::NAN; 4]),
+        }
+        match self.routing {
+            Some(l) => out.extend([l.rows as f64, l.even as f64]),
+            None => out.extend([f64::NAN; 2]),
         }
     }
 
@@ -901,6 +913,13 @@ impl RankStats {
                     reserved_peak: d[1] as u64,
                     in_use: d[2] as u64,
                     total: d[3] as u64,
+                })
+            },
+            routing: {
+                let l = &c[base + 2 * k + 6..base + 2 * k + 8];
+                (!l[0].is_nan()).then(|| RoutingLoad {
+                    rows: l[0] as u64,
+                    even: l[1] as u64,
                 })
             },
         }

@@ -97,6 +97,8 @@ pub struct RankStepOut {
     /// With `Shared::profile`: each node the compute stream ran and its host time, seconds
     /// (its inputs gathered, its kernel, its frees), in the order run.
     pub node_seconds: Vec<(NodeId, f64)>,
+    /// Under expert parallelism: the step's heaviest routing in this rank's expert group.
+    pub routing: Option<crate::cpu::expert::RoutingLoad>,
 }
 
 /// Seconds since the Unix epoch, as an f64 (microsecond resolution for centuries).
@@ -697,6 +699,9 @@ pub fn run_step(
                         }
                         return Err(e);
                     }
+                }
+                if let Some(c) = &compute {
+                    lock(&cx.out).routing = c.ctx.take_routing_load();
                 }
                 Ok(())
             }));
