@@ -554,6 +554,138 @@ pub fn matmul(a: Operand, b: Operand) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, (m, n), a.data.device())?)
 }
 
+/// `moe_unpermute` with `sum`: row `t` of the output is rows `src[t * k..(t + 1) * k]` of
+/// `y` (`[n, d]`) added left to right, one pass over the tokens on rayon's threads. The
+/// caller orders each token's rows as the composed kernel adds them (increasing expert), so
+/// the sums are its bits.
+pub fn gather_sum(y: &Tensor, src: &[u32], k: usize) -> Result<Tensor> {
+    let (n, d) = y.dims2()?;
+    if k == 0 || !src.len().is_multiple_of(k) {
+        return Err(ExecError::Internal(format!(
+            "gather_sum of {} rows in groups of {k}",
+            src.len()
+        )));
+    }
+    if let Some(&r) = src.iter().find(|&&r| r as usize >= n) {
+        return Err(ExecError::Internal(format!("gather_sum of row {r} of {n}")));
+    }
+    let tokens = src.len() / k;
+    let v = with_slice(y, |ys| {
+        rows_par(tokens, d, |t, o| {
+            let rows = &src[t * k..(t + 1) * k];
+            let at = |r: u32| &ys[r as usize * d..(r as usize + 1) * d];
+            o.copy_from_slice(at(rows[0]));
+            for &r in &rows[1..] {
+                o.iter_mut().zip(at(r)).for_each(|(a, b)| *a += *b);
+            }
+        })
+    })?;
+    Ok(Tensor::from_vec(v, (tokens, d), y.device())?)
+}
+
+/// Rows per task of [`grouped_matmul`]: a run of one expert's rows is cut into blocks of
+/// this many so that a few busy experts still spread over every thread.
+const GROUP_BLOCK: usize = 128;
+
+/// `grouped_linear` for f32: the rows of `x` (`[rows, in]`) in runs of `counts[e]`, run `e`
+/// times weight `ws[e]` (`[out, in]` used transposed when `transposed`, else `[in, out]`),
+/// the rows after the runs zero; every block of a run one single-threaded `gemm` on
+/// rayon's threads, written straight into one output (no product per expert, no
+/// concatenation). The products are [`matmul`]'s bits: each output row is the same dot
+/// products in the same order, whichever block computes it. `None` where `matmul` would
+/// copy a weight to pad its rows (rows a multiple of 4 KiB apart): the caller takes that
+/// path.
+pub fn grouped_matmul(x: &Tensor, ws: &[&Tensor], counts: &[usize], transposed: bool) -> Result<Option<Tensor>> {
+    let (rows, k) = x.dims2()?;
+    let Some(first) = ws.first() else {
+        return Err(ExecError::Internal("grouped_matmul without weights".into()));
+    };
+    let (r, c) = first.dims2()?;
+    let (in_dim, n) = if transposed { (c, r) } else { (r, c) };
+    if in_dim != k || counts.len() != ws.len() || counts.iter().sum::<usize>() > rows {
+        return Err(ExecError::Internal(format!(
+            "grouped_matmul of [{rows}, {k}] by {} weights of [{r}, {c}] over {} runs",
+            ws.len(),
+            counts.len()
+        )));
+    }
+    if transposed && k.is_multiple_of(ALIAS_STRIDE) && n >= 64 {
+        return Ok(None);
+    }
+    let wc: Vec<Tensor> = ws
+        .iter()
+        .map(|w| {
+            if w.dims2()? != (r, c) {
+                return Err(ExecError::Internal(format!(
+                    "grouped_matmul weights of [{r}, {c}] and {:?}",
+                    w.dims()
+                )));
+            }
+            Ok(w.contiguous()?)
+        })
+        .collect::<Result<_>>()?;
+    let guards: Vec<_> = wc.iter().map(|w| w.storage_and_layout()).collect();
+    let mut wsl: Vec<&[f32]> = Vec::with_capacity(guards.len());
+    for (storage, layout) in &guards {
+        let Storage::Cpu(CpuStorage::F32(data)) = &**storage else {
+            return Err(ExecError::Internal("fused kernels take f32 CPU tensors".into()));
+        };
+        let (a, b) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| ExecError::Internal("not contiguous".into()))?;
+        wsl.push(&data[a..b]);
+    }
+    let (rhs_cs, rhs_rs) = if transposed { (k as isize, 1) } else { (1, n as isize) };
+    let mut out = vec![0f32; rows * n];
+    with_slice(x, |xs| {
+        // (expert, first row, its block of the output)
+        let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+        let mut rest = out.as_mut_slice();
+        let mut row = 0;
+        for (e, &m) in counts.iter().enumerate() {
+            let (run, tail) = rest.split_at_mut(m * n);
+            rest = tail;
+            for (b, block) in run.chunks_mut(GROUP_BLOCK * n.max(1)).enumerate() {
+                tasks.push((e, row + b * GROUP_BLOCK, block));
+            }
+            row += m;
+        }
+        if n == 0 || k == 0 {
+            return;
+        }
+        tasks.into_par_iter().for_each(|(e, row0, o)| {
+            let m = o.len() / n;
+            // SAFETY: `x` holds `rows x k` elements and rows `row0..row0 + m` lie inside it
+            // (the runs sum to at most `rows`); weight `e` holds `k x n` elements at the
+            // strides given; `o` has room for `m x n`, all of which gemm writes.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    o.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    xs[row0 * k..].as_ptr(),
+                    1,
+                    k as isize,
+                    wsl[e].as_ptr(),
+                    rhs_cs,
+                    rhs_rs,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    })?;
+    Ok(Some(Tensor::from_vec(out, (rows, n), x.device())?))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

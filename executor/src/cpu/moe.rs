@@ -6,6 +6,7 @@
 //! op's dtype; row movement is `index_select` on the operand's own dtype, and the expert
 //! matmuls are the dense `linear` / `weight_grad` kernels on each expert's run of rows.
 
+use crate::cpu::fused;
 use crate::cpu::linear::{linear, weight_grad};
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
@@ -199,7 +200,6 @@ pub fn unpermute(y: &Tensor, experts: &Tensor, sum: bool) -> Result<Tensor> {
         return Ok(y.index_select(&index(row_of, &y)?, 0)?.reshape((tokens, k, d))?);
     }
     // Slot rank r of token t: the slot with its r-th smallest expert.
-    let mut acc: Option<Tensor> = None;
     let slots: Vec<Vec<usize>> = (0..tokens)
         .map(|t| {
             let mut s: Vec<usize> = (0..k).collect();
@@ -207,9 +207,25 @@ pub fn unpermute(y: &Tensor, experts: &Tensor, sum: bool) -> Result<Tensor> {
             s
         })
         .collect();
+    if fused::applies(&[&y]) && k > 0 {
+        let src: Vec<u32> = (0..tokens)
+            .flat_map(|t| slots[t].iter().map(move |&j| (t, j)))
+            .map(|(t, j)| row_of[t * k + j])
+            .collect();
+        return fused::gather_sum(&y, &src, k);
+    }
+    sum_composed(&y, &slots, &row_of, k)
+}
+
+/// The summing [`unpermute`] as `k` row selections added in turn (slot rank `r` of every
+/// token, then the next): the path for other dtypes and devices, and the reference the
+/// fused kernel is tested against.
+fn sum_composed(y: &Tensor, slots: &[Vec<usize>], row_of: &[u32], k: usize) -> Result<Tensor> {
+    let tokens = slots.len();
+    let mut acc: Option<Tensor> = None;
     for r in 0..k {
         let src: Vec<u32> = (0..tokens).map(|t| row_of[t * k + slots[t][r]]).collect();
-        let part = y.index_select(&index(src, &y)?, 0)?;
+        let part = y.index_select(&index(src, y)?, 0)?;
         acc = Some(match acc {
             None => part,
             Some(a) => (a + part)?,
@@ -234,9 +250,21 @@ pub fn grouped_linear(x: &Tensor, experts: &Tensor, ws: &[&Tensor], layout: Weig
     let (ids, _, _) = ids(experts)?;
     let counts = counts(&ids, ws.len())?;
     let x = x.contiguous()?;
+    if fused::applies(&[&x]) && ws.iter().all(|w| fused::applies(&[w])) && !ws.is_empty() {
+        let transposed = layout == WeightLayout::OutIn;
+        if let Some(y) = fused::grouped_matmul(&x, ws, &counts[..ws.len()], transposed)? {
+            return Ok(y);
+        }
+    }
+    grouped_linear_composed(&x, &counts, ws, layout)
+}
+
+/// [`grouped_linear`] as one `linear` per expert and a concatenation: the path for other
+/// dtypes and devices, and the reference the fused kernel is tested against.
+fn grouped_linear_composed(x: &Tensor, counts: &[usize], ws: &[&Tensor], layout: WeightLayout) -> Result<Tensor> {
     let mut parts = Vec::new();
     let mut start = 0;
-    for (w, &n) in ws.iter().zip(&counts) {
+    for (w, &n) in ws.iter().zip(counts) {
         if n == 0 {
             continue;
         }
@@ -371,6 +399,91 @@ pub fn aux_loss_grad(g: &Tensor, logits: &[&Tensor], layer: usize, top_k: usize,
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Random `[tokens, k]` expert ids of `experts` (each token's distinct), leaving expert
+    /// 1 without a row so an empty run is covered, and `pad` padding ids (`experts`) on the
+    /// last tokens' last slots as an expert-parallel dispatch leaves them.
+    fn routing(tokens: usize, k: usize, experts: usize, pad: usize) -> Tensor {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut v = Vec::with_capacity(tokens * k);
+        for _ in 0..tokens {
+            let mut mine: Vec<u32> = Vec::new();
+            while mine.len() < k {
+                let e = (next() % experts as u64) as u32;
+                if e != 1 && !mine.contains(&e) {
+                    mine.push(e);
+                }
+            }
+            v.extend(mine);
+        }
+        let n = v.len();
+        v[n - pad..].iter_mut().for_each(|e| *e = experts as u32);
+        Tensor::from_vec(v, (tokens, k), &Device::Cpu).unwrap()
+    }
+
+    fn same_bits(a: &Tensor, b: &Tensor) {
+        assert_eq!(a.dims(), b.dims());
+        let (a, b) = (
+            a.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            b.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+
+    #[test]
+    fn fused_grouped_linear_is_the_composed_one_to_the_bit() {
+        // 300 tokens x top 3 over 6 experts: runs longer than a block (128 rows), an empty
+        // run, padding rows; both weight layouts.
+        let (tokens, k, experts, d, f) = (300, 3, 6, 40, 24);
+        for pad in [0, 5] {
+            let ids = routing(tokens, k, experts, pad);
+            let (flat, _, _) = super::ids(&ids).unwrap();
+            let counts = counts(&flat, experts).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (tokens * k, d), &Device::Cpu).unwrap();
+            for layout in [WeightLayout::OutIn, WeightLayout::InOut] {
+                let shape = if layout == WeightLayout::OutIn { (f, d) } else { (d, f) };
+                let ws: Vec<Tensor> = (0..experts)
+                    .map(|_| Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap())
+                    .collect();
+                let refs: Vec<&Tensor> = ws.iter().collect();
+                let fused = grouped_linear(&x, &ids, &refs, layout).unwrap();
+                let composed = grouped_linear_composed(&x, &counts, &refs, layout).unwrap();
+                same_bits(&fused, &composed);
+                if pad > 0 {
+                    let tail = fused.narrow(0, tokens * k - pad, pad).unwrap();
+                    assert_eq!(tail.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_unpermute_sum_is_the_composed_one_to_the_bit() {
+        let (tokens, k, experts, d) = (257, 4, 8, 33);
+        let ids = routing(tokens, k, experts, 0);
+        let y = Tensor::randn(0f32, 1.0, (tokens * k, d), &Device::Cpu).unwrap();
+        let fused = unpermute(&y, &ids, true).unwrap();
+        let (flat, _, _) = super::ids(&ids).unwrap();
+        let order = expert_order(&flat);
+        let mut row_of = vec![0u32; flat.len()];
+        for (r, &a) in order.iter().enumerate() {
+            row_of[a] = r as u32;
+        }
+        let slots: Vec<Vec<usize>> = (0..tokens)
+            .map(|t| {
+                let mut s: Vec<usize> = (0..k).collect();
+                s.sort_by_key(|&j| flat[t * k + j]);
+                s
+            })
+            .collect();
+        same_bits(&fused, &sum_composed(&y, &slots, &row_of, k).unwrap());
+    }
 
     fn logits() -> Tensor {
         // Token 1 ties experts 0 and 2: the lower one comes first, as in the weights.
