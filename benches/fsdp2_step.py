@@ -78,6 +78,12 @@ def parse_args(argv=None):
     ap.add_argument("--grad-clip", type=float, default=1.0, help="global norm; 0: no clipping")
     ap.add_argument("--no-reshard-after-forward", action="store_true",
                     help="keep gathered block parameters from forward to backward")
+    ap.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default",
+                    help="torch.optim.AdamW's implementation: torch's choice (foreach on CUDA), "
+                         "foreach, or fused (torchtitan's default)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each block (fullgraph) before fully_shard, as torchtitan's "
+                         "compile option; the warm-up steps take the compilation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
@@ -296,11 +302,15 @@ def run(a, dev, rank, world):
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[a.param_dtype], reduce_dtype=DTYPES[a.reduce_dtype])
     reshard = not a.no_reshard_after_forward
     for block in model.layers:
+        if a.compile:
+            # In place (nn.Module.compile), so the block stays the module FSDP2 wraps.
+            block.compile(fullgraph=True)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root keeps its parameters gathered after forward (backward needs them first).
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[a.adamw]
     opt = torch.optim.AdamW(
-        model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay
+        model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.weight_decay, **impl
     )
     n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the global size
 
@@ -382,7 +392,9 @@ def run(a, dev, rank, world):
         "master_dtype": "f32",
         "wrap": "one fully_shard per block + root",
         "reshard_after_forward": not a.no_reshard_after_forward,
-        "optimizer": {"adamw": {"lr": a.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": a.weight_decay}},
+        "optimizer": {"adamw": {"lr": a.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": a.weight_decay,
+                                "implementation": a.adamw}},
+        "compile": "torch.compile per block (fullgraph)" if a.compile else None,
         "grad_clip": a.grad_clip or None,
         "warmup_steps": a.warmup,
         "measured_steps": a.steps,
