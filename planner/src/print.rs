@@ -186,11 +186,14 @@ pub fn summary(o: &mut String, plan: &Plan) {
         if m.expert() > 1 {
             let _ = writeln!(
                 o,
-                "expert parallel: groups of {} consecutive shard ranks, each holding {} of every MoE layer's {} routed experts, sharded over the {} ranks holding the same ones",
+                "expert parallel: groups of {} consecutive shard ranks, each holding {} of every MoE layer's {} routed experts, {}",
                 m.expert(),
                 e.per_rank,
                 e.experts,
-                m.expert_shard()
+                match m.expert_shard() {
+                    1 => "not sharded further (no other rank of a replica holds the same ones)".to_string(),
+                    n => format!("sharded over the {n} ranks holding the same ones"),
+                }
             );
         }
         if m.tensor() > 1 {
