@@ -259,9 +259,7 @@ fn moe_ffn(
     if dtype != DType::F32 {
         weights = t.op(router, Op::Cast { dtype }, &[weights])?;
     }
-    if tp {
-        weights = t.tp_op(router, |degree| Op::TpCopy { degree }, weights)?;
-    }
+    let weights = t.tp_summed(router, weights)?;
     // The experts' input: every token, on every tensor rank.
     let x = match flat {
         Some(x) if !tp => x,
@@ -384,11 +382,7 @@ fn moe_ffn(
         if m.shared_expert_gate {
             // Its gradient meets the partial output: summed over the group.
             let g_w = t.param(shared, &format!("{prefix}.shared_expert_gate.weight"), &[1, d])?;
-            let g_w = if tp {
-                t.tp_op(shared, |degree| Op::TpCopy { degree }, g_w)?
-            } else {
-                g_w
-            };
+            let g_w = t.tp_summed(shared, g_w)?;
             let g = t.op(shared, linear, &[x, g_w])?;
             let g = t.op(shared, Op::Sigmoid, &[g])?;
             out = t.op(shared, Op::Mul, &[g, out])?;
@@ -414,11 +408,7 @@ fn rms_norm(t: &mut Tracer, scope: ScopeId, x: NodeId, name: &str, d: u64, eps: 
 /// group, with or without sequence parallelism.
 fn head_norm(t: &mut Tracer, scope: ScopeId, x: NodeId, name: &str, hd: u64, eps: f64) -> Result<NodeId, IrError> {
     let w = t.param(scope, name, &[hd])?;
-    let w = if t.tp.is_parallel() {
-        t.tp_op(scope, |degree| Op::TpCopy { degree }, w)?
-    } else {
-        w
-    };
+    let w = t.tp_summed(scope, w)?;
     t.op(scope, Op::RmsNorm { eps }, &[x, w])
 }
 

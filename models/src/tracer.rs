@@ -239,6 +239,16 @@ impl Tracer {
         }
     }
 
+    /// `x` read through `tp_copy` under any tensor parallelism (its gradient, partial on each
+    /// tensor rank, summed over the group); `x` itself without.
+    pub fn tp_summed(&mut self, scope: ScopeId, x: NodeId) -> Result<NodeId, IrError> {
+        if self.tp.is_parallel() {
+            self.tp_op(scope, |degree| Op::TpCopy { degree }, x)
+        } else {
+            Ok(x)
+        }
+    }
+
     /// A whole parameter read by sequence-parallel work, whose gradient each rank holds
     /// only part of: read through `tp_copy`. Otherwise the parameter itself.
     pub fn tp_replicated(&mut self, scope: ScopeId, p: NodeId) -> Result<NodeId, IrError> {

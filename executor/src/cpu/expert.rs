@@ -119,6 +119,14 @@ impl Routes {
         self.received_by(self.me)
     }
 
+    /// The rank that receives the most rows, and their count (the last such rank on ties).
+    fn busiest(&self) -> (usize, usize) {
+        (0..self.degree())
+            .map(|r| (r, self.received_by(r)))
+            .max_by_key(|&(_, n)| n)
+            .unwrap_or((0, 0))
+    }
+
     /// For each row of the dispatch's output order (local expert, source rank, source
     /// order), its row in the received chunks laid one after another in rank order.
     fn output_order(&self) -> Vec<u32> {
@@ -143,13 +151,10 @@ impl Routes {
     /// reads the same table, so every rank finds the same overflow and fails with the
     /// same message before any row moves: none waits on a rank that stopped.
     fn check(&self, rows: usize) -> Result<()> {
-        let Some(r) = (0..self.degree())
-            .filter(|&r| self.received_by(r) > rows)
-            .max_by_key(|&r| self.received_by(r))
-        else {
+        let (r, got) = self.busiest();
+        if got <= rows {
             return Ok(());
-        };
-        let got = self.received_by(r);
+        }
         let first = r * self.n;
         let busiest = (0..self.n).max_by_key(|&j| self.expert_rows_of(r, j)).unwrap_or(0);
         let even = self.counts[r].iter().sum::<usize>();
@@ -233,9 +238,8 @@ impl ExpertGroup {
     pub fn dispatch(&self, x: &Tensor, table: &Tensor, degree: u64, experts: u64, rows: u64) -> Result<Tensor> {
         self.check(degree)?;
         let routes = Routes::new(table, degree as usize, experts as usize, self.comm.index())?;
-        let busiest = (0..routes.degree()).map(|r| routes.received_by(r)).max().unwrap_or(0);
         let load = RoutingLoad {
-            rows: busiest as u64,
+            rows: routes.busiest().1 as u64,
             even: routes.assignments(table)? as u64,
         };
         self.load.set(Some(self.load.get().map_or(load, |l| l.max(load))));

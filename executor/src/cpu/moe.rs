@@ -250,7 +250,7 @@ pub fn grouped_linear(x: &Tensor, experts: &Tensor, ws: &[&Tensor], layout: Weig
     let (ids, _, _) = ids(experts)?;
     let counts = counts(&ids, ws.len())?;
     let x = x.contiguous()?;
-    if fused::applies(&[&x]) && ws.iter().all(|w| fused::applies(&[w])) && !ws.is_empty() {
+    if fused::applies(&[&x]) && fused::applies(ws) && !ws.is_empty() {
         let transposed = layout == WeightLayout::OutIn;
         if let Some(y) = fused::grouped_matmul(&x, ws, &counts[..ws.len()], transposed)? {
             return Ok(y);
