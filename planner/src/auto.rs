@@ -867,7 +867,7 @@ pub fn model_spaces(
 
 /// `p`'s memory with the caching allocator replayed over its program.
 fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
-    simulate::device_memory(
+    let mut m = simulate::device_memory(
         p.memory.clone(),
         &p.programs[0],
         &p.buffers,
@@ -875,7 +875,11 @@ fn replayed(p: &Plan, acts: &crate::ActEvents) -> crate::MemoryReport {
         &p.mesh,
         &p.hardware,
         p.policy.allocator,
-    )
+    );
+    if p.policy.runtime.is_shardplan() {
+        m.arena = crate::arena::report(p).ok();
+    }
+    m
 }
 
 /// For the winner, one line per knob: what it bought against the best candidate that

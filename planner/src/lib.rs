@@ -6,6 +6,7 @@
 
 pub mod allocator;
 pub mod alternatives;
+pub mod arena;
 pub mod auto;
 pub mod bounds;
 mod cost;
@@ -499,6 +500,9 @@ fn passes(
         prefetch_moves,
     };
     let mut plan = plan;
+    if config.runtime.is_shardplan() && forward_only.is_none() && replay {
+        plan.memory.arena = Some(arena::report(&plan).map_err(|e| PlanError::Bug(e.to_string()))?);
+    }
     if !config.runtime.is_shardplan() && forward_only.is_none() && replay {
         // The same spec as shardplan's executor runs it (its own schedule, one kernel per
         // op), so the two predictions can be read side by side.

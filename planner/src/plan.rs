@@ -632,6 +632,11 @@ pub struct MemoryReport {
     /// `reserved_peak` plus the overhead: what must fit in the device's memory.
     #[serde(default)]
     pub device_total: u64,
+    /// shardplan's executor's arena: the plan's device buffers at fixed offsets of one
+    /// allocation ([`crate::arena`]). Absent for another runtime's plan and for a forward
+    /// program.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arena: Option<crate::arena::ArenaReport>,
 }
 
 /// Device memory outside the caching allocator, per process (one rank).

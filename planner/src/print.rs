@@ -338,6 +338,22 @@ pub fn summary(o: &mut String, plan: &Plan) {
         bytes(mem.active_peak),
         bytes(mem.reserved_peak)
     );
+    if let Some(a) = &mem.arena {
+        let over = if a.peak > 0 {
+            format!(", {:+.1}%", (a.bytes as f64 / a.peak as f64 - 1.0) * 100.0)
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            o,
+            "  arena {}: the plan's {} device buffers at fixed offsets (their live peak {}{over}, {} reuse wait{}); activations from the allocator",
+            bytes(a.bytes),
+            a.buffers,
+            bytes(a.peak),
+            a.waits,
+            if a.waits == 1 { "" } else { "s" }
+        );
+    }
     let ov = &mem.overhead;
     let _ = writeln!(
         o,

@@ -276,6 +276,9 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
         expected.timing = timing;
         expected.memory = memory;
         expected.estimate = estimate;
+        if config.runtime.is_shardplan() {
+            expected.memory.arena = Some(crate::arena::report(&expected).map_err(Refusal::Verify)?);
+        }
     }
     let mut path = String::new();
     if let Some((path, found, expected)) = diff(&mut path, file, &to_value(&expected), &[]) {

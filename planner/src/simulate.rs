@@ -170,6 +170,7 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
         reserved_peak: 0,
         overhead: Overhead::default(),
         device_total: 0,
+        arena: None,
     }
 }
 

@@ -169,9 +169,63 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
     Ok(())
 }
 
+/// The happens-before order of one program's instructions (by issue index).
+pub(crate) struct HappensBefore {
+    clock: Vec<[u32; STREAMS]>,
+    pos: Vec<u32>,
+    stream: Vec<usize>,
+}
+
+impl HappensBefore {
+    /// Whether instruction `a` happens before instruction `b`.
+    pub(crate) fn before(&self, a: usize, b: usize) -> bool {
+        a != b && self.clock[b][self.stream[a]] > self.pos[a]
+    }
+}
+
+/// Program `p`'s happens-before order; the verifier's event errors if its events are broken.
+/// `extra` adds orderings the program's events do not make: `(a, b)` makes instruction `a`
+/// happen before instruction `b` (`a` issued first), as a record after `a` and a wait before
+/// `b` would.
+pub(crate) fn happens_before(
+    plan: &Plan,
+    p: usize,
+    program: &Program,
+    extra: &[(usize, usize)],
+) -> Result<HappensBefore, VerifyError> {
+    let (clock, pos) = clocks_with(plan, p, program, extra)?;
+    Ok(HappensBefore {
+        clock,
+        pos,
+        stream: program.instrs.iter().map(|x| x.stream.index()).collect(),
+    })
+}
+
 /// Vector clocks: `clock[i][s]` = how many instructions of stream `s` happen before or at `i`.
 fn clocks(plan: &Plan, p: usize, program: &Program) -> Result<(Vec<[u32; STREAMS]>, Vec<u32>), VerifyError> {
+    clocks_with(plan, p, program, &[])
+}
+
+/// [`clocks`] with the orderings `extra` (see [`happens_before`]) added.
+fn clocks_with(
+    plan: &Plan,
+    p: usize,
+    program: &Program,
+    extra: &[(usize, usize)],
+) -> Result<(Vec<[u32; STREAMS]>, Vec<u32>), VerifyError> {
     let n = program.instrs.len();
+    let mut into: Vec<Vec<usize>> = vec![Vec::new(); if extra.is_empty() { 0 } else { n }];
+    for &(a, b) in extra {
+        if a >= b || b >= n {
+            return Err(VerifyError {
+                rule: "events",
+                program: p,
+                instr: Some(b.min(n.saturating_sub(1))),
+                message: format!("an ordering from instruction #{a} to #{b} does not go forward in issue order"),
+            });
+        }
+        into[b].push(a);
+    }
     let mut clock = Vec::with_capacity(n);
     let mut pos = Vec::with_capacity(n);
     let mut stream_clock = [[0u32; STREAMS]; STREAMS];
@@ -180,6 +234,14 @@ fn clocks(plan: &Plan, p: usize, program: &Program) -> Result<(Vec<[u32; STREAMS
         let s = issued.stream.index();
         let mut c = stream_clock[s];
         c[s] += 1;
+        if let Some(from) = into.get(i) {
+            for &a in from {
+                let r: &[u32; STREAMS] = &clock[a];
+                for k in 0..STREAMS {
+                    c[k] = c[k].max(r[k]);
+                }
+            }
+        }
         match issued.instr {
             Instr::Wait { event } => match recorded.get(event) {
                 Some(Some(r)) => {
