@@ -4,7 +4,8 @@
   python3 benches/fsdp2_export.py [--shardplan target/debug/shardplan] [--python PYTHON]
       [--size tiny|small] [--steps 10] [--configs a,b] [--models llama,gpt2] [--out DIR]
 
-For each model (a Llama with GQA, and GPT-2) and each configuration it writes a parallel
+For each model (a Llama with GQA and GPT-2 by default; also a Qwen3 and two mixtures of
+experts, `--models qwen3,moe,mixtral`) and each configuration it writes a parallel
 spec, exports it (`shardplan export fsdp2`), runs the program under torchrun (4 processes,
 gloo, FSDPMemTracker on every rank: `--track-memory`), runs `shardplan train` on the same
 spec, and compares:
@@ -38,12 +39,33 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+# Qwen3-MoE's shape (per-head q/k norms, renormalised top-2 of 8) with Qwen2-MoE's shared
+# expert behind its sigmoid gate, a dense first layer and the load-balancing loss.
+MOE = ("family: llama\nname: moe-check\nvocab_size: {vocab}\ndim: {dim}\nn_layers: {layers}\nn_heads: 4\n"
+       "n_kv_heads: 2\nhead_dim: {head_dim}\nffn_dim: {ffn}\nnorm_eps: 1.0e-6\nrope_theta: 1000000\n"
+       "qk_norm: true\nmax_seq_len: {seq}\n"
+       "moe: {{experts: {experts}, top_k: 2, expert_ffn_dim: {width}, shared_experts: 1, "
+       "shared_expert_ffn_dim: {shared}, shared_expert_gate: true, router: softmax_topk, norm_topk_prob: true, "
+       "aux_loss_coef: 0.01, every: 1, first_dense: 1}}\n")
+
+# Mixtral's names (block_sparse_moe.experts.E.w1/w3/w2), no shared expert, every layer
+# routed, sigmoid scores renormalised, no load-balancing loss.
+MIXTRAL = ("family: llama\nname: mixtral-check\nvocab_size: {vocab}\ndim: {dim}\nn_layers: {layers}\n"
+           "n_heads: 4\nn_kv_heads: 2\nffn_dim: {ffn}\nnorm_eps: 1.0e-5\nrope_theta: 1000000\n"
+           "max_seq_len: {seq}\nmoe: {{experts: {experts}, top_k: 2, expert_ffn_dim: {width}, "
+           "router: sigmoid_topk, norm_topk_prob: true, aux_loss_coef: 0, hf_names: mixtral}}\n")
+
 MODELS = {
     "tiny": {
         "llama": "family: llama\nname: llama-check\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n"
                  "n_kv_heads: 2\nffn_dim: 128\nnorm_eps: 1.0e-5\nrope_theta: 10000\nmax_seq_len: 128\n",
         "gpt2": "family: gpt2\nname: gpt2-check\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n"
                 "ffn_dim: 256\nmax_seq_len: 128\n",
+        "qwen3": "family: llama\nname: qwen3-check\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n"
+                 "n_kv_heads: 2\nhead_dim: 32\nffn_dim: 128\nnorm_eps: 1.0e-6\nrope_theta: 1000000\n"
+                 "qk_norm: true\nmax_seq_len: 128\n",
+        "moe": MOE.format(vocab=256, dim=64, layers=3, head_dim=16, ffn=128, experts=8, width=32, shared=64, seq=128),
+        "mixtral": MIXTRAL.format(vocab=256, dim=64, layers=2, ffn=128, experts=4, width=64, seq=128),
         "batch": "batch: {per_rank: 2, seq_len: 16",
     },
     "small": {
@@ -51,6 +73,12 @@ MODELS = {
                  "n_kv_heads: 2\nffn_dim: 688\nnorm_eps: 1.0e-5\nrope_theta: 10000\nmax_seq_len: 512\n",
         "gpt2": "family: gpt2\nname: gpt2-check\nvocab_size: 4096\ndim: 256\nn_layers: 4\nn_heads: 4\n"
                 "ffn_dim: 1024\nmax_seq_len: 512\n",
+        "qwen3": "family: llama\nname: qwen3-check\nvocab_size: 4096\ndim: 256\nn_layers: 4\nn_heads: 4\n"
+                 "n_kv_heads: 2\nhead_dim: 64\nffn_dim: 688\nnorm_eps: 1.0e-6\nrope_theta: 1000000\n"
+                 "qk_norm: true\nmax_seq_len: 512\n",
+        "moe": MOE.format(vocab=4096, dim=256, layers=4, head_dim=64, ffn=688, experts=8, width=128, shared=256,
+                          seq=512),
+        "mixtral": MIXTRAL.format(vocab=4096, dim=256, layers=4, ffn=688, experts=4, width=256, seq=512),
         "batch": "batch: {per_rank: 2, seq_len: 256",
     },
 }

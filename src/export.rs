@@ -128,6 +128,23 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             "export a plan without `mesh.tensor`, or run this one with `shardplan train`",
         ));
     }
+    if plan.mesh.expert() > 1 {
+        return Err(origin.refuse(
+            "mesh.expert",
+            format!(
+                "the plan splits the routed experts over expert groups of {} ranks with all-to-all dispatch; `export fsdp2` writes FSDP2 alone, each rank holding every expert's shard",
+                plan.mesh.expert()
+            ),
+            "export a plan without `mesh.expert` (FSDP shards the experts as it does every parameter), or run this one with `shardplan train`",
+        ));
+    }
+    if parallel.moe.capacity_factor.is_some() {
+        return Err(origin.refuse(
+            "moe.capacity_factor",
+            "the plan drops each expert's assignments past its capacity; the exported program routes without dropping (as Hugging Face and torchtitan do), so it would train a different model".into(),
+            "export the plan without `moe.capacity_factor`, or run this one with `shardplan train`",
+        ));
+    }
     let text = render(&plan, &model, &parallel, &joint, &origin, &command_line())?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     let file = args.out.join("train.py");
@@ -323,22 +340,6 @@ fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError
         })
     };
     Ok(match model {
-        ModelConfig::Llama(c) if c.qk_norm => {
-            return Err(origin.refuse(
-                "qk_norm",
-                "`export fsdp2` does not write the per-head query and key RMSNorm (Qwen3's q_norm and k_norm) into its program yet; the program would train a different model"
-                    .into(),
-                "train this model with `shardplan train`, or export a model without `qk_norm`",
-            ))
-        }
-        ModelConfig::Llama(_) if model.is_moe() => {
-            return Err(origin.refuse(
-                "moe",
-                "`export fsdp2` does not write the mixture-of-experts feed-forward (router, experts, load-balancing loss) into its program yet; the program would train a different model"
-                    .into(),
-                "train this model with `shardplan train`, or export a model without `moe`",
-            ))
-        }
         ModelConfig::Llama(c) => {
             let hd = c.head_dim();
             let inv: Vec<f64> = (0..hd / 2)
@@ -360,6 +361,20 @@ fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError
                 "rope_inv_freq": inv,
                 "rope_attention_factor": c.rope_scaling.attention_factor(),
                 "max_seq_len": c.max_seq_len,
+                "qk_norm": c.qk_norm,
+                "moe": c.moe.as_ref().map(|m| json!({
+                    "experts": m.experts,
+                    "top_k": m.top_k,
+                    "expert_ffn_dim": m.expert_ffn_dim,
+                    "shared_expert_ffn_dim": if m.shared_experts > 0 { m.shared_expert_ffn_dim } else { 0 },
+                    "shared_expert_gate": m.shared_experts > 0 && m.shared_expert_gate,
+                    "router": m.router.name(),
+                    "norm_topk_prob": m.norm_topk_prob,
+                    "aux_loss_coef": m.aux_loss_coef,
+                    "every": m.every,
+                    "first_dense": m.first_dense,
+                    "names": m.hf_names.name(),
+                })),
             })
         }
         ModelConfig::Gpt2(c) => json!({

@@ -192,26 +192,115 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(m["dim"], m["n_kv_heads"] * hd, bias=bias)
         self.v_proj = nn.Linear(m["dim"], m["n_kv_heads"] * hd, bias=bias)
         self.o_proj = nn.Linear(m["n_heads"] * hd, m["dim"], bias=False)
+        if m["qk_norm"]:
+            # Qwen3: each head's queries and keys normalised over head_dim, before rotary.
+            self.q_norm = RMSNorm(hd, m["norm_eps"])
+            self.k_norm = RMSNorm(hd, m["norm_eps"])
+        self.qk_norm = m["qk_norm"]
 
     def forward(self, x):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         a = attention(self.rope.apply(q), self.rope.apply(k), v)
         return self.o_proj(a.reshape(b, s, self.heads * self.head_dim))
 
 
 class LlamaMlp(nn.Module):
-    def __init__(self, m):
+    def __init__(self, m, width=None):
         super().__init__()
-        self.gate_proj = nn.Linear(m["dim"], m["ffn_dim"], bias=False)
-        self.up_proj = nn.Linear(m["dim"], m["ffn_dim"], bias=False)
-        self.down_proj = nn.Linear(m["ffn_dim"], m["dim"], bias=False)
+        width = width or m["ffn_dim"]
+        self.gate_proj = nn.Linear(m["dim"], width, bias=False)
+        self.up_proj = nn.Linear(m["dim"], width, bias=False)
+        self.down_proj = nn.Linear(width, m["dim"], bias=False)
         self.act = activation(m["activation"])
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# Set while the routed experts run: their matmuls are shardplan's grouped matmuls, which
+# selective checkpointing neither counts nor saves (see selective_policy).
+IN_EXPERTS = [False]
+
+
+def top_k(scores, k):
+    """Each row's k highest scores' columns, highest first, ties to the lower column."""
+    return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+class MoeFfn(nn.Module):
+    """The mixture-of-experts feed-forward as Hugging Face's Mixtral / Qwen2-MoE / Qwen3-MoE
+    compute it, without dropping: f32 router scores, each token's top_k experts weighted by
+    their scores (divided by their sum with norm_topk_prob), every expert's SwiGLU on the
+    rows routed to it, and the shared expert behind its sigmoid gate on every token. Every
+    expert runs, on no rows where none came: its gradient is then zeros, never None, so
+    every rank reduce-scatters every expert's gradient. The rows are permuted once into
+    expert order and each expert reads its run of them in place, as shardplan's grouped
+    matmul does."""
+
+    def __init__(self, m):
+        super().__init__()
+        moe = m["moe"]
+        self.k, self.sigmoid, self.norm = moe["top_k"], moe["router"] == "sigmoid_topk", moe["norm_topk_prob"]
+        self.gate = nn.Linear(m["dim"], moe["experts"], bias=False)
+        self.experts = nn.ModuleList([LlamaMlp(m, moe["expert_ffn_dim"]) for _ in range(moe["experts"])])
+        if moe["shared_expert_ffn_dim"]:
+            self.shared_expert = LlamaMlp(m, moe["shared_expert_ffn_dim"])
+            if moe["shared_expert_gate"]:
+                self.shared_expert_gate = nn.Linear(m["dim"], 1, bias=False)
+
+    def forward(self, x):
+        """x [b, s, dim] -> (y [b, s, dim], the router's f32 logits [b * s, experts])."""
+        b, s, d = x.shape
+        h = x.reshape(-1, d)
+        logits = self.gate(h).float()
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        ids = top_k(scores, self.k)
+        w = scores.gather(1, ids)
+        if self.norm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        w = w.to(x.dtype).reshape(-1)
+        # The tokens' rows in expert order (by token, then choice, within an expert), each
+        # expert on its run of them, scaled by their weights, put back in token order and
+        # summed over each token's choices (a gather and a sum save no rows for backward,
+        # where index_add would keep its [tokens x top_k, dim] source).
+        picks = ids.reshape(-1)
+        order = torch.sort(picks, stable=True).indices
+        rows = h[order // self.k]
+        runs = torch.bincount(picks, minlength=len(self.experts)).tolist()
+        IN_EXPERTS[0] = True
+        try:
+            out = torch.cat([expert(part) for expert, part in zip(self.experts, rows.split(runs))])
+        finally:
+            IN_EXPERTS[0] = False
+        scaled = out * w[order, None]
+        y = scaled[torch.argsort(order)].view(-1, self.k, d).sum(dim=1)
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(h)
+            if hasattr(self, "shared_expert_gate"):
+                shared = torch.sigmoid(self.shared_expert_gate(h)) * shared
+            y = y + shared
+        return y.view(b, s, d), logits
+
+
+def moe_aux_loss(logits, k, coef):
+    """The load-balancing loss over every MoE layer's tokens together (Hugging Face's
+    load_balancing_loss_func): coef x experts x sum_e (share of the top-k picks) x (mean
+    softmax probability), the picks held constant."""
+    p = torch.cat(logits, dim=0).softmax(dim=-1)
+    picks = top_k(p, k).reshape(-1)
+    share = torch.zeros(p.shape[1], dtype=p.dtype, device=p.device).index_add_(
+        0, picks, torch.ones_like(picks, dtype=p.dtype)) / p.shape[0]
+    return coef * p.shape[1] * (share * p.mean(dim=0)).sum()
+
+
+def is_moe_layer(m, i):
+    moe = m.get("moe")
+    return bool(moe) and i >= moe["first_dense"] and moe["every"] > 0 and (i + 1) % moe["every"] == 0
 
 
 class Block(nn.Module):
@@ -227,15 +316,21 @@ class Block(nn.Module):
 
 
 class LlamaBlock(Block):
-    def __init__(self, m, rope):
+    """Returns x, or (x, the router's logits) with the MoE feed-forward."""
+
+    def __init__(self, m, rope, moe=False):
         super().__init__()
         self.attention_norm = RMSNorm(m["dim"], m["norm_eps"])
         self.attention = LlamaAttention(m, rope)
         self.ffn_norm = RMSNorm(m["dim"], m["norm_eps"])
-        self.feed_forward = LlamaMlp(m)
+        self.moe = moe
+        self.feed_forward = MoeFfn(m) if moe else LlamaMlp(m)
 
     def body(self, x):
         x = x + self.attention(self.attention_norm(x))
+        if self.moe:
+            y, logits = self.feed_forward(self.ffn_norm(x))
+            return x + y, logits
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -263,16 +358,25 @@ class Llama(nn.Module):
         super().__init__()
         rope = Rope(m["rope_inv_freq"], m["rope_attention_factor"])
         self.tok_embeddings = nn.Embedding(m["vocab_size"], m["dim"])
-        self.layers = nn.ModuleDict({str(i): LlamaBlock(m, rope) for i in range(m["n_layers"])})
+        self.layers = nn.ModuleDict({str(i): LlamaBlock(m, rope, is_moe_layer(m, i)) for i in range(m["n_layers"])})
         self.norm = RMSNorm(m["dim"], m["norm_eps"])
         self.output = Head(m["dim"], m["vocab_size"], self.tok_embeddings if m["tie_embeddings"] else None)
         self.loss = Loss()
+        moe = m.get("moe")
+        self.aux = (moe["top_k"], moe["aux_loss_coef"]) if moe and moe["aux_loss_coef"] > 0 else None
 
     def forward(self, tokens, targets):
         x = self.tok_embeddings(tokens)
+        router_logits = []
         for layer in self.layers.values():
             x = layer(x)
-        return self.loss(self.output(self.norm(x)), targets)
+            if isinstance(x, tuple):
+                x, logits = x
+                router_logits.append(logits)
+        loss = self.loss(self.output(self.norm(x)), targets)
+        if self.aux is not None and router_logits:
+            loss = loss + moe_aux_loss(router_logits, *self.aux)
+        return loss
 
     @staticmethod
     def hf_names(m):
@@ -289,8 +393,27 @@ class Llama(nn.Module):
             if m["qkv_bias"]:
                 for proj in ["q_proj", "k_proj", "v_proj"]:
                     names[f"{p}.attention.{proj}.bias"] = f"{q}.self_attn.{proj}.bias"
-            for proj in ["gate_proj", "up_proj", "down_proj"]:
-                names[f"{p}.feed_forward.{proj}.weight"] = f"{q}.mlp.{proj}.weight"
+            if m["qk_norm"]:
+                for norm in ["q_norm", "k_norm"]:
+                    names[f"{p}.attention.{norm}.weight"] = f"{q}.self_attn.{norm}.weight"
+            if not is_moe_layer(m, i):
+                for proj in ["gate_proj", "up_proj", "down_proj"]:
+                    names[f"{p}.feed_forward.{proj}.weight"] = f"{q}.mlp.{proj}.weight"
+                continue
+            moe, f = m["moe"], f"{p}.feed_forward"
+            if moe["names"] == "mixtral":
+                hf, projs = f"{q}.block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+            else:
+                hf, projs = f"{q}.mlp", {x: x for x in ["gate_proj", "up_proj", "down_proj"]}
+            names[f"{f}.gate.weight"] = f"{hf}.gate.weight"
+            for e in range(moe["experts"]):
+                for proj, name in projs.items():
+                    names[f"{f}.experts.{e}.{proj}.weight"] = f"{hf}.experts.{e}.{name}.weight"
+            if moe["shared_expert_ffn_dim"]:
+                for proj in ["gate_proj", "up_proj", "down_proj"]:
+                    names[f"{f}.shared_expert.{proj}.weight"] = f"{hf}.shared_expert.{proj}.weight"
+                if moe["shared_expert_gate"]:
+                    names[f"{f}.shared_expert_gate.weight"] = f"{hf}.shared_expert_gate.weight"
         return names
 
 
@@ -388,7 +511,9 @@ def module_at(model, path):
 # ---------------------------------------------------------------- the plan's decisions
 
 def selective_policy(save):
-    """torch.utils.checkpoint's op policy: keep attention and/or every (or every odd) matmul."""
+    """torch.utils.checkpoint's op policy: keep attention and/or every (or every odd) matmul,
+    counted per block in forward order as the plan counts them (the routed experts' grouped
+    matmuls are not counted and are recomputed)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
@@ -410,6 +535,9 @@ def selective_policy(save):
         def policy(ctx, func, *args, **kwargs):
             if func in attention_ops and "attention" in save:
                 return CheckpointPolicy.MUST_SAVE
+            if func in matmul_ops and IN_EXPERTS[0]:
+                # The routed experts' projections: recomputed, and not in the count.
+                return CheckpointPolicy.PREFER_RECOMPUTE
             if func in matmul_ops:
                 mode = "recompute" if ctx.is_recompute else "forward"
                 counts[mode] += 1
