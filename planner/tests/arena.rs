@@ -70,6 +70,13 @@ proptest! {
         for b in plan.buffers.iter().filter(|b| b.pool == Pool::Host) {
             prop_assert!(a.offset(b.id).is_none());
         }
+        // The waits cost nothing in the simulated timeline: every allocation there starts
+        // after every free issued before it has ended.
+        for &(f, al) in &a.waits {
+            prop_assert!(plan.timing.end[f] <= plan.timing.start[al] + 1e-12,
+                "wait #{} -> #{}: free ends at {} after the allocation starts at {}",
+                f, al, plan.timing.end[f], plan.timing.start[al]);
+        }
         // The report says the same.
         let r = plan.memory.arena.unwrap();
         prop_assert_eq!((r.bytes, r.peak, r.waits), (a.bytes, a.peak, a.waits.len() as u64));
@@ -234,6 +241,12 @@ fn the_examples_arenas_are_within_one_percent_of_their_live_peak() {
         let plan = shardplan_planner::plan(&common::joint_of(&m, &config), &config).unwrap();
         let a = arena::layout(&plan, 0).unwrap();
         arena::check(&plan, 0, &a).unwrap();
+        for &(f, al) in &a.waits {
+            assert!(
+                plan.timing.end[f] <= plan.timing.start[al] + 1e-12,
+                "{model} on {parallel}: #{f} -> #{al}"
+            );
+        }
         assert!(
             a.bytes >= a.peak && a.bytes as f64 <= a.peak as f64 * 1.01,
             "{model} on {parallel}: arena {} vs live peak {}",
