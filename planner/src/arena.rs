@@ -30,7 +30,7 @@
 //! Host buffers (CPU offload) are not in the arena. Activations are not either: they are
 //! the compute steps' values, made and freed by the kernels' allocator.
 
-use crate::plan::{BufId, Instr, Plan, Pool, Program};
+use crate::plan::{ArenaReport, BufId, Instr, Plan, Pool, Program};
 use crate::verify::{happens_before, VerifyError};
 use serde::{Deserialize, Serialize};
 
@@ -71,17 +71,6 @@ impl Arena {
     pub fn offset(&self, b: BufId) -> Option<u64> {
         self.offsets.get(b.index()).copied().flatten()
     }
-}
-
-/// What the arena summary of a plan says, per rank (program 0's arena, as the memory
-/// report is program 0's).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ArenaReport {
-    pub bytes: u64,
-    pub peak: u64,
-    pub buffers: u64,
-    /// Orderings it adds to the plan's events ([`Arena::waits`]).
-    pub waits: u64,
 }
 
 impl From<&Arena> for ArenaReport {

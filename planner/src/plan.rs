@@ -636,7 +636,18 @@ pub struct MemoryReport {
     /// allocation ([`crate::arena`]). Absent for another runtime's plan and for a forward
     /// program.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub arena: Option<crate::arena::ArenaReport>,
+    pub arena: Option<ArenaReport>,
+}
+
+/// The arena summary of a plan ([`crate::arena`]), per rank: program 0's arena, as the
+/// memory report is program 0's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArenaReport {
+    pub bytes: u64,
+    pub peak: u64,
+    pub buffers: u64,
+    /// Orderings it adds to the plan's events (`Arena::waits`).
+    pub waits: u64,
 }
 
 /// Device memory outside the caching allocator, per process (one rank).
