@@ -370,12 +370,9 @@ fn torch_python() -> Option<String> {
     None
 }
 
-#[test]
-fn exported_programs_train_as_shardplan_does() {
-    let Some(py) = torch_python() else {
-        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
-        return;
-    };
+/// `benches/fsdp2_export.py` on the small models, 2 steps, memory checked, with `extra`
+/// arguments; its output, once it has exited 0.
+fn run_export_check(py: &str, extra: &[&str]) -> String {
     let out = tempfile::tempdir().unwrap();
     let o = Command::new("python3")
         .args([
@@ -385,17 +382,26 @@ fn exported_programs_train_as_shardplan_does() {
             "--size",
             "small",
             "--memory-check",
-            "--python",
-            &py,
-            "--shardplan",
         ])
+        .args(extra)
+        .args(["--python", py, "--shardplan"])
         .arg(env!("CARGO_BIN_EXE_shardplan"))
         .arg("--out")
         .arg(out.path())
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&o.stdout);
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(o.status.success(), "{text}\n{}", String::from_utf8_lossy(&o.stderr));
+    text
+}
+
+#[test]
+fn exported_programs_train_as_shardplan_does() {
+    let Some(py) = torch_python() else {
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let text = run_export_check(&py, &[]);
     assert!(text.contains("all 24 runs within tolerance"), "{text}");
 }
 
@@ -543,29 +549,14 @@ fn exported_qwen3_and_moe_programs_train_as_shardplan_does() {
         eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
         return;
     };
-    let out = tempfile::tempdir().unwrap();
-    let o = Command::new("python3")
-        .args([
-            "benches/fsdp2_export.py",
-            "--steps",
-            "2",
-            "--size",
-            "small",
+    let text = run_export_check(
+        &py,
+        &[
             "--models",
             "qwen3,moe,mixtral",
             "--configs",
             "1x4,selective-ac,accum-2-final,bf16",
-            "--memory-check",
-            "--python",
-            &py,
-            "--shardplan",
-        ])
-        .arg(env!("CARGO_BIN_EXE_shardplan"))
-        .arg("--out")
-        .arg(out.path())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{text}\n{}", String::from_utf8_lossy(&o.stderr));
+        ],
+    );
     assert!(text.contains("all 12 runs within tolerance"), "{text}");
 }

@@ -31,7 +31,7 @@
 //! the compute steps' values, made and freed by the kernels' allocator.
 
 use crate::plan::{ArenaReport, BufId, Instr, Plan, Pool, Program};
-use crate::verify::{happens_before, VerifyError};
+use crate::verify::{happens_before, HappensBefore, VerifyError};
 use serde::{Deserialize, Serialize};
 
 /// Every buffer starts at a multiple of this many bytes (the CUDA caching allocator's
@@ -138,6 +138,24 @@ fn lifetimes(plan: &Plan, p: usize, program: &Program) -> Result<Lifetimes, Veri
     Ok(Lifetimes { items })
 }
 
+/// Program `p`, its happens-before order with the orderings `waits` added, and its device
+/// buffers' lives.
+fn ordered<'a>(
+    plan: &'a Plan,
+    p: usize,
+    waits: &[(usize, usize)],
+) -> Result<(&'a Program, HappensBefore, Lifetimes), VerifyError> {
+    let program = plan.programs.get(p).ok_or_else(|| VerifyError {
+        rule: "arena",
+        program: p,
+        instr: None,
+        message: format!("the plan has {} programs", plan.programs.len()),
+    })?;
+    let hb = happens_before(plan, p, program, waits)?;
+    let lt = lifetimes(plan, p, program)?;
+    Ok((program, hb, lt))
+}
+
 /// The live peak of `items` over the issue order (persistent ones live throughout).
 fn live_peak(items: &[Item], n: usize) -> u64 {
     let mut delta = vec![0i128; n + 1];
@@ -201,14 +219,7 @@ fn place(order: &[(BufId, u64, (usize, usize))], base: u64, offsets: &mut [Optio
 /// Lays out program `p`'s device buffers (see the module's comment). The program must have
 /// passed the verifier's event checks; a program it would refuse gets the verifier's error.
 pub fn layout(plan: &Plan, p: usize) -> Result<Arena, VerifyError> {
-    let program = plan.programs.get(p).ok_or_else(|| VerifyError {
-        rule: "arena",
-        program: p,
-        instr: None,
-        message: format!("the plan has {} programs", plan.programs.len()),
-    })?;
-    let hb = happens_before(plan, p, program, &[])?;
-    let lt = lifetimes(plan, p, program)?;
+    let (program, hb, lt) = ordered(plan, p, &[])?;
     let mut offsets = vec![None; plan.buffers.len()];
     // Persistent buffers first, in id order.
     let mut base = 0u64;
@@ -274,14 +285,7 @@ pub fn layout(plan: &Plan, p: usize) -> Result<Arena, VerifyError> {
 /// Independent of [`layout`]'s search: a plan edited by hand or an arena from elsewhere is
 /// checked the same way.
 pub fn check(plan: &Plan, p: usize, arena: &Arena) -> Result<(), VerifyError> {
-    let program = plan.programs.get(p).ok_or_else(|| VerifyError {
-        rule: "arena",
-        program: p,
-        instr: None,
-        message: format!("the plan has {} programs", plan.programs.len()),
-    })?;
-    let hb = happens_before(plan, p, program, &arena.waits)?;
-    let lt = lifetimes(plan, p, program)?;
+    let (_, hb, lt) = ordered(plan, p, &arena.waits)?;
     let fail = |message: String| VerifyError {
         rule: "arena",
         program: p,
