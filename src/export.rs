@@ -25,7 +25,7 @@ use shardplan_frontends::{
     load_model, load_parallel, ActivationCheckpointing, DataSource, GradSync, Offload, Optimizer, ParallelConfig,
     Runtime, SpecError,
 };
-use shardplan_ir::{Graph, JointGraph, ModuleKind, ScopeId};
+use shardplan_ir::{Graph, JointGraph, ModuleKind};
 use shardplan_models::{Activation, ModelConfig};
 use shardplan_planner::{GroupReshard, Instr, Phase, Plan, Program, Stream};
 use std::collections::BTreeMap;
@@ -128,21 +128,18 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             "export a plan without `mesh.tensor`, or run this one with `shardplan train`",
         ));
     }
-    if plan.mesh.expert() > 1 {
-        return Err(origin.refuse(
-            "mesh.expert",
-            format!(
-                "the plan splits the routed experts over expert groups of {} ranks with all-to-all dispatch; `export fsdp2` writes FSDP2 alone, each rank holding every expert's shard",
-                plan.mesh.expert()
-            ),
-            "export a plan without `mesh.expert` (FSDP shards the experts as it does every parameter), or run this one with `shardplan train`",
-        ));
-    }
     if parallel.moe.capacity_factor.is_some() {
         return Err(origin.refuse(
             "moe.capacity_factor",
             "the plan drops each expert's assignments past its capacity; the exported program routes without dropping (as Hugging Face and torchtitan do), so it would train a different model".into(),
             "export the plan without `moe.capacity_factor`, or run this one with `shardplan train`",
+        ));
+    }
+    if plan.mesh.expert() > 1 && matches!(parallel.activation_checkpointing, ActivationCheckpointing::Selective(_)) {
+        return Err(origin.refuse(
+            "activation_checkpointing",
+            "selective checkpointing of a block whose routed experts are an FSDP unit of their own (expert parallelism) fails in PyTorch: FSDP2's hooks inside the checkpointed block run a different number of ops in recomputation than in forward, which selective checkpointing's replay refuses (seen with torch 2.15; torchtitan issue 3427)".into(),
+            "export with `activation_checkpointing: full` (it runs), or without `mesh.expert`; `shardplan train` runs this plan as it is",
         ));
     }
     let text = render(&plan, &model, &parallel, &joint, &origin, &command_line())?;
@@ -194,6 +191,19 @@ fn render(
     command: &str,
 ) -> Result<String, CliError> {
     let g = &joint.graph;
+    // Under expert parallelism a rank's graph holds one expert rank's experts; the program
+    // lists the whole model's parameters (names and initialisation streams), as
+    // `shardplan train` numbers them, and each rank builds its own experts.
+    let whole;
+    let every = if g.expert_degree() > 1 {
+        let mut opts = parallel.trace_options();
+        opts.expert = Default::default();
+        whole = shardplan_models::trace(model, opts)
+            .map_err(|e| CliError::Usage(format!("tracing the whole model for its parameters: {e}")))?;
+        &whole
+    } else {
+        g
+    };
     let mut lits: Vec<(&str, &str, Value)> = Vec::new();
     lits.push((
         "MODEL",
@@ -203,16 +213,16 @@ fn render(
     lits.push((
         "PARAMS",
         "every parameter: Hugging Face name, shape, initialisation (constant, or normal with std and stream)",
-        params_literal(g),
+        params_literal(every),
     ));
     lits.push((
         "MESH",
-        "replicate x shard (HSDP when replicate > 1)",
-        json!({"replicate": plan.mesh.replicate(), "shard": plan.mesh.shard()}),
+        "replicate x shard (HSDP when replicate > 1); the routed experts split over groups of `expert` consecutive shards",
+        json!({"replicate": plan.mesh.replicate(), "shard": plan.mesh.shard(), "expert": plan.mesh.expert()}),
     ));
     lits.push((
         "GROUPS",
-        "fully_shard units in the plan's order (the root last), with reshard_after_forward",
+        "fully_shard units in the plan's order (the root last), with reshard_after_forward; `experts`: routed experts sharded over the ranks holding the same ones",
         groups_literal(plan, g, origin)?,
     ));
     let (fwd, bwd) = prefetch_lists(plan, g, parallel, joint, origin)?;
@@ -421,7 +431,7 @@ fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliE
         let foreign = plan
             .steps
             .iter()
-            .filter(|s| s.group.index() != k && s.phase == Phase::Forward)
+            .filter(|s| hook_group(plan, s.group.index()) != hook_group(plan, k) && s.phase == Phase::Forward)
             .any(|s| s.reads.iter().any(|r| r.index() == k));
         if foreign {
             return Err(origin.refuse(
@@ -438,16 +448,37 @@ fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliE
         plan.groups
             .iter()
             .map(|grp| {
-                let modules: Vec<&str> = grp.group.scopes.iter().map(|&s| g.scope(s).display_path()).collect();
+                let modules = group_modules(plan, g, grp.group.id.index());
                 let reshard = match grp.reshard {
                     GroupReshard::Free => json!(true),
                     GroupReshard::Keep => json!(false),
                     GroupReshard::ToGroupOf(n) => json!(n),
                 };
-                json!({"modules": modules, "reshard_after_forward": reshard})
+                json!({"modules": modules, "reshard_after_forward": reshard, "experts": grp.group.experts})
             })
             .collect(),
     ))
+}
+
+/// The modules group `k` wraps, by the program's module paths: its scopes, or for a unit
+/// of routed experts the `experts` module of each feed-forward its parameters live in.
+fn group_modules(plan: &Plan, g: &Graph, k: usize) -> Vec<String> {
+    let grp = &plan.groups[k].group;
+    if !grp.experts {
+        return grp
+            .scopes
+            .iter()
+            .map(|&s| g.scope(s).display_path().to_string())
+            .collect();
+    }
+    let mut out: Vec<String> = Vec::new();
+    for &p in &grp.params {
+        let path = format!("{}.experts", g.scope(g.param(p).scope).display_path());
+        if !out.contains(&path) {
+            out.push(path);
+        }
+    }
+    out
 }
 
 fn checkpointing_literal(g: &Graph, parallel: &ParallelConfig) -> Value {
@@ -552,6 +583,35 @@ fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
     out
 }
 
+/// The group whose module's hooks fire where a step of group `k` starts: `k`, or for a unit
+/// of routed experts the dense unit of the same module (a block's steps run under its
+/// experts' group, but the block's pre-forward and pre-backward hooks fire first; the
+/// experts' own hooks fire inside the step).
+fn hook_group(plan: &Plan, k: usize) -> usize {
+    let grp = &plan.groups[k].group;
+    if !grp.experts {
+        return k;
+    }
+    plan.groups
+        .iter()
+        .position(|o| !o.group.experts && o.group.scopes == grp.scopes)
+        .unwrap_or(k)
+}
+
+/// The groups whose modules' pre-hooks may fire where step `st` starts: its own group's
+/// (the block's for a step under a unit of routed experts) and every group it reads (a
+/// unit of routed experts fires where its parameters are first read in the pass).
+fn hooks(plan: &Plan, st: usize) -> Vec<usize> {
+    let s = &plan.steps[st];
+    let mut out = vec![hook_group(plan, s.group.index())];
+    for r in &s.reads {
+        if !out.contains(&r.index()) {
+            out.push(r.index());
+        }
+    }
+    out
+}
+
 /// The pass a step belongs to for FSDP2's hooks: forward, or backward (recompute included).
 fn pass(p: Phase) -> usize {
     usize::from(p != Phase::Forward)
@@ -577,7 +637,9 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
     let mut first: BTreeMap<(u32, usize, usize), usize> = BTreeMap::new();
     for &(_, st, micro) in &computes {
         if let Some(s) = plan.steps.get(st) {
-            first.entry((micro, pass(s.phase), s.group.index())).or_insert(st);
+            for k in hooks(plan, st) {
+                first.entry((micro, pass(s.phase), k)).or_insert(st);
+            }
         }
     }
     let mut lists: Lists = BTreeMap::new();
@@ -622,17 +684,34 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
                 rs.label, ts.label
             )));
         }
-        let key = (tmicro, pass(ts.phase), ts.group.index());
-        if first.get(&key) != Some(&tstep) {
+        // The modules whose pre-hooks fire at the trigger step: the gathered group's own
+        // (its unshard), else the outermost one's prefetch list. A unit of routed experts
+        // gathered where its block's hook fires is prefetched by the block, whose hook
+        // fires first, as the plan issues it at the step's start.
+        let fire: Vec<usize> = hooks(plan, tstep)
+            .into_iter()
+            .filter(|&k| first.get(&(tmicro, pass(ts.phase), k)) == Some(&tstep))
+            .collect();
+        let companion = hook_group(plan, g);
+        let trigger = if fire.contains(&g) && !(companion != g && fire.contains(&companion)) {
+            g
+        } else if let Some(&k) = fire
+            .iter()
+            .filter(|&&k| !plan.groups[k].group.experts)
+            .chain(fire.iter())
+            .next()
+        {
+            k
+        } else {
+            let k = hook_group(plan, ts.group.index());
             return Err(at(format!(
-                "group {g}'s all-gather is issued at `{}`, inside group {}'s {} but not at its start",
+                "group {g}'s all-gather is issued at `{}`, inside group {k}'s {} but not at its start",
                 ts.label,
-                ts.group.index(),
                 if pass(ts.phase) == 0 { "forward" } else { "backward" }
             )));
-        }
-        if ts.group.index() != g {
-            lists.entry(key).or_default().push(g);
+        };
+        if trigger != g {
+            lists.entry((tmicro, pass(ts.phase), trigger)).or_default().push(g);
         }
     }
     Ok(lists)
@@ -666,13 +745,10 @@ fn prefetch_lists(
     origin: &Origin,
 ) -> Result<(Value, Value), CliError> {
     let key_of = |k: usize| -> String {
-        plan.groups[k]
-            .group
-            .scopes
-            .first()
-            .map_or("<root>".to_string(), |&s: &ScopeId| {
-                g.scope(s).display_path().to_string()
-            })
+        group_modules(plan, g, k)
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| "<root>".to_string())
     };
     // Reductions, all-reduces and copies must wait where the plan's own schedule has them:
     // FSDP2's post-backward hooks issue them, and nothing moves them.
@@ -741,7 +817,8 @@ fn prefetch_lists(
             && plan
                 .steps
                 .iter()
-                .any(|s| s.group.index() == k && s.phase != Phase::Forward)
+                .enumerate()
+                .any(|(st, s)| s.phase != Phase::Forward && hooks(plan, st).contains(&k))
         {
             bwd.push(json!([key_of(k), [key_of(k)]]));
         }

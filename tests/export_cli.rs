@@ -59,12 +59,21 @@ fn files(dir: &str) -> Vec<String> {
     v
 }
 
+/// The `NAME = ...` literal block of an exported program, up to the blank line after it.
+fn literal<'a>(text: &'a str, name: &str) -> &'a str {
+    let at = text
+        .find(&format!("\n{name} = "))
+        .unwrap_or_else(|| panic!("no {name} in the program"));
+    let rest = &text[at + 1..];
+    &rest[..rest.find("\n\n").unwrap_or(rest.len())]
+}
+
 /// Qwen3's per-head q/k norms and the mixture-of-experts feed-forward are in the program
-/// (`exported_programs_train_as_shardplan_does` trains them); what it cannot express is
-/// refused at its field, never dropped: experts split over an expert axis, and token
-/// dropping.
+/// (`exported_programs_train_as_shardplan_does` trains them), expert parallelism too; what
+/// it cannot express is refused at its field, never dropped: token dropping, and selective
+/// checkpointing of blocks whose experts are a unit of their own.
 #[test]
-fn qwen3_and_moe_export_and_expert_parallelism_and_dropping_are_refused() {
+fn qwen3_moe_and_expert_parallel_export_and_what_is_refused() {
     let d = tempfile::tempdir().unwrap();
     for m in ["examples/models/tiny-qwen3.yaml", "examples/models/tiny-moe.yaml"] {
         let out = d.path().join(m.replace('/', "_"));
@@ -74,33 +83,62 @@ fn qwen3_and_moe_export_and_expert_parallelism_and_dropping_are_refused() {
         assert!(text.contains("\"qk_norm\": True,"), "{m}");
         py_compile(&out.join("train.py"));
     }
+    let ep = d.path().join("ep");
     let o = export(
         "examples/models/tiny-moe.yaml",
         "examples/parallel/ep-1x4-cpu.yaml",
-        &d.path().join("ep"),
+        &ep,
     );
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(o.status.success(), "{}", stderr(&o));
+    py_compile(&ep.join("train.py"));
+    let text = std::fs::read_to_string(ep.join("train.py")).unwrap();
+    let whole = std::fs::read_to_string(d.path().join("examples_models_tiny-moe.yaml/train.py")).unwrap();
+    // Every rank lists the whole model's parameters, numbered (initialisation streams) as
+    // without the expert axis: each builds its own experts from them.
+    assert_eq!(literal(&text, "PARAMS"), literal(&whole, "PARAMS"));
+    assert!(literal(&text, "PARAMS").contains("model.layers.2.mlp.experts.7.down_proj.weight"));
+    for want in [
+        "MESH = {\"expert\": 2, \"replicate\": 1, \"shard\": 4}",
+        // The routed experts of each MoE block are a unit of their own, sharded over the
+        // ranks holding the same experts.
+        "{\"experts\": True, \"modules\": [\"layers.1.feed_forward.experts\"], \"reshard_after_forward\": True}",
+        "{\"experts\": False, \"modules\": [\"layers.1\"], \"reshard_after_forward\": True}",
+        // The block's pre-forward gathers its experts where the plan issues it (the
+        // block's step starts), and the experts' pre-backward the block before.
+        "[\"layers.1\", [\"layers.1.feed_forward.experts\"",
+        "[\"layers.2.feed_forward.experts\", [\"layers.1\"]]",
+    ] {
+        assert!(text.contains(want), "`{want}` not in the program:\n{text}");
+    }
+    // Without the expert axis no unit is the experts' alone.
+    assert!(!literal(&whole, "GROUPS").contains("\"experts\": True"));
+
+    let refused = |name: &str, spec: &str| -> String {
+        let path = d.path().join(format!("{name}.yaml"));
+        std::fs::write(&path, spec).unwrap();
+        let out = d.path().join(name);
+        let o = export("examples/models/tiny-moe.yaml", path.to_str().unwrap(), &out);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(!out.exists(), "nothing is written for a refused plan");
+        assert!(err.contains(&format!("{name}.yaml:")), "{err}");
+        err
+    };
+    let err = refused(
+        "drop",
+        "mesh: {shard: 4}\ngpus_per_node: 4\nbatch: {per_rank: 2, seq_len: 16}\nmoe: {capacity_factor: 1.25}\n",
+    );
     assert!(
-        err.contains("`mesh.expert`") && err.contains("ep-1x4-cpu.yaml:") && err.contains("all-to-all"),
+        err.contains("`moe.capacity_factor`") && err.contains("without dropping"),
         "{err}"
     );
-    assert!(!d.path().join("ep").exists(), "nothing is written for a refused plan");
-    let spec = d.path().join("drop.yaml");
-    std::fs::write(
-        &spec,
-        "mesh: {shard: 4}\ngpus_per_node: 4\nbatch: {per_rank: 2, seq_len: 16}\nmoe: {capacity_factor: 1.25}\n",
-    )
-    .unwrap();
-    let o = export(
-        "examples/models/tiny-moe.yaml",
-        spec.to_str().unwrap(),
-        &d.path().join("drop"),
+    let err = refused(
+        "sac",
+        "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nbatch: {per_rank: 2, seq_len: 16}\n\
+         activation_checkpointing: selective\n",
     );
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("`moe.capacity_factor`") && err.contains("drop.yaml:") && err.contains("without dropping"),
+        err.contains("`activation_checkpointing`") && err.contains("recomputation") && err.contains("full"),
         "{err}"
     );
 }
@@ -202,10 +240,10 @@ fn the_literals_are_the_plans_decisions() {
     assert!(o.status.success(), "{}", stderr(&o));
     let text = std::fs::read_to_string(d.path().join("train.py")).unwrap();
     for want in [
-        "MESH = {\"replicate\": 2, \"shard\": 2}",
-        "{\"modules\": [\"layers.0\"], \"reshard_after_forward\": False}",
+        "MESH = {\"expert\": 1, \"replicate\": 2, \"shard\": 2}",
+        "{\"experts\": False, \"modules\": [\"layers.0\"], \"reshard_after_forward\": False}",
         // The root keeps its parameters, as FSDP2's root does.
-        "{\"modules\": [], \"reshard_after_forward\": False}",
+        "{\"experts\": False, \"modules\": [], \"reshard_after_forward\": False}",
         // Prefetch depth 2 in forward: the root's pre-forward gathers both blocks.
         "[\"<root>\", [\"layers.0\", \"layers.1\"]]",
         "\"kind\": \"full\", \"save\": []",
@@ -556,6 +594,28 @@ fn exported_qwen3_and_moe_programs_train_as_shardplan_does() {
             "qwen3,moe,mixtral",
             "--configs",
             "1x4,selective-ac,accum-2-final,bf16",
+        ],
+    );
+    assert!(text.contains("all 12 runs within tolerance"), "{text}");
+}
+
+/// Expert parallelism as torchtitan runs it under FSDP2 (the rows sent to their experts'
+/// ranks and back by all-to-all, each rank's experts an FSDP unit over the ranks holding
+/// them): the exported program's losses equal `shardplan train`'s on groups of 2 and 4,
+/// under HSDP, full checkpointing, accumulation and bf16 parameters.
+#[test]
+fn exported_expert_parallel_programs_train_as_shardplan_does() {
+    let Some(py) = torch_python() else {
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let text = run_export_check(
+        &py,
+        &[
+            "--models",
+            "moe,mixtral",
+            "--configs",
+            "ep-2,ep-4,hsdp-ep-2,ep-2-full-ac,ep-2-accum-2-final,ep-2-bf16",
         ],
     );
     assert!(text.contains("all 12 runs within tolerance"), "{text}");

@@ -232,6 +232,38 @@ def top_k(scores, k):
     return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
 
 
+class Experts(nn.ModuleDict):
+    """The routed experts this rank holds, keyed by their number in the whole model (every
+    expert without expert parallelism), with a forward so that FSDP2's hooks fire when
+    their module is a unit of its own: each expert's SwiGLU on its run of `rows`, which
+    are in the experts' order."""
+
+    def forward(self, rows, runs):
+        IN_EXPERTS[0] = True
+        try:
+            return torch.cat([expert(part) for expert, part in zip(self.values(), rows.split(runs))])
+        finally:
+            IN_EXPERTS[0] = False
+
+
+def expert_rank():
+    """This rank's place in its expert group: the group is `MESH["expert"]` consecutive
+    shards of one replica, so the rank's number modulo the degree."""
+    return dist.get_rank() % MESH["expert"] if MESH["expert"] > 1 and dist.is_initialized() else 0
+
+
+# The expert group's process group (all-to-all), set by make_mesh under expert parallelism.
+EXPERT_GROUP = [None]
+
+
+def all_to_all(x, send, recv):
+    """Rows `x` split by `send` (rows per member of the expert group) exchanged for `recv`
+    rows from each member, in member order; backward sends the gradients back."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x.contiguous(), recv, send, EXPERT_GROUP[0])
+
+
 class MoeFfn(nn.Module):
     """The mixture-of-experts feed-forward as Hugging Face's Mixtral / Qwen2-MoE / Qwen3-MoE
     compute it, without dropping: f32 router scores, each token's top_k experts weighted by
@@ -240,18 +272,47 @@ class MoeFfn(nn.Module):
     expert runs, on no rows where none came: its gradient is then zeros, never None, so
     every rank reduce-scatters every expert's gradient. The rows are permuted once into
     expert order and each expert reads its run of them in place, as shardplan's grouped
-    matmul does."""
+    matmul does.
+
+    Under expert parallelism (torchtitan's): each rank of an expert group of `MESH["expert"]`
+    ranks holds a contiguous share of the experts; the rows go to the rank holding their
+    expert and come back with all-to-all, in the order shardplan's dispatch uses (by local
+    expert, then by the rank they came from)."""
 
     def __init__(self, m):
         super().__init__()
         moe = m["moe"]
         self.k, self.sigmoid, self.norm = moe["top_k"], moe["router"] == "sigmoid_topk", moe["norm_topk_prob"]
+        self.n_experts, self.degree = moe["experts"], MESH["expert"]
         self.gate = nn.Linear(m["dim"], moe["experts"], bias=False)
-        self.experts = nn.ModuleList([LlamaMlp(m, moe["expert_ffn_dim"]) for _ in range(moe["experts"])])
+        local = moe["experts"] // self.degree
+        first = expert_rank() * local
+        self.experts = Experts({str(e): LlamaMlp(m, moe["expert_ffn_dim"]) for e in range(first, first + local)})
         if moe["shared_expert_ffn_dim"]:
             self.shared_expert = LlamaMlp(m, moe["shared_expert_ffn_dim"])
             if moe["shared_expert_gate"]:
                 self.shared_expert_gate = nn.Linear(m["dim"], 1, bias=False)
+
+    def routed(self, rows, counts):
+        """`rows` in expert order, `counts` rows per expert (of every expert) -> each row
+        through its expert, in the same order."""
+        if self.degree == 1:
+            return self.experts(rows, counts.tolist())
+        d, local = self.degree, self.n_experts // self.degree
+        # The activations live on the process group's device (CUDA under NCCL).
+        device = rows.device
+        # Every member learns how many rows each member sends each of its experts.
+        got = torch.empty(counts.shape, dtype=counts.dtype, device=device)
+        dist.all_to_all_single(got, counts, group=EXPERT_GROUP[0])
+        send = counts.view(d, local).sum(dim=1).tolist()
+        table = got.view(d, local)
+        recv = table.sum(dim=1).tolist()
+        arrived = all_to_all(rows, send, recv)
+        # From (source, expert) order to (expert, source) order, and back after the experts.
+        expert_of = torch.repeat_interleave(torch.arange(local, device=device).repeat(d), got)
+        order = torch.sort(expert_of, stable=True).indices
+        out = self.experts(arrived[order], table.sum(dim=0).tolist())
+        return all_to_all(out[torch.argsort(order)], recv, send)
 
     def forward(self, x):
         """x [b, s, dim] -> (y [b, s, dim], the router's f32 logits [b * s, experts])."""
@@ -271,12 +332,7 @@ class MoeFfn(nn.Module):
         picks = ids.reshape(-1)
         order = torch.sort(picks, stable=True).indices
         rows = h[order // self.k]
-        runs = torch.bincount(picks, minlength=len(self.experts)).tolist()
-        IN_EXPERTS[0] = True
-        try:
-            out = torch.cat([expert(part) for expert, part in zip(self.experts, rows.split(runs))])
-        finally:
-            IN_EXPERTS[0] = False
+        out = self.routed(rows, torch.bincount(picks, minlength=self.n_experts))
         scaled = out * w[order, None]
         y = scaled[torch.argsort(order)].view(-1, self.k, d).sum(dim=1)
         if hasattr(self, "shared_expert"):
@@ -493,10 +549,12 @@ def build_model():
     cls = FAMILIES[MODEL["family"]]
     with torch.device("meta"):
         model = cls(MODEL)
-    names = cls.hf_names(MODEL)
+    every = cls.hf_names(MODEL)
     have = dict(model.named_parameters())
+    # Under expert parallelism this rank builds its own experts only.
+    names = {path: hf for path, hf in every.items() if path in have}
     planned = {name: shape for name, shape, _ in PARAMS}
-    if set(names) != set(have) or set(names.values()) != set(planned):
+    if set(names) != set(have) or set(every.values()) != set(planned):
         raise SystemExit("error: the model's parameters differ from the plan's PARAMS (was the program edited?)")
     for path, hf in names.items():
         if list(have[path].shape) != planned[hf]:
@@ -561,18 +619,37 @@ def apply_checkpointing(model):
 
 
 def make_mesh(device):
+    """The data-parallel mesh, and under expert parallelism the routed experts' FSDP mesh:
+    the ranks holding the same experts (every `expert`-th shard of a replica), with the
+    expert groups' process group for the all-to-all."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if MESH["replicate"] > 1:
-        return init_device_mesh(device.type, (MESH["replicate"], MESH["shard"]), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device.type, (MESH["shard"],), mesh_dim_names=("shard",))
+    r, s, e = MESH["replicate"], MESH["shard"], MESH["expert"]
+    if r > 1:
+        mesh = init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (s,), mesh_dim_names=("shard",))
+    if e == 1:
+        return mesh, None
+    if r > 1:
+        ep = init_device_mesh(device.type, (r, s // e, e), mesh_dim_names=("replicate", "expert_shard", "expert"))
+        experts = ep["replicate", "expert_shard"]
+    else:
+        ep = init_device_mesh(device.type, (s // e, e), mesh_dim_names=("expert_shard", "expert"))
+        experts = ep["expert_shard"]
+    EXPERT_GROUP[0] = ep.get_group("expert")
+    return mesh, experts
 
 
-def apply_fully_shard(model, mesh, device):
-    """fully_shard per planned group, innermost modules first, the root last."""
+def apply_fully_shard(model, meshes, device):
+    """fully_shard per planned group, innermost modules first, the root last. The routed
+    experts' groups shard over the ranks holding the same experts (torchtitan's expert
+    FSDP); their gradients are averaged over every data-parallel rank by
+    `scale_expert_grads`."""
+    mesh, expert_mesh = meshes
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
                               reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])
-    kw = {"mesh": mesh, "mp_policy": mp}
+    kw = {"mp_policy": mp}
     if OFFLOAD:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     order = sorted(range(len(GROUPS)), key=lambda i: (GROUPS[i]["modules"] == [],
@@ -580,7 +657,7 @@ def apply_fully_shard(model, mesh, device):
     for i in order:
         g = GROUPS[i]
         modules = [module_at(model, m) for m in g["modules"]] or [model]
-        fully_shard(modules if len(modules) > 1 else modules[0],
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=expert_mesh if g["experts"] else mesh,
                     reshard_after_forward=g["reshard_after_forward"], **kw)
 
 
@@ -748,13 +825,48 @@ def train_step(model, opt, batches, step, total, device, meter):
         loss = model(tokens, targets)
         (loss / accum).backward()
         loss_sum += loss.detach().double()
+    scale_expert_grads(model)
     if GRAD_CLIP is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        clip_grad_norm(model, GRAD_CLIP, device)
     opt.step()
     opt.zero_grad(set_to_none=True)
     # The loss of the global batch: the mean over every rank and micro-batch.
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (accum * dist.get_world_size())
+
+
+def scale_expert_grads(model):
+    """An expert's gradient sums the contributions of its whole expert group's tokens, so
+    it is averaged over every data-parallel rank, as the dense gradients are; FSDP2 divided
+    it by its own mesh (the ranks holding that expert), `expert` times fewer. (torchtitan
+    sets the experts' gradient divide factor instead, which runs as NCCL's PREMUL_SUM, a
+    reduction gloo does not have.)"""
+    if MESH["expert"] == 1:
+        return
+    for path, p in model.named_parameters():
+        if ".experts." in path and p.grad is not None:
+            p.grad.mul_(1.0 / MESH["expert"])
+
+
+def clip_grad_norm(model, clip, device):
+    """Scales every gradient by min(1, clip / (global norm + 1e-6)), as torch's
+    clip_grad_norm_ does. Under expert parallelism the experts' gradients are sharded over
+    another mesh than the rest, which torch's cannot mix: each rank sums the squares of its
+    own shards, and the sum over every rank counts each shard once per replica."""
+    if MESH["expert"] == 1:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    # On the process group's device (NCCL reduces CUDA tensors only), gradients offloaded or not.
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local:
+        total += g.detach().float().pow(2).sum().to(device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    norm = (total / MESH["replicate"]).sqrt()
+    coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+    for g in local:
+        g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
 
 
 def evaluate(model, device, rank, world):
@@ -834,8 +946,8 @@ def main(argv=None):
 def run(a, device, rank, world):
     model, names = build_model()
     apply_checkpointing(model)
-    mesh = make_mesh(device)
-    apply_fully_shard(model, mesh, device)
+    meshes = make_mesh(device)
+    apply_fully_shard(model, meshes, device)
     set_prefetch(model)
     model.to_empty(device="cpu" if OFFLOAD else device)
     init_weights(model, names, a.init_from)
