@@ -502,6 +502,40 @@ fn an_expert_parallel_plan_says_its_groups_bound_and_memory_at_both() {
     }
 }
 
+/// FSDP2 running expert parallelism (what `export fsdp2` writes): planned with FSDP2's
+/// buffers, the experts' unit gathered over the ranks holding them, memory at the routing
+/// bound and at the even split, which is below it.
+#[test]
+fn runtime_fsdp2_plans_expert_parallelism_at_both_splits() {
+    let scratch = tempfile::tempdir().unwrap();
+    let spec = temp(
+        scratch.path(),
+        "ep.yaml",
+        "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nbatch: {per_rank: 2, seq_len: 64}\nruntime: fsdp2\n",
+    );
+    let args = [
+        "plan",
+        "--model",
+        "examples/models/tiny-moe.yaml",
+        "--parallel",
+        spec.to_str().unwrap(),
+    ];
+    let out = stdout(&shardplan_ok(&args));
+    for want in [
+        "routing bound: each rank receives at most ",
+        "all-gather g2 layers.1.experts over expert-shard 0,2",
+        "FSDP2",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&shardplan_ok(&[&args[..], &["--format", "json"]].concat()))).unwrap();
+    let bound = json["memory"]["peak"].as_u64().unwrap();
+    let even = json["experts"]["even"][0].as_u64().unwrap();
+    assert!(even < bound, "even {even} bound {bound}");
+    assert_eq!(json["policy"]["runtime"], "fsdp2");
+}
+
 #[test]
 fn a_token_dropping_plan_says_each_experts_capacity() {
     let scratch = tempfile::tempdir().unwrap();
@@ -556,8 +590,8 @@ fn bad_expert_specs_exit_2_naming_the_field() {
         ),
         (
             moe,
-            "mesh: {shard: 8, expert: 8}\ngpus_per_node: 8\nruntime: fsdp2\n",
-            "`runtime: fsdp2` models FSDP2's hooks on a data-parallel mesh; shardplan has no model of torchtitan's expert parallelism",
+            "mesh: {shard: 8, expert: 8}\ngpus_per_node: 8\nruntime: fsdp2\nactivation_checkpointing: full\n",
+            "`runtime: fsdp2` models expert parallelism under FSDP2 without activation checkpointing",
         ),
         (
             moe,
