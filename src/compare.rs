@@ -363,6 +363,31 @@ pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
         m.peak_reserved.map(bytes),
         m.peak_reserved.map_or("-".into(), |b| ratio(b as f64, reserved as f64)),
     );
+    // Routing is data-dependent: the plan is sized at the bound, and a run's batches land
+    // between that and the even split.
+    if let Some([even_peak, even_reserved, _]) = plan.experts.as_ref().and_then(|x| x.even) {
+        row(
+            &mut o,
+            "  at the even routing split",
+            bytes(even_peak),
+            m.peak_allocated.map(|(b, _)| bytes(b)),
+            m.peak_allocated
+                .map_or("-".into(), |(b, _)| ratio(b as f64, even_peak as f64)),
+        );
+        row(
+            &mut o,
+            "  reserved at the even split",
+            bytes(even_reserved),
+            m.peak_reserved.map(bytes),
+            m.peak_reserved
+                .map_or("-".into(), |b| ratio(b as f64, even_reserved as f64)),
+        );
+        let _ = writeln!(
+            o,
+            "  (the two peaks above them are at the routing bound, moe.capacity {}x the even split; a run's batches route between the two)",
+            plan.experts.as_ref().map_or(1.0, |x| x.capacity)
+        );
+    }
     if let Some((_, src)) = m.peak_allocated {
         let _ = writeln!(o, "  (measured allocation: {src}; ratio = measured / predicted)");
     }

@@ -534,6 +534,36 @@ fn runtime_fsdp2_plans_expert_parallelism_at_both_splits() {
     let even = json["experts"]["even"][0].as_u64().unwrap();
     assert!(even < bound, "even {even} bound {bound}");
     assert_eq!(json["policy"]["runtime"], "fsdp2");
+    // --compare sets a run's peak beside both.
+    let m = temp(
+        scratch.path(),
+        "m.json",
+        &format!("{{\"peak_allocated\": {}}}", (even + bound) / 2),
+    );
+    let out = stdout(&shardplan_ok(
+        &[&args[..], &["--compare", m.to_str().unwrap()]].concat(),
+    ));
+    for want in [
+        "peak allocated per rank",
+        "  at the even routing split",
+        "  reserved at the even split",
+        "at the routing bound, moe.capacity 2x the even split",
+    ] {
+        assert!(out.contains(want), "`{want}` not in:\n{out}");
+    }
+    let ratio = |row: &str| -> f64 {
+        let line = out.lines().find(|l| l.contains(row)).unwrap();
+        line.split_whitespace()
+            .last()
+            .unwrap()
+            .trim_end_matches('x')
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        ratio("peak allocated per rank") < 1.0 && ratio("at the even routing split") > 1.0,
+        "{out}"
+    );
 }
 
 #[test]
