@@ -21,8 +21,7 @@ for the mixtures of experts also expert parallelism (`ep-*`: expert groups of 2 
 1x4, EP 2 under HSDP 2x2, and EP 2 with full checkpointing, accumulation and bf16), which
 the dense models skip. An expert-parallel plan is sized at the routing bound and states the
 even split's peak too; the measured peak is held between them (--memory-check: at most the
-bound's prediction plus the tolerance, at least the even split's minus it) where `runtime:
-fsdp2` plans it, which is without checkpointing.
+bound's prediction plus the tolerance, at least the even split's minus it).
 
 Prints a table and writes DIR/summary.json; exits 1 when a loss differs by more than the
 tolerance (1e-4 relative; 2e-2 for bf16) or a peak misses its bound (--memory-check: 5% for
@@ -287,9 +286,7 @@ def check(a, model, model_name, name, torchrun, env):
     }
     bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
     if name in EP_CONFIGS:
-        # Held where `runtime: fsdp2` plans it (not under checkpointing).
-        if a.memory_check and model_used == "runtime: fsdp2" and (
-                ratio is None or even_ratio is None or ratio > 1 + bound or even_ratio < 1 - bound):
+        if a.memory_check and (ratio is None or even_ratio is None or ratio > 1 + bound or even_ratio < 1 - bound):
             bad = True
     elif a.memory_check and name != "offload" and (ratio is None or abs(ratio - 1) > bound):
         bad = True

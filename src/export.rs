@@ -327,10 +327,6 @@ fn fsdp2_prediction(plan: &Plan, parallel: &ParallelConfig, joint: &JointGraph) 
     if parallel.runtime == Runtime::Fsdp2 {
         return of(plan);
     }
-    if plan.mesh.expert() > 1 && parallel.activation_checkpointing != ActivationCheckpointing::None {
-        // Not modelled (the spec parser refuses `runtime: fsdp2` here): no prediction.
-        return Value::Null;
-    }
     let mut c = parallel.clone();
     c.runtime = Runtime::Fsdp2;
     c.hardware.kernels = shardplan_frontends::KernelMode::Eager;

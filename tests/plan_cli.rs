@@ -620,8 +620,8 @@ fn bad_expert_specs_exit_2_naming_the_field() {
         ),
         (
             moe,
-            "mesh: {shard: 8, expert: 8}\ngpus_per_node: 8\nruntime: fsdp2\nactivation_checkpointing: full\n",
-            "`runtime: fsdp2` models expert parallelism under FSDP2 without activation checkpointing",
+            "mesh: {shard: 8, expert: 8}\ngpus_per_node: 8\nruntime: fsdp2\nactivation_checkpointing: selective\n",
+            "`activation_checkpointing`: FSDP2 cannot run selective checkpointing with an expert axis",
         ),
         (
             moe,

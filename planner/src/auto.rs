@@ -220,9 +220,13 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
     let ac_options: Vec<ActivationCheckpointing> = if fixed.checkpointing || !has_blocks {
         vec![base.activation_checkpointing]
     } else if !base.runtime.is_shardplan() && base.mesh.expert > 1 {
-        // `runtime: fsdp2` models expert parallelism without checkpointing only (the
-        // spec parser refuses the rest).
-        vec![ActivationCheckpointing::None]
+        // FSDP2 cannot run selective checkpointing with an expert axis (the spec parser
+        // refuses it).
+        vec![
+            ActivationCheckpointing::Full,
+            ActivationCheckpointing::Every(2),
+            ActivationCheckpointing::None,
+        ]
     } else {
         vec![
             ActivationCheckpointing::Full,

@@ -359,6 +359,15 @@ def is_moe_layer(m, i):
     return bool(moe) and i >= moe["first_dense"] and moe["every"] > 0 and (i + 1) % moe["every"] == 0
 
 
+# The router logits of each MoE block of the forward pass under way, for the load-balancing
+# loss. They leave the block beside its output rather than as a second output: FSDP2 runs a
+# module's pre-backward hook once per output that receives a gradient, and the second run
+# would issue the block's backward prefetches again (its experts' unit, resharded by then,
+# gathered a second time). The logits also steer the block's output (the routing weights),
+# so their gradient is never computed before the block's pre-backward has unsharded it.
+ROUTER_LOGITS = []
+
+
 class Block(nn.Module):
     """A transformer block; `checkpoint` (set by apply_checkpointing) recomputes it in backward."""
 
@@ -366,9 +375,14 @@ class Block(nn.Module):
 
     def forward(self, x):
         if self.checkpoint is None:
-            return self.body(x)
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.body, x, use_reentrant=False, **self.checkpoint())
+            out = self.body(x)
+        else:
+            from torch.utils.checkpoint import checkpoint
+            out = checkpoint(self.body, x, use_reentrant=False, **self.checkpoint())
+        if isinstance(out, tuple):
+            out, logits = out
+            ROUTER_LOGITS.append(logits)
+        return out
 
 
 class LlamaBlock(Block):
@@ -423,12 +437,10 @@ class Llama(nn.Module):
 
     def forward(self, tokens, targets):
         x = self.tok_embeddings(tokens)
-        router_logits = []
+        ROUTER_LOGITS.clear()
         for layer in self.layers.values():
             x = layer(x)
-            if isinstance(x, tuple):
-                x, logits = x
-                router_logits.append(logits)
+        router_logits, ROUTER_LOGITS[:] = list(ROUTER_LOGITS), []
         loss = self.loss(self.output(self.norm(x)), targets)
         if self.aux is not None and router_logits:
             loss = loss + moe_aux_loss(router_logits, *self.aux)

@@ -369,16 +369,16 @@ impl ParallelSpecFile {
             },
         };
 
-        if runtime == Runtime::Fsdp2 && expert > 1 && activation_checkpointing != ActivationCheckpointing::None {
-            // The program `export fsdp2` writes was measured on the CPU (FSDPMemTracker,
-            // benches/fsdp2_export.py --size small): without checkpointing within 0.7-2.2%
-            // above this model at the even routing split; with full checkpointing 6-7% above
-            // it, past the routing bound, where the experts' unit runs its own FSDP2 hooks
-            // inside the recomputed block.
+        if runtime == Runtime::Fsdp2
+            && expert > 1
+            && matches!(activation_checkpointing, ActivationCheckpointing::Selective(_))
+        {
+            // `export fsdp2` refuses it too: PyTorch's selective checkpointing replay fails
+            // on the experts' FSDP2 hooks inside the checkpointed block.
             return Err(o.error(
-                "runtime",
-                "`runtime: fsdp2` models expert parallelism under FSDP2 without activation checkpointing; with it, the experts' FSDP unit runs its own hooks inside the recomputed block, which this model does not follow (measured 6-7% above it)",
-                "plan checkpointed expert parallelism with `runtime: shardplan` (the default), or drop activation_checkpointing to predict FSDP2",
+                "activation_checkpointing",
+                "FSDP2 cannot run selective checkpointing with an expert axis: the experts' FSDP unit runs its own hooks inside the recomputed block, which PyTorch's selective checkpointing replay refuses (seen with torch 2.15; torchtitan issue 3427)",
+                "predict `activation_checkpointing: full` (FSDP2 runs it), or plan this with `runtime: shardplan` (the default), which runs it",
             ));
         }
 
