@@ -346,41 +346,38 @@ pub fn table(plan: &Plan, m: &Measured, file: &Path) -> String {
         m.step_seconds.map(dur),
         m.step_seconds.map_or("-".into(), |x| ratio(x, e.step_s)),
     );
-    let peak = plan.memory.peak;
-    row(
+    // The allocated and reserved peaks' rows against a prediction of both.
+    let peaks = |o: &mut String, labels: [&str; 2], peak: u64, reserved: u64| {
+        row(
+            o,
+            labels[0],
+            bytes(peak),
+            m.peak_allocated.map(|(b, _)| bytes(b)),
+            m.peak_allocated
+                .map_or("-".into(), |(b, _)| ratio(b as f64, peak as f64)),
+        );
+        row(
+            o,
+            labels[1],
+            bytes(reserved),
+            m.peak_reserved.map(bytes),
+            m.peak_reserved.map_or("-".into(), |b| ratio(b as f64, reserved as f64)),
+        );
+    };
+    peaks(
         &mut o,
-        "peak allocated per rank",
-        bytes(peak),
-        m.peak_allocated.map(|(b, _)| bytes(b)),
-        m.peak_allocated
-            .map_or("-".into(), |(b, _)| ratio(b as f64, peak as f64)),
-    );
-    let reserved = plan.memory.reserved_peak;
-    row(
-        &mut o,
-        "peak reserved per rank",
-        bytes(reserved),
-        m.peak_reserved.map(bytes),
-        m.peak_reserved.map_or("-".into(), |b| ratio(b as f64, reserved as f64)),
+        ["peak allocated per rank", "peak reserved per rank"],
+        plan.memory.peak,
+        plan.memory.reserved_peak,
     );
     // Routing is data-dependent: the plan is sized at the bound, and a run's batches land
     // between that and the even split.
     if let Some([even_peak, even_reserved, _]) = plan.experts.as_ref().and_then(|x| x.even) {
-        row(
+        peaks(
             &mut o,
-            "  at the even routing split",
-            bytes(even_peak),
-            m.peak_allocated.map(|(b, _)| bytes(b)),
-            m.peak_allocated
-                .map_or("-".into(), |(b, _)| ratio(b as f64, even_peak as f64)),
-        );
-        row(
-            &mut o,
-            "  reserved at the even split",
-            bytes(even_reserved),
-            m.peak_reserved.map(bytes),
-            m.peak_reserved
-                .map_or("-".into(), |b| ratio(b as f64, even_reserved as f64)),
+            ["  at the even routing split", "  reserved at the even split"],
+            even_peak,
+            even_reserved,
         );
         let _ = writeln!(
             o,

@@ -583,40 +583,31 @@ fn every_collective_of_the_program_gets_a_tensor_on_the_process_groups_device() 
 /// within the bound of the `runtime: fsdp2` prediction, selective checkpointing included.
 #[test]
 fn exported_qwen3_and_moe_programs_train_as_shardplan_does() {
+    check_models("qwen3,moe,mixtral", "1x4,selective-ac,accum-2-final,bf16", 12);
+}
+
+/// `benches/fsdp2_export.py` for `models` x `configs` (as `run_export_check`), which must
+/// run `runs` runs within tolerance; skipped without a Python that has torch.
+fn check_models(models: &str, configs: &str, runs: usize) {
     let Some(py) = torch_python() else {
         eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
         return;
     };
-    let text = run_export_check(
-        &py,
-        &[
-            "--models",
-            "qwen3,moe,mixtral",
-            "--configs",
-            "1x4,selective-ac,accum-2-final,bf16",
-        ],
-    );
-    assert!(text.contains("all 12 runs within tolerance"), "{text}");
+    let text = run_export_check(&py, &["--models", models, "--configs", configs]);
+    assert!(text.contains(&format!("all {runs} runs within tolerance")), "{text}");
 }
 
 /// Expert parallelism as torchtitan runs it under FSDP2 (the rows sent to their experts'
 /// ranks and back by all-to-all, each rank's experts an FSDP unit over the ranks holding
 /// them): the exported program's losses equal `shardplan train`'s on groups of 2 and 4,
-/// under HSDP, full checkpointing, accumulation and bf16 parameters.
+/// under HSDP, full checkpointing, accumulation and bf16 parameters, and FSDPMemTracker's
+/// peak lies between the `runtime: fsdp2` predictions at the even routing split and at the
+/// bound.
 #[test]
 fn exported_expert_parallel_programs_train_as_shardplan_does() {
-    let Some(py) = torch_python() else {
-        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
-        return;
-    };
-    let text = run_export_check(
-        &py,
-        &[
-            "--models",
-            "moe,mixtral",
-            "--configs",
-            "ep-2,ep-4,hsdp-ep-2,ep-2-full-ac,ep-2-accum-2-final,ep-2-bf16",
-        ],
+    check_models(
+        "moe,mixtral",
+        "ep-2,ep-4,hsdp-ep-2,ep-2-full-ac,ep-2-accum-2-final,ep-2-bf16",
+        12,
     );
-    assert!(text.contains("all 12 runs within tolerance"), "{text}");
 }
