@@ -424,6 +424,7 @@ fn params_literal(g: &Graph) -> Value {
 fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliError> {
     // A tied weight read by the head outside its own group: FSDP2 would hand the head the
     // sharded parameter once its group reshards, where shardplan gathers it again.
+    let hook = hook_groups(plan);
     for (k, grp) in plan.groups.iter().enumerate() {
         if grp.group.is_root() || matches!(grp.reshard, GroupReshard::Keep) {
             continue;
@@ -431,7 +432,7 @@ fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliE
         let foreign = plan
             .steps
             .iter()
-            .filter(|s| hook_group(plan, s.group.index()) != hook_group(plan, k) && s.phase == Phase::Forward)
+            .filter(|s| hook[s.group.index()] != hook[k] && s.phase == Phase::Forward)
             .any(|s| s.reads.iter().any(|r| r.index() == k));
         if foreign {
             return Err(origin.refuse(
@@ -583,33 +584,43 @@ fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
     out
 }
 
-/// The group whose module's hooks fire where a step of group `k` starts: `k`, or for a unit
-/// of routed experts the dense unit of the same module (a block's steps run under its
-/// experts' group, but the block's pre-forward and pre-backward hooks fire first; the
-/// experts' own hooks fire inside the step).
-fn hook_group(plan: &Plan, k: usize) -> usize {
-    let grp = &plan.groups[k].group;
-    if !grp.experts {
-        return k;
-    }
+/// Per group `k`, the group whose module's hooks fire where a step of `k` starts: `k`, or
+/// for a unit of routed experts the dense unit of the same module (a block's steps run
+/// under its experts' group, but the block's pre-forward and pre-backward hooks fire
+/// first; the experts' own hooks fire inside the step).
+fn hook_groups(plan: &Plan) -> Vec<usize> {
     plan.groups
         .iter()
-        .position(|o| !o.group.experts && o.group.scopes == grp.scopes)
-        .unwrap_or(k)
+        .enumerate()
+        .map(|(k, grp)| {
+            if !grp.group.experts {
+                return k;
+            }
+            plan.groups
+                .iter()
+                .position(|o| !o.group.experts && o.group.scopes == grp.group.scopes)
+                .unwrap_or(k)
+        })
+        .collect()
 }
 
-/// The groups whose modules' pre-hooks may fire where step `st` starts: its own group's
-/// (the block's for a step under a unit of routed experts) and every group it reads (a
-/// unit of routed experts fires where its parameters are first read in the pass).
-fn hooks(plan: &Plan, st: usize) -> Vec<usize> {
-    let s = &plan.steps[st];
-    let mut out = vec![hook_group(plan, s.group.index())];
-    for r in &s.reads {
-        if !out.contains(&r.index()) {
-            out.push(r.index());
-        }
-    }
-    out
+/// Per step, the groups whose modules' pre-hooks may fire where it starts: its own group's
+/// (the block's for a step under a unit of routed experts, by `hook_groups`) and every
+/// group it reads (a unit of routed experts fires where its parameters are first read in
+/// the pass).
+fn step_hooks(plan: &Plan, hook: &[usize]) -> Vec<Vec<usize>> {
+    plan.steps
+        .iter()
+        .map(|s| {
+            let mut out = vec![hook[s.group.index()]];
+            for r in &s.reads {
+                if !out.contains(&r.index()) {
+                    out.push(r.index());
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 /// The pass a step belongs to for FSDP2's hooks: forward, or backward (recompute included).
@@ -622,6 +633,8 @@ type Lists = BTreeMap<(u32, usize, usize), Vec<usize>>;
 /// The explicit prefetch lists one program implies: `(micro, pass, trigger group) -> groups`.
 fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Result<Lists, CliError> {
     let gates = compute_gates(prog, plan.events);
+    let hook = hook_groups(plan);
+    let hooks = step_hooks(plan, &hook);
     // Compute instructions in compute-stream order: (issue index, step, micro).
     let computes: Vec<(usize, usize, u32)> = prog
         .instrs
@@ -637,7 +650,7 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
     let mut first: BTreeMap<(u32, usize, usize), usize> = BTreeMap::new();
     for &(_, st, micro) in &computes {
         if let Some(s) = plan.steps.get(st) {
-            for k in hooks(plan, st) {
+            for &k in &hooks[st] {
                 first.entry((micro, pass(s.phase), k)).or_insert(st);
             }
         }
@@ -688,11 +701,12 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
         // (its unshard), else the outermost one's prefetch list. A unit of routed experts
         // gathered where its block's hook fires is prefetched by the block, whose hook
         // fires first, as the plan issues it at the step's start.
-        let fire: Vec<usize> = hooks(plan, tstep)
-            .into_iter()
+        let fire: Vec<usize> = hooks[tstep]
+            .iter()
+            .copied()
             .filter(|&k| first.get(&(tmicro, pass(ts.phase), k)) == Some(&tstep))
             .collect();
-        let companion = hook_group(plan, g);
+        let companion = hook[g];
         let trigger = if fire.contains(&g) && !(companion != g && fire.contains(&companion)) {
             g
         } else if let Some(&k) = fire
@@ -703,7 +717,7 @@ fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Res
         {
             k
         } else {
-            let k = hook_group(plan, ts.group.index());
+            let k = hook[ts.group.index()];
             return Err(at(format!(
                 "group {g}'s all-gather is issued at `{}`, inside group {k}'s {} but not at its start",
                 ts.label,
@@ -799,6 +813,7 @@ fn prefetch_lists(
         }
     }
     let lists = lists.unwrap_or_default();
+    let hooks = step_hooks(plan, &hook_groups(plan));
     let mut fwd = Vec::new();
     let mut bwd = Vec::new();
     for ((_, p, t), v) in &lists {
@@ -818,7 +833,7 @@ fn prefetch_lists(
                 .steps
                 .iter()
                 .enumerate()
-                .any(|(st, s)| s.phase != Phase::Forward && hooks(plan, st).contains(&k))
+                .any(|(st, s)| s.phase != Phase::Forward && hooks[st].contains(&k))
         {
             bwd.push(json!([key_of(k), [key_of(k)]]));
         }

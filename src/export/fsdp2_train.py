@@ -440,7 +440,8 @@ class Llama(nn.Module):
         ROUTER_LOGITS.clear()
         for layer in self.layers.values():
             x = layer(x)
-        router_logits, ROUTER_LOGITS[:] = list(ROUTER_LOGITS), []
+        router_logits = ROUTER_LOGITS[:]
+        ROUTER_LOGITS.clear()
         loss = self.loss(self.output(self.norm(x)), targets)
         if self.aux is not None and router_logits:
             loss = loss + moe_aux_loss(router_logits, *self.aux)
