@@ -25,7 +25,8 @@
 #              on one GPU; the device's allocator peaks and memory in use against the plan's
 #              peak; a measured trace
 #   parity     `shardplan train --device cuda` against `--device cpu` on tiny-llama, meshes
-#              1x1, 1x2 and 2x2 (ranks as threads on the one GPU): per-step losses and
+#              1x1, 1x2 and 2x2, and on the mixture of experts tiny-moe, 1x1 and 1x4 with
+#              an expert axis of 2 (ranks as threads on the one GPU): per-step losses and
 #              gradient norms from the --log files, max relative difference, pass at --tol
 #   export     `shardplan export fsdp2` of the same 1B plan, run under torchrun on this GPU
 #              (PyTorch FSDP2 exactly as planned): tokens/s and torch.cuda peak allocated /
@@ -96,7 +97,8 @@ PROFILE_TIMEOUT=300
 PROFILE_ARGS=
 MODEL=examples/models/llama-1b.yaml
 SPEC_1B=examples/parallel/gpu-check-llama-1b.yaml
-MESHES="1x1 1x2 2x2"
+# Parity runs: tiny-llama on gpu-check-M.yaml for each M, tiny-moe for each moe-M.
+MESHES="1x1 1x2 2x2 moe-1x1 moe-ep2"
 
 need_value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see --help)"; }
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
@@ -454,14 +456,17 @@ else
   status nccl skipped "--checks"
 fi
 
-# --- (4) parity: CUDA against CPU on tiny-llama ------------------------------------------
+# --- (4) parity: CUDA against CPU on tiny-llama and tiny-moe -----------------------------
 if wants parity; then
   mkdir -p "$OUTDIR/parity"
   for mesh in $MESHES; do
-    spec=examples/parallel/gpu-check-$mesh.yaml
+    case $mesh in
+      moe-*) model=examples/models/tiny-moe.yaml; spec=examples/parallel/gpu-check-${mesh#moe-}.yaml ;;
+      *) model=tiny-llama; spec=examples/parallel/gpu-check-$mesh.yaml ;;
+    esac
     for dev in cpu cuda; do
       rm -f "$OUTDIR/parity/$dev-$mesh.jsonl"
-      timeout 300 "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model tiny-llama --parallel "$spec" \
+      timeout 300 "$(pwd)/scripts/run-cuda.sh" "$BIN" -- train --model "$model" --parallel "$spec" \
         --steps "$PARITY_STEPS" --device "$dev" --log "$OUTDIR/parity/$dev-$mesh.jsonl" \
         >"$OUTDIR/parity/$dev-$mesh.out" 2>"$OUTDIR/parity/$dev-$mesh.err"
       echo $? >"$OUTDIR/parity/$dev-$mesh.rc"
@@ -490,7 +495,9 @@ def compare(a, b):
         out[f"step_of_max_{key}"] = diffs.index(max(diffs)) + 1 if diffs else None
     return out
 
-report = {"model": "tiny-llama", "steps": steps, "tolerance_rel": tol, "meshes": {}}
+report = {"models": {"tiny-llama": [m for m in meshes if not m.startswith("moe-")],
+                     "tiny-moe": [m for m in meshes if m.startswith("moe-")]},
+          "steps": steps, "tolerance_rel": tol, "meshes": {}}
 ok_all = True
 runs = {}
 for mesh in meshes:
@@ -511,14 +518,15 @@ for mesh in meshes:
         r["pass"] = False
     ok_all &= r["pass"]
     report["meshes"][mesh] = r
-# The same global batch on every mesh: each mesh against 1x1 on the same device.
+# The same global batch on every mesh: each mesh against its model's 1x1 on the same device.
 report["across_meshes"] = {}
 for dev in ("cpu", "cuda"):
-    base = runs.get((dev, "1x1")) or []
-    for mesh in meshes[1:]:
+    for mesh in meshes:
+        one = "moe-1x1" if mesh.startswith("moe-") else "1x1"
+        base = runs.get((dev, one)) or []
         other = runs.get((dev, mesh)) or []
-        if base and len(other) == len(base):
-            report["across_meshes"][f"{dev} {mesh} vs 1x1"] = compare(other, base)
+        if mesh != one and base and len(other) == len(base):
+            report["across_meshes"][f"{dev} {mesh} vs {one}"] = compare(other, base)
 report["pass"] = ok_all
 json.dump(report, open(f"{d}/../parity.json", "w"), indent=2)
 for mesh, r in report["meshes"].items():

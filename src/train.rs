@@ -90,29 +90,39 @@ pub struct TrainArgs {
     /// error naming it (a rank that died or hung).
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
     pub collective_timeout: f64,
-    /// For tests of the failure paths: make rank R fail or stall at instruction I of its
-    /// program (`R:I:fail` or `R:I:stall`).
-    #[arg(long, hide = true, value_name = "R:I:fail|stall")]
+    /// For tests of the failure paths: make rank R fail, stall or run out of device memory
+    /// at instruction I of its program (`R:I:fail`, `R:I:stall`, `R:I:oom`), at every step
+    /// or, with `:STEP`, at that step of the run only.
+    #[arg(long, hide = true, value_name = "R:I:fail|stall|oom[:STEP]")]
     pub inject_fault: Vec<String>,
 }
 
-fn parse_fault(s: &str) -> Result<(u64, usize, shardplan_executor::train::sharded::Fault), CliError> {
+fn parse_fault(s: &str) -> Result<(u64, usize, shardplan_executor::train::sharded::Fault, Option<u64>), CliError> {
     use shardplan_executor::train::sharded::Fault;
     let bad = || {
         CliError::Usage(format!(
-            "--inject-fault {s:?}: write RANK:INSTRUCTION:fail or RANK:INSTRUCTION:stall"
+            "--inject-fault {s:?}: write RANK:INSTRUCTION:KIND or RANK:INSTRUCTION:KIND:STEP, KIND one of fail, stall, oom"
         ))
     };
     let mut it = s.split(':');
-    let (Some(r), Some(i), Some(k), None) = (it.next(), it.next(), it.next(), it.next()) else {
+    let (Some(r), Some(i), Some(k), step, None) = (it.next(), it.next(), it.next(), it.next(), it.next()) else {
         return Err(bad());
     };
     let fault = match k {
         "fail" => Fault::Fail,
         "stall" => Fault::Stall,
+        "oom" => Fault::OutOfMemory,
         _ => return Err(bad()),
     };
-    Ok((r.parse().map_err(|_| bad())?, i.parse().map_err(|_| bad())?, fault))
+    let step = step
+        .map(|n| n.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(bad))
+        .transpose()?;
+    Ok((
+        r.parse().map_err(|_| bad())?,
+        i.parse().map_err(|_| bad())?,
+        fault,
+        step,
+    ))
 }
 
 /// The engine that moves data between ranks.
@@ -375,8 +385,8 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
     }
     trainer.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
     for f in &args.inject_fault {
-        let (rank, instr, fault) = parse_fault(f)?;
-        trainer.inject_fault(rank, instr, fault);
+        let (rank, instr, fault, step) = parse_fault(f)?;
+        trainer.inject_fault_at(rank, instr, fault, step);
     }
     let leader = trainer.is_leader();
     if leader {

@@ -340,9 +340,11 @@ impl Collectives for LocalGroup {
         self.run(tag, Kind::Barrier, None).map(|_| ())
     }
 
-    fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
-        super::check_parts(parts, self.size())?;
-        self.exchange(tag, parts)
+    fn all_to_all(&self, tag: u64, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
+        super::check_parts(parts, lens, self.size())?;
+        let got = self.exchange(tag, parts)?;
+        super::check_received(&got, lens)?;
+        Ok(got)
     }
 }
 
@@ -472,10 +474,11 @@ mod tests {
         let run = |gathered: bool| {
             on_group(n, |g, r| {
                 let parts: Vec<Tensor> = (0..n).map(|q| part(r, q)).collect();
+                let lens: Vec<usize> = (0..n).map(|q| part(q, r).elem_count()).collect();
                 let got = if gathered {
-                    Gathered(g).all_to_all(0, &parts)
+                    Gathered(g).all_to_all(0, &parts, &lens)
                 } else {
-                    g.all_to_all(0, &parts)
+                    g.all_to_all(0, &parts, &lens)
                 };
                 got.unwrap()
                     .iter()
@@ -491,12 +494,38 @@ mod tests {
         assert_eq!(direct, run(true));
     }
 
+    /// A member expecting another length than its peer sent (routing from another table)
+    /// fails naming the member, on both the exchange and the default.
+    #[test]
+    fn an_all_to_all_receiving_other_lengths_than_expected_fails() {
+        let n = 2;
+        for gathered in [false, true] {
+            let out = on_group(n, |g, r| {
+                let parts: Vec<Tensor> = (0..n).map(|q| part(r, q)).collect();
+                let mut lens: Vec<usize> = (0..n).map(|q| part(q, r).elem_count()).collect();
+                if r == 1 {
+                    lens[0] += 1;
+                }
+                let got = if gathered {
+                    Gathered(g).all_to_all(0, &parts, &lens)
+                } else {
+                    g.all_to_all(0, &parts, &lens)
+                };
+                got.map(|_| ()).map_err(|e| e.to_string())
+            });
+            assert!(out[0].is_ok(), "{:?}", out[0]);
+            let e = out[1].as_ref().unwrap_err();
+            assert!(e.contains("member 0 sent") && e.contains("routing disagrees"), "{e}");
+        }
+    }
+
     #[test]
     fn an_all_to_all_against_another_collective_aborts_naming_it() {
         let out = on_group(2, |g, r| {
             if r == 0 {
                 let parts = [part(0, 0), part(0, 1)];
-                g.all_to_all(7, &parts).map(|_| ()).map_err(|e| e.to_string())
+                let lens = [part(0, 0).elem_count(), part(1, 0).elem_count()];
+                g.all_to_all(7, &parts, &lens).map(|_| ()).map_err(|e| e.to_string())
             } else {
                 // Arrive second, so the all-to-all is already waiting.
                 std::thread::sleep(Duration::from_millis(50));

@@ -59,15 +59,30 @@ pub enum Reduce {
     Avg,
 }
 
-/// What every all-to-all needs of its parts: one per member of the group.
-pub(crate) fn check_parts(parts: &[Tensor], members: usize) -> Result<(), ExecError> {
-    if parts.len() == members {
+/// What every all-to-all needs of its parts: one per member of the group, and one
+/// expected length from each.
+pub(crate) fn check_parts(parts: &[Tensor], lens: &[usize], members: usize) -> Result<(), ExecError> {
+    if parts.len() == members && lens.len() == members {
         Ok(())
     } else {
         Err(ExecError::Internal(format!(
-            "an all-to-all of {} parts over {members} members",
-            parts.len()
+            "an all-to-all of {} parts and {} expected lengths over {members} members",
+            parts.len(),
+            lens.len()
         )))
+    }
+}
+
+/// What a backend that learns the lengths it receives checks against the caller's: a
+/// member that sent another length routed from another table (a bug, never the data).
+pub(crate) fn check_received(got: &[Tensor], lens: &[usize]) -> Result<(), ExecError> {
+    match got.iter().zip(lens).position(|(t, &l)| t.elem_count() != l) {
+        None => Ok(()),
+        Some(q) => Err(ExecError::Internal(format!(
+            "an all-to-all: member {q} sent {} elements where this member expected {}: the members' routing disagrees",
+            got[q].elem_count(),
+            lens[q]
+        ))),
     }
 }
 
@@ -92,26 +107,30 @@ pub trait Collectives: Send + Sync {
     /// Returns when every member has arrived.
     fn barrier(&self, tag: u64) -> Result<(), ExecError>;
     /// Sends `parts[i]` (1-D, one dtype, any lengths) to member `i` and returns what each
-    /// member sent this one, in member order; a collective taking two tags, `tag` and
+    /// member sent this one, in member order; `lens[i]` is the length member `i` sends this
+    /// one, which the caller knows (expert parallelism's routing table is every member's),
+    /// so a backend needs no count exchange. A collective taking two tags, `tag` and
     /// `tag + 1`. This default moves every member's parts to every member through two
     /// all-gathers (the lengths, then the parts padded to the longest): correct on every
     /// backend, `size` times the traffic of a real all-to-all.
-    fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
+    fn all_to_all(&self, tag: u64, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
         let n = self.size();
-        check_parts(parts, n)?;
+        check_parts(parts, lens, n)?;
         let first = parts
             .first()
             .ok_or_else(|| ExecError::Internal("an all-to-all over no members".into()))?;
         let (dtype, device) = (first.dtype(), first.device().clone());
-        let lens: Vec<f64> = parts.iter().map(|p| p.elem_count() as f64).collect();
+        let sent: Vec<f64> = parts.iter().map(|p| p.elem_count() as f64).collect();
         let all_lens = self
-            .all_gather(tag, &Tensor::from_vec(lens, n, &device)?)?
+            .all_gather(tag, &Tensor::from_vec(sent, n, &device)?)?
             .to_vec1::<f64>()?;
         let width = all_lens.iter().fold(0f64, |a, &b| a.max(b)) as usize;
         if width == 0 {
-            return Ok((0..n)
+            let got: Vec<Tensor> = (0..n)
                 .map(|_| Tensor::zeros(0, dtype, &device))
-                .collect::<Result<_, _>>()?);
+                .collect::<Result<_, _>>()?;
+            check_received(&got, lens)?;
+            return Ok(got);
         }
         let padded: Vec<Tensor> = parts
             .iter()
@@ -126,12 +145,14 @@ pub trait Collectives: Send + Sync {
             .collect::<Result<_, _>>()?;
         let all = self.all_gather(tag.wrapping_add(1), &Tensor::cat(&padded, 0)?)?;
         let me = self.index();
-        (0..n)
+        let got = (0..n)
             .map(|q| {
                 let len = all_lens[q * n + me] as usize;
                 Ok(all.narrow(0, (q * n + me) * width, len)?)
             })
-            .collect()
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        check_received(&got, lens)?;
+        Ok(got)
     }
     /// Whether a call only enqueues its collective, which completes later on the device
     /// (NCCL). A rank then launches the collectives of all its communicators in one order,

@@ -14,8 +14,9 @@
 //!   and results must equal the Local backend's bit for bit (it sums in rank order too);
 //!   16-bit data then needs no MPI reduction type either. The receive buffer is host
 //!   memory the plan does not count: per communicator, its largest reduce-scatter input.
-//! - An all-to-all (expert parallelism's dispatch and combine) is `MPI_Alltoall` of the
-//!   counts, then `MPI_Alltoallv` of the parts: each element crosses once.
+//! - An all-to-all (expert parallelism's dispatch and combine) is one `MPI_Alltoallv` of
+//!   the parts, each member receiving the lengths the routing table says: each element
+//!   crosses once, and no counts are exchanged.
 //! - MPI collectives cannot time out, so a watchdog thread does: when a collective has
 //!   waited longer than the timeout, or a local stream failed, it prints why and calls
 //!   `MPI_Abort`, which makes the launcher stop every rank.
@@ -458,30 +459,18 @@ impl MpiGroup {
         Ok(Tensor::from_vec(all, input.shape(), &Device::Cpu)?.to_device(input.device())?)
     }
 
-    /// `parts[q]` to member `q` by `MPI_Alltoallv`, after an `MPI_Alltoall` of the counts
-    /// (each member learns what it receives from whom): every element crosses once.
-    fn all_to_all_as<E: Elem>(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
-        let n = self.size;
+    /// `parts[q]` to member `q` by `MPI_Alltoallv`, receiving `lens[q]` from member `q`
+    /// (the caller's routing table says what each member sends, so no counts are
+    /// exchanged): every element crosses once.
+    fn all_to_all_as<E: Elem>(&self, tag: u64, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
         let sends: Vec<c_int> = parts
             .iter()
             .map(|p| count(p.elem_count(), "an all-to-all"))
             .collect::<Result<_, _>>()?;
-        let mut recvs = vec![0 as c_int; n];
-        {
-            let _g = self.guard("all-to-all counts", tag);
-            // SAFETY: one c_int to and from each member; this stream's communicator alone.
-            checked(unsafe {
-                ffi::MPI_Alltoall(
-                    sends.as_ptr().cast(),
-                    1,
-                    i32::equivalent_datatype().as_raw(),
-                    recvs.as_mut_ptr().cast(),
-                    1,
-                    i32::equivalent_datatype().as_raw(),
-                    self.comm.0.as_raw(),
-                )
-            })?;
-        }
+        let recvs: Vec<c_int> = lens
+            .iter()
+            .map(|&l| count(l, "an all-to-all"))
+            .collect::<Result<_, _>>()?;
         let displs = |c: &[c_int]| -> Result<Vec<c_int>, ExecError> {
             let mut at = 0usize;
             c.iter()
@@ -506,7 +495,8 @@ impl MpiGroup {
             let _g = self.guard("all-to-all", tag);
             filled::<E>(total, |out| {
                 // SAFETY: `send` holds sends[q] elements for member q at sdispls[q], `out`
-                // room for recvs[q] at rdispls[q] (the counts every member exchanged above);
+                // room for recvs[q] at rdispls[q] (what member q sends this one: every
+                // member reads the same routing table);
                 // the communicator is this stream's alone.
                 unsafe {
                     ffi::MPI_Alltoallv(
@@ -584,8 +574,8 @@ impl Collectives for MpiGroup {
         by_dtype!(input.dtype(), E => self.broadcast_as::<E>(tag, input))
     }
 
-    fn all_to_all(&self, tag: u64, parts: &[Tensor]) -> Result<Vec<Tensor>, ExecError> {
-        super::check_parts(parts, self.size)?;
+    fn all_to_all(&self, tag: u64, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
+        super::check_parts(parts, lens, self.size)?;
         let dtype = parts[0].dtype();
         if let Some(p) = parts.iter().find(|p| p.dtype() != dtype || p.rank() != 1) {
             return Err(ExecError::Internal(format!(
@@ -595,7 +585,7 @@ impl Collectives for MpiGroup {
                 p.dims()
             )));
         }
-        by_dtype!(dtype, E => self.all_to_all_as::<E>(tag, parts))
+        by_dtype!(dtype, E => self.all_to_all_as::<E>(tag, parts, lens))
     }
 
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {

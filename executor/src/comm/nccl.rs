@@ -8,7 +8,8 @@
 //! - the unique-id exchange: the lowest rank of each group makes its id, and every
 //!   process gathers all of them over the process world (TCP under torchrun /
 //!   `shardplan launch`, MPI under mpirun) ([`exchange_ids`]);
-//! - waiting for device work with the world's timeout and abort ([`wait_done`]).
+//! - waiting for device work with the world's timeout and abort ([`wait_done`]);
+//! - where an all-to-all's parts lie in its one send and one receive buffer ([`offsets`]).
 //!
 //! The `device` module (feature `cuda`) is the thin part that needs a GPU: it creates the
 //! streams and communicators and issues each collective.
@@ -73,6 +74,21 @@ pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
             })
         })
         .collect()
+}
+
+/// Where each of `lens` starts when they are laid one after another, and their total: an
+/// all-to-all's parts in its one send buffer and what arrives in its one receive buffer.
+pub fn offsets(lens: &[usize]) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let starts = lens
+        .iter()
+        .map(|&l| {
+            let s = at;
+            at += l;
+            s
+        })
+        .collect();
+    (starts, at)
 }
 
 /// The plan streams that issue collectives, each of which gets its own CUDA stream (the
@@ -399,6 +415,14 @@ mod tests {
             .as_ref()
             .unwrap_err()
             .contains("2 NCCL ids arrived for the shard group"));
+    }
+
+    /// The all-to-all's parts and receipts lie back to back, empty ones taking no room.
+    #[test]
+    fn offsets_lay_parts_back_to_back() {
+        assert_eq!(offsets(&[3, 0, 2, 5]), (vec![0, 3, 3, 5], 10));
+        assert_eq!(offsets(&[0, 0]), (vec![0, 0], 0));
+        assert_eq!(offsets(&[]), (vec![], 0));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Every rank of an expert group runs the same graph in the same order, so, as for the
 //! tensor group, the group's collectives are tagged by a per-rank counter. Each rank of
 //! the group reads the whole routing table, so every rank computes every send and receive
-//! count itself: the all-to-all needs no count exchange.
+//! count itself and hands the receive counts to the all-to-all: it needs no count exchange.
 
 use crate::comm::Collectives;
 use crate::ExecError;
@@ -211,9 +211,11 @@ impl ExpertGroup {
     }
 
     /// Sends `parts[r]` (flat rows of width `d`) to member `r`; returns what every member
-    /// sent this one, as rows, in member order.
-    fn exchange(&self, parts: &[Tensor], d: usize) -> Result<Tensor> {
-        let got = self.comm.all_to_all(self.tags(2), parts)?;
+    /// sent this one (`rows[q]` rows from member `q`, as the routing table says), as rows,
+    /// in member order.
+    fn exchange(&self, parts: &[Tensor], rows: impl Iterator<Item = usize>, d: usize) -> Result<Tensor> {
+        let lens: Vec<usize> = rows.map(|r| r * d).collect();
+        let got = self.comm.all_to_all(self.tags(2), parts, &lens)?;
         let chunks: Vec<Tensor> = got
             .iter()
             .map(|t| t.reshape(((), d)))
@@ -253,7 +255,8 @@ impl ExpertGroup {
             parts.push(x.narrow(0, start, n)?.flatten_all()?);
             start += n;
         }
-        let recv = self.exchange(&parts, d)?;
+        let me = routes.me;
+        let recv = self.exchange(&parts, (0..routes.degree()).map(|q| routes.sends(q, me)), d)?;
         let order = routes.output_order();
         let n = order.len();
         let mut out = rows_at(&recv, order)?;
@@ -291,7 +294,8 @@ impl ExpertGroup {
             parts.push(rows_at(&y, at[start..start + n].to_vec())?.flatten_all()?);
             start += n;
         }
-        let back = self.exchange(&parts, d)?;
+        let me = routes.me;
+        let back = self.exchange(&parts, (0..routes.degree()).map(|q| routes.sends(me, q)), d)?;
         // The rows `moe_drop` dropped went nowhere: zero rows in their places, the last of
         // this rank's expert order.
         let all = routes.assignments(table)?;

@@ -13,8 +13,8 @@ use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 use crate::init::init_slice_elements;
 use crate::runtime::optim::{base_lr, lr_at, OptState};
-pub use crate::runtime::rank::Fault;
 use crate::runtime::rank::{run_step, RankState, Shared};
+pub use crate::runtime::rank::{Fault, Injected};
 use crate::train::data::{rank_rows, DataSource};
 use crate::train::eval::{step_starts, Validation};
 use crate::train::trainer::data_source;
@@ -444,9 +444,20 @@ impl ShardedTrainer {
     }
 
     /// Makes `rank` fail or stall when it reaches instruction `instr` (for tests of the
-    /// failure paths).
+    /// failure paths), at every step.
     pub fn inject_fault(&mut self, rank: u64, instr: usize, fault: Fault) {
-        self.shared.faults.push((rank, instr, fault));
+        self.inject_fault_at(rank, instr, fault, None);
+    }
+
+    /// [`Self::inject_fault`] at step `step` of the run only (counting from 1), or at
+    /// every step.
+    pub fn inject_fault_at(&mut self, rank: u64, instr: usize, fault: Fault, step: Option<u64>) {
+        self.shared.faults.push(Injected {
+            rank,
+            instr,
+            fault,
+            step,
+        });
     }
 
     /// Launches every rank's collectives in issue order, as an enqueueing backend (NCCL)

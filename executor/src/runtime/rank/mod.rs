@@ -42,8 +42,8 @@ pub struct Shared {
     /// Position in `exec.order` where each step starts.
     pub step_start: Vec<usize>,
     pub clip: Option<f64>,
-    /// Failures injected by tests: (rank, instruction, what).
-    pub faults: Vec<(u64, usize, Fault)>,
+    /// Failures injected by tests.
+    pub faults: Vec<Injected>,
     /// Launch collectives in issue order even on blocking backends (tests of the order an
     /// enqueueing backend gets; see `Collectives::enqueues`).
     pub ordered_launch: bool,
@@ -66,6 +66,47 @@ pub enum Fault {
     Stall,
     /// The instruction fails.
     Fail,
+    /// The instruction fails as a CUDA allocation that finds the device full does (the
+    /// driver's error, as cudarc words it): the out-of-memory path without a full GPU.
+    OutOfMemory,
+}
+
+/// `fault` at instruction `instr` of `rank`'s program, at step `step` of the run
+/// (counting from 1, as the log does) or, `None`, at every step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Injected {
+    pub rank: u64,
+    pub instr: usize,
+    pub fault: Fault,
+    pub step: Option<u64>,
+}
+
+/// The driver's out-of-memory error as cudarc prints it, for [`Fault::OutOfMemory`].
+#[derive(Debug)]
+struct InjectedOutOfMemory;
+
+impl std::fmt::Display for InjectedOutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\") (injected)")
+    }
+}
+
+impl std::error::Error for InjectedOutOfMemory {}
+
+/// What a run that ran out of device memory is told beside the error: what the plan
+/// predicted, why the prediction and the device can part, that no checkpoint was touched,
+/// and what leaves more room.
+pub fn out_of_memory_advice(plan: &Plan) -> String {
+    use shardplan_planner::print::bytes;
+    let m = &plan.memory;
+    format!(
+        "  the GPU ran out of memory. The plan puts each rank's device memory at {} (the caching allocator's reserved peak {} + {} for the CUDA context and NCCL), checked against the device's free memory at start: something outside the plan took the rest (another process on the GPU, more ranks on it than planned), or the executor holds more than the plan predicts (`--profile`, then `plan --compare`, sets the measured peaks beside the plan's).\n  \
+         Every rank stopped; checkpoints already written are complete (continue with --resume DIR).\n  \
+         To leave more room: lower batch.per_rank (raise grad_accum to keep the global batch), set activation_checkpointing: full, or find what fits with `shardplan plan --memory-budget`.",
+        bytes(m.device_total),
+        bytes(m.reserved_peak),
+        bytes(m.overhead.total()),
+    )
 }
 
 /// What a rank keeps between steps.
@@ -667,8 +708,8 @@ pub fn run_step(
                         .shared
                         .faults
                         .iter()
-                        .find(|f| f.0 == cx.rank && f.1 == i)
-                        .map(|f| f.2);
+                        .find(|f| f.rank == cx.rank && f.instr == i && f.step.is_none_or(|s| s == step_no + 1))
+                        .map(|f| f.fault);
                     let started = wall_seconds();
                     let mark = clock.as_ref().map(|c| c.mark()).transpose()?;
                     let result = match fault {
@@ -679,6 +720,9 @@ pub fn run_step(
                             std::thread::sleep(Duration::from_millis(10));
                         },
                         Some(Fault::Fail) => Err(ExecError::Internal("injected failure".into())),
+                        Some(Fault::OutOfMemory) => Err(ExecError::Candle(candle_core::Error::Cuda(Box::new(
+                            InjectedOutOfMemory,
+                        )))),
                         None => cx.execute(i, &mut compute),
                     };
                     *lock(&cx.times[i]) = [started, wall_seconds()];
@@ -691,8 +735,13 @@ pub fn run_step(
                                 &cx.shared.plan,
                                 &cx.shared.plan.programs[0].instrs[i],
                             );
+                            let advice = if e.is_out_of_memory() {
+                                format!("\n{}", out_of_memory_advice(&cx.shared.plan))
+                            } else {
+                                String::new()
+                            };
                             cx.abort.abort(format!(
-                                "step {}: rank {}: instruction #{i} `{what}` failed: {e}",
+                                "step {}: rank {}: instruction #{i} `{what}` failed: {e}{advice}",
                                 step_no + 1,
                                 cx.rank
                             ));
