@@ -116,11 +116,14 @@ pub fn make_plan_and_graph(
     {
         // Routing is data-dependent: the plan is sized at the capacity bound; the same
         // spec routed evenly shows what the bound costs.
+        // Its memory is all that is read: planned without the verifier or the arena.
         let mut even = config.clone();
         even.moe.capacity = 1.0;
-        let (q, _) = trace_and_plan(model, parallel, &even)?;
+        let joint = trace_joint(model, parallel, &even)?;
+        let q = shardplan_planner::plan_memory(&joint, &even)
+            .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
         if let Some(e) = p.experts.as_mut() {
-            e.even = Some([q.memory.peak, q.memory.reserved_peak, q.memory.device_total]);
+            e.even = Some([q.peak, q.reserved_peak, q.device_total]);
         }
     }
     Ok((p, joint))
@@ -133,16 +136,26 @@ fn trace_and_plan(
     parallel: &LoadedParallel,
     config: &ParallelConfig,
 ) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
+    let joint = trace_joint(model, parallel, config)?;
+    let plan =
+        plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    Ok((plan, joint))
+}
+
+/// The model traced at `config`'s shape and differentiated; errors located in the spec
+/// files.
+fn trace_joint(
+    model: &LoadedModel,
+    parallel: &LoadedParallel,
+    config: &ParallelConfig,
+) -> Result<shardplan_ir::JointGraph, CliError> {
     let p = LoadedParallel {
         config: config.clone(),
         origin: parallel.origin.clone(),
     };
     let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
-    let joint = differentiate_with(&graph, config.diff_options())
-        .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?;
-    let plan =
-        plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
-    Ok((plan, joint))
+    Ok(differentiate_with(&graph, config.diff_options())
+        .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?)
 }
 
 fn over_budget(model: &LoadedModel, parallel: &LoadedParallel, p: &Plan, budget: u64) -> CliError {

@@ -282,6 +282,17 @@ pub(crate) fn plan_passes(
     passes(joint, config, cache, verify_plan, replay, None, false)
 }
 
+/// The memory report of [`plan`], without what only a plan to run needs (the verifier,
+/// the arena, the other runtime's prediction, the steps' and buffers' names): what a
+/// second plan of the same spec at another routing split is read for.
+pub fn plan_memory(joint: &JointGraph, config: &ParallelConfig) -> Result<MemoryReport, PlanError> {
+    Ok(
+        passes(joint, config, &mut PlanCache::default(), false, true, None, true)?
+            .0
+            .memory,
+    )
+}
+
 /// [`plan_passes`] without verifying or replaying, for the auto search, which reads of a
 /// candidate's plan its estimate, memory, program and buffers: the plan's `steps` and its
 /// groups' `param_names` are left empty (its steps are the returned [`CachedSteps`]'),
@@ -500,10 +511,11 @@ fn passes(
         prefetch_moves,
     };
     let mut plan = plan;
-    if config.runtime.is_shardplan() && forward_only.is_none() && replay {
+    // A lean plan is read for its figures only: no arena, no second runtime's prediction.
+    if config.runtime.is_shardplan() && forward_only.is_none() && replay && !lean {
         plan.memory.arena = Some(arena::report(&plan).map_err(|e| PlanError::Bug(e.to_string()))?);
     }
-    if !config.runtime.is_shardplan() && forward_only.is_none() && replay {
+    if !config.runtime.is_shardplan() && forward_only.is_none() && replay && !lean {
         // The same spec as shardplan's executor runs it (its own schedule, one kernel per
         // op), so the two predictions can be read side by side.
         let mut own = config.clone();
