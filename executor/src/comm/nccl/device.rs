@@ -5,13 +5,14 @@
 //! timeout. Everything it decides comes
 //! from the plain, CPU-tested parts of `comm::nccl`.
 
-use super::{comm_specs, comm_streams, exchange_ids, wait_done, ID_BYTES};
+use super::{comm_specs, comm_streams, exchange_ids, offsets, wait_done, ID_BYTES};
 use crate::comm::Comms;
 use crate::comm::{all_gather_bytes, Abort, Collectives, Placement, Reduce};
 use crate::ExecError;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::CudaStream;
-use candle_core::cuda_backend::cudarc::nccl::{Comm as NcclComm, Id, ReduceOp};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::nccl::result::NcclError;
+use candle_core::cuda_backend::cudarc::nccl::{group_end, group_start, Comm as NcclComm, Id, ReduceOp};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Storage, Tensor};
@@ -187,6 +188,89 @@ impl NcclGroup {
     }
 }
 
+impl NcclGroup {
+    /// `parts[q]` to member `q` and `lens[q]` elements from it, as one NCCL group of
+    /// `ncclSend`/`ncclRecv` pairs on this group's stream: each element crosses once, and
+    /// the host neither waits nor exchanges counts. The parts are laid one after another
+    /// in one send buffer; what arrives lands in one receive buffer, in member order.
+    fn exchange(&self, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
+        if let Some(r) = self.abort.reason() {
+            return Err(ExecError::Aborted(r));
+        }
+        let dtype = parts[0].dtype();
+        if let Some(p) = parts.iter().find(|p| p.dtype() != dtype || p.rank() != 1) {
+            return Err(ExecError::Internal(format!(
+                "{}: an all-to-all part of {:?} {:?}, not 1-D {dtype:?}",
+                self.name,
+                p.dtype(),
+                p.dims()
+            )));
+        }
+        let sent: Vec<usize> = parts.iter().map(Tensor::elem_count).collect();
+        let (send_at, total_sent) = offsets(&sent);
+        let (recv_at, total) = offsets(lens);
+        let send = Tensor::cat(parts, 0)?.contiguous()?;
+        let (storage, layout) = send.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            return Err(ExecError::Internal(format!(
+                "{}: all-to-all of a tensor that is not on the GPU",
+                self.name
+            )));
+        };
+        let dev = cs.device().clone();
+        // The parts were just cut and laid out on the compute stream (see `run`).
+        self.stream
+            .join(&dev.cuda_stream())
+            .map_err(|e| cuda_err("ordering a collective after its input", e))?;
+        let off = layout.start_offset();
+        let out = by_dtype!(dtype, T => {
+            let src = cs.as_cuda_slice::<T>()?.slice(off..off + total_sent);
+            // SAFETY: every element is received before anything reads it (`lens` sum to
+            // `total`, and member q sends this one exactly lens[q]).
+            let mut out = unsafe { dev.alloc::<T>(total.max(1)) }?;
+            {
+                let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+                let comm = &guard
+                    .as_ref()
+                    .ok_or_else(|| ExecError::Aborted(format!("{}: torn down after an earlier failure", self.name)))?
+                    .0;
+                let err = |e: NcclError| nccl_err(&self.name, "all-to-all", e);
+                group_start().map_err(err)?;
+                let mut issued = Ok(());
+                for q in 0..self.size {
+                    let peer = q as i32;
+                    if sent[q] > 0 && issued.is_ok() {
+                        issued = comm.send(&src.slice(send_at[q]..send_at[q] + sent[q]), peer).map(|_| ());
+                    }
+                    if lens[q] > 0 && issued.is_ok() {
+                        issued = comm
+                            .recv(&mut out.slice_mut(recv_at[q]..recv_at[q] + lens[q]), peer)
+                            .map(|_| ());
+                    }
+                }
+                // The group is ended whatever was issued: an open group would swallow
+                // every later NCCL call of this thread.
+                let ended = group_end();
+                issued.map_err(err)?;
+                ended.map_err(err)?;
+            }
+            // Inside the group, cudarc marked each view's read and write before NCCL
+            // enqueued the kernels (at the group's end): mark both buffers again, after
+            // them, so the compute stream's readers of `out` and the next writer of the
+            // send buffer wait for the exchange itself.
+            drop(src.device_ptr(&self.stream));
+            drop(out.device_ptr_mut(&self.stream));
+            Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)))
+        })?;
+        drop(storage);
+        let out = Tensor::from_storage(out, total.max(1), BackpropOp::none(), false);
+        lens.iter()
+            .zip(&recv_at)
+            .map(|(&l, &at)| Ok(out.narrow(0, at, l)?))
+            .collect()
+    }
+}
+
 impl Collectives for NcclGroup {
     fn size(&self) -> usize {
         self.size
@@ -219,6 +303,11 @@ impl Collectives for NcclGroup {
     fn barrier(&self, tag: u64) -> Result<(), ExecError> {
         let one = Tensor::zeros(1, DType::F32, &Device::Cuda(self.device.clone()))?;
         self.run(Kind::AllReduce(Reduce::Sum), tag, &one, true).map(|_| ())
+    }
+
+    fn all_to_all(&self, _tag: u64, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
+        crate::comm::check_parts(parts, lens, self.size)?;
+        self.exchange(parts, lens)
     }
 
     fn enqueues(&self) -> bool {
