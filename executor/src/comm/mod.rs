@@ -59,17 +59,25 @@ pub enum Reduce {
     Avg,
 }
 
-/// What every all-to-all needs of its parts: one per member of the group, and one
-/// expected length from each.
+/// What every all-to-all needs of its parts: one per member of the group, each 1-D and of
+/// one dtype, and one expected length from each member.
 pub(crate) fn check_parts(parts: &[Tensor], lens: &[usize], members: usize) -> Result<(), ExecError> {
-    if parts.len() == members && lens.len() == members {
-        Ok(())
-    } else {
-        Err(ExecError::Internal(format!(
+    if parts.len() != members || lens.len() != members {
+        return Err(ExecError::Internal(format!(
             "an all-to-all of {} parts and {} expected lengths over {members} members",
             parts.len(),
             lens.len()
-        )))
+        )));
+    }
+    let dtype = parts.first().map(Tensor::dtype);
+    match parts.iter().find(|p| Some(p.dtype()) != dtype || p.rank() != 1) {
+        None => Ok(()),
+        Some(p) => Err(ExecError::Internal(format!(
+            "an all-to-all part of {:?} {:?}, not 1-D {:?}",
+            p.dtype(),
+            p.dims(),
+            dtype
+        ))),
     }
 }
 

@@ -15,7 +15,7 @@ use candle_core::cuda_backend::cudarc::nccl::result::NcclError;
 use candle_core::cuda_backend::cudarc::nccl::{group_end, group_start, Comm as NcclComm, Id, ReduceOp};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::{DType, Device, Shape, Storage, Tensor};
 use shardplan_planner::Plan;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -113,12 +113,51 @@ impl NcclGroup {
         r
     }
 
-    /// Enqueues `kind` on this group's stream and returns its output at once; the host
-    /// waits only when `wait` is set (the barrier) or at the step's end (`flush`).
-    fn run(&self, kind: Kind, tag: u64, input: &Tensor, wait: bool) -> Result<Tensor, ExecError> {
+    /// Runs `f` on `input`'s CUDA storage and start offset with this group's stream
+    /// ordered after the compute stream's work so far, and returns what `f` makes as a
+    /// tensor of `shape`. The input may come from a kernel just launched on the compute
+    /// stream (the bf16 cast before an all-gather, the packed reduce-scatter input, shards
+    /// the optimizer wrote, an all-to-all's parts), which candle's kernels need not mark
+    /// with a write event.
+    fn enqueue(
+        &self,
+        what: &str,
+        input: &Tensor,
+        shape: Shape,
+        f: impl FnOnce(&CudaStorage, usize, &CudaDevice) -> Result<Storage, ExecError>,
+    ) -> Result<Tensor, ExecError> {
         if let Some(r) = self.abort.reason() {
             return Err(ExecError::Aborted(r));
         }
+        let (storage, layout) = input.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            return Err(ExecError::Internal(format!(
+                "{}: {what} of a tensor that is not on the GPU",
+                self.name
+            )));
+        };
+        let dev = cs.device().clone();
+        self.stream
+            .join(&dev.cuda_stream())
+            .map_err(|e| cuda_err("ordering a collective after its input", e))?;
+        let out = f(cs, layout.start_offset(), &dev)?;
+        drop(storage);
+        Ok(Tensor::from_storage(out, shape, BackpropOp::none(), false))
+    }
+
+    /// Runs `f` on this group's communicator, unless it was torn down after a failure.
+    fn with_comm<R>(&self, f: impl FnOnce(&NcclComm) -> Result<R, ExecError>) -> Result<R, ExecError> {
+        let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let comm = &guard
+            .as_ref()
+            .ok_or_else(|| ExecError::Aborted(format!("{}: torn down after an earlier failure", self.name)))?
+            .0;
+        f(comm)
+    }
+
+    /// Enqueues `kind` on this group's stream and returns its output at once; the host
+    /// waits only when `wait` is set (the barrier) or at the step's end (`flush`).
+    fn run(&self, kind: Kind, tag: u64, input: &Tensor, wait: bool) -> Result<Tensor, ExecError> {
         let input = input.contiguous()?;
         let n = input.elem_count();
         let out_len = match kind {
@@ -140,130 +179,79 @@ impl NcclGroup {
             Kind::AllReduce(_) => "all-reduce",
             Kind::Broadcast => "broadcast",
         };
-        let (storage, layout) = input.storage_and_layout();
-        let Storage::Cuda(cs) = &*storage else {
-            return Err(ExecError::Internal(format!(
-                "{}: {what} of a tensor that is not on the GPU",
-                self.name
-            )));
-        };
-        let dev = cs.device().clone();
-        // The input may come from a kernel just launched on the compute stream (the bf16
-        // cast before an all-gather, the packed reduce-scatter input, shards the optimizer
-        // wrote), which candle's kernels need not mark with a write event: order this
-        // stream after the compute stream's work so far.
-        self.stream
-            .join(&dev.cuda_stream())
-            .map_err(|e| cuda_err("ordering a collective after its input", e))?;
-        let off = layout.start_offset();
-        let out = by_dtype!(input.dtype(), T => {
-            let src = cs.as_cuda_slice::<T>()?.slice(off..off + n);
-            // SAFETY: every element is written by the collective before anything reads it.
-            let mut out = unsafe { dev.alloc::<T>(out_len) }?;
-            {
-                let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-                let comm = &guard
-                    .as_ref()
-                    .ok_or_else(|| ExecError::Aborted(format!("{}: torn down after an earlier failure", self.name)))?
-                    .0;
-                match kind {
-                    Kind::AllGather => comm.all_gather(&src, &mut out),
-                    Kind::ReduceScatter(r) => comm.reduce_scatter(&src, &mut out, &op(r)),
-                    Kind::AllReduce(r) => comm.all_reduce(&src, &mut out, &op(r)),
-                    Kind::Broadcast => comm.broadcast(Some(&src), &mut out, 0),
-                }
-                .map_err(|e| nccl_err(&self.name, what, e))?;
-            }
-            if wait {
-                self.finish(what, tag)?;
-            }
-            Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)))
-        })?;
-        drop(storage);
         let shape = match kind {
             Kind::AllReduce(_) | Kind::Broadcast => input.shape().clone(),
             _ => out_len.into(),
         };
-        Ok(Tensor::from_storage(out, shape, BackpropOp::none(), false))
+        self.enqueue(what, &input, shape, |cs, off, dev| {
+            by_dtype!(input.dtype(), T => {
+                let src = cs.as_cuda_slice::<T>()?.slice(off..off + n);
+                // SAFETY: every element is written by the collective before anything reads it.
+                let mut out = unsafe { dev.alloc::<T>(out_len) }?;
+                self.with_comm(|comm| {
+                    match kind {
+                        Kind::AllGather => comm.all_gather(&src, &mut out),
+                        Kind::ReduceScatter(r) => comm.reduce_scatter(&src, &mut out, &op(r)),
+                        Kind::AllReduce(r) => comm.all_reduce(&src, &mut out, &op(r)),
+                        Kind::Broadcast => comm.broadcast(Some(&src), &mut out, 0),
+                    }
+                    .map(|_| ())
+                    .map_err(|e| nccl_err(&self.name, what, e))
+                })?;
+                if wait {
+                    self.finish(what, tag)?;
+                }
+                Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())))
+            })
+        })
     }
-}
 
-impl NcclGroup {
     /// `parts[q]` to member `q` and `lens[q]` elements from it, as one NCCL group of
     /// `ncclSend`/`ncclRecv` pairs on this group's stream: each element crosses once, and
     /// the host neither waits nor exchanges counts. The parts are laid one after another
     /// in one send buffer; what arrives lands in one receive buffer, in member order.
     fn exchange(&self, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
-        if let Some(r) = self.abort.reason() {
-            return Err(ExecError::Aborted(r));
-        }
         let dtype = parts[0].dtype();
-        if let Some(p) = parts.iter().find(|p| p.dtype() != dtype || p.rank() != 1) {
-            return Err(ExecError::Internal(format!(
-                "{}: an all-to-all part of {:?} {:?}, not 1-D {dtype:?}",
-                self.name,
-                p.dtype(),
-                p.dims()
-            )));
-        }
         let sent: Vec<usize> = parts.iter().map(Tensor::elem_count).collect();
         let (send_at, total_sent) = offsets(&sent);
         let (recv_at, total) = offsets(lens);
         let send = Tensor::cat(parts, 0)?.contiguous()?;
-        let (storage, layout) = send.storage_and_layout();
-        let Storage::Cuda(cs) = &*storage else {
-            return Err(ExecError::Internal(format!(
-                "{}: all-to-all of a tensor that is not on the GPU",
-                self.name
-            )));
-        };
-        let dev = cs.device().clone();
-        // The parts were just cut and laid out on the compute stream (see `run`).
-        self.stream
-            .join(&dev.cuda_stream())
-            .map_err(|e| cuda_err("ordering a collective after its input", e))?;
-        let off = layout.start_offset();
-        let out = by_dtype!(dtype, T => {
-            let src = cs.as_cuda_slice::<T>()?.slice(off..off + total_sent);
-            // SAFETY: every element is received before anything reads it (`lens` sum to
-            // `total`, and member q sends this one exactly lens[q]).
-            let mut out = unsafe { dev.alloc::<T>(total.max(1)) }?;
-            {
-                let guard = self.comm.lock().unwrap_or_else(|e| e.into_inner());
-                let comm = &guard
-                    .as_ref()
-                    .ok_or_else(|| ExecError::Aborted(format!("{}: torn down after an earlier failure", self.name)))?
-                    .0;
-                let err = |e: NcclError| nccl_err(&self.name, "all-to-all", e);
-                group_start().map_err(err)?;
-                let mut issued = Ok(());
-                for q in 0..self.size {
-                    let peer = q as i32;
-                    if sent[q] > 0 && issued.is_ok() {
-                        issued = comm.send(&src.slice(send_at[q]..send_at[q] + sent[q]), peer).map(|_| ());
+        let out = self.enqueue("all-to-all", &send, total.max(1).into(), |cs, off, dev| {
+            by_dtype!(dtype, T => {
+                let src = cs.as_cuda_slice::<T>()?.slice(off..off + total_sent);
+                // SAFETY: every element is received before anything reads it (`lens` sum
+                // to `total`, and member q sends this one exactly lens[q]).
+                let mut out = unsafe { dev.alloc::<T>(total.max(1)) }?;
+                self.with_comm(|comm| {
+                    let err = |e: NcclError| nccl_err(&self.name, "all-to-all", e);
+                    group_start().map_err(err)?;
+                    let mut issued = Ok(());
+                    for q in 0..self.size {
+                        let peer = q as i32;
+                        if sent[q] > 0 && issued.is_ok() {
+                            issued = comm.send(&src.slice(send_at[q]..send_at[q] + sent[q]), peer).map(|_| ());
+                        }
+                        if lens[q] > 0 && issued.is_ok() {
+                            issued = comm
+                                .recv(&mut out.slice_mut(recv_at[q]..recv_at[q] + lens[q]), peer)
+                                .map(|_| ());
+                        }
                     }
-                    if lens[q] > 0 && issued.is_ok() {
-                        issued = comm
-                            .recv(&mut out.slice_mut(recv_at[q]..recv_at[q] + lens[q]), peer)
-                            .map(|_| ());
-                    }
-                }
-                // The group is ended whatever was issued: an open group would swallow
-                // every later NCCL call of this thread.
-                let ended = group_end();
-                issued.map_err(err)?;
-                ended.map_err(err)?;
-            }
-            // Inside the group, cudarc marked each view's read and write before NCCL
-            // enqueued the kernels (at the group's end): mark both buffers again, after
-            // them, so the compute stream's readers of `out` and the next writer of the
-            // send buffer wait for the exchange itself.
-            drop(src.device_ptr(&self.stream));
-            drop(out.device_ptr_mut(&self.stream));
-            Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)))
+                    // The group is ended whatever was issued: an open group would swallow
+                    // every later NCCL call of this thread.
+                    let ended = group_end();
+                    issued.map_err(err)?;
+                    ended.map_err(err).map(|_| ())
+                })?;
+                // Inside the group, cudarc marked each view's read and write before NCCL
+                // enqueued the kernels (at the group's end): mark both buffers again,
+                // after them, so the compute stream's readers of `out` and the next writer
+                // of the send buffer wait for the exchange itself.
+                drop(src.device_ptr(&self.stream));
+                drop(out.device_ptr_mut(&self.stream));
+                Ok(Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev.clone())))
+            })
         })?;
-        drop(storage);
-        let out = Tensor::from_storage(out, total.max(1), BackpropOp::none(), false);
         lens.iter()
             .zip(&recv_at)
             .map(|(&l, &at)| Ok(out.narrow(0, at, l)?))
