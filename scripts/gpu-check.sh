@@ -23,7 +23,9 @@
 #              train --backend nccl`): tiny-llama on 1xG (G = GPUs here; NCCL cannot put two
 #              ranks of one communicator on one GPU) against the same mesh's ranks as threads
 #              on one GPU; the device's allocator peaks and memory in use against the plan's
-#              peak; a measured trace
+#              peak; a measured trace; with an even number of GPUs, 2 or more, also
+#              tiny-moe on 1xG with an expert axis of 2 (the all-to-all over NCCL) against
+#              threads (nccl-ep.json)
 #   parity     `shardplan train --device cuda` against `--device cpu` on tiny-llama, meshes
 #              1x1, 1x2 and 2x2, and on the mixture of experts tiny-moe, 1x1 and 1x4 with
 #              an expert axis of 2 (ranks as threads on the one GPU): per-step losses and
@@ -452,6 +454,47 @@ sys.exit(0 if r["pass"] else 1)
 EOF
   if [ $? = 0 ]; then status nccl ok "$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("1x%d loss diff %.2g, GPU alloc peak %.1f MiB vs planned %.1f MiB" % (r["processes"], r["max_rel_diff_loss"], r["device_allocated_peak_bytes"]/2**20, r["planned_peak_bytes"]/2**20))' "$OUTDIR/nccl.json")"
   else status nccl FAIL "see nccl.json and nccl/*.err"; FAILED=1; fi
+  # Expert parallelism over NCCL (the tokens' all-to-all as ncclSend/ncclRecv groups):
+  # tiny-moe on 1xG with an expert axis of 2, against the same mesh as threads on one GPU.
+  # NCCL puts no two ranks of one communicator on one GPU, so it needs two GPUs or more.
+  if [ "$G" -ge 2 ] && [ $((G % 2)) = 0 ]; then
+    sed -E "s/shard: *[0-9]+/shard: $G/; s/gpus_per_node: *[0-9]+/gpus_per_node: $G/; s/per_rank: *[0-9]+/per_rank: $per/" \
+      examples/parallel/gpu-check-ep2.yaml >"$d/parallel-ep.yaml"
+    for b in nccl local; do
+      rm -f "$d/ep-$b.jsonl"
+      if [ $b = nccl ]; then launch=(launch --nproc-per-node "$G" --); else launch=(); fi
+      timeout 300 "$(pwd)/scripts/run-cuda.sh" "$BIN" -- "${launch[@]}" train --backend $b --device cuda \
+        --model examples/models/tiny-moe.yaml --parallel "$d/parallel-ep.yaml" --steps "$PARITY_STEPS" \
+        --log "$d/ep-$b.jsonl" --collective-timeout 60 >"$d/ep-$b.out" 2>"$d/ep-$b.err"
+      echo $? >"$d/ep-$b.rc"
+    done
+    "$PY" - "$d" "$TOL" "$PARITY_STEPS" "$G" <<'EOF'
+import json, os, sys
+d, tol, steps, g = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def rows(b):
+    p = f"{d}/ep-{b}.jsonl"
+    return [json.loads(l) for l in open(p)] if os.path.exists(p) else []
+r = {"model": "tiny-moe", "mesh": f"1x{g}, expert 2", "steps": steps, "tolerance_rel": tol}
+for b in ("nccl", "local"):
+    rs = rows(b)
+    r[b] = {"exit": int(open(f"{d}/ep-{b}.rc").read().strip() or 1), "steps_logged": len(rs),
+            "losses": [x["loss"] for x in rs]}
+    if r[b]["exit"] != 0 or len(rs) != steps:
+        r[b]["error"] = "\n".join(open(f"{d}/ep-{b}.err", errors="replace").read().strip().splitlines()[-15:])
+a, b = r["nccl"]["losses"], r["local"]["losses"]
+n = min(len(a), len(b))
+if n:
+    r["max_rel_diff_loss"] = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
+r["pass"] = n == steps and r["nccl"]["exit"] == 0 and r["local"]["exit"] == 0 and r["max_rel_diff_loss"] <= tol
+json.dump(r, open(f"{d}/../nccl-ep.json", "w"), indent=2)
+print(f"nccl-ep 1x{g} expert 2: loss max rel diff vs threads {r.get('max_rel_diff_loss', float('nan')):.3g}")
+sys.exit(0 if r["pass"] else 1)
+EOF
+    if [ $? = 0 ]; then status nccl-ep ok "$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%s loss diff %.2g" % (r["mesh"], r["max_rel_diff_loss"]))' "$OUTDIR/nccl-ep.json")"
+    else status nccl-ep FAIL "see nccl-ep.json and nccl/ep-*.err"; FAILED=1; fi
+  else
+    status nccl-ep skipped "needs an even number of GPUs, 2 or more ($G here): NCCL puts no two ranks of one communicator on one GPU"
+  fi
 else
   status nccl skipped "--checks"
 fi
