@@ -9,8 +9,9 @@
 
 use crate::comm::Collectives;
 use crate::ExecError;
-use candle_core::{DType as CDType, Tensor};
-use std::cell::Cell;
+use candle_core::{DType as CDType, Tensor, TensorId};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 type Result<T> = std::result::Result<T, ExecError>;
@@ -20,6 +21,11 @@ pub struct ExpertGroup {
     comm: Arc<dyn Collectives>,
     next: Cell<u64>,
     load: Cell<Option<RoutingLoad>>,
+    /// Each routing table's counts, by the table tensor's id: a layer's dispatch, local
+    /// ids and combine, and the backward of the dispatch and the combine, all read one
+    /// table, whose host copy (a device synchronisation on a GPU) is then made once per
+    /// table rather than once per op. Emptied with the step's load ([`Self::take_load`]).
+    routes: RefCell<HashMap<TensorId, Arc<Routes>>>,
 }
 
 /// How unevenly a step routed: of every MoE layer's dispatch, the one whose busiest rank
@@ -184,12 +190,33 @@ impl ExpertGroup {
             comm,
             next: Cell::new(0),
             load: Cell::new(None),
+            routes: RefCell::new(HashMap::new()),
         }
     }
 
-    /// The heaviest routing of the dispatches since the last call (`None`: none ran).
+    /// The heaviest routing of the dispatches since the last call (`None`: none ran). The
+    /// step is over: its routing tables' counts are let go.
     pub fn take_load(&self) -> Option<RoutingLoad> {
+        self.routes.borrow_mut().clear();
         self.load.take()
+    }
+
+    /// The counts of routing table `table`, read from it once per table.
+    fn routes(&self, table: &Tensor, degree: u64, experts: u64) -> Result<Arc<Routes>> {
+        let (degree, experts) = (degree as usize, experts as usize);
+        if let Some(r) = self.routes.borrow().get(&table.id()) {
+            if r.degree() == degree && r.counts.first().map_or(0, Vec::len) == experts {
+                return Ok(r.clone());
+            }
+        }
+        let r = Arc::new(Routes::new(table, degree, experts, self.comm.index())?);
+        self.routes.borrow_mut().insert(table.id(), r.clone());
+        Ok(r)
+    }
+
+    /// Routing tables whose counts are held (one per table read since the step began).
+    pub fn tables_held(&self) -> usize {
+        self.routes.borrow().len()
     }
 
     /// Tags for a collective that takes `n` of them.
@@ -239,7 +266,7 @@ impl ExpertGroup {
     /// source order), zero rows after them up to `rows`.
     pub fn dispatch(&self, x: &Tensor, table: &Tensor, degree: u64, experts: u64, rows: u64) -> Result<Tensor> {
         self.check(degree)?;
-        let routes = Routes::new(table, degree as usize, experts as usize, self.comm.index())?;
+        let routes = self.routes(table, degree, experts)?;
         let load = RoutingLoad {
             rows: routes.busiest().1 as u64,
             even: routes.assignments(table)? as u64,
@@ -271,7 +298,7 @@ impl ExpertGroup {
     /// rank's expert order.
     pub fn combine(&self, y: &Tensor, table: &Tensor, degree: u64, experts: u64) -> Result<Tensor> {
         self.check(degree)?;
-        let routes = Routes::new(table, degree as usize, experts as usize, self.comm.index())?;
+        let routes = self.routes(table, degree, experts)?;
         let d = y.dim(1)?;
         if routes.received() > y.dim(0)? {
             return Err(ExecError::Internal(format!(
@@ -311,7 +338,7 @@ impl ExpertGroup {
     /// count per rank for the padding.
     pub fn local_ids(&self, table: &Tensor, degree: u64, experts: u64, rows: u64) -> Result<Tensor> {
         self.check(degree)?;
-        let routes = Routes::new(table, degree as usize, experts as usize, self.comm.index())?;
+        let routes = self.routes(table, degree, experts)?;
         routes.check(rows as usize)?;
         let mut ids = Vec::with_capacity(rows as usize);
         for j in 0..routes.n {
@@ -388,6 +415,33 @@ mod tests {
             assert_eq!(back, &rows(r).to_vec2::<f32>().unwrap(), "rank {r}");
         }
         assert_eq!(back0.len(), 6);
+    }
+
+    /// A layer's dispatch, local ids and combine read their table's counts once; a second
+    /// table (the next layer, a recomputation) adds its own; the step's end lets them go,
+    /// and a table read again after it gives the same rows.
+    #[test]
+    fn a_routing_table_is_read_once_per_step() {
+        let out = on_group(2, |g, r| {
+            let table = g.gather_ids(&ids(r), 2).unwrap();
+            let recv = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
+            g.local_ids(&table, 2, 4, 8).unwrap();
+            g.combine(&recv, &table, 2, 4).unwrap();
+            let one = g.tables_held();
+            let again = g.gather_ids(&ids(r), 2).unwrap();
+            g.dispatch(&rows(r), &again, 2, 4, 8).unwrap();
+            let two = g.tables_held();
+            g.take_load();
+            let after = g.tables_held();
+            let recv_after = g.dispatch(&rows(r), &table, 2, 4, 8).unwrap();
+            (
+                one,
+                two,
+                after,
+                recv.to_vec2::<f32>().unwrap() == recv_after.to_vec2::<f32>().unwrap(),
+            )
+        });
+        assert!(out.iter().all(|&o| o == (1, 2, 0, true)), "{out:?}");
     }
 
     #[test]
