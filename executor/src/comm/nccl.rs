@@ -56,9 +56,16 @@ impl CommSpec {
     }
 }
 
-/// The communicators `rank` joins, in the order every rank creates them (`channels`).
+/// The communicators `rank` joins, in the order every rank creates them: the program's
+/// (`channels`), then, under expert parallelism, the expert group's, over which the
+/// compute stream's graph ops move the tokens (the planner counts it too:
+/// `simulate::overhead`).
 pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
-    super::channels(plan)
+    let mut channels = super::channels(plan);
+    if plan.mesh.expert() > 1 {
+        channels.push((Comm::Expert, Stream::Compute));
+    }
+    channels
         .into_iter()
         .map(|(comm, stream)| {
             let members = comm.members(&plan.mesh, rank);
@@ -289,6 +296,44 @@ mod tests {
         let graph = shardplan_models::trace(&model, cfg.trace_options()).expect("trace");
         let joint = shardplan_ir::differentiate(&graph).expect("differentiate");
         shardplan_planner::plan(&joint, &cfg).expect("plan")
+    }
+
+    /// examples/models/tiny-moe.yaml on 1x4 with an expert axis of 2.
+    fn expert_plan() -> Plan {
+        let yaml = "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nbatch: {per_rank: 2, seq_len: 16}\n";
+        let cfg = shardplan_frontends::parse_parallel_spec(&shardplan_frontends::Source::from_text("t.yaml", yaml))
+            .expect("spec")
+            .0;
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+        let model = shardplan_frontends::load_model(&path).expect("tiny-moe").config;
+        let graph = shardplan_models::trace(&model, cfg.trace_options()).expect("trace");
+        let joint = shardplan_ir::differentiate(&graph).expect("differentiate");
+        shardplan_planner::plan(&joint, &cfg).expect("plan")
+    }
+
+    /// Under expert parallelism every rank also joins its expert group's communicator, last,
+    /// with the members the mesh gives it; the plan's NCCL memory counts as many
+    /// communicators of more than one rank as a rank joins.
+    #[test]
+    fn an_expert_parallel_rank_joins_its_expert_group() {
+        let p = expert_plan();
+        let all: Vec<Vec<CommSpec>> = (0..4).map(|r| comm_specs(&p, r).unwrap()).collect();
+        for (r, specs) in all.iter().enumerate() {
+            let last = specs.last().unwrap();
+            assert_eq!((last.comm, last.stream), (Comm::Expert, Stream::Compute));
+            let want = if r < 2 { vec![0, 1] } else { vec![2, 3] };
+            assert_eq!((last.members.clone(), last.index), (want, r % 2), "rank {r}");
+            let joined = specs.iter().filter(|s| s.members.len() > 1).count() as u32;
+            assert_eq!(joined, p.memory.overhead.communicators, "rank {r}");
+        }
+        assert!(plan(1, 4).programs[0]
+            .communicators()
+            .iter()
+            .all(|&(c, _)| c != Comm::Expert));
+        assert!(comm_specs(&plan(1, 4), 0)
+            .unwrap()
+            .iter()
+            .all(|s| s.comm != Comm::Expert));
     }
 
     #[test]

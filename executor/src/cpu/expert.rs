@@ -201,6 +201,15 @@ impl ExpertGroup {
         self.load.take()
     }
 
+    /// Waits for this group's collectives that were only enqueued (NCCL), under the
+    /// collective timeout: the step's end.
+    pub fn flush(&self) -> Result<()> {
+        if self.comm.enqueues() {
+            self.comm.flush()?;
+        }
+        Ok(())
+    }
+
     /// The counts of routing table `table`, read from it once per table.
     fn routes(&self, table: &Tensor, degree: u64, experts: u64) -> Result<Arc<Routes>> {
         let (degree, experts) = (degree as usize, experts as usize);
@@ -258,6 +267,10 @@ impl ExpertGroup {
         let all = self
             .comm
             .all_gather(self.tags(1), &ids.to_dtype(CDType::F32)?.flatten_all()?)?;
+        // Every op of the layer reads the table on the host next; on a backend that only
+        // enqueues the gather (NCCL), wait for it here, under the collective timeout,
+        // rather than in a device read that cannot time out.
+        self.flush()?;
         Ok(all.reshape((t * degree as usize, k))?.to_dtype(CDType::U32)?)
     }
 

@@ -101,6 +101,12 @@ impl Ctx {
         })
     }
 
+    /// Waits, under the collective timeout, for this rank's expert-group collectives that
+    /// were only enqueued (NCCL); nothing to do on a blocking backend or without experts.
+    pub fn flush_expert(&self) -> Result<()> {
+        self.expert.as_ref().map_or(Ok(()), ExpertGroup::flush)
+    }
+
     /// The heaviest routing of this rank's expert group since the last call (`None`: no
     /// expert group, or no dispatch ran).
     pub fn take_routing_load(&self) -> Option<crate::cpu::expert::RoutingLoad> {

@@ -16,7 +16,7 @@ use candle_core::cuda_backend::cudarc::nccl::{group_end, group_start, Comm as Nc
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Shape, Storage, Tensor};
-use shardplan_planner::Plan;
+use shardplan_planner::{Comm, Plan};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -308,7 +308,8 @@ impl Collectives for NcclGroup {
 }
 
 /// This process's one rank of `plan` on the GPU `device`: a CUDA stream per collective
-/// plan stream and an NCCL communicator per (process group, stream), their unique ids
+/// plan stream and an NCCL communicator per (process group, stream) (and the expert
+/// group's, on a stream of its own, for the compute stream's all-to-all), their unique ids
 /// exchanged over `processes` (the process world: TCP or MPI; `None` for a world of one
 /// process), which the trainer then keeps for what the processes agree on between steps.
 pub fn place(
@@ -367,19 +368,21 @@ pub fn place(
             || NcclComm::from_rank(stream.clone(), spec.index, spec.members.len(), Id::uninit(raw)),
         )
         .map_err(|e| nccl_err(&name, "ncclCommInitRank", e))?;
-        comms.insert(
-            spec.comm,
-            spec.stream,
-            Box::new(NcclGroup {
-                comm: Mutex::new(Some(Shared(comm))),
-                stream,
-                device: dev.clone(),
-                size: spec.members.len(),
-                index: spec.index,
-                name,
-                abort: abort.clone(),
-            }),
-        );
+        let group = Box::new(NcclGroup {
+            comm: Mutex::new(Some(Shared(comm))),
+            stream,
+            device: dev.clone(),
+            size: spec.members.len(),
+            index: spec.index,
+            name,
+            abort: abort.clone(),
+        });
+        if spec.comm == Comm::Expert {
+            // The compute stream's expert-parallel ops (the tokens' all-to-all).
+            comms.expert = Some(group);
+        } else {
+            comms.insert(spec.comm, spec.stream, group);
+        }
     }
     Ok(Placement {
         ranks: vec![(rank, comms)],

@@ -426,7 +426,11 @@ impl StepCtx<'_> {
                 let c = c
                     .as_mut()
                     .ok_or_else(|| ExecError::Internal("compute outside the compute stream".into()))?;
-                self.compute(c, step.index(), *micro, reads, writes)?;
+                if self.launch_seq[i] == usize::MAX {
+                    self.compute(c, step.index(), *micro, reads, writes)?;
+                } else {
+                    self.launch(i, || self.compute(c, step.index(), *micro, reads, writes))?;
+                }
             }
             Instr::AllGather { comm, src, dst, .. } => {
                 let dtype = cdtype(plan.buffer(*dst).dtype);
@@ -578,6 +582,16 @@ pub fn run_step(
             launch_seq[i] = launches;
             launches += 1;
             ordered |= state.comms.get(comm, x.stream)?.enqueues();
+        }
+        // A compute step that runs collectives among its ops (tensor or expert parallelism)
+        // takes one launch turn for all of them: no other stream's collective launches
+        // between two of them, so their order among the rank's launches is the issue
+        // order on every rank.
+        if let Instr::Compute { step, .. } = &x.instr {
+            if plan.steps.get(step.index()).is_some_and(|s| !s.tensor_ops.is_empty()) {
+                launch_seq[i] = launches;
+                launches += 1;
+            }
         }
     }
     let RankState {
@@ -750,6 +764,7 @@ pub fn run_step(
                     }
                 }
                 if let Some(c) = &compute {
+                    c.ctx.flush_expert()?;
                     lock(&cx.out).routing = c.ctx.take_routing_load();
                 }
                 Ok(())
