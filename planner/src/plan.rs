@@ -43,16 +43,22 @@ pub enum Stream {
     Copy,
     /// Work on the CPU (the optimizer step under CPU offload).
     Host,
+    /// The expert group's collectives (the routing table's all-gather, the tokens'
+    /// dispatch and combine), each a step of its own between the compute steps that make
+    /// its input and read its output (shardplan's runtime; under `runtime: fsdp2` they run
+    /// inside compute steps, as torchtitan does).
+    AllToAll,
 }
 
 impl Stream {
-    pub const ALL: [Stream; 6] = [
+    pub const ALL: [Stream; 7] = [
         Stream::Compute,
         Stream::AllGather,
         Stream::ReduceScatter,
         Stream::AllReduce,
         Stream::Copy,
         Stream::Host,
+        Stream::AllToAll,
     ];
 
     pub fn index(self) -> usize {
@@ -67,6 +73,7 @@ impl Stream {
             Stream::AllReduce => "all-reduce",
             Stream::Copy => "copy",
             Stream::Host => "host",
+            Stream::AllToAll => "all-to-all",
         }
     }
 }
@@ -85,8 +92,8 @@ pub enum Comm {
     /// norm's sum over the parameters split across it. (Activation collectives run inside
     /// compute steps, as graph ops.)
     Tensor,
-    /// The rank's expert-parallel group: the tokens' all-to-all (graph ops of compute
-    /// steps, as the tensor group's).
+    /// The rank's expert-parallel group: the tokens' all-to-all (graph ops, each a step of
+    /// its own on the all-to-all stream; inside compute steps under `runtime: fsdp2`).
     Expert,
     /// The ranks of its shard group that hold the same routed experts: FSDP's group for
     /// them.

@@ -87,6 +87,20 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
                 } else {
                     String::new()
                 };
+                if s.stream == Stream::AllToAll {
+                    // One expert-group collective: its op, size and group.
+                    let (op, b) = s
+                        .tensor_ops
+                        .first()
+                        .map_or(("expert collective", 0), |t| (t.op.as_str(), t.bytes));
+                    return format!(
+                        "{op} {} {}{mb} [{step}] {} over {}",
+                        s.phase.name(),
+                        s.label,
+                        bytes(b),
+                        over(Comm::Expert)
+                    );
+                }
                 let tp = if s.tensor_ops.is_empty() {
                     String::new()
                 } else {

@@ -843,15 +843,23 @@ pub fn schedule_gated(
                 };
                 writes.push(buf);
             }
-            b.emit(
-                Stream::Compute,
-                Instr::Compute {
-                    step: StepId::new(pos),
-                    micro,
-                    reads,
-                    writes,
-                },
-            );
+            let run = Instr::Compute {
+                step: StepId::new(pos),
+                micro,
+                reads,
+                writes,
+            };
+            if s.stream == Stream::Compute {
+                b.emit(Stream::Compute, run);
+            } else {
+                // An expert-group collective on its own stream, between the compute steps
+                // that make its input and read its output.
+                let ready = b.record(Stream::Compute);
+                b.emit(s.stream, Instr::Wait { event: ready });
+                b.emit(s.stream, run);
+                let done = b.record(s.stream);
+                b.emit(Stream::Compute, Instr::Wait { event: done });
+            }
             // A step split off before its group's gradients (see `steps`) is short: the
             // deferred tails wait for the step after it.
             let split_off = s.phase == Phase::Backward

@@ -63,7 +63,7 @@ pub fn timeline(
         }
         stall.push(t - free_at[s]);
         let mut d = instr_seconds(&issued.instr, issued.stream, buffers, step_s, mesh, hw, optimizer);
-        if matches!(issued.instr, Instr::Compute { .. }) {
+        if issued.stream == Stream::Compute && matches!(issued.instr, Instr::Compute { .. }) {
             // Collectives issued before this step that are still running take SMs from it.
             let busy = [Stream::AllGather, Stream::ReduceScatter, Stream::AllReduce]
                 .iter()
@@ -265,11 +265,26 @@ pub fn estimate(
     let mut exposed = 0.0;
     let mut breakdown = Breakdown::default();
     let (mut ag, mut rs, mut ar, mut n) = (0u64, 0u64, 0u64, 0u64);
+    // Events the all-to-all stream records: the compute stream's waits on them are the
+    // expert group's collectives, not FSDP's communication.
+    let mut expert_event = vec![false; timing.start.len()];
+    for issued in &program.instrs {
+        if let (Stream::AllToAll, Instr::Record { event }) = (issued.stream, &issued.instr) {
+            if let Some(x) = expert_event.get_mut(event.index()) {
+                *x = true;
+            }
+        }
+    }
     for (i, issued) in program.instrs.iter().enumerate() {
         if issued.stream == Stream::Compute {
             let d = timing.end[i] - timing.start[i];
             compute_s += d;
-            exposed += stall[i];
+            match issued.instr {
+                Instr::Wait { event } if expert_event.get(event.index()).copied().unwrap_or(false) => {
+                    breakdown.add(WorkKind::ExpertComm, stall[i]);
+                }
+                _ => exposed += stall[i],
+            }
             match &issued.instr {
                 Instr::Compute {
                     step, reads, writes, ..

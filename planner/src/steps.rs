@@ -15,6 +15,7 @@
 //! kernel in shardplan's executor ([`ExecOrder::blockwise_attention`]).
 
 use crate::group::{scope_groups, FsdpGroup, GroupId};
+use crate::plan::Stream;
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
 use shardplan_ir::{IdVec, JointGraph, ModuleKind, NodeId, Op, ParamId, ScopeId};
@@ -71,6 +72,18 @@ pub struct Step {
     /// parallelism).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tensor_ops: Vec<TensorOp>,
+    /// The plan stream that runs it: the compute stream, or, for one expert-group
+    /// collective (shardplan's runtime), the all-to-all stream.
+    #[serde(default = "compute_stream", skip_serializing_if = "on_compute")]
+    pub stream: Stream,
+}
+
+fn compute_stream() -> Stream {
+    Stream::Compute
+}
+
+fn on_compute(s: &Stream) -> bool {
+    *s == Stream::Compute
 }
 
 /// A tensor-parallel collective inside a compute step: it runs on the compute stream,
@@ -363,8 +376,17 @@ fn walk(
             (false, Some(gg), Some(s)) => (kernels == Kernels::Autograd || !s.grads.contains(&gg)) && s.act_peak > live,
             _ => false,
         };
+        // Under shardplan's runtime each expert-group collective is a step of its own, run
+        // on the all-to-all stream (`runtime: fsdp2` runs them inline, as torchtitan does).
+        let stream = if kernels != Kernels::Autograd && node.op.is_expert_collective() {
+            Stream::AllToAll
+        } else {
+            Stream::Compute
+        };
         let start_new = match out.last() {
-            Some(s) => s.phase != phase || s.group != grp || first_grad,
+            Some(s) => {
+                s.phase != phase || s.group != grp || first_grad || stream == Stream::AllToAll || s.stream != stream
+            }
             None => true,
         };
         if start_new {
@@ -381,6 +403,7 @@ fn walk(
                 act_peak: live,
                 act_end: live,
                 tensor_ops: Vec::new(),
+                stream,
             });
         }
         let step = out.last_mut().expect("a step was just pushed");

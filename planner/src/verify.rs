@@ -330,6 +330,7 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
     }
     let (clock, pos) = clocks(plan, p, program)?;
     let hb = |a: usize, b: usize| -> bool { a != b && clock[b][program.instrs[a].stream.index()] > pos[a] };
+    verify_activation_streams(plan, program, &hb, &fail)?;
 
     let mut alloc: IdVec<BufId, Option<usize>> = IdVec::from_elem(None, n_buf);
     let mut free: IdVec<BufId, Option<usize>> = IdVec::from_elem(None, n_buf);
@@ -490,6 +491,72 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// Activations: every step runs on the stream it names, and a step off the compute stream
+/// (an expert-group collective on the all-to-all stream) happens after the compute stream's
+/// step before it and before the compute stream's step after it. Activations have no
+/// buffers of their own: the compute steps make, read and free them in the execution order,
+/// so a step elsewhere is safe exactly when it keeps its place in that order.
+fn verify_activation_streams(
+    plan: &Plan,
+    program: &Program,
+    hb: &dyn Fn(usize, usize) -> bool,
+    fail: &dyn Fn(usize, &'static str, String) -> VerifyError,
+) -> Result<(), VerifyError> {
+    let mut before: Option<usize> = None;
+    let mut pending: Vec<usize> = Vec::new();
+    for (i, issued) in program.instrs.iter().enumerate() {
+        let Instr::Compute { step, .. } = issued.instr else {
+            continue;
+        };
+        let Some(s) = plan.steps.get(step.index()) else {
+            continue;
+        };
+        if issued.stream != s.stream {
+            return Err(fail(
+                i,
+                "streams",
+                format!(
+                    "`{}` runs on the {} stream, but {step} belongs on the {} stream",
+                    describe(plan, issued),
+                    issued.stream.name(),
+                    s.stream.name()
+                ),
+            ));
+        }
+        if issued.stream != Stream::Compute {
+            if let Some(b) = before.filter(|&b| !hb(b, i)) {
+                return Err(fail(
+                    i,
+                    "activation order",
+                    format!(
+                        "`{}` may start before #{b} `{}`, the compute step before it, has made its input",
+                        describe(plan, issued),
+                        describe(plan, &program.instrs[b])
+                    ),
+                ));
+            }
+            pending.push(i);
+            continue;
+        }
+        for &x in &pending {
+            if !hb(x, i) {
+                return Err(fail(
+                    i,
+                    "activation order",
+                    format!(
+                        "`{}` may start before #{x} `{}`, which runs before it in the execution order, has finished",
+                        describe(plan, issued),
+                        describe(plan, &program.instrs[x])
+                    ),
+                ));
+            }
+        }
+        pending.clear();
+        before = Some(i);
     }
     Ok(())
 }

@@ -231,3 +231,107 @@ fn a_plan_file_with_a_broken_mesh_is_rejected() {
     let e = verify(&relaid, None).unwrap_err();
     assert!(e.message.contains("laid out over 4 ranks"), "{e}");
 }
+
+/// examples/models/tiny-moe.yaml on 1x4 with an expert axis of 2, under `runtime`.
+fn tiny_moe(runtime: &str) -> Plan {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+    let model = shardplan_frontends::load_model(&path).unwrap().config;
+    common::plan_model(
+        &model,
+        &format!(
+            "mesh: {{shard: 4, expert: 2}}\ngpus_per_node: 4\nbatch: {{per_rank: 2, seq_len: 16}}\nruntime: {runtime}\n"
+        ),
+    )
+}
+
+/// Issue indexes of the steps on the all-to-all stream.
+fn all_to_all_steps(plan: &Plan) -> Vec<usize> {
+    plan.programs[0]
+        .instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| x.stream == Stream::AllToAll && matches!(x.instr, Instr::Compute { .. }))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+#[test]
+fn expert_collectives_are_steps_of_their_own_on_the_all_to_all_stream() {
+    let plan = tiny_moe("shardplan");
+    verify(&plan, None).unwrap();
+    // Two MoE layers: the routing table's all-gather, the dispatch and the combine in
+    // forward; the combine's and dispatch's gradients (the table is kept) in backward.
+    let steps = all_to_all_steps(&plan);
+    let ops: Vec<&str> = steps
+        .iter()
+        .map(|&i| match plan.programs[0].instrs[i].instr {
+            Instr::Compute { step, .. } => plan.steps[step.index()].tensor_ops[0].op.as_str(),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(ops.len(), 10, "{ops:?}");
+    assert_eq!(ops.iter().filter(|o| **o == "moe_gather_ids").count(), 2, "{ops:?}");
+    for s in &plan.steps {
+        let expert = s.tensor_ops.iter().any(|t| t.op.starts_with("moe_"));
+        assert_eq!(s.stream == Stream::AllToAll, expert, "{} {}", s.id, s.label);
+        if s.stream == Stream::AllToAll {
+            assert_eq!(s.tensor_ops.len(), 1, "one collective a step: {}", s.id);
+            assert!(s.reads.is_empty() && s.grads.is_empty(), "{}", s.id);
+        }
+    }
+    // Every one waits for the compute stream and is waited for by it.
+    let instrs = &plan.programs[0].instrs;
+    for &i in &steps {
+        assert!(matches!(instrs[i - 1].instr, Instr::Wait { .. }) && instrs[i - 1].stream == Stream::AllToAll);
+        let Instr::Record { event } = instrs[i + 1].instr else {
+            panic!("#{} records", i + 1)
+        };
+        assert!(instrs[i + 2..]
+            .iter()
+            .any(|x| x.stream == Stream::Compute && x.instr == Instr::Wait { event }));
+    }
+    // Under FSDP2 the collectives run inside compute steps, as torchtitan runs them.
+    let fsdp2 = tiny_moe("fsdp2");
+    verify(&fsdp2, None).unwrap();
+    assert!(all_to_all_steps(&fsdp2).is_empty());
+    assert!(fsdp2.steps.iter().all(|s| s.stream == Stream::Compute));
+}
+
+#[test]
+fn a_compute_step_not_waiting_for_an_all_to_all_is_an_activation_order_error() {
+    let mut plan = tiny_moe("shardplan");
+    let i = all_to_all_steps(&plan)[1];
+    let instrs = &mut plan.programs[0].instrs;
+    let Instr::Record { event } = instrs[i + 1].instr else {
+        panic!("#{} records", i + 1)
+    };
+    let wait = instrs
+        .iter()
+        .position(|x| x.stream == Stream::Compute && x.instr == Instr::Wait { event })
+        .unwrap();
+    instrs.remove(wait);
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "activation order", "{e}");
+    assert!(e.message.contains("moe_dispatch"), "{e}");
+}
+
+#[test]
+fn an_all_to_all_not_waiting_for_its_input_is_an_activation_order_error() {
+    let mut plan = tiny_moe("shardplan");
+    let i = all_to_all_steps(&plan)[0];
+    plan.programs[0].instrs.remove(i - 1);
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "activation order", "{e}");
+    assert!(e.message.contains("moe_gather_ids"), "{e}");
+    assert!(e.message.contains("has made its input"), "{e}");
+}
+
+#[test]
+fn a_step_on_another_stream_than_its_own_is_refused() {
+    let mut plan = tiny_moe("shardplan");
+    let i = all_to_all_steps(&plan)[0];
+    plan.programs[0].instrs[i].stream = Stream::Compute;
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "streams", "{e}");
+    assert!(e.message.contains("belongs on the all-to-all stream"), "{e}");
+}

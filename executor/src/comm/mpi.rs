@@ -646,11 +646,9 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
         )?));
     }
     if mesh.expert() > 1 {
-        // The compute stream's expert-parallel ops (the tokens' all-to-all).
-        comms.expert = Some(Box::new(split(
-            mesh.expert_group(rank),
-            "expert group (compute stream)".into(),
-        )?));
+        // The expert-parallel ops (the tokens' all-to-all): the all-to-all stream's steps,
+        // or the compute stream's under `runtime: fsdp2`.
+        comms.expert = Some(Box::new(split(mesh.expert_group(rank), "expert group".into())?));
     }
     let processes = MpiGroup {
         comm: SharedComm(world.world.0.duplicate()),

@@ -58,12 +58,21 @@ impl CommSpec {
 
 /// The communicators `rank` joins, in the order every rank creates them: the program's
 /// (`channels`), then, under expert parallelism, the expert group's, over which the
-/// compute stream's graph ops move the tokens (the planner counts it too:
-/// `simulate::overhead`).
+/// all-to-all stream's steps move the tokens (the compute stream's graph ops under
+/// `runtime: fsdp2`; the planner counts it too: `simulate::overhead`).
 pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
     let mut channels = super::channels(plan);
     if plan.mesh.expert() > 1 {
-        channels.push((Comm::Expert, Stream::Compute));
+        let on_own_stream = plan
+            .programs
+            .iter()
+            .any(|p| p.instrs.iter().any(|x| x.stream == Stream::AllToAll));
+        let stream = if on_own_stream {
+            Stream::AllToAll
+        } else {
+            Stream::Compute
+        };
+        channels.push((Comm::Expert, stream));
     }
     channels
         .into_iter()
@@ -320,7 +329,7 @@ mod tests {
         let all: Vec<Vec<CommSpec>> = (0..4).map(|r| comm_specs(&p, r).unwrap()).collect();
         for (r, specs) in all.iter().enumerate() {
             let last = specs.last().unwrap();
-            assert_eq!((last.comm, last.stream), (Comm::Expert, Stream::Compute));
+            assert_eq!((last.comm, last.stream), (Comm::Expert, Stream::AllToAll));
             let want = if r < 2 { vec![0, 1] } else { vec![2, 3] };
             assert_eq!((last.members.clone(), last.index), (want, r % 2), "rank {r}");
             let joined = specs.iter().filter(|s| s.members.len() > 1).count() as u32;

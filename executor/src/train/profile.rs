@@ -14,7 +14,7 @@ use crate::ExecError;
 use serde::{Deserialize, Deserializer, Serialize};
 use shardplan_frontends::{Pos, SpecError};
 use shardplan_ir::{Graph, NodeId};
-use shardplan_planner::{Instr, Plan, Program, Stream};
+use shardplan_planner::{Instr, Issued, Plan, Program, Stream};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
@@ -44,11 +44,13 @@ pub enum Kind {
     AllocFree,
     Wait,
     Record,
+    /// An expert-group collective, a step of its own on the all-to-all stream.
+    AllToAll,
 }
 
 impl Kind {
     /// Every kind, in the order tables print them.
-    pub const ALL: [Kind; 11] = [
+    pub const ALL: [Kind; 12] = [
         Kind::Compute,
         Kind::Pack,
         Kind::AllGather,
@@ -60,11 +62,13 @@ impl Kind {
         Kind::AllocFree,
         Kind::Wait,
         Kind::Record,
+        Kind::AllToAll,
     ];
 
-    /// The kind of `instr`.
-    pub fn of(instr: &Instr) -> Kind {
-        match instr {
+    /// The kind of an issued instruction.
+    pub fn of(issued: &Issued) -> Kind {
+        match &issued.instr {
+            Instr::Compute { .. } if issued.stream == Stream::AllToAll => Kind::AllToAll,
             Instr::Compute { .. } => Kind::Compute,
             Instr::PackGrads { .. } => Kind::Pack,
             Instr::AllGather { .. } => Kind::AllGather,
@@ -93,6 +97,7 @@ impl Kind {
             Kind::AllocFree => "alloc/free",
             Kind::Wait => "wait",
             Kind::Record => "record",
+            Kind::AllToAll => "all-to-all",
         }
     }
 
@@ -130,7 +135,7 @@ impl Sums {
         };
         let (mut first, mut last) = (f64::INFINITY, f64::NEG_INFINITY);
         for (issued, t) in program.instrs.iter().zip(times) {
-            let k = &mut s.kinds[Kind::of(&issued.instr).index()];
+            let k = &mut s.kinds[Kind::of(issued).index()];
             k.0 += (t[1] - t[0]).max(0.0);
             k.1 += 1;
             first = first.min(t[0]);
@@ -534,7 +539,7 @@ pub fn predicted(plan: &Plan) -> [(f64, u64); Kind::ALL.len()] {
     let mut free_at = [plan.hardware.step_overhead_us * 1e-6; Stream::ALL.len()];
     for (issued, &end) in program.instrs.iter().zip(&plan.timing.end) {
         let s = issued.stream.index();
-        let k = &mut out[Kind::of(&issued.instr).index()];
+        let k = &mut out[Kind::of(issued).index()];
         k.0 += (end - free_at[s]).max(0.0);
         k.1 += 1;
         free_at[s] = free_at[s].max(end);

@@ -353,13 +353,25 @@ impl ShardedTrainer {
             per_rank * data_world as usize,
             seq,
         )?;
+        // (A wait on the all-to-all stream is the expert group's collective, which the
+        // plan's estimate counts apart, not FSDP's communication.)
+        let expert_events: std::collections::HashSet<_> = plan.programs[0]
+            .instrs
+            .iter()
+            .filter_map(|x| match x.instr {
+                shardplan_planner::Instr::Record { event } if x.stream == shardplan_planner::Stream::AllToAll => {
+                    Some(event)
+                }
+                _ => None,
+            })
+            .collect();
         let compute_waits = plan.programs[0]
             .instrs
             .iter()
             .enumerate()
             .filter(|(_, x)| {
                 x.stream == shardplan_planner::Stream::Compute
-                    && matches!(x.instr, shardplan_planner::Instr::Wait { .. })
+                    && matches!(x.instr, shardplan_planner::Instr::Wait { event } if !expert_events.contains(&event))
             })
             .map(|(i, _)| i)
             .collect();

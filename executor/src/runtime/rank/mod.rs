@@ -333,11 +333,12 @@ impl StepCtx<'_> {
     /// whatever collective `i` waits for (its stream's earlier instructions, the events it
     /// waits on, earlier launches) was issued before it, so by induction over issue order
     /// every earlier collective is launched on every rank.
+    /// An instruction without a launch turn (`usize::MAX`: no collective) runs at once.
     fn launch<T>(&self, i: usize, f: impl FnOnce() -> Result<T, ExecError>) -> Result<T, ExecError> {
-        if !self.ordered {
+        let q = self.launch_seq[i];
+        if !self.ordered || q == usize::MAX {
             return f();
         }
-        let q = self.launch_seq[i];
         let deadline = Instant::now() + self.abort.timeout();
         let mut turn = lock(&self.launch_turn);
         while *turn != q {
@@ -378,7 +379,11 @@ impl StepCtx<'_> {
 }
 
 impl StepCtx<'_> {
-    fn execute(&self, i: usize, c: &mut Option<Compute>) -> Result<(), ExecError> {
+    /// Runs instruction `i`. `state` is the compute stream's activations and parameter
+    /// views: the compute stream's steps run on it, and so does a step on the all-to-all
+    /// stream (an expert-group collective), which the plan orders between two compute steps
+    /// (the verifier's activation order), so the two never hold it at once for long.
+    fn execute(&self, i: usize, state: &Mutex<Option<Compute>>) -> Result<(), ExecError> {
         let plan = &self.shared.plan;
         let issued = &plan.programs[0].instrs[i];
         match &issued.instr {
@@ -403,8 +408,10 @@ impl StepCtx<'_> {
                     Slot::Zero => planned_bytes(b),
                     Slot::Free => 0,
                 };
-                if let Some(c) = c.as_mut() {
-                    c.params.remove(buf);
+                if issued.stream == Stream::Compute {
+                    if let Some(c) = lock(state).as_mut() {
+                        c.params.remove(buf);
+                    }
                 }
                 self.sequenced(i, |m| {
                     let level = if b.pool == Pool::Host {
@@ -423,14 +430,15 @@ impl StepCtx<'_> {
                 reads,
                 writes,
             } => {
-                let c = c
-                    .as_mut()
-                    .ok_or_else(|| ExecError::Internal("compute outside the compute stream".into()))?;
-                if self.launch_seq[i] == usize::MAX {
-                    self.compute(c, step.index(), *micro, reads, writes)?;
-                } else {
-                    self.launch(i, || self.compute(c, step.index(), *micro, reads, writes))?;
-                }
+                // The state is taken after the launch turn: a stream holding it never waits
+                // for a turn (see `launch`).
+                self.launch(i, || {
+                    let mut guard = lock(state);
+                    let c = guard
+                        .as_mut()
+                        .ok_or_else(|| ExecError::Internal("no compute state for this step".into()))?;
+                    self.compute(c, step.index(), *micro, reads, writes)
+                })?;
             }
             Instr::AllGather { comm, src, dst, .. } => {
                 let dtype = cdtype(plan.buffer(*dst).dtype);
@@ -671,9 +679,16 @@ pub fn run_step(
         device_losses: Mutex::new(Vec::new()),
     };
     let n_values = shared.joint.graph.node_count() * 2;
+    let state = Mutex::new(Some(Compute {
+        ctx,
+        values: vec![None; n_values],
+        early: HashMap::new(),
+        live: 0,
+        micro: None,
+        params: HashMap::new(),
+    }));
     let result: Result<(), ExecError> = std::thread::scope(|scope| {
         let mut handles = Vec::new();
-        let mut compute_ctx = Some(ctx);
         for stream in Stream::ALL {
             let list: Vec<usize> = program
                 .instrs
@@ -686,16 +701,15 @@ pub fn run_step(
                 continue;
             }
             let cx = &cx;
-            let mine = if stream == Stream::Compute {
-                compute_ctx.take()
-            } else {
-                None
-            };
+            let state = &state;
             // The CUDA stream this plan stream's work is issued to: the compute stream's,
             // or that of the communicators its collectives run on (one per plan stream).
             let clock = match (&cx.origin, stream) {
                 (None, _) => None,
                 (Some(_), Stream::Compute) => Some(cx.clock.clone()),
+                (Some(_), Stream::AllToAll) => {
+                    Some(cx.comms.expert.as_ref().map_or_else(|| cx.clock.clone(), |e| e.clock()))
+                }
                 (Some(_), _) => Some(
                     list.iter()
                         .find_map(|&i| program.instrs[i].instr.collective().map(|(c, _, _)| c))
@@ -706,14 +720,6 @@ pub fn run_step(
             };
             handles.push(scope.spawn(move || -> Result<(), ExecError> {
                 crate::runtime::device::bind_thread(&cx.device)?;
-                let mut compute = mine.map(|ctx| Compute {
-                    ctx,
-                    values: vec![None; n_values],
-                    early: HashMap::new(),
-                    live: 0,
-                    micro: None,
-                    params: HashMap::new(),
-                });
                 for i in list {
                     if let Some(r) = cx.abort.reason() {
                         return Err(ExecError::Aborted(r));
@@ -737,7 +743,7 @@ pub fn run_step(
                         Some(Fault::OutOfMemory) => Err(ExecError::Candle(candle_core::Error::Cuda(Box::new(
                             InjectedOutOfMemory,
                         )))),
-                        None => cx.execute(i, &mut compute),
+                        None => cx.execute(i, state),
                     };
                     *lock(&cx.times[i]) = [started, wall_seconds()];
                     if let (Some(c), Some(m)) = (&clock, mark) {
@@ -763,9 +769,12 @@ pub fn run_step(
                         return Err(e);
                     }
                 }
-                if let Some(c) = &compute {
-                    c.ctx.flush_expert()?;
-                    lock(&cx.out).routing = c.ctx.take_routing_load();
+                if stream == Stream::Compute {
+                    // The all-to-all stream's last step ends before the compute stream's.
+                    if let Some(c) = lock(state).as_ref() {
+                        c.ctx.flush_expert()?;
+                        lock(&cx.out).routing = c.ctx.take_routing_load();
+                    }
                 }
                 Ok(())
             }));
