@@ -110,21 +110,15 @@ pub fn make_plan_and_graph(
         model: model.config.clone(),
         parallel: config.clone(),
     });
-    if p.experts
-        .as_ref()
-        .is_some_and(|e| e.capacity > 1.0 && e.capacity_factor.is_none())
-    {
+    if let Some(e) = p.experts.as_mut() {
         // Routing is data-dependent: the plan is sized at the capacity bound; the same
-        // spec routed evenly shows what the bound costs.
-        // Its memory is all that is read: planned without the verifier or the arena.
-        let mut even = config.clone();
-        even.moe.capacity = 1.0;
-        let joint = trace_joint(model, parallel, &even)?;
-        let q = shardplan_planner::plan_memory(&joint, &even)
-            .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
-        if let Some(e) = p.experts.as_mut() {
-            e.even = Some([q.peak, q.reserved_peak, q.device_total]);
-        }
+        // spec routed evenly shows what the bound costs (what `train --plan` checks too).
+        e.even = shardplan_planner::rederive::even_split(&model.config, config).map_err(|r| match r {
+            shardplan_planner::rederive::Refusal::Plan(e) => {
+                CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help()))
+            }
+            other => anyhow::anyhow!("{other}").into(),
+        })?;
     }
     Ok((p, joint))
 }

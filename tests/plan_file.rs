@@ -125,3 +125,45 @@ fn changed_derived_fields_are_refused_by_path() {
         &["groups[0].layout.params[0].shard_offset", "invalid type"],
     );
 }
+
+#[test]
+fn an_expert_parallel_plan_file_trains_as_its_specs_do() {
+    // A plan sized at a routing bound records the even split's peaks beside it, derived
+    // from the specs like every other field: `train --plan` plans them again and compares.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ep.json");
+    shardplan_ok(&[
+        "plan",
+        "--model",
+        "examples/models/tiny-moe.yaml",
+        "--parallel",
+        "examples/parallel/ep-1x4-cpu.yaml",
+        "--format",
+        "json",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let a = losses(&out, &dir.path().join("a.jsonl"));
+    shardplan_ok(&[
+        "train",
+        "--model",
+        "examples/models/tiny-moe.yaml",
+        "--parallel",
+        "examples/parallel/ep-1x4-cpu.yaml",
+        "--steps",
+        "3",
+        "--log",
+        dir.path().join("b.jsonl").to_str().unwrap(),
+    ]);
+    let b: Vec<_> = json_lines(&dir.path().join("b.jsonl"))
+        .iter()
+        .map(|l| serde_json::json!([l["loss"], l["grad_norm"], l["rank0_loss"]]))
+        .collect();
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b, "the plan file trains as the specs do, bit for bit");
+
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let even = v["experts"]["even"][0].as_u64().unwrap();
+    v["experts"]["even"][0] = (even / 2).into();
+    refused(dir.path(), &v, &["`experts.even[0]` is", &format!("give {even}")]);
+}

@@ -19,8 +19,9 @@ use shardplan_frontends::{
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
 
-/// Format version of [`Plan`]; bumped on every incompatible change.
-pub const PLAN_VERSION: u32 = 2;
+/// Format version of [`Plan`]; bumped on every incompatible change (3: the all-to-all
+/// stream, and expert-group collectives as steps of their own).
+pub const PLAN_VERSION: u32 = 3;
 
 shardplan_ir::entity! {
     /// A buffer (printed `b7`).

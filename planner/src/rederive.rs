@@ -218,6 +218,26 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
     })
 }
 
+/// What `shardplan plan` states beside a plan sized at a routing bound (dropless routing
+/// with `moe.capacity` over 1): the peaks of the same spec routed evenly (`moe.capacity` 1),
+/// `[allocated, reserved, device total]`. `None` for any other plan.
+pub fn even_split(model: &ModelConfig, config: &ParallelConfig) -> Result<Option<[u64; 3]>, Refusal> {
+    if config.mesh.expert <= 1 || config.moe.capacity <= 1.0 || config.moe.capacity_factor.is_some() {
+        return Ok(None);
+    }
+    let mut even = config.clone();
+    even.moe.capacity = 1.0;
+    let source = |e: String| Refusal::Source {
+        path: "source".into(),
+        message: format!("the specs routed evenly (moe.capacity 1) cannot be traced: {e}"),
+        help: "write the plan again with `shardplan plan --format json`".into(),
+    };
+    let graph = shardplan_models::trace(model, even.trace_options()).map_err(|e| source(e.to_string()))?;
+    let joint = shardplan_ir::differentiate_with(&graph, even.diff_options()).map_err(|e| source(e.to_string()))?;
+    let q = crate::plan_memory(&joint, &even).map_err(Refusal::Plan)?;
+    Ok(Some([q.peak, q.reserved_peak, q.device_total]))
+}
+
 fn to_value<T: serde::Serialize>(x: &T) -> Value {
     // Plans and configs are plain data: serialising them cannot fail.
     serde_json::to_value(x).unwrap_or(Value::Null)
@@ -239,6 +259,9 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
     let mut cache = PlanCache::default();
     let (mut expected, cached) = plan_passes(joint, config, &mut cache, true, true).map_err(Refusal::Plan)?;
     expected.source = plan.source.clone();
+    if let Some(e) = expected.experts.as_mut() {
+        e.even = even_split(&source.model, config)?;
+    }
     let choices = ["programs", "events", "timing", "memory", "estimate"];
     let mut path = String::new();
     if let Some((path, found, expected)) = diff(&mut path, file, &to_value(&expected), &choices) {
