@@ -248,6 +248,28 @@ fn moe_ffn(
         Router::SigmoidTopk => RouterScore::Sigmoid,
     };
     let ids = t.op(router, Op::MoeTopK { k: m.top_k, score }, &[logits])?;
+    // Token dropping: each expert's assignments past its capacity leave the expert path
+    // (their rows are zero); the routing weights are still the top-k's.
+    let ep = t.ep;
+    let routed = match ep.per_expert(tokens * m.top_k, m.experts) {
+        Some(capacity) => t.op(
+            router,
+            Op::MoeDrop {
+                experts: m.experts,
+                capacity,
+            },
+            &[ids],
+        )?,
+        None => ids,
+    };
+    let experts = ff;
+    // Under expert parallelism every rank's routing first: the table's all-gather runs on
+    // the all-to-all stream while this rank computes its weights and permutes its rows.
+    let table = if ep.is_parallel() {
+        Some(t.op(experts, Op::MoeGatherIds { degree: ep.degree }, &[routed])?)
+    } else {
+        None
+    };
     let mut weights = t.op(
         router,
         Op::MoeRouterWeights {
@@ -268,30 +290,14 @@ fn moe_ffn(
             t.reshape(ff, x, &[tokens, d])?
         }
     };
-
-    // Token dropping: each expert's assignments past its capacity leave the expert path
-    // (their rows are zero); the routing weights are still the top-k's.
-    let ep = t.ep;
-    let ids = match ep.per_expert(tokens * m.top_k, m.experts) {
-        Some(capacity) => t.op(
-            router,
-            Op::MoeDrop {
-                experts: m.experts,
-                capacity,
-            },
-            &[ids],
-        )?,
-        None => ids,
-    };
-    let experts = ff;
+    let ids = routed;
     let rows = t.op(experts, Op::MoePermute, &[x, ids])?;
     // Under expert parallelism the rows travel to the ranks holding their experts and back;
     // this rank computes its own experts over what it received.
-    let (per_rank, table) = if ep.is_parallel() {
-        let table = t.op(experts, Op::MoeGatherIds { degree: ep.degree }, &[ids])?;
-        (m.experts / ep.degree, Some(table))
+    let per_rank = if ep.is_parallel() {
+        m.experts / ep.degree
     } else {
-        (m.experts, None)
+        m.experts
     };
     let (rows, local_ids) = match table {
         Some(table) => {
@@ -320,14 +326,24 @@ fn moe_ffn(
         None => (rows, ids),
     };
     // `shape` is this tensor rank's slice, cut along `dim` (0: the gate and up projections'
-    // hidden units, 1: the down projection's).
-    let grouped = |t: &mut Tracer, x: NodeId, name: &str, shape: [u64; 2], dim: usize| -> Result<NodeId, IrError> {
+    // hidden units, 1: the down projection's). Every routed weight is made before the
+    // shared expert, whatever the order of the ops (parameters keep their numbers).
+    let expert_params = |t: &mut Tracer, name: &str, shape: [u64; 2], dim: usize| -> Result<Vec<NodeId>, IrError> {
+        let at = prefix.len() + ".experts.".len();
+        (0..per_rank)
+            .map(|e| {
+                let pname = format!("{prefix}.experts.{e}.{name}.weight");
+                t.routed_param(experts, &pname, &shape, dim, e, per_rank, at)
+            })
+            .collect()
+    };
+    let f = m.expert_ffn_dim / n;
+    let gate_ps = expert_params(t, gate_name, [f, d], 0)?;
+    let up_ps = expert_params(t, up_name, [f, d], 0)?;
+    let down_ps = expert_params(t, down_name, [d, f], 1)?;
+    let grouped = |t: &mut Tracer, x: NodeId, weights: &[NodeId]| -> Result<NodeId, IrError> {
         let mut ins = vec![x, local_ids];
-        for e in 0..per_rank {
-            let at = prefix.len() + ".experts.".len();
-            let pname = format!("{prefix}.experts.{e}.{name}.weight");
-            ins.push(t.routed_param(experts, &pname, &shape, dim, e, per_rank, at)?);
-        }
+        ins.extend_from_slice(weights);
         t.op(
             experts,
             Op::GroupedLinear {
@@ -336,29 +352,14 @@ fn moe_ffn(
             &ins,
         )
     };
-    let f = m.expert_ffn_dim / n;
-    let gate = grouped(t, rows, gate_name, [f, d], 0)?;
-    let up = grouped(t, rows, up_name, [f, d], 0)?;
-    let gate = t.op(experts, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
-    let hidden = t.op(experts, Op::Mul, &[gate, up])?;
-    let mut down = grouped(t, hidden, down_name, [d, f], 1)?;
-    if let Some(table) = table {
-        down = t.op(
-            experts,
-            Op::MoeCombine {
-                degree: ep.degree,
-                experts: m.experts,
-            },
-            &[down, table],
-        )?;
-    }
-    let weights = t.reshape(experts, weights, &[tokens, m.top_k, 1])?;
-    let weights = t.op(experts, Op::MoePermute, &[weights, ids])?;
-    let down = t.op(experts, Op::Mul, &[down, weights])?;
-    let mut y = t.op(experts, Op::MoeUnpermute { sum: true }, &[down, ids])?;
-
-    if m.shared_experts > 0 {
-        // Split as a dense feed-forward: its partial output joins the routed one's.
+    // The shared expert's partial output, which joins the routed one's. Under expert
+    // parallelism it runs while the rows travel (the compute stream does not wait for the
+    // dispatch until the routed experts read what it received).
+    let shared_expert = |t: &mut Tracer| -> Result<Option<NodeId>, IrError> {
+        if m.shared_experts == 0 {
+            return Ok(None);
+        }
+        // Split as a dense feed-forward.
         let shared = ff;
         let sp_name = format!("{prefix}.shared_expert");
         let fs = m.shared_expert_ffn_dim;
@@ -383,10 +384,38 @@ fn moe_ffn(
             // Its gradient meets the partial output: summed over the group.
             let g_w = t.param(shared, &format!("{prefix}.shared_expert_gate.weight"), &[1, d])?;
             let g_w = t.tp_summed(shared, g_w)?;
-            let g = t.op(shared, linear, &[x, g_w])?;
+            let g = t.op(shared, linear.clone(), &[x, g_w])?;
             let g = t.op(shared, Op::Sigmoid, &[g])?;
             out = t.op(shared, Op::Mul, &[g, out])?;
         }
+        Ok(Some(out))
+    };
+    let shared_out = if table.is_some() { shared_expert(t)? } else { None };
+    let gate = grouped(t, rows, &gate_ps)?;
+    let up = grouped(t, rows, &up_ps)?;
+    let gate = t.op(experts, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
+    let hidden = t.op(experts, Op::Mul, &[gate, up])?;
+    let mut down = grouped(t, hidden, &down_ps)?;
+    if let Some(table) = table {
+        down = t.op(
+            experts,
+            Op::MoeCombine {
+                degree: ep.degree,
+                experts: m.experts,
+            },
+            &[down, table],
+        )?;
+    }
+    let weights = t.reshape(experts, weights, &[tokens, m.top_k, 1])?;
+    let weights = t.op(experts, Op::MoePermute, &[weights, ids])?;
+    let down = t.op(experts, Op::Mul, &[down, weights])?;
+    let mut y = t.op(experts, Op::MoeUnpermute { sum: true }, &[down, ids])?;
+    let shared_out = match shared_out {
+        Some(out) => Some(out),
+        None if table.is_none() => shared_expert(t)?,
+        None => None,
+    };
+    if let Some(out) = shared_out {
         y = t.op(ff, Op::Add, &[y, out])?;
     }
     let y = t.reshape(ff, y, &[batch, seq, d])?;

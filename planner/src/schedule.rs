@@ -762,6 +762,8 @@ pub fn schedule_gated(
 
     let last_forward = steps.iter().rposition(|s| s.phase == Phase::Forward);
     let micros = policy.grad_accum as u32;
+    // All-to-all steps issued and not yet waited for by the compute stream, with their end.
+    let mut pending_a2a: Vec<(StepId, EventId)> = Vec::new();
     for micro in 0..micros {
         let last_micro = micro + 1 == micros;
         let sync = last_micro || policy.grad_sync == GradSync::EveryMicroBatch;
@@ -850,15 +852,23 @@ pub fn schedule_gated(
                 writes,
             };
             if s.stream == Stream::Compute {
+                // The all-to-alls whose values this step is the first to touch.
+                for x in &s.waits_for {
+                    if let Some(k) = pending_a2a.iter().position(|(p, _)| p == x) {
+                        let (_, event) = pending_a2a.swap_remove(k);
+                        b.emit(Stream::Compute, Instr::Wait { event });
+                    }
+                }
                 b.emit(Stream::Compute, run);
             } else {
-                // An expert-group collective on its own stream, between the compute steps
-                // that make its input and read its output.
+                // An expert-group collective on its own stream, after the compute steps
+                // that make its input; the compute stream goes on until a step touches
+                // its values (`Step::waits_for`).
                 let ready = b.record(Stream::Compute);
                 b.emit(s.stream, Instr::Wait { event: ready });
                 b.emit(s.stream, run);
                 let done = b.record(s.stream);
-                b.emit(Stream::Compute, Instr::Wait { event: done });
+                pending_a2a.push((StepId::new(pos), done));
             }
             // A step split off before its group's gradients (see `steps`) is short: the
             // deferred tails wait for the step after it.
@@ -935,6 +945,10 @@ pub fn schedule_gated(
                     }
                 }
             }
+        }
+        // (An all-to-all no compute step touched is waited for at the micro-batch's end.)
+        for (_, event) in std::mem::take(&mut pending_a2a) {
+            b.emit(Stream::Compute, Instr::Wait { event });
         }
         // The end of FSDP2's backward frees the last reduce-scatter input.
         b.release_rs_state();

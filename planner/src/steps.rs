@@ -76,6 +76,22 @@ pub struct Step {
     /// collective (shardplan's runtime), the all-to-all stream.
     #[serde(default = "compute_stream", skip_serializing_if = "on_compute")]
     pub stream: Stream,
+    /// The all-to-all steps whose values it is the first compute step to touch (it reads
+    /// their output, or is the last reader of one of their operands): the compute stream
+    /// waits for them just before it, and runs the steps between concurrently with them.
+    /// The operands an all-to-all step is the last reader of die here, not there.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waits_for: Vec<StepId>,
+}
+
+/// An all-to-all step the compute stream has not waited for yet (see `Step::waits_for`).
+struct Pending {
+    step: StepId,
+    /// Its value's slot and its operands' slots.
+    out: usize,
+    operands: smallvec::SmallVec<[usize; 2]>,
+    /// Operands it is the last reader of: (slot, value number, bytes), freed at the join.
+    dying: Vec<(usize, u32, u64)>,
 }
 
 fn compute_stream() -> Stream {
@@ -355,6 +371,7 @@ fn walk(
     let mut value_of: Vec<u32> = vec![u32::MAX; n * 2];
     let mut live: u64 = 0;
     let mut freed: Vec<usize> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
     for (pos, &(id, copy)) in order.iter().enumerate() {
         let node = g.node(id);
         let phase = if copy {
@@ -383,9 +400,35 @@ fn walk(
         } else {
             Stream::Compute
         };
+        // The pending all-to-alls this node is the first to touch: a compute step starts
+        // here, after the compute stream waits for them.
+        let mut joined: Vec<Pending> = Vec::new();
+        if stream == Stream::Compute && !pending.is_empty() {
+            let touches = |p: &Pending| {
+                node.inputs
+                    .iter()
+                    .chain(exec.extra_reads(g, id))
+                    .filter(|x| param_of_node[x.index()].is_none())
+                    .map(|&x| exec.read_slot(id, copy, x))
+                    .any(|s| s == p.out || (p.operands.contains(&s) && exec.last_use[s] == pos))
+            };
+            let mut k = 0;
+            while k < pending.len() {
+                if touches(&pending[k]) {
+                    joined.push(pending.remove(k));
+                } else {
+                    k += 1;
+                }
+            }
+        }
         let start_new = match out.last() {
             Some(s) => {
-                s.phase != phase || s.group != grp || first_grad || stream == Stream::AllToAll || s.stream != stream
+                s.phase != phase
+                    || s.group != grp
+                    || first_grad
+                    || stream == Stream::AllToAll
+                    || s.stream != stream
+                    || !joined.is_empty()
             }
             None => true,
         };
@@ -404,7 +447,21 @@ fn walk(
                 act_end: live,
                 tensor_ops: Vec::new(),
                 stream,
+                waits_for: Vec::new(),
             });
+        }
+        if !joined.is_empty() {
+            // The joined all-to-alls' dying operands go first, as the executor frees them
+            // once the compute stream has waited.
+            for p in &joined {
+                for &(_, value, b) in &p.dying {
+                    release(&mut live, &mut acts, detail, value, b);
+                }
+            }
+            let step = out.last_mut().expect("a step was just pushed");
+            step.waits_for = joined.iter().map(|p| p.step).collect();
+            step.act_peak = live;
+            step.act_end = live;
         }
         let step = out.last_mut().expect("a step was just pushed");
         if detail && !node.op.is_leaf() {
@@ -527,16 +584,30 @@ fn walk(
             next_due = saved_live.iter().map(|e| e.0).min().unwrap_or(usize::MAX);
         }
         freed.clear();
+        let mut waiting = (stream == Stream::AllToAll).then(|| Pending {
+            step: step.id,
+            out: own,
+            operands: smallvec::SmallVec::new(),
+            dying: Vec::new(),
+        });
         for &input in node.inputs.iter().chain(exec.extra_reads(g, id)) {
             if param_of_node[input.index()].is_some() {
                 continue;
             }
             let s = exec.read_slot(id, copy, input);
+            if let Some(p) = waiting.as_mut() {
+                p.operands.push(s);
+            }
             if exec.last_use[s] == pos && !freed.contains(&s) && overwritten != Some(s) {
                 freed.push(s);
-                release(&mut live, &mut acts, detail, value_of[s], bytes(input));
+                match waiting.as_mut() {
+                    // An all-to-all's operands live until the compute stream waits for it.
+                    Some(p) => p.dying.push((s, value_of[s], bytes(input))),
+                    None => release(&mut live, &mut acts, detail, value_of[s], bytes(input)),
+                }
             }
         }
+        pending.extend(waiting);
         if exec.last_use[own] == usize::MAX {
             live = live.saturating_sub(made);
             if made > 0 {
@@ -550,6 +621,13 @@ fn walk(
             }
         }
         step.act_end = live;
+    }
+    // (Every all-to-all has a compute step after it that reads its value; one that had
+    // not would keep its operands to the end.)
+    for p in pending {
+        for (_, value, b) in p.dying {
+            release(&mut live, &mut acts, detail, value, b);
+        }
     }
     acts.starts.push(acts.events.len() as u32);
     for s in &mut out {

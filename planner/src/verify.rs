@@ -495,11 +495,13 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
     Ok(())
 }
 
-/// Activations: every step runs on the stream it names, and a step off the compute stream
-/// (an expert-group collective on the all-to-all stream) happens after the compute stream's
-/// step before it and before the compute stream's step after it. Activations have no
-/// buffers of their own: the compute steps make, read and free them in the execution order,
-/// so a step elsewhere is safe exactly when it keeps its place in that order.
+/// Activations: every step runs on the stream it names; a step off the compute stream (an
+/// expert-group collective on the all-to-all stream) happens after the compute stream's
+/// step before it, and before the compute step that names it in `waits_for` (the first to
+/// touch its values) and the compute stream's end. Activations have no buffers of their
+/// own: the compute steps make, read and free them in the execution order, and the steps
+/// between an all-to-all and its join touch none of its values (the planner's walk), so
+/// this order is what makes running them at once safe.
 fn verify_activation_streams(
     plan: &Plan,
     program: &Program,
@@ -507,9 +509,11 @@ fn verify_activation_streams(
     fail: &dyn Fn(usize, &'static str, String) -> VerifyError,
 ) -> Result<(), VerifyError> {
     let mut before: Option<usize> = None;
-    let mut pending: Vec<usize> = Vec::new();
+    // All-to-all steps issued and not yet joined: (issue index, step, micro).
+    let mut pending: Vec<(usize, crate::StepId, u32)> = Vec::new();
+    let mut all: Vec<usize> = Vec::new();
     for (i, issued) in program.instrs.iter().enumerate() {
-        let Instr::Compute { step, .. } = issued.instr else {
+        let Instr::Compute { step, micro, .. } = issued.instr else {
             continue;
         };
         let Some(s) = plan.steps.get(step.index()) else {
@@ -539,24 +543,48 @@ fn verify_activation_streams(
                     ),
                 ));
             }
-            pending.push(i);
+            pending.push((i, step, micro));
+            all.push(i);
             continue;
         }
-        for &x in &pending {
-            if !hb(x, i) {
+        for x in &s.waits_for {
+            let Some(k) = pending.iter().position(|&(_, st, m)| st == *x && m == micro) else {
                 return Err(fail(
                     i,
                     "activation order",
                     format!(
-                        "`{}` may start before #{x} `{}`, which runs before it in the execution order, has finished",
+                        "`{}` waits for {x}, which is not an all-to-all step issued before it in its micro-batch",
+                        describe(plan, issued)
+                    ),
+                ));
+            };
+            let (a, _, _) = pending.swap_remove(k);
+            if !hb(a, i) {
+                return Err(fail(
+                    i,
+                    "activation order",
+                    format!(
+                        "`{}` touches the values of #{a} `{}` but may start before it has finished",
                         describe(plan, issued),
-                        describe(plan, &program.instrs[x])
+                        describe(plan, &program.instrs[a])
                     ),
                 ));
             }
         }
-        pending.clear();
         before = Some(i);
+    }
+    // The compute stream's last instruction ends the step after every all-to-all.
+    if let Some(last) = program.instrs.iter().rposition(|x| x.stream == Stream::Compute) {
+        if let Some(&a) = all.iter().find(|&&a| !hb(a, last)) {
+            return Err(fail(
+                a,
+                "activation order",
+                format!(
+                    "`{}` is not waited for by the compute stream before the step ends",
+                    describe(plan, &program.instrs[a])
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -335,3 +335,90 @@ fn a_step_on_another_stream_than_its_own_is_refused() {
     assert_eq!(e.rule, "streams", "{e}");
     assert!(e.message.contains("belongs on the all-to-all stream"), "{e}");
 }
+
+/// The steps the compute stream runs while an all-to-all step is in flight (after it, before
+/// the step naming it in `waits_for`) touch none of its values: they read neither its output
+/// nor an operand whose last reader they are. Checked against the graph's own reads, on
+/// tiny-moe with and without checkpointing, with tensor parallelism, and with Qwen2-MoE's
+/// shared expert.
+#[test]
+fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
+    use shardplan_planner::{steps::Kernels, ExecOrder, Phase};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+    let tiny = shardplan_frontends::load_model(&path).unwrap().config;
+    let mut shared = tiny.clone();
+    if let shardplan_models::ModelConfig::Llama(l) = &mut shared {
+        let m = l.moe.as_mut().unwrap();
+        m.shared_experts = 1;
+        m.shared_expert_ffn_dim = 64;
+        m.shared_expert_gate = true;
+    }
+    let mut overlapped = 0;
+    for (model, extra) in [
+        (&tiny, ""),
+        (&tiny, "activation_checkpointing: full\n"),
+        (&tiny, "mesh: {shard: 2, tensor: 2, expert: 2}\n"),
+        (&shared, ""),
+    ] {
+        let mesh = if extra.starts_with("mesh") {
+            ""
+        } else {
+            "mesh: {shard: 4, expert: 2}\n"
+        };
+        let yaml = format!("{mesh}{extra}gpus_per_node: 4\nbatch: {{per_rank: 2, seq_len: 16}}\n");
+        let config = common::parallel(&yaml);
+        let joint = common::joint_of(model, &config);
+        let plan = shardplan_planner::plan(&joint, &config).unwrap();
+        verify(&plan, None).unwrap();
+        let exec = ExecOrder::for_kernels(&joint, config.activation_checkpointing, Kernels::of(&config));
+        let g = &joint.graph;
+        // Each step's (node, copy, position) in the execution order.
+        let mut pos = 0;
+        let mut nodes = Vec::new();
+        for s in &plan.steps {
+            let copy = s.phase == Phase::Recompute;
+            let mut v = Vec::new();
+            for i in s.nodes.iter().flat_map(|r| r.clone()) {
+                assert_eq!(exec.order[pos], (shardplan_ir::NodeId(i), copy));
+                v.push((shardplan_ir::NodeId(i), copy, pos));
+                pos += 1;
+            }
+            nodes.push(v);
+        }
+        for (k, x) in plan
+            .steps
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.stream == Stream::AllToAll)
+        {
+            let (id, copy, _) = nodes[k][0];
+            let out = ExecOrder::slot(id, copy);
+            let operands: Vec<usize> = g.node(id).inputs.iter().map(|&i| exec.read_slot(id, copy, i)).collect();
+            let join = (k + 1..plan.steps.len())
+                .find(|&j| plan.steps[j].waits_for.contains(&x.id))
+                .unwrap_or_else(|| panic!("{} is joined by no step ({yaml})", x.id));
+            for (j, step_nodes) in nodes.iter().enumerate().take(join).skip(k + 1) {
+                if plan.steps[j].stream != Stream::Compute {
+                    continue;
+                }
+                overlapped += 1;
+                for &(r, rc, rpos) in step_nodes {
+                    for &input in g.node(r).inputs.iter().chain(exec.extra_reads(g, r)) {
+                        if exec.param_of_node[input.index()].is_some() {
+                            continue;
+                        }
+                        let s = exec.read_slot(r, rc, input);
+                        assert_ne!(s, out, "{r} in {} reads {}'s output ({yaml})", plan.steps[j].id, x.id);
+                        assert!(
+                            !(operands.contains(&s) && exec.last_use[s] == rpos),
+                            "{r} in {} frees an operand of {} ({yaml})",
+                            plan.steps[j].id,
+                            x.id
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(overlapped > 0, "some compute step runs beside an all-to-all");
+}

@@ -10,22 +10,28 @@
 use crate::comm::Collectives;
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor, TensorId};
-use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 type Result<T> = std::result::Result<T, ExecError>;
 
 /// One rank's handle on its expert group, with the tag of its next collective.
 pub struct ExpertGroup {
     comm: Arc<dyn Collectives>,
-    next: Cell<u64>,
-    load: Cell<Option<RoutingLoad>>,
+    next: AtomicU64,
+    load: Mutex<Option<RoutingLoad>>,
     /// Each routing table's counts, by the table tensor's id: a layer's dispatch, local
     /// ids and combine, and the backward of the dispatch and the combine, all read one
     /// table, whose host copy (a device synchronisation on a GPU) is then made once per
     /// table rather than once per op. Emptied with the step's load ([`Self::take_load`]).
-    routes: RefCell<HashMap<TensorId, Arc<Routes>>>,
+    /// (Shared by the compute stream's local ids and the all-to-all stream's dispatch and
+    /// combine: one reads a table while the other waits, then finds its counts.)
+    routes: Mutex<HashMap<TensorId, Arc<Routes>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// How unevenly a step routed: of every MoE layer's dispatch, the one whose busiest rank
@@ -188,17 +194,17 @@ impl ExpertGroup {
     pub fn new(comm: Arc<dyn Collectives>) -> Self {
         ExpertGroup {
             comm,
-            next: Cell::new(0),
-            load: Cell::new(None),
-            routes: RefCell::new(HashMap::new()),
+            next: AtomicU64::new(0),
+            load: Mutex::new(None),
+            routes: Mutex::new(HashMap::new()),
         }
     }
 
     /// The heaviest routing of the dispatches since the last call (`None`: none ran). The
     /// step is over: its routing tables' counts are let go.
     pub fn take_load(&self) -> Option<RoutingLoad> {
-        self.routes.borrow_mut().clear();
-        self.load.take()
+        lock(&self.routes).clear();
+        lock(&self.load).take()
     }
 
     /// Waits for this group's collectives that were only enqueued (NCCL), under the
@@ -213,26 +219,25 @@ impl ExpertGroup {
     /// The counts of routing table `table`, read from it once per table.
     fn routes(&self, table: &Tensor, degree: u64, experts: u64) -> Result<Arc<Routes>> {
         let (degree, experts) = (degree as usize, experts as usize);
-        if let Some(r) = self.routes.borrow().get(&table.id()) {
+        let mut held = lock(&self.routes);
+        if let Some(r) = held.get(&table.id()) {
             if r.degree() == degree && r.counts.first().map_or(0, Vec::len) == experts {
                 return Ok(r.clone());
             }
         }
         let r = Arc::new(Routes::new(table, degree, experts, self.comm.index())?);
-        self.routes.borrow_mut().insert(table.id(), r.clone());
+        held.insert(table.id(), r.clone());
         Ok(r)
     }
 
     /// Routing tables whose counts are held (one per table read since the step began).
     pub fn tables_held(&self) -> usize {
-        self.routes.borrow().len()
+        lock(&self.routes).len()
     }
 
     /// Tags for a collective that takes `n` of them.
     fn tags(&self, n: u64) -> u64 {
-        let t = self.next.get();
-        self.next.set(t + n);
-        t
+        self.next.fetch_add(n, Ordering::Relaxed)
     }
 
     fn check(&self, degree: u64) -> Result<()> {
@@ -284,7 +289,8 @@ impl ExpertGroup {
             rows: routes.busiest().1 as u64,
             even: routes.assignments(table)? as u64,
         };
-        self.load.set(Some(self.load.get().map_or(load, |l| l.max(load))));
+        let mut held = lock(&self.load);
+        *held = Some(held.map_or(load, |l| l.max(load)));
         routes.check(rows as usize)?;
         let d = x.dim(1)?;
         let x = x.contiguous()?;

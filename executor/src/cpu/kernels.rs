@@ -47,7 +47,7 @@ pub struct Ctx {
     pub device: Device,
     rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
     tensor: Option<TensorGroup>,
-    expert: Option<ExpertGroup>,
+    expert: Option<std::sync::Arc<ExpertGroup>>,
     /// Run the ops shardplan has its own CUDA kernels for on them (`--kernels native`):
     /// see [`crate::gpu`]. Only on a CUDA device.
     pub native: bool,
@@ -67,9 +67,14 @@ impl Ctx {
     /// This context with its expert-parallel ops running over `group`.
     pub fn with_expert_group(self, group: ExpertGroup) -> Self {
         Ctx {
-            expert: Some(group),
+            expert: Some(std::sync::Arc::new(group)),
             ..self
         }
+    }
+
+    /// The expert group, for the all-to-all stream's steps (`apply_expert`).
+    pub fn expert_group(&self) -> Option<std::sync::Arc<ExpertGroup>> {
+        self.expert.clone()
     }
 
     /// A context whose tensor-parallel ops run over `group`.
@@ -104,7 +109,7 @@ impl Ctx {
     /// Waits, under the collective timeout, for this rank's expert-group collectives that
     /// were only enqueued (NCCL); nothing to do on a blocking backend or without experts.
     pub fn flush_expert(&self) -> Result<()> {
-        self.expert.as_ref().map_or(Ok(()), ExpertGroup::flush)
+        self.expert.as_ref().map_or(Ok(()), |g| g.flush())
     }
 
     /// The heaviest routing of this rank's expert group since the last call (`None`: no
@@ -115,7 +120,7 @@ impl Ctx {
 
     /// The expert group an expert-parallel op runs over.
     fn expert(&self, op: &Op) -> Result<&ExpertGroup> {
-        self.expert.as_ref().ok_or_else(|| {
+        self.expert.as_deref().ok_or_else(|| {
             ExecError::Internal(format!(
                 "{} is an expert-parallel op, but this rank has no expert group",
                 op.name()
@@ -329,6 +334,25 @@ fn dims(t: &TensorType) -> Vec<usize> {
 }
 
 /// Applies `op` to `ins`, producing a tensor of type `out`.
+/// An expert-group collective (`Op::is_expert_collective`) over `group`: the all-to-all
+/// stream's steps run it without the compute stream's context.
+pub fn apply_expert(group: &ExpertGroup, op: &Op, ins: &[&Tensor]) -> Result<Tensor> {
+    let arg = |k: usize| {
+        ins.get(k)
+            .copied()
+            .ok_or_else(|| ExecError::Internal(format!("{} takes {} operands, got {}", op.name(), k + 1, ins.len())))
+    };
+    match op {
+        Op::MoeGatherIds { degree } => group.gather_ids(arg(0)?, *degree),
+        Op::MoeDispatch { degree, experts, rows } => group.dispatch(arg(0)?, arg(1)?, *degree, *experts, *rows),
+        Op::MoeCombine { degree, experts } => group.combine(arg(0)?, arg(1)?, *degree, *experts),
+        _ => Err(ExecError::Internal(format!(
+            "{} is not an expert-group collective",
+            op.name()
+        ))),
+    }
+}
+
 pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Tensor> {
     if ctx.native {
         if let Some(t) = native_op(ctx, op, ins, out)? {
@@ -471,11 +495,9 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         Op::MoePermute => moe::permute(ins[0], ins[1])?,
         Op::MoeUnpermute { sum } => moe::unpermute(ins[0], ins[1], *sum)?,
         Op::GroupedLinear { layout } => moe::grouped_linear(ins[0], ins[1], &ins[2..], *layout)?,
-        Op::MoeGatherIds { degree } => ctx.expert(op)?.gather_ids(ins[0], *degree)?,
-        Op::MoeDispatch { degree, experts, rows } => {
-            ctx.expert(op)?.dispatch(ins[0], ins[1], *degree, *experts, *rows)?
+        Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. } => {
+            apply_expert(ctx.expert(op)?, op, ins)?
         }
-        Op::MoeCombine { degree, experts } => ctx.expert(op)?.combine(ins[0], ins[1], *degree, *experts)?,
         Op::MoeLocalIds { degree, experts, rows } => ctx.expert(op)?.local_ids(ins[0], *degree, *experts, *rows)?,
         Op::GroupedWeightGrad {
             expert,

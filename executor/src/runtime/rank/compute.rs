@@ -73,6 +73,138 @@ pub(super) struct Compute<'c> {
 }
 
 impl StepCtx<'_> {
+    /// The node of all-to-all step `step`, whether it is a recomputed copy, and its
+    /// position in the execution order.
+    fn all_to_all_node(&self, step: usize) -> Result<(NodeId, bool, usize), ExecError> {
+        let s = self
+            .shared
+            .plan
+            .steps
+            .get(step)
+            .ok_or_else(|| ExecError::Internal(format!("no step s{step}")))?;
+        let id = s
+            .nodes
+            .first()
+            .map(|r| NodeId(r.start))
+            .ok_or_else(|| ExecError::Internal(format!("all-to-all step s{step} has no node")))?;
+        Ok((
+            id,
+            s.phase == shardplan_planner::Phase::Recompute,
+            self.shared.step_start[step],
+        ))
+    }
+
+    /// The compute stream hands all-to-all step `i` (issue index) its operands as it
+    /// records the event the step waits for, and counts its output from then on, where the
+    /// plan counts it. The compute steps before the step's join do not touch them.
+    pub(super) fn hand_operands(&self, i: usize, state: &Mutex<Option<Compute>>) -> Result<(), ExecError> {
+        let sh = self.shared;
+        let Instr::Compute { step, .. } = &sh.plan.programs[0].instrs[i].instr else {
+            return Err(ExecError::Internal(format!("#{i} is not an all-to-all step")));
+        };
+        let (id, copy, _) = self.all_to_all_node(step.index())?;
+        let g = &sh.joint.graph;
+        // (An operand the compute stream does not hold is an earlier all-to-all step's
+        // output, which the all-to-all stream keeps for it: `all_to_all`.)
+        let ops: Vec<Option<Tensor>> = {
+            let guard = lock(state);
+            let c = guard
+                .as_ref()
+                .ok_or_else(|| ExecError::Internal("no compute state".into()))?;
+            g.node(id)
+                .inputs
+                .iter()
+                .map(|&x| c.values[sh.exec.read_slot(id, copy, x)].clone())
+                .collect()
+        };
+        lock(&self.mailbox).insert(i, ops);
+        let mut m = lock(&self.memory);
+        m.in_flight += sh.exec.value_bytes(g, id);
+        m.observe();
+        Ok(())
+    }
+
+    /// All-to-all step `i` (issue index): its expert-group collective on the operands the
+    /// compute stream handed it, its output left for the compute step that waits for it.
+    pub(super) fn all_to_all(&self, i: usize, step: usize, micro: u32) -> Result<(), ExecError> {
+        let sh = self.shared;
+        let g = &sh.joint.graph;
+        let (id, copy, _) = self.all_to_all_node(step)?;
+        let handed = lock(&self.mailbox)
+            .remove(&i)
+            .ok_or_else(|| ExecError::Internal(format!("all-to-all step s{step} ran before its operands were made")))?;
+        let mut ops = Vec::with_capacity(handed.len());
+        {
+            let mut kept = lock(&self.kept);
+            for (&x, t) in g.node(id).inputs.iter().zip(handed) {
+                let slot = sh.exec.read_slot(id, copy, x);
+                let t = match t {
+                    Some(t) => t,
+                    None => kept
+                        .get(&(slot, micro))
+                        .cloned()
+                        .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?,
+                };
+                if self.a2a_last.get(&(slot, micro)) == Some(&i) {
+                    kept.remove(&(slot, micro));
+                }
+                ops.push(t);
+            }
+        }
+        let group = self.expert.as_ref().ok_or_else(|| {
+            ExecError::Internal(format!(
+                "s{step} is an all-to-all step, but this rank has no expert group"
+            ))
+        })?;
+        let started = (sh.profile && self.origin.is_none()).then(Instant::now);
+        let refs: Vec<&Tensor> = ops.iter().collect();
+        let value = crate::cpu::kernels::apply_expert(group, &sh.joint.graph.node(id).op, &refs)?;
+        if let Some(t) = started {
+            lock(&self.out).node_seconds.push((id, t.elapsed().as_secs_f64()));
+        }
+        let own = ExecOrder::slot(id, copy);
+        if self.a2a_last.contains_key(&(own, micro)) {
+            // A later all-to-all step reads it (a routing table): kept until that one.
+            lock(&self.kept).insert((own, micro), value.clone());
+        }
+        lock(&self.outbox).insert((step as u32, micro), value);
+        Ok(())
+    }
+
+    /// Takes the output of all-to-all step `step` into the compute stream's values (the
+    /// plan has the compute stream wait for it first) and frees the operands it was the
+    /// last reader of.
+    fn join(&self, c: &mut Compute, step: usize, micro: u32) -> Result<(), ExecError> {
+        let sh = self.shared;
+        let g = &sh.joint.graph;
+        let (id, copy, pos) = self.all_to_all_node(step)?;
+        let value = lock(&self.outbox).remove(&(step as u32, micro)).ok_or_else(|| {
+            ExecError::Internal(format!(
+                "all-to-all step s{step} has not finished when a step waiting for it starts"
+            ))
+        })?;
+        let bytes = sh.exec.value_bytes(g, id);
+        let own = ExecOrder::slot(id, copy);
+        if sh.exec.last_use[own] != usize::MAX {
+            c.values[own] = Some(value);
+            c.live += bytes;
+        }
+        for &x in g.node(id).inputs.iter().chain(sh.exec.extra_reads(g, id)) {
+            if sh.exec.param_of_node[x.index()].is_some() {
+                continue;
+            }
+            let slot = sh.exec.read_slot(id, copy, x);
+            if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
+                c.live -= sh.exec.value_bytes(g, x);
+            }
+        }
+        let mut m = lock(&self.memory);
+        m.in_flight = m.in_flight.saturating_sub(bytes);
+        m.activations = c.live;
+        m.observe();
+        Ok(())
+    }
+
     /// The first gradient node `id` of a blockwise attention backward: computes all of its
     /// gradients, keeps the others in `c.early` (counted in `c.live` now) and returns `id`'s.
     pub(super) fn blockwise_attention(&self, c: &mut Compute, id: NodeId, copy: bool) -> Result<Tensor, ExecError> {
@@ -164,6 +296,9 @@ impl StepCtx<'_> {
             c.early.clear();
             c.live = 0;
             c.micro = Some(micro);
+        }
+        for x in &s.waits_for {
+            self.join(c, x.index(), micro)?;
         }
         // Parameter views of the groups this step reads.
         let mut param_of: HashMap<u32, Tensor> = HashMap::new();

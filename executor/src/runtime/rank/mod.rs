@@ -158,12 +158,15 @@ struct Memory {
     host_max: ByCategory,
     peak: u64,
     activations: u64,
+    /// The outputs of all-to-all steps issued and not yet joined by the compute stream
+    /// (`Step::waits_for`): counted from their issue, as the plan counts them.
+    in_flight: u64,
 }
 
 impl Memory {
     fn observe(&mut self) {
         let mut level = self.device;
-        level.activations = self.activations;
+        level.activations = self.activations + self.in_flight;
         for c in Category::ALL {
             *self.max.slot(c) = self.max.get(c).max(level.get(c));
             *self.host_max.slot(c) = self.host_max.get(c).max(self.host.get(c));
@@ -229,6 +232,23 @@ struct StepCtx<'a> {
     norm: Mutex<Option<Tensor>>,
     /// Each micro-batch's loss when it lives on a GPU (and its node), read after the step.
     device_losses: Mutex<Vec<(Tensor, NodeId)>>,
+    /// The expert group the all-to-all stream's steps run over.
+    expert: Option<std::sync::Arc<crate::cpu::expert::ExpertGroup>>,
+    /// Per compute-stream event an all-to-all step waits for before it runs: that step's
+    /// issue index. The compute stream hands the step its operands as it records it.
+    ready_of: HashMap<usize, usize>,
+    /// Operands handed to all-to-all steps, by issue index (`None`: an earlier all-to-all
+    /// step's output, in `kept`).
+    mailbox: Mutex<HashMap<usize, Vec<Option<Tensor>>>>,
+    /// All-to-all steps' outputs that later all-to-all steps read, by value slot and
+    /// micro-batch, until the last of them (`a2a_last`) has run.
+    kept: Mutex<HashMap<(usize, u32), Tensor>>,
+    /// Per value slot and micro-batch: the issue index of the last all-to-all step that
+    /// reads it.
+    a2a_last: HashMap<(usize, u32), usize>,
+    /// All-to-all steps' outputs, by step and micro-batch, until the compute step that
+    /// waits for them takes them.
+    outbox: Mutex<HashMap<(u32, u32), Tensor>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -422,7 +442,12 @@ impl StepCtx<'_> {
                     *level.slot(b.category) = level.get(b.category).saturating_sub(bytes);
                 })?;
             }
-            Instr::Record { event } => self.record(event.index()),
+            Instr::Record { event } => {
+                if let Some(&x) = self.ready_of.get(&event.index()) {
+                    self.hand_operands(x, state)?;
+                }
+                self.record(event.index());
+            }
             Instr::Wait { event } => self.wait(event.index())?,
             Instr::Compute {
                 step,
@@ -430,6 +455,9 @@ impl StepCtx<'_> {
                 reads,
                 writes,
             } => {
+                if issued.stream == Stream::AllToAll {
+                    return self.launch(i, || self.all_to_all(i, step.index(), *micro));
+                }
                 // The state is taken after the launch turn: a stream holding it never waits
                 // for a turn (see `launch`).
                 self.launch(i, || {
@@ -602,6 +630,41 @@ pub fn run_step(
             }
         }
     }
+    // The compute-stream event each all-to-all step waits for last before it runs.
+    let mut ready_of = HashMap::new();
+    let mut a2a_last = HashMap::new();
+    let mut last_wait = None;
+    for (i, x) in program.instrs.iter().enumerate() {
+        if let (Stream::AllToAll, Instr::Compute { step, micro, .. }) = (x.stream, &x.instr) {
+            if let (Some(s), Some(r)) = (
+                plan.steps.get(step.index()),
+                plan.steps.get(step.index()).and_then(|s| s.nodes.first()),
+            ) {
+                let id = NodeId(r.start);
+                let copy = s.phase == shardplan_planner::Phase::Recompute;
+                for &input in &shared.joint.graph.node(id).inputs {
+                    a2a_last.insert((shared.exec.read_slot(id, copy, input), *micro), i);
+                }
+            }
+        }
+        match x.instr {
+            Instr::Wait { event } if x.stream == Stream::AllToAll => last_wait = Some(event.index()),
+            Instr::Compute { .. } if x.stream == Stream::AllToAll => {
+                let e = last_wait.take().filter(|&e| {
+                    program.instrs[..i].iter().any(|r| {
+                        r.stream == Stream::Compute && matches!(r.instr, Instr::Record { event } if event.index() == e)
+                    })
+                });
+                let e = e.ok_or_else(|| {
+                    ExecError::Internal(format!(
+                        "all-to-all step #{i} does not wait for the compute stream just before it"
+                    ))
+                })?;
+                ready_of.insert(e, i);
+            }
+            _ => {}
+        }
+    }
     let RankState {
         rank,
         comms,
@@ -675,6 +738,12 @@ pub fn run_step(
         origin,
         marks: (0..program.instrs.len()).map(|_| Mutex::new(None)).collect(),
         node_marks: Mutex::new(Vec::new()),
+        expert: ctx.expert_group(),
+        ready_of,
+        mailbox: Mutex::new(HashMap::new()),
+        kept: Mutex::new(HashMap::new()),
+        a2a_last,
+        outbox: Mutex::new(HashMap::new()),
         norm: Mutex::new(None),
         device_losses: Mutex::new(Vec::new()),
     };
