@@ -21,6 +21,7 @@ pub mod rederive;
 pub mod schedule;
 pub mod simulate;
 pub mod steps;
+pub mod stream;
 pub mod trace;
 pub mod verify;
 

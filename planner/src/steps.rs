@@ -15,7 +15,7 @@
 //! kernel in shardplan's executor ([`ExecOrder::blockwise_attention`]).
 
 use crate::group::{scope_groups, FsdpGroup, GroupId};
-use crate::plan::Stream;
+use crate::stream::Stream;
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
 use shardplan_ir::{IdVec, JointGraph, ModuleKind, NodeId, Op, ParamId, ScopeId};
