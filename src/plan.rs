@@ -105,20 +105,30 @@ pub fn make_plan_and_graph(
     parallel: &LoadedParallel,
     config: &ParallelConfig,
 ) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
-    let (mut p, joint) = trace_and_plan(model, parallel, config)?;
+    // Routing is data-dependent: a plan sized at the capacity bound is stated beside the
+    // same spec routed evenly, what the bound costs (what `train --plan` checks too). That
+    // second plan (`None` for any other spec) is made on a thread of its own beside this one.
+    let (planned, even) = std::thread::scope(|scope| {
+        let even = scope.spawn(|| shardplan_planner::rederive::even_split(&model.config, config));
+        let planned = trace_and_plan(model, parallel, config);
+        (
+            planned,
+            even.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+        )
+    });
+    let (mut p, joint) = planned?;
     p.source = Some(shardplan_planner::PlanSource {
         model: model.config.clone(),
         parallel: config.clone(),
     });
+    let even = even.map_err(|r| match r {
+        shardplan_planner::rederive::Refusal::Plan(e) => {
+            CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help()))
+        }
+        other => anyhow::anyhow!("{other}").into(),
+    })?;
     if let Some(e) = p.experts.as_mut() {
-        // Routing is data-dependent: the plan is sized at the capacity bound; the same
-        // spec routed evenly shows what the bound costs (what `train --plan` checks too).
-        e.even = shardplan_planner::rederive::even_split(&model.config, config).map_err(|r| match r {
-            shardplan_planner::rederive::Refusal::Plan(e) => {
-                CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help()))
-            }
-            other => anyhow::anyhow!("{other}").into(),
-        })?;
+        e.even = even;
     }
     Ok((p, joint))
 }

@@ -471,22 +471,7 @@ fn passes(
                 .sum::<f64>()
         })
     };
-    // The allocator replay follows the training step's activation events.
-    let (timing, memory, estimate) = simulate_program(
-        &sched.program,
-        &sched.buffers,
-        sched.events,
-        steps,
-        &cached,
-        &mesh,
-        config,
-        &policy,
-        forward_flops,
-        replay && forward_only.is_none(),
-        simulated,
-    );
-
-    let plan = Plan {
+    let mut plan = Plan {
         version: PLAN_VERSION,
         source: None,
         model: g.name().to_string(),
@@ -504,17 +489,51 @@ fn passes(
             count: mesh.world(),
             program: 0,
         }],
-        timing,
-        memory,
-        estimate,
+        // Filled in below, beside the arena and the proof, which do not read them.
+        timing: Timing::default(),
+        memory: MemoryReport::default(),
+        estimate: Estimate::default(),
         shardplan_executor: None,
         experts: expert_routing(g, config),
         prefetch_moves,
     };
-    let mut plan = plan;
     // A lean plan is read for its figures only: no arena, no second runtime's prediction.
-    if config.runtime.is_shardplan() && forward_only.is_none() && replay && !lean {
-        plan.memory.arena = Some(arena::report(&plan).map_err(|e| PlanError::Bug(e.to_string()))?);
+    let arena_wanted = config.runtime.is_shardplan() && forward_only.is_none() && replay && !lean;
+    let steps: &[Step] = if lean { &cached.steps } else { &plan.steps };
+    // 4. Timeline, memory, estimate; beside them, on a second thread, the arena's layout and
+    // proof (4b) and the verifier's proof (5), which read the program and not its timing.
+    // The allocator replay follows the training step's activation events.
+    let ((timing, memory, estimate), side) = std::thread::scope(|scope| {
+        let shared = &plan;
+        let side = (arena_wanted || verify_plan).then(|| {
+            scope.spawn(move || {
+                let arena = arena_wanted.then(|| arena::report(shared));
+                let proof = if verify_plan { verify(shared, None) } else { Ok(()) };
+                (arena, proof)
+            })
+        });
+        let simulated = simulate_program(
+            &shared.programs[0],
+            &shared.buffers,
+            shared.events,
+            steps,
+            &cached,
+            &mesh,
+            config,
+            &shared.policy,
+            forward_flops,
+            replay && forward_only.is_none(),
+            simulated,
+        );
+        let side = side.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        (simulated, side)
+    });
+    plan.timing = timing;
+    plan.memory = memory;
+    plan.estimate = estimate;
+    let (arena, proof) = side.unwrap_or((None, Ok(())));
+    if let Some(arena) = arena {
+        plan.memory.arena = Some(arena.map_err(|e| PlanError::Bug(e.to_string()))?);
     }
     if !config.runtime.is_shardplan() && forward_only.is_none() && replay && !lean {
         // The same spec as shardplan's executor runs it (its own schedule, one kernel per
@@ -526,9 +545,7 @@ fn passes(
         plan.shardplan_executor = Some(RuntimePrediction::of(&p));
     }
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
-    if verify_plan {
-        verify(&plan, None).map_err(|e| PlanError::Bug(e.to_string()))?;
-    }
+    proof.map_err(|e| PlanError::Bug(e.to_string()))?;
     Ok((plan, cached))
 }
 

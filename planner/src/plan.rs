@@ -567,7 +567,7 @@ pub struct MemorySample {
 }
 
 /// Simulated memory of one rank (every rank of a plan is alike: shards are padded).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemoryReport {
     /// Device bytes at the peak, by category.
     pub at_peak: ByCategory,
@@ -631,14 +631,14 @@ impl Overhead {
 }
 
 /// Start and end of each instruction in the simulated timeline, seconds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Timing {
     pub start: Vec<f64>,
     pub end: Vec<f64>,
 }
 
 /// Predicted speed of one optimizer step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
     pub step_s: f64,
     /// Time the compute stream spends computing.
