@@ -216,20 +216,31 @@ impl PlanCache {
             runtime: config.runtime,
         };
         let kernels = steps::Kernels::of(config);
-        let exec = self.exec_for(joint, config);
-        let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
-        let times = match self
+        let cached_times = self
             .node_times
             .iter()
             .find(|(h, d, _)| *h == config.hardware && *d == param)
-        {
-            Some((_, _, t)) => t.clone(),
-            None => {
-                let t = std::sync::Arc::new(cost::NodeTimes::new(&joint.graph, &config.hardware, param));
-                self.node_times.push((config.hardware.clone(), param, t.clone()));
-                t
-            }
-        };
+            .map(|(_, _, t)| t.clone());
+        // Each node's time depends on the graph and the hardware only: timed on a thread
+        // of its own while the execution order is made and cut into steps.
+        let ((mut steps, acts), times) = std::thread::scope(|scope| {
+            let timing =
+                match cached_times.clone() {
+                    Some(t) => Ok(t),
+                    None => Err(scope
+                        .spawn(|| std::sync::Arc::new(cost::NodeTimes::new(&joint.graph, &config.hardware, param)))),
+                };
+            let exec = self.exec_for(joint, config);
+            let cut = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
+            let times = match timing {
+                Ok(t) => t,
+                Err(h) => h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            };
+            (cut, times)
+        });
+        if cached_times.is_none() {
+            self.node_times.push((config.hardware.clone(), param, times.clone()));
+        }
         let unit_host_s = if config.runtime.is_shardplan() {
             0.0
         } else {
