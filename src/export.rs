@@ -98,7 +98,15 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
         (Some(path), _, _) => {
             let src = shardplan_frontends::Source::read(path)?;
             let c = shardplan_planner::rederive::read_plan(path, &src.text)?;
-            (c.plan, c.model, c.parallel, c.joint, Origin::PlanFile(path.clone()))
+            let origin = Origin::PlanFile(path.clone());
+            if c.plan.mesh.expert() > 1 && c.parallel.runtime == Runtime::Shardplan {
+                return Err(origin.refuse(
+                    "runtime",
+                    "the plan runs expert parallelism on shardplan's runtime, which orders each MoE block for its all-to-all stream (the routing table's all-gather right after the top-k, the all-to-alls as steps of their own); FSDP2 calls the routed experts' module once, between the router and the shared expert, so its hooks cannot issue this plan's all-gathers".into(),
+                    "export from the specs (`--model` and `--parallel`), which plans the blocks in FSDP2's order",
+                ));
+            }
+            (c.plan, c.model, c.parallel, c.joint, origin)
         }
         (None, Some(m), Some(p)) => {
             let lm = load_model(m)?;
@@ -108,7 +116,10 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             // no prefetch list can say. The export plans the depths' order (FSDP2's own).
             let mut config = lp.config.clone();
             config.prefetch.peak_aware = false;
-            let (plan, joint) = crate::plan::make_plan_and_graph(&lm, &lp, &config)?;
+            // Each MoE block in torchtitan's order, its all-to-alls inside the experts'
+            // module (FSDP2 calls that module once, between the router and the shared
+            // expert), not as shardplan's runtime overlaps them.
+            let (plan, joint) = crate::plan::make_plan_and_graph_traced(&lm, &lp, &config, false)?;
             let (model, parallel) = (lm.config.clone(), config);
             (plan, model, parallel, joint, Origin::Spec(Box::new((lp, lm))))
         }

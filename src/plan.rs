@@ -105,12 +105,24 @@ pub fn make_plan_and_graph(
     parallel: &LoadedParallel,
     config: &ParallelConfig,
 ) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
+    make_plan_and_graph_traced(model, parallel, config, true)
+}
+
+/// As [`make_plan_and_graph`]; `overlap: false` traces each MoE block in torchtitan's order
+/// whatever the runtime (`ExpertOptions::overlap`), as `export fsdp2` needs: FSDP2 calls
+/// the routed experts' module once between the router and the shared expert.
+pub fn make_plan_and_graph_traced(
+    model: &LoadedModel,
+    parallel: &LoadedParallel,
+    config: &ParallelConfig,
+    overlap: bool,
+) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
     // Routing is data-dependent: a plan sized at the capacity bound is stated beside the
     // same spec routed evenly, what the bound costs (what `train --plan` checks too). That
     // second plan (`None` for any other spec) is made on a thread of its own beside this one.
     let (planned, even) = std::thread::scope(|scope| {
         let even = scope.spawn(|| shardplan_planner::rederive::even_split(&model.config, config));
-        let planned = trace_and_plan(model, parallel, config);
+        let planned = trace_and_plan(model, parallel, config, overlap);
         (
             planned,
             even.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
@@ -139,8 +151,9 @@ fn trace_and_plan(
     model: &LoadedModel,
     parallel: &LoadedParallel,
     config: &ParallelConfig,
+    overlap: bool,
 ) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
-    let joint = trace_joint(model, parallel, config)?;
+    let joint = trace_joint(model, parallel, config, overlap)?;
     let plan =
         plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
     Ok((plan, joint))
@@ -152,12 +165,15 @@ fn trace_joint(
     model: &LoadedModel,
     parallel: &LoadedParallel,
     config: &ParallelConfig,
+    overlap: bool,
 ) -> Result<shardplan_ir::JointGraph, CliError> {
     let p = LoadedParallel {
         config: config.clone(),
         origin: parallel.origin.clone(),
     };
-    let graph = trace(&model.config, trace_options(Some(&p))).map_err(|e| trace_error(e, model, Some(&p)))?;
+    let mut opts = trace_options(Some(&p));
+    opts.expert.overlap &= overlap;
+    let graph = trace(&model.config, opts).map_err(|e| trace_error(e, model, Some(&p)))?;
     Ok(differentiate_with(&graph, config.diff_options())
         .map_err(|e| anyhow::anyhow!("differentiating {}: {e}", graph.name()))?)
 }

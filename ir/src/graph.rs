@@ -163,6 +163,7 @@ pub struct Graph {
     outputs: Vec<NodeId>,
     tensor_degree: u64,
     expert_degree: u64,
+    expert_overlap: bool,
 }
 
 impl Graph {
@@ -182,6 +183,7 @@ impl Graph {
             outputs: Vec::new(),
             tensor_degree: 1,
             expert_degree: 1,
+            expert_overlap: true,
         }
     }
 
@@ -292,6 +294,18 @@ impl Graph {
     /// rank holds every expert).
     pub fn expert_degree(&self) -> u64 {
         self.expert_degree
+    }
+
+    /// Whether the expert group's collectives were traced for overlap (shardplan's runtime:
+    /// each a step of its own on the all-to-all stream), or in torchtitan's order inside the
+    /// experts' module (`runtime: fsdp2` and `export fsdp2`): the planner cuts them into
+    /// steps of their own only in the first case.
+    pub fn expert_overlap(&self) -> bool {
+        self.expert_overlap
+    }
+
+    pub fn set_expert_overlap(&mut self, overlap: bool) {
+        self.expert_overlap = overlap;
     }
 
     /// Ranks of the tensor-parallel group this graph is one rank's program for (1: not

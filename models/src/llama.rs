@@ -263,13 +263,12 @@ fn moe_ffn(
         None => ids,
     };
     let experts = ff;
-    // Under expert parallelism every rank's routing first: the table's all-gather runs on
-    // the all-to-all stream while this rank computes its weights and permutes its rows.
-    let table = if ep.is_parallel() {
-        Some(t.op(experts, Op::MoeGatherIds { degree: ep.degree }, &[routed])?)
-    } else {
-        None
-    };
+    // Under expert parallelism every rank's routing: traced for overlap, the table's
+    // all-gather runs on the all-to-all stream while this rank computes its weights and
+    // permutes its rows; else after them, as torchtitan orders it.
+    let gather_ids = |t: &mut Tracer| t.op(experts, Op::MoeGatherIds { degree: ep.degree }, &[routed]);
+    let early = ep.is_parallel() && ep.overlap;
+    let mut table = if early { Some(gather_ids(t)?) } else { None };
     let mut weights = t.op(
         router,
         Op::MoeRouterWeights {
@@ -292,6 +291,9 @@ fn moe_ffn(
     };
     let ids = routed;
     let rows = t.op(experts, Op::MoePermute, &[x, ids])?;
+    if ep.is_parallel() && !early {
+        table = Some(gather_ids(t)?);
+    }
     // Under expert parallelism the rows travel to the ranks holding their experts and back;
     // this rank computes its own experts over what it received.
     let per_rank = if ep.is_parallel() {
@@ -390,7 +392,7 @@ fn moe_ffn(
         }
         Ok(Some(out))
     };
-    let shared_out = if table.is_some() { shared_expert(t)? } else { None };
+    let shared_out = if early { shared_expert(t)? } else { None };
     let gate = grouped(t, rows, &gate_ps)?;
     let up = grouped(t, rows, &up_ps)?;
     let gate = t.op(experts, c.activation.map_or(Op::Silu, |a| a.op()), &[gate])?;
@@ -412,7 +414,7 @@ fn moe_ffn(
     let mut y = t.op(experts, Op::MoeUnpermute { sum: true }, &[down, ids])?;
     let shared_out = match shared_out {
         Some(out) => Some(out),
-        None if table.is_none() => shared_expert(t)?,
+        None if !early => shared_expert(t)?,
         None => None,
     };
     if let Some(out) = shared_out {

@@ -96,7 +96,9 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
         ModelConfig::Gpt2(c) => gpt2::build(&mut t, c, opts.batch, seq)?,
         ModelConfig::Mlp(c) => mlp::build(&mut t, c, opts.batch, seq)?,
     }
-    Ok(t.g)
+    let mut g = t.g;
+    g.set_expert_overlap(opts.expert.overlap);
+    Ok(g)
 }
 
 /// What an expert-parallel degree needs of the model (routed experts, as many on every

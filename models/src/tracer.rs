@@ -55,6 +55,13 @@ pub struct ExpertOptions {
     /// of a rank's assignments per layer (`ceil(f * tokens * top_k / experts)`), the rest
     /// are dropped; every shape is then exact. `None`: dropless routing.
     pub capacity_factor: Option<f64>,
+    /// Trace the expert group's collectives for overlap (shardplan's runtime, which runs them
+    /// on a stream of their own): the routing table's all-gather right after the top-k and
+    /// the shared expert right after the dispatch, so the compute stream has work while they
+    /// are in flight. `false`: in torchtitan's order (router, permutation, the table, the
+    /// routed experts, the shared expert last), which `runtime: fsdp2` runs and exports.
+    /// Parameters are numbered alike either way.
+    pub overlap: bool,
 }
 
 impl Default for ExpertOptions {
@@ -63,6 +70,7 @@ impl Default for ExpertOptions {
             degree: 1,
             capacity: 2.0,
             capacity_factor: None,
+            overlap: true,
         }
     }
 }

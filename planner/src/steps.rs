@@ -395,7 +395,7 @@ fn walk(
         };
         // Under shardplan's runtime each expert-group collective is a step of its own, run
         // on the all-to-all stream (`runtime: fsdp2` runs them inline, as torchtitan does).
-        let stream = if kernels != Kernels::Autograd && node.op.is_expert_collective() {
+        let stream = if kernels != Kernels::Autograd && g.expert_overlap() && node.op.is_expert_collective() {
             Stream::AllToAll
         } else {
             Stream::Compute

@@ -481,6 +481,7 @@ impl ParallelConfig {
                 degree: self.mesh.expert,
                 capacity: self.moe.capacity,
                 capacity_factor: self.moe.capacity_factor,
+                overlap: self.runtime == Runtime::Shardplan,
             },
         }
     }
