@@ -167,6 +167,49 @@ fn train_profile_writes_totals_by_kind_and_op_that_compare_reads() {
     );
 }
 
+/// Under expert parallelism each all-to-all runs on its own stream (a thread on the CPU):
+/// its time is the all-to-all row's, and "compute by op" holds the compute stream's ops
+/// only, so that "(compute outside ops)" is the compute row less them.
+#[test]
+fn all_to_alls_are_timed_on_their_stream_not_among_the_compute_ops() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("ep.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {shard: 2, expert: 2}\ngpus_per_node: 2\nbatch: {per_rank: 2, seq_len: 16}\n",
+    )
+    .unwrap();
+    let path = dir.path().join("profile.json");
+    shardplan_ok(&[
+        "train",
+        "--model",
+        "examples/models/tiny-moe.yaml",
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--profile",
+        path.to_str().unwrap(),
+    ]);
+    let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for f in p["ranks"].as_array().unwrap().iter().chain([&p["mean"]]) {
+        let kinds = rows(&f["by_instruction"]);
+        let a2a = kinds.iter().find(|r| r.0 == "all-to-all").expect("an all-to-all row");
+        assert!(a2a.1 > 0.0 && a2a.2 > 0, "{a2a:?}");
+        let ops = rows(&f["by_op"]);
+        let names: Vec<&str> = ops.iter().map(|r| r.0.as_str()).collect();
+        for routing in ["moe_top_k", "moe_permute", "moe_unpermute"] {
+            assert!(names.contains(&routing), "{routing} not in {names:?}");
+        }
+        for collective in ["moe_gather_ids", "moe_dispatch", "moe_combine"] {
+            assert!(
+                !names.contains(&collective),
+                "{collective} among the compute ops: {names:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn one_step_is_its_own_profile() {
     let dir = tempfile::tempdir().unwrap();

@@ -231,7 +231,8 @@ impl ExpertGroup {
     }
 
     /// Routing tables whose counts are held (one per table read since the step began).
-    pub fn tables_held(&self) -> usize {
+    #[cfg(test)]
+    fn tables_held(&self) -> usize {
         lock(&self.routes).len()
     }
 

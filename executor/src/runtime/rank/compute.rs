@@ -156,12 +156,10 @@ impl StepCtx<'_> {
                 "s{step} is an all-to-all step, but this rank has no expert group"
             ))
         })?;
-        let started = (sh.profile && self.origin.is_none()).then(Instant::now);
+        // Not in `node_seconds`, the compute stream's ops: the step's time is its own
+        // instruction's, the profile's all-to-all row.
         let refs: Vec<&Tensor> = ops.iter().collect();
         let value = crate::cpu::kernels::apply_expert(group, &sh.joint.graph.node(id).op, &refs)?;
-        if let Some(t) = started {
-            lock(&self.out).node_seconds.push((id, t.elapsed().as_secs_f64()));
-        }
         let own = ExecOrder::slot(id, copy);
         if self.a2a_last.contains_key(&(own, micro)) {
             // A later all-to-all step reads it (a routing table): kept until that one.
