@@ -19,10 +19,14 @@ fn spec_1x2(dir: &Path) -> PathBuf {
 }
 
 fn train(spec: &Path, profile: &Path, steps: &str) -> String {
+    train_model("tiny-llama", spec, profile, steps)
+}
+
+fn train_model(model: &str, spec: &Path, profile: &Path, steps: &str) -> String {
     let o = shardplan_ok(&[
         "train",
         "--model",
-        "tiny-llama",
+        model,
         "--parallel",
         spec.to_str().unwrap(),
         "--steps",
@@ -180,17 +184,7 @@ fn all_to_alls_are_timed_on_their_stream_not_among_the_compute_ops() {
     )
     .unwrap();
     let path = dir.path().join("profile.json");
-    shardplan_ok(&[
-        "train",
-        "--model",
-        "examples/models/tiny-moe.yaml",
-        "--parallel",
-        spec.to_str().unwrap(),
-        "--steps",
-        "2",
-        "--profile",
-        path.to_str().unwrap(),
-    ]);
+    train_model("examples/models/tiny-moe.yaml", &spec, &path, "2");
     let p: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     for f in p["ranks"].as_array().unwrap().iter().chain([&p["mean"]]) {
         let kinds = rows(&f["by_instruction"]);
