@@ -221,11 +221,12 @@ def main(argv=None):
         if name in EP_CONFIGS and model_name not in MOE_MODELS:
             print(f"{model_name}/{name}: expert parallelism needs a mixture of experts ({', '.join(sorted(MOE_MODELS))})")
             return 2
+    for model_name in {m for m, _ in pairs}:
+        with open(os.path.join(a.out, f"{model_name}.yaml"), "w") as f:
+            f.write(MODELS[a.size][model_name])
     rows, failed = [], []
     for model_name, name in pairs:
         model = os.path.join(a.out, f"{model_name}.yaml")
-        with open(model, "w") as f:
-            f.write(MODELS[a.size][model_name])
         try:
             row = check(a, model, model_name, name, env)
         except RuntimeError as e:
@@ -342,9 +343,11 @@ for rank in range(n):
         try:
             runpy.run_path(program, run_name="__main__")
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, (int, type(None))):
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # a message, as the interpreter prints it
                 print(e.code, file=sys.stderr)
+                code = 1
         except BaseException:
             traceback.print_exc()
             code = 1
