@@ -1,8 +1,10 @@
-//! Time of each planning pass on llama3-405b (HSDP 2048x8), for tuning the auto search:
-//! `cargo run --release -p shardplan-planner --example plan_passes`.
+//! Time of each planning pass on llama3-405b (HSDP 2048x8), or on the model and parallel
+//! spec given, for tuning the planner:
+//! `cargo run --release -p shardplan-planner --example plan_passes [MODEL PARALLEL]`
+//! (paths from the repository root).
 
 use shardplan_frontends::{load_model, load_parallel, trace_options};
-use shardplan_ir::differentiate;
+use shardplan_ir::differentiate_with;
 use shardplan_models::trace;
 use std::path::Path;
 use std::time::Instant;
@@ -16,10 +18,15 @@ fn time(label: &str, n: u32, mut f: impl FnMut()) {
 }
 
 fn main() {
-    let m = load_model(Path::new("examples/models/llama3-405b.yaml")).expect("model");
-    let p = load_parallel(Path::new("examples/parallel/hsdp-2048x8.yaml")).expect("spec");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (model, parallel) = match args.as_slice() {
+        [m, p] => (m.as_str(), p.as_str()),
+        _ => ("examples/models/llama3-405b.yaml", "examples/parallel/hsdp-2048x8.yaml"),
+    };
+    let m = load_model(Path::new(model)).expect("model");
+    let p = load_parallel(Path::new(parallel)).expect("spec");
     let g = trace(&m.config, trace_options(Some(&p))).expect("trace");
-    let joint = differentiate(&g).expect("autodiff");
+    let joint = differentiate_with(&g, p.config.diff_options()).expect("autodiff");
     let plan = shardplan_planner::plan(&joint, &p.config).expect("plan");
     let groups: Vec<_> = plan.groups.iter().map(|g| g.group.clone()).collect();
     let policy = shardplan_planner::WrapPolicy::kinds(&p.config.wrap);

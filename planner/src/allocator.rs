@@ -38,10 +38,11 @@
 //!
 //! Addresses are a counter (segments in the order they are reserved), so ties between equal
 //! free blocks go to the older segment, as they do on a device that hands out rising
-//! addresses. Every operation is O(log free blocks); blocks live in an arena whose slots
-//! are reused, so a long replay allocates only while the free-block index grows.
-
-use std::collections::BTreeMap;
+//! addresses. The free blocks of each pool and stream are a vector sorted by size and
+//! address: best fit is a binary search, and inserting or removing one moves the larger
+//! entries of its pool and stream (a replay holds a handful of free blocks per pool and
+//! stream, where a vector beats a search tree several times over). Blocks live in an arena
+//! whose slots are reused, so a long replay allocates only while the free lists grow.
 
 /// Every request is rounded up to a multiple of this many bytes.
 pub const MIN_BLOCK: u64 = 512;
@@ -94,24 +95,44 @@ struct Block {
     live: bool,
 }
 
-/// Free-block index key, packed so that keys order as (pool, stream, size, address): best
-/// fit is the first key at or above the request's in its pool and stream. Sizes and
-/// addresses are multiples of [`MIN_BLOCK`], stored in blocks.
-type Key = u128;
-
-fn key(small: bool, stream: u8, size: u64, addr: u64) -> Key {
-    let class = (u128::from(small) << 3) | u128::from(stream & 7);
-    (class << 124) | (u128::from(size / MIN_BLOCK) << 64) | u128::from(addr / MIN_BLOCK)
-}
-
-/// The pool and stream of a key.
-fn class(k: Key) -> u8 {
-    (k >> 124) as u8
-}
-
-/// The class of a block's pool and stream (as [`class`] reads it from a key).
+/// The class of a block's pool and stream: the small flag, then 3 bits of stream.
 fn class_of(small: bool, stream: u8) -> usize {
     (usize::from(small) << 3) | usize::from(stream & 7)
+}
+
+/// A free block in its pool and stream's list.
+#[derive(Clone, Copy, Debug)]
+struct FreeEntry {
+    size: u64,
+    addr: u64,
+    block: u32,
+}
+
+/// The free blocks of one pool and stream, sorted by (size, address): best fit is the first
+/// entry at least as large as the request (ties to the lowest address).
+#[derive(Clone, Debug, Default)]
+struct FreeList(Vec<FreeEntry>);
+
+impl FreeList {
+    /// Where the first entry of at least `size` bytes is (or would be).
+    fn fit(&self, size: u64) -> usize {
+        self.0.partition_point(|e| e.size < size)
+    }
+
+    fn position(&self, size: u64, addr: u64) -> Result<usize, usize> {
+        self.0.binary_search_by(|e| (e.size, e.addr).cmp(&(size, addr)))
+    }
+
+    fn insert(&mut self, size: u64, addr: u64, block: u32) {
+        let (Ok(i) | Err(i)) = self.position(size, addr);
+        self.0.insert(i, FreeEntry { size, addr, block });
+    }
+
+    fn remove(&mut self, size: u64, addr: u64) {
+        if let Ok(i) = self.position(size, addr) {
+            self.0.remove(i);
+        }
+    }
 }
 
 /// The allocator's state and its counters, in bytes.
@@ -119,7 +140,8 @@ fn class_of(small: bool, stream: u8) -> usize {
 pub struct CachingAllocator {
     blocks: Vec<Block>,
     spare: Vec<u32>,
-    free: BTreeMap<Key, u32>,
+    /// Free blocks by class ([`class_of`]).
+    free: [FreeList; CLASSES],
     next_addr: u64,
     /// Expandable segments: one segment per pool and stream.
     expandable: bool,
@@ -160,7 +182,7 @@ impl CachingAllocator {
         CachingAllocator {
             blocks: Vec::new(),
             spare: Vec::new(),
-            free: BTreeMap::new(),
+            free: Default::default(),
             next_addr: 0,
             expandable: expandable_segments,
             last: [NONE; CLASSES],
@@ -181,28 +203,16 @@ impl CachingAllocator {
         }
         let size = round(bytes);
         let small = size <= SMALL_SIZE;
-        let want = key(small, stream, size, 0);
-        let mut fits = self
-            .free
-            .range(want..)
-            .map(|(&k, &b)| (k, b))
-            .take_while(|&(k, _)| class(k) == class(want));
-        let mut found = fits.next();
-        if self.expandable {
-            // The block that ends the mapped prefix counts as the size it could grow to:
-            // any other block large enough is a better fit.
-            let c = class_of(small, stream);
-            if found.is_some_and(|(_, b)| b == self.last[c]) {
-                if let Some(other) = fits.next() {
-                    found = Some(other);
-                }
-            }
+        let c = class_of(small, stream);
+        let list = &mut self.free[c];
+        let mut found = list.fit(size);
+        // With expandable segments, the block that ends the mapped prefix counts as the
+        // size it could grow to: any other block large enough is a better fit.
+        if self.expandable && list.0.get(found).is_some_and(|e| e.block == self.last[c]) && found + 1 < list.0.len() {
+            found += 1;
         }
-        let b = match found {
-            Some((k, b)) => {
-                self.free.remove(&k);
-                b
-            }
+        let b = match (found < list.0.len()).then(|| list.0.remove(found).block) {
+            Some(b) => b,
             None if self.expandable => self.grow(small, stream, size),
             None => {
                 let seg = segment_size(size);
@@ -244,8 +254,7 @@ impl CachingAllocator {
             let blk = &mut self.blocks[b as usize];
             blk.next = rest;
             blk.size = size;
-            self.free.insert(key(small, stream, remaining, block.addr + size), rest);
-            let c = class_of(small, stream);
+            self.free[c].insert(remaining, block.addr + size, rest);
             if self.expandable && self.last[c] == b {
                 self.last[c] = rest;
             }
@@ -276,7 +285,7 @@ impl CachingAllocator {
         let mut merged = Block { live: false, ..block };
         if block.prev != NONE && !self.blocks[block.prev as usize].live {
             let p = self.blocks[block.prev as usize];
-            self.free.remove(&key(p.small, p.stream, p.size, p.addr));
+            self.free[class_of(p.small, p.stream)].remove(p.size, p.addr);
             self.spare.push(block.prev);
             merged.addr = p.addr;
             merged.size += p.size;
@@ -287,7 +296,7 @@ impl CachingAllocator {
         }
         if block.next != NONE && !self.blocks[block.next as usize].live {
             let n = self.blocks[block.next as usize];
-            self.free.remove(&key(n.small, n.stream, n.size, n.addr));
+            self.free[class_of(n.small, n.stream)].remove(n.size, n.addr);
             self.spare.push(block.next);
             merged.size += n.size;
             merged.next = n.next;
@@ -296,8 +305,7 @@ impl CachingAllocator {
             }
         }
         self.blocks[b as usize] = merged;
-        self.free
-            .insert(key(merged.small, merged.stream, merged.size, merged.addr), b);
+        self.free[class_of(merged.small, merged.stream)].insert(merged.size, merged.addr, b);
         if self.expandable && merged.next == NONE {
             // It absorbed the block that ended the mapped prefix (or was it).
             self.last[class_of(merged.small, merged.stream)] = b;
@@ -322,7 +330,7 @@ impl CachingAllocator {
         match tail {
             Some(t) => {
                 let blk = self.blocks[t as usize];
-                self.free.remove(&key(small, stream, blk.size, blk.addr));
+                self.free[c].remove(blk.size, blk.addr);
                 self.blocks[t as usize].size += grown;
                 t
             }
@@ -353,9 +361,10 @@ impl CachingAllocator {
     /// Free blocks, each as (small pool?, stream, size), smallest first per pool and stream.
     pub fn free_blocks(&self) -> Vec<(bool, u8, u64)> {
         self.free
-            .values()
-            .map(|&b| {
-                let b = &self.blocks[b as usize];
+            .iter()
+            .flat_map(|l| &l.0)
+            .map(|e| {
+                let b = &self.blocks[e.block as usize];
                 (b.small, b.stream, b.size)
             })
             .collect()

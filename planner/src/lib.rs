@@ -511,19 +511,19 @@ fn passes(
     // A lean plan is read for its figures only: no arena, no second runtime's prediction.
     let arena_wanted = config.runtime.is_shardplan() && forward_only.is_none() && replay && !lean;
     let steps: &[Step] = if lean { &cached.steps } else { &plan.steps };
-    // 4. Timeline, memory, estimate; beside them, on a second thread, the arena's layout and
-    // proof (4b) and the verifier's proof (5), which read the program and not its timing.
-    // The allocator replay follows the training step's activation events.
-    let ((timing, memory, estimate), side) = std::thread::scope(|scope| {
+    // 4. Timeline, memory, estimate; beside them, each on a thread of its own, the caching
+    // allocator's replay of the training step's activation events, the arena's layout and
+    // proof (4b) and the verifier's proof (5), none of which reads the timing.
+    let device_replay = replay && forward_only.is_none();
+    let ((timing, memory, estimate), arena, proof) = std::thread::scope(|scope| {
         let shared = &plan;
-        let side = (arena_wanted || verify_plan).then(|| {
-            scope.spawn(move || {
-                let arena = arena_wanted.then(|| arena::report(shared));
-                let proof = if verify_plan { verify(shared, None) } else { Ok(()) };
-                (arena, proof)
-            })
+        let acts = &cached.acts;
+        let replayed = device_replay.then(|| {
+            scope.spawn(move || allocator::replay(&shared.programs[0], &shared.buffers, acts, shared.policy.allocator))
         });
-        let simulated = simulate_program(
+        let arena = arena_wanted.then(|| scope.spawn(move || arena::report(shared)));
+        let proof = verify_plan.then(|| scope.spawn(move || verify(shared, None)));
+        let (timing, mut memory, estimate) = simulate_program(
             &shared.programs[0],
             &shared.buffers,
             shared.events,
@@ -533,16 +533,21 @@ fn passes(
             config,
             &shared.policy,
             forward_flops,
-            replay && forward_only.is_none(),
+            false,
             simulated,
         );
-        let side = side.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
-        (simulated, side)
+        if let Some(r) = replayed {
+            memory = simulate::with_replay(memory, &joined(r), &shared.programs[0], &mesh, &config.hardware);
+        }
+        (
+            (timing, memory, estimate),
+            arena.map(joined),
+            proof.map_or(Ok(()), joined),
+        )
     });
     plan.timing = timing;
     plan.memory = memory;
     plan.estimate = estimate;
-    let (arena, proof) = side.unwrap_or((None, Ok(())));
     if let Some(arena) = arena {
         plan.memory.arena = Some(arena.map_err(|e| PlanError::Bug(e.to_string()))?);
     }
@@ -558,6 +563,11 @@ fn passes(
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
     proof.map_err(|e| PlanError::Bug(e.to_string()))?;
     Ok((plan, cached))
+}
+
+/// What a scoped thread returned; its panic goes on in the caller's thread.
+fn joined<T>(h: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// Most bytes one rank's buffers and activations may add up to (1 EiB, beyond any device):

@@ -178,7 +178,7 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
 /// allocator's peaks for `program` under `allocator`'s settings, the process's fixed
 /// overheads on `hw` and their total.
 pub fn device_memory(
-    mut report: MemoryReport,
+    report: MemoryReport,
     program: &Program,
     buffers: &[Buffer],
     acts: &ActEvents,
@@ -186,7 +186,17 @@ pub fn device_memory(
     hw: &HardwareProfile,
     allocator: AllocatorConfig,
 ) -> MemoryReport {
-    let r = replay(program, buffers, acts, allocator);
+    with_replay(report, &replay(program, buffers, acts, allocator), program, mesh, hw)
+}
+
+/// [`device_memory`] from a replay `r` of `program` already made.
+pub fn with_replay(
+    mut report: MemoryReport,
+    r: &crate::allocator::Replay,
+    program: &Program,
+    mesh: &Mesh,
+    hw: &HardwareProfile,
+) -> MemoryReport {
     report.active_peak = r.allocated_peak;
     report.reserved_peak = r.reserved;
     report.overhead = overhead(program, mesh, hw);
