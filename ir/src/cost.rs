@@ -58,7 +58,8 @@ impl Graph {
     /// FLOPs and bytes of one node.
     pub fn node_cost(&self, id: NodeId) -> Cost {
         let node = self.node(id);
-        let ins: Vec<_> = node.inputs.iter().map(|&i| &self.node(i).ty).collect();
+        // (Inline: called for every node by every plan; only grouped expert ops have more.)
+        let ins: smallvec::SmallVec<[&crate::TensorType; 4]> = node.inputs.iter().map(|&i| &self.node(i).ty).collect();
         let out_numel = node.ty.numel().unwrap_or(u64::MAX);
         let (fwd_flops, bwd_flops) = match &node.op {
             Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => (0, 0),

@@ -57,6 +57,9 @@ fn main() {
             replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts, settings);
         });
     }
+    time("arena", 20, || {
+        shardplan_planner::arena::report(&plan).expect("arena");
+    });
     time("verify", 20, || shardplan_planner::verify(&plan, None).expect("verify"));
     println!(
         "{} nodes, {} steps, {} instructions, {} buffers, {} activation events x {} replayed steps",

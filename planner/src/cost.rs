@@ -326,8 +326,8 @@ impl<'a> OpModel<'a> {
         let node = self.g.node(id);
         let cost = self.g.node_cost(id);
         let (flops, bytes) = (cost.fwd_flops as f64, cost.fwd_bytes as f64);
-        let dims = |i: usize| self.g.node(node.inputs[i]).ty.shape.dims().to_vec();
-        let out = node.ty.shape.dims().to_vec();
+        let dims = |i: usize| self.g.node(node.inputs[i]).ty.shape.dims();
+        let out = node.ty.shape.dims();
         let numel = |d: &[u64]| d.iter().map(|&x| x as f64).product::<f64>();
         match &node.op {
             Op::Input { .. } | Op::Param { .. } | Op::Reshape { .. } | Op::TpCopy { .. } => (0.0, 0.0),
@@ -386,7 +386,7 @@ impl<'a> OpModel<'a> {
                         _ => (out[r - 2] as f64, out[r - 1] as f64),
                     },
                 };
-                let batch = (numel(&out) / (m * n)).max(1.0);
+                let batch = (numel(out) / (m * n)).max(1.0);
                 let fill = self.tile_fill(m, n, batch);
                 let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
                 self.launched(t.max(bytes / self.bw), 1.0)
