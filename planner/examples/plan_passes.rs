@@ -1,7 +1,8 @@
 //! Time of each planning pass on llama3-405b (HSDP 2048x8), or on the model and parallel
 //! spec given, for tuning the planner:
-//! `cargo run --release -p shardplan-planner --example plan_passes [MODEL PARALLEL]`
-//! (paths from the repository root).
+//! `cargo run --release -p shardplan-planner --example plan_passes [MODEL PARALLEL [N]]`
+//! (paths from the repository root). With N, it plans N times and prints nothing else: a
+//! whole-process timer (two builds side by side) then compares the planner alone.
 
 use shardplan_frontends::{load_model, load_parallel, trace_options};
 use shardplan_ir::differentiate_with;
@@ -19,15 +20,30 @@ fn time(label: &str, n: u32, mut f: impl FnMut()) {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (model, parallel) = match args.as_slice() {
-        [m, p] => (m.as_str(), p.as_str()),
-        _ => ("examples/models/llama3-405b.yaml", "examples/parallel/hsdp-2048x8.yaml"),
+    let (model, parallel, repeat) = match args.as_slice() {
+        [m, p] => (m.as_str(), p.as_str(), None),
+        [m, p, n] => (
+            m.as_str(),
+            p.as_str(),
+            Some(n.parse::<u32>().expect("N: a count of plans")),
+        ),
+        _ => (
+            "examples/models/llama3-405b.yaml",
+            "examples/parallel/hsdp-2048x8.yaml",
+            None,
+        ),
     };
     let m = load_model(Path::new(model)).expect("model");
     let p = load_parallel(Path::new(parallel)).expect("spec");
     let g = trace(&m.config, trace_options(Some(&p))).expect("trace");
     let joint = differentiate_with(&g, p.config.diff_options()).expect("autodiff");
     let plan = shardplan_planner::plan(&joint, &p.config).expect("plan");
+    if let Some(n) = repeat {
+        for _ in 1..n {
+            std::hint::black_box(shardplan_planner::plan(&joint, &p.config).expect("plan"));
+        }
+        return;
+    }
     let groups: Vec<_> = plan.groups.iter().map(|g| g.group.clone()).collect();
     let policy = shardplan_planner::WrapPolicy::kinds(&p.config.wrap);
     time("plan (all passes)", 20, || {

@@ -165,6 +165,22 @@ pub struct PlanCache {
     forward_flops: Option<f64>,
 }
 
+/// Work for [`PlanCache::steps_for`] begun on threads of a scope ([`PlanCache::begin`]).
+pub(crate) struct Begun<'scope> {
+    exec: Option<std::thread::ScopedJoinHandle<'scope, steps::ExecOrder>>,
+    times: Option<std::thread::ScopedJoinHandle<'scope, (cost::NodeTimes, Option<f64>)>>,
+}
+
+/// The forward and backward FLOPs of one micro-batch: every forward node's.
+fn model_flops(joint: &JointGraph) -> f64 {
+    (0..joint.forward_len)
+        .map(|i| {
+            let c = joint.graph.node_cost(shardplan_ir::NodeId(i as u32));
+            c.fwd_flops as f64 + c.bwd_flops as f64
+        })
+        .sum()
+}
+
 impl PlanCache {
     /// [`group`] of `g` under `policy`: made once per policy (a failure is not kept).
     pub(crate) fn groups_for(
@@ -196,6 +212,50 @@ impl PlanCache {
         }
     }
 
+    /// Begins on threads of `scope` what [`PlanCache::steps_for`] needs besides the groups
+    /// and the cache lacks: the execution order, and every node's time with the model
+    /// FLOPs (they depend on the graph, the checkpointing, the kernels and the hardware, not
+    /// on the groups), so that they are made while the caller makes the groups.
+    pub(crate) fn begin<'scope, 'env>(
+        &self,
+        scope: &'scope std::thread::Scope<'scope, 'env>,
+        joint: &'env JointGraph,
+        config: &'env ParallelConfig,
+    ) -> Begun<'scope> {
+        let kernels = steps::Kernels::of(config);
+        let ac = config.activation_checkpointing;
+        let param = config.mixed_precision.param;
+        let exec = (!self.exec.iter().any(|(a, k, _)| *a == ac && *k == kernels))
+            .then(|| scope.spawn(move || steps::ExecOrder::for_kernels(joint, ac, kernels)));
+        let flops = self.forward_flops.is_none();
+        let times = (!self
+            .node_times
+            .iter()
+            .any(|(h, d, _)| *h == config.hardware && *d == param))
+        .then(|| {
+            scope.spawn(move || {
+                let times = cost::NodeTimes::new(&joint.graph, &config.hardware, param);
+                (times, flops.then(|| model_flops(joint)))
+            })
+        });
+        Begun { exec, times }
+    }
+
+    /// Keeps node times (and the model FLOPs) made by [`PlanCache::begin`]'s thread.
+    fn keep_times(
+        &mut self,
+        config: &ParallelConfig,
+        (times, flops): (cost::NodeTimes, Option<f64>),
+    ) -> std::sync::Arc<cost::NodeTimes> {
+        let times = std::sync::Arc::new(times);
+        self.node_times
+            .push((config.hardware.clone(), config.mixed_precision.param, times.clone()));
+        if self.forward_flops.is_none() {
+            self.forward_flops = flops;
+        }
+        times
+    }
+
     /// The compute steps of `fsdp` under `config`'s checkpointing, with their activation
     /// events and durations: made once per groups, checkpointing and hardware.
     pub(crate) fn steps_for(
@@ -204,9 +264,33 @@ impl PlanCache {
         config: &ParallelConfig,
         fsdp: &[FsdpGroup],
     ) -> std::sync::Arc<CachedSteps> {
+        std::thread::scope(|scope| {
+            let begun = self.begin(scope, joint, config);
+            self.steps_begun(joint, config, fsdp, begun)
+        })
+    }
+
+    /// [`PlanCache::steps_for`] with what [`PlanCache::begin`] began: the execution order
+    /// is awaited before the steps are cut, the node times after.
+    pub(crate) fn steps_begun(
+        &mut self,
+        joint: &JointGraph,
+        config: &ParallelConfig,
+        fsdp: &[FsdpGroup],
+        begun: Begun,
+    ) -> std::sync::Arc<CachedSteps> {
         let param = config.mixed_precision.param;
+        let kernels = steps::Kernels::of(config);
+        if let Some(h) = begun.exec {
+            let exec = std::sync::Arc::new(joined(h));
+            self.exec.push((config.activation_checkpointing, kernels, exec));
+        }
         if let Some((_, x)) = self.steps.iter().find(|(k, _)| k.is(fsdp, config)) {
-            return x.clone();
+            let x = x.clone();
+            if let Some(h) = begun.times {
+                self.keep_times(config, joined(h));
+            }
+            return x;
         }
         let key = StepsKey {
             groups: fsdp.iter().map(|f| f.params.clone()).collect(),
@@ -215,32 +299,24 @@ impl PlanCache {
             param,
             runtime: config.runtime,
         };
-        let kernels = steps::Kernels::of(config);
+        let exec = self.exec_for(joint, config);
+        let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
         let cached_times = self
             .node_times
             .iter()
             .find(|(h, d, _)| *h == config.hardware && *d == param)
             .map(|(_, _, t)| t.clone());
-        // Each node's time depends on the graph and the hardware only: timed on a thread
-        // of its own while the execution order is made and cut into steps.
-        let ((mut steps, acts), times) = std::thread::scope(|scope| {
-            let timing =
-                match cached_times.clone() {
-                    Some(t) => Ok(t),
-                    None => Err(scope
-                        .spawn(|| std::sync::Arc::new(cost::NodeTimes::new(&joint.graph, &config.hardware, param)))),
-                };
-            let exec = self.exec_for(joint, config);
-            let cut = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
-            let times = match timing {
-                Ok(t) => t,
-                Err(h) => h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-            };
-            (cut, times)
-        });
-        if cached_times.is_none() {
-            self.node_times.push((config.hardware.clone(), param, times.clone()));
-        }
+        let times = match (begun.times, cached_times) {
+            (Some(h), _) => self.keep_times(config, joined(h)),
+            (None, Some(t)) => t,
+            (None, None) => self.keep_times(
+                config,
+                (
+                    cost::NodeTimes::new(&joint.graph, &config.hardware, param),
+                    Some(model_flops(joint)),
+                ),
+            ),
+        };
         let unit_host_s = if config.runtime.is_shardplan() {
             0.0
         } else {
@@ -400,38 +476,18 @@ fn passes(
         policy.grad_clip = None;
     }
 
-    // 1. Groups and their layouts.
-    let groups: Vec<PlannedGroup> = cache
-        .groups_for(g, &wrap_policy(config))?
-        .iter()
-        .cloned()
-        .map(|grp| {
-            let layout = layout(g, &grp, mesh.shard_of(&grp));
-            let reshard = match reshard {
-                _ if grp.is_root() => GroupReshard::Keep,
-                // A slice of the shard group is not a slice of the expert-shard group: the
-                // routed experts are freed after forward instead.
-                GroupReshard::ToGroupOf(_) if grp.experts => GroupReshard::Free,
-                r => r,
-            };
-            PlannedGroup {
-                param_names: if lean {
-                    Vec::new()
-                } else {
-                    grp.params.iter().map(|&p| g.param(p).name.clone()).collect()
-                },
-                group: grp,
-                layout,
-                reshard,
-            }
-        })
-        .collect();
-    let fsdp: Vec<FsdpGroup> = groups.iter().map(|p| p.group.clone()).collect();
+    // 1. Groups and their layouts, and 2. the compute steps with activation memory; while
+    // the groups are made, the execution order and every node's time, which do not depend
+    // on them, are made on threads of their own where the cache lacks them.
+    let (groups, fsdp, cached) = std::thread::scope(|scope| {
+        let begun = cache.begin(scope, joint, config);
+        let groups = planned_groups(g, cache, config, &mesh, reshard, lean)?;
+        let fsdp: Vec<FsdpGroup> = groups.iter().map(|p| p.group.clone()).collect();
+        let cached = cache.steps_begun(joint, config, &fsdp, begun);
+        Ok::<_, PlanError>((groups, fsdp, cached))
+    })?;
     policy.prefetch.explicit_forward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_forward)?;
     policy.prefetch.explicit_backward = explicit_prefetch(g, &fsdp, &config.prefetch.explicit_backward)?;
-
-    // 2. Compute steps with activation memory.
-    let cached = cache.steps_for(joint, config, &fsdp);
     let mut own_steps = if lean { Vec::new() } else { cached.steps.clone() };
     if forward_only.is_some() {
         // The forward steps come first in execution order; the rest are backward (and
@@ -473,14 +529,7 @@ fn passes(
             .map(|i| g.node_cost(shardplan_ir::NodeId(i as u32)).fwd_flops as f64)
             .sum::<f64>()
     } else {
-        *cache.forward_flops.get_or_insert_with(|| {
-            (0..joint.forward_len)
-                .map(|i| {
-                    let c = g.node_cost(shardplan_ir::NodeId(i as u32));
-                    c.fwd_flops as f64 + c.bwd_flops as f64
-                })
-                .sum::<f64>()
-        })
+        *cache.forward_flops.get_or_insert_with(|| model_flops(joint))
     };
     let mut plan = Plan {
         version: PLAN_VERSION,
@@ -563,6 +612,43 @@ fn passes(
     // 5. Proof. A failure here is a planner bug, reported with the offending instruction.
     proof.map_err(|e| PlanError::Bug(e.to_string()))?;
     Ok((plan, cached))
+}
+
+/// The groups of `config`'s wrap policy with their layouts on `mesh` and their resharding
+/// (`lean`: without their parameters' names).
+fn planned_groups(
+    g: &shardplan_ir::Graph,
+    cache: &mut PlanCache,
+    config: &ParallelConfig,
+    mesh: &Mesh,
+    reshard: GroupReshard,
+    lean: bool,
+) -> Result<Vec<PlannedGroup>, PlanError> {
+    Ok(cache
+        .groups_for(g, &wrap_policy(config))?
+        .iter()
+        .cloned()
+        .map(|grp| {
+            let layout = layout(g, &grp, mesh.shard_of(&grp));
+            let reshard = match reshard {
+                _ if grp.is_root() => GroupReshard::Keep,
+                // A slice of the shard group is not a slice of the expert-shard group: the
+                // routed experts are freed after forward instead.
+                GroupReshard::ToGroupOf(_) if grp.experts => GroupReshard::Free,
+                r => r,
+            };
+            PlannedGroup {
+                param_names: if lean {
+                    Vec::new()
+                } else {
+                    grp.params.iter().map(|&p| g.param(p).name.clone()).collect()
+                },
+                group: grp,
+                layout,
+                reshard,
+            }
+        })
+        .collect())
 }
 
 /// What a scoped thread returned; its panic goes on in the caller's thread.
