@@ -67,7 +67,7 @@ fn training_logits(variant: &str, tokens: &[u32]) -> Tensor {
     let out = Interpreter::new(g.clone(), &[logits])
         .run(&Ctx::new(Device::Cpu), &[logits], &mut |id| {
             if let Some(n) = names.get(&id) {
-                return Ok(weights[n].clone());
+                return Ok(weights[&**n].clone());
             }
             Ok(match &g.node(id).op {
                 Op::Input { name } if name == "tokens" => {
@@ -135,7 +135,7 @@ fn qwen3_decoding_matches_the_training_forward() {
     let out = Interpreter::new(g.clone(), &[logits])
         .run(&Ctx::new(Device::Cpu), &[logits], &mut |id| {
             if let Some(n) = names.get(&id) {
-                return Ok(weights[n].clone());
+                return Ok(weights[&**n].clone());
             }
             Ok(match &g.node(id).op {
                 Op::Input { name } if name == "tokens" => {

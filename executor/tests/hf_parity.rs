@@ -101,7 +101,7 @@ fn the_forward_pass_matches_transformers_logits_and_loss() {
         let out = interp
             .run(&Ctx::new(Device::Cpu), &keep, &mut |id| {
                 if let Some(name) = names.get(&id) {
-                    return f.before.get(name).cloned().ok_or_else(|| {
+                    return f.before.get(&**name).cloned().ok_or_else(|| {
                         shardplan_executor::ExecError::Internal(format!("{variant}: no weight {name}"))
                     });
                 }

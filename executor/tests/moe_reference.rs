@@ -59,7 +59,7 @@ fn check(norm: bool) {
         },
     )
     .unwrap();
-    let param = |name: &str| g.params().find(|(_, p)| p.name == name).unwrap().1.node;
+    let param = |name: &str| g.params().find(|(_, p)| &*p.name == name).unwrap().1.node;
     let layer = "model.layers.1.mlp";
     // The router's input: the flattened normalised hidden states; the block's output: the
     // feed-forward's last node.

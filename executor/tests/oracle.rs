@@ -27,7 +27,7 @@ fn weights(g: &Graph) -> HashMap<String, Tensor> {
                 *x += 0.01 * ((i % 7) as f32 - 3.0);
             }
             (
-                param.name.clone(),
+                param.name.to_string(),
                 Tensor::from_vec(v, dims.as_slice(), &Device::Cpu).unwrap(),
             )
         })
@@ -66,14 +66,14 @@ fn ours(
         .params()
         .map(|(p, param)| {
             keep.push(joint.grad(p).unwrap());
-            param.name.clone()
+            param.name.to_string()
         })
         .collect();
     let interp = Interpreter::new(joint.graph.clone(), &keep);
     let out = interp
         .run(&Ctx::new(Device::Cpu), &keep, &mut |id| {
             Ok(match &joint.graph.node(id).op {
-                Op::Param { param } => w[&joint.graph.param(*param).name].clone(),
+                Op::Param { param } => w[&*joint.graph.param(*param).name].clone(),
                 Op::Input { name } if name == "tokens" => tokens.clone(),
                 _ => targets.clone(),
             })

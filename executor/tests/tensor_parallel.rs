@@ -38,7 +38,7 @@ fn weights(g: &Graph) -> HashMap<String, Tensor> {
                 *x += 0.01 * ((i % 7) as f32 - 3.0);
             }
             (
-                param.name.clone(),
+                param.name.to_string(),
                 Tensor::from_vec(v, dims.as_slice(), &Device::Cpu).unwrap(),
             )
         })
@@ -72,7 +72,7 @@ fn run(
         .params()
         .map(|(p, param)| {
             keep.push(joint.grad(p).unwrap());
-            param.name.clone()
+            param.name.to_string()
         })
         .collect();
     let out = Interpreter::new(joint.graph.clone(), &keep)
@@ -81,8 +81,8 @@ fn run(
                 Op::Param { param } => {
                     let p = joint.graph.param(*param);
                     match &p.tensor {
-                        Some(split) => slice_of_whole(&w[&p.name], split, rank).unwrap(),
-                        None => w[&p.name].clone(),
+                        Some(split) => slice_of_whole(&w[&*p.name], split, rank).unwrap(),
+                        None => w[&*p.name].clone(),
                     }
                 }
                 Op::Input { name } if name == "tokens" => tokens.clone(),
@@ -147,16 +147,16 @@ fn check(config: &ModelConfig, tp: TensorOptions) {
     }
     for (_, param) in split.params() {
         let name = &param.name;
-        let per_rank: Vec<Tensor> = results.iter().map(|(_, g)| g[name].clone()).collect();
+        let per_rank: Vec<Tensor> = results.iter().map(|(_, g)| g[&**name].clone()).collect();
         match &param.tensor {
             Some(s) => close(
                 &format!("{label}: {name}"),
                 &whole_from_slices(&per_rank, s).unwrap(),
-                &grads[name],
+                &grads[&**name],
             ),
             None => {
                 for (r, g) in per_rank.iter().enumerate() {
-                    close(&format!("{label}: {name} on rank {r}"), g, &grads[name]);
+                    close(&format!("{label}: {name} on rank {r}"), g, &grads[&**name]);
                 }
             }
         }

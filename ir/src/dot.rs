@@ -12,7 +12,7 @@ pub fn to_dot(g: &Graph) -> String {
     for (id, node) in g.nodes() {
         let head = match &node.op {
             Op::Input { name } => format!("input {name}"),
-            Op::Param { param } => g.param(*param).name.clone(),
+            Op::Param { param } => g.param(*param).name.to_string(),
             op => format!("{id} {}", op.name()),
         };
         view.add_node(Label {

@@ -34,7 +34,7 @@ impl Node {
 /// A trainable parameter, named exactly as in Hugging Face checkpoints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Param {
-    pub name: String,
+    pub name: std::sync::Arc<str>,
     pub ty: TensorType,
     /// Module that owns the parameter (a tied weight is owned by its first user).
     pub scope: ScopeId,
@@ -228,7 +228,7 @@ impl Graph {
         let param = self.params.next_key();
         let node = self.push(Op::Param { param }, &[], ty.clone(), scope);
         let pushed = self.params.push(Param {
-            name: name.to_string(),
+            name: name.into(),
             ty,
             scope,
             node,

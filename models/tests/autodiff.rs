@@ -69,7 +69,7 @@ fn tied_weights_sum_both_contributions() {
     let (wte, _) = j
         .graph
         .params()
-        .find(|(_, p)| p.name == "transformer.wte.weight")
+        .find(|(_, p)| &*p.name == "transformer.wte.weight")
         .unwrap();
     let grad = j.graph.node(j.grad(wte).unwrap());
     assert!(

@@ -7,7 +7,7 @@ use shardplan_models::{preset, trace, ModelConfig, TraceError, TraceOptions};
 #[test]
 fn llama_parameter_names_match_hf_checkpoints() {
     let g = trace(&preset("tiny-llama").unwrap(), TraceOptions::default()).unwrap();
-    let names: Vec<&str> = g.params().map(|(_, p)| p.name.as_str()).collect();
+    let names: Vec<&str> = g.params().map(|(_, p)| &*p.name).collect();
     for expected in [
         "model.embed_tokens.weight",
         "model.layers.1.self_attn.q_proj.weight",
@@ -27,7 +27,7 @@ fn llama_parameter_names_match_hf_checkpoints() {
     // GQA: k_proj is [n_kv_heads * head_dim, dim] = [2 * 16, 64].
     let k = g
         .params()
-        .find(|(_, p)| p.name == "model.layers.0.self_attn.k_proj.weight")
+        .find(|(_, p)| &*p.name == "model.layers.0.self_attn.k_proj.weight")
         .unwrap()
         .1;
     assert_eq!(k.ty.shape.dims(), &[32, 64]);
@@ -47,17 +47,17 @@ fn gpt2_names_and_tied_head() {
     .unwrap();
     let c_attn = g
         .params()
-        .find(|(_, p)| p.name == "transformer.h.3.attn.c_attn.weight")
+        .find(|(_, p)| &*p.name == "transformer.h.3.attn.c_attn.weight")
         .unwrap()
         .1;
     assert_eq!(c_attn.ty.shape.dims(), &[768, 2304], "Conv1D stores [in, out]");
     assert!(
-        g.params().all(|(_, p)| p.name != "lm_head.weight"),
+        g.params().all(|(_, p)| &*p.name != "lm_head.weight"),
         "GPT-2's head is tied"
     );
     let wte = g
         .params()
-        .find(|(_, p)| p.name == "transformer.wte.weight")
+        .find(|(_, p)| &*p.name == "transformer.wte.weight")
         .unwrap()
         .1
         .node;
@@ -78,7 +78,7 @@ fn qwen2_has_qkv_biases_and_ties() {
         },
     )
     .unwrap();
-    let names: Vec<&str> = g.params().map(|(_, p)| p.name.as_str()).collect();
+    let names: Vec<&str> = g.params().map(|(_, p)| &*p.name).collect();
     assert!(names.contains(&"model.layers.0.self_attn.q_proj.bias"));
     assert!(!names.contains(&"model.layers.0.self_attn.o_proj.bias"));
     assert!(!names.contains(&"lm_head.weight"));
@@ -90,7 +90,7 @@ fn qwen3_normalises_each_head_before_rotary() {
     for name in ["q_norm", "k_norm"] {
         let (id, p) = g
             .params()
-            .find(|(_, p)| p.name == format!("model.layers.1.self_attn.{name}.weight"))
+            .find(|(_, p)| *p.name == *format!("model.layers.1.self_attn.{name}.weight"))
             .unwrap_or_else(|| panic!("{name} missing"));
         // head_dim 32 is set apart from dim / n_heads = 16.
         assert_eq!(p.ty.shape.dims(), &[32]);
@@ -113,7 +113,7 @@ fn qwen3_normalises_each_head_before_rotary() {
     // q_proj is [n_heads * head_dim, dim] = [128, 64].
     let q = g
         .params()
-        .find(|(_, p)| p.name == "model.layers.0.self_attn.q_proj.weight")
+        .find(|(_, p)| &*p.name == "model.layers.0.self_attn.q_proj.weight")
         .unwrap()
         .1;
     assert_eq!(q.ty.shape.dims(), &[128, 64]);
@@ -297,14 +297,14 @@ fn moe_parameter_names_match_hf_checkpoints() {
         ),
     ] {
         let g = trace(&tiny_moe(name, 0.0), seq8()).unwrap();
-        let names: Vec<&str> = g.params().map(|(_, p)| p.name.as_str()).collect();
+        let names: Vec<&str> = g.params().map(|(_, p)| &*p.name).collect();
         for e in expected {
             assert!(names.contains(e), "{name}: {e} missing from {names:?}");
         }
         assert!(!names.iter().any(|n| n.contains(".mlp.gate_proj")), "{name}: {names:?}");
         let shape = |n: &str| {
             g.params()
-                .find(|(_, p)| p.name == n)
+                .find(|(_, p)| &*p.name == n)
                 .unwrap()
                 .1
                 .ty

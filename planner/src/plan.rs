@@ -376,7 +376,7 @@ pub struct PlannedGroup {
     #[serde(flatten)]
     pub group: FsdpGroup,
     /// HF names of its parameters, in `group.params` order.
-    pub param_names: Vec<String>,
+    pub param_names: Vec<std::sync::Arc<str>>,
     pub layout: GroupLayout,
     /// What happens to its unsharded parameters after forward.
     pub reshard: GroupReshard,

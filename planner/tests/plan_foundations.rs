@@ -86,7 +86,7 @@ fn block_wrap_puts_embeddings_norm_and_head_in_the_root_group_last() {
     let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
     let names: Vec<&str> = groups.iter().map(|gr| gr.module.as_str()).collect();
     assert_eq!(names, ["layers.0", "layers.1", "<root>"]);
-    let root: Vec<&str> = groups[2].params.iter().map(|&p| g.param(p).name.as_str()).collect();
+    let root: Vec<&str> = groups[2].params.iter().map(|&p| &*g.param(p).name).collect();
     assert_eq!(
         root,
         ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
@@ -123,7 +123,10 @@ fn nested_wrap_is_bottom_up() {
     let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
     let root = groups.last().unwrap();
     assert!(root.is_root());
-    assert!(root.params.iter().any(|&p| g.param(p).name == "transformer.wte.weight"));
+    assert!(root
+        .params
+        .iter()
+        .any(|&p| &*g.param(p).name == "transformer.wte.weight"));
 }
 
 #[test]

@@ -62,7 +62,7 @@ pub fn param_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<u64>)>> {
         },
     )?;
     Ok(g.params()
-        .map(|(_, p)| (p.name.clone(), p.ty.shape.dims().to_vec()))
+        .map(|(_, p)| (p.name.to_string(), p.ty.shape.dims().to_vec()))
         .collect())
 }
 

@@ -116,14 +116,14 @@ impl WholeParams {
         let degree = g.expert_degree();
         if degree <= 1 {
             return Ok(WholeParams {
-                names: g.params().map(|(_, p)| p.name.clone()).collect(),
+                names: g.params().map(|(_, p)| p.name.to_string()).collect(),
                 ids: (0..g.params().len()).map(|p| vec![p]).collect(),
             });
         }
         let mut opts = config.trace_options();
         opts.expert = Default::default();
         let whole = trace(model, opts)?;
-        let index: HashMap<&str, usize> = whole.params().map(|(id, p)| (p.name.as_str(), id.index())).collect();
+        let index: HashMap<&str, usize> = whole.params().map(|(id, p)| (&*p.name, id.index())).collect();
         let mut ids = Vec::with_capacity(g.params().len());
         for (_, p) in g.params() {
             let ranks = if p.expert.is_some() { degree } else { 1 };
@@ -137,7 +137,7 @@ impl WholeParams {
             ids.push(row);
         }
         Ok(WholeParams {
-            names: whole.params().map(|(_, p)| p.name.clone()).collect(),
+            names: whole.params().map(|(_, p)| p.name.to_string()).collect(),
             ids,
         })
     }
