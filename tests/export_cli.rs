@@ -143,6 +143,42 @@ fn qwen3_moe_and_expert_parallel_export_and_what_is_refused() {
     );
 }
 
+/// A Mixtral-style block (every layer routed, no shared expert) opens its backward with its
+/// experts' steps, before any step reads the block's own parameters. Under `runtime: fsdp2`
+/// the plan issues what the block prefetches where the block's pre-backward hook fires (the
+/// first of those steps), so FSDP2 can run it: the export was refused before, the block's
+/// prefetch found inside its experts' backward.
+#[test]
+fn a_mixtral_block_under_fsdp2_prefetches_where_its_hooks_fire() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("mixtral.yaml");
+    std::fs::write(
+        &model,
+        "family: llama\nname: mixtral-check\nvocab_size: 256\ndim: 64\nn_layers: 2\nn_heads: 4\n\
+         n_kv_heads: 2\nffn_dim: 128\nnorm_eps: 1.0e-5\nrope_theta: 1000000\nmax_seq_len: 128\n\
+         moe: {experts: 4, top_k: 2, expert_ffn_dim: 64, router: sigmoid_topk, norm_topk_prob: true, \
+         aux_loss_coef: 0, hf_names: mixtral}\n",
+    )
+    .unwrap();
+    let spec = d.path().join("ep.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nmixed_precision: {param: f32, reduce: f32}\n\
+         batch: {per_rank: 2, seq_len: 16}\nmoe: {capacity: 2.0}\nruntime: fsdp2\n",
+    )
+    .unwrap();
+    let out = d.path().join("out");
+    let o = export(model.to_str().unwrap(), spec.to_str().unwrap(), &out);
+    assert!(o.status.success(), "{}", stderr(&o));
+    py_compile(&out.join("train.py"));
+    let text = std::fs::read_to_string(out.join("train.py")).unwrap();
+    let want = "[\"layers.1\", [\"layers.0.feed_forward.experts\"]]";
+    assert!(
+        literal(&text, "BACKWARD_PREFETCH").contains(want),
+        "`{want}` not in the program:\n{text}"
+    );
+}
+
 #[test]
 fn every_bundled_example_exports_a_program_that_compiles() {
     let d = tempfile::tempdir().unwrap();

@@ -638,7 +638,7 @@ pub fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Ga
                 .min();
             let at = match trigger {
                 Some(k) => k.min(pos),
-                None if i >= depth => list[i - depth].0,
+                None if i >= depth => hook_fires(steps, groups, policy, list[i - depth], start),
                 None => start.min(pos),
             };
             out.push(Gate {
@@ -650,6 +650,35 @@ pub fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Ga
         }
     }
     out
+}
+
+/// Where the group of `(need, group)` prefetches what follows it: the step that first
+/// reads it, or under FSDP2 (`runtime: fsdp2`) a block's first step of the pass, which may
+/// come earlier: a block's steps run under its routed experts' group ([`crate::group`]
+/// gives both the block's scope), and the block's pre-forward and pre-backward hooks, which
+/// issue its prefetches, fire where the first of them starts, before any step reads the
+/// block's own parameters (Mixtral's block opens its backward with the experts').
+fn hook_fires(
+    steps: &[Step],
+    groups: &[PlannedGroup],
+    policy: &Policy,
+    (need, g): (usize, GroupId),
+    start: usize,
+) -> usize {
+    let grp = &groups[g.index()].group;
+    if policy.runtime != Runtime::Fsdp2 || grp.experts {
+        return need;
+    }
+    let companion = |k: GroupId| {
+        let o = &groups[k.index()].group;
+        o.experts && o.scopes == grp.scopes
+    };
+    let phase = steps[need].phase == Phase::Forward;
+    (start..need)
+        .rev()
+        .take_while(|&k| companion(steps[k].group) && (steps[k].phase == Phase::Forward) == phase)
+        .last()
+        .unwrap_or(need)
 }
 
 /// The schedule of one rank, its all-gathers issued at [`gates`].
