@@ -76,6 +76,13 @@ fn main() {
     time("arena", 20, || {
         shardplan_planner::arena::report(&plan).expect("arena");
     });
+    time("arena layout", 20, || {
+        shardplan_planner::arena::layout(&plan, 0).expect("arena");
+    });
+    let a = shardplan_planner::arena::layout(&plan, 0).expect("arena");
+    time("arena check", 20, || {
+        shardplan_planner::arena::check(&plan, 0, &a).expect("arena");
+    });
     time("verify", 20, || shardplan_planner::verify(&plan, None).expect("verify"));
     println!(
         "{} nodes, {} steps, {} instructions, {} buffers, {} activation events x {} replayed steps",

@@ -179,24 +179,18 @@ fn live_peak(items: &[Item], n: usize) -> u64 {
 
 /// Places `order`'s buffers (buffer, aligned bytes, (alloc, free)) one by one above `base`,
 /// each in the smallest gap between the placed buffers whose lives overlap its own; returns
-/// the top and the placed spans (offset, end, alloc, free).
+/// the top and the placed spans (offset, end, alloc, free), by offset. The spans are kept
+/// sorted by (offset, end) as they are placed, so each buffer's clashes are read in order
+/// where they were gathered and sorted for every buffer.
 fn place(order: &[(BufId, u64, (usize, usize))], base: u64, offsets: &mut [Option<u64>]) -> (u64, Vec<Span>) {
     let mut top = base;
     let mut placed: Vec<Span> = Vec::with_capacity(order.len());
-    let mut clash: Vec<(u64, u64)> = Vec::new();
     for &(b, bytes, (a, f)) in order {
-        clash.clear();
-        clash.extend(
-            placed
-                .iter()
-                .filter(|&&(_, _, pa, pf)| pa < f && a < pf)
-                .map(|&(o, e, _, _)| (o, e)),
-        );
-        clash.sort_unstable();
+        let clash = placed.iter().filter(|&&(_, _, pa, pf)| pa < f && a < pf);
         // The smallest gap above `base` that holds `bytes`, else the end of the clashes.
         let mut best: Option<(u64, u64)> = None; // (gap size, offset)
         let mut at = base;
-        for &(o, e) in &clash {
+        for &(o, e, _, _) in clash {
             if o >= at {
                 let gap = o - at;
                 if gap >= bytes && best.is_none_or(|(g, _)| gap < g) {
@@ -210,7 +204,8 @@ fn place(order: &[(BufId, u64, (usize, usize))], base: u64, offsets: &mut [Optio
         top = top.max(end);
         offsets[b.index()] = Some(offset);
         if bytes > 0 {
-            placed.push((offset, end, a, f));
+            let at = placed.partition_point(|&(o, e, _, _)| (o, e) <= (offset, end));
+            placed.insert(at, (offset, end, a, f));
         }
     }
     (top, placed)
