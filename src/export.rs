@@ -595,23 +595,11 @@ fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
     out
 }
 
-/// Per group `k`, the group whose module's hooks fire where a step of `k` starts: `k`, or
-/// for a unit of routed experts the dense unit of the same module (a block's steps run
-/// under its experts' group, but the block's pre-forward and pre-backward hooks fire
-/// first; the experts' own hooks fire inside the step).
+/// Per group `k`, the group whose module's hooks fire where a step of `k` starts
+/// ([`shardplan_planner::schedule::hook_group`]).
 fn hook_groups(plan: &Plan) -> Vec<usize> {
-    plan.groups
-        .iter()
-        .enumerate()
-        .map(|(k, grp)| {
-            if !grp.group.experts {
-                return k;
-            }
-            plan.groups
-                .iter()
-                .position(|o| !o.group.experts && o.group.scopes == grp.group.scopes)
-                .unwrap_or(k)
-        })
+    (0..plan.groups.len())
+        .map(|k| shardplan_planner::schedule::hook_group(&plan.groups, shardplan_planner::GroupId::new(k)).index())
         .collect()
 }
 

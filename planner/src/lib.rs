@@ -202,14 +202,33 @@ impl PlanCache {
     pub(crate) fn exec_for(&mut self, joint: &JointGraph, config: &ParallelConfig) -> std::sync::Arc<steps::ExecOrder> {
         let kernels = steps::Kernels::of(config);
         let ac = config.activation_checkpointing;
-        match self.exec.iter().find(|(a, k, _)| *a == ac && *k == kernels) {
-            Some((_, _, e)) => e.clone(),
+        match self.cached_exec(config) {
+            Some(e) => e,
             None => {
                 let e = std::sync::Arc::new(steps::ExecOrder::for_kernels(joint, ac, kernels));
                 self.exec.push((ac, kernels, e.clone()));
                 e
             }
         }
+    }
+
+    /// The execution order kept for `config`'s checkpointing and kernels.
+    fn cached_exec(&self, config: &ParallelConfig) -> Option<std::sync::Arc<steps::ExecOrder>> {
+        let kernels = steps::Kernels::of(config);
+        let ac = config.activation_checkpointing;
+        self.exec
+            .iter()
+            .find(|(a, k, _)| *a == ac && *k == kernels)
+            .map(|(_, _, e)| e.clone())
+    }
+
+    /// The node times kept for `config`'s hardware and compute dtype.
+    fn cached_times(&self, config: &ParallelConfig) -> Option<std::sync::Arc<cost::NodeTimes>> {
+        let param = config.mixed_precision.param;
+        self.node_times
+            .iter()
+            .find(|(h, d, _)| *h == config.hardware && *d == param)
+            .map(|(_, _, t)| t.clone())
     }
 
     /// Begins on threads of `scope` what [`PlanCache::steps_for`] needs besides the groups
@@ -225,14 +244,12 @@ impl PlanCache {
         let kernels = steps::Kernels::of(config);
         let ac = config.activation_checkpointing;
         let param = config.mixed_precision.param;
-        let exec = (!self.exec.iter().any(|(a, k, _)| *a == ac && *k == kernels))
+        let exec = self
+            .cached_exec(config)
+            .is_none()
             .then(|| scope.spawn(move || steps::ExecOrder::for_kernels(joint, ac, kernels)));
         let flops = self.forward_flops.is_none();
-        let times = (!self
-            .node_times
-            .iter()
-            .any(|(h, d, _)| *h == config.hardware && *d == param))
-        .then(|| {
+        let times = self.cached_times(config).is_none().then(|| {
             scope.spawn(move || {
                 let times = cost::NodeTimes::new(&joint.graph, &config.hardware, param);
                 (times, flops.then(|| model_flops(joint)))
@@ -301,12 +318,7 @@ impl PlanCache {
         };
         let exec = self.exec_for(joint, config);
         let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
-        let cached_times = self
-            .node_times
-            .iter()
-            .find(|(h, d, _)| *h == config.hardware && *d == param)
-            .map(|(_, _, t)| t.clone());
-        let times = match (begun.times, cached_times) {
+        let times = match (begun.times, self.cached_times(config)) {
             (Some(h), _) => self.keep_times(config, joined(h)),
             (None, Some(t)) => t,
             (None, None) => self.keep_times(

@@ -652,12 +652,27 @@ pub fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Ga
     out
 }
 
+/// The group whose module's hooks fire where a step of group `k` starts under FSDP2: `k`,
+/// or for a unit of routed experts the dense unit of the same module ([`crate::group`]
+/// gives both the block's scope): a block's steps run under its experts' group, but the
+/// block's pre-forward and pre-backward hooks fire first; the experts' own hooks fire
+/// inside the step.
+pub fn hook_group(groups: &[PlannedGroup], k: GroupId) -> GroupId {
+    let grp = &groups[k.index()].group;
+    if !grp.experts {
+        return k;
+    }
+    groups
+        .iter()
+        .find(|o| !o.group.experts && o.group.scopes == grp.scopes)
+        .map_or(k, |o| o.group.id)
+}
+
 /// Where the group of `(need, group)` prefetches what follows it: the step that first
-/// reads it, or under FSDP2 (`runtime: fsdp2`) a block's first step of the pass, which may
-/// come earlier: a block's steps run under its routed experts' group ([`crate::group`]
-/// gives both the block's scope), and the block's pre-forward and pre-backward hooks, which
-/// issue its prefetches, fire where the first of them starts, before any step reads the
-/// block's own parameters (Mixtral's block opens its backward with the experts').
+/// reads it, or under FSDP2 (`runtime: fsdp2`) where its hooks fire ([`hook_group`]): a
+/// block's first step of the pass, which may run under its routed experts' group before
+/// any step reads the block's own parameters (Mixtral's block opens its backward with the
+/// experts').
 fn hook_fires(
     steps: &[Step],
     groups: &[PlannedGroup],
@@ -665,18 +680,17 @@ fn hook_fires(
     (need, g): (usize, GroupId),
     start: usize,
 ) -> usize {
-    let grp = &groups[g.index()].group;
-    if policy.runtime != Runtime::Fsdp2 || grp.experts {
+    if policy.runtime != Runtime::Fsdp2 {
         return need;
     }
-    let companion = |k: GroupId| {
-        let o = &groups[k.index()].group;
-        o.experts && o.scopes == grp.scopes
-    };
     let phase = steps[need].phase == Phase::Forward;
     (start..need)
         .rev()
-        .take_while(|&k| companion(steps[k].group) && (steps[k].phase == Phase::Forward) == phase)
+        .take_while(|&k| {
+            steps[k].group != g
+                && hook_group(groups, steps[k].group) == g
+                && (steps[k].phase == Phase::Forward) == phase
+        })
         .last()
         .unwrap_or(need)
 }
