@@ -10,7 +10,7 @@ use shardplan_ir::differentiate_with;
 use shardplan_models::trace;
 use shardplan_planner::alternatives::try_plan_alternatives;
 use shardplan_planner::print::bytes;
-use shardplan_planner::{plan, verify, Plan};
+use shardplan_planner::{plan_in, shardplan_executor_prediction, verify, Plan, PlanCache};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -154,8 +154,13 @@ fn trace_and_plan(
     overlap: bool,
 ) -> Result<(Plan, shardplan_ir::JointGraph), CliError> {
     let joint = trace_joint(model, parallel, config, overlap)?;
-    let plan =
-        plan(&joint, config).map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    let located =
+        |e: shardplan_planner::PlanError| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help()));
+    let mut cache = PlanCache::default();
+    let (mut plan, _) = plan_in(&joint, config, &mut cache).map_err(located)?;
+    // Under another runtime, shardplan's own executor's prediction of the same spec is
+    // printed beside it.
+    plan.shardplan_executor = shardplan_executor_prediction(&joint, config, &mut cache).map_err(located)?;
     Ok((plan, joint))
 }
 

@@ -649,7 +649,9 @@ pub fn search_spaces(
             let config = entries[i].config.clone();
             // Planned again in full (named, replayed, verified), from the search's caches.
             let space = entries[i].space;
-            let winner = crate::plan_with(spaces[space].0, &config, &mut caches[space], true)?;
+            let joint = spaces[space].0;
+            let (mut winner, _) = crate::plan_in(joint, &config, &mut caches[space])?;
+            winner.shardplan_executor = crate::shardplan_executor_prediction(joint, &config, &mut caches[space])?;
             // Best first: fitting before not, then faster, then smaller, then earlier.
             let mut planned: Vec<(usize, Candidate)> = entries
                 .into_iter()

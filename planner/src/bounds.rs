@@ -9,10 +9,11 @@
 use crate::cost::{link, ring_seconds};
 use crate::group::FsdpGroup;
 use crate::layout::layout;
+use crate::lower::wrap_policy;
 use crate::mesh::Mesh;
 use crate::plan::{Comm, Precision};
 use crate::steps::Phase;
-use crate::{wrap_policy, PlanCache, PlanError};
+use crate::{PlanCache, PlanError};
 use shardplan_frontends::{ActivationCheckpointing, Offload, ParallelConfig, Reshard};
 use shardplan_ir::JointGraph;
 use std::collections::HashMap;

@@ -920,6 +920,46 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The plan of `lowered` for `g` with one rank's schedule, before it is simulated:
+    /// `timing`, `memory` and `estimate` are left to fill, and `source` and
+    /// `shardplan_executor` to the caller who knows them.
+    pub(crate) fn assemble(
+        g: &shardplan_ir::Graph,
+        lowered: crate::lower::Lowered,
+        hardware: &HardwareProfile,
+        groups: Vec<PlannedGroup>,
+        steps: Vec<Step>,
+        placed: crate::prefetch::Placed,
+    ) -> Plan {
+        let crate::lower::Lowered { mesh, policy, experts } = lowered;
+        let schedule = placed.schedule;
+        Plan {
+            version: PLAN_VERSION,
+            source: None,
+            model: g.name().to_string(),
+            params: g.params().map(|(_, p)| p.whole_numel()).sum(),
+            mesh,
+            hardware: hardware.clone(),
+            policy,
+            groups,
+            steps,
+            buffers: schedule.buffers,
+            events: schedule.events,
+            programs: vec![schedule.program],
+            ranks: vec![RankSpan {
+                first: 0,
+                count: mesh.world(),
+                program: 0,
+            }],
+            timing: Timing::default(),
+            memory: MemoryReport::default(),
+            estimate: Estimate::default(),
+            shardplan_executor: None,
+            experts,
+            prefetch_moves: placed.moves,
+        }
+    }
+
     /// The program rank `rank` runs.
     pub fn program_of(&self, rank: u64) -> Option<&Program> {
         self.ranks

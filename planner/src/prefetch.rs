@@ -15,11 +15,15 @@
 //! frees other than the gathers' own stay where the schedule puts them: at first write and
 //! right after the last read, which is already as late and as early as they can be.
 
+use crate::cache::CachedSteps;
+use crate::layout::Names;
+use crate::lower::Lowered;
 use crate::mesh::Mesh;
 use crate::plan::{Instr, PlannedGroup, Policy, PrefetchMove};
-use crate::schedule::{schedule_gated, Gate, Schedule};
-use crate::simulate::{memory, timeline};
+use crate::schedule::{gates, schedule_gated, Gate, Schedule};
+use crate::simulate::{memory, timeline, Simulated};
 use crate::steps::{Step, StepId};
+use crate::PlanError;
 use shardplan_frontends::HardwareProfile;
 
 /// Relative slack on "no longer": moving work between steps re-associates float sums, and a
@@ -38,6 +42,55 @@ pub struct Ctx<'a> {
     pub named: bool,
 }
 
+/// One rank's schedule as the schedule pass places it.
+pub(crate) struct Placed {
+    pub schedule: Schedule,
+    /// The all-gathers `prefetch: auto` issued later than the depths put them.
+    pub moves: Vec<PrefetchMove>,
+    /// The chosen schedule's simulation, where choosing it simulated it.
+    pub simulated: Option<Simulated>,
+}
+
+/// The schedule pass: the schedule of one rank (every rank runs the same program: shards
+/// are padded) over `steps`, its all-gathers issued at the prefetch depths' and explicit
+/// lists' [`gates`], then under `prefetch: auto` moved off the peak ([`peak_aware`]).
+pub(crate) fn schedule_plan(
+    steps: &[Step],
+    groups: &[PlannedGroup],
+    lowered: &Lowered,
+    compute: &CachedSteps,
+    hw: &HardwareProfile,
+    names: Names,
+) -> Result<Placed, PlanError> {
+    let policy = &lowered.policy;
+    let gates = gates(steps, groups, policy);
+    let schedule = schedule_gated(steps, groups, policy, &lowered.mesh, &gates, names.kept());
+    // The memory passes add sizes up without checks: bound their total first.
+    crate::simulate::rank_bytes_fit(&schedule.buffers, &compute.acts)?;
+    if !policy.prefetch.peak_aware {
+        return Ok(Placed {
+            schedule,
+            moves: Vec::new(),
+            simulated: None,
+        });
+    }
+    let ctx = Ctx {
+        steps,
+        groups,
+        policy,
+        mesh: &lowered.mesh,
+        hw,
+        step_s: &compute.step_s,
+        named: names.kept(),
+    };
+    let (schedule, moves, simulated) = peak_aware(&ctx, gates, schedule);
+    Ok(Placed {
+        schedule,
+        moves,
+        simulated: Some(simulated),
+    })
+}
+
 /// A schedule with its simulated step time, allocated peak and the instruction at the peak.
 struct Scored {
     sched: Schedule,
@@ -45,14 +98,6 @@ struct Scored {
     peak: u64,
     peak_instr: usize,
     sim: Simulated,
-}
-
-/// A schedule's timeline (with its stalls) and memory, as [`timeline`] and [`memory`] give
-/// them: the plan keeps those of the schedule chosen instead of simulating it again.
-pub struct Simulated {
-    pub timing: crate::plan::Timing,
-    pub stall: Vec<f64>,
-    pub memory: crate::plan::MemoryReport,
 }
 
 fn score(ctx: &Ctx, sched: Schedule) -> Scored {

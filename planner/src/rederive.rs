@@ -18,7 +18,8 @@
 //! ready when read, is the same computation: the results are identical.
 
 use crate::plan::{Instr, Issued, Plan, Program, Stream};
-use crate::{plan_passes, simulate_program, verify, PlanCache, PlanError, VerifyError};
+use crate::simulate::{device_memory, estimate_step, simulate, Setting, Simulated};
+use crate::{plan_in, shardplan_executor_prediction, verify, PlanCache, PlanError, VerifyError};
 use serde_json::Value;
 use shardplan_frontends::ParallelConfig;
 use shardplan_frontends::SpecError;
@@ -257,7 +258,8 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
     };
     let config = &source.parallel;
     let mut cache = PlanCache::default();
-    let (mut expected, cached) = plan_passes(joint, config, &mut cache, true, true).map_err(Refusal::Plan)?;
+    let (mut expected, compute) = plan_in(joint, config, &mut cache).map_err(Refusal::Plan)?;
+    expected.shardplan_executor = shardplan_executor_prediction(joint, config, &mut cache).map_err(Refusal::Plan)?;
     expected.source = plan.source.clone();
     if let Some(e) = expected.experts.as_mut() {
         e.even = even_split(&source.model, config)?;
@@ -280,20 +282,25 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
             same_work(plan, p, found, want)?;
         }
         verify(plan, None).map_err(Refusal::Verify)?;
-        let forward_flops = cache.forward_flops.unwrap_or(0.0);
-        let (timing, memory, estimate) = simulate_program(
-            &plan.programs[0],
-            &expected.buffers,
-            plan.events,
-            &expected.steps,
-            &cached,
-            &expected.mesh,
-            config,
-            &expected.policy,
-            forward_flops,
-            true,
-            None,
-        );
+        let (sim, estimate) = {
+            let s = Setting::of(&expected, &expected.steps, &compute);
+            let sim = simulate(&plan.programs[0], &expected.buffers, plan.events, &s, None);
+            let sim = Simulated {
+                memory: device_memory(
+                    sim.memory,
+                    &plan.programs[0],
+                    &expected.buffers,
+                    &compute.acts,
+                    s.mesh,
+                    s.hw,
+                    s.policy.allocator,
+                ),
+                ..sim
+            };
+            let estimate = estimate_step(&plan.programs[0], &expected.buffers, &sim, &s, cache.model_flops(joint));
+            (sim, estimate)
+        };
+        let (timing, memory) = (sim.timing, sim.memory);
         expected.programs = plan.programs.clone();
         expected.events = plan.events;
         expected.timing = timing;

@@ -19,14 +19,121 @@
 //! all. Samples carry the simulated time of the instruction for the trace's counter track.
 
 use crate::allocator::replay;
+use crate::cache::CachedSteps;
 use crate::cost::{compute_copies, instr_seconds};
 use crate::mesh::Mesh;
 use crate::plan::{
-    Breakdown, Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Overhead, Pool, Program,
-    Stream, Timing, WorkKind,
+    Breakdown, Buffer, ByCategory, Category, Estimate, Instr, MemoryReport, MemorySample, Overhead, Policy, Pool,
+    Program, Stream, Timing, WorkKind,
 };
 use crate::steps::{ActEvents, Step};
 use shardplan_frontends::{AllocatorConfig, HardwareProfile};
+use shardplan_ir::DType;
+
+/// A schedule's timeline (with its stalls) and memory, as [`timeline`] and [`memory`] give
+/// them: the plan keeps those of the schedule the prefetch placement chose instead of
+/// simulating it again.
+pub struct Simulated {
+    pub timing: Timing,
+    pub stall: Vec<f64>,
+    pub memory: MemoryReport,
+}
+
+/// What the simulation of one rank's program reads besides the program: its compute
+/// steps with their durations and parts, the mesh, the hardware and the policy.
+pub(crate) struct Setting<'a> {
+    pub steps: &'a [Step],
+    pub compute: &'a CachedSteps,
+    pub mesh: &'a Mesh,
+    pub hw: &'a HardwareProfile,
+    pub policy: &'a Policy,
+}
+
+impl<'a> Setting<'a> {
+    /// The setting of `plan`'s program over `steps` (the plan's, or a candidate's kept
+    /// apart in `compute`).
+    pub(crate) fn of(plan: &'a crate::plan::Plan, steps: &'a [Step], compute: &'a CachedSteps) -> Self {
+        Setting {
+            steps,
+            compute,
+            mesh: &plan.mesh,
+            hw: &plan.hardware,
+            policy: &plan.policy,
+        }
+    }
+}
+
+/// The simulate pass: the timeline and memory of `program` (those `done` already, where
+/// the prefetch placement simulated it), with the process's fixed overheads.
+pub(crate) fn simulate(
+    program: &Program,
+    buffers: &[Buffer],
+    events: u32,
+    s: &Setting,
+    done: Option<Simulated>,
+) -> Simulated {
+    let mut sim = done.unwrap_or_else(|| {
+        let traffic = crate::cost::OptimizerTraffic::of(s.policy);
+        let (timing, stall) = timeline(program, buffers, &s.compute.step_s, events, s.mesh, s.hw, traffic);
+        let memory = memory(program, buffers, s.steps, &timing);
+        Simulated { timing, stall, memory }
+    });
+    sim.memory.overhead = overhead(program, s.mesh, s.hw);
+    sim
+}
+
+/// The estimate pass: [`estimate`] of a simulated program, `model_flops` being the
+/// forward and backward FLOPs of one micro-batch.
+pub(crate) fn estimate_step(
+    program: &Program,
+    buffers: &[Buffer],
+    sim: &Simulated,
+    s: &Setting,
+    model_flops: f64,
+) -> Estimate {
+    let policy = s.policy;
+    let peak_flops = if matches!(policy.mixed_precision.param, DType::F32 | DType::F64) {
+        s.hw.f32_tflops
+    } else {
+        s.hw.bf16_tflops
+    } * 1e12;
+    let tokens = (s.mesh.data_parallel() * policy.batch_per_rank * policy.seq_len * policy.grad_accum) as f64;
+    let costed = Costed {
+        step_parts: &s.compute.step_parts,
+        mesh: s.mesh,
+        hw: s.hw,
+    };
+    estimate(
+        program,
+        buffers,
+        &sim.timing,
+        &sim.stall,
+        &costed,
+        model_flops * policy.grad_accum as f64,
+        peak_flops,
+        tokens,
+    )
+}
+
+/// Most bytes one rank's buffers and activations may add up to (1 EiB, beyond any device):
+/// the memory simulation and the allocator model (which replays up to three steps) add
+/// sizes and addresses in u64 and stay far from overflow below it.
+pub const MAX_RANK_BYTES: u64 = 1 << 60;
+
+/// Refuses a plan whose buffers and activations, summed, exceed [`MAX_RANK_BYTES`].
+pub(crate) fn rank_bytes_fit(buffers: &[Buffer], acts: &ActEvents) -> Result<(), crate::PlanError> {
+    let total = buffers
+        .iter()
+        .map(|b| b.numel.checked_mul(b.dtype.size_bytes()))
+        .chain(acts.events.iter().map(|e| Some(e.bytes)))
+        .try_fold(0u64, |sum, x| sum.checked_add(x?));
+    match total {
+        Some(t) if t <= MAX_RANK_BYTES => Ok(()),
+        _ => Err(crate::PlanError::Graph(format!(
+            "one rank's buffers and activations add up to more than {MAX_RANK_BYTES} bytes (1 EiB), the most shardplan plans for"
+        ))),
+    }
+}
 
 /// The timeline of `program`, and how long the compute stream waited before each
 /// instruction (non-zero only for waits).

@@ -5,10 +5,10 @@
 
 mod common;
 
-use common::{joint_of, parallel, plan_preset};
+use common::{joint_of, parallel, plan_as_cli, plan_preset};
 use shardplan_models::{preset, trace, TraceOptions};
 use shardplan_planner::rederive::rederive;
-use shardplan_planner::{plan, BufId, Category, Instr, Plan, PlanSource, Stream};
+use shardplan_planner::{BufId, Category, Instr, Plan, PlanSource, Stream};
 
 const BASE: &str = "mesh: {shard: 4}\ngpus_per_node: 4\n";
 
@@ -284,7 +284,7 @@ fn an_fsdp2_plan_from_a_file_is_re_derived() {
     let config = parallel(&spec("runtime: fsdp2\nactivation_checkpointing: full\n"));
     let model = preset("tiny-llama").unwrap();
     let joint = joint_of(&model, &config);
-    let mut p = plan(&joint, &config).unwrap();
+    let mut p = plan_as_cli(&joint, &config);
     p.source = Some(PlanSource {
         model,
         parallel: config,
@@ -498,7 +498,7 @@ fn the_implementation_is_in_the_plan_and_re_derived() {
     let config = parallel(&spec("runtime: fsdp2\noptimizer: {adamw: {implementation: foreach}}\n"));
     let model = preset("tiny-llama").unwrap();
     let joint = joint_of(&model, &config);
-    let mut p = plan(&joint, &config).unwrap();
+    let mut p = plan_as_cli(&joint, &config);
     p.source = Some(PlanSource {
         model,
         parallel: config,

@@ -8,7 +8,7 @@ pub mod gen;
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
 use shardplan_ir::{differentiate, JointGraph};
 use shardplan_models::{preset, trace, ModelConfig};
-use shardplan_planner::{plan, Plan};
+use shardplan_planner::{plan_in, shardplan_executor_prediction, Plan, PlanCache};
 
 /// A validated parallel config from YAML text.
 pub fn parallel(yaml: &str) -> ParallelConfig {
@@ -23,10 +23,19 @@ pub fn joint_of(model: &ModelConfig, config: &ParallelConfig) -> JointGraph {
     differentiate(&g).unwrap()
 }
 
-/// Plans `model` under the YAML parallel spec.
+/// Plans `joint` for `config` as `shardplan plan` does: under another runtime, with
+/// shardplan's own executor's prediction of the same spec beside it.
+pub fn plan_as_cli(joint: &JointGraph, config: &ParallelConfig) -> Plan {
+    let mut cache = PlanCache::default();
+    let (mut p, _) = plan_in(joint, config, &mut cache).unwrap_or_else(|e| panic!("{e}"));
+    p.shardplan_executor = shardplan_executor_prediction(joint, config, &mut cache).unwrap_or_else(|e| panic!("{e}"));
+    p
+}
+
+/// Plans `model` under the YAML parallel spec ([`plan_as_cli`]).
 pub fn plan_model(model: &ModelConfig, yaml: &str) -> Plan {
     let config = parallel(yaml);
-    plan(&joint_of(model, &config), &config).unwrap_or_else(|e| panic!("{e}"))
+    plan_as_cli(&joint_of(model, &config), &config)
 }
 
 /// Plans a preset.
