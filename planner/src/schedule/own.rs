@@ -1,0 +1,56 @@
+//! shardplan's executor's lowering: a group is gathered straight into the buffer its
+//! steps read, every all-gather a step's gates issue goes out before the step, and a
+//! group's gradients are reduce-scattered into its sharded gradients, the reduction's tail
+//! issued one compute step later.
+
+use super::builder::Builder;
+use super::Lowering;
+use crate::group::GroupId;
+use crate::plan::{BufId, Category, Instr, Pool, Stream};
+use crate::steps::Phase;
+
+pub(crate) struct Own;
+
+impl Lowering for Own {
+    const PREFETCH_AFTER_READS: bool = false;
+    const HOLDS_TO_POST_BACKWARD: bool = false;
+
+    fn gather_output(&mut self, b: &mut Builder, g: GroupId, tag: &str) -> BufId {
+        let (p, full) = (b.policy.mixed_precision.param, b.gathered_numel(g));
+        b.buf(
+            || format!("{g}.unsharded.{tag}"),
+            Category::UnshardedParams,
+            g,
+            p,
+            full,
+            Pool::Device,
+        )
+    }
+
+    fn first_read(&mut self, _b: &mut Builder, _g: GroupId, flat: BufId, _micro: u32, _phase: Phase) -> BufId {
+        flat
+    }
+
+    fn reduce_scatter(&mut self, b: &mut Builder, g: GroupId, _micro: u32, last_micro: bool, packed: BufId) {
+        let acc = b.sharded_grads(g);
+        b.emit(
+            Stream::ReduceScatter,
+            Instr::ReduceScatter {
+                group: g,
+                comm: b.shard_comm(g),
+                op: b.grad_reduce(g),
+                src: packed,
+                dst: acc,
+            },
+        );
+        // The tail (free, replica all-reduce, host copy) is issued after the next compute
+        // step: the allocations that step makes must not wait for this reduction to finish.
+        b.deferring = true;
+        b.emit(Stream::ReduceScatter, Instr::Free { buf: packed });
+        let done = b.record(Stream::ReduceScatter);
+        if last_micro {
+            b.finish_grads(g, acc, done);
+        }
+        b.deferring = false;
+    }
+}
