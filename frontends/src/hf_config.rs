@@ -164,103 +164,102 @@ impl HfConfig {
     /// object (for the keys read from nested objects).
     pub fn into_config(self, src: &Source, map: &JsonMap) -> Result<(ModelConfig, Origin), SpecError> {
         let arch = self.arch(src)?;
-        let need = |v: Option<u64>, field: &str| -> Result<u64, SpecError> {
-            let key = hf_key(arch, field);
-            v.ok_or_else(|| {
-                SpecError::file(&src.path, format!("missing `{key}`"))
-                    .field(key)
-                    .help(format!(
-                        "add \"{key}\": <integer> (see the model's config.json on the Hub)"
-                    ))
-            })
-        };
         let name = self
             .name_or_path
             .clone()
             .filter(|n| !n.is_empty())
             .unwrap_or_else(|| file_stem(src));
-        let unsupported = |key: &str, what: &str| {
-            SpecError::file(&src.path, format!("`{key}: true` ({what}) is not supported"))
-                .at(src.json_key_pos(key))
-                .field(key)
-                .help("shardplan models Llama/Mistral/Qwen2/Qwen3 without that bias")
+        let rope_theta = rope_theta(src, map, self.rope_theta)?;
+        let mut config = match arch {
+            Arch::Gpt2 => self.gpt2_config(src, name)?,
+            _ => self.llama_config(src, map, arch, name, rope_theta)?,
         };
-        let key_pos = |k: &str| src.json_key_pos(k);
-        // transformers 5 keeps rope_theta inside rope_parameters.
-        let rope_theta = match (self.rope_theta, rope_parameters_theta(src, map)?) {
-            (Some(a), Some(b)) if a != b => {
-                return Err(SpecError::file(
-                    &src.path,
-                    format!("`rope_theta` is {a} but `rope_parameters.rope_theta` is {b}"),
-                )
-                .at(key_pos("rope_theta"))
-                .field("rope_theta")
-                .help("keep one of them, or make them equal"))
-            }
-            (a, b) => a.or(b),
+        let window_caps = self.cap_to_sliding_window(src, arch, &mut config)?;
+        validate(src, arch, &config)?;
+        Ok((config, origin(src, arch, window_caps)))
+    }
+
+    /// A GPT-2 config: `n_inner` 4 x `n_embd`, 1024 positions and an epsilon of 1e-5
+    /// unless written.
+    fn gpt2_config(&self, src: &Source, name: String) -> Result<ModelConfig, SpecError> {
+        let need = |v: Option<u64>, field: &str| required(src, Arch::Gpt2, v, field);
+        let dim = need(self.n_embd, "dim")?;
+        Ok(ModelConfig::Gpt2(Gpt2Config {
+            name,
+            vocab_size: need(self.vocab_size, "vocab_size")?,
+            dim,
+            n_layers: need(self.n_layer, "n_layers")?,
+            n_heads: need(self.n_head, "n_heads")?,
+            ffn_dim: self.n_inner.unwrap_or(dim.saturating_mul(4)),
+            max_seq_len: self.n_positions.unwrap_or(1024),
+            norm_eps: self.layer_norm_epsilon.unwrap_or(1e-5),
+            activation: activation(&self.activation_function),
+        }))
+    }
+
+    /// A config of the Llama family (Llama, Mistral, Qwen2/3 and their mixtures of
+    /// experts), with transformers' defaults for the keys a file may leave out; the
+    /// biases shardplan does not model are refused.
+    fn llama_config(
+        &self,
+        src: &Source,
+        map: &JsonMap,
+        arch: Arch,
+        name: String,
+        rope_theta: Option<f64>,
+    ) -> Result<ModelConfig, SpecError> {
+        let need = |v: Option<u64>, field: &str| required(src, arch, v, field);
+        if self.attention_bias == Some(true) {
+            return Err(unsupported_bias(
+                src,
+                "attention_bias",
+                "a bias on o_proj as well as q/k/v",
+            ));
+        }
+        if self.mlp_bias == Some(true) {
+            return Err(unsupported_bias(src, "mlp_bias", "biases in the MLP"));
+        }
+        let n_heads = need(self.num_attention_heads, "n_heads")?;
+        // transformers' Qwen3Config sets head_dim to 128 when the file has none;
+        // the other families derive it from hidden_size / num_attention_heads.
+        let head_dim = match arch {
+            Arch::Qwen3 => Some(self.head_dim.unwrap_or(128)),
+            _ => self.head_dim,
         };
-        let config = match arch {
-            Arch::Gpt2 => {
-                let dim = need(self.n_embd, "dim")?;
-                ModelConfig::Gpt2(Gpt2Config {
-                    name,
-                    vocab_size: need(self.vocab_size, "vocab_size")?,
-                    dim,
-                    n_layers: need(self.n_layer, "n_layers")?,
-                    n_heads: need(self.n_head, "n_heads")?,
-                    ffn_dim: self.n_inner.unwrap_or(dim.saturating_mul(4)),
-                    max_seq_len: self.n_positions.unwrap_or(1024),
-                    norm_eps: self.layer_norm_epsilon.unwrap_or(1e-5),
-                    activation: activation(&self.activation_function),
-                })
-            }
-            _ => {
-                if self.attention_bias == Some(true) {
-                    return Err(unsupported("attention_bias", "a bias on o_proj as well as q/k/v"));
-                }
-                if self.mlp_bias == Some(true) {
-                    return Err(unsupported("mlp_bias", "biases in the MLP"));
-                }
-                let n_heads = need(self.num_attention_heads, "n_heads")?;
-                // transformers' Qwen3Config sets head_dim to 128 when the file has none;
-                // the other families derive it from hidden_size / num_attention_heads.
-                let head_dim = match arch {
-                    Arch::Qwen3 => Some(self.head_dim.unwrap_or(128)),
-                    _ => self.head_dim,
-                };
-                let moe = if arch.is_moe() {
-                    Some(self.moe_config(src, arch)?)
-                } else {
-                    None
-                };
-                ModelConfig::Llama(LlamaConfig {
-                    name,
-                    vocab_size: need(self.vocab_size, "vocab_size")?,
-                    dim: need(self.hidden_size, "dim")?,
-                    n_layers: need(self.num_hidden_layers, "n_layers")?,
-                    n_heads,
-                    n_kv_heads: self.num_key_value_heads.unwrap_or(n_heads),
-                    head_dim,
-                    ffn_dim: need(self.intermediate_size, "ffn_dim")?,
-                    norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
-                    rope_theta: rope_theta.unwrap_or(10000.0),
-                    rope_scaling: rope_scaling(src, map)?,
-                    activation: activation(&self.hidden_act),
-                    tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
-                    qkv_bias: arch == Arch::Qwen2 || (arch == Arch::Qwen2Moe && self.qkv_bias != Some(false)),
-                    qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
-                    moe,
-                    max_seq_len: self.max_position_embeddings.unwrap_or(4096),
-                })
-            }
+        let moe = if arch.is_moe() {
+            Some(self.moe_config(src, arch)?)
+        } else {
+            None
         };
-        // A sliding window longer than every trained sequence is the causal mask itself;
-        // shardplan has no banded mask, so the window bounds the sequences it trains.
+        Ok(ModelConfig::Llama(LlamaConfig {
+            name,
+            vocab_size: need(self.vocab_size, "vocab_size")?,
+            dim: need(self.hidden_size, "dim")?,
+            n_layers: need(self.num_hidden_layers, "n_layers")?,
+            n_heads,
+            n_kv_heads: self.num_key_value_heads.unwrap_or(n_heads),
+            head_dim,
+            ffn_dim: need(self.intermediate_size, "ffn_dim")?,
+            norm_eps: self.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: rope_theta.unwrap_or(10000.0),
+            rope_scaling: rope_scaling(src, map)?,
+            activation: activation(&self.hidden_act),
+            tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || (arch == Arch::Qwen2Moe && self.qkv_bias != Some(false)),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            moe,
+            max_seq_len: self.max_position_embeddings.unwrap_or(4096),
+        }))
+    }
+
+    /// The sliding window the family applies: Mistral's, Llama's and Mixtral's whenever
+    /// written, the Qwen families' only when turned on.
+    fn sliding_window(&self, arch: Arch) -> Option<u64> {
         let sliding_layers = self
             .layer_types
             .as_ref()
             .is_some_and(|t| t.iter().any(|l| l == "sliding_attention"));
-        let window = match arch {
+        match arch {
             Arch::Mistral | Arch::Llama => self.sliding_window,
             Arch::Mixtral => self.sliding_window,
             Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe
@@ -269,55 +268,93 @@ impl HfConfig {
                 self.sliding_window
             }
             _ => None,
-        };
-        let mut config = config;
-        let mut window_caps = false;
-        if let (Some(w), ModelConfig::Llama(c)) = (window, &mut config) {
-            if w == 0 {
-                return Err(SpecError::file(&src.path, "`sliding_window` is 0")
-                    .at(key_pos("sliding_window"))
-                    .field("sliding_window")
-                    .help("a sliding window holds at least one token; use null for none"));
-            }
-            if w < c.max_seq_len {
-                c.max_seq_len = w;
-                window_caps = true;
-            }
         }
-        let mut origin = Origin::new(&src.path);
-        config.validate().map_err(|e| {
-            let key = moe_key(arch, e.field).unwrap_or_else(|| hf_key(arch, e.field));
-            SpecError::file(&src.path, e.message.clone())
-                .at(src.json_key_pos(key))
-                .field(key)
-                .help(e.help.clone())
-        })?;
-        for field in [
-            "vocab_size",
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_dim",
-            "max_seq_len",
-        ] {
-            if let Some(p) = src.json_key_pos(hf_key(arch, field)) {
-                origin.insert(field, p);
-            }
-        }
-        if arch.is_moe() {
-            // A refusal of the experts as a whole (`moe`) points at their count.
-            if let Some(p) = key_pos("num_experts").or_else(|| key_pos("num_local_experts")) {
-                origin.insert("moe", p);
-            }
-        }
-        if window_caps {
-            if let Some(p) = key_pos("sliding_window") {
-                origin.insert("max_seq_len", p);
-            }
-        }
-        Ok((config, origin))
     }
+
+    /// Caps the trained sequence length at the sliding window; true when it did.
+    fn cap_to_sliding_window(&self, src: &Source, arch: Arch, config: &mut ModelConfig) -> Result<bool, SpecError> {
+        // A sliding window longer than every trained sequence is the causal mask itself;
+        // shardplan has no banded mask, so the window bounds the sequences it trains.
+        let (Some(w), ModelConfig::Llama(c)) = (self.sliding_window(arch), config) else {
+            return Ok(false);
+        };
+        if w == 0 {
+            return Err(SpecError::file(&src.path, "`sliding_window` is 0")
+                .at(src.json_key_pos("sliding_window"))
+                .field("sliding_window")
+                .help("a sliding window holds at least one token; use null for none"));
+        }
+        if w < c.max_seq_len {
+            c.max_seq_len = w;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+}
+
+/// The integer a model-config `field` needs, or the error naming the family's key for it.
+fn required(src: &Source, arch: Arch, v: Option<u64>, field: &str) -> Result<u64, SpecError> {
+    v.ok_or_else(|| missing_key(src, hf_key(arch, field)))
+}
+
+/// The error for a required config.json `key` the file leaves out.
+fn missing_key(src: &Source, key: &str) -> SpecError {
+    SpecError::file(&src.path, format!("missing `{key}`"))
+        .field(key)
+        .help(format!(
+            "add \"{key}\": <integer> (see the model's config.json on the Hub)"
+        ))
+}
+
+/// The error for a bias flag `key` set to true, a bias (`what`) shardplan does not model.
+fn unsupported_bias(src: &Source, key: &str, what: &str) -> SpecError {
+    SpecError::file(&src.path, format!("`{key}: true` ({what}) is not supported"))
+        .at(src.json_key_pos(key))
+        .field(key)
+        .help("shardplan models Llama/Mistral/Qwen2/Qwen3 without that bias")
+}
+
+/// The model config's own checks, their errors placed at the config.json key of the field.
+fn validate(src: &Source, arch: Arch, config: &ModelConfig) -> Result<(), SpecError> {
+    config.validate().map_err(|e| {
+        let key = moe_key(arch, e.field).unwrap_or_else(|| hf_key(arch, e.field));
+        SpecError::file(&src.path, e.message.clone())
+            .at(src.json_key_pos(key))
+            .field(key)
+            .help(e.help.clone())
+    })
+}
+
+/// Where the fields later checks may name were written: each at its config.json key,
+/// the experts as a whole at their count, `max_seq_len` at the window that capped it.
+fn origin(src: &Source, arch: Arch, window_caps: bool) -> Origin {
+    let key_pos = |k: &str| src.json_key_pos(k);
+    let mut origin = Origin::new(&src.path);
+    for field in [
+        "vocab_size",
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "ffn_dim",
+        "max_seq_len",
+    ] {
+        if let Some(p) = key_pos(hf_key(arch, field)) {
+            origin.insert(field, p);
+        }
+    }
+    if arch.is_moe() {
+        // A refusal of the experts as a whole (`moe`) points at their count.
+        if let Some(p) = key_pos("num_experts").or_else(|| key_pos("num_local_experts")) {
+            origin.insert("moe", p);
+        }
+    }
+    if window_caps {
+        if let Some(p) = key_pos("sliding_window") {
+            origin.insert("max_seq_len", p);
+        }
+    }
+    origin
 }
 
 /// The config.json key a `moe.` field comes from, for errors.
@@ -349,13 +386,7 @@ impl HfConfig {
                 .field(key)
                 .help(help.to_string())
         };
-        let missing = |key: &str| {
-            SpecError::file(&src.path, format!("missing `{key}`"))
-                .field(key)
-                .help(format!(
-                    "add \"{key}\": <integer> (see the model's config.json on the Hub)"
-                ))
-        };
+        let missing = |key: &str| missing_key(src, key);
         // Mixtral names the count num_local_experts, Qwen num_experts; transformers 5 saves
         // Qwen3-MoE configs under Mixtral's name, so either is read for every family.
         let (name, other, own, alias) = match arch {
@@ -572,6 +603,23 @@ fn rope_scaling(src: &Source, map: &JsonMap) -> Result<shardplan_models::RopeSca
 /// the names shardplan does not implement).
 fn activation(name: &Option<String>) -> Option<shardplan_models::Activation> {
     name.as_deref().and_then(shardplan_models::Activation::from_hf)
+}
+
+/// The RoPE base, as `rope_theta` or as transformers 5's `rope_parameters.rope_theta`
+/// (`written` is the former); two different values are refused.
+fn rope_theta(src: &Source, map: &JsonMap, written: Option<f64>) -> Result<Option<f64>, SpecError> {
+    Ok(match (written, rope_parameters_theta(src, map)?) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(SpecError::file(
+                &src.path,
+                format!("`rope_theta` is {a} but `rope_parameters.rope_theta` is {b}"),
+            )
+            .at(src.json_key_pos("rope_theta"))
+            .field("rope_theta")
+            .help("keep one of them, or make them equal"))
+        }
+        (a, b) => a.or(b),
+    })
 }
 
 /// `rope_parameters.rope_theta` (transformers 5's layout), if given.
