@@ -1,0 +1,432 @@
+//! The summary block of a plan's text: the mesh and policy it was made with, its memory
+//! per rank, and its predicted step, one section after another.
+
+use super::{bytes, describe, duration, group_name, ms, thousands};
+use crate::cost::pool_name;
+use crate::plan::{Category, ExpertRouting, GroupReshard, MemoryReport, Plan, Policy};
+use shardplan_frontends::{GradSync, Offload};
+use std::fmt::Write;
+
+/// The summary block alone.
+pub fn summary(o: &mut String, plan: &Plan) {
+    mesh_line(o, plan);
+    tensor_parallel_line(o, plan);
+    if let Some(e) = &plan.experts {
+        expert_lines(o, plan, e);
+    }
+    policy_lines(o, &plan.policy);
+    batch_line(o, plan);
+    o.push('\n');
+    memory_table(o, plan);
+    prefetch_moves(o, plan);
+    allocator_lines(o, &plan.memory);
+    device_total_lines(o, plan);
+    host_memory_line(o, &plan.memory);
+    estimate_lines(o, plan);
+    runtime_lines(o, plan);
+}
+
+/// The first line: the model, its parameters, the mesh, the nodes and the hardware.
+fn mesh_line(o: &mut String, plan: &Plan) {
+    let m = &plan.mesh;
+    let nodes = m.world().div_ceil(m.gpus_per_node());
+    let _ = writeln!(
+        o,
+        "plan: {} ({} params) on {} ranks: mesh {} replicate x {} shard{}{}, {} node{} of {} GPUs, {}",
+        plan.model,
+        thousands(plan.params),
+        m.world(),
+        m.replicate(),
+        m.shard(),
+        if m.tensor() > 1 {
+            format!(" x {} tensor", m.tensor())
+        } else {
+            String::new()
+        } + &if m.expert() > 1 {
+            format!(" (expert {} inside shard)", m.expert())
+        } else {
+            String::new()
+        },
+        if m.replicate() > 1 { " (HSDP)" } else { "" },
+        nodes,
+        if nodes == 1 { "" } else { "s" },
+        m.gpus_per_node(),
+        plan.hardware.name
+    );
+}
+
+/// How the tensor axis lays out ranks and its options, when there is one.
+fn tensor_parallel_line(o: &mut String, plan: &Plan) {
+    let m = &plan.mesh;
+    if m.tensor() <= 1 {
+        return;
+    }
+    let tp = &plan.policy.tensor_parallel;
+    let _ = writeln!(
+        o,
+        "tensor parallel: groups of {} consecutive ranks (rank = (replicate x {} + shard) x {} + tensor), sequence parallel {}, loss parallel {}",
+        m.tensor(),
+        m.shard(),
+        m.tensor(),
+        if tp.sequence_parallel { "on" } else { "off" },
+        if tp.loss_parallel { "on" } else { "off" },
+    );
+}
+
+/// The experts' placement over the expert and tensor axes, and what bounds their routing.
+fn expert_lines(o: &mut String, plan: &Plan, e: &ExpertRouting) {
+    let m = &plan.mesh;
+    if m.expert() > 1 {
+        let _ = writeln!(
+            o,
+            "expert parallel: groups of {} consecutive shard ranks, each holding {} of every MoE layer's {} routed experts, {}",
+            m.expert(),
+            e.per_rank,
+            e.experts,
+            match m.expert_shard() {
+                1 => "not sharded further (no other rank of a replica holds the same ones)".to_string(),
+                n => format!("sharded over the {n} ranks holding the same ones"),
+            }
+        );
+    }
+    if m.tensor() > 1 {
+        let _ = writeln!(
+            o,
+            "  experts under tensor parallelism: each tensor rank holds 1/{} of every expert's hidden units (the shared expert's too), as of the dense feed-forward; the router is whole on each, so every tensor rank routes alike",
+            m.tensor()
+        );
+    }
+    routing_line(o, plan, e);
+}
+
+/// What sizes the experts' rows: token dropping's per-expert cap, or the routing bound.
+fn routing_line(o: &mut String, plan: &Plan, e: &ExpertRouting) {
+    match (e.capacity_factor, e.per_expert) {
+        (Some(f), Some(c)) => {
+            let received = if plan.mesh.expert() > 1 {
+                format!("; each rank receives at most {} rows per MoE layer", thousands(e.rows))
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                o,
+                "  token dropping: each expert keeps at most {} of a rank's {} assignments per MoE layer (moe.capacity_factor {f}; first choices first, then token order), the rest add nothing; every shape is exact{received}",
+                thousands(c),
+                thousands(e.even_rows),
+            );
+        }
+        _ => {
+            let even = match e.even {
+                Some([peak, reserved, total]) => format!(
+                    "; at the even split ({} rows) allocated peak {}, reserved {}, device total {}",
+                    thousands(e.even_rows),
+                    bytes(peak),
+                    bytes(reserved),
+                    bytes(total)
+                ),
+                None => format!("; the even split is {} rows", thousands(e.even_rows)),
+            };
+            let _ = writeln!(
+                o,
+                "  routing bound: each rank receives at most {} rows per MoE layer (moe.capacity {} x the even split), memory below is at the bound{even}",
+                thousands(e.rows),
+                e.capacity,
+            );
+        }
+    }
+}
+
+/// The policy: wrapping, resharding and prefetch, then precision, offload and
+/// checkpointing.
+fn policy_lines(o: &mut String, p: &Policy) {
+    let reshard = match p.reshard_after_forward {
+        GroupReshard::Free => "true".to_string(),
+        GroupReshard::Keep => "false".to_string(),
+        GroupReshard::ToGroupOf(n) => n.to_string(),
+    };
+    let mut wrap = p.wrap.join(", ");
+    if !p.wrap_modules.is_empty() {
+        wrap.push_str(&format!(" + modules {}", p.wrap_modules.join(", ")));
+    }
+    if let Some(b) = p.bucket_mib {
+        wrap.push_str(&format!(", buckets up to {b} MiB"));
+    }
+    let prefetch = prefetch_words(p);
+    let _ = writeln!(
+        o,
+        "policy: wrap [{wrap}], reshard_after_forward {reshard} (root keeps), {prefetch}"
+    );
+    let ac = match p.activation_checkpointing {
+        crate::Checkpointing::None => "none".to_string(),
+        crate::Checkpointing::Full => "full".to_string(),
+        crate::Checkpointing::Every(n) => format!("every {n} blocks"),
+        crate::Checkpointing::Selective(s) => shardplan_frontends::ActivationCheckpointing::Selective(s).to_string(),
+    };
+    let _ = writeln!(
+        o,
+        "        params {} / reduce {} / master {}, offload {}, activation checkpointing {ac}",
+        p.mixed_precision.param,
+        p.mixed_precision.reduce,
+        p.mixed_precision.master,
+        if p.offload == Offload::Cpu { "cpu" } else { "none" },
+    );
+}
+
+/// The prefetch policy in words: its depths, and the explicit lists of each pass.
+fn prefetch_words(p: &Policy) -> String {
+    let mut prefetch = format!(
+        "prefetch {}forward {} / backward {}",
+        if p.prefetch.peak_aware { "auto: " } else { "" },
+        p.prefetch.forward,
+        p.prefetch.backward
+    );
+    if p.prefetch.peak_aware {
+        prefetch.push_str(", peak-aware");
+    }
+    for (pass, list) in [
+        ("forward", &p.prefetch.explicit_forward),
+        ("backward", &p.prefetch.explicit_backward),
+    ] {
+        for (t, gs) in list {
+            let gs: Vec<String> = gs.iter().map(|g| g.to_string()).collect();
+            prefetch.push_str(&format!(", {pass} of {t} gathers {}", gs.join(" ")));
+        }
+    }
+    prefetch
+}
+
+/// The batch: per rank, accumulation and gradient sync, tokens per step, the optimizer.
+fn batch_line(o: &mut String, plan: &Plan) {
+    let m = &plan.mesh;
+    let p = &plan.policy;
+    let sync = match p.grad_sync {
+        GradSync::EveryMicroBatch => "reduce-scatter every micro-batch",
+        GradSync::FinalMicroBatch => "reduce-scatter on the final micro-batch",
+    };
+    let tokens = m.data_parallel() * p.batch_per_rank * p.seq_len * p.grad_accum;
+    let per = if m.tensor() > 1 {
+        format!("per data-parallel rank (its {} tensor ranks share them)", m.tensor())
+    } else {
+        "per rank".to_string()
+    };
+    let _ = writeln!(
+        o,
+        "batch: {} x {} tokens {per}, grad_accum {} ({sync}); {} tokens per step; {}{}",
+        p.batch_per_rank,
+        p.seq_len,
+        p.grad_accum,
+        thousands(tokens),
+        p.optimizer,
+        p.grad_clip.map(|c| format!(", grad_clip {c}")).unwrap_or_default()
+    );
+}
+
+/// The device peak and where it falls, then each category at the peak and at its most.
+fn memory_table(o: &mut String, plan: &Plan) {
+    let mem = &plan.memory;
+    let peak_at = plan
+        .programs
+        .first()
+        .and_then(|pr| pr.instrs.get(mem.peak_instr as usize))
+        .map(|i| describe(plan, i))
+        .unwrap_or_default();
+    let _ = writeln!(
+        o,
+        "memory per rank (device): peak {} at #{} ({peak_at}); every rank alike",
+        bytes(mem.peak),
+        mem.peak_instr
+    );
+    let _ = writeln!(o, "  {:<36} {:>12} {:>12}", "category", "at peak", "max");
+    for c in Category::ALL {
+        let _ = writeln!(
+            o,
+            "  {:<36} {:>12} {:>12}",
+            c.name(),
+            bytes(mem.at_peak.get(c)),
+            bytes(mem.max_by_category.get(c))
+        );
+    }
+    let _ = writeln!(o, "  {:<36} {:>12}", "total", bytes(mem.at_peak.total()));
+}
+
+/// What `prefetch: auto` moved, and what each move saved.
+fn prefetch_moves(o: &mut String, plan: &Plan) {
+    let moves = &plan.prefetch_moves;
+    if moves.is_empty() {
+        return;
+    }
+    let step = |id: crate::StepId| {
+        let s = plan.step(id);
+        format!("{} {} [{id}]", s.phase.name(), s.label)
+    };
+    let first = moves[0].peak_before;
+    let last = moves[moves.len() - 1].peak_after;
+    let _ = writeln!(
+        o,
+        "  prefetch auto moved {} all-gather{} later, peak {} -> {} (-{}), step time not longer:",
+        moves.len(),
+        if moves.len() == 1 { "" } else { "s" },
+        bytes(first),
+        bytes(last),
+        bytes(first.saturating_sub(last))
+    );
+    for m in moves {
+        let _ = writeln!(
+            o,
+            "    {} (read by {}): issued with {} instead of {}, -{}",
+            group_name(plan, m.group),
+            step(m.need),
+            step(m.to),
+            step(m.from),
+            bytes(m.peak_before.saturating_sub(m.peak_after))
+        );
+    }
+}
+
+/// The allocated and reserved peaks, and the arena's layout of the plan's buffers.
+fn allocator_lines(o: &mut String, mem: &MemoryReport) {
+    let _ = writeln!(
+        o,
+        "  allocated peak {} ({} in allocator blocks), reserved peak {} (PyTorch's caching allocator)",
+        bytes(mem.peak),
+        bytes(mem.active_peak),
+        bytes(mem.reserved_peak)
+    );
+    if let Some(a) = &mem.arena {
+        let over = if a.peak > 0 {
+            format!(", {:+.1}%", (a.bytes as f64 / a.peak as f64 - 1.0) * 100.0)
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            o,
+            "  arena {}: the plan's {} device buffers at fixed offsets (their live peak {}{over}, {} reuse wait{}); activations from the allocator",
+            bytes(a.bytes),
+            a.buffers,
+            bytes(a.peak),
+            a.waits,
+            if a.waits == 1 { "" } else { "s" }
+        );
+    }
+}
+
+/// The device total and its parts, and whether it fits the hardware's memory.
+fn device_total_lines(o: &mut String, plan: &Plan) {
+    let mem = &plan.memory;
+    let ov = &mem.overhead;
+    let _ = writeln!(
+        o,
+        "  device total {} = reserved {} + CUDA context {} + NCCL {} ({} communicator{})",
+        bytes(mem.device_total),
+        bytes(mem.reserved_peak),
+        bytes(ov.cuda_context),
+        bytes(ov.nccl),
+        ov.communicators,
+        if ov.communicators == 1 { "" } else { "s" }
+    );
+    let hbm = plan.hardware.hbm_bytes();
+    let _ = writeln!(
+        o,
+        "  {}",
+        if mem.device_total <= hbm {
+            format!(
+                "fits {}'s {} ({} spare)",
+                plan.hardware.name,
+                bytes(hbm),
+                bytes(hbm - mem.device_total)
+            )
+        } else {
+            format!(
+                "DOES NOT FIT {}'s {}: {} over",
+                plan.hardware.name,
+                bytes(hbm),
+                bytes(mem.device_total - hbm)
+            )
+        }
+    );
+}
+
+/// Host memory per rank by category, when the plan holds any there.
+fn host_memory_line(o: &mut String, mem: &MemoryReport) {
+    if mem.host.total() == 0 {
+        return;
+    }
+    let parts: Vec<String> = Category::ALL
+        .iter()
+        .filter(|&&c| mem.host.get(c) > 0)
+        .map(|&c| format!("{} {}", c.name(), bytes(mem.host.get(c))))
+        .collect();
+    let _ = writeln!(
+        o,
+        "memory per rank ({}): {} ({})",
+        pool_name(crate::Pool::Host),
+        bytes(mem.host.total()),
+        parts.join(", ")
+    );
+}
+
+/// Communication per step, the predicted step and MFU, and where the step goes.
+fn estimate_lines(o: &mut String, plan: &Plan) {
+    let e = &plan.estimate;
+    let _ = writeln!(
+        o,
+        "communication per rank per step: all-gather {}, reduce-scatter {}, all-reduce {} ({} collectives)",
+        bytes(e.all_gather_bytes),
+        bytes(e.reduce_scatter_bytes),
+        bytes(e.all_reduce_bytes),
+        e.collectives
+    );
+    let _ = writeln!(
+        o,
+        "predicted step: {} (compute {}, exposed communication {}), MFU {:.1}%, {} tokens/s",
+        ms(e.step_s),
+        ms(e.compute_s),
+        ms(e.exposed_comm_s),
+        e.mfu * 100.0,
+        thousands(e.tokens_per_s.round() as u64)
+    );
+    breakdown(o, e);
+}
+
+/// Where the predicted step goes: the compute stream's time by kind of work, then its
+/// waits on communication and the step's fixed overhead, each with its share of the step.
+/// Kinds that take no time are left out.
+pub fn breakdown(o: &mut String, e: &crate::Estimate) {
+    let share = |s: f64| if e.step_s > 0.0 { s / e.step_s * 100.0 } else { 0.0 };
+    let _ = writeln!(o, "step by kind of work (compute stream, then waits):");
+    let rows = crate::WorkKind::ALL
+        .iter()
+        .map(|&k| (k.name(), e.breakdown.get(k)))
+        .chain([
+            ("exposed communication", e.exposed_comm_s),
+            ("step overhead", e.step_overhead_s),
+        ]);
+    for (name, s) in rows.filter(|&(_, s)| s > 0.0) {
+        let _ = writeln!(o, "  {name:<22} {:>12} {:>6.1}%", duration(s), share(s));
+    }
+}
+
+/// Under another runtime than shardplan's: whose run the figures predict, and shardplan's
+/// executor's figures on the same spec beside them.
+fn runtime_lines(o: &mut String, plan: &Plan) {
+    let p = &plan.policy;
+    if p.runtime.is_shardplan() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "runtime: {} — the figures above predict PyTorch FSDP2 running this plan (its buffers and hooks, eager kernels)",
+        p.runtime.name()
+    );
+    if let Some(x) = &plan.shardplan_executor {
+        let _ = writeln!(
+            o,
+            "  shardplan's executor on the same spec (kernels {}): peak {} allocated / {} reserved per rank, step {}, {} tokens/s",
+            x.kernels.name(),
+            bytes(x.peak),
+            bytes(x.reserved_peak),
+            ms(x.step_s),
+            thousands(x.tokens_per_s.round() as u64)
+        );
+    }
+}
