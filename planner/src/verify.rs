@@ -50,13 +50,33 @@ const STREAMS: usize = Stream::ALL.len();
 
 /// Checks every invariant of `plan`; `budget` is a per-rank device memory limit in bytes.
 pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
-    let err = |rule, program, instr, message: String| VerifyError {
+    let world = verify_mesh(plan)?;
+    verify_rank_cover(plan, world)?;
+    verify_event_count(plan)?;
+    verify_collective_order(plan)?;
+    for (p, program) in plan.programs.iter().enumerate() {
+        verify_program(plan, p, program)?;
+    }
+    if let Some(b) = budget {
+        verify_budget(plan, b)?;
+    }
+    Ok(())
+}
+
+/// A broken invariant of the plan as a whole (no instruction to name).
+fn plan_error(rule: &'static str, message: String) -> VerifyError {
+    VerifyError {
         rule,
-        program,
-        instr,
+        program: 0,
+        instr: None,
         message,
-    };
-    // The mesh and the layouts agree (a Plan read from a file may say anything).
+    }
+}
+
+/// The mesh and the layouts agree (a Plan read from a file may say anything): the axes are
+/// positive and their product is the world, which is returned; the expert axis divides the
+/// shard axis; every group is laid out over the ranks the mesh shards it over.
+fn verify_mesh(plan: &Plan) -> Result<u64, VerifyError> {
     let m = &plan.mesh;
     let world = match m
         .replicate()
@@ -65,10 +85,8 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
     {
         Some(w) if m.replicate() > 0 && m.shard() > 0 && m.tensor() > 0 && m.gpus_per_node() > 0 => w,
         _ => {
-            return Err(err(
+            return Err(plan_error(
                 "mesh",
-                0,
-                None,
                 format!(
                     "mesh replicate {} x shard {} x tensor {} on nodes of {} is not a valid mesh",
                     m.replicate(),
@@ -80,10 +98,8 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
         }
     };
     if m.expert() == 0 || !m.shard().is_multiple_of(m.expert()) {
-        return Err(err(
+        return Err(plan_error(
             "mesh",
-            0,
-            None,
             format!(
                 "an expert axis of {} ranks does not divide the shard axis of {}",
                 m.expert(),
@@ -92,10 +108,8 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
         ));
     }
     if let Some(g) = plan.groups.iter().find(|g| g.layout.shard != m.shard_of(&g.group)) {
-        return Err(err(
+        return Err(plan_error(
             "mesh",
-            0,
-            None,
             format!(
                 "group {} is laid out over {} ranks, the mesh shards it over {}",
                 g.group.id,
@@ -104,14 +118,16 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
             ),
         ));
     }
-    // Ranks: spans cover 0..world once, each naming a program.
+    Ok(world)
+}
+
+/// Ranks: the spans cover `0..world` once, each naming a program.
+fn verify_rank_cover(plan: &Plan, world: u64) -> Result<(), VerifyError> {
     let mut next = 0u64;
     for s in &plan.ranks {
         if s.first != next || s.count == 0 || s.program as usize >= plan.programs.len() {
-            return Err(err(
+            return Err(plan_error(
                 "ranks",
-                0,
-                None,
                 format!(
                     "rank span {}..{} -> program {} does not continue the cover at rank {next}",
                     s.first,
@@ -123,50 +139,49 @@ pub fn verify(plan: &Plan, budget: Option<u64>) -> Result<(), VerifyError> {
         next = s.first.saturating_add(s.count);
     }
     if next != world {
-        return Err(err(
+        return Err(plan_error(
             "ranks",
-            0,
-            None,
             format!("rank spans cover {next} ranks, the mesh has {world}"),
         ));
     }
-    // Every event is recorded once: more events than instructions cannot all be recorded
-    // (and a count read from a file must not size the tables below unchecked).
+    Ok(())
+}
+
+/// Every event is recorded once: more events than instructions cannot all be recorded
+/// (and a count read from a file must not size the clocks' tables unchecked).
+fn verify_event_count(plan: &Plan) -> Result<(), VerifyError> {
     let instrs: usize = plan.programs.iter().map(|p| p.instrs.len()).sum();
     if plan.events as usize > instrs {
-        return Err(err(
+        return Err(plan_error(
             "events",
-            0,
-            None,
             format!(
                 "the plan declares {} events, more than its {instrs} instructions can record",
                 plan.events
             ),
         ));
     }
-    verify_collective_order(plan)?;
-    for (p, program) in plan.programs.iter().enumerate() {
-        verify_program(plan, p, program)?;
-    }
-    if let Some(b) = budget {
-        let need = plan.memory.device_total;
-        if need > b {
-            return Err(err(
-                "budget",
-                0,
-                Some(plan.memory.peak_instr as usize),
-                format!(
-                    "device memory {} per rank (reserved {} + CUDA context and NCCL {}) exceeds the budget {} by {}",
-                    crate::print::bytes(need),
-                    crate::print::bytes(plan.memory.reserved_peak),
-                    crate::print::bytes(plan.memory.overhead.total()),
-                    crate::print::bytes(b),
-                    crate::print::bytes(need - b)
-                ),
-            ));
-        }
-    }
     Ok(())
+}
+
+/// Memory: the device total (reserved peak, CUDA context, NCCL) is within `budget` bytes.
+fn verify_budget(plan: &Plan, budget: u64) -> Result<(), VerifyError> {
+    let need = plan.memory.device_total;
+    if need <= budget {
+        return Ok(());
+    }
+    Err(VerifyError {
+        rule: "budget",
+        program: 0,
+        instr: Some(plan.memory.peak_instr as usize),
+        message: format!(
+            "device memory {} per rank (reserved {} + CUDA context and NCCL {}) exceeds the budget {} by {}",
+            crate::print::bytes(need),
+            crate::print::bytes(plan.memory.reserved_peak),
+            crate::print::bytes(plan.memory.overhead.total()),
+            crate::print::bytes(budget),
+            crate::print::bytes(need - budget)
+        ),
+    })
 }
 
 /// The happens-before order of one program's instructions (by issue index).
@@ -201,12 +216,8 @@ pub(crate) fn happens_before(
     })
 }
 
-/// Vector clocks: `clock[i][s]` = how many instructions of stream `s` happen before or at `i`.
-fn clocks(plan: &Plan, p: usize, program: &Program) -> Result<(Vec<[u32; STREAMS]>, Vec<u32>), VerifyError> {
-    clocks_with(plan, p, program, &[])
-}
-
-/// [`clocks`] with the orderings `extra` (see [`happens_before`]) added.
+/// Vector clocks: `clock[i][s]` = how many instructions of stream `s` happen before or at `i`,
+/// with the orderings `extra` (see [`happens_before`]) added.
 fn clocks_with(
     plan: &Plan,
     p: usize,
@@ -297,22 +308,49 @@ fn clocks_with(
     Ok((clock, pos))
 }
 
+/// Checks the rules of one program (`p`): references, events, activation streams,
+/// buffers' lifetimes and the order of their accesses.
 fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), VerifyError> {
-    let n_buf = plan.buffers.len();
-    let fail = |i: usize, rule: &'static str, message: String| VerifyError {
+    verify_references(plan, p, program)?;
+    let check = ProgramCheck {
+        plan,
+        p,
+        program,
+        hb: happens_before(plan, p, program, &[])?,
+    };
+    check.verify_activation_streams()?;
+    let uses = check.buffer_uses()?;
+    // `plan.buffers` is a plain `Vec` (the Plan's JSON); slot `i` is buffer `b{i}`.
+    for (bi, buf) in plan.buffers.iter().enumerate() {
+        check.verify_lifetime(buf, &uses, BufId::new(bi))?;
+    }
+    for (bi, buf) in plan.buffers.iter().enumerate() {
+        check.verify_accesses(buf, &uses.accesses[BufId::new(bi)])?;
+    }
+    Ok(())
+}
+
+/// A broken invariant at instruction `i` of program `p`.
+fn instr_error(p: usize, i: usize, rule: &'static str, message: String) -> VerifyError {
+    VerifyError {
         rule,
         program: p,
         instr: Some(i),
         message,
-    };
-    // References in range.
+    }
+}
+
+/// References: every buffer and step an instruction of program `p` names is in the plan.
+fn verify_references(plan: &Plan, p: usize, program: &Program) -> Result<(), VerifyError> {
+    let n_buf = plan.buffers.len();
     for (i, issued) in program.instrs.iter().enumerate() {
         let bufs: Vec<BufId> = match &issued.instr {
             Instr::Alloc { buf } | Instr::Free { buf } => vec![*buf],
             other => other.accesses().into_iter().map(|(b, _)| b).collect(),
         };
         if let Some(b) = bufs.iter().find(|b| b.index() >= n_buf) {
-            return Err(fail(
+            return Err(instr_error(
+                p,
                 i,
                 "references",
                 format!("names {b}, but the plan has {n_buf} buffers"),
@@ -320,7 +358,8 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
         }
         if let Instr::Compute { step, .. } = issued.instr {
             if step.index() >= plan.steps.len() {
-                return Err(fail(
+                return Err(instr_error(
+                    p,
                     i,
                     "references",
                     format!("names {step}, but the plan has {} steps", plan.steps.len()),
@@ -328,71 +367,115 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
             }
         }
     }
-    let (clock, pos) = clocks(plan, p, program)?;
-    let hb = |a: usize, b: usize| -> bool { a != b && clock[b][program.instrs[a].stream.index()] > pos[a] };
-    verify_activation_streams(plan, program, &hb, &fail)?;
+    Ok(())
+}
 
-    let mut alloc: IdVec<BufId, Option<usize>> = IdVec::from_elem(None, n_buf);
-    let mut free: IdVec<BufId, Option<usize>> = IdVec::from_elem(None, n_buf);
-    let mut accesses: IdVec<BufId, Vec<(usize, Access)>> = IdVec::from_elem(Vec::new(), n_buf);
-    for (i, issued) in program.instrs.iter().enumerate() {
-        match issued.instr {
-            Instr::Alloc { buf } | Instr::Free { buf } => {
-                let b = &plan.buffers[buf.index()];
-                let is_alloc = matches!(issued.instr, Instr::Alloc { .. });
-                if b.persistent {
-                    return Err(fail(
-                        i,
-                        "buffers",
-                        format!(
-                            "`{}`: {} is persistent and must not be allocated or freed",
-                            describe(plan, issued),
-                            b.name
-                        ),
-                    ));
-                }
-                let slot = if is_alloc { &mut alloc } else { &mut free };
-                if slot[buf].is_some() {
-                    return Err(fail(
-                        i,
-                        "buffers",
-                        format!(
-                            "`{}`: {buf} ({}) is {} twice",
-                            describe(plan, issued),
-                            b.name,
-                            if is_alloc { "allocated" } else { "freed" }
-                        ),
-                    ));
-                }
-                slot[buf] = Some(i);
-            }
-            ref other => {
-                for (b, a) in other.accesses() {
-                    accesses[b].push((i, a));
-                }
-            }
-        }
+/// One program under check, its references in range and its events sound: the plan it
+/// belongs to, its index, and the happens-before order of its instructions.
+struct ProgramCheck<'a> {
+    plan: &'a Plan,
+    p: usize,
+    program: &'a Program,
+    hb: HappensBefore,
+}
+
+/// Where a program allocates, frees and accesses each buffer (issue indices).
+struct BufferUses {
+    alloc: IdVec<BufId, Option<usize>>,
+    free: IdVec<BufId, Option<usize>>,
+    accesses: IdVec<BufId, Vec<(usize, Access)>>,
+}
+
+impl ProgramCheck<'_> {
+    /// Whether instruction `a` happens before instruction `b`.
+    fn hb(&self, a: usize, b: usize) -> bool {
+        self.hb.before(a, b)
     }
-    // `plan.buffers` is a plain `Vec` (the Plan's JSON); slot `i` is buffer `b{i}`.
-    for (bi, buf) in plan.buffers.iter().enumerate() {
-        let bi = BufId::new(bi);
-        let acc = &accesses[bi];
+
+    /// A broken invariant at instruction `i`.
+    fn fail(&self, i: usize, rule: &'static str, message: String) -> VerifyError {
+        instr_error(self.p, i, rule, message)
+    }
+
+    /// Instruction `i` in words.
+    fn describe(&self, i: usize) -> String {
+        describe(self.plan, &self.program.instrs[i])
+    }
+
+    /// Buffers: gathers where each buffer is allocated, freed and accessed; a persistent
+    /// buffer is never allocated or freed, any other at most once each.
+    fn buffer_uses(&self) -> Result<BufferUses, VerifyError> {
+        let plan = self.plan;
+        let n_buf = plan.buffers.len();
+        let mut uses = BufferUses {
+            alloc: IdVec::from_elem(None, n_buf),
+            free: IdVec::from_elem(None, n_buf),
+            accesses: IdVec::from_elem(Vec::new(), n_buf),
+        };
+        for (i, issued) in self.program.instrs.iter().enumerate() {
+            match issued.instr {
+                Instr::Alloc { buf } | Instr::Free { buf } => {
+                    let b = &plan.buffers[buf.index()];
+                    let is_alloc = matches!(issued.instr, Instr::Alloc { .. });
+                    if b.persistent {
+                        return Err(self.fail(
+                            i,
+                            "buffers",
+                            format!(
+                                "`{}`: {} is persistent and must not be allocated or freed",
+                                describe(plan, issued),
+                                b.name
+                            ),
+                        ));
+                    }
+                    let slot = if is_alloc { &mut uses.alloc } else { &mut uses.free };
+                    if slot[buf].is_some() {
+                        return Err(self.fail(
+                            i,
+                            "buffers",
+                            format!(
+                                "`{}`: {buf} ({}) is {} twice",
+                                describe(plan, issued),
+                                b.name,
+                                if is_alloc { "allocated" } else { "freed" }
+                            ),
+                        ));
+                    }
+                    slot[buf] = Some(i);
+                }
+                ref other => {
+                    for (b, a) in other.accesses() {
+                        uses.accesses[b].push((i, a));
+                    }
+                }
+            }
+        }
+        Ok(uses)
+    }
+
+    /// Buffers: a non-persistent buffer this program uses is allocated and freed, and every
+    /// access happens after its allocation and before its free (no use after free).
+    fn verify_lifetime(&self, buf: &crate::Buffer, uses: &BufferUses, bi: BufId) -> Result<(), VerifyError> {
+        let acc = &uses.accesses[bi];
         if buf.persistent {
-            continue;
+            return Ok(());
         }
-        if acc.is_empty() && alloc[bi].is_none() {
-            continue; // another program's buffer
+        if acc.is_empty() && uses.alloc[bi].is_none() {
+            return Ok(()); // another program's buffer
         }
-        let (Some(a), Some(f)) = (alloc[bi], free[bi]) else {
-            let at = alloc[bi].or(free[bi]).or(acc.first().map(|x| x.0)).unwrap_or(0);
-            return Err(fail(
+        let (Some(a), Some(f)) = (uses.alloc[bi], uses.free[bi]) else {
+            let at = uses.alloc[bi]
+                .or(uses.free[bi])
+                .or(acc.first().map(|x| x.0))
+                .unwrap_or(0);
+            return Err(self.fail(
                 at,
                 "buffers",
                 format!(
                     "{} ({}) is {}",
                     buf.id,
                     buf.name,
-                    if alloc[bi].is_none() {
+                    if uses.alloc[bi].is_none() {
                         "used without being allocated"
                     } else {
                         "never freed"
@@ -401,192 +484,189 @@ fn verify_program(plan: &Plan, p: usize, program: &Program) -> Result<(), Verify
             ));
         };
         for &(i, _) in acc {
-            if !hb(a, i) {
-                return Err(fail(
+            if !self.hb(a, i) {
+                return Err(self.fail(
                     i,
                     "use before alloc",
                     format!(
                         "`{}` uses {} ({}) before it is allocated",
-                        describe(plan, &program.instrs[i]),
+                        self.describe(i),
                         buf.id,
                         buf.name
                     ),
                 ));
             }
-            if !hb(i, f) {
-                return Err(fail(
+            if !self.hb(i, f) {
+                return Err(self.fail(
                     i,
                     "use after free",
                     format!(
                         "`{}` uses {} ({}) but is not ordered before its free (#{f} `{}`)",
-                        describe(plan, &program.instrs[i]),
+                        self.describe(i),
                         buf.id,
                         buf.name,
-                        describe(plan, &program.instrs[f])
+                        self.describe(f)
                     ),
                 ));
             }
         }
-        if !hb(a, f) {
-            return Err(fail(
+        if !self.hb(a, f) {
+            return Err(self.fail(
                 f,
                 "buffers",
                 format!(
                     "`{}` is not ordered after the allocation of {}",
-                    describe(plan, &program.instrs[f]),
+                    self.describe(f),
                     buf.name
                 ),
             ));
         }
+        Ok(())
     }
-    for (bi, buf) in plan.buffers.iter().enumerate() {
-        let acc = &accesses[BufId::new(bi)];
+
+    /// Data: of a buffer's accesses `acc`, two of which one writes are ordered (no race);
+    /// unless it is persistent, every read follows some write (no use before gather) and
+    /// every write is read afterwards (no lost write).
+    fn verify_accesses(&self, buf: &crate::Buffer, acc: &[(usize, Access)]) -> Result<(), VerifyError> {
         for (x, &(i, ai)) in acc.iter().enumerate() {
             for &(j, aj) in &acc[x + 1..] {
                 if i == j {
                     continue;
                 }
                 let writes = ai == Access::Write || aj == Access::Write;
-                if writes && !hb(i, j) && !hb(j, i) {
-                    return Err(fail(
+                if writes && !self.hb(i, j) && !self.hb(j, i) {
+                    return Err(self.fail(
                         j,
                         "race",
                         format!(
                             "`{}` and #{i} `{}` both touch {} ({}), one writes, and no event orders them",
-                            describe(plan, &program.instrs[j]),
-                            describe(plan, &program.instrs[i]),
+                            self.describe(j),
+                            self.describe(i),
                             buf.id,
                             buf.name
                         ),
                     ));
                 }
             }
-            if ai == Access::Read && !buf.persistent && !acc.iter().any(|&(w, aw)| aw == Access::Write && hb(w, i)) {
-                let what = if matches!(program.instrs[i].instr, Instr::Compute { .. }) {
+            if ai == Access::Read && !buf.persistent && !acc.iter().any(|&(w, aw)| aw == Access::Write && self.hb(w, i))
+            {
+                let what = if matches!(self.program.instrs[i].instr, Instr::Compute { .. }) {
                     "no all-gather writes it before this read"
                 } else {
                     "nothing writes it before this read"
                 };
-                return Err(fail(
+                return Err(self.fail(
                     i,
                     "use before write",
-                    format!(
-                        "`{}` reads {} ({}): {what}",
-                        describe(plan, &program.instrs[i]),
-                        buf.id,
-                        buf.name
-                    ),
+                    format!("`{}` reads {} ({}): {what}", self.describe(i), buf.id, buf.name),
                 ));
             }
-            if ai == Access::Write && !buf.persistent && !acc.iter().any(|&(r, ar)| ar == Access::Read && hb(i, r)) {
-                return Err(fail(
+            if ai == Access::Write && !buf.persistent && !acc.iter().any(|&(r, ar)| ar == Access::Read && self.hb(i, r))
+            {
+                return Err(self.fail(
                     i,
                     "lost write",
                     format!(
                         "`{}` writes {} ({}) but nothing reads it afterwards (a contribution after the last reduction?)",
-                        describe(plan, &program.instrs[i]),
+                        self.describe(i),
                         buf.id,
                         buf.name
                     ),
                 ));
             }
         }
+        Ok(())
     }
-    Ok(())
-}
 
-/// Activations: every step runs on the stream it names; a step off the compute stream (an
-/// expert-group collective on the all-to-all stream) happens after the compute stream's
-/// step before it, and before the compute step that names it in `waits_for` (the first to
-/// touch its values) and the compute stream's end. Activations have no buffers of their
-/// own: the compute steps make, read and free them in the execution order, and the steps
-/// between an all-to-all and its join touch none of its values (the planner's walk), so
-/// this order is what makes running them at once safe.
-fn verify_activation_streams(
-    plan: &Plan,
-    program: &Program,
-    hb: &dyn Fn(usize, usize) -> bool,
-    fail: &dyn Fn(usize, &'static str, String) -> VerifyError,
-) -> Result<(), VerifyError> {
-    let mut before: Option<usize> = None;
-    // All-to-all steps issued and not yet joined: (issue index, step, micro).
-    let mut pending: Vec<(usize, crate::StepId, u32)> = Vec::new();
-    let mut all: Vec<usize> = Vec::new();
-    for (i, issued) in program.instrs.iter().enumerate() {
-        let Instr::Compute { step, micro, .. } = issued.instr else {
-            continue;
-        };
-        let Some(s) = plan.steps.get(step.index()) else {
-            continue;
-        };
-        if issued.stream != s.stream {
-            return Err(fail(
-                i,
-                "streams",
-                format!(
-                    "`{}` runs on the {} stream, but {step} belongs on the {} stream",
-                    describe(plan, issued),
-                    issued.stream.name(),
-                    s.stream.name()
-                ),
-            ));
-        }
-        if issued.stream != Stream::Compute {
-            if let Some(b) = before.filter(|&b| !hb(b, i)) {
-                return Err(fail(
+    /// Activations: every step runs on the stream it names; a step off the compute stream (an
+    /// expert-group collective on the all-to-all stream) happens after the compute stream's
+    /// step before it, and before the compute step that names it in `waits_for` (the first to
+    /// touch its values) and the compute stream's end. Activations have no buffers of their
+    /// own: the compute steps make, read and free them in the execution order, and the steps
+    /// between an all-to-all and its join touch none of its values (the planner's walk), so
+    /// this order is what makes running them at once safe.
+    fn verify_activation_streams(&self) -> Result<(), VerifyError> {
+        let (plan, program) = (self.plan, self.program);
+        let mut before: Option<usize> = None;
+        // All-to-all steps issued and not yet joined: (issue index, step, micro).
+        let mut pending: Vec<(usize, crate::StepId, u32)> = Vec::new();
+        let mut all: Vec<usize> = Vec::new();
+        for (i, issued) in program.instrs.iter().enumerate() {
+            let Instr::Compute { step, micro, .. } = issued.instr else {
+                continue;
+            };
+            let Some(s) = plan.steps.get(step.index()) else {
+                continue;
+            };
+            if issued.stream != s.stream {
+                return Err(self.fail(
                     i,
-                    "activation order",
+                    "streams",
                     format!(
-                        "`{}` may start before #{b} `{}`, the compute step before it, has made its input",
+                        "`{}` runs on the {} stream, but {step} belongs on the {} stream",
                         describe(plan, issued),
-                        describe(plan, &program.instrs[b])
+                        issued.stream.name(),
+                        s.stream.name()
                     ),
                 ));
             }
-            pending.push((i, step, micro));
-            all.push(i);
-            continue;
+            if issued.stream != Stream::Compute {
+                if let Some(b) = before.filter(|&b| !self.hb(b, i)) {
+                    return Err(self.fail(
+                        i,
+                        "activation order",
+                        format!(
+                            "`{}` may start before #{b} `{}`, the compute step before it, has made its input",
+                            describe(plan, issued),
+                            describe(plan, &program.instrs[b])
+                        ),
+                    ));
+                }
+                pending.push((i, step, micro));
+                all.push(i);
+                continue;
+            }
+            for x in &s.waits_for {
+                let Some(k) = pending.iter().position(|&(_, st, m)| st == *x && m == micro) else {
+                    return Err(self.fail(
+                        i,
+                        "activation order",
+                        format!(
+                            "`{}` waits for {x}, which is not an all-to-all step issued before it in its micro-batch",
+                            describe(plan, issued)
+                        ),
+                    ));
+                };
+                let (a, _, _) = pending.swap_remove(k);
+                if !self.hb(a, i) {
+                    return Err(self.fail(
+                        i,
+                        "activation order",
+                        format!(
+                            "`{}` touches the values of #{a} `{}` but may start before it has finished",
+                            describe(plan, issued),
+                            describe(plan, &program.instrs[a])
+                        ),
+                    ));
+                }
+            }
+            before = Some(i);
         }
-        for x in &s.waits_for {
-            let Some(k) = pending.iter().position(|&(_, st, m)| st == *x && m == micro) else {
-                return Err(fail(
-                    i,
+        // The compute stream's last instruction ends the step after every all-to-all.
+        if let Some(last) = program.instrs.iter().rposition(|x| x.stream == Stream::Compute) {
+            if let Some(&a) = all.iter().find(|&&a| !self.hb(a, last)) {
+                return Err(self.fail(
+                    a,
                     "activation order",
                     format!(
-                        "`{}` waits for {x}, which is not an all-to-all step issued before it in its micro-batch",
-                        describe(plan, issued)
-                    ),
-                ));
-            };
-            let (a, _, _) = pending.swap_remove(k);
-            if !hb(a, i) {
-                return Err(fail(
-                    i,
-                    "activation order",
-                    format!(
-                        "`{}` touches the values of #{a} `{}` but may start before it has finished",
-                        describe(plan, issued),
+                        "`{}` is not waited for by the compute stream before the step ends",
                         describe(plan, &program.instrs[a])
                     ),
                 ));
             }
         }
-        before = Some(i);
+        Ok(())
     }
-    // The compute stream's last instruction ends the step after every all-to-all.
-    if let Some(last) = program.instrs.iter().rposition(|x| x.stream == Stream::Compute) {
-        if let Some(&a) = all.iter().find(|&&a| !hb(a, last)) {
-            return Err(fail(
-                a,
-                "activation order",
-                format!(
-                    "`{}` is not waited for by the compute stream before the step ends",
-                    describe(plan, &program.instrs[a])
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// One collective as the other ranks of its group must see it.
