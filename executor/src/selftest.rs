@@ -14,8 +14,12 @@ use crate::adamw::AdamW;
 use crate::cpu::kernels::{self, Ctx};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
-use shardplan_ir::{DType, NormWrt, Op, RopeScaling, TensorType};
+use shardplan_ir::{DType, Op, TensorType};
 use std::time::Instant;
+
+mod cases;
+
+pub use cases::cases;
 
 type Result<T> = std::result::Result<T, ExecError>;
 
@@ -468,191 +472,6 @@ impl Backend for Native {
     }
 }
 
-/// Which cases: `full` for a GPU (the edge shapes at sizes the 1.1B step runs),
-/// otherwise small shapes of the same kinds that a CPU reference checks in seconds.
-pub fn cases(full: bool) -> Vec<Case> {
-    use Input::*;
-    let mut v = Vec::new();
-    let op = |kernel: &'static str, label: String, p: Precision, op: Op, inputs: Vec<Input>| Case {
-        kernel,
-        label,
-        precision: p,
-        kind: Kind::Op { op, inputs },
-    };
-    let norms: &[(usize, usize)] = if full {
-        &[(333, 2048), (1554, 4096), (1000, 64), (4096, 2048), (1, 5120)]
-    } else {
-        &[(5, 64), (3, 333), (1, 8)]
-    };
-    let eps = 1e-5;
-    for &(r, c) in norms {
-        for p in [Precision::Bf16, Precision::F32] {
-            let label = format!("rows {r} x {c}");
-            v.push(op(
-                "rms_norm",
-                label.clone(),
-                p,
-                Op::RmsNorm { eps },
-                vec![Float(vec![r, c], 2.0), Float(vec![c], 1.5)],
-            ));
-            for (kernel, wrt) in [("rms_norm_dx", NormWrt::Input), ("rms_norm_dw", NormWrt::Weight)] {
-                v.push(op(
-                    kernel,
-                    label.clone(),
-                    p,
-                    Op::RmsNormGrad { eps, wrt },
-                    vec![Float(vec![r, c], 2.0), Float(vec![c], 1.5), Float(vec![r, c], 1.0)],
-                ));
-            }
-        }
-    }
-    let acts: &[usize] = if full {
-        &[333 * 5632, 4096 * 5632, 1]
-    } else {
-        &[1000, 1]
-    };
-    for &n in acts {
-        for p in [Precision::Bf16, Precision::F32] {
-            v.push(op(
-                "silu",
-                format!("{n} elements"),
-                p,
-                Op::Silu,
-                vec![Float(vec![n], 6.0)],
-            ));
-            v.push(op(
-                "silu_grad",
-                format!("{n} elements"),
-                p,
-                Op::SiluGrad,
-                vec![Float(vec![n], 6.0), Float(vec![n], 1.0)],
-            ));
-        }
-    }
-    let ropes: &[[usize; 4]] = if full {
-        &[[1, 333, 8, 64], [2, 777, 32, 128], [2, 2048, 32, 64], [1, 1000, 8, 128]]
-    } else {
-        &[[1, 7, 2, 8], [2, 5, 3, 16]]
-    };
-    for &[b, s, h, d] in ropes {
-        for p in [Precision::Bf16, Precision::F32] {
-            let label = format!("[{b}, {s}, {h}, {d}]");
-            for (kernel, op_) in [
-                (
-                    "rope",
-                    Op::Rope {
-                        theta: 500_000.0,
-                        scaling: RopeScaling::Default,
-                    },
-                ),
-                (
-                    "rope_grad",
-                    Op::RopeGrad {
-                        theta: 10_000.0,
-                        scaling: RopeScaling::Default,
-                    },
-                ),
-            ] {
-                v.push(op(kernel, label.clone(), p, op_, vec![Float(vec![b, s, h, d], 1.0)]));
-            }
-        }
-    }
-    let xents: &[(usize, usize)] = if full {
-        &[(333, 256), (1554, 32000), (1000, 128_256), (1, 256)]
-    } else {
-        &[(5, 256), (3, 1000), (1, 7)]
-    };
-    for &(n, vocab) in xents {
-        for p in [Precision::Bf16, Precision::F32] {
-            let label = format!("{n} rows x vocab {vocab}");
-            v.push(op(
-                "cross_entropy",
-                label.clone(),
-                p,
-                Op::CrossEntropy,
-                vec![Float(vec![n, vocab], 8.0), Ids(vec![n], vocab as u32)],
-            ));
-            v.push(op(
-                "cross_entropy_grad",
-                label,
-                p,
-                Op::CrossEntropyGrad,
-                vec![Float(vec![n, vocab], 8.0), Ids(vec![n], vocab as u32), Scalar(1.0)],
-            ));
-        }
-    }
-    let embeds: &[(usize, usize, usize)] = if full {
-        &[(333, 256, 64), (4096, 32000, 2048), (1000, 128_256, 128)]
-    } else {
-        &[(7, 50, 16), (40, 3, 8)]
-    };
-    for &(tokens, vocab, dim) in embeds {
-        for p in [Precision::Bf16, Precision::F32] {
-            v.push(op(
-                "embedding_grad",
-                format!("{tokens} ids, {vocab} x {dim}"),
-                p,
-                Op::EmbeddingGrad { vocab: vocab as u64 },
-                vec![Ids(vec![tokens], vocab as u32), Float(vec![tokens, dim], 1.0)],
-            ));
-        }
-    }
-    // (b, s, h, kv, d): every grouped-query ratio of the presets (1: GPT-2, 4: Llama 3 8B and
-    // Mistral, 7: Qwen2 0.5B, 8: Llama 3 70B, 16: Llama 3 405B), sequences off the tile.
-    let attns: &[(usize, usize, usize, usize, usize)] = if full {
-        &[
-            (1, 333, 12, 12, 64),
-            (2, 777, 14, 2, 64),
-            (1, 1000, 32, 8, 128),
-            (1, 1000, 64, 8, 128),
-            (1, 777, 128, 8, 128),
-            (4, 333, 16, 2, 64),
-            (2, 2048, 32, 8, 64),
-        ]
-    } else {
-        &[(1, 33, 4, 2, 16), (2, 17, 3, 3, 8), (1, 9, 8, 1, 16)]
-    };
-    for &(b, s, h, kv, d) in attns {
-        for causal in [true, false] {
-            if !causal && full && s > 1000 {
-                continue;
-            }
-            v.push(Case {
-                kernel: "attention",
-                label: format!("b{b} s{s} h{h}/{kv} d{d}{}", if causal { " causal" } else { "" }),
-                precision: Precision::Bf16,
-                kind: Kind::Attention { b, s, h, kv, d, causal },
-            });
-        }
-    }
-    let mut lens: Vec<usize> = if full {
-        vec![1, 7, 65_535, 65_536, 65_537, 1_000_003, 66_000_000]
-    } else {
-        vec![1, 7, 65_537, 3]
-    };
-    // More tensors than one launch takes (48).
-    lens.extend(std::iter::repeat_n(if full { 10_000 } else { 100 }, 50));
-    v.push(Case {
-        kernel: "grad_sum_squares",
-        label: format!("{} tensors", lens.len()),
-        precision: Precision::F32,
-        kind: Kind::SumSquares { lens },
-    });
-    for factor in [None, Some(0.37)] {
-        let n = if full { 66_000_003 } else { 1001 };
-        v.push(Case {
-            kernel: "adamw",
-            label: format!(
-                "{n} params, factor {}",
-                factor.map_or("none".into(), |f: f64| f.to_string())
-            ),
-            precision: Precision::F32,
-            kind: Kind::AdamW { n, factor },
-        });
-    }
-    v
-}
-
 /// Deterministic inputs: the initialiser's counter-based uniforms (`init::uniform`),
 /// element after element of one stream per case.
 struct Rng {
@@ -767,6 +586,8 @@ pub fn run_case(case: &Case, dut: &dyn Backend, reference: &dyn Backend, reps: u
     }
 }
 
+/// Runs one case on both backends on the same inputs: each output's worst error, and the
+/// device under test's milliseconds per call when timed.
 fn compare(
     case: &Case,
     dut: &dyn Backend,
@@ -774,121 +595,154 @@ fn compare(
     reps: usize,
     seed: u64,
 ) -> Result<(Vec<f64>, Option<f64>)> {
-    let mut rng = Rng::new(seed);
-    let p = case.precision;
+    let mut trial = Trial {
+        dut,
+        reference,
+        reps,
+        p: case.precision,
+        rng: Rng::new(seed),
+    };
     match &case.kind {
-        Kind::Op { op, inputs } => {
-            let mut host = Vec::with_capacity(inputs.len());
-            let mut types = Vec::with_capacity(inputs.len());
-            for i in inputs {
-                let (t, float) = match i {
-                    Input::Float(dims, scale) => (rng.floats(dims, *scale, p)?, true),
-                    Input::Ids(dims, max) => (rng.ids(dims, *max)?, false),
-                    Input::Scalar(x) => (Tensor::new(*x, &Device::Cpu)?, true),
-                };
-                let dims: Vec<u64> = t.dims().iter().map(|&d| d as u64).collect();
-                let dtype = if float { DType::F32 } else { DType::U32 };
-                types.push(TensorType::new(dtype, shardplan_ir::Shape::new(dims)));
-                host.push((t, float));
-            }
-            let refs: Vec<&TensorType> = types.iter().collect();
-            let out = op
-                .infer(&refs)
-                .map_err(|e| ExecError::Internal(format!("self-test case {} {}: {e}", case.kernel, case.label)))?;
-            let run =
-                |be: &dyn Backend| -> Result<Vec<Tensor>> { host.iter().map(|(t, f)| be.put(t, *f, p)).collect() };
-            let (a_in, b_in) = (run(dut)?, run(reference)?);
-            let a_refs: Vec<&Tensor> = a_in.iter().collect();
-            let b_refs: Vec<&Tensor> = b_in.iter().collect();
-            let (a, ms) = time(dut, reps, || dut.op(op, &a_refs, &out))?;
-            let b = reference.op(op, &b_refs, &out)?;
-            Ok((vec![worst_error(&a, &b)?], ms))
+        Kind::Op { op, inputs } => trial.op(case, op, inputs),
+        Kind::Attention { b, s, h, kv, d, causal } => trial.attention([*b, *s, *h, *kv, *d], *causal),
+        Kind::SumSquares { lens } => trial.sum_squares(lens),
+        Kind::AdamW { n, factor } => trial.adamw(*n, *factor),
+    }
+}
+
+/// One case's run: the backend under test and the reference, the timed repetitions, and
+/// the case's input precision and random stream.
+struct Trial<'a> {
+    dut: &'a dyn Backend,
+    reference: &'a dyn Backend,
+    reps: usize,
+    p: Precision,
+    rng: Rng,
+}
+
+impl Trial<'_> {
+    /// A graph op on `inputs`: the output's worst error.
+    fn op(&mut self, case: &Case, op: &Op, inputs: &[Input]) -> Result<(Vec<f64>, Option<f64>)> {
+        let (dut, reference, p) = (self.dut, self.reference, self.p);
+        let mut host = Vec::with_capacity(inputs.len());
+        let mut types = Vec::with_capacity(inputs.len());
+        for i in inputs {
+            let (t, float) = match i {
+                Input::Float(dims, scale) => (self.rng.floats(dims, *scale, p)?, true),
+                Input::Ids(dims, max) => (self.rng.ids(dims, *max)?, false),
+                Input::Scalar(x) => (Tensor::new(*x, &Device::Cpu)?, true),
+            };
+            let dims: Vec<u64> = t.dims().iter().map(|&d| d as u64).collect();
+            let dtype = if float { DType::F32 } else { DType::U32 };
+            types.push(TensorType::new(dtype, shardplan_ir::Shape::new(dims)));
+            host.push((t, float));
         }
-        Kind::Attention { b, s, h, kv, d, causal } => {
-            let q = rng.floats(&[*b, *s, *h, *d], 1.0, p)?;
-            let k = rng.floats(&[*b, *s, *kv, *d], 1.0, p)?;
-            let v = rng.floats(&[*b, *s, *kv, *d], 1.0, p)?;
-            let dy = rng.floats(&[*b, *s, *h, *d], 1.0, p)?;
-            let put = |be: &dyn Backend| -> Result<[Tensor; 4]> {
-                Ok([
-                    be.put(&q, true, p)?,
-                    be.put(&k, true, p)?,
-                    be.put(&v, true, p)?,
-                    be.put(&dy, true, p)?,
-                ])
-            };
-            let [aq, ak, av, ady] = put(dut)?;
-            let [bq, bk, bv, bdy] = put(reference)?;
-            let ((ao, alse), fwd_ms) = time(dut, reps, || dut.attention(&aq, &ak, &av, *causal))?;
-            let (bo, blse) = reference.attention(&bq, &bk, &bv, *causal)?;
-            let (ag, bwd_ms) = time(dut, reps, || {
-                dut.attention_backward(&aq, &ak, &av, &ao, &ady, &alse, *causal)
-            })?;
-            let bg = reference.attention_backward(&bq, &bk, &bv, &bo, &bdy, &blse, *causal)?;
-            let mut w = vec![worst_error(&ao, &bo)?, worst_error(&alse, &blse)?];
-            for (x, y) in ag.iter().zip(&bg) {
-                w.push(worst_error(x, y)?);
-            }
-            Ok((w, fwd_ms.zip(bwd_ms).map(|(f, b)| f + b)))
+        let refs: Vec<&TensorType> = types.iter().collect();
+        let out = op
+            .infer(&refs)
+            .map_err(|e| ExecError::Internal(format!("self-test case {} {}: {e}", case.kernel, case.label)))?;
+        let run = |be: &dyn Backend| -> Result<Vec<Tensor>> { host.iter().map(|(t, f)| be.put(t, *f, p)).collect() };
+        let (a_in, b_in) = (run(dut)?, run(reference)?);
+        let a_refs: Vec<&Tensor> = a_in.iter().collect();
+        let b_refs: Vec<&Tensor> = b_in.iter().collect();
+        let (a, ms) = time(dut, self.reps, || dut.op(op, &a_refs, &out))?;
+        let b = reference.op(op, &b_refs, &out)?;
+        Ok((vec![worst_error(&a, &b)?], ms))
+    }
+
+    /// Attention forward and backward on `[b, s, h, d]` queries and `kv` key/value heads:
+    /// the worst errors of o, lse, dq, dk and dv, and the two directions' time together.
+    fn attention(&mut self, [b, s, h, kv, d]: [usize; 5], causal: bool) -> Result<(Vec<f64>, Option<f64>)> {
+        let (dut, reference, p) = (self.dut, self.reference, self.p);
+        let q = self.rng.floats(&[b, s, h, d], 1.0, p)?;
+        let k = self.rng.floats(&[b, s, kv, d], 1.0, p)?;
+        let v = self.rng.floats(&[b, s, kv, d], 1.0, p)?;
+        let dy = self.rng.floats(&[b, s, h, d], 1.0, p)?;
+        let put = |be: &dyn Backend| -> Result<[Tensor; 4]> {
+            Ok([
+                be.put(&q, true, p)?,
+                be.put(&k, true, p)?,
+                be.put(&v, true, p)?,
+                be.put(&dy, true, p)?,
+            ])
+        };
+        let [aq, ak, av, ady] = put(dut)?;
+        let [bq, bk, bv, bdy] = put(reference)?;
+        let ((ao, alse), fwd_ms) = time(dut, self.reps, || dut.attention(&aq, &ak, &av, causal))?;
+        let (bo, blse) = reference.attention(&bq, &bk, &bv, causal)?;
+        let (ag, bwd_ms) = time(dut, self.reps, || {
+            dut.attention_backward(&aq, &ak, &av, &ao, &ady, &alse, causal)
+        })?;
+        let bg = reference.attention_backward(&bq, &bk, &bv, &bo, &bdy, &blse, causal)?;
+        let mut w = vec![worst_error(&ao, &bo)?, worst_error(&alse, &blse)?];
+        for (x, y) in ag.iter().zip(&bg) {
+            w.push(worst_error(x, y)?);
         }
-        Kind::SumSquares { lens } => {
-            let host: Vec<(Tensor, f64)> = lens
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| Ok((rng.floats(&[n], 1.0, p)?, if i % 3 == 0 { 0.5 } else { 1.0 })))
-                .collect::<Result<_>>()?;
-            let put = |be: &dyn Backend| -> Result<Vec<(Tensor, f64)>> {
-                host.iter().map(|(t, w)| Ok((be.put(t, true, p)?, *w))).collect()
-            };
-            let (a_in, b_in) = (put(dut)?, put(reference)?);
-            let (a, ms) = time(dut, reps, || dut.sum_squares(&a_in, 0.25))?;
-            let b = reference.sum_squares(&b_in, 0.25)?;
-            Ok((vec![(a - b).abs() / b.abs().max(1e-30)], ms))
-        }
-        Kind::AdamW { n, factor } => {
-            let pv = rng.floats(&[*n], 1.0, p)?;
-            let g = rng.floats(&[*n], 0.1, p)?;
-            let m = rng.floats(&[*n], 0.01, p)?;
-            let v = rng.floats(&[*n], 1e-4, p)?.abs()?;
-            // The third update of a run: bias corrections of t = 3.
-            let (b1, b2) = (0.9f32, 0.95f32);
-            let h = AdamW {
-                lr: 3e-4,
-                beta1: b1,
-                beta2: b2,
-                eps: 1e-8,
-                weight_decay: 0.1,
-                bias1: 1.0 - b1.powi(3),
-                bias2: 1.0 - b2.powi(3),
-                grad_scale: 0.5,
-            };
-            let put = |be: &dyn Backend| -> Result<[Tensor; 4]> {
-                Ok([
-                    be.put(&pv, true, p)?,
-                    be.put(&g, true, p)?,
-                    be.put(&m, true, p)?,
-                    be.put(&v, true, p)?,
-                ])
-            };
-            let [ap, ag, am, av] = put(dut)?;
-            let [bp, bg, bm, bv] = put(reference)?;
-            let (a, ms) = time(dut, reps, || dut.adamw(&ap, &ag, &am, &av, *factor, h))?;
-            let b = reference.adamw(&bp, &bg, &bm, &bv, *factor, h)?;
-            // The update is what the kernel computes; the weights are mostly what it read.
-            let dp = |x: &Tensor, p0: &Tensor| -> Result<Tensor> {
-                Ok((x.to_dtype(CDType::F64)? - p0.to_dtype(CDType::F64)?)?)
-            };
-            let pa = dp(&a[0], &ap.to_device(&Device::Cpu)?)?;
-            let pb = dp(&b[0], &bp.to_device(&Device::Cpu)?)?;
-            Ok((
-                vec![
-                    worst_error(&pa, &pb)?,
-                    worst_error(&a[1], &b[1])?,
-                    worst_error(&a[2], &b[2])?,
-                ],
-                ms,
-            ))
-        }
+        Ok((w, fwd_ms.zip(bwd_ms).map(|(f, b)| f + b)))
+    }
+
+    /// The weighted sum of squares of tensors of `lens` elements: its relative error.
+    fn sum_squares(&mut self, lens: &[usize]) -> Result<(Vec<f64>, Option<f64>)> {
+        let (dut, reference, p) = (self.dut, self.reference, self.p);
+        let host: Vec<(Tensor, f64)> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Ok((self.rng.floats(&[n], 1.0, p)?, if i % 3 == 0 { 0.5 } else { 1.0 })))
+            .collect::<Result<_>>()?;
+        let put = |be: &dyn Backend| -> Result<Vec<(Tensor, f64)>> {
+            host.iter().map(|(t, w)| Ok((be.put(t, true, p)?, *w))).collect()
+        };
+        let (a_in, b_in) = (put(dut)?, put(reference)?);
+        let (a, ms) = time(dut, self.reps, || dut.sum_squares(&a_in, 0.25))?;
+        let b = reference.sum_squares(&b_in, 0.25)?;
+        Ok((vec![(a - b).abs() / b.abs().max(1e-30)], ms))
+    }
+
+    /// The third AdamW update of `n` parameters: the worst errors of the update (new
+    /// weights less old) and of the two moments.
+    fn adamw(&mut self, n: usize, factor: Option<f64>) -> Result<(Vec<f64>, Option<f64>)> {
+        let (dut, reference, p) = (self.dut, self.reference, self.p);
+        let pv = self.rng.floats(&[n], 1.0, p)?;
+        let g = self.rng.floats(&[n], 0.1, p)?;
+        let m = self.rng.floats(&[n], 0.01, p)?;
+        let v = self.rng.floats(&[n], 1e-4, p)?.abs()?;
+        // The third update of a run: bias corrections of t = 3.
+        let (b1, b2) = (0.9f32, 0.95f32);
+        let h = AdamW {
+            lr: 3e-4,
+            beta1: b1,
+            beta2: b2,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            bias1: 1.0 - b1.powi(3),
+            bias2: 1.0 - b2.powi(3),
+            grad_scale: 0.5,
+        };
+        let put = |be: &dyn Backend| -> Result<[Tensor; 4]> {
+            Ok([
+                be.put(&pv, true, p)?,
+                be.put(&g, true, p)?,
+                be.put(&m, true, p)?,
+                be.put(&v, true, p)?,
+            ])
+        };
+        let [ap, ag, am, av] = put(dut)?;
+        let [bp, bg, bm, bv] = put(reference)?;
+        let (a, ms) = time(dut, self.reps, || dut.adamw(&ap, &ag, &am, &av, factor, h))?;
+        let b = reference.adamw(&bp, &bg, &bm, &bv, factor, h)?;
+        // The update is what the kernel computes; the weights are mostly what it read.
+        let dp =
+            |x: &Tensor, p0: &Tensor| -> Result<Tensor> { Ok((x.to_dtype(CDType::F64)? - p0.to_dtype(CDType::F64)?)?) };
+        let pa = dp(&a[0], &ap.to_device(&Device::Cpu)?)?;
+        let pb = dp(&b[0], &bp.to_device(&Device::Cpu)?)?;
+        Ok((
+            vec![
+                worst_error(&pa, &pb)?,
+                worst_error(&a[1], &b[1])?,
+                worst_error(&a[2], &b[2])?,
+            ],
+            ms,
+        ))
     }
 }
 
