@@ -16,6 +16,7 @@ use crate::steps::Phase;
 use crate::{PlanCache, PlanError};
 use shardplan_frontends::{ActivationCheckpointing, Offload, ParallelConfig, Reshard};
 use shardplan_ir::JointGraph;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 /// What no plan of a config can beat.
@@ -125,144 +126,24 @@ impl BoundCache {
         // bucketing and checkpointing change groups and steps.
         let gkey = config.bucket_mib;
         let grouping = match self.groupings.entry(gkey) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                let groups = cache.groups_for(&joint.graph, &wrap_policy(config))?.to_vec();
-                let numel = groups
-                    .iter()
-                    .map(|f| {
-                        f.params
-                            .iter()
-                            .map(|&p| joint.graph.param(p).ty.numel().unwrap_or(0))
-                            .sum()
-                    })
-                    .collect();
-                e.insert(Grouping {
-                    groups,
-                    numel,
-                    shard_numel: HashMap::new(),
-                })
-            }
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(Grouping::of(joint, config, cache)?),
         };
-        // Activations rise and fall with the execution order, which the checkpointing
-        // policy fixes and the grouping does not change: the step builder's running level
-        // (`steps::steps_and_events_for`) moves the same way whatever the groups, and a
-        // grouping only decides where steps are cut. So the most activation bytes of any
-        // step (`act_max`) is the same for every grouping of a policy, and every plan holds
-        // at least that plus the CUDA context while its largest step runs. Over the budget,
-        // no candidate of the policy fits, and its other groupings' steps are not built.
         if let Some(budget) = self.budget {
-            let ac = config.activation_checkpointing;
-            let floor = match self.act_floor.get(&ac) {
-                Some(&f) => f,
-                None => {
-                    let exec = cache.exec_for(joint, config);
-                    let kernels = crate::steps::Kernels::of(config);
-                    let f = crate::steps::activation_peak_in(joint, &grouping.groups, &exec, kernels);
-                    self.act_floor.insert(ac, f);
-                    f
-                }
-            };
+            let floor = activation_floor(&mut self.act_floor, joint, config, cache, &grouping.groups);
             let device = floor.saturating_add(config.hardware.cuda_context_bytes());
             if device > budget {
                 return Ok(Bounds { step_s: 0.0, device });
             }
         }
-        let shard = config.mesh.shard;
-        if !grouping.shard_numel.contains_key(&shard) {
-            let sn = grouping
-                .groups
-                .iter()
-                .map(|f| layout(&joint.graph, f, shard).shard_numel)
-                .collect();
-            grouping.shard_numel.insert(shard, sn);
-        }
+        grouping.lay_out(joint, config.mesh.shard);
         let fkey = (gkey, config.activation_checkpointing);
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.facts.entry(fkey) {
-            let cached = cache.steps_for(joint, config, &grouping.groups);
-            let n = grouping.groups.len();
-            let mut read = vec![false; n];
-            let mut read_in_backward = vec![false; n];
-            let mut has_grads = vec![false; n];
-            let mut act_peak = Vec::with_capacity(cached.steps.len());
-            let mut reads = Vec::with_capacity(cached.steps.len());
-            let mut first_read = vec![None; n];
-            let mut last_read = vec![None; n];
-            let mut first_backward_read = vec![None; n];
-            let mut ends = Vec::with_capacity(cached.steps.len());
-            let mut last_grad = vec![None; n];
-            let numel_of = |p: &shardplan_ir::ParamId| joint.graph.param(*p).ty.numel().unwrap_or(0);
-            for (i, s) in cached.steps.iter().enumerate() {
-                for g in &s.grads {
-                    last_grad[g.index()] = Some(i);
-                }
-                ends.push((s.act_end, s.grad_params.iter().map(numel_of).sum::<u64>()));
-                for g in &s.reads {
-                    let g = g.index();
-                    first_read[g] = first_read[g].or(Some(i));
-                    last_read[g] = Some(i);
-                    if s.phase != Phase::Forward {
-                        first_backward_read[g] = first_backward_read[g].or(Some(i));
-                    }
-                }
-                reads.push(s.reads.iter().map(|g| g.index()).collect());
-                for g in &s.reads {
-                    read[g.index()] = true;
-                    if s.phase != Phase::Forward {
-                        read_in_backward[g.index()] = true;
-                    }
-                }
-                for g in &s.grads {
-                    has_grads[g.index()] = true;
-                }
-                act_peak.push(s.act_peak);
-            }
-            slot.insert(StepFacts {
-                compute_s: cached.step_s.iter().sum(),
-                first_reads: cached
-                    .steps
-                    .first()
-                    .map(|s| s.reads.iter().map(|g| g.index()).collect())
-                    .unwrap_or_default(),
-                read,
-                read_in_backward,
-                has_grads,
-                last_grads: cached
-                    .steps
-                    .last()
-                    .map(|s| s.grads.iter().map(|g| g.index()).collect())
-                    .unwrap_or_default(),
-                first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
-                act_peak,
-                reads,
-                ends,
-                last_grad,
-                first_read,
-                last_read,
-                first_backward_read,
-            });
+        if let Entry::Vacant(slot) = self.facts.entry(fkey) {
+            slot.insert(StepFacts::of(joint, config, cache, &grouping.groups));
         }
         let grouping = &self.groupings[&gkey];
         let facts = &self.facts[&fkey];
-        let mode = match config.reshard_after_forward {
-            Reshard::AfterForward => 0,
-            Reshard::Keep => 1,
-            Reshard::ToGroupOf(n) if n == shard => 0,
-            Reshard::ToGroupOf(n) => n,
-        };
-        // Prefetch depths as the schedule applies them to shardplan's runtime (FSDP2 issues
-        // prefetches after a step's own gather; explicit lists replace the depth; `prefetch:
-        // auto` may issue any gather as late as the step that needs it).
-        let p = &config.prefetch;
-        let depths = if config.runtime.is_shardplan()
-            && !p.peak_aware
-            && p.explicit_forward.is_empty()
-            && p.explicit_backward.is_empty()
-        {
-            (p.forward, p.backward)
-        } else {
-            (0, 0)
-        };
+        let (mode, depths) = (reshard_mode(config), prefetch_depths(config));
         let held = self
             .held
             .entry((fkey, mode, depths.0, depths.1))
@@ -280,6 +161,158 @@ impl BoundCache {
             .entry(tkey)
             .or_insert_with(|| time_bound(config, grouping, facts));
         Ok(Bounds { step_s, device })
+    }
+}
+
+/// The most activation bytes of any compute step under `config`'s checkpointing policy,
+/// computed once per policy into `floors` (from any grouping's `groups`).
+///
+/// Activations rise and fall with the execution order, which the checkpointing policy
+/// fixes and the grouping does not change: the step builder's running level
+/// (`steps::steps_and_events_for`) moves the same way whatever the groups, and a grouping
+/// only decides where steps are cut. So the most activation bytes of any step (`act_max`)
+/// is the same for every grouping of a policy, and every plan holds at least that plus the
+/// CUDA context while its largest step runs. Over the budget, no candidate of the policy
+/// fits, and its other groupings' steps are not built.
+fn activation_floor(
+    floors: &mut HashMap<ActivationCheckpointing, u64>,
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    cache: &mut PlanCache,
+    groups: &[FsdpGroup],
+) -> u64 {
+    *floors.entry(config.activation_checkpointing).or_insert_with(|| {
+        let exec = cache.exec_for(joint, config);
+        let kernels = crate::steps::Kernels::of(config);
+        crate::steps::activation_peak_in(joint, groups, &exec, kernels)
+    })
+}
+
+impl Grouping {
+    /// The groups `config`'s wrap policy makes of `joint` (through `cache`), and their
+    /// elements; no layout yet.
+    fn of(joint: &JointGraph, config: &ParallelConfig, cache: &mut PlanCache) -> Result<Grouping, PlanError> {
+        let groups = cache.groups_for(&joint.graph, &wrap_policy(config))?.to_vec();
+        let numel = groups
+            .iter()
+            .map(|f| {
+                f.params
+                    .iter()
+                    .map(|&p| joint.graph.param(p).ty.numel().unwrap_or(0))
+                    .sum()
+            })
+            .collect();
+        Ok(Grouping {
+            groups,
+            numel,
+            shard_numel: HashMap::new(),
+        })
+    }
+
+    /// Lays every group out over a shard axis of `shard` ranks, once per axis size.
+    fn lay_out(&mut self, joint: &JointGraph, shard: u64) {
+        if let Entry::Vacant(slot) = self.shard_numel.entry(shard) {
+            let sn = self
+                .groups
+                .iter()
+                .map(|f| layout(&joint.graph, f, shard).shard_numel)
+                .collect();
+            slot.insert(sn);
+        }
+    }
+}
+
+impl StepFacts {
+    /// What the compute steps of `groups` under `config`'s checkpointing give (the steps
+    /// built, or shared, through `cache`).
+    fn of(joint: &JointGraph, config: &ParallelConfig, cache: &mut PlanCache, groups: &[FsdpGroup]) -> StepFacts {
+        let cached = cache.steps_for(joint, config, groups);
+        let n = groups.len();
+        let mut read = vec![false; n];
+        let mut read_in_backward = vec![false; n];
+        let mut has_grads = vec![false; n];
+        let mut act_peak = Vec::with_capacity(cached.steps.len());
+        let mut reads = Vec::with_capacity(cached.steps.len());
+        let mut first_read = vec![None; n];
+        let mut last_read = vec![None; n];
+        let mut first_backward_read = vec![None; n];
+        let mut ends = Vec::with_capacity(cached.steps.len());
+        let mut last_grad = vec![None; n];
+        let numel_of = |p: &shardplan_ir::ParamId| joint.graph.param(*p).ty.numel().unwrap_or(0);
+        for (i, s) in cached.steps.iter().enumerate() {
+            for g in &s.grads {
+                last_grad[g.index()] = Some(i);
+            }
+            ends.push((s.act_end, s.grad_params.iter().map(numel_of).sum::<u64>()));
+            for g in &s.reads {
+                let g = g.index();
+                first_read[g] = first_read[g].or(Some(i));
+                last_read[g] = Some(i);
+                if s.phase != Phase::Forward {
+                    first_backward_read[g] = first_backward_read[g].or(Some(i));
+                }
+            }
+            reads.push(s.reads.iter().map(|g| g.index()).collect());
+            for g in &s.reads {
+                read[g.index()] = true;
+                if s.phase != Phase::Forward {
+                    read_in_backward[g.index()] = true;
+                }
+            }
+            for g in &s.grads {
+                has_grads[g.index()] = true;
+            }
+            act_peak.push(s.act_peak);
+        }
+        StepFacts {
+            compute_s: cached.step_s.iter().sum(),
+            first_reads: cached
+                .steps
+                .first()
+                .map(|s| s.reads.iter().map(|g| g.index()).collect())
+                .unwrap_or_default(),
+            read,
+            read_in_backward,
+            has_grads,
+            last_grads: cached
+                .steps
+                .last()
+                .map(|s| s.grads.iter().map(|g| g.index()).collect())
+                .unwrap_or_default(),
+            first_backward: cached.steps.iter().position(|s| s.phase != Phase::Forward),
+            act_peak,
+            reads,
+            ends,
+            last_grad,
+            first_read,
+            last_read,
+            first_backward_read,
+        }
+    }
+}
+
+/// Resharding as [`held_while_running`] reads it: 0 frees after forward (`true`, or a
+/// post-forward group as large as the shard axis), 1 keeps, n keeps a shard of n ranks.
+fn reshard_mode(config: &ParallelConfig) -> u64 {
+    match config.reshard_after_forward {
+        Reshard::AfterForward => 0,
+        Reshard::Keep => 1,
+        Reshard::ToGroupOf(n) if n == config.mesh.shard => 0,
+        Reshard::ToGroupOf(n) => n,
+    }
+}
+
+/// Prefetch depths (forward, backward) as the schedule applies them to shardplan's runtime
+/// (FSDP2 issues prefetches after a step's own gather; explicit lists replace the depth;
+/// `prefetch: auto` may issue any gather as late as the step that needs it): 0 where the
+/// depth is not what the schedule applies.
+fn prefetch_depths(config: &ParallelConfig) -> (u32, u32) {
+    let p = &config.prefetch;
+    if config.runtime.is_shardplan() && !p.peak_aware && p.explicit_forward.is_empty() && p.explicit_backward.is_empty()
+    {
+        (p.forward, p.backward)
+    } else {
+        (0, 0)
     }
 }
 
