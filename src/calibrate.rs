@@ -124,6 +124,27 @@ fn kept(s: u64, block: u64) -> f64 {
     (nb + 1.0) / (2.0 * nb)
 }
 
+/// What calibration measured, in seconds, FLOP/s and GB/s, before it becomes a profile.
+struct Figures {
+    /// An op's cost beyond its work (an add of 8 elements), seconds.
+    kernel_launch: f64,
+    /// Starting an op on the thread pool, beyond `kernel_launch`, seconds.
+    parallel_launch: f64,
+    tflops: f64,
+    tile_m: f64,
+    /// Memory bandwidth, GB/s.
+    hbm_gbps: f64,
+    /// One thread copying, GB/s.
+    copy_gbps: f64,
+    /// Starting and joining a step's threads, seconds.
+    step_overhead: f64,
+    attention_fwd_efficiency: f64,
+    attention_bwd_efficiency: f64,
+    /// The ranks' all-gather: GB/s and latency in microseconds.
+    link_gbps: f64,
+    link_us: f64,
+}
+
 pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     let ranks = args.ranks;
     if ranks == 0 || ranks > 4096 {
@@ -139,33 +160,11 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     // As `train` runs: freed memory is kept for reuse, not returned to the system and
     // faulted in again by the next op.
     shardplan_executor::host::retain_freed_memory();
-    let linear = |m: u64, k: u64, n: u64| {
-        Bench::new(
-            Op::Linear {
-                bias: false,
-                layout: WeightLayout::OutIn,
-            },
-            &[&[m, k], &[n, k]],
-        )
-    };
     // What one op costs beyond its work: an add of 8 elements through the same dispatch
     // as every graph op.
     let launch = time_op(ranks, secs, &Bench::new(Op::Add, &[&[8], &[8]])?)?;
-    // Matmul rate and how it falls with fewer tokens: a 640-wide linear layer at 32 to 512
-    // tokens, fitted to the cost model's tiles (rows of `tile_m`, a partly filled tile costing
-    // a full one).
-    let width = 640u64;
-    let mut rates = Vec::new();
-    for m in [32u64, 64, 128, 256, 512] {
-        let t = time_op(ranks, secs, &linear(m, width, width)?)? - launch;
-        rates.push((m as f64, 2.0 * (m * width * width) as f64 / t.max(1e-9)));
-    }
-    let (tflops, tile_m) = fit_tiles(&rates);
-    // Memory bandwidth: an add of two 4 Mi-element vectors (past the per-core caches, the
-    // size of a small model's parameter and optimizer tensors) reads 32 MiB and writes 16.
-    let len = 1u64 << 22;
-    let t_add = time_op(ranks, secs, &Bench::new(Op::Add, &[&[len], &[len]])?)?;
-    let gbps = (12 * len) as f64 / (t_add - launch).max(t_add * 0.5) / 1e9;
+    let (tflops, tile_m) = matmul_rate(ranks, secs, launch)?;
+    let gbps = memory_bandwidth(ranks, secs, launch)?;
     // Starting an op on the thread pool: an RMSNorm of 64 rows of 64 (one task per row, the
     // row-parallel kernels' way; its own work, 32 KiB moved, is under a microsecond).
     let t_par = time_op(
@@ -174,20 +173,79 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
         &Bench::new(Op::RmsNorm { eps: 1e-5 }, &[&[64, 64], &[64]])?,
     )?;
     let parallel_launch = (t_par - launch).max(0.0);
-    // One thread copying: the concatenation that lays gradients out flat (and parameters out
-    // of an all-gather), 16 MiB written.
-    let copy = {
-        let half = Tensor::randn(0f32, 1.0, 1usize << 21, &Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
-        let t = per_call(ranks, secs, &|_| {
-            Tensor::cat(&[&half, &half], 0)
-                .map(drop)
-                .map_err(|e| CliError::Other(anyhow::anyhow!("cat: {e}")))
-        })?;
-        (8u64 << 20) as f64 / t / 1e9
+    let copy_gbps = copy_rate(ranks, secs)?;
+    let step_overhead = step_threads(ranks, secs)?;
+    // The attention kernels run on the pool.
+    let launch = launch + parallel_launch;
+    let (fwd_eff, bwd_eff) = attention_efficiency(ranks, secs, launch, tflops)?;
+    let (link_gbps, link_us) = if ranks > 1 {
+        all_gather_link(ranks)?
+    } else {
+        (gbps, 1.0)
     };
-    // A step's threads: each rank's thread starting one per stream of its program, joined.
-    let step_overhead = per_call(1, secs, &|_| {
+    Ok(profile(
+        ranks,
+        &Figures {
+            kernel_launch: launch - parallel_launch,
+            parallel_launch,
+            tflops,
+            tile_m,
+            hbm_gbps: gbps,
+            copy_gbps,
+            step_overhead,
+            attention_fwd_efficiency: fwd_eff,
+            attention_bwd_efficiency: bwd_eff,
+            link_gbps,
+            link_us,
+        },
+    ))
+}
+
+/// Matmul rate and how it falls with fewer tokens: a 640-wide linear layer at 32 to 512
+/// tokens (less `launch` each), fitted to the cost model's tiles (rows of `tile_m`, a
+/// partly filled tile costing a full one). Returns (TFLOP/s, tile_m).
+fn matmul_rate(ranks: usize, secs: f64, launch: f64) -> Result<(f64, f64), CliError> {
+    let width = 640u64;
+    let mut rates = Vec::new();
+    for m in [32u64, 64, 128, 256, 512] {
+        let linear = Bench::new(
+            Op::Linear {
+                bias: false,
+                layout: WeightLayout::OutIn,
+            },
+            &[&[m, width], &[width, width]],
+        )?;
+        let t = time_op(ranks, secs, &linear)? - launch;
+        rates.push((m as f64, 2.0 * (m * width * width) as f64 / t.max(1e-9)));
+    }
+    Ok(fit_tiles(&rates))
+}
+
+/// Memory bandwidth in GB/s: an add of two 4 Mi-element vectors (past the per-core caches,
+/// the size of a small model's parameter and optimizer tensors) reads 32 MiB and writes 16.
+fn memory_bandwidth(ranks: usize, secs: f64, launch: f64) -> Result<f64, CliError> {
+    let len = 1u64 << 22;
+    let t_add = time_op(ranks, secs, &Bench::new(Op::Add, &[&[len], &[len]])?)?;
+    Ok((12 * len) as f64 / (t_add - launch).max(t_add * 0.5) / 1e9)
+}
+
+/// One thread copying, in GB/s: the concatenation that lays gradients out flat (and
+/// parameters out of an all-gather), 16 MiB written.
+fn copy_rate(ranks: usize, secs: f64) -> Result<f64, CliError> {
+    let half =
+        Tensor::randn(0f32, 1.0, 1usize << 21, &Device::Cpu).map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
+    let t = per_call(ranks, secs, &|_| {
+        Tensor::cat(&[&half, &half], 0)
+            .map(drop)
+            .map_err(|e| CliError::Other(anyhow::anyhow!("cat: {e}")))
+    })?;
+    Ok((8u64 << 20) as f64 / t / 1e9)
+}
+
+/// A step's threads, in seconds: each rank's thread starting one per stream of its
+/// program, joined.
+fn step_threads(ranks: usize, secs: f64) -> Result<f64, CliError> {
+    per_call(1, secs, &|_| {
         std::thread::scope(|s| {
             for _ in 0..ranks {
                 s.spawn(|| {
@@ -200,14 +258,17 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
             }
         });
         Ok(())
-    })?;
-    // Attention, forward and backward parts, as the planner counts their FLOPs.
+    })
+}
+
+/// Attention, forward and backward parts, as the planner counts their FLOPs, each less
+/// `launch` per kernel: their efficiencies against `tflops`.
+fn attention_efficiency(ranks: usize, secs: f64, launch: f64, tflops: f64) -> Result<(f64, f64), CliError> {
     let (b, s, h, d) = (2u64, 128u64, 4u64, 64u64);
     let q = [b, s, h, d];
     let p = [b, h, s, s];
     let att = |op: Op, shapes: &[&[u64]]| -> Result<f64, CliError> { time_op(ranks, secs, &Bench::new(op, shapes)?) };
     let part = (2 * b * h * s * s * d) as f64 * kept(s, 64);
-    let launch = launch + parallel_launch;
     let t_fwd = att(Op::Attention { causal: true }, &[&q, &q, &q])? - launch;
     let mut t_bwd = att(Op::AttnProbs { causal: true }, &[&q, &q])?;
     t_bwd += att(Op::AttnGradV { kv_heads: h }, &[&p, &q])?;
@@ -218,71 +279,77 @@ pub fn measure(args: &CalibrateArgs) -> Result<HardwareProfile, CliError> {
     let peak = tflops * 1e12;
     let fwd_eff = (2.0 * part / t_fwd.max(1e-9) / peak).clamp(0.01, 1.0);
     let bwd_eff = (5.0 * part / t_bwd.max(1e-9) / peak).clamp(0.01, 1.0);
-    // Collectives among the ranks (Local backend: threads of one process).
-    let (link_gbps, link_us) = if ranks > 1 {
-        let abort = Arc::new(Abort::default());
-        let group = shardplan_executor::comm::local::local_group(ranks, "calibrate", &abort);
-        let big = Tensor::zeros(1usize << 20, candle_core::DType::F32, &Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
-        let small = Tensor::zeros(1usize, candle_core::DType::F32, &Device::Cpu)
-            .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
-        // Every rank makes the same calls with the same tags: fixed counts, not a time.
-        let gather = |t: &Tensor, base: u64, calls: u64| -> Result<f64, CliError> {
-            on_threads(ranks, &|r| {
-                let call = |n: u64| {
-                    group[r]
-                        .all_gather(base + n, t)
-                        .map(drop)
-                        .map_err(|e| CliError::Other(anyhow::anyhow!("all-gather: {e}")))
-                };
-                call(0)?;
-                let start = Instant::now();
-                for n in 1..=calls {
-                    call(n)?;
-                }
-                Ok(start.elapsed().as_secs_f64() / calls as f64)
-            })
-        };
-        let t_small = gather(&small, 0, 2000)?;
-        let t_big = gather(&big, 1 << 20, 50)?;
-        let hops = (ranks - 1) as f64;
-        let alpha = t_small / hops;
-        let bytes = (4u64 << 20) as f64 * ranks as f64;
-        let bw = bytes / ranks as f64 * hops / (t_big - t_small).max(1e-9);
-        (bw / 1e9, alpha * 1e6)
-    } else {
-        (gbps, 1.0)
+    Ok((fwd_eff, bwd_eff))
+}
+
+/// Collectives among the ranks (Local backend: threads of one process): the all-gather's
+/// bandwidth in GB/s and latency in microseconds, from 4 MiB and 4-byte all-gathers.
+fn all_gather_link(ranks: usize) -> Result<(f64, f64), CliError> {
+    let abort = Arc::new(Abort::default());
+    let group = shardplan_executor::comm::local::local_group(ranks, "calibrate", &abort);
+    let big = Tensor::zeros(1usize << 20, candle_core::DType::F32, &Device::Cpu)
+        .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
+    let small = Tensor::zeros(1usize, candle_core::DType::F32, &Device::Cpu)
+        .map_err(|e| anyhow::anyhow!("calibration buffer: {e}"))?;
+    // Every rank makes the same calls with the same tags: fixed counts, not a time.
+    let gather = |t: &Tensor, base: u64, calls: u64| -> Result<f64, CliError> {
+        on_threads(ranks, &|r| {
+            let call = |n: u64| {
+                group[r]
+                    .all_gather(base + n, t)
+                    .map(drop)
+                    .map_err(|e| CliError::Other(anyhow::anyhow!("all-gather: {e}")))
+            };
+            call(0)?;
+            let start = Instant::now();
+            for n in 1..=calls {
+                call(n)?;
+            }
+            Ok(start.elapsed().as_secs_f64() / calls as f64)
+        })
     };
+    let t_small = gather(&small, 0, 2000)?;
+    let t_big = gather(&big, 1 << 20, 50)?;
+    let hops = (ranks - 1) as f64;
+    let alpha = t_small / hops;
+    let bytes = (4u64 << 20) as f64 * ranks as f64;
+    let bw = bytes / ranks as f64 * hops / (t_big - t_small).max(1e-9);
+    Ok((bw / 1e9, alpha * 1e6))
+}
+
+/// The profile of one of `ranks` ranks on this CPU: the H100 profile's fields with what
+/// was measured, `kernels: fused`, and the GPU's own figures neutral.
+fn profile(ranks: usize, f: &Figures) -> HardwareProfile {
     let mut hw = shardplan_frontends::builtin_hardware("h100-sxm").expect("built-in profile");
     hw.name = format!("cpu-{ranks}-ranks");
-    hw.bf16_tflops = tflops;
-    hw.f32_tflops = tflops;
-    hw.hbm_gbps = gbps;
+    hw.bf16_tflops = f.tflops;
+    hw.f32_tflops = f.tflops;
+    hw.hbm_gbps = f.hbm_gbps;
     hw.hbm_gib = host_memory_gib();
-    hw.intra_node_gbps = link_gbps;
-    hw.inter_node_gbps = link_gbps;
-    hw.intra_node_latency_us = link_us;
-    hw.inter_node_latency_us = link_us;
+    hw.intra_node_gbps = f.link_gbps;
+    hw.inter_node_gbps = f.link_gbps;
+    hw.intra_node_latency_us = f.link_us;
+    hw.inter_node_latency_us = f.link_us;
     hw.matmul_efficiency = 1.0;
-    hw.host_link_gbps = gbps;
-    hw.host_mem_gbps = gbps;
+    hw.host_link_gbps = f.hbm_gbps;
+    hw.host_mem_gbps = f.hbm_gbps;
     hw.cuda_context_mib = 0.0;
     hw.nccl_channels = 0.0;
     hw.sm_count = 1.0;
-    hw.matmul_tile_m = tile_m;
+    hw.matmul_tile_m = f.tile_m;
     hw.matmul_tile_n = 1.0;
-    hw.attention_fwd_efficiency = fwd_eff;
-    hw.attention_bwd_efficiency = bwd_eff;
+    hw.attention_fwd_efficiency = f.attention_fwd_efficiency;
+    hw.attention_bwd_efficiency = f.attention_bwd_efficiency;
     hw.attention_block = 64.0;
     hw.memory_efficiency = 1.0;
-    hw.kernel_launch_us = (launch - parallel_launch) * 1e6;
-    hw.parallel_launch_us = parallel_launch * 1e6;
-    hw.copy_gbps = copy;
-    hw.step_overhead_us = step_overhead * 1e6;
+    hw.kernel_launch_us = f.kernel_launch * 1e6;
+    hw.parallel_launch_us = f.parallel_launch * 1e6;
+    hw.copy_gbps = f.copy_gbps;
+    hw.step_overhead_us = f.step_overhead * 1e6;
     hw.collective_efficiency = 1.0;
     hw.overlap_slowdown = 0.0;
     hw.kernels = KernelMode::Fused;
-    Ok(hw)
+    hw
 }
 
 /// The cost model's matmul rate and row tile from `(tokens, FLOP/s)` measurements: with
