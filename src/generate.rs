@@ -99,6 +99,51 @@ fn exec(e: ExecError) -> CliError {
 }
 
 pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
+    check_sampling(a)?;
+    let tok = load_tokenizer(&a.tokenizer)?;
+    let config = model_config(a)?;
+    let shapes = param_shapes(&config).map_err(exec)?;
+    check_vocab(a, &config, &tok)?;
+    let started = std::time::Instant::now();
+    let weights = shardplan_executor::checkpoint::read_weights(&a.from, &shapes).map_err(exec)?;
+    let model = Model::new(config, weights).map_err(exec)?;
+    let loaded = started.elapsed().as_secs_f64();
+    let prompt = encode_prompt(a, &tok, &model)?;
+    let stop: Vec<u32> = if a.ignore_eos {
+        Vec::new()
+    } else {
+        ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]
+            .iter()
+            .filter_map(|t| tok.token_to_id(t))
+            .collect()
+    };
+    if let Some(path) = &a.logits {
+        write_logits(path, &model, &prompt)?;
+    }
+    let sampling = Sampling {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    crate::emit(&a.prompt)?;
+    let start = std::time::Instant::now();
+    let out = stream(&model, &tok, &prompt, &sampling, &stop)?;
+    let secs = start.elapsed().as_secs_f64();
+    crate::emit("\n")?;
+    eprintln!(
+        "{} prompt tokens, {} new tokens in {:.2} s ({:.1} tokens/s; weights loaded in {:.2} s)",
+        prompt.len(),
+        out.len(),
+        secs,
+        out.len() as f64 / secs.max(1e-9),
+        loaded
+    );
+    Ok(())
+}
+
+/// Refuses a temperature, top-p or token count that cannot sample.
+fn check_sampling(a: &GenerateArgs) -> Result<(), CliError> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         return Err(CliError::Usage(format!(
             "--temperature {}: give 0 (greedy) or a positive number, such as 0.8",
@@ -114,23 +159,31 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     if a.max_new_tokens == 0 {
         return Err(CliError::Usage("--max-new-tokens 0: give at least 1".into()));
     }
-    let raw = std::fs::read(&a.tokenizer).map_err(|e| {
+    Ok(())
+}
+
+/// The Hugging Face tokenizer.json at `path`.
+fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, CliError> {
+    let raw = std::fs::read(path).map_err(|e| {
         refuse(
-            &a.tokenizer,
+            path,
             format!("cannot read it: {e}"),
             "give the Hugging Face tokenizer.json the model was trained with",
         )
     })?;
-    let tok = tokenizers::Tokenizer::from_bytes(&raw).map_err(|e| {
+    tokenizers::Tokenizer::from_bytes(&raw).map_err(|e| {
         refuse(
-            &a.tokenizer,
+            path,
             format!("is not a tokenizer.json this build can load: {e}"),
             "give the tokenizer.json of a Hugging Face model (saved by `tokenizers` or transformers)",
         )
-    })?;
-    let config = model_config(a)?;
-    let shapes = param_shapes(&config).map_err(exec)?;
-    let vocab = match &config {
+    })
+}
+
+/// Refuses a tokenizer with more tokens than the model's vocabulary: it was made for
+/// another model.
+fn check_vocab(a: &GenerateArgs, config: &ModelConfig, tok: &tokenizers::Tokenizer) -> Result<(), CliError> {
+    let vocab = match config {
         ModelConfig::Llama(c) => c.vocab_size,
         ModelConfig::Gpt2(c) => c.vocab_size,
         ModelConfig::Mlp(_) => 0,
@@ -145,10 +198,12 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             "give the tokenizer the model was trained with (the one `shardplan data prepare` used)",
         ));
     }
-    let started = std::time::Instant::now();
-    let weights = shardplan_executor::checkpoint::read_weights(&a.from, &shapes).map_err(exec)?;
-    let model = Model::new(config, weights).map_err(exec)?;
-    let loaded = started.elapsed().as_secs_f64();
+    Ok(())
+}
+
+/// The prompt's ids, refused when empty or too long for the model's positions; a note
+/// when the positions left cut the generation short.
+fn encode_prompt(a: &GenerateArgs, tok: &tokenizers::Tokenizer, model: &Model) -> Result<Vec<u32>, CliError> {
     let prompt: Vec<u32> = tok
         .encode(a.prompt.as_str(), false)
         .map_err(|e| CliError::Usage(format!("--prompt: the tokenizer cannot encode it: {e}")))?
@@ -173,31 +228,29 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             prompt.len()
         );
     }
-    let stop: Vec<u32> = if a.ignore_eos {
-        Vec::new()
-    } else {
-        ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]
-            .iter()
-            .filter_map(|t| tok.token_to_id(t))
-            .collect()
-    };
-    if let Some(path) = &a.logits {
-        let mut cache = shardplan_executor::infer::KvCache::default();
-        let logits = model.forward(&prompt, &mut cache).map_err(exec)?;
-        let rows: Vec<Vec<f32>> = logits
-            .to_vec2::<f32>()
-            .map_err(|e| CliError::Other(anyhow::anyhow!("logits: {e}")))?;
-        let json = serde_json::json!({"tokens": prompt, "logits": rows});
-        std::fs::write(path, json.to_string())
-            .map_err(|e| CliError::Usage(format!("--logits {}: cannot write it: {e}", path.display())))?;
-    }
-    let sampling = Sampling {
-        max_new_tokens: a.max_new_tokens,
-        temperature: a.temperature,
-        top_p: a.top_p,
-        seed: a.seed,
-    };
-    crate::emit(&a.prompt)?;
+    Ok(prompt)
+}
+
+/// Writes the prompt's ids and the logits at every prompt position as JSON (`--logits`).
+fn write_logits(path: &Path, model: &Model, prompt: &[u32]) -> Result<(), CliError> {
+    let mut cache = shardplan_executor::infer::KvCache::default();
+    let logits = model.forward(prompt, &mut cache).map_err(exec)?;
+    let rows: Vec<Vec<f32>> = logits
+        .to_vec2::<f32>()
+        .map_err(|e| CliError::Other(anyhow::anyhow!("logits: {e}")))?;
+    let json = serde_json::json!({"tokens": prompt, "logits": rows});
+    std::fs::write(path, json.to_string())
+        .map_err(|e| CliError::Usage(format!("--logits {}: cannot write it: {e}", path.display())))
+}
+
+/// Generates after `prompt`, printing the text as it grows; the new tokens.
+fn stream(
+    model: &Model,
+    tok: &tokenizers::Tokenizer,
+    prompt: &[u32],
+    sampling: &Sampling,
+    stop: &[u32],
+) -> Result<Vec<u32>, CliError> {
     // Stream the text as it grows: decode everything so far and print what is new, holding
     // back a trailing replacement character (a byte-level token may end inside a character
     // that the next token completes).
@@ -210,9 +263,8 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
             *shown = text.len();
         }
     };
-    let start = std::time::Instant::now();
     let out = model
-        .generate(&prompt, &sampling, &stop, &mut |t| {
+        .generate(prompt, sampling, stop, &mut |t| {
             ids.push(t);
             if let Ok(text) = tok.decode(&ids, true) {
                 print_new(text.trim_end_matches('\u{FFFD}'), &mut shown);
@@ -223,15 +275,5 @@ pub fn run(a: &GenerateArgs) -> Result<(), CliError> {
     if let Ok(text) = tok.decode(&out, true) {
         print_new(&text, &mut shown);
     }
-    let secs = start.elapsed().as_secs_f64();
-    crate::emit("\n")?;
-    eprintln!(
-        "{} prompt tokens, {} new tokens in {:.2} s ({:.1} tokens/s; weights loaded in {:.2} s)",
-        prompt.len(),
-        out.len(),
-        secs,
-        out.len() as f64 / secs.max(1e-9),
-        loaded
-    );
-    Ok(())
+    Ok(out)
 }
