@@ -72,6 +72,47 @@ pub(super) struct Compute<'c> {
     pub(super) params: HashMap<BufId, Vec<Tensor>>,
 }
 
+impl<'c> Compute<'c> {
+    /// Nothing computed yet, on `ctx`, with room for `n_values` values.
+    pub(super) fn new(ctx: &'c mut Ctx, n_values: usize) -> Self {
+        Compute {
+            ctx,
+            values: vec![None; n_values],
+            early: HashMap::new(),
+            live: 0,
+            micro: None,
+            params: HashMap::new(),
+        }
+    }
+
+    /// Starts micro-batch `micro`'s values, dropping another micro-batch's.
+    fn enter(&mut self, micro: u32) {
+        if self.micro != Some(micro) {
+            self.values.iter_mut().for_each(|v| *v = None);
+            self.early.clear();
+            self.live = 0;
+            self.micro = Some(micro);
+        }
+    }
+}
+
+/// One compute step's working state while its nodes run.
+struct NodeRun<'s> {
+    step: usize,
+    /// Whether the step recomputes (its values are the recompute copies).
+    copy: bool,
+    batch: &'s HashMap<String, Tensor>,
+    /// Parameter views of the groups the step reads, by parameter.
+    params: HashMap<u32, Tensor>,
+    /// The parameter gradients the step made, by parameter.
+    grads: HashMap<u32, Tensor>,
+    /// The running node's position in the execution order.
+    pos: usize,
+    /// With `profile`: each node's host time, or its marks on the device clock.
+    node_seconds: Vec<(NodeId, f64)>,
+    node_marks: Vec<(NodeId, Mark, Mark)>,
+}
+
 impl StepCtx<'_> {
     /// The node of all-to-all step `step`, whether it is a recomputed copy, and its
     /// position in the execution order.
@@ -117,7 +158,7 @@ impl StepCtx<'_> {
                 .map(|&x| c.values[sh.exec.read_slot(id, copy, x)].clone())
                 .collect()
         };
-        lock(&self.mailbox).insert(i, ops);
+        lock(&self.a2a.mailbox).insert(i, ops);
         let mut m = lock(&self.memory);
         m.in_flight += sh.exec.value_bytes(g, id);
         m.observe();
@@ -130,12 +171,12 @@ impl StepCtx<'_> {
         let sh = self.shared;
         let g = &sh.joint.graph;
         let (id, copy, _) = self.all_to_all_node(step)?;
-        let handed = lock(&self.mailbox)
+        let handed = lock(&self.a2a.mailbox)
             .remove(&i)
             .ok_or_else(|| ExecError::Internal(format!("all-to-all step s{step} ran before its operands were made")))?;
         let mut ops = Vec::with_capacity(handed.len());
         {
-            let mut kept = lock(&self.kept);
+            let mut kept = lock(&self.a2a.kept);
             for (&x, t) in g.node(id).inputs.iter().zip(handed) {
                 let slot = sh.exec.read_slot(id, copy, x);
                 let t = match t {
@@ -145,13 +186,13 @@ impl StepCtx<'_> {
                         .cloned()
                         .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?,
                 };
-                if self.a2a_last.get(&(slot, micro)) == Some(&i) {
+                if self.tables.a2a_last.get(&(slot, micro)) == Some(&i) {
                     kept.remove(&(slot, micro));
                 }
                 ops.push(t);
             }
         }
-        let group = self.expert.as_ref().ok_or_else(|| {
+        let group = self.a2a.expert.as_ref().ok_or_else(|| {
             ExecError::Internal(format!(
                 "s{step} is an all-to-all step, but this rank has no expert group"
             ))
@@ -161,11 +202,11 @@ impl StepCtx<'_> {
         let refs: Vec<&Tensor> = ops.iter().collect();
         let value = crate::cpu::kernels::apply_expert(group, &sh.joint.graph.node(id).op, &refs)?;
         let own = ExecOrder::slot(id, copy);
-        if self.a2a_last.contains_key(&(own, micro)) {
+        if self.tables.a2a_last.contains_key(&(own, micro)) {
             // A later all-to-all step reads it (a routing table): kept until that one.
-            lock(&self.kept).insert((own, micro), value.clone());
+            lock(&self.a2a.kept).insert((own, micro), value.clone());
         }
-        lock(&self.outbox).insert((step as u32, micro), value);
+        lock(&self.a2a.outbox).insert((step as u32, micro), value);
         Ok(())
     }
 
@@ -176,7 +217,7 @@ impl StepCtx<'_> {
         let sh = self.shared;
         let g = &sh.joint.graph;
         let (id, copy, pos) = self.all_to_all_node(step)?;
-        let value = lock(&self.outbox).remove(&(step as u32, micro)).ok_or_else(|| {
+        let value = lock(&self.a2a.outbox).remove(&(step as u32, micro)).ok_or_else(|| {
             ExecError::Internal(format!(
                 "all-to-all step s{step} has not finished when a step waiting for it starts"
             ))
@@ -187,15 +228,7 @@ impl StepCtx<'_> {
             c.values[own] = Some(value);
             c.live += bytes;
         }
-        for &x in g.node(id).inputs.iter().chain(sh.exec.extra_reads(g, id)) {
-            if sh.exec.param_of_node[x.index()].is_some() {
-                continue;
-            }
-            let slot = sh.exec.read_slot(id, copy, x);
-            if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
-                c.live -= sh.exec.value_bytes(g, x);
-            }
-        }
+        self.free_last_reads(c, id, copy, pos);
         let mut m = lock(&self.memory);
         m.in_flight = m.in_flight.saturating_sub(bytes);
         m.activations = c.live;
@@ -274,6 +307,9 @@ impl StepCtx<'_> {
                 .is_some_and(|t| fused::applies(&[t]) && t.is_contiguous())
     }
 
+    /// Compute step `step` on micro-batch `micro`: joins the all-to-all steps it waits
+    /// for, runs its nodes in the execution order on parameter views of the groups it
+    /// reads (`reads`), and adds the parameter gradients it makes into `writes`.
     pub(super) fn compute(
         &self,
         c: &mut Compute,
@@ -283,166 +319,214 @@ impl StepCtx<'_> {
         writes: &[BufId],
     ) -> Result<(), ExecError> {
         let sh = self.shared;
-        let plan = &sh.plan;
-        let g = &sh.joint.graph;
-        let s = plan
+        let s = sh
+            .plan
             .steps
             .get(step)
             .ok_or_else(|| ExecError::Internal(format!("no step s{step}")))?;
-        if c.micro != Some(micro) {
-            c.values.iter_mut().for_each(|v| *v = None);
-            c.early.clear();
-            c.live = 0;
-            c.micro = Some(micro);
-        }
+        c.enter(micro);
         for x in &s.waits_for {
             self.join(c, x.index(), micro)?;
         }
-        // Parameter views of the groups this step reads.
-        let mut param_of: HashMap<u32, Tensor> = HashMap::new();
-        for (k, &b) in reads.iter().enumerate() {
-            let group = s.reads[k];
-            let views = match c.params.entry(b) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(unflatten(&plan.groups[group.index()].layout, &self.get(b)?)?)
-                }
-            };
-            for (i, p) in plan.groups[group.index()].group.params.iter().enumerate() {
-                param_of.insert(p.0, views[i].clone());
-            }
-        }
-        let batch = &self.batches[micro as usize];
-        let mut grads: HashMap<u32, Tensor> = HashMap::new();
-        let copy = s.phase == shardplan_planner::Phase::Recompute;
-        let mut pos = sh.step_start[step];
-        let mut node_seconds = Vec::new();
-        let mut node_marks = Vec::new();
-        let on_device = self.origin.is_some();
+        let mut run = NodeRun {
+            step,
+            copy: s.phase == shardplan_planner::Phase::Recompute,
+            params: self.param_views(c, s, reads)?,
+            batch: &self.batches[micro as usize],
+            grads: HashMap::new(),
+            pos: sh.step_start[step],
+            node_seconds: Vec::new(),
+            node_marks: Vec::new(),
+        };
         for r in &s.nodes {
             for i in r.clone() {
-                let started = (sh.profile && !on_device).then(Instant::now);
-                let mark = if sh.profile && on_device {
-                    Some(self.clock.mark()?)
-                } else {
-                    None
-                };
-                let id = NodeId(i);
-                let node = g.node(id);
-                // Bytes already in `live` for this value (made early by a blockwise attention).
-                let mut counted = false;
-                let value = match &node.op {
-                    Op::Input { name } => batch
-                        .get(name)
-                        .cloned()
-                        .ok_or_else(|| ExecError::Internal(format!("no data for input `{name}`")))?,
-                    _ if sh.exec.placeholder(id) => Tensor::zeros(0, cdtype(node.ty.dtype), &c.ctx.device)?,
-                    _ if self.overwritable(c, id, copy) => {
-                        // The cross-entropy's gradient over its logits, which die here.
-                        let x = node.inputs[0];
-                        let slot = sh.exec.read_slot(id, copy, x);
-                        let logits = c.values[slot]
-                            .take()
-                            .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?;
-                        c.live -= sh.exec.value_bytes(g, x);
-                        let mut rest = Vec::with_capacity(2);
-                        for &input in &node.inputs[1..] {
-                            let slot = sh.exec.read_slot(id, copy, input);
-                            rest.push(c.values[slot].clone().ok_or_else(|| {
-                                ExecError::Internal(format!("{id} reads {input} after it was freed"))
-                            })?);
-                        }
-                        fused::cross_entropy_grad_in_place(&logits, &rest[0], &rest[1])?;
-                        logits
-                    }
-                    _ if sh.exec.blockwise_group(id).is_some() => {
-                        if let Some(t) = c.early.remove(&id) {
-                            counted = true;
-                            t
-                        } else {
-                            self.blockwise_attention(c, id, copy)?
-                        }
-                    }
-                    _ => {
-                        let mut ins = Vec::with_capacity(node.inputs.len());
-                        for &input in &node.inputs {
-                            let t = match sh.exec.param_of_node[input.index()] {
-                                Some(p) => param_of.get(&p).cloned().ok_or_else(|| {
-                                    ExecError::Internal(format!(
-                                        "{id} reads parameter p{p}, not gathered for this step"
-                                    ))
-                                })?,
-                                None => {
-                                    let slot = sh.exec.read_slot(id, copy, input);
-                                    c.values[slot].clone().ok_or_else(|| {
-                                        ExecError::Internal(format!("{id} reads {input} after it was freed"))
-                                    })?
-                                }
-                            };
-                            ins.push(t);
-                        }
-                        let refs: Vec<&Tensor> = ins.iter().collect();
-                        apply(c.ctx, &node.op, &refs, &node.ty)?
-                    }
-                };
-                if !copy && id == sh.joint.loss && !value.device().is_cpu() {
-                    // Read after the step, not here: reading a GPU value waits for the device.
-                    lock(&self.device_losses).push((value.clone(), id));
-                } else if !copy && id == sh.joint.loss {
-                    let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
-                    if !loss.is_finite() {
-                        return Err(ExecError::NonFinite {
-                            step: 0,
-                            loss,
-                            module: g.scope(node.scope).display_path().to_string(),
-                            node: id.to_string(),
-                            op: node.op.name().to_string(),
-                        });
-                    }
-                    lock(&self.out).losses.push(loss);
-                }
-                if !copy && sh.exec.is_param_grad[id.index()] {
-                    if let Some(p) = sh.joint.param_grads.iter().position(|x| *x == Some(id)) {
-                        grads.insert(p as u32, value.clone());
-                    }
-                }
-                if !counted {
-                    c.live += sh.exec.value_bytes(g, id);
-                }
-                c.values[ExecOrder::slot(id, copy)] = Some(value);
-                {
-                    let mut m = lock(&self.memory);
-                    m.activations = c.live;
-                    m.observe();
-                }
-                for &input in node.inputs.iter().chain(sh.exec.extra_reads(g, id)) {
-                    if sh.exec.param_of_node[input.index()].is_some() {
-                        continue;
-                    }
-                    let slot = sh.exec.read_slot(id, copy, input);
-                    if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
-                        c.live -= sh.exec.value_bytes(g, input);
-                    }
-                }
-                let own = ExecOrder::slot(id, copy);
-                if sh.exec.last_use[own] == usize::MAX && c.values[own].take().is_some() {
-                    c.live -= sh.exec.value_bytes(g, id);
-                }
-                pos += 1;
-                if let Some(t) = started {
-                    node_seconds.push((id, t.elapsed().as_secs_f64()));
-                }
-                if let Some(m) = mark {
-                    node_marks.push((id, m, self.clock.mark()?));
-                }
+                self.run_node(c, &mut run, NodeId(i))?;
             }
         }
         if sh.profile {
-            lock(&self.out).node_seconds.extend(node_seconds);
-            lock(&self.node_marks).extend(node_marks);
+            lock(&self.out).node_seconds.extend(run.node_seconds);
+            lock(&self.timing.node_marks).extend(run.node_marks);
         }
         lock(&self.memory).activations = c.live;
-        // The gradients into their pieces: each piece's parameters, whole, one after another.
+        self.write_grads(run.step, writes, run.grads)
+    }
+
+    /// The parameters of the groups step `s` reads, by parameter: views of the gathered
+    /// buffers `reads`, made once per buffer while it lives.
+    fn param_views(
+        &self,
+        c: &mut Compute,
+        s: &shardplan_planner::Step,
+        reads: &[BufId],
+    ) -> Result<HashMap<u32, Tensor>, ExecError> {
+        let groups = &self.shared.plan.groups;
+        let mut param_of: HashMap<u32, Tensor> = HashMap::new();
+        for (k, &b) in reads.iter().enumerate() {
+            let group = &groups[s.reads[k].index()];
+            let views = match c.params.entry(b) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(unflatten(&group.layout, &self.get(b)?)?),
+            };
+            for (i, p) in group.group.params.iter().enumerate() {
+                param_of.insert(p.0, views[i].clone());
+            }
+        }
+        Ok(param_of)
+    }
+
+    /// Runs node `id`: its value, kept where the step reports it (the loss, a parameter's
+    /// gradient) and among the values, then the values it was the last reader of freed.
+    fn run_node(&self, c: &mut Compute, run: &mut NodeRun, id: NodeId) -> Result<(), ExecError> {
+        let sh = self.shared;
+        let g = &sh.joint.graph;
+        let on_device = self.timing.origin.is_some();
+        let started = (sh.profile && !on_device).then(Instant::now);
+        let mark = if sh.profile && on_device {
+            Some(self.timing.clock.mark()?)
+        } else {
+            None
+        };
+        let (value, counted) = self.node_value(c, run, id)?;
+        if !run.copy {
+            self.keep_output(run, id, &value)?;
+        }
+        if !counted {
+            c.live += sh.exec.value_bytes(g, id);
+        }
+        let own = ExecOrder::slot(id, run.copy);
+        c.values[own] = Some(value);
+        {
+            let mut m = lock(&self.memory);
+            m.activations = c.live;
+            m.observe();
+        }
+        self.free_last_reads(c, id, run.copy, run.pos);
+        if sh.exec.last_use[own] == usize::MAX && c.values[own].take().is_some() {
+            c.live -= sh.exec.value_bytes(g, id);
+        }
+        run.pos += 1;
+        if let Some(t) = started {
+            run.node_seconds.push((id, t.elapsed().as_secs_f64()));
+        }
+        if let Some(m) = mark {
+            run.node_marks.push((id, m, self.timing.clock.mark()?));
+        }
+        Ok(())
+    }
+
+    /// Node `id`'s value, and whether its bytes are already in `c.live` (a gradient a
+    /// blockwise attention made early).
+    fn node_value(&self, c: &mut Compute, run: &NodeRun, id: NodeId) -> Result<(Tensor, bool), ExecError> {
+        let sh = self.shared;
+        let node = sh.joint.graph.node(id);
+        Ok(match &node.op {
+            Op::Input { name } => (
+                run.batch
+                    .get(name)
+                    .cloned()
+                    .ok_or_else(|| ExecError::Internal(format!("no data for input `{name}`")))?,
+                false,
+            ),
+            _ if sh.exec.placeholder(id) => (Tensor::zeros(0, cdtype(node.ty.dtype), &c.ctx.device)?, false),
+            _ if self.overwritable(c, id, run.copy) => (self.cross_entropy_in_place(c, id, run.copy)?, false),
+            _ if sh.exec.blockwise_group(id).is_some() => match c.early.remove(&id) {
+                Some(t) => (t, true),
+                None => (self.blockwise_attention(c, id, run.copy)?, false),
+            },
+            _ => (self.apply_node(c, run, id)?, false),
+        })
+    }
+
+    /// The cross-entropy's gradient over its logits (node `id`'s first input), which die
+    /// here: made in place over them.
+    fn cross_entropy_in_place(&self, c: &mut Compute, id: NodeId, copy: bool) -> Result<Tensor, ExecError> {
+        let sh = self.shared;
+        let node = sh.joint.graph.node(id);
+        let x = node.inputs[0];
+        let slot = sh.exec.read_slot(id, copy, x);
+        let logits = c.values[slot]
+            .take()
+            .ok_or_else(|| ExecError::Internal(format!("{id} reads {x} after it was freed")))?;
+        c.live -= sh.exec.value_bytes(&sh.joint.graph, x);
+        let mut rest = Vec::with_capacity(2);
+        for &input in &node.inputs[1..] {
+            let slot = sh.exec.read_slot(id, copy, input);
+            rest.push(
+                c.values[slot]
+                    .clone()
+                    .ok_or_else(|| ExecError::Internal(format!("{id} reads {input} after it was freed")))?,
+            );
+        }
+        fused::cross_entropy_grad_in_place(&logits, &rest[0], &rest[1])?;
+        Ok(logits)
+    }
+
+    /// Node `id`'s kernel on its inputs: parameters from the step's views, the others
+    /// from the values.
+    fn apply_node(&self, c: &mut Compute, run: &NodeRun, id: NodeId) -> Result<Tensor, ExecError> {
+        let sh = self.shared;
+        let node = sh.joint.graph.node(id);
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for &input in &node.inputs {
+            let t = match sh.exec.param_of_node[input.index()] {
+                Some(p) => run.params.get(&p).cloned().ok_or_else(|| {
+                    ExecError::Internal(format!("{id} reads parameter p{p}, not gathered for this step"))
+                })?,
+                None => {
+                    let slot = sh.exec.read_slot(id, run.copy, input);
+                    c.values[slot]
+                        .clone()
+                        .ok_or_else(|| ExecError::Internal(format!("{id} reads {input} after it was freed")))?
+                }
+            };
+            ins.push(t);
+        }
+        let refs: Vec<&Tensor> = ins.iter().collect();
+        apply(c.ctx, &node.op, &refs, &node.ty)
+    }
+
+    /// Keeps the value of node `id` (not a recompute copy) where the step reports it: the
+    /// loss (read now on the host, after the step on a GPU: reading a GPU value waits for
+    /// the device) or a parameter's gradient.
+    fn keep_output(&self, run: &mut NodeRun, id: NodeId, value: &Tensor) -> Result<(), ExecError> {
+        let sh = self.shared;
+        if id == sh.joint.loss && !value.device().is_cpu() {
+            lock(&self.device_losses).push((value.clone(), id));
+        } else if id == sh.joint.loss {
+            let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
+            if !loss.is_finite() {
+                return Err(non_finite(&sh.joint.graph, id, loss));
+            }
+            lock(&self.out).losses.push(loss);
+        }
+        if sh.exec.is_param_grad[id.index()] {
+            if let Some(p) = sh.joint.param_grads.iter().position(|x| *x == Some(id)) {
+                run.grads.insert(p as u32, value.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees the values node `id` (at position `pos` of the execution order) is the last
+    /// reader of; parameters are views, never freed here.
+    fn free_last_reads(&self, c: &mut Compute, id: NodeId, copy: bool, pos: usize) {
+        let sh = self.shared;
+        let g = &sh.joint.graph;
+        for &x in g.node(id).inputs.iter().chain(sh.exec.extra_reads(g, id)) {
+            if sh.exec.param_of_node[x.index()].is_some() {
+                continue;
+            }
+            let slot = sh.exec.read_slot(id, copy, x);
+            if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
+                c.live -= sh.exec.value_bytes(g, x);
+            }
+        }
+    }
+
+    /// The gradients step `step` made into their pieces `writes`: each piece's parameters,
+    /// whole, one after another, added into it.
+    fn write_grads(&self, step: usize, writes: &[BufId], mut grads: HashMap<u32, Tensor>) -> Result<(), ExecError> {
+        let plan = &self.shared.plan;
         for &b in writes {
             let buf = plan.buffer(b);
             let dtype = cdtype(buf.dtype);

@@ -13,9 +13,13 @@
 //!   are empty placeholders, and its first gradient node makes all of its gradients.
 
 pub use crate::comm::Comms;
+pub use tables::ProgramTables;
 
 mod compute;
+mod instrs;
 mod norm;
+mod streams;
+mod tables;
 use crate::comm::{tensor_bytes, Abort, Reduce};
 
 use crate::clock::{Clock, Mark, Origin};
@@ -24,14 +28,14 @@ use crate::cpu::kernels::{apply, cdtype, Ctx};
 use crate::runtime::optim::OptState;
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
-use compute::{flatten, Compute};
+use compute::Compute;
 use norm::GradScale;
 use shardplan_ir::{JointGraph, NodeId, Op};
 use shardplan_planner::{
     chunk_rows, BufId, ByCategory, Category, Comm, ExecOrder, GroupLayout, Instr, Plan, Pool, ReduceOp, Stream,
 };
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// What every rank shares, read-only.
@@ -164,6 +168,15 @@ struct Memory {
 }
 
 impl Memory {
+    /// The level of `pool`'s bytes: the host's (CPU offload) or the device's.
+    fn level(&mut self, pool: Pool) -> &mut ByCategory {
+        if pool == Pool::Host {
+            &mut self.host
+        } else {
+            &mut self.device
+        }
+    }
+
     fn observe(&mut self) {
         let mut level = self.device;
         level.activations = self.activations + self.in_flight;
@@ -195,64 +208,120 @@ fn planned_bytes(b: &shardplan_planner::Buffer) -> u64 {
 /// One step's state on one rank, shared by its stream threads.
 struct StepCtx<'a> {
     shared: &'a Shared,
+    tables: &'a ProgramTables,
     rank: u64,
+    /// The step's number in the run: the high half of its collectives' tags.
+    step_no: u64,
     comms: &'a Comms,
     abort: &'a Abort,
     device: candle_core::Device,
     bufs: Vec<Mutex<Slot>>,
     events: Vec<Event>,
-    /// Issue-order sequence number of each alloc/free, and the next one allowed to run.
-    mem_seq: Vec<usize>,
-    /// Issue-order sequence number of each collective, and the next one allowed to launch,
-    /// when collectives launch in issue order (`ordered`).
-    launch_seq: Vec<usize>,
-    launch_turn: Mutex<usize>,
-    launch_cv: Condvar,
+    /// The next alloc/free allowed to run (`ProgramTables::mem_seq`).
+    mem_turn: Turn,
+    /// The next collective allowed to launch (`ProgramTables::launch_seq`), when
+    /// collectives launch in issue order (`ordered`).
+    launch_turn: Turn,
     ordered: bool,
-    /// Each collective's position in its group's issue order (within the run).
-    tags: Vec<u64>,
-    mem_turn: Mutex<usize>,
-    mem_cv: Condvar,
     memory: Mutex<Memory>,
     opt: Mutex<&'a mut Vec<OptState>>,
     batches: &'a [HashMap<String, Tensor>],
     lr: f64,
     out: Mutex<RankStepOut>,
-    /// Start and end of each instruction (written by the stream that runs it).
-    times: Vec<Mutex<[f64; 2]>>,
-    /// With device timing: the step's origin on the compute stream, the compute stream's
-    /// clock, each instruction's marks on its stream (resolved into `times` after the step)
-    /// and the compute nodes' marks (into `node_seconds`).
-    origin: Option<Origin>,
-    clock: Clock,
-    marks: Vec<Mutex<Option<(Mark, Mark)>>>,
-    node_marks: Mutex<Vec<(NodeId, Mark, Mark)>>,
     /// The reduced sum of squares of the gradients when it lives on a GPU, read after the
     /// step (the one host wait of a step).
     norm: Mutex<Option<Tensor>>,
     /// Each micro-batch's loss when it lives on a GPU (and its node), read after the step.
     device_losses: Mutex<Vec<(Tensor, NodeId)>>,
+    timing: Timing,
+    a2a: Exchange,
+}
+
+/// A turn counter: the sequence number allowed to go next.
+#[derive(Default)]
+struct Turn {
+    next: Mutex<usize>,
+    cv: Condvar,
+}
+
+/// Start and end of each instruction (written by the stream that runs it). With device
+/// timing: the step's origin on the compute stream, the compute stream's clock, each
+/// instruction's marks on its stream (resolved into `times` after the step) and the
+/// compute nodes' marks (into `node_seconds`).
+struct Timing {
+    times: Vec<Mutex<[f64; 2]>>,
+    origin: Option<Origin>,
+    clock: Clock,
+    marks: Vec<Mutex<Option<(Mark, Mark)>>>,
+    node_marks: Mutex<Vec<(NodeId, Mark, Mark)>>,
+}
+
+impl Timing {
+    /// Nothing measured yet for `n` instructions; device timing when `shared` asks for it
+    /// and `device` is a GPU (one origin on the compute stream, every mark measured from it).
+    fn new(shared: &Shared, device: &candle_core::Device, n: usize) -> Result<Self, ExecError> {
+        let device_clock = Clock::of_device(device);
+        let origin = if shared.device_clock && device_clock.is_device() {
+            Some(Origin::new(&device_clock)?)
+        } else {
+            None
+        };
+        Ok(Timing {
+            times: (0..n).map(|_| Mutex::new([0.0; 2])).collect(),
+            clock: if origin.is_some() { device_clock } else { Clock::Host },
+            origin,
+            marks: (0..n).map(|_| Mutex::new(None)).collect(),
+            node_marks: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+/// What the all-to-all stream and the compute stream hand each other.
+struct Exchange {
     /// The expert group the all-to-all stream's steps run over.
     expert: Option<std::sync::Arc<crate::cpu::expert::ExpertGroup>>,
-    /// Per compute-stream event an all-to-all step waits for before it runs: that step's
-    /// issue index. The compute stream hands the step its operands as it records it.
-    ready_of: HashMap<usize, usize>,
     /// Operands handed to all-to-all steps, by issue index (`None`: an earlier all-to-all
     /// step's output, in `kept`).
     mailbox: Mutex<HashMap<usize, Vec<Option<Tensor>>>>,
     /// All-to-all steps' outputs that later all-to-all steps read, by value slot and
-    /// micro-batch, until the last of them (`a2a_last`) has run.
+    /// micro-batch, until the last of them (`ProgramTables::a2a_last`) has run.
     kept: Mutex<HashMap<(usize, u32), Tensor>>,
-    /// Per value slot and micro-batch: the issue index of the last all-to-all step that
-    /// reads it.
-    a2a_last: HashMap<(usize, u32), usize>,
     /// All-to-all steps' outputs, by step and micro-batch, until the compute step that
     /// waits for them takes them.
     outbox: Mutex<HashMap<(u32, u32), Tensor>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+impl Exchange {
+    /// Nothing handed over yet, on `expert`.
+    fn new(expert: Option<std::sync::Arc<crate::cpu::expert::ExpertGroup>>) -> Self {
+        Exchange {
+            expert,
+            mailbox: Mutex::new(HashMap::new()),
+            kept: Mutex::new(HashMap::new()),
+            outbox: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The value `m` holds, poisoned or not.
+fn into_inner<T>(m: Mutex<T>) -> T {
+    m.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A non-finite loss at node `id` of `g`.
+fn non_finite(g: &shardplan_ir::Graph, id: NodeId, loss: f32) -> ExecError {
+    let node = g.node(id);
+    ExecError::NonFinite {
+        step: 0,
+        loss,
+        module: g.scope(node.scope).display_path().to_string(),
+        node: id.to_string(),
+        op: node.op.name().to_string(),
+    }
 }
 
 impl StepCtx<'_> {
@@ -314,35 +383,49 @@ impl StepCtx<'_> {
         Ok(())
     }
 
-    fn wait_until(&self, deadline: Instant, what: &str) -> Result<(), ExecError> {
+    fn wait_until(&self, deadline: Instant, what: impl Fn() -> String) -> Result<(), ExecError> {
         if let Some(r) = self.abort.reason() {
             return Err(ExecError::Aborted(r));
         }
         if Instant::now() >= deadline {
             return Err(ExecError::Internal(format!(
-                "{what} timed out after {:.1} s",
+                "{} timed out after {:.1} s",
+                what(),
                 self.abort.timeout().as_secs_f64()
             )));
         }
         Ok(())
     }
 
-    /// Runs `f` when every earlier-issued alloc/free of this rank has run.
-    fn sequenced(&self, i: usize, f: impl FnOnce(&mut Memory)) -> Result<(), ExecError> {
-        let q = self.mem_seq[i];
+    /// `m` locked once `ready` holds of it (woken through `cv`), or the failure of a wait
+    /// that `what` names: the world stopped, or it took longer than the timeout.
+    fn wait_for<'m, T>(
+        &self,
+        m: &'m Mutex<T>,
+        cv: &Condvar,
+        ready: impl Fn(&T) -> bool,
+        what: impl Fn() -> String,
+    ) -> Result<MutexGuard<'m, T>, ExecError> {
         let deadline = Instant::now() + self.abort.timeout();
-        let mut turn = lock(&self.mem_turn);
-        while *turn != q {
-            self.wait_until(deadline, "waiting for an earlier free")?;
-            turn = self
-                .mem_cv
-                .wait_timeout(turn, Duration::from_millis(100))
+        let mut guard = lock(m);
+        while !ready(&guard) {
+            self.wait_until(deadline, &what)?;
+            guard = cv
+                .wait_timeout(guard, Duration::from_millis(100))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        Ok(guard)
+    }
+
+    /// Runs `f` when every earlier-issued alloc/free of this rank has run.
+    fn sequenced(&self, i: usize, f: impl FnOnce(&mut Memory)) -> Result<(), ExecError> {
+        let q = self.tables.mem_seq[i];
+        let t = &self.mem_turn;
+        let mut turn = self.wait_for(&t.next, &t.cv, |&n| n == q, || "waiting for an earlier free".into())?;
         f(&mut lock(&self.memory));
         *turn += 1;
-        self.mem_cv.notify_all();
+        t.cv.notify_all();
         Ok(())
     }
 
@@ -355,25 +438,27 @@ impl StepCtx<'_> {
     /// every earlier collective is launched on every rank.
     /// An instruction without a launch turn (`usize::MAX`: no collective) runs at once.
     fn launch<T>(&self, i: usize, f: impl FnOnce() -> Result<T, ExecError>) -> Result<T, ExecError> {
-        let q = self.launch_seq[i];
+        let q = self.tables.launch_seq[i];
         if !self.ordered || q == usize::MAX {
             return f();
         }
-        let deadline = Instant::now() + self.abort.timeout();
-        let mut turn = lock(&self.launch_turn);
-        while *turn != q {
-            self.wait_until(deadline, "waiting for an earlier collective's launch")?;
-            turn = self
-                .launch_cv
-                .wait_timeout(turn, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        let t = &self.launch_turn;
+        let turn = self.wait_for(
+            &t.next,
+            &t.cv,
+            |&n| n == q,
+            || "waiting for an earlier collective's launch".into(),
+        )?;
         drop(turn);
         let r = f();
-        *lock(&self.launch_turn) += 1;
-        self.launch_cv.notify_all();
+        *lock(&t.next) += 1;
+        t.cv.notify_all();
         r
+    }
+
+    /// The tag of collective `i`: the step's number, then its place in its group's order.
+    fn tag(&self, i: usize) -> u64 {
+        (self.step_no << 32) | self.tables.comm_seq[i]
     }
 
     fn record(&self, e: usize) {
@@ -384,210 +469,14 @@ impl StepCtx<'_> {
 
     fn wait(&self, e: usize) -> Result<(), ExecError> {
         let ev = &self.events[e];
-        let deadline = Instant::now() + self.abort.timeout();
-        let mut set = lock(&ev.set);
-        while !*set {
-            self.wait_until(deadline, &format!("waiting on e{e}"))?;
-            set = ev
-                .cv
-                .wait_timeout(set, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        let _set = self.wait_for(&ev.set, &ev.cv, |&set| set, || format!("waiting on e{e}"))?;
         Ok(())
     }
 }
 
-impl StepCtx<'_> {
-    /// Runs instruction `i`. `state` is the compute stream's activations and parameter
-    /// views: the compute stream's steps run on it, and so does a step on the all-to-all
-    /// stream (an expert-group collective), which the plan orders between two compute steps
-    /// (the verifier's activation order), so the two never hold it at once for long.
-    fn execute(&self, i: usize, state: &Mutex<Option<Compute>>) -> Result<(), ExecError> {
-        let plan = &self.shared.plan;
-        let issued = &plan.programs[0].instrs[i];
-        match &issued.instr {
-            Instr::Alloc { buf } => {
-                let b = plan.buffer(*buf);
-                let bytes = planned_bytes(b);
-                *lock(&self.bufs[buf.index()]) = Slot::Zero;
-                self.sequenced(i, |m| {
-                    let level = if b.pool == Pool::Host {
-                        &mut m.host
-                    } else {
-                        &mut m.device
-                    };
-                    *level.slot(b.category) += bytes;
-                    m.observe();
-                })?;
-            }
-            Instr::Free { buf } => {
-                let b = plan.buffer(*buf);
-                let bytes = match std::mem::take(&mut *lock(&self.bufs[buf.index()])) {
-                    Slot::Value(t) => tensor_bytes(&t),
-                    Slot::Zero => planned_bytes(b),
-                    Slot::Free => 0,
-                };
-                if issued.stream == Stream::Compute {
-                    if let Some(c) = lock(state).as_mut() {
-                        c.params.remove(buf);
-                    }
-                }
-                self.sequenced(i, |m| {
-                    let level = if b.pool == Pool::Host {
-                        &mut m.host
-                    } else {
-                        &mut m.device
-                    };
-                    *level.slot(b.category) = level.get(b.category).saturating_sub(bytes);
-                })?;
-            }
-            Instr::Record { event } => {
-                if let Some(&x) = self.ready_of.get(&event.index()) {
-                    self.hand_operands(x, state)?;
-                }
-                self.record(event.index());
-            }
-            Instr::Wait { event } => self.wait(event.index())?,
-            Instr::Compute {
-                step,
-                micro,
-                reads,
-                writes,
-            } => {
-                if issued.stream == Stream::AllToAll {
-                    return self.launch(i, || self.all_to_all(i, step.index(), *micro));
-                }
-                // The state is taken after the launch turn: a stream holding it never waits
-                // for a turn (see `launch`).
-                self.launch(i, || {
-                    let mut guard = lock(state);
-                    let c = guard
-                        .as_mut()
-                        .ok_or_else(|| ExecError::Internal("no compute state for this step".into()))?;
-                    self.compute(c, step.index(), *micro, reads, writes)
-                })?;
-            }
-            Instr::AllGather { comm, src, dst, .. } => {
-                let dtype = cdtype(plan.buffer(*dst).dtype);
-                let input = self.get(*src)?.to_dtype(dtype)?;
-                let c = self.comms.get(*comm, issued.stream)?;
-                let out = self.launch(i, || c.all_gather(self.tags[i], &input))?;
-                self.set(*dst, out)?;
-            }
-            Instr::PackGrads { group, srcs, dst } => {
-                let layout = &plan.groups[group.index()].layout;
-                let mut per_param: Vec<Option<Tensor>> = vec![None; layout.params.len()];
-                for &b in srcs {
-                    let piece = self.get(b)?;
-                    let mut off = 0usize;
-                    for p in &plan.buffer(b).params {
-                        let i = layout.params.iter().position(|l| l.param == *p).ok_or_else(|| {
-                            ExecError::Internal(format!("{p} of {} is not in {group}", plan.buffer(b).name))
-                        })?;
-                        let n = layout.params[i].numel() as usize;
-                        per_param[i] = Some(piece.narrow(0, off, n)?);
-                        off += n;
-                    }
-                }
-                let packed = flatten(layout, &per_param, cdtype(plan.buffer(*dst).dtype), &self.device)?;
-                self.set(*dst, packed)?;
-            }
-            Instr::ReduceScatter { comm, op, src, dst, .. } => {
-                let input = self.get(*src)?;
-                let c = self.comms.get(*comm, issued.stream)?;
-                let part = self.launch(i, || c.reduce_scatter(self.tags[i], &input, reduce(*op)))?;
-                self.accumulate(*dst, scaled(part, *op)?)?;
-            }
-            Instr::AllReduce { comm, op, buf, .. } => {
-                let t = self.get(*buf)?;
-                let c = self.comms.get(*comm, issued.stream)?;
-                let r = self.launch(i, || c.all_reduce(self.tags[i], &t, reduce(*op)))?;
-                self.set(*buf, scaled(r, *op)?)?;
-            }
-            Instr::Copy { src, dst, accumulate } => {
-                let s = self.get(*src)?;
-                let d = plan.buffer(*dst);
-                let value = if (d.numel as usize) < s.elem_count() {
-                    // A post-forward shard: this rank's slice of its reshard group.
-                    let n = d.numel as usize;
-                    let k = s.elem_count() / n;
-                    let j = plan.mesh.coords(self.rank).shard as usize % k;
-                    s.narrow(0, j * n, n)?.copy()?
-                } else {
-                    s.to_dtype(cdtype(d.dtype))?.copy()?
-                };
-                // Between pools (CPU offload), the copy is a transfer.
-                let value = value.to_device(&self.pool_device(d.pool))?;
-                if *accumulate {
-                    self.accumulate(*dst, value)?;
-                } else {
-                    self.set(*dst, value)?;
-                }
-            }
-            Instr::GradNorm { grads, dst } => {
-                let scale = 1.0 / plan.policy.grad_accum as f64;
-                let norm = self.sum_squares(grads, scale)?;
-                self.set(*dst, norm)?;
-            }
-            Instr::OptimizerStep {
-                group,
-                params,
-                grads,
-                norm,
-                ..
-            } => {
-                let accum = 1.0 / plan.policy.grad_accum as f64;
-                let scale = match norm {
-                    None => GradScale::Host(accum),
-                    Some(n) => self.clip_scale(&self.get(*n)?, accum)?,
-                };
-                let mut g = self.get(*grads)?;
-                if self.shared.native {
-                    let (host, factor) = match &scale {
-                        GradScale::Host(s) => (*s, None),
-                        GradScale::Device(s) => (1.0, Some(s)),
-                    };
-                    let mut p = [self.get(*params)?];
-                    if lock(&self.opt)[group.index()].step_native(&mut p, &g, self.lr, host, factor)? {
-                        let [p] = p;
-                        self.set(*params, p)?;
-                        return Ok(());
-                    }
-                }
-                let host_scale = match scale {
-                    GradScale::Host(s) => s,
-                    GradScale::Device(s) => {
-                        g = g.broadcast_mul(&s.to_dtype(g.dtype())?)?;
-                        1.0
-                    }
-                };
-                let mut p = [self.get(*params)?];
-                lock(&self.opt)[group.index()].step_scaled(&mut p, &[g], self.lr, host_scale)?;
-                let [p] = p;
-                self.set(*params, p)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-fn reduce(op: ReduceOp) -> Reduce {
-    match op {
-        ReduceOp::Sum | ReduceOp::AvgOver(_) => Reduce::Sum,
-        ReduceOp::Avg => Reduce::Avg,
-    }
-}
-
-/// `t` divided as `op` asks after the backend's reduction ([`ReduceOp::AvgOver`]).
-fn scaled(t: Tensor, op: ReduceOp) -> Result<Tensor, ExecError> {
-    match op {
-        ReduceOp::AvgOver(n) if n > 1 => Ok((t / n as f64)?),
-        _ => Ok(t),
-    }
-}
-
-/// Runs one step of `shared.plan` on `state`, with the micro-batches of this rank.
+/// Runs one step of `shared.plan` on `state`, with the micro-batches of this rank
+/// (building the plan's tables first: a caller running many steps of one plan keeps
+/// them, [`run_prepared`]).
 pub fn run_step(
     shared: &Shared,
     state: &mut RankState,
@@ -596,75 +485,25 @@ pub fn run_step(
     lr: f64,
     step_no: u64,
 ) -> Result<RankStepOut, ExecError> {
+    let tables = ProgramTables::new(shared)?;
+    run_prepared(shared, &tables, state, abort, batches, lr, step_no)
+}
+
+/// [`run_step`] with the plan's tables, built once for `shared.plan` (`ProgramTables::new`).
+pub fn run_prepared(
+    shared: &Shared,
+    tables: &ProgramTables,
+    state: &mut RankState,
+    abort: &Abort,
+    batches: &[HashMap<String, Tensor>],
+    lr: f64,
+    step_no: u64,
+) -> Result<RankStepOut, ExecError> {
     crate::runtime::device::bind_thread(&state.ctx.device)?;
     let plan = &shared.plan;
-    let program = &plan.programs[0];
-    let mut mem_seq = vec![usize::MAX; program.instrs.len()];
-    let mut launch_seq = vec![usize::MAX; program.instrs.len()];
-    let mut tags = vec![0u64; program.instrs.len()];
-    let mut q = 0;
-    let mut launches = 0;
-    let mut ordered = shared.ordered_launch;
-    let mut per_comm: HashMap<Comm, u64> = HashMap::new();
-    for (i, x) in program.instrs.iter().enumerate() {
-        if matches!(x.instr, Instr::Alloc { .. } | Instr::Free { .. }) {
-            mem_seq[i] = q;
-            q += 1;
-        }
-        if let Some((comm, _, _)) = x.instr.collective() {
-            let n = per_comm.entry(comm).or_insert(0);
-            tags[i] = (step_no << 32) | *n;
-            *n += 1;
-            launch_seq[i] = launches;
-            launches += 1;
-            ordered |= state.comms.get(comm, x.stream)?.enqueues();
-        }
-        // A compute step that runs collectives among its ops (tensor or expert parallelism)
-        // takes one launch turn for all of them: no other stream's collective launches
-        // between two of them, so their order among the rank's launches is the issue
-        // order on every rank.
-        if let Instr::Compute { step, .. } = &x.instr {
-            if plan.steps.get(step.index()).is_some_and(|s| !s.tensor_ops.is_empty()) {
-                launch_seq[i] = launches;
-                launches += 1;
-            }
-        }
-    }
-    // The compute-stream event each all-to-all step waits for last before it runs.
-    let mut ready_of = HashMap::new();
-    let mut a2a_last = HashMap::new();
-    let mut last_wait = None;
-    for (i, x) in program.instrs.iter().enumerate() {
-        if let (Stream::AllToAll, Instr::Compute { step, micro, .. }) = (x.stream, &x.instr) {
-            if let (Some(s), Some(r)) = (
-                plan.steps.get(step.index()),
-                plan.steps.get(step.index()).and_then(|s| s.nodes.first()),
-            ) {
-                let id = NodeId(r.start);
-                let copy = s.phase == shardplan_planner::Phase::Recompute;
-                for &input in &shared.joint.graph.node(id).inputs {
-                    a2a_last.insert((shared.exec.read_slot(id, copy, input), *micro), i);
-                }
-            }
-        }
-        match x.instr {
-            Instr::Wait { event } if x.stream == Stream::AllToAll => last_wait = Some(event.index()),
-            Instr::Compute { .. } if x.stream == Stream::AllToAll => {
-                let e = last_wait.take().filter(|&e| {
-                    program.instrs[..i].iter().any(|r| {
-                        r.stream == Stream::Compute && matches!(r.instr, Instr::Record { event } if event.index() == e)
-                    })
-                });
-                let e = e.ok_or_else(|| {
-                    ExecError::Internal(format!(
-                        "all-to-all step #{i} does not wait for the compute stream just before it"
-                    ))
-                })?;
-                ready_of.insert(e, i);
-            }
-            _ => {}
-        }
-    }
+    let n_instrs = plan.programs[0].instrs.len();
+    debug_assert!(tables.fits(n_instrs), "program tables of another plan");
+    let ordered = tables.ordered_launch(shared, &state.comms)?;
     let RankState {
         rank,
         comms,
@@ -672,47 +511,17 @@ pub fn run_step(
         opt,
         ctx,
     } = state;
-    let bufs: Vec<Mutex<Slot>> = (0..plan.buffers.len()).map(|_| Mutex::new(Slot::Free)).collect();
-    let mut memory = Memory::default();
-    // The persistent buffers of each group: sharded parameters (always) and optimizer state.
-    let mut sharded = Vec::with_capacity(plan.groups.len());
-    for (g, p) in params.iter().enumerate() {
-        let b = plan
-            .persistent_buffer(g, Category::ShardedParams)
-            .ok_or_else(|| ExecError::Internal(format!("no sharded parameter buffer for g{g}")))?;
-        sharded.push(b.id);
-        *lock(&bufs[b.id.index()]) = Slot::Value(p.clone());
-        let level = if b.pool == Pool::Host {
-            &mut memory.host
-        } else {
-            &mut memory.device
-        };
-        *level.slot(Category::ShardedParams) += tensor_bytes(p);
-        if let Some(ob) = plan.persistent_buffer(g, Category::OptimizerState) {
-            let level = if ob.pool == Pool::Host {
-                &mut memory.host
-            } else {
-                &mut memory.device
-            };
-            *level.slot(Category::OptimizerState) += opt[g].bytes();
-        }
-    }
-    memory.observe();
-    // Device timing: one origin on the compute stream, every mark measured from it.
-    let device_clock = Clock::of_device(&ctx.device);
-    let origin = if shared.device_clock && device_clock.is_device() {
-        Some(Origin::new(&device_clock)?)
-    } else {
-        None
-    };
+    let (bufs, memory) = persistent_state(plan, tables, params, opt)?;
     let cx = StepCtx {
         shared,
+        tables,
+        rank: *rank,
+        step_no,
+        comms,
+        abort,
         // The device pool's device; the host pool is the CPU (`pool_device`). On the CPU
         // backend both are host memory, accounted apart all the same.
         device: ctx.device.clone(),
-        rank: *rank,
-        comms,
-        abort,
         bufs,
         events: (0..plan.events)
             .map(|_| Event {
@@ -720,153 +529,22 @@ pub fn run_step(
                 cv: Condvar::new(),
             })
             .collect(),
-        mem_seq,
-        launch_seq,
-        launch_turn: Mutex::new(0),
-        launch_cv: Condvar::new(),
+        mem_turn: Turn::default(),
+        launch_turn: Turn::default(),
         ordered,
-        tags,
-        mem_turn: Mutex::new(0),
-        mem_cv: Condvar::new(),
         memory: Mutex::new(memory),
         opt: Mutex::new(opt),
         batches,
         lr,
         out: Mutex::new(RankStepOut::default()),
-        times: (0..program.instrs.len()).map(|_| Mutex::new([0.0; 2])).collect(),
-        clock: if origin.is_some() { device_clock } else { Clock::Host },
-        origin,
-        marks: (0..program.instrs.len()).map(|_| Mutex::new(None)).collect(),
-        node_marks: Mutex::new(Vec::new()),
-        expert: ctx.expert_group(),
-        ready_of,
-        mailbox: Mutex::new(HashMap::new()),
-        kept: Mutex::new(HashMap::new()),
-        a2a_last,
-        outbox: Mutex::new(HashMap::new()),
         norm: Mutex::new(None),
         device_losses: Mutex::new(Vec::new()),
+        timing: Timing::new(shared, &ctx.device, n_instrs)?,
+        a2a: Exchange::new(ctx.expert_group()),
     };
-    let n_values = shared.joint.graph.node_count() * 2;
-    let state = Mutex::new(Some(Compute {
-        ctx,
-        values: vec![None; n_values],
-        early: HashMap::new(),
-        live: 0,
-        micro: None,
-        params: HashMap::new(),
-    }));
-    let result: Result<(), ExecError> = std::thread::scope(|scope| {
-        let mut handles = Vec::new();
-        for stream in Stream::ALL {
-            let list: Vec<usize> = program
-                .instrs
-                .iter()
-                .enumerate()
-                .filter(|(_, x)| x.stream == stream)
-                .map(|(i, _)| i)
-                .collect();
-            if list.is_empty() {
-                continue;
-            }
-            let cx = &cx;
-            let state = &state;
-            // The CUDA stream this plan stream's work is issued to: the compute stream's,
-            // or that of the communicators its collectives run on (one per plan stream).
-            let clock = match (&cx.origin, stream) {
-                (None, _) => None,
-                (Some(_), Stream::Compute) => Some(cx.clock.clone()),
-                (Some(_), Stream::AllToAll) => {
-                    Some(cx.comms.expert.as_ref().map_or_else(|| cx.clock.clone(), |e| e.clock()))
-                }
-                (Some(_), _) => Some(
-                    list.iter()
-                        .find_map(|&i| program.instrs[i].instr.collective().map(|(c, _, _)| c))
-                        .map(|c| cx.comms.get(c, stream).map(|g| g.clock()))
-                        .transpose()?
-                        .unwrap_or_else(|| cx.clock.clone()),
-                ),
-            };
-            handles.push(scope.spawn(move || -> Result<(), ExecError> {
-                crate::runtime::device::bind_thread(&cx.device)?;
-                for i in list {
-                    if let Some(r) = cx.abort.reason() {
-                        return Err(ExecError::Aborted(r));
-                    }
-                    let fault = cx
-                        .shared
-                        .faults
-                        .iter()
-                        .find(|f| f.rank == cx.rank && f.instr == i && f.step.is_none_or(|s| s == step_no + 1))
-                        .map(|f| f.fault);
-                    let started = wall_seconds();
-                    let mark = clock.as_ref().map(|c| c.mark()).transpose()?;
-                    let result = match fault {
-                        Some(Fault::Stall) => loop {
-                            if let Some(r) = cx.abort.reason() {
-                                break Err(ExecError::Aborted(r));
-                            }
-                            std::thread::sleep(Duration::from_millis(10));
-                        },
-                        Some(Fault::Fail) => Err(ExecError::Internal("injected failure".into())),
-                        Some(Fault::OutOfMemory) => Err(ExecError::Candle(candle_core::Error::Cuda(Box::new(
-                            InjectedOutOfMemory,
-                        )))),
-                        None => cx.execute(i, state),
-                    };
-                    *lock(&cx.times[i]) = [started, wall_seconds()];
-                    if let (Some(c), Some(m)) = (&clock, mark) {
-                        *lock(&cx.marks[i]) = Some((m, c.mark()?));
-                    }
-                    if let Err(e) = result {
-                        if !matches!(e, ExecError::Aborted(_)) {
-                            let what = shardplan_planner::print::describe(
-                                &cx.shared.plan,
-                                &cx.shared.plan.programs[0].instrs[i],
-                            );
-                            let advice = if e.is_out_of_memory() {
-                                format!("\n{}", out_of_memory_advice(&cx.shared.plan))
-                            } else {
-                                String::new()
-                            };
-                            cx.abort.abort(format!(
-                                "step {}: rank {}: instruction #{i} `{what}` failed: {e}{advice}",
-                                step_no + 1,
-                                cx.rank
-                            ));
-                        }
-                        return Err(e);
-                    }
-                }
-                if stream == Stream::Compute {
-                    // The all-to-all stream's last step ends before the compute stream's.
-                    if let Some(c) = lock(state).as_ref() {
-                        c.ctx.flush_expert()?;
-                        lock(&cx.out).routing = c.ctx.take_routing_load();
-                    }
-                }
-                Ok(())
-            }));
-        }
-        let mut first = Ok(());
-        for h in handles {
-            let r = h
-                .join()
-                .unwrap_or_else(|_| Err(ExecError::Internal("a stream thread panicked".into())));
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
-    });
-    // Collectives that were only enqueued complete here: the step's end is the one place
-    // the host waits for the device (and where their failures surface).
-    let result = result.and_then(|()| {
-        for (comm, stream) in program.communicators() {
-            cx.comms.get(comm, stream)?.flush()?;
-        }
-        Ok(())
-    });
+    let compute = Mutex::new(Some(Compute::new(ctx, shared.joint.graph.node_count() * 2)));
+    // Collectives that were only enqueued complete at the step's end.
+    let result = cx.run_streams(&compute).and_then(|()| cx.flush_collectives());
     if let Err(e) = result {
         return Err(match abort.reason() {
             Some(r) => ExecError::Aborted(r),
@@ -874,55 +552,88 @@ pub fn run_step(
         });
     }
     // The updated shards.
-    for (p, b) in params.iter_mut().zip(&sharded) {
-        *p = cx.get(*b)?;
+    for (g, p) in params.iter_mut().enumerate() {
+        *p = cx.get(tables.sharded_buffer(g)?)?;
     }
-    let norm = cx.norm.into_inner().unwrap_or_else(|e| e.into_inner());
-    let device_losses = cx.device_losses.into_inner().unwrap_or_else(|e| e.into_inner());
-    let memory = cx.memory.into_inner().unwrap_or_else(|e| e.into_inner());
-    let mut out = cx.out.into_inner().unwrap_or_else(|e| e.into_inner());
-    for (value, id) in device_losses {
-        let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
-        if !loss.is_finite() {
-            let g = &shared.joint.graph;
-            let node = g.node(id);
-            return Err(ExecError::NonFinite {
-                step: 0,
-                loss,
-                module: g.scope(node.scope).display_path().to_string(),
-                node: id.to_string(),
-                op: node.op.name().to_string(),
-            });
+    cx.finish()
+}
+
+/// The buffers of a step before it runs, every group's sharded parameters in theirs, and
+/// the bytes held: the sharded parameters and the optimizer state.
+fn persistent_state(
+    plan: &Plan,
+    tables: &ProgramTables,
+    params: &[Tensor],
+    opt: &[OptState],
+) -> Result<(Vec<Mutex<Slot>>, Memory), ExecError> {
+    let bufs: Vec<Mutex<Slot>> = (0..plan.buffers.len()).map(|_| Mutex::new(Slot::Free)).collect();
+    let mut memory = Memory::default();
+    for (g, p) in params.iter().enumerate() {
+        let b = tables.sharded_buffer(g)?;
+        *lock(&bufs[b.index()]) = Slot::Value(p.clone());
+        *memory.level(plan.buffer(b).pool).slot(Category::ShardedParams) += tensor_bytes(p);
+        if let Some(pool) = tables.opt_pool[g] {
+            *memory.level(pool).slot(Category::OptimizerState) += opt[g].bytes();
         }
-        out.losses.push(loss);
     }
-    if let Some(sq) = norm {
-        // The step's one read of the device: its gradient norm, for the log. The update
-        // has been made by now; a non-finite norm still stops the run here.
-        let total = sq.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()?[0].sqrt();
-        if !total.is_finite() {
-            return Err(ExecError::Internal(format!("the global gradient norm is {total}")));
+    memory.observe();
+    Ok((bufs, memory))
+}
+
+impl StepCtx<'_> {
+    /// Waits for the collectives that were only enqueued: the step's end is the one place
+    /// the host waits for the device (and where their failures surface).
+    fn flush_collectives(&self) -> Result<(), ExecError> {
+        for &(comm, stream) in &self.tables.communicators {
+            self.comms.get(comm, stream)?.flush()?;
         }
-        out.grad_norm = Some(total);
+        Ok(())
     }
-    out.max_by_category = memory.max;
-    out.peak = memory.peak;
-    out.host = memory.host_max;
-    out.times = cx
-        .times
-        .into_iter()
-        .map(|t| t.into_inner().unwrap_or_else(|e| e.into_inner()))
-        .collect();
-    if let Some(origin) = &cx.origin {
-        // The step's work has been waited for: every event is complete.
-        for (t, m) in out.times.iter_mut().zip(cx.marks) {
-            if let Some((a, b)) = m.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                *t = [origin.seconds(&a)?, origin.seconds(&b)?];
+
+    /// What the step measured, read once it has run: the losses and the gradient norm
+    /// left on the device, the memory levels and the instructions' and nodes' times.
+    fn finish(self) -> Result<RankStepOut, ExecError> {
+        let memory = into_inner(self.memory);
+        let mut out = into_inner(self.out);
+        for (value, id) in into_inner(self.device_losses) {
+            let loss = value.to_dtype(CDType::F32)?.to_scalar::<f32>()?;
+            if !loss.is_finite() {
+                return Err(non_finite(&self.shared.joint.graph, id, loss));
+            }
+            out.losses.push(loss);
+        }
+        if let Some(sq) = into_inner(self.norm) {
+            // The step's one read of the device: its gradient norm, for the log. The update
+            // has been made by now; a non-finite norm still stops the run here.
+            let total = sq.to_dtype(CDType::F64)?.flatten_all()?.to_vec1::<f64>()?[0].sqrt();
+            if !total.is_finite() {
+                return Err(ExecError::Internal(format!("the global gradient norm is {total}")));
+            }
+            out.grad_norm = Some(total);
+        }
+        out.max_by_category = memory.max;
+        out.peak = memory.peak;
+        out.host = memory.host_max;
+        self.timing.resolve(&mut out)?;
+        Ok(out)
+    }
+}
+
+impl Timing {
+    /// The instructions' times into `out`, and with device timing (the step's work waited
+    /// for: every event is complete) the marks resolved into times and node seconds.
+    fn resolve(self, out: &mut RankStepOut) -> Result<(), ExecError> {
+        out.times = self.times.into_iter().map(into_inner).collect();
+        if let Some(origin) = &self.origin {
+            for (t, m) in out.times.iter_mut().zip(self.marks) {
+                if let Some((a, b)) = into_inner(m) {
+                    *t = [origin.seconds(&a)?, origin.seconds(&b)?];
+                }
+            }
+            for (id, a, b) in into_inner(self.node_marks) {
+                out.node_seconds.push((id, origin.between(&a, &b)?));
             }
         }
-        for (id, a, b) in cx.node_marks.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            out.node_seconds.push((id, origin.between(&a, &b)?));
-        }
+        Ok(())
     }
-    Ok(out)
 }
