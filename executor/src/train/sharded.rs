@@ -13,7 +13,7 @@ use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 use crate::init::init_slice_elements;
 use crate::runtime::optim::{base_lr, lr_at, OptState};
-use crate::runtime::rank::{run_step, RankState, Shared};
+use crate::runtime::rank::{run_prepared, ProgramTables, RankState, Shared};
 pub use crate::runtime::rank::{Fault, Injected};
 use crate::train::data::{rank_rows, DataSource};
 use crate::train::eval::{step_starts, Validation};
@@ -24,7 +24,7 @@ use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate_with, JointGraph};
 use shardplan_models::{trace, ModelConfig};
-use shardplan_planner::{chunk_rows, plan, ByCategory, Category, Coords, ExecOrder, Plan, Pool};
+use shardplan_planner::{chunk_rows, plan, ByCategory, Category, Coords, ExecOrder, Instr, Plan, Pool, Stream};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -67,9 +67,17 @@ pub struct ShardedMetrics {
     pub routing: Option<RoutingLoad>,
 }
 
+/// One rank's rows of each micro-batch of a step, by input name.
+type RankMicroBatches = Vec<HashMap<String, Tensor>>;
+
+/// Each local rank's [`RankMicroBatches`].
+type RankBatches = Vec<RankMicroBatches>;
+
 /// A model, its Plan, and every rank's shards.
 pub struct ShardedTrainer {
     pub(crate) shared: Shared,
+    /// What each step reads from the plan alone, built once.
+    tables: ProgramTables,
     pub(crate) ranks: Vec<RankState>,
     pub(crate) data: Vec<Box<dyn DataSource>>,
     /// The validation forward and data, when the spec's data has a `val` file.
@@ -169,6 +177,175 @@ fn state_device(plan: &Plan, g: usize, c: Category, device: &Device) -> Device {
     }
 }
 
+/// Refuses a plan this executor cannot run: another runtime's, one that fails the
+/// verifier, or one with a program per rank.
+fn check_runnable(plan: &Plan) -> Result<(), ExecError> {
+    if !plan.policy.runtime.is_shardplan() {
+        // FSDP2's buffers (flat all-gather outputs, its reduce-scatter state) are a
+        // prediction of another framework's run, not this executor's schedule.
+        return Err(ExecError::Unsupported(format!(
+            "the plan models PyTorch FSDP2's run (runtime: {}); shardplan's executor runs only its own schedule (runtime: shardplan)",
+            plan.policy.runtime.name()
+        )));
+    }
+    shardplan_planner::verify(plan, None)
+        .map_err(|e| ExecError::Unsupported(format!("the plan is not safe to run: {e}")))?;
+    if plan.programs.len() != 1 {
+        return Err(ExecError::Unsupported(
+            "plans with per-rank programs are not supported by the executor".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The executor's execution order of `joint` and where each of `plan`'s steps starts in
+/// it: the plan's steps must cover it, in order.
+fn execution_order(
+    plan: &Plan,
+    joint: &JointGraph,
+    config: &ParallelConfig,
+) -> Result<(ExecOrder, Vec<usize>), ExecError> {
+    let mut exec = ExecOrder::new(joint, config.activation_checkpointing);
+    exec.shardplan_kernels(&joint.graph);
+    let (step_start, pos) = step_starts(plan, &exec)?;
+    if pos != exec.order.len() {
+        return Err(ExecError::Unsupported(
+            "the plan's steps do not cover this model's graph".into(),
+        ));
+    }
+    Ok((exec, step_start))
+}
+
+/// The compute stream's waits whose measured time is exposed communication: all but
+/// those on the all-to-all stream (a wait there is the expert group's collective, which
+/// the plan's estimate counts apart, not FSDP's communication).
+fn compute_waits(plan: &Plan) -> Vec<usize> {
+    let instrs = &plan.programs[0].instrs;
+    let expert_events: std::collections::HashSet<_> = instrs
+        .iter()
+        .filter_map(|x| match x.instr {
+            Instr::Record { event } if x.stream == Stream::AllToAll => Some(event),
+            _ => None,
+        })
+        .collect();
+    instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| {
+            x.stream == Stream::Compute && matches!(x.instr, Instr::Wait { event } if !expert_events.contains(&event))
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// What making every local rank's initial state reads, and how far it has got.
+struct ShardInit<'a> {
+    plan: &'a Plan,
+    config: &'a ParallelConfig,
+    whole: &'a WholeParams,
+    graph: &'a shardplan_ir::Graph,
+    device: &'a Device,
+    progress: &'a mut dyn FnMut(u64, u64),
+    /// (rank, group) shards made so far, of `total`.
+    made: u64,
+    total: u64,
+}
+
+impl ShardInit<'_> {
+    /// Rank `rank`'s state on its communicators `comms` (of the `backend` backend): its
+    /// kernel context, its parameter shards and their optimizer state.
+    fn rank(&mut self, rank: u64, mut comms: crate::comm::Comms, backend: &str) -> Result<RankState, ExecError> {
+        let world = self.plan.mesh.world();
+        if rank >= world {
+            return Err(ExecError::Internal(format!("rank {rank} placed on a world of {world}")));
+        }
+        let ctx = self.ctx(&mut comms, backend)?;
+        let mut params = Vec::with_capacity(self.plan.groups.len());
+        let mut opt = Vec::with_capacity(self.plan.groups.len());
+        for gi in 0..self.plan.groups.len() {
+            let (t, o) = self.group_shard(rank, gi)?;
+            params.push(t);
+            opt.push(o);
+            self.made += 1;
+            (self.progress)(self.made, self.total);
+        }
+        Ok(RankState {
+            rank,
+            comms,
+            params,
+            opt,
+            ctx,
+        })
+    }
+
+    /// A rank's kernel context, with the tensor and expert groups its communicators give
+    /// (taken from `comms`); refused when the mesh needs one the backend does not make.
+    fn ctx(&self, comms: &mut crate::comm::Comms, backend: &str) -> Result<Ctx, ExecError> {
+        let mesh = self.plan.mesh;
+        let device = self.device;
+        let mut ctx = match comms.tensor.take() {
+            Some(t) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(std::sync::Arc::from(t))),
+            None if mesh.tensor() > 1 => {
+                return Err(ExecError::Unsupported(format!(
+                    "the {backend} backend does not run tensor parallelism yet (mesh.tensor {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
+                    mesh.tensor()
+                )))
+            }
+            None => Ctx::new(device.clone()),
+        };
+        match comms.expert.take() {
+            Some(e) => ctx = ctx.with_expert_group(ExpertGroup::new(std::sync::Arc::from(e))),
+            None if mesh.expert() > 1 => {
+                return Err(ExecError::Unsupported(format!(
+                    "the {backend} backend does not run expert parallelism yet (mesh.expert {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
+                    mesh.expert()
+                )))
+            }
+            None => {}
+        }
+        Ok(ctx)
+    }
+
+    /// Rank `rank`'s flat shard of group `gi` (its own rows of each parameter, from the
+    /// counter-based initialiser) on its pool's device, and the group's optimizer state
+    /// made as zeros on its own pool's device.
+    fn group_shard(&self, rank: u64, gi: usize) -> Result<(Tensor, OptState), ExecError> {
+        let (plan, config, device) = (self.plan, self.config, self.device);
+        let mesh = plan.mesh;
+        let grp = &plan.groups[gi];
+        let l = &grp.layout;
+        let (tensor_rank, expert_rank) = (mesh.coords(rank).tensor, mesh.expert_index(rank));
+        let mut flat = vec![0f32; l.shard_numel as usize];
+        for pl in &l.params {
+            let rows = chunk_rows(
+                pl.dims.first().copied().unwrap_or(1),
+                l.shard,
+                mesh.shard_rank(rank, &grp.group),
+            );
+            let range = rows.start * pl.row_elems..rows.end * pl.row_elems;
+            let key = self.whole.id(pl.param, expert_rank) as u64;
+            let vals = init_slice_elements(self.graph, pl.param, key, config.seed, range, tensor_rank);
+            let at = pl.shard_offset as usize;
+            flat[at..at + vals.len()].copy_from_slice(&vals);
+        }
+        let t = Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?.to_device(&state_device(
+            plan,
+            gi,
+            Category::ShardedParams,
+            device,
+        ))?;
+        let mut o = OptState::new(config.optimizer, 1);
+        // The state is made as zeros like a tensor on its own pool's device.
+        let state_at = state_device(plan, gi, Category::OptimizerState, device);
+        if state_at.same_device(t.device()) {
+            o.materialize(std::slice::from_ref(&t))?;
+        } else {
+            o.materialize(&[Tensor::zeros(l.shard_numel as usize, DType::F32, &state_at)?])?;
+        }
+        Ok((t, o))
+    }
+}
+
 impl ShardedTrainer {
     /// Traces and differentiates `model`, plans it for `config` as this executor runs it
     /// ([`executor_config`]), and initialises every rank.
@@ -231,32 +408,8 @@ impl ShardedTrainer {
         device: &Device,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self, ExecError> {
-        if !plan.policy.runtime.is_shardplan() {
-            // FSDP2's buffers (flat all-gather outputs, its reduce-scatter state) are a
-            // prediction of another framework's run, not this executor's schedule.
-            return Err(ExecError::Unsupported(format!(
-                "the plan models PyTorch FSDP2's run (runtime: {}); shardplan's executor runs only its own schedule (runtime: shardplan)",
-                plan.policy.runtime.name()
-            )));
-        }
-        shardplan_planner::verify(&plan, None)
-            .map_err(|e| ExecError::Unsupported(format!("the plan is not safe to run: {e}")))?;
-        if plan.programs.len() != 1 {
-            return Err(ExecError::Unsupported(
-                "plans with per-rank programs are not supported by the executor".into(),
-            ));
-        }
-        let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
-        exec.shardplan_kernels(&joint.graph);
-        // The plan's steps must cover the execution order, in order.
-        let (step_start, pos) = step_starts(&plan, &exec)?;
-        if pos != exec.order.len() {
-            return Err(ExecError::Unsupported(
-                "the plan's steps do not cover this model's graph".into(),
-            ));
-        }
-        let mesh = plan.mesh;
-        let world = mesh.world();
+        check_runnable(&plan)?;
+        let (exec, step_start) = execution_order(&plan, &joint, config)?;
         let Placement {
             ranks: placed,
             processes,
@@ -266,128 +419,43 @@ impl ShardedTrainer {
         let g = &joint.graph;
         let first = g.node(g.inputs()[0]).ty.shape.dims().to_vec();
         let (per_rank, seq) = (first[0] as usize, first[1] as usize);
-        let whole = WholeParams::new(model, config, g)?;
-        let mut ranks = Vec::with_capacity(placed.len());
-        let mut data = Vec::with_capacity(placed.len());
         // A tensor group shares its sequences: the batch is split over the data-parallel
         // ranks only.
-        let data_world = mesh.data_parallel();
-        let (shards, mut made) = ((placed.len() * plan.groups.len()) as u64, 0u64);
-        for (rank, mut comms) in placed {
-            if rank >= world {
-                return Err(ExecError::Internal(format!("rank {rank} placed on a world of {world}")));
-            }
-            let coords = mesh.coords(rank);
-            let mut ctx = match comms.tensor.take() {
-                Some(t) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(std::sync::Arc::from(t))),
-                None if mesh.tensor() > 1 => {
-                    return Err(ExecError::Unsupported(format!(
-                        "the {backend} backend does not run tensor parallelism yet (mesh.tensor {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
-                        mesh.tensor()
-                    )))
-                }
-                None => Ctx::new(device.clone()),
-            };
-            match comms.expert.take() {
-                Some(e) => ctx = ctx.with_expert_group(ExpertGroup::new(std::sync::Arc::from(e))),
-                None if mesh.expert() > 1 => {
-                    return Err(ExecError::Unsupported(format!(
-                        "the {backend} backend does not run expert parallelism yet (mesh.expert {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
-                        mesh.expert()
-                    )))
-                }
-                None => {}
-            }
-            let expert_rank = mesh.expert_index(rank);
-            let mut params = Vec::with_capacity(plan.groups.len());
-            let mut opt = Vec::with_capacity(plan.groups.len());
-            for (gi, grp) in plan.groups.iter().enumerate() {
-                let l = &grp.layout;
-                let mut flat = vec![0f32; l.shard_numel as usize];
-                for pl in &l.params {
-                    let rows = chunk_rows(
-                        pl.dims.first().copied().unwrap_or(1),
-                        l.shard,
-                        mesh.shard_rank(rank, &grp.group),
-                    );
-                    let range = rows.start * pl.row_elems..rows.end * pl.row_elems;
-                    let key = whole.id(pl.param, expert_rank) as u64;
-                    let vals = init_slice_elements(g, pl.param, key, config.seed, range, coords.tensor);
-                    let at = pl.shard_offset as usize;
-                    flat[at..at + vals.len()].copy_from_slice(&vals);
-                }
-                let t = Tensor::from_vec(flat, l.shard_numel as usize, &Device::Cpu)?.to_device(&state_device(
-                    &plan,
-                    gi,
-                    Category::ShardedParams,
-                    device,
-                ))?;
-                let mut o = OptState::new(config.optimizer, 1);
-                // The state is made as zeros like a tensor on its own pool's device.
-                let state_at = state_device(&plan, gi, Category::OptimizerState, device);
-                if state_at.same_device(t.device()) {
-                    o.materialize(std::slice::from_ref(&t))?;
-                } else {
-                    o.materialize(&[Tensor::zeros(l.shard_numel as usize, DType::F32, &state_at)?])?;
-                }
-                params.push(t);
-                opt.push(o);
-                made += 1;
-                progress(made, shards);
-            }
-            ranks.push(RankState {
-                rank,
-                comms,
-                params,
-                opt,
-                ctx,
-            });
-            data.push(data_source(model, config, per_rank * data_world as usize, seq)?);
-        }
-        let validation = Validation::new(
-            model,
+        let rows = per_rank * plan.mesh.data_parallel() as usize;
+        let whole = WholeParams::new(model, config, g)?;
+        let mut init = ShardInit {
+            plan: &plan,
             config,
-            &joint,
-            &plan,
-            ranks.len(),
-            per_rank * data_world as usize,
-            seq,
-        )?;
-        // (A wait on the all-to-all stream is the expert group's collective, which the
-        // plan's estimate counts apart, not FSDP's communication.)
-        let expert_events: std::collections::HashSet<_> = plan.programs[0]
-            .instrs
-            .iter()
-            .filter_map(|x| match x.instr {
-                shardplan_planner::Instr::Record { event } if x.stream == shardplan_planner::Stream::AllToAll => {
-                    Some(event)
-                }
-                _ => None,
-            })
-            .collect();
-        let compute_waits = plan.programs[0]
-            .instrs
-            .iter()
-            .enumerate()
-            .filter(|(_, x)| {
-                x.stream == shardplan_planner::Stream::Compute
-                    && matches!(x.instr, shardplan_planner::Instr::Wait { event } if !expert_events.contains(&event))
-            })
-            .map(|(i, _)| i)
-            .collect();
+            whole: &whole,
+            graph: g,
+            device,
+            progress,
+            made: 0,
+            total: (placed.len() * plan.groups.len()) as u64,
+        };
+        let mut ranks = Vec::with_capacity(placed.len());
+        let mut data = Vec::with_capacity(placed.len());
+        for (rank, comms) in placed {
+            ranks.push(init.rank(rank, comms, backend)?);
+            data.push(data_source(model, config, rows, seq)?);
+        }
+        let validation = Validation::new(model, config, &joint, &plan, ranks.len(), rows, seq)?;
+        let compute_waits = compute_waits(&plan);
+        let shared = Shared {
+            plan,
+            joint,
+            exec,
+            step_start,
+            clip: config.grad_clip,
+            faults: Vec::new(),
+            ordered_launch: false,
+            profile: false,
+            native: false,
+            device_clock: false,
+        };
         Ok(ShardedTrainer {
-            shared: Shared {
-                plan,
-                joint,
-                exec,
-                step_start,
-                clip: config.grad_clip,
-                faults: Vec::new(),
-                ordered_launch: false,
-                profile: false,
-                native: false,
-                device_clock: false,
-            },
+            tables: ProgramTables::new(&shared)?,
+            shared,
             ranks,
             data,
             validation,
@@ -500,16 +568,40 @@ impl ShardedTrainer {
         }
         let start = Instant::now();
         let accum = self.config.batch.grad_accum as usize;
-        let mesh = self.shared.plan.mesh;
-        let data_world = mesh.data_parallel() as usize;
         let lr = lr_at(
             self.step,
             self.total_steps,
             base_lr(&self.config.optimizer),
             &self.config.lr_schedule,
         );
-        // Each local rank's rows of the same global micro-batches.
-        let mut batches: Vec<Vec<HashMap<String, Tensor>>> = Vec::with_capacity(self.ranks.len());
+        let (batches, tokens) = self.next_batches(accum)?;
+        // The device's own figures over this step (GPU runs; nothing on the CPU).
+        crate::runtime::device::reset_peaks(&self.device)?;
+        let outs = self.run_ranks(&batches, lr)?;
+        self.step += 1;
+        let local = self.rank_stats(&outs)?;
+        if let Some(p) = self.profile.as_mut() {
+            p.add(&self.shared, self.step, &outs);
+        }
+        if let Some(t) = self.times.as_mut() {
+            t.push(outs.into_iter().map(|o| o.times).collect());
+        }
+        let all = self.exchange(local, accum)?;
+        let secs = start.elapsed().as_secs_f64();
+        let due = self
+            .validation
+            .as_ref()
+            .is_some_and(|v| self.step.is_multiple_of(v.every) || self.step == self.total_steps);
+        let val_loss = if due { Some(self.evaluate()?) } else { None };
+        Ok(self.metrics(&all, lr, tokens, secs, val_loss))
+    }
+
+    /// Each local rank's rows of the step's `accum` global micro-batches, and the tokens
+    /// of those micro-batches.
+    fn next_batches(&mut self, accum: usize) -> Result<(RankBatches, u64), ExecError> {
+        let mesh = self.shared.plan.mesh;
+        let data_world = mesh.data_parallel() as usize;
+        let mut batches: RankBatches = Vec::with_capacity(self.ranks.len());
         let mut tokens = 0u64;
         for (k, (d, state)) in self.data.iter_mut().zip(&self.ranks).enumerate() {
             let rank = state.rank as usize;
@@ -524,17 +616,26 @@ impl ShardedTrainer {
             }
             batches.push(mine);
         }
-        // The device's own figures over this step (GPU runs; nothing on the CPU).
-        crate::runtime::device::reset_peaks(&self.device)?;
-        let shared = &self.shared;
+        Ok((batches, tokens))
+    }
+
+    /// Runs the step on every local rank (a thread each) with its `batches` at learning
+    /// rate `lr`; every rank's measurements, or the first failure (the world's stop
+    /// reason when there is one).
+    fn run_ranks(
+        &mut self,
+        batches: &[RankMicroBatches],
+        lr: f64,
+    ) -> Result<Vec<crate::runtime::rank::RankStepOut>, ExecError> {
+        let (shared, tables) = (&self.shared, &self.tables);
         let abort = &self.abort;
         let step_no = self.step;
         let results: Vec<Result<crate::runtime::rank::RankStepOut, ExecError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
-                .zip(&batches)
-                .map(|(state, b)| s.spawn(move || run_step(shared, state, abort, b, lr, step_no)))
+                .zip(batches)
+                .map(|(state, b)| s.spawn(move || run_prepared(shared, tables, state, abort, b, lr, step_no)))
                 .collect();
             handles
                 .into_iter()
@@ -556,14 +657,19 @@ impl ShardedTrainer {
                 }
             }
         }
-        self.step += 1;
+        Ok(outs)
+    }
+
+    /// Each local rank's figures of the step just run (`outs`), as exchanged between
+    /// processes: with whether a stop was asked for and the device's memory figures.
+    fn rank_stats(&self, outs: &[crate::runtime::rank::RankStepOut]) -> Result<Vec<RankStats>, ExecError> {
         let stop_here = self
             .stop_flag
             .as_ref()
             .is_some_and(|f| f.load(std::sync::atomic::Ordering::SeqCst));
         let compute_waits = &self.compute_waits;
         let dev = crate::runtime::device::measure(&self.device)?;
-        let local: Vec<RankStats> = outs
+        Ok(outs
             .iter()
             .zip(&self.ranks)
             .map(|(o, r)| RankStats {
@@ -578,31 +684,22 @@ impl ShardedTrainer {
                 dev,
                 routing: o.routing,
             })
-            .collect();
-        if let Some(p) = self.profile.as_mut() {
-            p.add(&self.shared, self.step, &outs);
-        }
-        if let Some(t) = self.times.as_mut() {
-            t.push(outs.into_iter().map(|o| o.times).collect());
-        }
-        let all = self.exchange(local, accum)?;
-        let secs = start.elapsed().as_secs_f64();
+            .collect())
+    }
+
+    /// The step's metrics from every rank's figures `all` (in rank order).
+    fn metrics(&self, all: &[RankStats], lr: f64, tokens: u64, secs: f64, val_loss: Option<f32>) -> ShardedMetrics {
         let mut sum = 0f64;
         let mut n = 0usize;
-        for r in &all {
+        for r in all {
             for &l in &r.losses {
                 sum += f64::from(l);
                 n += 1;
             }
         }
         let r0 = &all[0];
-        let due = self
-            .validation
-            .as_ref()
-            .is_some_and(|v| self.step.is_multiple_of(v.every) || self.step == self.total_steps);
-        let val_loss = if due { Some(self.evaluate()?) } else { None };
         let plan = &self.shared.plan;
-        Ok(ShardedMetrics {
+        ShardedMetrics {
             step: self.step,
             loss: (sum / n.max(1) as f64) as f32,
             rank0_loss: r0.losses.iter().map(|&l| f64::from(l)).sum::<f64>() as f32 / r0.losses.len().max(1) as f32,
@@ -621,7 +718,7 @@ impl ShardedTrainer {
             measured_device: all.iter().map(|o| o.dev).collect(),
             routing: all.iter().filter_map(|o| o.routing).reduce(RoutingLoad::max),
             val_loss,
-        })
+        }
     }
 
     /// Whether the spec's data has a validation file (`data.val`).
