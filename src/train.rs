@@ -10,16 +10,19 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use shardplan_executor::comm::env::{Launcher, ProcessEnv};
 use shardplan_executor::comm::Placement;
-use shardplan_executor::runtime::device::DeviceMemory;
 use shardplan_executor::train::engine::Engine;
 use shardplan_executor::{ExecError, ShardedTrainer};
 use shardplan_frontends::{load_model, load_parallel, trace_error, LoadedModel, LoadedParallel, Source, SpecError};
+use shardplan_models::ModelConfig;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 mod fit;
+mod measured;
+
+use measured::Measured;
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
@@ -291,8 +294,30 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
         return Err(CliError::Other(anyhow::anyhow!("--steps must be at least 1")));
     }
     let device_name = device;
-    let device =
-        shardplan_executor::runtime::device::open(device).map_err(|e| CliError::Usage(format!("--device: {e}")))?;
+    let (device, kernels) = open_device(args, device_name)?;
+    shardplan_executor::host::retain_freed_memory();
+    let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
+        (Some(p), _, _) => trainer_from_plan(args, engine, &device, device_name, p)?,
+        (None, Some(m), Some(par)) => trainer_from_specs(args, engine, &device, device_name, m, par)?,
+        _ => {
+            return Err(CliError::Other(anyhow::anyhow!(
+                "give --model and --parallel, or --plan"
+            )))
+        }
+    };
+    check_checkpoint_mesh(args, &trainer)?;
+    configure(args, &mut trainer, kernels, &specs)?;
+    let run = Run::start(args, trainer, specs, device_name)?;
+    run.run_steps(&model_config)
+}
+
+/// Opens `--device` and checks `--kernels` against it.
+fn open_device(
+    args: &TrainArgs,
+    device_name: &str,
+) -> Result<(candle_core::Device, shardplan_executor::gpu::Kernels), CliError> {
+    let device = shardplan_executor::runtime::device::open(device_name)
+        .map_err(|e| CliError::Usage(format!("--device: {e}")))?;
     let kernels = shardplan_executor::gpu::Kernels::parse(&args.kernels)
         .map_err(|e| CliError::Usage(format!("--kernels: {e}")))?;
     if kernels == shardplan_executor::gpu::Kernels::Native && !device.is_cuda() {
@@ -300,75 +325,90 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
             "--kernels native runs shardplan's CUDA kernels, but --device is `{device_name}`: give --device cuda, or leave --kernels at `candle`"
         )));
     }
-    shardplan_executor::host::retain_freed_memory();
-    let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
-        (Some(p), _, _) => {
-            let shardplan_planner::rederive::CheckedPlan {
+    Ok((device, kernels))
+}
+
+/// The trainer of a plan file (`--plan`), once its memory is known to fit: the ranks'
+/// weights and optimizer state made on `device`.
+fn trainer_from_plan(
+    args: &TrainArgs,
+    engine: &dyn Engine,
+    device: &candle_core::Device,
+    device_name: &str,
+    p: &std::path::Path,
+) -> Result<(Specs, ShardedTrainer, ModelConfig), CliError> {
+    let shardplan_planner::rederive::CheckedPlan {
+        plan,
+        model,
+        parallel,
+        joint,
+    } = read_plan(p)?;
+    if !plan.policy.runtime.is_shardplan() {
+        return Err(CliError::Usage(format!(
+            "{}: this plan predicts PyTorch FSDP2's run (runtime: {}), whose buffers and hooks shardplan's executor does not run; train from the specs instead (`shardplan train --model M --parallel P` plans the same spec for this executor), or plan without `runtime: fsdp2` and pass that plan",
+            p.display(),
+            plan.policy.runtime.name()
+        )));
+    }
+    let specs = Specs::Plan(p.to_path_buf());
+    let placement = engine.place(&plan, device).map_err(|e| exec_error(e, &specs))?;
+    fit::check(&plan, placement.ranks.len(), device, device_name, &model, &parallel, p)?;
+    let t = startup(placement, device, |placement, progress| {
+        ShardedTrainer::from_placement_on(&model, &parallel, plan, joint, args.steps, placement, device, progress)
+    })
+    .map_err(|e| exec_error(e, &specs))?;
+    Ok((specs, t, model))
+}
+
+/// The trainer of a model spec and a parallel spec (`--model`, `--parallel`), planned as
+/// this executor runs it, once its memory is known to fit.
+fn trainer_from_specs(
+    args: &TrainArgs,
+    engine: &dyn Engine,
+    device: &candle_core::Device,
+    device_name: &str,
+    m: &std::path::Path,
+    par: &std::path::Path,
+) -> Result<(Specs, ShardedTrainer, ModelConfig), CliError> {
+    let model = load_model(m)?;
+    let parallel = load_parallel(par)?;
+    // Planned as this executor runs it (one kernel per op), not as PyTorch eager would.
+    let run_config = shardplan_executor::train::sharded::executor_config(&parallel.config);
+    let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &run_config)?;
+    let config = model.config.clone();
+    let specs = Specs::Files(Box::new((model, parallel)));
+    let placement = engine.place(&plan, device).map_err(|e| exec_error(e, &specs))?;
+    fit::check(
+        &plan,
+        placement.ranks.len(),
+        device,
+        device_name,
+        &config,
+        &run_config,
+        specs.file(),
+    )?;
+    let t = match &specs {
+        Specs::Files(b) => startup(placement, device, |placement, progress| {
+            ShardedTrainer::from_placement_on(
+                &b.0.config,
+                &b.1.config,
                 plan,
-                model,
-                parallel,
                 joint,
-            } = read_plan(p)?;
-            if !plan.policy.runtime.is_shardplan() {
-                return Err(CliError::Usage(format!(
-                    "{}: this plan predicts PyTorch FSDP2's run (runtime: {}), whose buffers and hooks shardplan's executor does not run; train from the specs instead (`shardplan train --model M --parallel P` plans the same spec for this executor), or plan without `runtime: fsdp2` and pass that plan",
-                    p.display(),
-                    plan.policy.runtime.name()
-                )));
-            }
-            let specs = Specs::Plan(p.clone());
-            let placement = engine.place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
-            fit::check(&plan, placement.ranks.len(), &device, device_name, &model, &parallel, p)?;
-            let t = startup(placement, &device, |placement, progress| {
-                ShardedTrainer::from_placement_on(
-                    &model, &parallel, plan, joint, args.steps, placement, &device, progress,
-                )
-            })
-            .map_err(|e| exec_error(e, &specs))?;
-            (specs, t, model)
-        }
-        (None, Some(m), Some(par)) => {
-            let model = load_model(m)?;
-            let parallel = load_parallel(par)?;
-            // Planned as this executor runs it (one kernel per op), not as PyTorch eager would.
-            let run_config = shardplan_executor::train::sharded::executor_config(&parallel.config);
-            let (plan, joint) = crate::plan::make_plan_and_graph(&model, &parallel, &run_config)?;
-            let config = model.config.clone();
-            let specs = Specs::Files(Box::new((model, parallel)));
-            let placement = engine.place(&plan, &device).map_err(|e| exec_error(e, &specs))?;
-            fit::check(
-                &plan,
-                placement.ranks.len(),
-                &device,
-                device_name,
-                &config,
-                &run_config,
-                specs.file(),
-            )?;
-            let t = match &specs {
-                Specs::Files(b) => startup(placement, &device, |placement, progress| {
-                    ShardedTrainer::from_placement_on(
-                        &b.0.config,
-                        &b.1.config,
-                        plan,
-                        joint,
-                        args.steps,
-                        placement,
-                        &device,
-                        progress,
-                    )
-                }),
-                Specs::Plan(_) => unreachable!("built from files just above"),
-            }
-            .map_err(|e| exec_error(e, &specs))?;
-            (specs, t, config)
-        }
-        _ => {
-            return Err(CliError::Other(anyhow::anyhow!(
-                "give --model and --parallel, or --plan"
-            )))
-        }
-    };
+                args.steps,
+                placement,
+                device,
+                progress,
+            )
+        }),
+        Specs::Plan(_) => unreachable!("built from files just above"),
+    }
+    .map_err(|e| exec_error(e, &specs))?;
+    Ok((specs, t, config))
+}
+
+/// Refuses `--checkpoint-dir` for a tensor- or expert-parallel run split over processes:
+/// its checkpoints are saved from one process holding every rank.
+fn check_checkpoint_mesh(args: &TrainArgs, trainer: &ShardedTrainer) -> Result<(), CliError> {
     let mesh = trainer.plan().mesh;
     if args.checkpoint_dir.is_some()
         && (mesh.tensor() > 1 || mesh.expert() > 1)
@@ -383,6 +423,18 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
             "--checkpoint-dir: {axis} saves its checkpoints from one process holding every rank; run it as threads (`--backend local`), or leave out --checkpoint-dir"
         )));
     }
+    Ok(())
+}
+
+/// Sets the trainer up as the flags ask: the collective timeout, injected faults, the
+/// kernels, the starting weights (`--init-from`, `--resume`) and what it records; the
+/// leader says which backend runs the ranks.
+fn configure(
+    args: &TrainArgs,
+    trainer: &mut ShardedTrainer,
+    kernels: shardplan_executor::gpu::Kernels,
+    specs: &Specs,
+) -> Result<(), CliError> {
     trainer.set_timeout(std::time::Duration::from_secs_f64(args.collective_timeout));
     for f in &args.inject_fault {
         let (rank, instr, fault, step) = parse_fault(f)?;
@@ -405,10 +457,10 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
         .set_kernels(kernels)
         .map_err(|e| CliError::Usage(format!("--kernels: {e}")))?;
     if let Some(p) = &args.init_from {
-        trainer.init_from(p).map_err(|e| exec_error(e, &specs))?;
+        trainer.init_from(p).map_err(|e| exec_error(e, specs))?;
     }
     if let Some(dir) = &args.resume {
-        let warnings = trainer.load(dir).map_err(|e| exec_error(e, &specs))?;
+        let warnings = trainer.load(dir).map_err(|e| exec_error(e, specs))?;
         if leader {
             for w in warnings {
                 eprintln!("warning: {w}");
@@ -430,133 +482,220 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
     if args.profile.is_some() {
         trainer.record_profile();
     }
-    let save = |trainer: &mut ShardedTrainer| -> Result<(), CliError> {
-        if let Some(dir) = &args.checkpoint_dir {
-            trainer.save(dir).map_err(|e| exec_error(e, &specs))?;
-            if trainer.is_leader() {
-                ShardedTrainer::prune(dir, args.checkpoint_keep).map_err(|e| exec_error(e, &specs))?;
+    Ok(())
+}
+
+/// A training run under way: the trainer, where its errors point, and what this process
+/// shows and writes (the log and a visible bar on the leader only).
+struct Run<'a> {
+    args: &'a TrainArgs,
+    trainer: ShardedTrainer,
+    specs: Specs,
+    device_name: &'a str,
+    leader: bool,
+    log: Option<std::io::BufWriter<std::fs::File>>,
+    bar: ProgressBar,
+}
+
+impl<'a> Run<'a> {
+    /// Opens the metrics log, makes Ctrl-C stop the run after its current step, and shows
+    /// the progress bar.
+    fn start(
+        args: &'a TrainArgs,
+        mut trainer: ShardedTrainer,
+        specs: Specs,
+        device_name: &'a str,
+    ) -> Result<Self, CliError> {
+        let leader = trainer.is_leader();
+        let log = match &args.log {
+            Some(p) if leader => Some(std::io::BufWriter::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .with_context(|| format!("cannot open the log {}", p.display()))?,
+            )),
+            _ => None,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let stop = stop.clone();
+            ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
+        }
+        trainer.set_stop_flag(stop);
+        let bar = if leader {
+            ProgressBar::new(args.steps)
+        } else {
+            ProgressBar::hidden()
+        };
+        bar.set_position(trainer.steps_done());
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        Ok(Run {
+            args,
+            trainer,
+            specs,
+            device_name,
+            leader,
+            log,
+            bar,
+        })
+    }
+
+    /// Runs the steps up to `--steps`, checkpointing every `--checkpoint-every`; the exit
+    /// code of a run stopped by Ctrl-C, else `None` once the summary is out.
+    fn run_steps(mut self, model: &ModelConfig) -> Result<Option<u8>, CliError> {
+        let mut tally = Tally::default();
+        while self.trainer.steps_done() < self.args.steps {
+            let m = self.trainer.step().map_err(|e| exec_error(e, &self.specs))?;
+            tally.add(&m);
+            self.bar.set_message(progress_message(&m, tally.last_val));
+            self.bar.inc(1);
+            self.log_step(&m)?;
+            if m.stop {
+                return self.interrupted();
+            }
+            let done = self.trainer.steps_done();
+            if self.args.checkpoint_every > 0
+                && done.is_multiple_of(self.args.checkpoint_every)
+                && done < self.args.steps
+            {
+                self.save()?;
             }
         }
-        Ok(())
-    };
-
-    let mut log = match &args.log {
-        Some(p) if leader => Some(std::io::BufWriter::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open the log {}", p.display()))?,
-        )),
-        _ => None,
-    };
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = stop.clone();
-        ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
+        self.finish(&tally, model)
     }
-    trainer.set_stop_flag(stop);
-    let bar = if leader {
-        ProgressBar::new(args.steps)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_position(trainer.steps_done());
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
 
-    let (mut first, mut last, mut tokens, mut secs) = (None, 0f32, 0u64, 0f64);
-    // First and latest validation loss.
-    let (mut first_val, mut last_val) = (None, None);
-    let mut seen = Measured::default();
-    while trainer.steps_done() < args.steps {
-        let m = trainer.step().map_err(|e| exec_error(e, &specs))?;
-        first.get_or_insert(m.loss);
-        last = m.loss;
-        tokens += m.tokens;
-        secs += m.step_seconds;
-        seen.add(&m);
-        let measured = m.measured_peak.iter().copied().max().unwrap_or(0);
-        let gpu = Measured::device_max(&m)
-            .map(|d| {
-                format!(
-                    " | GPU allocated {} / reserved {} / in use {}",
-                    bytes(d.allocated_peak),
-                    bytes(d.reserved_peak),
-                    bytes(d.in_use)
-                )
-            })
-            .unwrap_or_default();
-        if let Some(v) = m.val_loss {
-            first_val.get_or_insert(v);
-            last_val = Some(v);
-        }
-        let val = last_val.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
-        let routing = m
-            .routing
-            .map(|l| format!(" | busiest expert rank {:.2}x even", l.factor()))
-            .unwrap_or_default();
-        bar.set_message(format!(
-            "rank-0 loss {:.4}{val} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}{routing}",
-            m.rank0_loss,
-            m.tokens_per_second,
-            m.step_seconds * 1e3,
-            bytes(measured),
-            bytes(m.planned_peak)
-        ));
-        bar.inc(1);
-        if let Some(w) = log.as_mut() {
-            let line = serde_json::to_string(&m).context("serialising metrics")?;
-            // One flushed line per step: a crash or a Ctrl-C leaves a complete log.
+    /// Appends the step's metrics to the log, one flushed line per step: a crash or a
+    /// Ctrl-C leaves a complete log.
+    fn log_step(&mut self, m: &shardplan_executor::ShardedMetrics) -> Result<(), CliError> {
+        if let Some(w) = self.log.as_mut() {
+            let line = serde_json::to_string(m).context("serialising metrics")?;
             writeln!(w, "{line}")
                 .and_then(|()| w.flush())
                 .context("writing the metrics log")?;
         }
-        if m.stop {
-            bar.abandon();
-            save(&mut trainer)?;
-            write_trace(args, &mut trainer)?;
-            if let Some(text) = write_profile(args, &mut trainer, device_name)? {
-                crate::emit(&text)?;
+        Ok(())
+    }
+
+    /// Saves a checkpoint under `--checkpoint-dir` (when given), keeping the newest
+    /// `--checkpoint-keep`.
+    fn save(&mut self) -> Result<(), CliError> {
+        if let Some(dir) = &self.args.checkpoint_dir {
+            self.trainer.save(dir).map_err(|e| exec_error(e, &self.specs))?;
+            if self.trainer.is_leader() {
+                ShardedTrainer::prune(dir, self.args.checkpoint_keep).map_err(|e| exec_error(e, &self.specs))?;
             }
-            if leader {
-                eprintln!("interrupted: stopped cleanly after step {}", trainer.steps_done());
-            }
-            return Ok(Some(INTERRUPTED));
         }
-        if args.checkpoint_every > 0
-            && trainer.steps_done().is_multiple_of(args.checkpoint_every)
-            && trainer.steps_done() < args.steps
-        {
-            save(&mut trainer)?;
+        Ok(())
+    }
+
+    /// Ends a run stopped by Ctrl-C: its checkpoint, trace and profile are written.
+    fn interrupted(mut self) -> Result<Option<u8>, CliError> {
+        self.bar.abandon();
+        self.save()?;
+        write_trace(self.args, &mut self.trainer)?;
+        if let Some(text) = write_profile(self.args, &mut self.trainer, self.device_name)? {
+            crate::emit(&text)?;
+        }
+        if self.leader {
+            eprintln!("interrupted: stopped cleanly after step {}", self.trainer.steps_done());
+        }
+        Ok(Some(INTERRUPTED))
+    }
+
+    /// Ends a finished run: its checkpoint, trace and profile, and the leader's summary.
+    fn finish(mut self, tally: &Tally, model: &ModelConfig) -> Result<Option<u8>, CliError> {
+        self.bar.finish_and_clear();
+        self.save()?;
+        write_trace(self.args, &mut self.trainer)?;
+        let profile = write_profile(self.args, &mut self.trainer, self.device_name)?;
+        if self.leader {
+            let mut summary = tally.summary(self.trainer.steps_done(), model, self.trainer.plan());
+            if let Some(text) = profile {
+                summary.push_str(&text);
+            }
+            crate::emit(&summary)?;
+        }
+        Ok(None)
+    }
+}
+
+/// The progress bar's message after step `m`: rank 0's loss, the latest validation loss,
+/// throughput, measured against planned memory and the busiest expert rank.
+fn progress_message(m: &shardplan_executor::ShardedMetrics, last_val: Option<f32>) -> String {
+    let measured = m.measured_peak.iter().copied().max().unwrap_or(0);
+    let gpu = Measured::device_max(m)
+        .map(|d| {
+            format!(
+                " | GPU allocated {} / reserved {} / in use {}",
+                bytes(d.allocated_peak),
+                bytes(d.reserved_peak),
+                bytes(d.in_use)
+            )
+        })
+        .unwrap_or_default();
+    let val = last_val.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+    let routing = m
+        .routing
+        .map(|l| format!(" | busiest expert rank {:.2}x even", l.factor()))
+        .unwrap_or_default();
+    format!(
+        "rank-0 loss {:.4}{val} | {:.0} tok/s | {:.1} ms/step | peak {} measured / {} planned{gpu}{routing}",
+        m.rank0_loss,
+        m.tokens_per_second,
+        m.step_seconds * 1e3,
+        bytes(measured),
+        bytes(m.planned_peak)
+    )
+}
+
+/// The run's losses and throughput so far, and what it measured.
+#[derive(Default)]
+struct Tally {
+    first: Option<f32>,
+    last: f32,
+    tokens: u64,
+    secs: f64,
+    /// First and latest validation loss.
+    first_val: Option<f32>,
+    last_val: Option<f32>,
+    seen: Measured,
+}
+
+impl Tally {
+    fn add(&mut self, m: &shardplan_executor::ShardedMetrics) {
+        self.first.get_or_insert(m.loss);
+        self.last = m.loss;
+        self.tokens += m.tokens;
+        self.secs += m.step_seconds;
+        self.seen.add(m);
+        if let Some(v) = m.val_loss {
+            self.first_val.get_or_insert(v);
+            self.last_val = Some(v);
         }
     }
-    bar.finish_and_clear();
-    save(&mut trainer)?;
-    write_trace(args, &mut trainer)?;
-    let profile = write_profile(args, &mut trainer, device_name)?;
-    if leader {
+
+    /// The end-of-run summary: steps, loss and validation loss from first to last,
+    /// throughput, and the predicted-against-measured table.
+    fn summary(&self, steps: u64, model: &ModelConfig, plan: &shardplan_planner::Plan) -> String {
         let mut summary = format!(
             "trained {} steps of {}: loss {:.4} -> {:.4}, {:.0} tokens/s\n",
-            trainer.steps_done(),
-            model_config.name(),
-            first.unwrap_or(last),
-            last,
-            tokens as f64 / secs.max(1e-9)
+            steps,
+            model.name(),
+            self.first.unwrap_or(self.last),
+            self.last,
+            self.tokens as f64 / self.secs.max(1e-9)
         );
-        if let (Some(a), Some(b)) = (first_val, last_val) {
+        if let (Some(a), Some(b)) = (self.first_val, self.last_val) {
             summary.push_str(&format!("validation loss {a:.4} -> {b:.4}\n"));
         }
-        summary.push_str(&seen.versus(trainer.plan()));
-        if let Some(text) = profile {
-            summary.push_str(&text);
-        }
-        crate::emit(&summary)?;
+        summary.push_str(&self.seen.versus(plan));
+        summary
     }
-    Ok(None)
 }
 
 /// Writes the measured trace (`--trace`): every process takes part, the leader writes.
@@ -592,138 +731,6 @@ fn write_profile(args: &TrainArgs, trainer: &mut ShardedTrainer, device: &str) -
     let text = serde_json::to_string_pretty(&profile).context("serialising the profile")?;
     std::fs::write(path, text + "\n").with_context(|| format!("cannot write the profile {}", path.display()))?;
     Ok(Some(shardplan_executor::train::profile::summary(&profile, path)))
-}
-
-/// What the run measured, for the predicted-against-measured table at its end.
-#[derive(Default)]
-struct Measured {
-    step_seconds: Vec<f64>,
-    exposed: Vec<f64>,
-    max: shardplan_planner::ByCategory,
-    peak: u64,
-    /// The device's own figures, most on any rank over the steps (GPU runs).
-    device: Option<DeviceMemory>,
-    /// Each step's heaviest routing, as a factor over the even split (expert parallelism).
-    routing: Vec<f64>,
-}
-
-impl Measured {
-    /// The most of each device figure over the ranks of one step; `None` on the CPU.
-    fn device_max(m: &shardplan_executor::ShardedMetrics) -> Option<DeviceMemory> {
-        m.measured_device.iter().flatten().copied().reduce(|a, b| DeviceMemory {
-            allocated_peak: a.allocated_peak.max(b.allocated_peak),
-            reserved_peak: a.reserved_peak.max(b.reserved_peak),
-            in_use: a.in_use.max(b.in_use),
-            total: a.total.max(b.total),
-        })
-    }
-
-    fn add(&mut self, m: &shardplan_executor::ShardedMetrics) {
-        if let Some(d) = Self::device_max(m) {
-            let seen = self.device.get_or_insert(d);
-            seen.allocated_peak = seen.allocated_peak.max(d.allocated_peak);
-            seen.reserved_peak = seen.reserved_peak.max(d.reserved_peak);
-            seen.in_use = seen.in_use.max(d.in_use);
-        }
-        self.step_seconds.push(m.step_seconds);
-        self.exposed.push(m.exposed_seconds);
-        self.routing.extend(m.routing.map(|l| l.factor()));
-        for by in &m.measured {
-            for c in shardplan_planner::Category::ALL {
-                *self.max.slot(c) = self.max.get(c).max(by.get(c));
-            }
-        }
-        self.peak = self.peak.max(m.measured_peak.iter().copied().max().unwrap_or(0));
-    }
-
-    /// The median of the steps after the first (which pays for warm-up), or the first.
-    fn steady(v: &[f64]) -> f64 {
-        let mut x: Vec<f64> = if v.len() > 1 { v[1..].to_vec() } else { v.to_vec() };
-        x.sort_by(f64::total_cmp);
-        x.get(x.len() / 2).copied().unwrap_or(0.0)
-    }
-
-    fn versus(&self, plan: &shardplan_planner::Plan) -> String {
-        use std::fmt::Write as _;
-        let ratio = |m: f64, p: f64| if p > 0.0 { format!("{:.2}x", m / p) } else { "-".into() };
-        let mut o = String::from("predicted vs measured (median step after the first; memory: most on any rank):\n");
-        let e = &plan.estimate;
-        let (st, ex) = (Self::steady(&self.step_seconds), Self::steady(&self.exposed));
-        let _ = writeln!(o, "  {:<34} {:>12} {:>12} {:>7}", "", "predicted", "measured", "ratio");
-        let _ = writeln!(
-            o,
-            "  {:<34} {:>9.1} ms {:>9.1} ms {:>7}",
-            "step time",
-            e.step_s * 1e3,
-            st * 1e3,
-            ratio(st, e.step_s)
-        );
-        let _ = writeln!(
-            o,
-            "  {:<34} {:>9.1} ms {:>9.1} ms {:>7}",
-            "exposed communication",
-            e.exposed_comm_s * 1e3,
-            ex * 1e3,
-            ratio(ex, e.exposed_comm_s)
-        );
-        for c in shardplan_planner::Category::ALL {
-            let (p, m) = (plan.memory.max_by_category.get(c), self.max.get(c));
-            if p == 0 && m == 0 {
-                continue;
-            }
-            let _ = writeln!(
-                o,
-                "  {:<34} {:>12} {:>12} {:>7}",
-                c.name(),
-                bytes(p),
-                bytes(m),
-                ratio(m as f64, p as f64)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "  {:<34} {:>12} {:>12} {:>7}",
-            "peak (all categories)",
-            bytes(plan.memory.peak),
-            bytes(self.peak),
-            ratio(self.peak as f64, plan.memory.peak as f64)
-        );
-        if let Some(d) = self.device {
-            let p = plan.memory.peak;
-            for (name, m) in [
-                ("GPU: allocator's peak allocated", d.allocated_peak),
-                ("GPU: allocator's peak reserved", d.reserved_peak),
-                ("GPU: in use on the device", d.in_use),
-            ] {
-                let _ = writeln!(
-                    o,
-                    "  {:<34} {:>12} {:>12} {:>7}",
-                    name,
-                    bytes(p),
-                    bytes(m),
-                    ratio(m as f64, p as f64)
-                );
-            }
-        }
-        if let (Some(e), Some(most)) = (&plan.experts, self.routing.iter().copied().reduce(f64::max)) {
-            let mut sorted = self.routing.clone();
-            sorted.sort_by(f64::total_cmp);
-            let median = sorted[sorted.len() / 2];
-            let bound = e.rows as f64 / e.even_rows.max(1) as f64;
-            let _ = writeln!(
-                o,
-                "  expert routing: the busiest expert rank of any MoE layer received {most:.2}x the even split of {} rows at most (median step {median:.2}x); the plan's bound is {bound:.2}x ({} rows{})",
-                e.even_rows,
-                e.rows,
-                if e.capacity_factor.is_some() {
-                    ", exact: tokens past each expert's capacity were dropped"
-                } else {
-                    ", moe.capacity: a batch over it stops the run"
-                }
-            );
-        }
-        o
-    }
 }
 
 /// Bad data files are bad input (exit 2); divergence and internal errors are failures.
