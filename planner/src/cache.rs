@@ -18,7 +18,7 @@ use shardplan_ir::{DType, JointGraph, NodeId, ParamId};
 
 use crate::cost::{self, NodeTimes};
 use crate::group::{group, FsdpGroup, WrapPolicy};
-use crate::layout::{planned_groups, Names};
+use crate::layout::Names;
 use crate::lower::{wrap_policy, Lowered};
 use crate::plan::{Breakdown, PlannedGroup};
 use crate::steps::{self, ActEvents, ExecOrder, Kernels, Step};
@@ -114,7 +114,10 @@ impl PlanCache {
         std::thread::scope(|scope| {
             let begun = self.begin(scope, joint, config);
             let units = self.groups_for(&joint.graph, &wrap_policy(config))?;
-            let groups = planned_groups(&joint.graph, &units, lowered, names);
+            let (mesh, reshard) = (&lowered.mesh, lowered.policy.reshard_after_forward);
+            let groups = (units.iter().cloned())
+                .map(|grp| PlannedGroup::laid_out(&joint.graph, grp, mesh, reshard, names))
+                .collect();
             let steps = self.steps_begun(joint, config, &units, begun);
             Ok((groups, steps))
         })

@@ -133,37 +133,3 @@ impl Names {
         self == Names::Kept
     }
 }
-
-/// The layout pass: `groups` laid out on the lowered mesh, each with its resharding.
-pub(crate) fn planned_groups(
-    g: &Graph,
-    groups: &[FsdpGroup],
-    lowered: &crate::lower::Lowered,
-    names: Names,
-) -> Vec<crate::plan::PlannedGroup> {
-    use crate::plan::GroupReshard;
-    groups
-        .iter()
-        .cloned()
-        .map(|grp| {
-            let layout = layout(g, &grp, lowered.mesh.shard_of(&grp));
-            let reshard = match lowered.policy.reshard_after_forward {
-                _ if grp.is_root() => GroupReshard::Keep,
-                // A slice of the shard group is not a slice of the expert-shard group: the
-                // routed experts are freed after forward instead.
-                GroupReshard::ToGroupOf(_) if grp.experts => GroupReshard::Free,
-                r => r,
-            };
-            crate::plan::PlannedGroup {
-                param_names: if names.kept() {
-                    grp.params.iter().map(|&p| g.param(p).name.clone()).collect()
-                } else {
-                    Vec::new()
-                },
-                group: grp,
-                layout,
-                reshard,
-            }
-        })
-        .collect()
-}

@@ -76,7 +76,7 @@ pub fn plan_in(
         Names::Kept,
     )?;
     let done = placed.simulated.take();
-    let mut plan = Plan::assemble(g, lowered, &config.hardware, groups, compute.steps.clone(), placed);
+    let mut plan = assemble(g, lowered, &config.hardware, groups, compute.steps.clone(), placed);
     let model_flops = cache.model_flops(joint);
     // simulate → estimate; beside them, each on a thread of its own, the caching
     // allocator's replay, the arena's layout and proof, and the verifier's proof, none of
@@ -117,7 +117,7 @@ pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: 
     let steps = forward_steps(&compute.steps)?;
     let mut placed = prefetch::schedule_plan(&steps, &groups, &lowered, &compute, &config.hardware, Names::Kept)?;
     let done = placed.simulated.take();
-    let mut plan = Plan::assemble(g, lowered, &config.hardware, groups, steps, placed);
+    let mut plan = assemble(g, lowered, &config.hardware, groups, steps, placed);
     let (sim, estimate) = {
         let s = Setting::of(&plan, &plan.steps, &compute);
         let sim = simulate::simulate(&plan.programs[0], &plan.buffers, plan.events, &s, done);
@@ -164,7 +164,7 @@ pub(crate) fn plan_candidate(
         Names::Left,
     )?;
     let done = placed.simulated.take();
-    let mut plan = Plan::assemble(g, lowered, &config.hardware, groups, Vec::new(), placed);
+    let mut plan = assemble(g, lowered, &config.hardware, groups, Vec::new(), placed);
     let model_flops = cache.model_flops(joint);
     let (sim, estimate) = {
         let s = Setting::of(&plan, &compute.steps, &compute);
@@ -210,6 +210,46 @@ pub fn shardplan_executor_prediction(
     own.runtime = Runtime::Shardplan;
     own.hardware.kernels = KernelMode::Fused;
     Ok(Some(RuntimePrediction::of(&plan_in(joint, &own, cache)?.0)))
+}
+
+/// The plan of `lowered` for `g` with one rank's schedule, before it is simulated:
+/// `timing`, `memory` and `estimate` are left to fill, and `source` and
+/// `shardplan_executor` to the caller who knows them.
+fn assemble(
+    g: &shardplan_ir::Graph,
+    lowered: Lowered,
+    hardware: &shardplan_frontends::HardwareProfile,
+    groups: Vec<PlannedGroup>,
+    steps: Vec<Step>,
+    placed: prefetch::Placed,
+) -> Plan {
+    let Lowered { mesh, policy, experts } = lowered;
+    let schedule = placed.schedule;
+    Plan {
+        version: PLAN_VERSION,
+        source: None,
+        model: g.name().to_string(),
+        params: g.params().map(|(_, p)| p.whole_numel()).sum(),
+        mesh,
+        hardware: hardware.clone(),
+        policy,
+        groups,
+        steps,
+        buffers: schedule.buffers,
+        events: schedule.events,
+        programs: vec![schedule.program],
+        ranks: vec![RankSpan {
+            first: 0,
+            count: mesh.world(),
+            program: 0,
+        }],
+        timing: Timing::default(),
+        memory: MemoryReport::default(),
+        estimate: Estimate::default(),
+        shardplan_executor: None,
+        experts,
+        prefetch_moves: placed.moves,
+    }
 }
 
 /// A proof that failed on a plan the planner made: a planner bug.

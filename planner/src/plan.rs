@@ -382,6 +382,37 @@ pub struct PlannedGroup {
     pub reshard: GroupReshard,
 }
 
+impl PlannedGroup {
+    /// The layout pass for one group: `grp` laid out over its shard group of `mesh`, with
+    /// the plan's resharding `reshard` as it applies to the group.
+    pub(crate) fn laid_out(
+        g: &shardplan_ir::Graph,
+        grp: FsdpGroup,
+        mesh: &Mesh,
+        reshard: GroupReshard,
+        names: crate::layout::Names,
+    ) -> Self {
+        let layout = crate::layout::layout(g, &grp, mesh.shard_of(&grp));
+        let reshard = match reshard {
+            _ if grp.is_root() => GroupReshard::Keep,
+            // A slice of the shard group is not a slice of the expert-shard group: the
+            // routed experts are freed after forward instead.
+            GroupReshard::ToGroupOf(_) if grp.experts => GroupReshard::Free,
+            r => r,
+        };
+        PlannedGroup {
+            param_names: if names.kept() {
+                grp.params.iter().map(|&p| g.param(p).name.clone()).collect()
+            } else {
+                Vec::new()
+            },
+            group: grp,
+            layout,
+            reshard,
+        }
+    }
+}
+
 /// FSDP2's `reshard_after_forward`, per group (the root group keeps its parameters).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -920,46 +951,6 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan of `lowered` for `g` with one rank's schedule, before it is simulated:
-    /// `timing`, `memory` and `estimate` are left to fill, and `source` and
-    /// `shardplan_executor` to the caller who knows them.
-    pub(crate) fn assemble(
-        g: &shardplan_ir::Graph,
-        lowered: crate::lower::Lowered,
-        hardware: &HardwareProfile,
-        groups: Vec<PlannedGroup>,
-        steps: Vec<Step>,
-        placed: crate::prefetch::Placed,
-    ) -> Plan {
-        let crate::lower::Lowered { mesh, policy, experts } = lowered;
-        let schedule = placed.schedule;
-        Plan {
-            version: PLAN_VERSION,
-            source: None,
-            model: g.name().to_string(),
-            params: g.params().map(|(_, p)| p.whole_numel()).sum(),
-            mesh,
-            hardware: hardware.clone(),
-            policy,
-            groups,
-            steps,
-            buffers: schedule.buffers,
-            events: schedule.events,
-            programs: vec![schedule.program],
-            ranks: vec![RankSpan {
-                first: 0,
-                count: mesh.world(),
-                program: 0,
-            }],
-            timing: Timing::default(),
-            memory: MemoryReport::default(),
-            estimate: Estimate::default(),
-            shardplan_executor: None,
-            experts,
-            prefetch_moves: placed.moves,
-        }
-    }
-
     /// The program rank `rank` runs.
     pub fn program_of(&self, rank: u64) -> Option<&Program> {
         self.ranks
