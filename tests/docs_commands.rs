@@ -240,7 +240,7 @@ fn every_command_in_the_docs_runs() {
         }
     });
     let mut ran = ran.into_inner().unwrap();
-    ran.sort_by(|a, b| b.0.cmp(&a.0));
+    ran.sort_by_key(|r| std::cmp::Reverse(r.0));
     let slowest: Vec<String> = ran
         .iter()
         .take(5)
