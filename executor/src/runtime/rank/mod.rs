@@ -502,7 +502,11 @@ pub fn run_prepared(
     crate::runtime::device::bind_thread(&state.ctx.device)?;
     let plan = &shared.plan;
     let n_instrs = plan.programs[0].instrs.len();
-    debug_assert!(tables.fits(n_instrs), "program tables of another plan");
+    if !tables.fits(n_instrs) {
+        return Err(ExecError::Internal(
+            "the program tables were built for another plan".into(),
+        ));
+    }
     let ordered = tables.ordered_launch(shared, &state.comms)?;
     let RankState {
         rank,
