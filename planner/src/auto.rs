@@ -187,38 +187,92 @@ fn block_bytes(joint: &JointGraph, dtype: shardplan_ir::DType) -> u64 {
 /// resharding, checkpointing, prefetch): its knobs and its config. Ties between equally
 /// fast and equally large candidates go to the earlier one.
 pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Knobs, ParallelConfig)> {
-    // The data-parallel ranks split between replicate and shard; the tensor axis as given.
+    let has_blocks = joint.graph.scopes().any(|(_, s)| s.kind == ModuleKind::Block);
+    let splits = mesh_splits(base, fixed);
+    let buckets = bucket_options(joint, base, fixed, has_blocks);
+    let checkpointing = checkpointing_options(base, fixed, has_blocks);
+    let prefetches: Vec<(u32, u32)> = if fixed.prefetch {
+        vec![(base.prefetch.forward, base.prefetch.backward)]
+    } else {
+        vec![(1, 1), (1, 2), (2, 1), (2, 2)]
+    };
+    let offloads: Vec<Offload> = if fixed.offload {
+        vec![base.offload]
+    } else {
+        vec![Offload::None, Offload::Cpu]
+    };
+    let mut out = Vec::new();
+    for &offload in &offloads {
+        for &mesh in &splits {
+            let reshards = reshard_options(base, fixed, mesh);
+            for &(blocks, bucket) in &buckets {
+                for &reshard in &reshards {
+                    for &ac in &checkpointing {
+                        for &prefetch in &prefetches {
+                            let choice = Choice {
+                                offload,
+                                mesh,
+                                blocks,
+                                bucket,
+                                reshard,
+                                ac,
+                                prefetch,
+                            };
+                            out.push(choice.candidate(base));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The mesh splits [`grid`] tries: the data-parallel ranks split between replicate and
+/// shard (the shard axis a divisor or a multiple of the node, and a multiple of the expert
+/// axis); the tensor axis as given. The spec's own when it fixes the split.
+fn mesh_splits(base: &ParallelConfig, fixed: Fixed) -> Vec<MeshShape> {
+    if fixed.mesh_split {
+        return vec![base.mesh];
+    }
     let tensor = base.mesh.tensor;
     let world = base.mesh.data_parallel();
     let gpn = base.gpus_per_node;
-    let splits: Vec<MeshShape> = if fixed.mesh_split {
-        vec![base.mesh]
-    } else {
-        (1..=world)
-            .filter(|s| world.is_multiple_of(*s) && (s.is_multiple_of(gpn) || gpn.is_multiple_of(*s)))
-            .filter(|shard| shard.is_multiple_of(base.mesh.expert))
-            .map(|shard| MeshShape {
-                replicate: world / shard,
-                shard,
-                tensor,
-                expert: base.mesh.expert,
-            })
-            .collect()
-    };
-    let has_blocks = joint.graph.scopes().any(|(_, s)| s.kind == ModuleKind::Block);
-    // (blocks per group, bucket_mib); 0 blocks: as the spec says.
-    let bucket_options: Vec<(u64, Option<u64>)> =
-        if fixed.bucketing || !has_blocks || !base.wrap.contains(&ModuleKind::Block) {
-            vec![(0, base.bucket_mib)]
-        } else {
-            let bb = block_bytes(joint, base.mixed_precision.param);
-            vec![
-                (1, None),
-                (2, Some((2 * bb).div_ceil(1 << 20))),
-                (4, Some((4 * bb).div_ceil(1 << 20))),
-            ]
-        };
-    let ac_options: Vec<ActivationCheckpointing> = if fixed.checkpointing || !has_blocks {
+    (1..=world)
+        .filter(|s| world.is_multiple_of(*s) && (s.is_multiple_of(gpn) || gpn.is_multiple_of(*s)))
+        .filter(|shard| shard.is_multiple_of(base.mesh.expert))
+        .map(|shard| MeshShape {
+            replicate: world / shard,
+            shard,
+            tensor,
+            expert: base.mesh.expert,
+        })
+        .collect()
+}
+
+/// The bucketings [`grid`] tries, as (blocks per group, bucket_mib): 1, 2 or 4 blocks per
+/// group where blocks are wrapped; else (0 blocks) as the spec says.
+fn bucket_options(
+    joint: &JointGraph,
+    base: &ParallelConfig,
+    fixed: Fixed,
+    has_blocks: bool,
+) -> Vec<(u64, Option<u64>)> {
+    if fixed.bucketing || !has_blocks || !base.wrap.contains(&ModuleKind::Block) {
+        return vec![(0, base.bucket_mib)];
+    }
+    let bb = block_bytes(joint, base.mixed_precision.param);
+    vec![
+        (1, None),
+        (2, Some((2 * bb).div_ceil(1 << 20))),
+        (4, Some((4 * bb).div_ceil(1 << 20))),
+    ]
+}
+
+/// The activation checkpointing policies [`grid`] tries where the model has blocks and
+/// the spec leaves it open.
+fn checkpointing_options(base: &ParallelConfig, fixed: Fixed, has_blocks: bool) -> Vec<ActivationCheckpointing> {
+    if fixed.checkpointing || !has_blocks {
         vec![base.activation_checkpointing]
     } else if !base.runtime.is_shardplan() && base.mesh.expert > 1 {
         // FSDP2 cannot run selective checkpointing with an expert axis (the spec parser
@@ -235,65 +289,66 @@ pub fn grid(joint: &JointGraph, base: &ParallelConfig, fixed: Fixed) -> Vec<(Kno
             ActivationCheckpointing::Selective(shardplan_frontends::SavePolicy::TORCHTITAN),
             ActivationCheckpointing::None,
         ]
-    };
-    let prefetch_options: Vec<(u32, u32)> = if fixed.prefetch {
-        vec![(base.prefetch.forward, base.prefetch.backward)]
-    } else {
-        vec![(1, 1), (1, 2), (2, 1), (2, 2)]
-    };
-    let offloads: Vec<Offload> = if fixed.offload {
-        vec![base.offload]
-    } else {
-        vec![Offload::None, Offload::Cpu]
-    };
-    let mut out = Vec::new();
-    for &offload in &offloads {
-        for &mesh in &splits {
-            let reshard_options: Vec<Reshard> = if fixed.reshard {
-                vec![base.reshard_after_forward]
-            } else {
-                let mut v = vec![Reshard::AfterForward];
-                if gpn > 1 && gpn < mesh.shard && mesh.shard.is_multiple_of(gpn) {
-                    v.push(Reshard::ToGroupOf(gpn));
-                }
-                v.push(Reshard::Keep);
-                v
-            };
-            for &(blocks, bucket) in &bucket_options {
-                for &reshard in &reshard_options {
-                    for &ac in &ac_options {
-                        for &(pf, pb) in &prefetch_options {
-                            let mut c = base.clone();
-                            c.mesh = mesh;
-                            c.bucket_mib = bucket;
-                            c.reshard_after_forward = reshard;
-                            c.activation_checkpointing = ac;
-                            c.prefetch = Prefetch {
-                                forward: pf,
-                                backward: pb,
-                                ..base.prefetch.clone()
-                            };
-                            c.offload = offload;
-                            let knobs = Knobs {
-                                replicate: mesh.replicate,
-                                shard: mesh.shard,
-                                blocks_per_group: blocks,
-                                reshard_after_forward: shardplan_frontends::reshard_name(reshard),
-                                prefetch_forward: pf,
-                                prefetch_backward: pb,
-                                activation_checkpointing: ac_name(ac),
-                                offload: offload == Offload::Cpu,
-                                tensor: mesh.tensor,
-                                expert: mesh.expert,
-                            };
-                            out.push((knobs, c));
-                        }
-                    }
-                }
-            }
-        }
     }
-    out
+}
+
+/// The resharding options [`grid`] tries on `mesh`: `true`, the node size where it
+/// divides a larger shard axis, `false`.
+fn reshard_options(base: &ParallelConfig, fixed: Fixed, mesh: MeshShape) -> Vec<Reshard> {
+    if fixed.reshard {
+        return vec![base.reshard_after_forward];
+    }
+    let gpn = base.gpus_per_node;
+    let mut v = vec![Reshard::AfterForward];
+    if gpn > 1 && gpn < mesh.shard && mesh.shard.is_multiple_of(gpn) {
+        v.push(Reshard::ToGroupOf(gpn));
+    }
+    v.push(Reshard::Keep);
+    v
+}
+
+/// One point of [`grid`]: a value for every searched knob.
+struct Choice {
+    offload: Offload,
+    mesh: MeshShape,
+    /// Blocks per group and the bucket size that makes them (0 blocks: as the spec says).
+    blocks: u64,
+    bucket: Option<u64>,
+    reshard: Reshard,
+    ac: ActivationCheckpointing,
+    /// Forward and backward prefetch depths.
+    prefetch: (u32, u32),
+}
+
+impl Choice {
+    /// Its knobs, and `base` with them set.
+    fn candidate(&self, base: &ParallelConfig) -> (Knobs, ParallelConfig) {
+        let (pf, pb) = self.prefetch;
+        let mut c = base.clone();
+        c.mesh = self.mesh;
+        c.bucket_mib = self.bucket;
+        c.reshard_after_forward = self.reshard;
+        c.activation_checkpointing = self.ac;
+        c.prefetch = Prefetch {
+            forward: pf,
+            backward: pb,
+            ..base.prefetch.clone()
+        };
+        c.offload = self.offload;
+        let knobs = Knobs {
+            replicate: self.mesh.replicate,
+            shard: self.mesh.shard,
+            blocks_per_group: self.blocks,
+            reshard_after_forward: shardplan_frontends::reshard_name(self.reshard),
+            prefetch_forward: pf,
+            prefetch_backward: pb,
+            activation_checkpointing: ac_name(self.ac),
+            offload: self.offload == Offload::Cpu,
+            tensor: self.mesh.tensor,
+            expert: self.mesh.expert,
+        };
+        (knobs, c)
+    }
 }
 
 /// Searches the open knobs of `base` for the fastest plan within `budget` bytes per rank:
