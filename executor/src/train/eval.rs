@@ -9,7 +9,7 @@
 //! the validation loss is the mean of every rank's loss on every batch, which is the mean
 //! over the global batches whatever the mesh.
 
-use crate::runtime::rank::{run_step, RankState, Shared};
+use crate::runtime::rank::{run_step, ProgramTables, RankState, Shared};
 use crate::train::data::{rank_rows, DataSource, TokenFile};
 use crate::ExecError;
 use candle_core::{Device, Tensor};
@@ -26,6 +26,8 @@ const EVAL_TAGS: u64 = 1 << 31;
 /// the validation file.
 pub(crate) struct Validation {
     pub(crate) shared: Shared,
+    /// The forward program's tables, built once.
+    tables: ProgramTables,
     /// One source per local rank (each yields the global batch; the rank takes its rows).
     data: Vec<Box<dyn DataSource>>,
     pub(crate) every: u64,
@@ -103,19 +105,21 @@ impl Validation {
         }
         let exec = ExecOrder::new(joint, config.activation_checkpointing);
         let (step_start, _) = step_starts(&plan, &exec)?;
+        let shared = Shared {
+            plan,
+            joint: joint.clone(),
+            exec,
+            step_start,
+            clip: None,
+            faults: Vec::new(),
+            ordered_launch: false,
+            profile: false,
+            native: false,
+            device_clock: false,
+        };
         Ok(Some(Validation {
-            shared: Shared {
-                plan,
-                joint: joint.clone(),
-                exec,
-                step_start,
-                clip: None,
-                faults: Vec::new(),
-                ordered_launch: false,
-                profile: false,
-                native: false,
-                device_clock: false,
-            },
+            tables: ProgramTables::new(&shared)?,
+            shared,
             data,
             every: e.every,
             batches: e.batches,
@@ -147,14 +151,14 @@ impl Validation {
         }
         self.runs += 1;
         let tag_step = EVAL_TAGS + self.runs;
-        let shared = &self.shared;
+        let (shared, tables) = (&self.shared, &self.tables);
         let results: Vec<Result<(u64, Vec<f32>), ExecError>> = std::thread::scope(|s| {
             let handles: Vec<_> = ranks
                 .iter_mut()
                 .zip(&batches)
                 .map(|(state, b)| {
                     s.spawn(move || {
-                        let out = run_step(shared, state, abort, b, 0.0, tag_step)?;
+                        let out = run_step(shared, tables, state, abort, b, 0.0, tag_step)?;
                         Ok((state.rank, out.losses))
                     })
                 })

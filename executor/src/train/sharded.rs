@@ -13,7 +13,7 @@ use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
 use crate::init::init_slice_elements;
 use crate::runtime::optim::{base_lr, lr_at, OptState};
-use crate::runtime::rank::{run_prepared, ProgramTables, RankState, Shared};
+use crate::runtime::rank::{run_step, ProgramTables, RankState, Shared};
 pub use crate::runtime::rank::{Fault, Injected};
 use crate::train::data::{rank_rows, DataSource};
 use crate::train::eval::{step_starts, Validation};
@@ -635,7 +635,7 @@ impl ShardedTrainer {
                 .ranks
                 .iter_mut()
                 .zip(batches)
-                .map(|(state, b)| s.spawn(move || run_prepared(shared, tables, state, abort, b, lr, step_no)))
+                .map(|(state, b)| s.spawn(move || run_step(shared, tables, state, abort, b, lr, step_no)))
                 .collect();
             handles
                 .into_iter()

@@ -474,23 +474,9 @@ impl StepCtx<'_> {
     }
 }
 
-/// Runs one step of `shared.plan` on `state`, with the micro-batches of this rank
-/// (building the plan's tables first: a caller running many steps of one plan keeps
-/// them, [`run_prepared`]).
+/// Runs one step of `shared.plan` on `state`, with the micro-batches of this rank and the
+/// plan's tables (built once for `shared.plan` by `ProgramTables::new`).
 pub fn run_step(
-    shared: &Shared,
-    state: &mut RankState,
-    abort: &Abort,
-    batches: &[HashMap<String, Tensor>],
-    lr: f64,
-    step_no: u64,
-) -> Result<RankStepOut, ExecError> {
-    let tables = ProgramTables::new(shared)?;
-    run_prepared(shared, &tables, state, abort, batches, lr, step_no)
-}
-
-/// [`run_step`] with the plan's tables, built once for `shared.plan` (`ProgramTables::new`).
-pub fn run_prepared(
     shared: &Shared,
     tables: &ProgramTables,
     state: &mut RankState,
