@@ -2,13 +2,13 @@
 """Measures `fsdp2_unit_host_us`: PyTorch FSDP2's host time per FSDP unit and step.
 
 The planner charges an eager FSDP2 step (`runtime: fsdp2`) its kernels, each at least
-`kernel_launch_us`, plus `fsdp2_unit_host_us` per FSDP unit (README "Step time: the cost
-model"). The built-in value is fitted to four measured H200 runs; this script measures it on
-its own. It runs benches/fsdp2_step.py's model (one fully_shard per block and the root,
-foreach AdamW, clipping) at a size whose kernels take next to nothing, at two depths, so
-that the step's growth per block is host time; the planner, given the same model at the
-same two depths with `fsdp2_unit_host_us: 0`, says what of that growth it already charges
-(the block's launches). The difference is the constant:
+`kernel_launch_us`, plus `fsdp2_unit_host_us` per FSDP unit (the book's cost-model page,
+docs/src/cost-model.md). The built-in value is fitted to four measured H200 runs; this
+script measures it on its own. It runs benches/fsdp2_step.py's model (one fully_shard per
+block and the root, foreach AdamW, clipping) at a size whose kernels take next to nothing,
+at two depths, so that the step's growth per block is host time; the planner, given the same
+model at the same two depths with `fsdp2_unit_host_us: 0`, says what of that growth it
+already charges (the block's launches). The difference is the constant:
 
   python3 benches/fsdp2_host.py --device cuda --shardplan target/release/shardplan \\
       --hardware h200 --out host.json

@@ -2,7 +2,7 @@
 """Measures the constants of shardplan's per-op cost model on one GPU.
 
 The planner times every op of a training step from a hardware profile
-(planner/src/cost.rs, frontends/src/hardware.rs; README "Step time: the cost model").
+(planner/src/cost.rs, frontends/src/hardware.rs; the book's docs/src/cost-model.md).
 This script measures the profile's efficiency constants with PyTorch on the GPU at hand,
 under the planner's own definitions, so that the numbers can be pasted into a parallel
 spec:

@@ -233,13 +233,13 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
 /// Host time of eager FSDP2 per FSDP unit and step, beyond `kernel_launch_us` per kernel:
 /// 2,400 us. Fitted to four PyTorch FSDP2 runs on an H200 (the exported 1.1B at 2 x 2048 and
 /// at 4 x 2048 under full and selective checkpointing, and a 3.2B at 1 x 4096; foreach AdamW;
-/// README "Held against an H200", `planner/tests/h200_runs.rs`): with the H200's measured
-/// constants the kernels account for 96-272 ms of steps measured at 133-325 ms, and what each
-/// row leaves is 1.5-3.5 ms per unit; this is about their mean, and the mean of any three
-/// predicts the fourth's speed within 11%. torch.profiler of the same step agrees that the
-/// host sets the pace at this batch: its kernels sum to 78 ms of a 131 ms step. FSDP2's
-/// four hooks per unit in Python, its copy-in and copy-out bookkeeping and the autograd
-/// recording of the unit's ops are what it stands for. `benches/fsdp2_host.py`
+/// docs/src/measured.md, "Held against an H200"; `planner/tests/h200_runs.rs`): with the
+/// H200's measured constants the kernels account for 96-272 ms of steps measured at
+/// 133-325 ms, and what each row leaves is 1.5-3.5 ms per unit; this is about their mean, and
+/// the mean of any three predicts the fourth's speed within 11%. torch.profiler of the same
+/// step agrees that the host sets the pace at this batch: its kernels sum to 78 ms of a 131 ms
+/// step. FSDP2's four hooks per unit in Python, its copy-in and copy-out bookkeeping and the
+/// autograd recording of the unit's ops are what it stands for. `benches/fsdp2_host.py`
 /// (`gpu-check --checks host`) measures it on its own; not yet run on a GPU.
 pub const FSDP2_UNIT_HOST_US: f64 = 2400.0;
 

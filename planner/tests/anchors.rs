@@ -3,12 +3,12 @@
 //! plan held against what was measured: tokens/s per GPU, reserved memory where published,
 //! and the verdict that the run fits its GPU (every row ran).
 //!
-//! One profile per GPU predicts every row of that GPU; no constant is set from a row (the
-//! README says where each comes from). The H100 rows ran on 96 GB HBM2e H100s at 500 W
-//! (`h100-96gb-500w`), whose bf16 peak is known only to lie between the H100 NVL's and the
-//! SXM part's: those rows are planned, and checked, at both ends. Row T4 (tensor
-//! parallelism, which shardplan does not plan) is read and left out. Each plan's step by
-//! kind of work is printed and must add up to its compute time.
+//! One profile per GPU predicts every row of that GPU; no constant is set from a row
+//! (docs/src/cost-model.md, "The built-in profiles", says where each comes from). The H100
+//! rows ran on 96 GB HBM2e H100s at 500 W (`h100-96gb-500w`), whose bf16 peak is known only
+//! to lie between the H100 NVL's and the SXM part's: those rows are planned, and checked, at
+//! both ends. Row T4 (tensor parallelism, which shardplan does not plan) is read and left
+//! out. Each plan's step by kind of work is printed and must add up to its compute time.
 
 mod common;
 

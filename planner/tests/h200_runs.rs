@@ -1,7 +1,8 @@
 //! PyTorch FSDP2 runs measured on one H200 (the program `shardplan export fsdp2` writes, foreach
 //! AdamW, `torch.cuda.max_memory_allocated` / `max_memory_reserved`, the median step after
 //! two), each planned as `runtime: fsdp2` on the built-in `h200` profile, and the plan held
-//! against what was measured. The README's "Held against an H200" has the same table.
+//! against what was measured. The book's docs/src/measured.md, "Held against an H200", has
+//! the same table.
 //!
 //! The `h200` profile's efficiencies and launch cost are `benches/gpu_profile.py`'s
 //! measurements on that GPU; `fsdp2_unit_host_us` (FSDP2's host time per unit) is the one
