@@ -791,7 +791,7 @@ fn field_rule(arch: Arch, key: &str) -> Option<FieldRule> {
     })
 }
 
-/// The table of every key shardplan knows for `arch` (for the README and tests).
+/// The table of every key shardplan knows for `arch` (for docs/src/model.md and tests).
 pub fn field_table(architecture: &str) -> Vec<(&'static str, FieldRule)> {
     let arch = match architecture {
         "MistralForCausalLM" => Arch::Mistral,
@@ -962,7 +962,7 @@ fn check_fields(src: &Source, arch: Arch, map: &JsonMap) -> Result<(), SpecError
             return Err(refuse(
                 key,
                 format!("unknown {name} config key `{key}`: shardplan cannot tell whether it changes the model"),
-                "if it does not change the math, remove it from a copy of config.json; the README lists every key shardplan reads, checks or ignores",
+                "if it does not change the math, remove it from a copy of config.json; docs/src/model.md lists every key shardplan reads, checks or ignores",
             ));
         };
         if rule != FieldRule::Checked || v.is_null() {

@@ -211,7 +211,7 @@ fn cuda(ordinal: usize) -> Result<Device, ExecError> {
 fn cuda(ordinal: usize) -> Result<Device, ExecError> {
     Err(ExecError::Unsupported(format!(
         "device `cuda:{ordinal}`: this shardplan was built without CUDA support; build one with \
-         `scripts/build-cuda.sh` (see the README's GPU section) or use `--device cpu`"
+         `scripts/build-cuda.sh` (see docs/src/gpu.md) or use `--device cpu`"
     )))
 }
 
