@@ -45,17 +45,17 @@
 //! whose slots are reused, so a long replay allocates only while the free lists grow.
 
 /// Every request is rounded up to a multiple of this many bytes.
-pub const MIN_BLOCK: u64 = 512;
+pub(crate) const MIN_BLOCK: u64 = 512;
 /// The largest request the small pool serves (1 MiB).
-pub const SMALL_SIZE: u64 = 1 << 20;
+pub(crate) const SMALL_SIZE: u64 = 1 << 20;
 /// Segment size of the small pool (2 MiB).
-pub const SMALL_SEGMENT: u64 = 2 << 20;
+pub(crate) const SMALL_SEGMENT: u64 = 2 << 20;
 /// Segment size for large requests below [`MIN_LARGE_ALLOC`] (20 MiB).
-pub const LARGE_SEGMENT: u64 = 20 << 20;
+pub(crate) const LARGE_SEGMENT: u64 = 20 << 20;
 /// From this request size on, a segment is the request itself, rounded (10 MiB).
-pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
+pub(crate) const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Rounding of segments made for large requests (2 MiB).
-pub const ROUND_LARGE: u64 = 2 << 20;
+pub(crate) const ROUND_LARGE: u64 = 2 << 20;
 /// Mapping granularity of an expandable segment of the small pool (2 MiB).
 pub const SMALL_PAGE: u64 = 2 << 20;
 /// Mapping granularity of an expandable segment of the large pool (20 MiB).
@@ -386,7 +386,7 @@ impl CachingAllocator {
 
 /// Replays of a step at most: the allocator's cache carries over from one step to the next,
 /// so the first step (from an empty cache) need not be the one that reserves the most.
-pub const MAX_REPLAYS: u32 = 3;
+pub(crate) const MAX_REPLAYS: u32 = 3;
 
 /// What the caching allocator holds over a program, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

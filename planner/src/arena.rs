@@ -63,7 +63,7 @@ pub struct Arena {
 
 impl Arena {
     /// How many buffers it holds.
-    pub fn buffers(&self) -> usize {
+    pub(crate) fn buffers(&self) -> usize {
         self.offsets.iter().flatten().count()
     }
 

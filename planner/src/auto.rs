@@ -379,7 +379,7 @@ pub fn search(
 /// searched from, one per tensor-parallel degree), as one branch and bound: a candidate
 /// that fits in one space prunes every space's slower candidates, and offload is tried
 /// only when no candidate of any space fits without it. Ties go to the earlier space.
-pub fn search_spaces(
+pub(crate) fn search_spaces(
     spaces: &[(&JointGraph, ParallelConfig)],
     fixed: Fixed,
     budget: u64,
@@ -402,7 +402,7 @@ pub fn search_spaces(
 /// The tensor-parallel degrees `--auto` tries for `base`: 1, 2, 4 and 8 where they divide
 /// the node (a tensor group stays on NVLink) and the world; the spec's own when it fixes
 /// `mesh.tensor`.
-pub fn tensor_degrees(base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
+pub(crate) fn tensor_degrees(base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
     if fixed.tensor {
         return vec![base.mesh.tensor];
     }

@@ -47,10 +47,10 @@ use shardplan_ir::{DType, Graph, NodeId, NormWrt, Op};
 /// Every node's [`OpModel::seconds`] with its parts ([`OpModel::parts`]), costed once per
 /// graph, hardware and compute dtype: the steps of every grouping and checkpointing policy
 /// of a search read them instead of costing each op again.
-pub struct NodeTimes(Vec<(f64, WorkKind, f64, f64)>);
+pub(crate) struct NodeTimes(Vec<(f64, WorkKind, f64, f64)>);
 
 impl NodeTimes {
-    pub fn new(g: &Graph, hw: &HardwareProfile, compute_dtype: DType) -> Self {
+    pub(crate) fn new(g: &Graph, hw: &HardwareProfile, compute_dtype: DType) -> Self {
         let model = OpModel::new(g, hw, compute_dtype);
         NodeTimes((0..g.node_count()).map(|i| model.timed(NodeId(i as u32))).collect())
     }
@@ -70,7 +70,7 @@ impl NodeTimes {
 /// under `runtime: fsdp2`, else 0): half of it before each unit's first forward step, half
 /// before its first backward step, where FSDP2's pre-forward and pre-backward hooks run
 /// (the post hooks' time lands in the same gaps).
-pub fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) -> (Vec<f64>, Vec<Breakdown>) {
+pub(crate) fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) -> (Vec<f64>, Vec<Breakdown>) {
     let mut hooked = std::collections::HashSet::new();
     steps
         .iter()
@@ -94,7 +94,7 @@ pub fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) -> (Vec<f
 
 /// Records each step's tensor-parallel collectives ([`crate::steps::TensorOp`]) with
 /// where they fall in the step by [`OpModel::seconds`]; nothing without tensor parallelism.
-pub fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
+pub(crate) fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
     if g.tensor_degree() <= 1 && g.expert_degree() <= 1 {
         return;
     }
@@ -129,7 +129,7 @@ pub fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
 }
 
 /// The kind of work `op` is, for the estimate's breakdown.
-pub fn work_kind(op: &Op) -> WorkKind {
+pub(crate) fn work_kind(op: &Op) -> WorkKind {
     match op {
         Op::Linear { .. }
         | Op::MatMul
@@ -203,7 +203,7 @@ pub fn work_kind(op: &Op) -> WorkKind {
 ///   NLL, 2 kernels, 8 bytes against 4; its backward 2 kernels, 16 against 8.
 ///
 /// Every other op is one kernel moving what the graph counts.
-pub fn eager_traffic(op: &Op) -> (f64, f64) {
+pub(crate) fn eager_traffic(op: &Op) -> (f64, f64) {
     match op {
         Op::RmsNorm { .. } => (7.0, 38.0 / 4.0),
         Op::RmsNormGrad {
@@ -528,7 +528,7 @@ pub fn intra_node(mesh: &Mesh, comm: Comm) -> bool {
 
 /// Bandwidth (bytes/s) and per-hop latency (s) of `comm`'s ring: NVLink within a node;
 /// across nodes, one ring per GPU of the group on a node, each through its own NIC.
-pub fn link(mesh: &Mesh, comm: Comm, hw: &HardwareProfile) -> (f64, f64) {
+pub(crate) fn link(mesh: &Mesh, comm: Comm, hw: &HardwareProfile) -> (f64, f64) {
     let eff = hw.collective_efficiency;
     if intra_node(mesh, comm) {
         (hw.intra_node_gbps * 1e9 * eff, hw.intra_node_latency_us * 1e-6)
@@ -540,7 +540,7 @@ pub fn link(mesh: &Mesh, comm: Comm, hw: &HardwareProfile) -> (f64, f64) {
 }
 
 /// How many ranks of one group of `comm` share a node.
-pub fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
+pub(crate) fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
     let g = mesh.gpus_per_node().max(1);
     match comm {
         Comm::Shard | Comm::Reshard(_) => {
@@ -565,7 +565,7 @@ pub fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
 /// then an all-gather) and NCCL's double binary tree (a reduce up and a broadcast down,
 /// `log2 n` hops of latency each way, the buffer pipelined through at the link rate),
 /// which NCCL picks for small buffers on many ranks.
-pub fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: bool) -> f64 {
+pub(crate) fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: bool) -> f64 {
     if n <= 1 {
         return 0.0;
     }
@@ -581,7 +581,7 @@ pub fn ring_seconds(n: u64, bytes: u64, (bw, alpha): (f64, f64), all_reduce: boo
 
 /// What decides the optimizer step's memory traffic.
 #[derive(Clone, Copy, Debug)]
-pub struct OptimizerTraffic {
+pub(crate) struct OptimizerTraffic {
     /// Optimizer state elements per parameter element.
     pub state_per_param: u64,
     /// torch's foreach AdamW (`runtime: fsdp2`, `implementation: foreach`): a pass per op.
@@ -589,7 +589,7 @@ pub struct OptimizerTraffic {
 }
 
 impl OptimizerTraffic {
-    pub fn of(policy: &crate::plan::Policy) -> Self {
+    pub(crate) fn of(policy: &crate::plan::Policy) -> Self {
         OptimizerTraffic {
             state_per_param: policy.optimizer_state_per_param,
             foreach_adamw: !policy.runtime.is_shardplan()
@@ -600,7 +600,7 @@ impl OptimizerTraffic {
 }
 
 /// Seconds of one instruction. `step_s` comes from [`step_costs`].
-pub fn instr_seconds(
+pub(crate) fn instr_seconds(
     instr: &Instr,
     stream: Stream,
     buffers: &[Buffer],
@@ -662,7 +662,7 @@ pub fn instr_seconds(
 /// spends copying on its own thread: every gradient it makes into its group's flat
 /// gradient buffer (`writes`), and, when shards come from other ranks, the parameters it
 /// reads out of each all-gather output (`reads`; with one shard they are views).
-pub fn compute_copies(
+pub(crate) fn compute_copies(
     reads: &[crate::plan::BufId],
     writes: &[crate::plan::BufId],
     buffers: &[Buffer],
@@ -678,7 +678,7 @@ pub fn compute_copies(
 }
 
 /// Where a buffer lives, for printing.
-pub fn pool_name(p: Pool) -> &'static str {
+pub(crate) fn pool_name(p: Pool) -> &'static str {
     match p {
         Pool::Device => "device",
         Pool::Host => "host",

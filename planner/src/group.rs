@@ -186,7 +186,7 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
 
 /// The group whose parameters a node of each scope belongs to: the group of its innermost
 /// wrapped ancestor, else the root group (the last).
-pub fn scope_groups(g: &Graph, groups: &[FsdpGroup]) -> IdVec<ScopeId, GroupId> {
+pub(crate) fn scope_groups(g: &Graph, groups: &[FsdpGroup]) -> IdVec<ScopeId, GroupId> {
     let root = groups.last().map_or(GroupId::new(0), |r| r.id);
     let mut unit: IdVec<ScopeId, Option<GroupId>> = IdVec::from_elem(None, g.scopes().len());
     for grp in groups {

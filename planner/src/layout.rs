@@ -61,7 +61,7 @@ pub struct GroupLayout {
 
 impl GroupLayout {
     /// Elements of the all-gather output: `shard x shard_numel` (parameters plus padding).
-    pub fn gathered_numel(&self) -> u64 {
+    pub(crate) fn gathered_numel(&self) -> u64 {
         self.shard_numel * self.shard
     }
 
@@ -76,7 +76,7 @@ impl GroupLayout {
     }
 
     /// Bytes of the unsharded (gathered, padded) buffer in `dtype`.
-    pub fn gathered_bytes(&self, dtype: DType) -> u64 {
+    pub(crate) fn gathered_bytes(&self, dtype: DType) -> u64 {
         self.gathered_numel() * dtype.size_bytes()
     }
 
@@ -123,13 +123,13 @@ pub fn layout(g: &Graph, group: &FsdpGroup, shard: u64) -> GroupLayout {
 /// or exported does; a candidate of the auto search, read for its figures only, leaves
 /// them out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Names {
+pub(crate) enum Names {
     Kept,
     Left,
 }
 
 impl Names {
-    pub fn kept(self) -> bool {
+    pub(crate) fn kept(self) -> bool {
         self == Names::Kept
     }
 }

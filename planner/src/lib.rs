@@ -1,10 +1,13 @@
 //! The planner: everything FSDP2 decides at run time, decided ahead of time.
 //!
 //! [`plan`] reads as the pipeline: lower → group → layout → steps → schedule → simulate →
-//! estimate → verify, each pass a free function in its own module ([`lower`], [`group`],
-//! [`layout`], [`steps`] through [`PlanCache`], [`schedule`] with [`prefetch`],
-//! [`simulate`], [`verify`]). [`plan_forward`] and the auto search's candidates are built
-//! from the same passes.
+//! estimate → verify, each pass a free function in its own module (`lower`, `group`,
+//! `layout`, [`steps`] through [`PlanCache`], [`schedule`] with [`prefetch`], `simulate`,
+//! `verify`). [`plan_forward`] and the auto search's candidates are built from the same
+//! passes.
+//! Architecture invariant: the crate's public API is what the executor, the CLI and the
+//! tests name: the pipeline's entry points, the Plan's types, and the report modules
+//! (`print`, `trace`, `auto`, `alternatives`, `rederive`).
 //! Architecture invariant: the planner holds no tensors.
 
 pub mod allocator;
@@ -15,32 +18,39 @@ pub mod bounds;
 mod cache;
 mod cost;
 mod error;
-pub mod group;
-pub mod layout;
-pub mod lower;
-pub mod mesh;
-pub mod plan;
+mod group;
+mod layout;
+mod lower;
+mod mesh;
+mod plan;
 pub mod prefetch;
 pub mod print;
 pub mod rederive;
 pub mod schedule;
-pub mod simulate;
+mod simulate;
 pub mod steps;
-pub mod stream;
+mod stream;
 pub mod trace;
-pub mod verify;
+mod verify;
 
 pub use cache::{CachedSteps, PlanCache};
-pub use cost::{forks, intra_node, ring_seconds, OpModel, PARALLEL_MIN_ELEMS};
+pub use cost::{forks, intra_node, OpModel, PARALLEL_MIN_ELEMS};
 pub use error::PlanError;
-pub use group::{group, scope_groups, FsdpGroup, GroupId, WrapPolicy};
-pub use layout::{chunk_rows, layout, GroupLayout, Names, ParamLayout};
-pub use lower::{lower, Lowered};
+pub use group::{group, GroupId, WrapPolicy};
+pub use layout::{chunk_rows, layout, GroupLayout};
 pub use mesh::{Coords, Mesh};
-pub use plan::*;
-pub use simulate::MAX_RANK_BYTES;
-pub use steps::{ActEvent, ActEvents, ExecOrder, Phase, Step, StepId};
+pub use plan::{
+    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, GroupReshard, Instr, Issued, Plan,
+    PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
+};
+pub use steps::{ExecOrder, Phase, Step};
+pub use stream::Stream;
 pub use verify::{verify, VerifyError};
+
+// The passes name each other's types through the crate root.
+pub(crate) use group::FsdpGroup;
+pub(crate) use plan::*;
+pub(crate) use steps::{ActEvents, StepId};
 
 use std::sync::Arc;
 
@@ -48,6 +58,8 @@ use shardplan_frontends::{KernelMode, ParallelConfig, Runtime};
 use shardplan_ir::JointGraph;
 
 use cache::joined;
+use layout::Names;
+use lower::{lower, Lowered};
 use simulate::Setting;
 
 /// Plans one optimizer step of `joint` (traced at the per-rank micro-batch shape, in the

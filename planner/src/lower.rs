@@ -18,7 +18,7 @@ use crate::plan::{ExpertRouting, GroupReshard, PlannedGroup, Policy, PrefetchDep
 use crate::PlanError;
 
 /// The spec as the planner plans it.
-pub struct Lowered {
+pub(crate) struct Lowered {
     pub mesh: Mesh,
     pub policy: Policy,
     /// The routing of a graph with expert parallelism or token dropping.
@@ -26,7 +26,7 @@ pub struct Lowered {
 }
 
 /// Lowers `config` for `g` (traced at the per-rank micro-batch shape).
-pub fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanError> {
+pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanError> {
     let mesh = Mesh::with_tensor(
         config.mesh.replicate,
         config.mesh.shard,
@@ -89,14 +89,14 @@ pub fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanError> {
 
 impl Lowered {
     /// The forward program of `micro_batches` micro-batches: no gradient to clip.
-    pub fn forward_only(mut self, micro_batches: u64) -> Lowered {
+    pub(crate) fn forward_only(mut self, micro_batches: u64) -> Lowered {
         self.policy.grad_accum = micro_batches.max(1);
         self.policy.grad_clip = None;
         self
     }
 
     /// Resolves the spec's explicit prefetch lists (`{module: [modules]}`) to `groups`.
-    pub fn resolve_prefetch(
+    pub(crate) fn resolve_prefetch(
         &mut self,
         g: &Graph,
         groups: &[PlannedGroup],

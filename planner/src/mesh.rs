@@ -81,19 +81,8 @@ impl Mesh {
         }
     }
 
-    /// The mesh of a validated parallel spec (its world is `replicate x shard` by definition).
-    pub fn from_config(c: &shardplan_frontends::ParallelConfig) -> Self {
-        Mesh {
-            replicate: c.mesh.replicate,
-            shard: c.mesh.shard,
-            tensor: c.mesh.tensor,
-            expert: c.mesh.expert,
-            gpus_per_node: c.gpus_per_node,
-        }
-    }
-
     /// This mesh with an expert axis of `expert` ranks inside the shard axis.
-    pub fn with_expert(self, expert: u64) -> Result<Self, PlanError> {
+    pub(crate) fn with_expert(self, expert: u64) -> Result<Self, PlanError> {
         if expert == 0 || !self.shard.is_multiple_of(expert) {
             return Err(PlanError::ExpertDoesNotDivide {
                 expert,
@@ -110,13 +99,13 @@ impl Mesh {
 
     /// Ranks that hold the same experts within a replica (`shard / expert`): the group
     /// the routed experts' parameters are sharded over.
-    pub fn expert_shard(&self) -> u64 {
+    pub(crate) fn expert_shard(&self) -> u64 {
         self.shard / self.expert.max(1)
     }
 
     /// Ranks a group's parameters are sharded over: the shard axis, or the ranks holding
     /// the same experts for a group of routed experts.
-    pub fn shard_of(&self, group: &crate::FsdpGroup) -> u64 {
+    pub(crate) fn shard_of(&self, group: &crate::FsdpGroup) -> u64 {
         if group.experts {
             self.expert_shard()
         } else {
@@ -125,7 +114,7 @@ impl Mesh {
     }
 
     /// The process group a group's parameters are gathered and its gradients reduced over.
-    pub fn shard_comm(&self, group: &crate::FsdpGroup) -> crate::Comm {
+    pub(crate) fn shard_comm(&self, group: &crate::FsdpGroup) -> crate::Comm {
         if group.experts {
             crate::Comm::ExpertShard
         } else {
@@ -161,7 +150,7 @@ impl Mesh {
 
     /// The ranks of `rank`'s shard group holding its experts (same expert index), in
     /// shard order: FSDP's group for the routed experts.
-    pub fn expert_shard_group(&self, rank: u64) -> Vec<u64> {
+    pub(crate) fn expert_shard_group(&self, rank: u64) -> Vec<u64> {
         let c = self.coords(rank);
         let e = self.expert.max(1);
         (0..self.shard / e)
@@ -197,7 +186,7 @@ impl Mesh {
         self.shard
     }
 
-    pub fn gpus_per_node(&self) -> u64 {
+    pub(crate) fn gpus_per_node(&self) -> u64 {
         self.gpus_per_node
     }
 
@@ -249,7 +238,7 @@ impl Mesh {
     }
 
     /// The node a rank runs on.
-    pub fn node(&self, rank: u64) -> u64 {
+    pub(crate) fn node(&self, rank: u64) -> u64 {
         rank / self.gpus_per_node
     }
 

@@ -11,7 +11,7 @@ use crate::group::{FsdpGroup, GroupId};
 use crate::layout::GroupLayout;
 use crate::mesh::Mesh;
 use crate::steps::{Step, StepId};
-pub use crate::stream::Stream;
+pub(crate) use crate::stream::Stream;
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, AdamwImplementation, AllocatorConfig, GradSync, HardwareProfile, MixedPrecision, Offload,
@@ -118,10 +118,6 @@ impl Category {
         Category::CommBuffers,
     ];
 
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             Category::ShardedParams => "sharded params",
@@ -186,7 +182,7 @@ pub enum ReduceOp {
 
 /// The buffers a compute step reads or writes: one or two groups' as a rule, held inline
 /// (a search builds hundreds of schedules of thousands of steps). Serialised as a list.
-pub type Bufs = smallvec::SmallVec<[BufId; 2]>;
+pub(crate) type Bufs = smallvec::SmallVec<[BufId; 2]>;
 
 /// One instruction. Each kind is one small function in the executor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -819,7 +815,7 @@ impl Breakdown {
     }
 
     /// Adds every part of `other`, `times` over.
-    pub fn add_all(&mut self, other: &Breakdown, times: f64) {
+    pub(crate) fn add_all(&mut self, other: &Breakdown, times: f64) {
         for k in WorkKind::ALL {
             self.add(k, other.get(k) * times);
         }
@@ -952,7 +948,7 @@ pub struct Plan {
 
 impl Plan {
     /// The program rank `rank` runs.
-    pub fn program_of(&self, rank: u64) -> Option<&Program> {
+    pub(crate) fn program_of(&self, rank: u64) -> Option<&Program> {
         self.ranks
             .iter()
             .find(|s| rank >= s.first && rank - s.first < s.count)

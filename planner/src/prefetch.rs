@@ -31,7 +31,7 @@ use shardplan_frontends::HardwareProfile;
 pub const STEP_TOLERANCE: f64 = 1e-9;
 
 /// What one rank's schedule is built and simulated from.
-pub struct Ctx<'a> {
+pub(crate) struct Ctx<'a> {
     pub steps: &'a [Step],
     pub groups: &'a [PlannedGroup],
     pub policy: &'a Policy,
@@ -147,7 +147,7 @@ fn step_at(sched: &Schedule, i: usize) -> Option<usize> {
 /// `base` (the schedule of `gates`, the depths' order) with its all-gathers moved later
 /// where that lowers the peak without lengthening the step, the moves made, and the
 /// chosen schedule's simulation.
-pub fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule, Vec<PrefetchMove>, Simulated) {
+pub(crate) fn peak_aware(ctx: &Ctx, mut gates: Vec<Gate>, base: Schedule) -> (Schedule, Vec<PrefetchMove>, Simulated) {
     let mut best = score(ctx, base);
     let limit = best.step_s * (1.0 + STEP_TOLERANCE);
     let mut moves = Vec::new();

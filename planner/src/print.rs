@@ -5,7 +5,7 @@ use crate::plan::{Comm, GroupReshard, Instr, Issued, Plan, Stream};
 use std::fmt::Write;
 
 mod summary;
-pub use summary::{breakdown, summary};
+pub(crate) use summary::summary;
 
 /// `1.50 GiB`-style sizes (powers of 1024).
 pub fn bytes(b: u64) -> String {
@@ -48,7 +48,7 @@ fn group_name(plan: &Plan, g: crate::GroupId) -> String {
 }
 
 /// Ranks of a group, compactly: `0-7`, or `3,11,..,16379 (2048 ranks)`.
-pub fn ranks(members: &[u64]) -> String {
+pub(crate) fn ranks(members: &[u64]) -> String {
     match members {
         [] => String::new(),
         [one] => one.to_string(),
@@ -158,7 +158,7 @@ pub fn text(plan: &Plan, rank: u64) -> String {
 }
 
 /// `s` seconds in the unit that shows it best: s, ms or us, three decimals.
-pub fn duration(s: f64) -> String {
+pub(crate) fn duration(s: f64) -> String {
     if s >= 1.0 {
         format!("{s:.3} s")
     } else if s >= 1e-3 {
@@ -169,7 +169,7 @@ pub fn duration(s: f64) -> String {
 }
 
 /// The groups table.
-pub fn groups_table(o: &mut String, plan: &Plan) {
+pub(crate) fn groups_table(o: &mut String, plan: &Plan) {
     let p = &plan.policy.mixed_precision;
     let _ = writeln!(
         o,
@@ -208,7 +208,7 @@ pub fn groups_table(o: &mut String, plan: &Plan) {
 }
 
 /// One rank's schedule: a row per instruction in issue order, in its stream's column.
-pub fn schedule_table(o: &mut String, plan: &Plan, rank: u64) {
+pub(crate) fn schedule_table(o: &mut String, plan: &Plan, rank: u64) {
     let Some(program) = plan.program_of(rank) else {
         let _ = writeln!(o, "rank {rank} is not in the mesh");
         return;

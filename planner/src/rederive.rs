@@ -79,7 +79,7 @@ impl Refusal {
     }
 
     /// How to fix it.
-    pub fn help(&self) -> String {
+    pub(crate) fn help(&self) -> String {
         match self {
             Refusal::Derived { .. } => "this field is derived from the specs, not a choice; to change it, change `source` (or the spec files) and write the plan again with `shardplan plan --format json`".into(),
             Refusal::Simulated { .. } => "`timing`, `memory` and `estimate` follow from the program: after editing `programs`, write the simulated values".into(),

@@ -33,7 +33,7 @@ use shardplan_ir::DType;
 /// A schedule's timeline (with its stalls) and memory, as [`timeline`] and [`memory`] give
 /// them: the plan keeps those of the schedule the prefetch placement chose instead of
 /// simulating it again.
-pub struct Simulated {
+pub(crate) struct Simulated {
     pub timing: Timing,
     pub stall: Vec<f64>,
     pub memory: MemoryReport,
@@ -118,7 +118,7 @@ pub(crate) fn estimate_step(
 /// Most bytes one rank's buffers and activations may add up to (1 EiB, beyond any device):
 /// the memory simulation and the allocator model (which replays up to three steps) add
 /// sizes and addresses in u64 and stay far from overflow below it.
-pub const MAX_RANK_BYTES: u64 = 1 << 60;
+pub(crate) const MAX_RANK_BYTES: u64 = 1 << 60;
 
 /// Refuses a plan whose buffers and activations, summed, exceed [`MAX_RANK_BYTES`].
 pub(crate) fn rank_bytes_fit(buffers: &[Buffer], acts: &ActEvents) -> Result<(), crate::PlanError> {
@@ -137,7 +137,7 @@ pub(crate) fn rank_bytes_fit(buffers: &[Buffer], acts: &ActEvents) -> Result<(),
 
 /// The timeline of `program`, and how long the compute stream waited before each
 /// instruction (non-zero only for waits).
-pub fn timeline(
+pub(crate) fn timeline(
     program: &Program,
     buffers: &[Buffer],
     step_s: &[f64],
@@ -191,7 +191,7 @@ pub fn timeline(
 }
 
 /// Device and host memory over `program`.
-pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Timing) -> MemoryReport {
+pub(crate) fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Timing) -> MemoryReport {
     let mut device = ByCategory::default();
     let mut host = ByCategory::default();
     let mut host_max = ByCategory::default();
@@ -284,7 +284,7 @@ pub fn memory(program: &Program, buffers: &[Buffer], steps: &[Step], timing: &Ti
 /// Device memory as the GPU sees it: `report` (from [`memory`]) with the caching
 /// allocator's peaks for `program` under `allocator`'s settings, the process's fixed
 /// overheads on `hw` and their total.
-pub fn device_memory(
+pub(crate) fn device_memory(
     report: MemoryReport,
     program: &Program,
     buffers: &[Buffer],
@@ -297,7 +297,7 @@ pub fn device_memory(
 }
 
 /// [`device_memory`] from a replay `r` of `program` already made.
-pub fn with_replay(
+pub(crate) fn with_replay(
     mut report: MemoryReport,
     r: &crate::allocator::Replay,
     program: &Program,
@@ -313,7 +313,7 @@ pub fn with_replay(
 
 /// The CUDA context and NCCL's buffers: every communicator of more than one rank holds its
 /// channels' buffers (a group of one talks to nobody).
-pub fn overhead(program: &Program, mesh: &Mesh, hw: &HardwareProfile) -> Overhead {
+pub(crate) fn overhead(program: &Program, mesh: &Mesh, hw: &HardwareProfile) -> Overhead {
     let mut communicators = program.communicators().iter().filter(|(c, _)| c.size(mesh) > 1).count() as u32;
     // The expert group's all-to-all runs on a communicator of its own (the compute
     // stream's graph ops, not the program's instructions).
@@ -356,7 +356,7 @@ fn max_each(a: ByCategory, b: ByCategory) -> ByCategory {
 
 /// The timed program's cost figures: the compute steps' parts by kind of work (from
 /// [`crate::cost::step_parts`]), the mesh and the profile it was timed on.
-pub struct Costed<'a> {
+pub(crate) struct Costed<'a> {
     pub step_parts: &'a [Breakdown],
     pub mesh: &'a Mesh,
     pub hw: &'a HardwareProfile,
@@ -367,7 +367,7 @@ pub struct Costed<'a> {
 /// copies it makes (`kernels: fused`), the slowdown from collectives beside it (what the
 /// timeline added beyond those), and the copies and optimizer work between steps.
 #[allow(clippy::too_many_arguments)]
-pub fn estimate(
+pub(crate) fn estimate(
     program: &Program,
     buffers: &[Buffer],
     timing: &Timing,

@@ -8,7 +8,7 @@ use shardplan_frontends::{GradSync, Offload};
 use std::fmt::Write;
 
 /// The summary block alone.
-pub fn summary(o: &mut String, plan: &Plan) {
+pub(crate) fn summary(o: &mut String, plan: &Plan) {
     mesh_line(o, plan);
     tensor_parallel_line(o, plan);
     if let Some(e) = &plan.experts {
@@ -391,7 +391,7 @@ fn estimate_lines(o: &mut String, plan: &Plan) {
 /// Where the predicted step goes: the compute stream's time by kind of work, then its
 /// waits on communication and the step's fixed overhead, each with its share of the step.
 /// Kinds that take no time are left out.
-pub fn breakdown(o: &mut String, e: &crate::Estimate) {
+pub(crate) fn breakdown(o: &mut String, e: &crate::Estimate) {
     let share = |s: f64| if e.step_s > 0.0 { s / e.step_s * 100.0 } else { 0.0 };
     let _ = writeln!(o, "step by kind of work (compute stream, then waits):");
     let rows = crate::WorkKind::ALL

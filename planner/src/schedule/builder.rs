@@ -44,7 +44,13 @@ pub(crate) struct Builder<'a> {
 
 impl<'a> Builder<'a> {
     /// An empty schedule for `groups` of `steps` compute steps.
-    pub fn new(groups: &'a [PlannedGroup], policy: &'a Policy, mesh: &'a Mesh, steps: usize, named: bool) -> Self {
+    pub(crate) fn new(
+        groups: &'a [PlannedGroup],
+        policy: &'a Policy,
+        mesh: &'a Mesh,
+        steps: usize,
+        named: bool,
+    ) -> Self {
         let n = groups.len();
         // About a dozen instructions per step and per group, and a few buffers per step and
         // group: sized once, the vectors are not copied as they grow (a search builds
@@ -71,7 +77,7 @@ impl<'a> Builder<'a> {
     }
 
     /// The schedule issued.
-    pub fn finish(self) -> Schedule {
+    pub(crate) fn finish(self) -> Schedule {
         Schedule {
             buffers: self.buffers.into_vec(),
             events: self.events,
@@ -80,7 +86,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Where group state lives: on the host under CPU offload.
-    pub fn state_pool(&self) -> Pool {
+    pub(crate) fn state_pool(&self) -> Pool {
         if self.offload() {
             Pool::Host
         } else {
@@ -90,7 +96,7 @@ impl<'a> Builder<'a> {
 
     /// The stream of the optimizer step: the compute stream, or the host's under CPU
     /// offload.
-    pub fn optimizer_stream(&self) -> Stream {
+    pub(crate) fn optimizer_stream(&self) -> Stream {
         if self.offload() {
             Stream::Host
         } else {
@@ -100,7 +106,7 @@ impl<'a> Builder<'a> {
 
     /// Every group's persistent buffers: its sharded parameters, its optimizer state, and
     /// what `lowering` keeps beside them.
-    pub fn persistent_state(&mut self, lowering: &mut impl Lowering) {
+    pub(crate) fn persistent_state(&mut self, lowering: &mut impl Lowering) {
         let pool = self.state_pool();
         let master = self.policy.mixed_precision.master;
         for grp in self.groups {
@@ -135,7 +141,7 @@ impl<'a> Builder<'a> {
         }
     }
 
-    pub fn buf(
+    pub(crate) fn buf(
         &mut self,
         name: impl FnOnce() -> String,
         category: Category,
@@ -160,7 +166,7 @@ impl<'a> Builder<'a> {
     }
 
     /// A buffer of no group (the gradient norm).
-    pub fn shared_buf(&mut self, name: &str, category: Category, dtype: DType, numel: u64) -> BufId {
+    pub(crate) fn shared_buf(&mut self, name: &str, category: Category, dtype: DType, numel: u64) -> BufId {
         let id = self.buffers.next_key();
         self.buffers.push(Buffer {
             id,
@@ -175,11 +181,11 @@ impl<'a> Builder<'a> {
         })
     }
 
-    pub fn buffer_mut(&mut self, b: BufId) -> &mut Buffer {
+    pub(crate) fn buffer_mut(&mut self, b: BufId) -> &mut Buffer {
         &mut self.buffers[b]
     }
 
-    pub fn numel(&self, b: BufId) -> u64 {
+    pub(crate) fn numel(&self, b: BufId) -> u64 {
         self.buffers[b].numel
     }
 
@@ -188,7 +194,7 @@ impl<'a> Builder<'a> {
         EventId::new(self.events as usize - 1)
     }
 
-    pub fn emit(&mut self, stream: Stream, instr: Instr) {
+    pub(crate) fn emit(&mut self, stream: Stream, instr: Instr) {
         if self.deferring {
             self.deferred.push((stream, instr));
             return;
@@ -203,32 +209,32 @@ impl<'a> Builder<'a> {
         self.instrs.push(Issued { stream, instr });
     }
 
-    pub fn record(&mut self, stream: Stream) -> EventId {
+    pub(crate) fn record(&mut self, stream: Stream) -> EventId {
         let e = self.event();
         self.emit(stream, Instr::Record { event: e });
         e
     }
 
     /// Issues the deferred reduction tails.
-    pub fn flush(&mut self) {
+    pub(crate) fn flush(&mut self) {
         for (stream, instr) in std::mem::take(&mut self.deferred) {
             self.emit(stream, instr);
         }
     }
 
-    pub fn offload(&self) -> bool {
+    pub(crate) fn offload(&self) -> bool {
         self.policy.offload == Offload::Cpu
     }
 
     /// The process group `g` is sharded over.
-    pub fn shard_comm(&self, g: GroupId) -> Comm {
+    pub(crate) fn shard_comm(&self, g: GroupId) -> Comm {
         self.mesh.shard_comm(&self.groups[g.index()].group)
     }
 
     /// How `g`'s gradients are reduced over its shard group: averaged, and the routed
     /// experts' (which sum the tokens of their whole expert group already) over the whole
     /// shard axis.
-    pub fn grad_reduce(&self, g: GroupId) -> ReduceOp {
+    pub(crate) fn grad_reduce(&self, g: GroupId) -> ReduceOp {
         if self.groups[g.index()].group.experts && self.mesh.expert() > 1 {
             ReduceOp::AvgOver(self.mesh.shard())
         } else {
@@ -236,17 +242,17 @@ impl<'a> Builder<'a> {
         }
     }
 
-    pub fn gathered_numel(&self, g: GroupId) -> u64 {
+    pub(crate) fn gathered_numel(&self, g: GroupId) -> u64 {
         self.groups[g.index()].layout.gathered_numel()
     }
 
-    pub fn shard_numel(&self, g: GroupId) -> u64 {
+    pub(crate) fn shard_numel(&self, g: GroupId) -> u64 {
         self.groups[g.index()].layout.shard_numel
     }
 
     /// The part of a buffer's name that says its pass and micro-batch (empty, and not
     /// allocated, when buffers go unnamed: it is read only by their names).
-    pub fn suffix(&self, micro: u32, phase: &str) -> String {
+    pub(crate) fn suffix(&self, micro: u32, phase: &str) -> String {
         if !self.named {
             String::new()
         } else if self.policy.grad_accum > 1 {
@@ -258,7 +264,7 @@ impl<'a> Builder<'a> {
 
     /// All-gathers group `g` on the all-gather stream once `gate` (a compute event)
     /// passes, into the buffer `lowering` gathers into.
-    pub fn gather(&mut self, lowering: &mut impl Lowering, g: GroupId, gate: EventId, micro: u32, phase: Phase) {
+    pub(crate) fn gather(&mut self, lowering: &mut impl Lowering, g: GroupId, gate: EventId, micro: u32, phase: Phase) {
         let tag = self.suffix(micro, if phase == Phase::Forward { "fwd" } else { "bwd" });
         let dst = lowering.gather_output(self, g, &tag);
         let (src, comm, drop_src) = match self.post_forward[g].take() {
@@ -331,7 +337,7 @@ impl<'a> Builder<'a> {
     /// stream and frees them there (FSDP2's copy-in), then reduce-scatters it as
     /// `lowering` does; on the final micro-batch also the replica all-reduce and the host
     /// copy.
-    pub fn reduce(&mut self, lowering: &mut impl Lowering, g: GroupId, micro: u32, last_micro: bool) {
+    pub(crate) fn reduce(&mut self, lowering: &mut impl Lowering, g: GroupId, micro: u32, last_micro: bool) {
         let pieces: Vec<BufId> = std::mem::take(&mut self.pieces[g])
             .into_iter()
             .map(|(_, b)| b)
@@ -369,7 +375,7 @@ impl<'a> Builder<'a> {
 
     /// The sharded gradients of `g`, allocated on the reduce-scatter stream (as `emit`
     /// issues now: at once, or deferred) at its first reduction.
-    pub fn sharded_grads(&mut self, g: GroupId) -> BufId {
+    pub(crate) fn sharded_grads(&mut self, g: GroupId) -> BufId {
         if let Some(b) = self.sharded_grads[g] {
             return b;
         }
@@ -388,7 +394,7 @@ impl<'a> Builder<'a> {
 
     /// The final micro-batch's tail of a group's reduction, from its sharded gradients `acc`
     /// ready at `done`: the replica all-reduce (HSDP), the host copy (offload).
-    pub fn finish_grads(&mut self, g: GroupId, acc: BufId, mut done: EventId) {
+    pub(crate) fn finish_grads(&mut self, g: GroupId, acc: BufId, mut done: EventId) {
         let master = self.policy.mixed_precision.master;
         if self.mesh.replicate() > 1 {
             self.emit(Stream::AllReduce, Instr::Wait { event: done });

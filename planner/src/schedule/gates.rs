@@ -61,7 +61,7 @@ fn needs(steps: &[Step], groups: &[PlannedGroup], u: &Uses) -> Vec<(usize, Group
 /// read of `group` at step `need` (`at <= need`), in pass `phase`. Every micro-batch
 /// issues its gathers at the same points.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Gate {
+pub(crate) struct Gate {
     pub group: GroupId,
     pub phase: Phase,
     pub need: usize,
@@ -71,7 +71,7 @@ pub struct Gate {
 /// The all-gathers of one micro-batch at the points the prefetch depths and explicit lists
 /// put them (FSDP2's order): a gather is issued when the step needing the gather `depth`
 /// gathers earlier starts, or when its trigger group's first step of the pass starts.
-pub fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Gate> {
+pub(crate) fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) -> Vec<Gate> {
     let u = uses(steps, groups.len());
     let need = needs(steps, groups, &u);
     let first_backward = steps.iter().position(|s| s.phase != Phase::Forward).unwrap_or(0);

@@ -25,7 +25,8 @@ mod optimizer;
 mod own;
 mod walk;
 
-pub use gates::{gates, hook_group, Gate};
+pub use gates::hook_group;
+pub(crate) use gates::{gates, Gate};
 
 use crate::group::GroupId;
 use crate::mesh::Mesh;
@@ -35,7 +36,7 @@ use builder::Builder;
 use shardplan_frontends::Runtime;
 
 /// Buffers, event count and program of one rank.
-pub struct Schedule {
+pub(crate) struct Schedule {
     pub buffers: Vec<Buffer>,
     pub events: u32,
     pub program: Program,
@@ -86,16 +87,11 @@ pub(crate) trait Lowering {
     }
 }
 
-/// The schedule of one rank, its all-gathers issued at [`gates`].
-pub fn schedule(steps: &[Step], groups: &[PlannedGroup], policy: &Policy, mesh: &Mesh) -> Schedule {
-    schedule_gated(steps, groups, policy, mesh, &gates(steps, groups, policy), true)
-}
-
 /// The schedule of one rank with its all-gathers issued at `gates` (one per gather of a
 /// micro-batch, as [`gates`] lists them, with any `at` in `..=need`), lowered for the
 /// policy's runtime. `named: false` leaves every buffer's name empty (a schedule that is
 /// simulated, never printed).
-pub fn schedule_gated(
+pub(crate) fn schedule_gated(
     steps: &[Step],
     groups: &[PlannedGroup],
     policy: &Policy,

@@ -26,7 +26,7 @@ pub(super) struct Walk<'a> {
 }
 
 impl<'a> Walk<'a> {
-    pub fn new(steps: &'a [Step], groups: &'a [PlannedGroup], gates: &[Gate]) -> Self {
+    pub(crate) fn new(steps: &'a [Step], groups: &'a [PlannedGroup], gates: &[Gate]) -> Self {
         let mut writers: IdVec<GroupId, usize> = IdVec::from_elem(0, groups.len());
         for s in steps {
             for &g in &s.grads {
@@ -52,7 +52,7 @@ impl<'a> Walk<'a> {
     }
 
     /// Issues micro-batch `micro` of the step.
-    pub fn micro_batch<L: Lowering>(&self, b: &mut Builder, lowering: &mut L, micro: u32) {
+    pub(crate) fn micro_batch<L: Lowering>(&self, b: &mut Builder, lowering: &mut L, micro: u32) {
         let policy = b.policy;
         let last_micro = micro + 1 == policy.grad_accum as u32;
         let sync = last_micro || policy.grad_sync == GradSync::EveryMicroBatch;

@@ -17,7 +17,7 @@
 mod exec_order;
 mod walk;
 
-pub use exec_order::{BlockwiseAttention, ExecOrder};
+pub use exec_order::ExecOrder;
 
 use crate::group::{FsdpGroup, GroupId};
 use crate::stream::Stream;
@@ -140,7 +140,7 @@ impl ActEvents {
     }
 
     /// The events of step `s` (none for a step out of range).
-    pub fn of(&self, s: StepId) -> &[ActEvent] {
+    pub(crate) fn of(&self, s: StepId) -> &[ActEvent] {
         let (a, b) = (self.starts.get(s.index()), self.starts.get(s.index() + 1));
         match (a, b) {
             (Some(&a), Some(&b)) => self.events.get(a as usize..b as usize).unwrap_or(&[]),
@@ -236,7 +236,7 @@ impl Kernels {
 }
 
 /// [`steps_and_events`] for the compute `kernels` runs.
-pub fn steps_and_events_for(
+pub(crate) fn steps_and_events_for(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     ac: ActivationCheckpointing,
@@ -248,7 +248,7 @@ pub fn steps_and_events_for(
 /// [`steps_and_events_for`] in an execution order already made by
 /// [`ExecOrder::for_kernels`] for the same graph, checkpointing and `kernels` (it does not
 /// depend on the groups, so a search makes one per policy).
-pub fn steps_and_events_in(
+pub(crate) fn steps_and_events_in(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     exec: &ExecOrder,
@@ -261,7 +261,7 @@ pub fn steps_and_events_in(
 /// without the steps' labels, reads and activation events. It is the same for every
 /// grouping (the running level follows the execution order; groups only cut it into
 /// steps).
-pub fn activation_peak_in(joint: &JointGraph, groups: &[FsdpGroup], exec: &ExecOrder, kernels: Kernels) -> u64 {
+pub(crate) fn activation_peak_in(joint: &JointGraph, groups: &[FsdpGroup], exec: &ExecOrder, kernels: Kernels) -> u64 {
     let (steps, _) = walk(joint, groups, exec, kernels, false);
     steps.iter().map(|s| s.act_peak).max().unwrap_or(0)
 }
