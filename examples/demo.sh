@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # From text to a model that writes text, on a laptop CPU, in a few minutes:
-#   1. tokenize the repository's own documentation (README.md, ARCHITECTURE.md) with the
-#      byte-level BPE tokenizer of tests/fixtures/tokenizer (512 tokens, trained on the README),
+#   1. tokenize the repository's own documentation (README.md, ARCHITECTURE.md and the book's
+#      pages, docs/src/*.md) with the byte-level BPE tokenizer of tests/fixtures/tokenizer
+#      (512 tokens, trained on an earlier version of the README),
 #   2. train a 0.9M-parameter Llama on 1x2 ranks (two threads) with a validation loss,
 #   3. generate a sample from the checkpoint,
 #   4. export it as a Hugging Face folder (model.safetensors + config.json) and generate from
@@ -26,7 +27,7 @@ start=$(date +%s)
 
 echo "== 1. data prepare"
 "$SHARDPLAN" data prepare --tokenizer "$TOKENIZER" --out "$OUT/data" --val-fraction 0.1 \
-    "$root/README.md" "$root/ARCHITECTURE.md"
+    "$root/README.md" "$root/ARCHITECTURE.md" "$root"/docs/src/*.md
 
 cat > "$OUT/model.yaml" <<'EOF'
 name: demo-llama
