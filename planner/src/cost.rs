@@ -593,7 +593,7 @@ impl OptimizerTraffic {
         OptimizerTraffic {
             state_per_param: policy.optimizer_state_per_param,
             foreach_adamw: !policy.runtime.is_shardplan()
-                && policy.optimizer == "adamw"
+                && policy.optimizer == crate::OptimizerKind::Adamw
                 && policy.adamw_implementation == shardplan_frontends::AdamwImplementation::Foreach,
         }
     }

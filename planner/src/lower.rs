@@ -14,7 +14,7 @@ use shardplan_ir::{Graph, Op};
 
 use crate::group::{FsdpGroup, GroupId, WrapPolicy};
 use crate::mesh::Mesh;
-use crate::plan::{ExpertRouting, GroupReshard, PlannedGroup, Policy, PrefetchDepth};
+use crate::plan::{ExpertRouting, GroupReshard, OptimizerKind, PlannedGroup, Policy, PrefetchDepth};
 use crate::PlanError;
 
 /// The spec as the planner plans it.
@@ -51,7 +51,7 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         },
         mixed_precision: config.mixed_precision.into(),
         offload: config.offload,
-        activation_checkpointing: config.activation_checkpointing.into(),
+        activation_checkpointing: config.activation_checkpointing,
         batch_per_rank: config.batch.per_rank,
         seq_len: g
             .inputs()
@@ -61,10 +61,7 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         grad_accum: config.batch.grad_accum,
         grad_sync: config.batch.grad_sync,
         optimizer_state_per_param: config.optimizer.state_per_param(),
-        optimizer: match config.optimizer {
-            shardplan_frontends::Optimizer::AdamW { .. } => "adamw".into(),
-            shardplan_frontends::Optimizer::Sgd { .. } => "sgd".into(),
-        },
+        optimizer: OptimizerKind::of(&config.optimizer),
         // Only PyTorch's run has a choice of AdamW; shardplan's executor has its own.
         adamw_implementation: if config.runtime.is_shardplan() {
             Default::default()

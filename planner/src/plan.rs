@@ -429,14 +429,14 @@ pub struct Policy {
     pub prefetch: PrefetchDepth,
     pub mixed_precision: Precision,
     pub offload: Offload,
-    pub activation_checkpointing: Checkpointing,
+    pub activation_checkpointing: ActivationCheckpointing,
     pub batch_per_rank: u64,
     pub seq_len: u64,
     pub grad_accum: u64,
     pub grad_sync: GradSync,
     /// Optimizer state elements (f32) per parameter element.
     pub optimizer_state_per_param: u64,
-    pub optimizer: String,
+    pub optimizer: OptimizerKind,
     /// AdamW's implementation in a PyTorch run: under `runtime: fsdp2`, `foreach` holds a
     /// temporary the size of each parameter shard through the optimizer step (`gN.optim.tmp`).
     /// `fused` (and absent from the JSON) under `runtime: shardplan`, and for plans written
@@ -508,36 +508,36 @@ impl From<MixedPrecision> for Precision {
     }
 }
 
-/// Activation checkpointing as planned.
+/// The optimizer a plan steps with; its state per parameter element is
+/// [`Policy::optimizer_state_per_param`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Checkpointing {
-    None,
-    Full,
-    Every(u64),
-    /// Every block by op: what it saves (the rest of its forward is recomputed).
-    Selective(shardplan_frontends::SavePolicy),
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Adamw,
+    Sgd,
 }
 
-impl From<ActivationCheckpointing> for Checkpointing {
-    fn from(a: ActivationCheckpointing) -> Self {
-        match a {
-            ActivationCheckpointing::None => Checkpointing::None,
-            ActivationCheckpointing::Full => Checkpointing::Full,
-            ActivationCheckpointing::Every(n) => Checkpointing::Every(n),
-            ActivationCheckpointing::Selective(p) => Checkpointing::Selective(p),
+impl OptimizerKind {
+    /// The kind of a spec's optimizer.
+    pub fn of(o: &shardplan_frontends::Optimizer) -> Self {
+        match o {
+            shardplan_frontends::Optimizer::AdamW { .. } => OptimizerKind::Adamw,
+            shardplan_frontends::Optimizer::Sgd { .. } => OptimizerKind::Sgd,
+        }
+    }
+
+    /// Its name, as the plan's JSON and checkpoints write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Sgd => "sgd",
         }
     }
 }
 
-impl From<Checkpointing> for ActivationCheckpointing {
-    fn from(a: Checkpointing) -> Self {
-        match a {
-            Checkpointing::None => ActivationCheckpointing::None,
-            Checkpointing::Full => ActivationCheckpointing::Full,
-            Checkpointing::Every(n) => ActivationCheckpointing::Every(n),
-            Checkpointing::Selective(p) => ActivationCheckpointing::Selective(p),
-        }
+impl fmt::Display for OptimizerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

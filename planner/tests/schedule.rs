@@ -243,8 +243,5 @@ fn selective_checkpointing_sits_between_none_and_full() {
             .sum()
     };
     assert!(recomputed(&sel) < recomputed(&full) && recomputed(&sel) > 0);
-    assert_eq!(
-        shardplan_frontends::ActivationCheckpointing::from(sel.policy.activation_checkpointing).to_string(),
-        "selective"
-    );
+    assert_eq!(sel.policy.activation_checkpointing.to_string(), "selective");
 }

@@ -319,7 +319,7 @@ impl ShardedTrainer {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
         let names = self.param_names();
-        let optimizer = plan.policy.optimizer.clone();
+        let optimizer = plan.policy.optimizer.name().to_string();
         let states = state_names(&self.config.optimizer);
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
@@ -444,7 +444,7 @@ impl ShardedTrainer {
                 self.model.name(),
             )));
         }
-        if meta.optimizer != self.shared.plan.policy.optimizer {
+        if meta.optimizer != self.shared.plan.policy.optimizer.name() {
             return Err(ExecError::Checkpoint(format!(
                 "{}: holds {} optimizer state; this run uses {}",
                 dir.display(),

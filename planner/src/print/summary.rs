@@ -4,7 +4,7 @@
 use super::{bytes, describe, duration, group_name, ms, thousands};
 use crate::cost::pool_name;
 use crate::plan::{Category, ExpertRouting, GroupReshard, MemoryReport, Plan, Policy};
-use shardplan_frontends::{GradSync, Offload};
+use shardplan_frontends::{ActivationCheckpointing, GradSync, Offload};
 use std::fmt::Write;
 
 /// The summary block alone.
@@ -157,10 +157,10 @@ fn policy_lines(o: &mut String, p: &Policy) {
         "policy: wrap [{wrap}], reshard_after_forward {reshard} (root keeps), {prefetch}"
     );
     let ac = match p.activation_checkpointing {
-        crate::Checkpointing::None => "none".to_string(),
-        crate::Checkpointing::Full => "full".to_string(),
-        crate::Checkpointing::Every(n) => format!("every {n} blocks"),
-        crate::Checkpointing::Selective(s) => shardplan_frontends::ActivationCheckpointing::Selective(s).to_string(),
+        ActivationCheckpointing::None => "none".to_string(),
+        ActivationCheckpointing::Full => "full".to_string(),
+        ActivationCheckpointing::Every(n) => format!("every {n} blocks"),
+        s @ ActivationCheckpointing::Selective(_) => s.to_string(),
     };
     let _ = writeln!(
         o,

@@ -59,7 +59,7 @@ impl Fsdp2 {
 
 /// Whether `b`'s optimizer is torch's AdamW.
 fn adamw(b: &Builder) -> bool {
-    b.policy.optimizer == "adamw"
+    b.policy.optimizer == crate::OptimizerKind::Adamw
 }
 
 impl Lowering for Fsdp2 {
