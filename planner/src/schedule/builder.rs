@@ -141,6 +141,7 @@ impl<'a> Builder<'a> {
         }
     }
 
+    #[inline]
     pub(crate) fn buf(
         &mut self,
         name: impl FnOnce() -> String,
@@ -181,19 +182,23 @@ impl<'a> Builder<'a> {
         })
     }
 
+    #[inline]
     pub(crate) fn buffer_mut(&mut self, b: BufId) -> &mut Buffer {
         &mut self.buffers[b]
     }
 
+    #[inline]
     pub(crate) fn numel(&self, b: BufId) -> u64 {
         self.buffers[b].numel
     }
 
+    #[inline]
     fn event(&mut self) -> EventId {
         self.events += 1;
         EventId::new(self.events as usize - 1)
     }
 
+    #[inline]
     pub(crate) fn emit(&mut self, stream: Stream, instr: Instr) {
         if self.deferring {
             self.deferred.push((stream, instr));
@@ -209,6 +214,7 @@ impl<'a> Builder<'a> {
         self.instrs.push(Issued { stream, instr });
     }
 
+    #[inline]
     pub(crate) fn record(&mut self, stream: Stream) -> EventId {
         let e = self.event();
         self.emit(stream, Instr::Record { event: e });
@@ -222,11 +228,13 @@ impl<'a> Builder<'a> {
         }
     }
 
+    #[inline]
     pub(crate) fn offload(&self) -> bool {
         self.policy.offload == Offload::Cpu
     }
 
     /// The process group `g` is sharded over.
+    #[inline]
     pub(crate) fn shard_comm(&self, g: GroupId) -> Comm {
         self.mesh.shard_comm(&self.groups[g.index()].group)
     }
@@ -234,6 +242,7 @@ impl<'a> Builder<'a> {
     /// How `g`'s gradients are reduced over its shard group: averaged, and the routed
     /// experts' (which sum the tokens of their whole expert group already) over the whole
     /// shard axis.
+    #[inline]
     pub(crate) fn grad_reduce(&self, g: GroupId) -> ReduceOp {
         if self.groups[g.index()].group.experts && self.mesh.expert() > 1 {
             ReduceOp::AvgOver(self.mesh.shard())
@@ -242,16 +251,19 @@ impl<'a> Builder<'a> {
         }
     }
 
+    #[inline]
     pub(crate) fn gathered_numel(&self, g: GroupId) -> u64 {
         self.groups[g.index()].layout.gathered_numel()
     }
 
+    #[inline]
     pub(crate) fn shard_numel(&self, g: GroupId) -> u64 {
         self.groups[g.index()].layout.shard_numel
     }
 
     /// The part of a buffer's name that says its pass and micro-batch (empty, and not
     /// allocated, when buffers go unnamed: it is read only by their names).
+    #[inline]
     pub(crate) fn suffix(&self, micro: u32, phase: &str) -> String {
         if !self.named {
             String::new()

@@ -408,11 +408,13 @@ impl ExecOrder {
 
     /// The input whose memory `id` writes its value into, if any
     /// ([`ExecOrder::in_place_cross_entropy`]).
+    #[inline]
     pub fn in_place(&self, id: NodeId) -> Option<NodeId> {
         self.in_place.get(id.index()).copied().flatten()
     }
 
     /// The blockwise attention backward `id` is part of, if any.
+    #[inline]
     pub fn blockwise_group(&self, id: NodeId) -> Option<&BlockwiseAttention> {
         let i = (*self.blockwise_of.get(id.index())?)?;
         self.blockwise.get(i as usize)
@@ -421,6 +423,7 @@ impl ExecOrder {
     /// Values `id` reads beyond its graph inputs: a blockwise attention's gradient node
     /// reads q, k, v and the output gradient (through the placeholders); nothing else does.
     /// Frees at a node's position go over its inputs and these.
+    #[inline]
     pub fn extra_reads(&self, g: &shardplan_ir::Graph, id: NodeId) -> &[NodeId] {
         match self.blockwise_group(id) {
             Some(b) if !matches!(g.node(id).op, Op::AttnProbs { .. } | Op::AttnGradScores) => &b.operands,
@@ -429,6 +432,7 @@ impl ExecOrder {
     }
 
     /// Whether `id` is a placeholder of a blockwise attention backward (no memory).
+    #[inline]
     pub fn placeholder(&self, id: NodeId) -> bool {
         self.blockwise_group(id)
             .is_some_and(|b| b.probs == id || b.scores == Some(id))
@@ -436,11 +440,13 @@ impl ExecOrder {
 
     /// Whether forward node `id` runs again in its block's recompute (checkpointed and not
     /// saved), so what its original run saves dies with it.
+    #[inline]
     pub fn recomputed(&self, id: NodeId) -> bool {
         id.index() < self.forward_len && self.ckpt[id].is_some() && !self.saved[id]
     }
 
     /// Index of a value (a node's original or its recomputed copy).
+    #[inline]
     pub fn slot(id: NodeId, copy: bool) -> usize {
         id.index() * 2 + usize::from(copy)
     }
@@ -448,6 +454,7 @@ impl ExecOrder {
     /// The value slot `reader` (itself a copy or not) reads for `input`: its own, its
     /// recomputed copy ([`ExecOrder::reads_copy`]), or, for a backward recomputation the
     /// block's recompute already makes, that copy.
+    #[inline]
     pub fn read_slot(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> usize {
         match self.alias.get(input.index()).copied().flatten() {
             Some(f) => Self::slot(f, true),
@@ -457,6 +464,7 @@ impl ExecOrder {
 
     /// Whether `reader` (itself a copy or not) reads the recomputed copy of `input`: inside
     /// a checkpointed block, its recompute and backward read the block's recomputed values.
+    #[inline]
     pub fn reads_copy(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> bool {
         if self.saved[input] {
             return false;
@@ -472,6 +480,7 @@ impl ExecOrder {
     /// Bytes a value holds as an activation: 0 for parameters and final parameter
     /// gradients (they live in group buffers), and for a parameter read through `tp_copy`
     /// (the parameter itself).
+    #[inline]
     pub fn value_bytes(&self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
         let node = g.node(id);
         if self.param_of_node[id.index()].is_some()

@@ -74,6 +74,7 @@ impl<'a> Tables<'a> {
     }
 
     /// Bytes value `id` holds; PyTorch holds token ids as int64, twice shardplan's u32.
+    #[inline]
     fn bytes(&self, id: NodeId) -> u64 {
         let b = self.exec.value_bytes(self.g, id);
         let node = self.g.node(id);
@@ -267,13 +268,9 @@ impl<'a> Walker<'a> {
         step.act_peak = step.act_peak.max(level);
     }
 
-    /// Frees `bytes` of activation value `value` (`u32::MAX`: never numbered), recording
-    /// the free among the events.
+    /// Frees `bytes` of activation value `value` ([`release`]).
     fn release(&mut self, value: u32, bytes: u64) {
-        self.live = self.live.saturating_sub(bytes);
-        if bytes > 0 && value != u32::MAX {
-            self.acts.push(self.detail, ActEvent { value, bytes: 0 });
-        }
+        release(&mut self.live, &mut self.acts, self.detail, value, bytes);
     }
 
     /// The pending all-to-alls compute node `id` is the first to touch (it reads their
@@ -507,21 +504,36 @@ impl<'a> Walker<'a> {
             operands: smallvec::SmallVec::new(),
             dying: Vec::new(),
         });
-        let reads: smallvec::SmallVec<[(NodeId, usize); 8]> = self.t.read_slots(id, copy).collect();
-        for (input, s) in reads {
+        // (The fields are borrowed one by one: this runs for every node.)
+        let t = &self.t;
+        let node = t.g.node(id);
+        for &input in node.inputs.iter().chain(t.exec.extra_reads(t.g, id)) {
+            if t.exec.param_of_node[input.index()].is_some() {
+                continue;
+            }
+            let s = t.exec.read_slot(id, copy, input);
             if let Some(p) = waiting.as_mut() {
                 p.operands.push(s);
             }
-            if self.t.exec.last_use[s] == pos && !self.freed.contains(&s) && overwritten != Some(s) {
+            if t.exec.last_use[s] == pos && !self.freed.contains(&s) && overwritten != Some(s) {
                 self.freed.push(s);
-                let (value, b) = (self.value_of[s], self.t.bytes(input));
+                let (value, b) = (self.value_of[s], t.bytes(input));
                 match waiting.as_mut() {
                     Some(p) => p.dying.push((s, value, b)),
-                    None => self.release(value, b),
+                    None => release(&mut self.live, &mut self.acts, self.detail, value, b),
                 }
             }
         }
         self.pending.extend(waiting);
+    }
+}
+
+/// Frees `bytes` of activation value `value` (`u32::MAX`: never numbered) from `live`,
+/// recording the free among `acts`' events.
+fn release(live: &mut u64, acts: &mut ActEvents, detail: bool, value: u32, bytes: u64) {
+    *live = live.saturating_sub(bytes);
+    if bytes > 0 && value != u32::MAX {
+        acts.push(detail, ActEvent { value, bytes: 0 });
     }
 }
 
