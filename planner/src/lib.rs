@@ -79,16 +79,12 @@ pub fn plan_in(
     let mut lowered = lower(g, config)?;
     let (groups, compute) = cache.grouped_steps(joint, config, &lowered, Names::Kept)?;
     lowered.resolve_prefetch(g, &groups, config)?;
-    let mut placed = prefetch::schedule_plan(
-        &compute.steps,
-        &groups,
-        &lowered,
-        &compute,
-        &config.hardware,
-        Names::Kept,
-    )?;
+    // The plan's own copy of the steps is made before the schedule's trials come and go,
+    // so that the memory it takes is not what they leave at the top of the heap.
+    let steps = compute.steps.clone();
+    let mut placed = prefetch::schedule_plan(&steps, &groups, &lowered, &compute, &config.hardware, Names::Kept)?;
     let done = placed.simulated.take();
-    let mut plan = assemble(g, lowered, &config.hardware, groups, compute.steps.clone(), placed);
+    let mut plan = assemble(g, lowered, &config.hardware, groups, steps, placed);
     let model_flops = cache.model_flops(joint);
     // simulate → estimate; beside them, each on a thread of its own, the caching
     // allocator's replay, the arena's layout and proof, and the verifier's proof, none of

@@ -100,16 +100,16 @@ pub(crate) fn schedule_gated(
     named: bool,
 ) -> Schedule {
     let b = Builder::new(groups, policy, mesh, steps.len(), named);
-    let walk = walk::Walk::new(steps, groups, gates);
     match policy.runtime {
-        Runtime::Shardplan => lower(b, &walk, &mut own::Own),
-        Runtime::Fsdp2 => lower(b, &walk, &mut fsdp2::Fsdp2::default()),
+        Runtime::Shardplan => lower(b, steps, gates, &mut own::Own),
+        Runtime::Fsdp2 => lower(b, steps, gates, &mut fsdp2::Fsdp2::default()),
     }
 }
 
 /// Every micro-batch's walk and the step's end, held in memory as `lowering` does.
-fn lower(mut b: Builder, walk: &walk::Walk, lowering: &mut impl Lowering) -> Schedule {
+fn lower(mut b: Builder, steps: &[Step], gates: &[Gate], lowering: &mut impl Lowering) -> Schedule {
     b.persistent_state(lowering);
+    let walk = walk::Walk::new(steps, b.groups, gates);
     for micro in 0..b.policy.grad_accum as u32 {
         walk.micro_batch(&mut b, lowering, micro);
     }
