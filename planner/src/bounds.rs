@@ -11,7 +11,7 @@ use crate::group::FsdpGroup;
 use crate::layout::layout;
 use crate::lower::wrap_policy;
 use crate::mesh::Mesh;
-use crate::plan::{Comm, Precision};
+use crate::plan::{Comm, GroupReshard, Precision};
 use crate::steps::Phase;
 use crate::{PlanCache, PlanError};
 use shardplan_frontends::{ActivationCheckpointing, Offload, ParallelConfig, Reshard};
@@ -294,12 +294,21 @@ impl StepFacts {
 /// Resharding as [`held_while_running`] reads it: 0 frees after forward (`true`, or a
 /// post-forward group as large as the shard axis), 1 keeps, n keeps a shard of n ranks.
 fn reshard_mode(config: &ParallelConfig) -> u64 {
-    match config.reshard_after_forward {
-        Reshard::AfterForward => 0,
-        Reshard::Keep => 1,
-        Reshard::ToGroupOf(n) if n == config.mesh.shard => 0,
-        Reshard::ToGroupOf(n) => n,
+    match lowered_reshard(config) {
+        GroupReshard::Free => 0,
+        GroupReshard::Keep => 1,
+        GroupReshard::ToGroupOf(n) => n,
     }
+}
+
+/// `reshard_after_forward` as planning lowers it ([`crate::lower::group_reshard`]); a
+/// group that does not divide the shard axis, which planning refuses, is bounded as given.
+fn lowered_reshard(config: &ParallelConfig) -> GroupReshard {
+    let r = config.reshard_after_forward;
+    crate::lower::group_reshard(r, config.mesh.shard).unwrap_or(match r {
+        Reshard::ToGroupOf(n) => GroupReshard::ToGroupOf(n),
+        _ => GroupReshard::Free,
+    })
 }
 
 /// Prefetch depths (forward, backward) as the schedule applies them to shardplan's runtime
@@ -608,9 +617,5 @@ fn time_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts) -
 /// Whether groups freed after forward are gathered again in backward (`true`, or a
 /// post-forward group as large as the shard axis).
 fn frees_after_forward(config: &ParallelConfig) -> bool {
-    match config.reshard_after_forward {
-        Reshard::AfterForward => true,
-        Reshard::ToGroupOf(n) => n == config.mesh.shard,
-        Reshard::Keep => false,
-    }
+    lowered_reshard(config) == GroupReshard::Free
 }

@@ -39,7 +39,7 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         wrap: config.wrap.iter().map(|k| k.name().to_string()).collect(),
         wrap_modules: config.wrap_modules.clone(),
         bucket_mib: config.bucket_mib,
-        reshard_after_forward: group_reshard(config.reshard_after_forward, &mesh)?,
+        reshard_after_forward: group_reshard(config.reshard_after_forward, mesh.shard())?,
         prefetch: PrefetchDepth {
             forward: config.prefetch.forward,
             backward: config.prefetch.backward,
@@ -106,16 +106,16 @@ impl Lowered {
     }
 }
 
-/// `reshard_after_forward` on `mesh`: keeping a slice of the shard group that the shard
+/// `reshard_after_forward` on a shard axis of `shard` ranks: keeping a slice of the shard group that the shard
 /// axis divides into, where 1/shard is the sharded state itself and 1/1 is `false`.
-fn group_reshard(reshard: Reshard, mesh: &Mesh) -> Result<GroupReshard, PlanError> {
+pub(crate) fn group_reshard(reshard: Reshard, shard: u64) -> Result<GroupReshard, PlanError> {
     Ok(match reshard {
         Reshard::AfterForward => GroupReshard::Free,
         Reshard::Keep => GroupReshard::Keep,
-        Reshard::ToGroupOf(n) if n == 0 || !mesh.shard().is_multiple_of(n) => {
-            return Err(PlanError::ReshardDoesNotDivide { n, shard: mesh.shard() })
+        Reshard::ToGroupOf(n) if n == 0 || !shard.is_multiple_of(n) => {
+            return Err(PlanError::ReshardDoesNotDivide { n, shard })
         }
-        Reshard::ToGroupOf(n) if n == mesh.shard() => GroupReshard::Free,
+        Reshard::ToGroupOf(n) if n == shard => GroupReshard::Free,
         Reshard::ToGroupOf(1) => GroupReshard::Keep,
         Reshard::ToGroupOf(n) => GroupReshard::ToGroupOf(n),
     })
