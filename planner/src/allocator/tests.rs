@@ -3,8 +3,8 @@
 //! than is allocated; with expandable segments, pages mapped at the end of one segment per
 //! pool and stream, and generated traces against properties with known answers.
 
+use super::{round, segment_size, CachingAllocator, LARGE_PAGE, SMALL_PAGE};
 use proptest::prelude::*;
-use shardplan_planner::allocator::{round, segment_size, CachingAllocator, LARGE_PAGE, SMALL_PAGE};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;

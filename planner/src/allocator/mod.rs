@@ -57,9 +57,9 @@ pub(crate) const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Rounding of segments made for large requests (2 MiB).
 pub(crate) const ROUND_LARGE: u64 = 2 << 20;
 /// Mapping granularity of an expandable segment of the small pool (2 MiB).
-pub const SMALL_PAGE: u64 = 2 << 20;
+pub(crate) const SMALL_PAGE: u64 = 2 << 20;
 /// Mapping granularity of an expandable segment of the large pool (20 MiB).
-pub const LARGE_PAGE: u64 = 20 << 20;
+pub(crate) const LARGE_PAGE: u64 = 20 << 20;
 
 /// Pool-and-stream classes: the small flag and 3 bits of stream.
 const CLASSES: usize = 16;
@@ -67,12 +67,12 @@ const CLASSES: usize = 16;
 const NONE: u32 = u32::MAX;
 
 /// The size a request of `bytes` occupies: rounded up to [`MIN_BLOCK`], at least one block.
-pub fn round(bytes: u64) -> u64 {
+pub(crate) fn round(bytes: u64) -> u64 {
     bytes.div_ceil(MIN_BLOCK).max(1).saturating_mul(MIN_BLOCK)
 }
 
 /// The segment reserved for a (rounded) request that no free block can serve.
-pub fn segment_size(rounded: u64) -> u64 {
+pub(crate) fn segment_size(rounded: u64) -> u64 {
     if rounded <= SMALL_SIZE {
         SMALL_SEGMENT
     } else if rounded < MIN_LARGE_ALLOC {
@@ -137,7 +137,7 @@ impl FreeList {
 
 /// The allocator's state and its counters, in bytes.
 #[derive(Clone, Debug)]
-pub struct CachingAllocator {
+pub(crate) struct CachingAllocator {
     blocks: Vec<Block>,
     spare: Vec<u32>,
     /// Free blocks by class ([`class_of`]).
@@ -171,14 +171,14 @@ impl Default for CachingAllocator {
 
 /// A live allocation (the block it holds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Allocation {
+pub(crate) struct Allocation {
     block: u32,
     requested: u64,
 }
 
 impl CachingAllocator {
     /// An empty allocator; `expandable_segments` as PyTorch's setting of that name.
-    pub fn new(expandable_segments: bool) -> Self {
+    pub(crate) fn new(expandable_segments: bool) -> Self {
         CachingAllocator {
             blocks: Vec::new(),
             spare: Vec::new(),
@@ -197,7 +197,7 @@ impl CachingAllocator {
     }
 
     /// Allocates `bytes` for `stream`; `None` for a 0-byte request, which takes nothing.
-    pub fn alloc(&mut self, stream: u8, bytes: u64) -> Option<Allocation> {
+    pub(crate) fn alloc(&mut self, stream: u8, bytes: u64) -> Option<Allocation> {
         if bytes == 0 {
             return None;
         }
@@ -272,7 +272,7 @@ impl CachingAllocator {
     }
 
     /// Returns `a`'s block to its pool and stream, merged with free neighbours.
-    pub fn free(&mut self, a: Allocation) {
+    pub(crate) fn free(&mut self, a: Allocation) {
         let b = a.block;
         let Some(&block) = self.blocks.get(b as usize) else {
             return;
@@ -354,12 +354,14 @@ impl CachingAllocator {
     }
 
     /// Free bytes held in segments (reserved but not allocated).
-    pub fn cached(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn cached(&self) -> u64 {
         self.reserved.saturating_sub(self.allocated)
     }
 
     /// Free blocks, each as (small pool?, stream, size), smallest first per pool and stream.
-    pub fn free_blocks(&self) -> Vec<(bool, u8, u64)> {
+    #[cfg(test)]
+    pub(crate) fn free_blocks(&self) -> Vec<(bool, u8, u64)> {
         self.free
             .iter()
             .flat_map(|l| &l.0)
@@ -532,3 +534,6 @@ pub fn stream_peaks(
     }
     peak.iter().fold(0u64, |a, &p| a.saturating_add(p))
 }
+
+#[cfg(test)]
+mod tests;
