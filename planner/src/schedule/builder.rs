@@ -166,6 +166,13 @@ impl<'a> Builder<'a> {
         })
     }
 
+    /// A device buffer of `g`'s gathered size in the parameter dtype: what an all-gather of
+    /// `g` writes, or the per-parameter tensors FSDP2 copies it out into.
+    pub(crate) fn gathered_buf(&mut self, g: GroupId, category: Category, name: impl FnOnce() -> String) -> BufId {
+        let (p, full) = (self.policy.mixed_precision.param, self.gathered_numel(g));
+        self.buf(name, category, g, p, full, Pool::Device)
+    }
+
     /// A buffer of no group (the gradient norm).
     pub(crate) fn shared_buf(&mut self, name: &str, category: Category, dtype: DType, numel: u64) -> BufId {
         let id = self.buffers.next_key();

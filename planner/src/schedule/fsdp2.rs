@@ -82,15 +82,7 @@ impl Lowering for Fsdp2 {
     }
 
     fn gather_output(&mut self, b: &mut Builder, g: GroupId, tag: &str) -> BufId {
-        let (p, full) = (b.policy.mixed_precision.param, b.gathered_numel(g));
-        b.buf(
-            || format!("{g}.ag.{tag}"),
-            Category::CommBuffers,
-            g,
-            p,
-            full,
-            Pool::Device,
-        )
+        b.gathered_buf(g, Category::CommBuffers, || format!("{g}.ag.{tag}"))
     }
 
     /// FSDP2 copies a shard to be cast into a flat input of the parameter dtype first
@@ -130,16 +122,7 @@ impl Lowering for Fsdp2 {
             self.release_ag_state(b);
         }
         let tag = b.suffix(micro, if forward { "fwd" } else { "bwd" });
-        let numel = b.gathered_numel(g);
-        let p = b.policy.mixed_precision.param;
-        let dst = b.buf(
-            || format!("{g}.unsharded.{tag}"),
-            Category::UnshardedParams,
-            g,
-            p,
-            numel,
-            Pool::Device,
-        );
+        let dst = b.gathered_buf(g, Category::UnshardedParams, || format!("{g}.unsharded.{tag}"));
         b.emit(Stream::Compute, Instr::Alloc { buf: dst });
         b.emit(
             Stream::Compute,

@@ -6,7 +6,7 @@
 use super::builder::Builder;
 use super::Lowering;
 use crate::group::GroupId;
-use crate::plan::{BufId, Category, Instr, Pool, Stream};
+use crate::plan::{BufId, Category, Instr, Stream};
 use crate::steps::Phase;
 
 pub(crate) struct Own;
@@ -16,15 +16,7 @@ impl Lowering for Own {
     const HOLDS_TO_POST_BACKWARD: bool = false;
 
     fn gather_output(&mut self, b: &mut Builder, g: GroupId, tag: &str) -> BufId {
-        let (p, full) = (b.policy.mixed_precision.param, b.gathered_numel(g));
-        b.buf(
-            || format!("{g}.unsharded.{tag}"),
-            Category::UnshardedParams,
-            g,
-            p,
-            full,
-            Pool::Device,
-        )
+        b.gathered_buf(g, Category::UnshardedParams, || format!("{g}.unsharded.{tag}"))
     }
 
     fn first_read(&mut self, _b: &mut Builder, _g: GroupId, flat: BufId, _micro: u32, _phase: Phase) -> BufId {
