@@ -104,7 +104,7 @@ pub(crate) fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Ste
             let id = NodeId(i);
             let dur = times.get(id).0;
             let node = g.node(id);
-            if node.op.is_tensor_collective() || node.op.is_expert_collective() {
+            if let Some(op) = crate::steps::StepCollective::of(&node.op) {
                 let bytes = match node.op {
                     Op::TpAllGather { .. } | Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } => node.ty.bytes(),
                     Op::VocabCrossEntropy { degree } | Op::VocabCrossEntropyGrad { degree } => {
@@ -117,7 +117,7 @@ pub(crate) fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Ste
                 .unwrap_or(u64::MAX);
                 s.tensor_ops.push(crate::steps::TensorOp {
                     node: id,
-                    op: node.op.name().to_string(),
+                    op,
                     bytes,
                     at_s: at,
                     dur_s: dur,

@@ -93,7 +93,7 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
                     let (op, b) = s
                         .tensor_ops
                         .first()
-                        .map_or(("expert collective", 0), |t| (t.op.as_str(), t.bytes));
+                        .map_or(("expert collective", 0), |t| (t.op.name(), t.bytes));
                     return format!(
                         "{op} {} {}{mb} [{step}] {} over {}",
                         s.phase.name(),

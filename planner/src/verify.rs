@@ -693,7 +693,7 @@ fn collectives(plan: &Plan, program: &Program, comm: Comm) -> Vec<(&'static str,
 
 /// A compute step that runs tensor-parallel collectives: the step, each collective's op
 /// and bytes, and the instruction.
-type TensorStep = (u32, Vec<(String, u64)>, usize);
+type TensorStep = (u32, Vec<(crate::steps::StepCollective, u64)>, usize);
 
 /// The tensor-parallel collectives a program's compute steps run, in issue order.
 fn tensor_ops(plan: &Plan, program: &Program) -> Vec<TensorStep> {
@@ -704,13 +704,7 @@ fn tensor_ops(plan: &Plan, program: &Program) -> Vec<TensorStep> {
         .filter_map(|(i, issued)| match &issued.instr {
             Instr::Compute { step, .. } => {
                 let s = plan.steps.get(step.index())?;
-                (!s.tensor_ops.is_empty()).then(|| {
-                    (
-                        step.0,
-                        s.tensor_ops.iter().map(|t| (t.op.clone(), t.bytes)).collect(),
-                        i,
-                    )
-                })
+                (!s.tensor_ops.is_empty()).then(|| (step.0, s.tensor_ops.iter().map(|t| (t.op, t.bytes)).collect(), i))
             }
             _ => None,
         })

@@ -265,14 +265,14 @@ fn expert_collectives_are_steps_of_their_own_on_the_all_to_all_stream() {
     let ops: Vec<&str> = steps
         .iter()
         .map(|&i| match plan.programs[0].instrs[i].instr {
-            Instr::Compute { step, .. } => plan.steps[step.index()].tensor_ops[0].op.as_str(),
+            Instr::Compute { step, .. } => plan.steps[step.index()].tensor_ops[0].op.name(),
             _ => unreachable!(),
         })
         .collect();
     assert_eq!(ops.len(), 10, "{ops:?}");
     assert_eq!(ops.iter().filter(|o| **o == "moe_gather_ids").count(), 2, "{ops:?}");
     for s in &plan.steps {
-        let expert = s.tensor_ops.iter().any(|t| t.op.starts_with("moe_"));
+        let expert = s.tensor_ops.iter().any(|t| t.op.is_expert());
         assert_eq!(s.stream == Stream::AllToAll, expert, "{} {}", s.id, s.label);
         if s.stream == Stream::AllToAll {
             assert_eq!(s.tensor_ops.len(), 1, "one collective a step: {}", s.id);

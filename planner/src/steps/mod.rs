@@ -98,20 +98,80 @@ fn on_compute(s: &Stream) -> bool {
     *s == Stream::Compute
 }
 
-/// A tensor-parallel collective inside a compute step: it runs on the compute stream,
-/// between the ops that make its input and read its output.
+/// A tensor- or expert-parallel collective inside a compute step: it runs on the compute
+/// stream, between the ops that make its input and read its output.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TensorOp {
     pub node: NodeId,
-    /// The op's name (`tp_all_gather`, `tp_reduce_scatter`, `tp_all_reduce`,
-    /// `vocab_cross_entropy` ...).
-    pub op: String,
+    /// Which collective (serialised as the op's name).
+    pub op: StepCollective,
     /// Bytes of the full buffer the collective moves (the gathered output, the reduced
     /// input; a vocabulary-parallel loss's row statistics).
     pub bytes: u64,
     /// Its start within the step and its duration, seconds, by the cost model.
     pub at_s: f64,
     pub dur_s: f64,
+}
+
+/// The collectives a compute step's ops run over the tensor group (tensor parallelism) or
+/// the expert group (expert parallelism), as the plan declares them on the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepCollective {
+    TpAllGather,
+    TpReduceScatter,
+    TpAllReduce,
+    VocabCrossEntropy,
+    VocabCrossEntropyGrad,
+    MoeGatherIds,
+    MoeDispatch,
+    MoeCombine,
+}
+
+impl StepCollective {
+    /// The collective `op` runs, if it runs one (`Op::is_tensor_collective`,
+    /// `Op::is_expert_collective`).
+    pub fn of(op: &Op) -> Option<Self> {
+        Some(match op {
+            Op::TpAllGather { .. } => StepCollective::TpAllGather,
+            Op::TpReduceScatter { .. } => StepCollective::TpReduceScatter,
+            Op::TpAllReduce { .. } => StepCollective::TpAllReduce,
+            Op::VocabCrossEntropy { .. } => StepCollective::VocabCrossEntropy,
+            Op::VocabCrossEntropyGrad { .. } => StepCollective::VocabCrossEntropyGrad,
+            Op::MoeGatherIds { .. } => StepCollective::MoeGatherIds,
+            Op::MoeDispatch { .. } => StepCollective::MoeDispatch,
+            Op::MoeCombine { .. } => StepCollective::MoeCombine,
+            _ => return None,
+        })
+    }
+
+    /// The op's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            StepCollective::TpAllGather => "tp_all_gather",
+            StepCollective::TpReduceScatter => "tp_reduce_scatter",
+            StepCollective::TpAllReduce => "tp_all_reduce",
+            StepCollective::VocabCrossEntropy => "vocab_cross_entropy",
+            StepCollective::VocabCrossEntropyGrad => "vocab_cross_entropy_grad",
+            StepCollective::MoeGatherIds => "moe_gather_ids",
+            StepCollective::MoeDispatch => "moe_dispatch",
+            StepCollective::MoeCombine => "moe_combine",
+        }
+    }
+
+    /// Whether it runs over the expert group (else the tensor group).
+    pub fn is_expert(self) -> bool {
+        matches!(
+            self,
+            StepCollective::MoeGatherIds | StepCollective::MoeDispatch | StepCollective::MoeCombine
+        )
+    }
+}
+
+impl std::fmt::Display for StepCollective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Segments `joint` for `groups` and the checkpointing policy.
