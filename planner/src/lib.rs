@@ -189,17 +189,25 @@ pub(crate) fn plan_candidate(
 /// another routing split is read for.
 pub fn plan_memory(joint: &JointGraph, config: &ParallelConfig) -> Result<MemoryReport, PlanError> {
     let (plan, compute) = plan_candidate(joint, config, &mut PlanCache::default())?;
-    let program = &plan.programs[0];
-    let (mesh, hw, allocator) = (&plan.mesh, &plan.hardware, plan.policy.allocator);
-    Ok(simulate::device_memory(
-        plan.memory.clone(),
-        program,
-        &plan.buffers,
-        &compute.acts,
+    let Plan {
+        memory,
+        programs,
+        buffers,
         mesh,
-        hw,
-        allocator,
-    ))
+        hardware,
+        policy,
+        ..
+    } = plan;
+    let replayed = simulate::device_memory(
+        memory,
+        &programs[0],
+        &buffers,
+        &compute.acts,
+        &mesh,
+        &hardware,
+        policy.allocator,
+    );
+    Ok(replayed)
 }
 
 /// For a spec planned for another runtime (`runtime: fsdp2`), what shardplan's own

@@ -411,6 +411,32 @@ impl<'a> Builder<'a> {
         b
     }
 
+    /// Reduce-scatters `g`'s packed gradients `src` into `dst` over its shard group, on the
+    /// reduce-scatter stream.
+    pub(crate) fn reduce_scatter(&mut self, g: GroupId, src: BufId, dst: BufId) {
+        let (comm, op) = (self.shard_comm(g), self.grad_reduce(g));
+        self.emit(
+            Stream::ReduceScatter,
+            Instr::ReduceScatter {
+                group: g,
+                comm,
+                op,
+                src,
+                dst,
+            },
+        );
+    }
+
+    /// Ends a deferred reduction tail whose sharded gradients `acc` are now written: their
+    /// end recorded, and on the last micro-batch what follows ([`Builder::finish_grads`]).
+    pub(crate) fn end_reduction(&mut self, g: GroupId, acc: BufId, last_micro: bool) {
+        let done = self.record(Stream::ReduceScatter);
+        if last_micro {
+            self.finish_grads(g, acc, done);
+        }
+        self.deferring = false;
+    }
+
     /// The final micro-batch's tail of a group's reduction, from its sharded gradients `acc`
     /// ready at `done`: the replica all-reduce (HSDP), the host copy (offload).
     pub(crate) fn finish_grads(&mut self, g: GroupId, acc: BufId, mut done: EventId) {

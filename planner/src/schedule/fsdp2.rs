@@ -172,16 +172,7 @@ impl Lowering for Fsdp2 {
         };
         let out = b.buf(name, category, g, reduce, b.shard_numel(g), Pool::Device);
         b.emit(Stream::ReduceScatter, Instr::Alloc { buf: out });
-        b.emit(
-            Stream::ReduceScatter,
-            Instr::ReduceScatter {
-                group: g,
-                comm: b.shard_comm(g),
-                op: b.grad_reduce(g),
-                src: packed,
-                dst: out,
-            },
-        );
+        b.reduce_scatter(g, packed, out);
         let rs_done = b.record(Stream::ReduceScatter);
         self.rs_state = Some((packed, rs_done));
         // The cast / accumulation and the rest follow on the reduce-scatter stream, issued
@@ -203,11 +194,7 @@ impl Lowering for Fsdp2 {
             acc
         };
         b.sharded_grads[g] = Some(acc);
-        let done = b.record(Stream::ReduceScatter);
-        if last_micro {
-            b.finish_grads(g, acc, done);
-        }
-        b.deferring = false;
+        b.end_reduction(g, acc, last_micro);
     }
 
     /// The end of FSDP2's backward frees the last reduce-scatter input.

@@ -25,24 +25,11 @@ impl Lowering for Own {
 
     fn reduce_scatter(&mut self, b: &mut Builder, g: GroupId, _micro: u32, last_micro: bool, packed: BufId) {
         let acc = b.sharded_grads(g);
-        b.emit(
-            Stream::ReduceScatter,
-            Instr::ReduceScatter {
-                group: g,
-                comm: b.shard_comm(g),
-                op: b.grad_reduce(g),
-                src: packed,
-                dst: acc,
-            },
-        );
+        b.reduce_scatter(g, packed, acc);
         // The tail (free, replica all-reduce, host copy) is issued after the next compute
         // step: the allocations that step makes must not wait for this reduction to finish.
         b.deferring = true;
         b.emit(Stream::ReduceScatter, Instr::Free { buf: packed });
-        let done = b.record(Stream::ReduceScatter);
-        if last_micro {
-            b.finish_grads(g, acc, done);
-        }
-        b.deferring = false;
+        b.end_reduction(g, acc, last_micro);
     }
 }
