@@ -23,11 +23,11 @@ use sha2::{Digest, Sha256};
 use shardplan_executor::init::{rule, InitRule};
 use shardplan_frontends::{
     load_model, load_parallel, ActivationCheckpointing, DataSource, GradSync, Offload, Optimizer, ParallelConfig,
-    Runtime, SpecError,
+    Reshard, Runtime, SpecError,
 };
 use shardplan_ir::{Graph, JointGraph, ModuleKind};
 use shardplan_models::{Activation, ModelConfig};
-use shardplan_planner::{GroupReshard, Instr, Phase, Plan, Program, Stream};
+use shardplan_planner::{Instr, Phase, Plan, Program, Stream};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -437,7 +437,7 @@ fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliE
     // sharded parameter once its group reshards, where shardplan gathers it again.
     let hook = hook_groups(plan);
     for (k, grp) in plan.groups.iter().enumerate() {
-        if grp.group.is_root() || matches!(grp.reshard, GroupReshard::Keep) {
+        if grp.group.is_root() || grp.reshard == Reshard::Keep {
             continue;
         }
         let foreign = plan
@@ -462,9 +462,9 @@ fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliE
             .map(|grp| {
                 let modules = group_modules(plan, g, grp.group.id.index());
                 let reshard = match grp.reshard {
-                    GroupReshard::Free => json!(true),
-                    GroupReshard::Keep => json!(false),
-                    GroupReshard::ToGroupOf(n) => json!(n),
+                    Reshard::AfterForward => json!(true),
+                    Reshard::Keep => json!(false),
+                    Reshard::ToGroupOf(n) => json!(n),
                 };
                 json!({"modules": modules, "reshard_after_forward": reshard, "experts": grp.group.experts})
             })

@@ -414,6 +414,20 @@ fn train_refuses_bad_plans_and_specs_at_their_line() {
     let old = temp(scratch.path(), "old-plan.json");
     std::fs::write(&old, v.to_string()).unwrap();
     bad(&["train", "--plan", old.to_str().unwrap()], "plan format version 99");
+    // A version-3 file, in that version's shape (explicit prefetch lists as pairs), is
+    // refused by its version, with how to plan again, before its fields are read.
+    let mut v3 = v.clone();
+    v3["version"] = serde_json::json!(3);
+    v3["policy"]["prefetch"]["explicit_forward"] = serde_json::json!([]);
+    std::fs::write(&old, v3.to_string()).unwrap();
+    bad(
+        &["train", "--plan", old.to_str().unwrap()],
+        "plan format version 3, written by an older shardplan",
+    );
+    bad(
+        &["train", "--plan", old.to_str().unwrap()],
+        "--format json --out plan.json",
+    );
     v["version"] = serde_json::json!(shardplan_planner::PLAN_VERSION);
     v["programs"][0]["instrs"].as_array_mut().unwrap().remove(3);
     let edited = temp(scratch.path(), "edited-plan.json");

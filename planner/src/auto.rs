@@ -339,7 +339,7 @@ impl Choice {
             replicate: self.mesh.replicate,
             shard: self.mesh.shard,
             blocks_per_group: self.blocks,
-            reshard_after_forward: shardplan_frontends::reshard_name(self.reshard),
+            reshard_after_forward: self.reshard.to_string(),
             prefetch_forward: pf,
             prefetch_backward: pb,
             activation_checkpointing: ac_name(self.ac),

@@ -11,7 +11,7 @@ use crate::group::FsdpGroup;
 use crate::layout::layout;
 use crate::lower::wrap_policy;
 use crate::mesh::Mesh;
-use crate::plan::{Comm, GroupReshard, Precision};
+use crate::plan::Comm;
 use crate::steps::Phase;
 use crate::{PlanCache, PlanError};
 use shardplan_frontends::{ActivationCheckpointing, Offload, ParallelConfig, Reshard};
@@ -295,20 +295,17 @@ impl StepFacts {
 /// post-forward group as large as the shard axis), 1 keeps, n keeps a shard of n ranks.
 fn reshard_mode(config: &ParallelConfig) -> u64 {
     match lowered_reshard(config) {
-        GroupReshard::Free => 0,
-        GroupReshard::Keep => 1,
-        GroupReshard::ToGroupOf(n) => n,
+        Reshard::AfterForward => 0,
+        Reshard::Keep => 1,
+        Reshard::ToGroupOf(n) => n,
     }
 }
 
-/// `reshard_after_forward` as planning lowers it ([`crate::lower::group_reshard`]); a
+/// `reshard_after_forward` as planning lowers it ([`crate::lower::lower_reshard`]); a
 /// group that does not divide the shard axis, which planning refuses, is bounded as given.
-fn lowered_reshard(config: &ParallelConfig) -> GroupReshard {
+fn lowered_reshard(config: &ParallelConfig) -> Reshard {
     let r = config.reshard_after_forward;
-    crate::lower::group_reshard(r, config.mesh.shard).unwrap_or(match r {
-        Reshard::ToGroupOf(n) => GroupReshard::ToGroupOf(n),
-        _ => GroupReshard::Free,
-    })
+    crate::lower::lower_reshard(r, config.mesh.shard).unwrap_or(r)
 }
 
 /// Prefetch depths (forward, backward) as the schedule applies them to shardplan's runtime
@@ -438,12 +435,12 @@ struct Sizes<'a> {
 
 impl<'a> Sizes<'a> {
     fn of(config: &ParallelConfig, grouping: &'a Grouping) -> Sizes<'a> {
-        let precision = Precision::from(config.mixed_precision);
+        let precision = config.mixed_precision;
         let shard = config.mesh.shard;
         Sizes {
             param_b: precision.param.size_bytes(),
             reduce_b: precision.reduce.size_bytes(),
-            master_b: precision.master.size_bytes(),
+            master_b: precision.master().size_bytes(),
             replicate: config.mesh.replicate,
             shard,
             shard_numel: &grouping.shard_numel[&shard],
@@ -617,5 +614,5 @@ fn time_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts) -
 /// Whether groups freed after forward are gathered again in backward (`true`, or a
 /// post-forward group as large as the shard axis).
 fn frees_after_forward(config: &ParallelConfig) -> bool {
-    lowered_reshard(config) == GroupReshard::Free
+    lowered_reshard(config) == Reshard::AfterForward
 }

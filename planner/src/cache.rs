@@ -114,7 +114,7 @@ impl PlanCache {
         std::thread::scope(|scope| {
             let begun = self.begin(scope, joint, config);
             let units = self.groups_for(&joint.graph, &wrap_policy(config))?;
-            let (mesh, reshard) = (&lowered.mesh, lowered.policy.reshard_after_forward);
+            let (mesh, reshard) = (&lowered.mesh, lowered.reshard);
             let groups = (units.iter().cloned())
                 .map(|grp| PlannedGroup::laid_out(&joint.graph, grp, mesh, reshard, names))
                 .collect();

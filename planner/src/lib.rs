@@ -40,8 +40,8 @@ pub use group::{group, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::{
-    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, GroupReshard, Instr, Issued, Plan,
-    PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
+    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Instr, Issued, Plan, PlanSource, Policy,
+    Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
 };
 pub use steps::{ExecOrder, Phase, Step};
 pub use stream::Stream;
@@ -239,7 +239,9 @@ fn assemble(
     steps: Vec<Step>,
     placed: prefetch::Placed,
 ) -> Plan {
-    let Lowered { mesh, policy, experts } = lowered;
+    let Lowered {
+        mesh, policy, experts, ..
+    } = lowered;
     let schedule = placed.schedule;
     Plan {
         version: PLAN_VERSION,

@@ -9,18 +9,21 @@
 
 use std::collections::BTreeMap;
 
-use shardplan_frontends::{ParallelConfig, Reshard};
+use shardplan_frontends::{ParallelConfig, Prefetch, Reshard};
 use shardplan_ir::{Graph, Op};
 
 use crate::group::{FsdpGroup, GroupId, WrapPolicy};
 use crate::mesh::Mesh;
-use crate::plan::{ExpertRouting, GroupReshard, OptimizerKind, PlannedGroup, Policy, PrefetchDepth};
+use crate::plan::{ExpertRouting, OptimizerKind, PlannedGroup, Policy};
 use crate::PlanError;
 
 /// The spec as the planner plans it.
 pub(crate) struct Lowered {
     pub mesh: Mesh,
     pub policy: Policy,
+    /// `reshard_after_forward` on this mesh's shard axis ([`lower_reshard`]); each group
+    /// records how it applies to it ([`PlannedGroup::reshard`]).
+    pub reshard: Reshard,
     /// The routing of a graph with expert parallelism or token dropping.
     pub experts: Option<ExpertRouting>,
 }
@@ -39,17 +42,16 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         wrap: config.wrap.iter().map(|k| k.name().to_string()).collect(),
         wrap_modules: config.wrap_modules.clone(),
         bucket_mib: config.bucket_mib,
-        reshard_after_forward: group_reshard(config.reshard_after_forward, mesh.shard())?,
-        prefetch: PrefetchDepth {
+        prefetch: Prefetch {
             forward: config.prefetch.forward,
             backward: config.prefetch.backward,
-            explicit_forward: Vec::new(),
-            explicit_backward: Vec::new(),
+            explicit_forward: BTreeMap::new(),
+            explicit_backward: BTreeMap::new(),
             // FSDP2 issues its gathers from its hooks; only shardplan's executor runs a
             // program whose gathers the planner places freely.
             peak_aware: config.prefetch.peak_aware && config.runtime.is_shardplan(),
         },
-        mixed_precision: config.mixed_precision.into(),
+        mixed_precision: config.mixed_precision,
         offload: config.offload,
         activation_checkpointing: config.activation_checkpointing,
         batch_per_rank: config.batch.per_rank,
@@ -77,9 +79,11 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         runtime: config.runtime,
         allocator: config.allocator,
     };
+    let reshard = lower_reshard(config.reshard_after_forward, mesh.shard())?;
     Ok(Lowered {
         mesh,
         policy,
+        reshard,
         experts: expert_routing(g, config),
     })
 }
@@ -106,18 +110,17 @@ impl Lowered {
     }
 }
 
-/// `reshard_after_forward` on a shard axis of `shard` ranks: keeping a slice of the shard group that the shard
-/// axis divides into, where 1/shard is the sharded state itself and 1/1 is `false`.
-pub(crate) fn group_reshard(reshard: Reshard, shard: u64) -> Result<GroupReshard, PlanError> {
+/// `reshard_after_forward` on a shard axis of `shard` ranks, in its one form: keeping a
+/// slice of the shard group that the shard axis divides into, where 1/shard is the
+/// sharded state itself (`true`) and 1/1 is `false`.
+pub(crate) fn lower_reshard(reshard: Reshard, shard: u64) -> Result<Reshard, PlanError> {
     Ok(match reshard {
-        Reshard::AfterForward => GroupReshard::Free,
-        Reshard::Keep => GroupReshard::Keep,
         Reshard::ToGroupOf(n) if n == 0 || !shard.is_multiple_of(n) => {
             return Err(PlanError::ReshardDoesNotDivide { n, shard })
         }
-        Reshard::ToGroupOf(n) if n == shard => GroupReshard::Free,
-        Reshard::ToGroupOf(1) => GroupReshard::Keep,
-        Reshard::ToGroupOf(n) => GroupReshard::ToGroupOf(n),
+        Reshard::ToGroupOf(n) if n == shard => Reshard::AfterForward,
+        Reshard::ToGroupOf(1) => Reshard::Keep,
+        r => r,
     })
 }
 
@@ -178,12 +181,12 @@ fn expert_routing(g: &Graph, config: &ParallelConfig) -> Option<ExpertRouting> {
 }
 
 /// Resolves `{module: [modules]}` explicit prefetch lists to groups; every name must be a
-/// wrapped module (the unit of a group).
+/// wrapped module (the unit of a group). Two modules of one group prefetch what both list.
 fn explicit_prefetch(
     g: &Graph,
     groups: &[&FsdpGroup],
     lists: &BTreeMap<String, Vec<String>>,
-) -> Result<Vec<(GroupId, Vec<GroupId>)>, PlanError> {
+) -> Result<BTreeMap<GroupId, Vec<GroupId>>, PlanError> {
     let find = |m: &str| -> Result<GroupId, PlanError> {
         groups
             .iter()
@@ -200,8 +203,10 @@ fn explicit_prefetch(
                 }
             })
     };
-    lists
-        .iter()
-        .map(|(k, vs)| Ok((find(k)?, vs.iter().map(|v| find(v)).collect::<Result<Vec<_>, _>>()?)))
-        .collect()
+    let mut out: BTreeMap<GroupId, Vec<GroupId>> = BTreeMap::new();
+    for (k, vs) in lists {
+        let targets = vs.iter().map(|v| find(v)).collect::<Result<Vec<_>, _>>()?;
+        out.entry(find(k)?).or_default().extend(targets);
+    }
+    Ok(out)
 }

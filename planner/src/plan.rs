@@ -15,14 +15,16 @@ pub(crate) use crate::stream::Stream;
 use serde::{Deserialize, Serialize};
 use shardplan_frontends::{
     ActivationCheckpointing, AdamwImplementation, AllocatorConfig, GradSync, HardwareProfile, MixedPrecision, Offload,
-    Runtime, TensorParallel,
+    Prefetch, Reshard, Runtime, TensorParallel,
 };
 use shardplan_ir::{DType, ParamId};
 use std::fmt;
 
 /// Format version of [`Plan`]; bumped on every incompatible change (3: the all-to-all
-/// stream, and expert-group collectives as steps of their own).
-pub const PLAN_VERSION: u32 = 3;
+/// stream, and expert-group collectives as steps of their own; 4: the policy holds each
+/// decision once, in the spec's vocabulary: `reshard_after_forward` per group only, no
+/// master dtype, explicit prefetch lists as maps of groups).
+pub const PLAN_VERSION: u32 = 4;
 
 shardplan_ir::entity! {
     /// A buffer (printed `b7`).
@@ -374,8 +376,9 @@ pub struct PlannedGroup {
     /// HF names of its parameters, in `group.params` order.
     pub param_names: Vec<std::sync::Arc<str>>,
     pub layout: GroupLayout,
-    /// What happens to its unsharded parameters after forward.
-    pub reshard: GroupReshard,
+    /// What happens to its unsharded parameters after forward: the spec's
+    /// `reshard_after_forward` as it applies to the group (the root keeps them).
+    pub reshard: Reshard,
 }
 
 impl PlannedGroup {
@@ -385,15 +388,15 @@ impl PlannedGroup {
         g: &shardplan_ir::Graph,
         grp: FsdpGroup,
         mesh: &Mesh,
-        reshard: GroupReshard,
+        reshard: Reshard,
         names: crate::layout::Names,
     ) -> Self {
         let layout = crate::layout::layout(g, &grp, mesh.shard_of(&grp));
         let reshard = match reshard {
-            _ if grp.is_root() => GroupReshard::Keep,
+            _ if grp.is_root() => Reshard::Keep,
             // A slice of the shard group is not a slice of the expert-shard group: the
             // routed experts are freed after forward instead.
-            GroupReshard::ToGroupOf(_) if grp.experts => GroupReshard::Free,
+            Reshard::ToGroupOf(_) if grp.experts => Reshard::AfterForward,
             r => r,
         };
         PlannedGroup {
@@ -409,25 +412,15 @@ impl PlannedGroup {
     }
 }
 
-/// FSDP2's `reshard_after_forward`, per group (the root group keeps its parameters).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GroupReshard {
-    Free,
-    Keep,
-    /// Keep a 1/n slice; all-gather over `n` ranks in backward.
-    ToGroupOf(u64),
-}
-
 /// The knobs a plan was made with.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Policy {
     pub wrap: Vec<String>,
     pub wrap_modules: Vec<String>,
     pub bucket_mib: Option<u64>,
-    pub reshard_after_forward: GroupReshard,
-    pub prefetch: PrefetchDepth,
-    pub mixed_precision: Precision,
+    /// The prefetch depths, and the explicit lists resolved to groups.
+    pub prefetch: Prefetch<GroupId>,
+    pub mixed_precision: MixedPrecision,
     pub offload: Offload,
     pub activation_checkpointing: ActivationCheckpointing,
     pub batch_per_rank: u64,
@@ -462,21 +455,6 @@ fn cuda_malloc() -> AllocatorConfig {
     AllocatorConfig::CUDA_MALLOC
 }
 
-/// Prefetch depths, and FSDP2-style explicit prefetch lists by group.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PrefetchDepth {
-    pub forward: u32,
-    pub backward: u32,
-    /// When the first group's forward starts, gather the others.
-    pub explicit_forward: Vec<(GroupId, Vec<GroupId>)>,
-    /// When the first group's backward starts, gather the others.
-    pub explicit_backward: Vec<(GroupId, Vec<GroupId>)>,
-    /// `prefetch: auto`: all-gathers issued later than the depths put them wherever that
-    /// lowers the peak without lengthening the step ([`Plan::prefetch_moves`]).
-    #[serde(default)]
-    pub peak_aware: bool,
-}
-
 /// One all-gather the peak-aware prefetch issued later than the depths put it: group
 /// `group`'s gather for its read at step `need` now starts with step `to` instead of
 /// `from`, which took the step's allocated peak from `peak_before` to `peak_after` bytes.
@@ -488,24 +466,6 @@ pub struct PrefetchMove {
     pub to: StepId,
     pub peak_before: u64,
     pub peak_after: u64,
-}
-
-/// Dtypes: unsharded parameters and compute, gradient reduction, sharded master copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Precision {
-    pub param: DType,
-    pub reduce: DType,
-    pub master: DType,
-}
-
-impl From<MixedPrecision> for Precision {
-    fn from(m: MixedPrecision) -> Self {
-        Precision {
-            param: m.param,
-            reduce: m.reduce,
-            master: DType::F32,
-        }
-    }
 }
 
 /// The optimizer a plan steps with; its state per parameter element is
@@ -947,6 +907,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// `reshard_after_forward` as the plan's groups apply it: a dense group's (the routed
+    /// experts free what a dense group keeps a slice of; the root keeps its parameters).
+    pub fn reshard_after_forward(&self) -> Reshard {
+        let wrapped = || self.groups.iter().filter(|p| !p.group.is_root());
+        wrapped()
+            .find(|p| !p.group.experts)
+            .or_else(|| wrapped().next())
+            .map_or(Reshard::Keep, |p| p.reshard)
+    }
+
     /// The program rank `rank` runs.
     pub(crate) fn program_of(&self, rank: u64) -> Option<&Program> {
         self.ranks

@@ -1,7 +1,7 @@
 //! The text form of a plan: a summary, the groups table, and one rank's schedule as aligned
 //! columns per stream, in the module names of the user's model.
 
-use crate::plan::{Comm, GroupReshard, Instr, Issued, Plan, Stream};
+use crate::plan::{Comm, Instr, Issued, Plan, Stream};
 use std::fmt::Write;
 
 mod summary;
@@ -173,22 +173,18 @@ pub(crate) fn groups_table(o: &mut String, plan: &Plan) {
     let p = &plan.policy.mixed_precision;
     let _ = writeln!(
         o,
-        "groups ({}):\n  {:<5} {:<28} {:>14} {:>16} {:>16} {:>10}  after forward",
+        "groups ({}):\n  {:<5} {:<28} {:>14} {:>16} {:>16} {:>10}  reshard_after_forward",
         plan.groups.len(),
         "group",
         "module",
         "params",
         format!("unsharded {}", p.param),
-        format!("shard/rank {}", p.master),
+        format!("shard/rank {}", p.master()),
         "padding"
     );
     for grp in &plan.groups {
         let l = &grp.layout;
-        let after = match grp.reshard {
-            GroupReshard::Free => "free".to_string(),
-            GroupReshard::Keep => "keep".to_string(),
-            GroupReshard::ToGroupOf(n) => format!("keep 1/{n}"),
-        };
+        let after = grp.reshard;
         let mut module = grp.group.module.clone();
         if module.len() > 28 {
             module.truncate(25);
@@ -201,7 +197,7 @@ pub(crate) fn groups_table(o: &mut String, plan: &Plan) {
             module,
             thousands(l.numel),
             bytes(l.gathered_bytes(p.param)),
-            bytes(l.shard_bytes(p.master)),
+            bytes(l.shard_bytes(p.master())),
             thousands(l.padding())
         );
     }

@@ -155,6 +155,12 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
             .at(pos(&e))
             .help(rewrite)
     })?;
+    // Before the fields are read: another version's fields may have another shape.
+    if let Some(version) = value.get("version").and_then(Value::as_u64) {
+        if version != u64::from(crate::PLAN_VERSION) {
+            return Err(version_refusal(path, version));
+        }
+    }
     let mut de = serde_json::Deserializer::from_str(text);
     let plan: Plan = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let field = e.path().to_string();
@@ -168,16 +174,7 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
         .help(rewrite)
     })?;
     if plan.version != crate::PLAN_VERSION {
-        return Err(SpecError::file(
-            path,
-            format!(
-                "plan format version {} (this shardplan reads version {})",
-                plan.version,
-                crate::PLAN_VERSION
-            ),
-        )
-        .field("version")
-        .help("re-run `shardplan plan` with this version"));
+        return Err(version_refusal(path, plan.version.into()));
     }
     let Some(source) = plan.source.clone() else {
         return Err(SpecError::file(
@@ -217,6 +214,28 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
         parallel: source.parallel,
         joint,
     })
+}
+
+/// A plan file of format `version`, which this shardplan does not read.
+fn version_refusal(path: &Path, version: u64) -> SpecError {
+    let current = crate::PLAN_VERSION;
+    let (whose, help) = if version < u64::from(current) {
+        (
+            "an older shardplan",
+            "plan its specs again with this shardplan: `shardplan plan --model ... --parallel ... --format json --out plan.json` (the file's `source` records them)",
+        )
+    } else {
+        (
+            "a newer shardplan",
+            "read it with the shardplan that wrote it, or plan its specs again with this one",
+        )
+    };
+    SpecError::file(
+        path,
+        format!("plan format version {version}, written by {whose} (this one reads version {current})"),
+    )
+    .field("version")
+    .help(help)
 }
 
 /// What `shardplan plan` states beside a plan sized at a routing bound (dropless routing

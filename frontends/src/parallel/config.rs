@@ -123,15 +123,19 @@ pub enum Reshard {
 }
 
 /// All-gathers issued ahead of need, as FSDP2's prefetch depth.
+///
+/// The spec names the units of its explicit lists by module (`K = String`); the planner's
+/// lowered policy holds the same value with the modules resolved to their groups.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Prefetch {
+#[serde(bound(deserialize = "K: Ord + Deserialize<'de>"))]
+pub struct Prefetch<K = String> {
     pub forward: u32,
     pub backward: u32,
     /// FSDP2's `set_modules_to_forward_prefetch`: when the key module's forward starts,
     /// all-gather the listed modules' groups (overrides the depth for them).
-    pub explicit_forward: BTreeMap<String, Vec<String>>,
+    pub explicit_forward: BTreeMap<K, Vec<K>>,
     /// FSDP2's `set_modules_to_backward_prefetch`, for the backward pass.
-    pub explicit_backward: BTreeMap<String, Vec<String>>,
+    pub explicit_backward: BTreeMap<K, Vec<K>>,
     /// The planner moves an all-gather later than the depths put it wherever that lowers
     /// the step's peak without lengthening the simulated step (`prefetch: auto`, the
     /// default: depths 1 / 1 and peak-aware; a mapping turns it off unless it says
@@ -158,6 +162,15 @@ impl Prefetch {
 pub struct MixedPrecision {
     pub param: DType,
     pub reduce: DType,
+}
+
+impl MixedPrecision {
+    /// The dtype of the sharded parameters the optimizer steps (the master copy): f32
+    /// whatever the compute dtype, as FSDP2 keeps the sharded parameters in the dtype they
+    /// were created in.
+    pub const fn master(self) -> DType {
+        DType::F32
+    }
 }
 
 /// Where sharded parameters, gradients and optimizer state live between uses.
@@ -497,6 +510,8 @@ impl ParallelConfig {
     }
 }
 
+/// `reshard_after_forward` as the spec writes it, and as every printout shows it: `true`,
+/// `false` or the group size.
 impl std::fmt::Display for Reshard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

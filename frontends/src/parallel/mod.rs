@@ -13,7 +13,7 @@ mod write;
 
 pub use config::*;
 pub use convert::parse_parallel_spec;
-pub use write::{reshard_name, spec_yaml};
+pub use write::spec_yaml;
 
 /// Most ranks a mesh may have (2^20): beyond any cluster, small enough to plan.
 pub const MAX_WORLD: u64 = 1 << 20;

@@ -2,15 +2,6 @@
 
 use super::*;
 
-/// `reshard_after_forward` as the spec writes it: `true`, `false` or the group size.
-pub fn reshard_name(r: Reshard) -> String {
-    match r {
-        Reshard::AfterForward => "true".into(),
-        Reshard::Keep => "false".into(),
-        Reshard::ToGroupOf(n) => n.to_string(),
-    }
-}
-
 /// The `prefetch:` value that reads back as `p`.
 fn prefetch_yaml(p: &Prefetch) -> String {
     if p.peak_aware
@@ -67,7 +58,7 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         }
     };
     let wrap: Vec<&str> = c.wrap.iter().map(|k| k.name()).collect();
-    let reshard = reshard_name(c.reshard_after_forward);
+    let reshard = c.reshard_after_forward.to_string();
     let ac = match c.activation_checkpointing {
         ActivationCheckpointing::None => "none".to_string(),
         ActivationCheckpointing::Full => "full".to_string(),

@@ -3,7 +3,7 @@
 
 use super::{bytes, describe, duration, group_name, ms, thousands};
 use crate::cost::pool_name;
-use crate::plan::{Category, ExpertRouting, GroupReshard, MemoryReport, Plan, Policy};
+use crate::plan::{Category, ExpertRouting, MemoryReport, Plan, Policy};
 use shardplan_frontends::{ActivationCheckpointing, GradSync, Offload};
 use std::fmt::Write;
 
@@ -14,7 +14,7 @@ pub(crate) fn summary(o: &mut String, plan: &Plan) {
     if let Some(e) = &plan.experts {
         expert_lines(o, plan, e);
     }
-    policy_lines(o, &plan.policy);
+    policy_lines(o, plan);
     batch_line(o, plan);
     o.push('\n');
     memory_table(o, plan);
@@ -138,12 +138,8 @@ fn routing_line(o: &mut String, plan: &Plan, e: &ExpertRouting) {
 
 /// The policy: wrapping, resharding and prefetch, then precision, offload and
 /// checkpointing.
-fn policy_lines(o: &mut String, p: &Policy) {
-    let reshard = match p.reshard_after_forward {
-        GroupReshard::Free => "true".to_string(),
-        GroupReshard::Keep => "false".to_string(),
-        GroupReshard::ToGroupOf(n) => n.to_string(),
-    };
+fn policy_lines(o: &mut String, plan: &Plan) {
+    let (p, reshard) = (&plan.policy, plan.reshard_after_forward());
     let mut wrap = p.wrap.join(", ");
     if !p.wrap_modules.is_empty() {
         wrap.push_str(&format!(" + modules {}", p.wrap_modules.join(", ")));
@@ -167,7 +163,7 @@ fn policy_lines(o: &mut String, p: &Policy) {
         "        params {} / reduce {} / master {}, offload {}, activation checkpointing {ac}",
         p.mixed_precision.param,
         p.mixed_precision.reduce,
-        p.mixed_precision.master,
+        p.mixed_precision.master(),
         if p.offload == Offload::Cpu { "cpu" } else { "none" },
     );
 }

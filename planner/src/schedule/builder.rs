@@ -6,11 +6,10 @@ use super::{Lowering, Schedule};
 use crate::group::GroupId;
 use crate::mesh::Mesh;
 use crate::plan::{
-    BufId, Buffer, Category, Comm, EventId, GroupReshard, Instr, Issued, PlannedGroup, Policy, Pool, Program, ReduceOp,
-    Stream,
+    BufId, Buffer, Category, Comm, EventId, Instr, Issued, PlannedGroup, Policy, Pool, Program, ReduceOp, Stream,
 };
 use crate::steps::Phase;
-use shardplan_frontends::Offload;
+use shardplan_frontends::{Offload, Reshard};
 use shardplan_ir::{DType, IdVec};
 
 pub(crate) struct Builder<'a> {
@@ -108,7 +107,7 @@ impl<'a> Builder<'a> {
     /// what `lowering` keeps beside them.
     pub(crate) fn persistent_state(&mut self, lowering: &mut impl Lowering) {
         let pool = self.state_pool();
-        let master = self.policy.mixed_precision.master;
+        let master = self.policy.mixed_precision.master();
         for grp in self.groups {
             let g = grp.group.id;
             let shard = grp.layout.shard_numel;
@@ -289,7 +288,7 @@ impl<'a> Builder<'a> {
         let (src, comm, drop_src) = match self.post_forward[g].take() {
             Some(pf) => {
                 let n = match self.groups[g.index()].reshard {
-                    GroupReshard::ToGroupOf(n) => n,
+                    Reshard::ToGroupOf(n) => n,
                     _ => self.mesh.shard(),
                 };
                 self.emit(Stream::AllGather, Instr::Wait { event: gate });
@@ -333,7 +332,7 @@ impl<'a> Builder<'a> {
             || format!("{g}.params.device"),
             Category::ShardedParams,
             g,
-            self.policy.mixed_precision.master,
+            self.policy.mixed_precision.master(),
             self.shard_numel(g),
             Pool::Device,
         );
@@ -402,7 +401,7 @@ impl<'a> Builder<'a> {
             || format!("{g}.grads"),
             Category::ShardedGrads,
             g,
-            self.policy.mixed_precision.master,
+            self.policy.mixed_precision.master(),
             self.shard_numel(g),
             Pool::Device,
         );
@@ -440,7 +439,7 @@ impl<'a> Builder<'a> {
     /// The final micro-batch's tail of a group's reduction, from its sharded gradients `acc`
     /// ready at `done`: the replica all-reduce (HSDP), the host copy (offload).
     pub(crate) fn finish_grads(&mut self, g: GroupId, acc: BufId, mut done: EventId) {
-        let master = self.policy.mixed_precision.master;
+        let master = self.policy.mixed_precision.master();
         if self.mesh.replicate() > 1 {
             self.emit(Stream::AllReduce, Instr::Wait { event: done });
             self.emit(

@@ -89,7 +89,7 @@ impl Lowering for Fsdp2 {
     /// (`_get_param_all_gather_inputs`), freed once the all-gather has its input.
     fn gather_input(&mut self, b: &mut Builder, g: GroupId, src: BufId, tag: &str) -> Option<BufId> {
         let p = b.policy.mixed_precision.param;
-        if p == b.policy.mixed_precision.master {
+        if p == b.policy.mixed_precision.master() {
             return None;
         }
         let numel = b.numel(src);
@@ -153,7 +153,7 @@ impl Lowering for Fsdp2 {
     /// dtype that is the sharded gradient, or is cast into / added to it and freed; the
     /// input `packed` kept until the next post-backward.
     fn reduce_scatter(&mut self, b: &mut Builder, g: GroupId, micro: u32, last_micro: bool, packed: BufId) {
-        let master = b.policy.mixed_precision.master;
+        let master = b.policy.mixed_precision.master();
         let reduce = b.policy.mixed_precision.reduce;
         let existing = b.sharded_grads[g];
         let becomes_grad = existing.is_none() && reduce == master;
@@ -211,7 +211,7 @@ impl Lowering for Fsdp2 {
         if !adamw(b) || b.policy.adamw_implementation != AdamwImplementation::Foreach {
             return Vec::new();
         }
-        let (master, pool) = (b.policy.mixed_precision.master, b.state_pool());
+        let (master, pool) = (b.policy.mixed_precision.master(), b.state_pool());
         groups
             .iter()
             .map(|&g| {

@@ -3,9 +3,9 @@
 //! fsdp2`, where its hooks fire).
 
 use crate::group::GroupId;
-use crate::plan::{GroupReshard, PlannedGroup, Policy};
+use crate::plan::{PlannedGroup, Policy};
 use crate::steps::{Phase, Step};
-use shardplan_frontends::Runtime;
+use shardplan_frontends::{Reshard, Runtime};
 use shardplan_ir::IdVec;
 
 /// Where each group is used within one micro-batch.
@@ -47,8 +47,7 @@ fn needs(steps: &[Step], groups: &[PlannedGroup], u: &Uses) -> Vec<(usize, Group
             }
         }
         for &g in &s.reads {
-            if u.last[g] == Some(pos)
-                || (u.last_forward[g] == Some(pos) && groups[g.index()].reshard != GroupReshard::Keep)
+            if u.last[g] == Some(pos) || (u.last_forward[g] == Some(pos) && groups[g.index()].reshard != Reshard::Keep)
             {
                 gathered[g] = false;
             }

@@ -7,9 +7,9 @@ use super::builder::Builder;
 use super::gates::{uses, Gate, Uses};
 use super::Lowering;
 use crate::group::GroupId;
-use crate::plan::{Bufs, Category, EventId, GroupReshard, Instr, PlannedGroup, Pool, Stream};
+use crate::plan::{Bufs, Category, EventId, Instr, PlannedGroup, Pool, Stream};
 use crate::steps::{Phase, Step, StepId};
-use shardplan_frontends::GradSync;
+use shardplan_frontends::{GradSync, Reshard};
 use shardplan_ir::{IdVec, ParamId};
 
 /// What the walk reads of the steps, the same for every micro-batch.
@@ -256,12 +256,12 @@ fn run_step(b: &mut Builder, s: &Step, pos: usize, run: Instr, pending_a2a: &mut
 /// post-forward shard its next all-gather reads.
 fn reshard_after_forward(b: &mut Builder, g: GroupId, buf: crate::plan::BufId, micro: u32) {
     match b.groups[g.index()].reshard {
-        GroupReshard::Keep => {}
-        GroupReshard::Free => {
+        Reshard::Keep => {}
+        Reshard::AfterForward => {
             b.emit(Stream::Compute, Instr::Free { buf });
             b.gathered[g] = None;
         }
-        GroupReshard::ToGroupOf(k) => {
+        Reshard::ToGroupOf(k) => {
             let numel = b.gathered_numel(g) / k;
             let tag = b.suffix(micro, "pf");
             let pf = b.buf(
