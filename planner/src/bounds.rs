@@ -183,8 +183,8 @@ fn activation_floor(
 ) -> u64 {
     *floors.entry(config.activation_checkpointing).or_insert_with(|| {
         let exec = cache.exec_for(joint, config);
-        let kernels = crate::steps::Kernels::of(config);
-        crate::steps::activation_peak_in(joint, groups, &exec, kernels)
+        let runner = crate::steps::Runner::of(config);
+        crate::steps::activation_peak_in(joint, groups, &exec, runner)
     })
 }
 

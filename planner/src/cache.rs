@@ -2,7 +2,7 @@
 //!
 //! Plans of one graph that differ only in mesh, resharding, prefetch or offload have the
 //! same groups (by wrap policy), compute steps, activation events and step durations (by
-//! groups and checkpointing), execution order (by checkpointing and kernels), node times
+//! groups and checkpointing), execution order (by checkpointing and runner), node times
 //! (by hardware and compute dtype) and model FLOPs. A [`PlanCache`] keeps each once; the
 //! auto search plans hundreds of variants with one.
 //!
@@ -21,7 +21,7 @@ use crate::group::{group, FsdpGroup, WrapPolicy};
 use crate::layout::Names;
 use crate::lower::{wrap_policy, Lowered};
 use crate::plan::{Breakdown, PlannedGroup};
-use crate::steps::{self, ActEvents, ExecOrder, Kernels, Step};
+use crate::steps::{self, ActEvents, ExecOrder, Runner, Step};
 use crate::PlanError;
 
 /// What the compute steps of one graph depend on: the groups' parameters, the
@@ -63,9 +63,9 @@ pub struct PlanCache {
     groups: std::collections::HashMap<String, Arc<Vec<FsdpGroup>>>,
     /// A few keys per search (groupings times checkpointing policies), looked up by `==`.
     steps: Vec<(StepsKey, Arc<CachedSteps>)>,
-    /// The execution order by checkpointing policy and kernels (it does not depend on the
+    /// The execution order by checkpointing policy and runner (it does not depend on the
     /// groups).
-    exec: Vec<(ActivationCheckpointing, Kernels, Arc<ExecOrder>)>,
+    exec: Vec<(ActivationCheckpointing, Runner, Arc<ExecOrder>)>,
     /// Every node's times, by hardware and compute dtype (one entry per search).
     node_times: Vec<(HardwareProfile, DType, Arc<NodeTimes>)>,
     model_flops: Option<f64>,
@@ -143,28 +143,28 @@ impl PlanCache {
         Ok(x)
     }
 
-    /// The execution order of `joint` under `config`'s checkpointing and kernels: made once
+    /// The execution order of `joint` under `config`'s checkpointing and runner: made once
     /// per policy.
     pub(crate) fn exec_for(&mut self, joint: &JointGraph, config: &ParallelConfig) -> Arc<ExecOrder> {
-        let kernels = Kernels::of(config);
+        let runner = Runner::of(config);
         let ac = config.activation_checkpointing;
         match self.cached_exec(config) {
             Some(e) => e,
             None => {
-                let e = Arc::new(ExecOrder::for_kernels(joint, ac, kernels));
-                self.exec.push((ac, kernels, e.clone()));
+                let e = Arc::new(ExecOrder::for_runner(joint, ac, runner));
+                self.exec.push((ac, runner, e.clone()));
                 e
             }
         }
     }
 
-    /// The execution order kept for `config`'s checkpointing and kernels.
+    /// The execution order kept for `config`'s checkpointing and runner.
     fn cached_exec(&self, config: &ParallelConfig) -> Option<Arc<ExecOrder>> {
-        let kernels = Kernels::of(config);
+        let runner = Runner::of(config);
         let ac = config.activation_checkpointing;
         self.exec
             .iter()
-            .find(|(a, k, _)| *a == ac && *k == kernels)
+            .find(|(a, k, _)| *a == ac && *k == runner)
             .map(|(_, _, e)| e.clone())
     }
 
@@ -187,13 +187,13 @@ impl PlanCache {
         joint: &'env JointGraph,
         config: &'env ParallelConfig,
     ) -> Begun<'scope> {
-        let kernels = Kernels::of(config);
+        let runner = Runner::of(config);
         let ac = config.activation_checkpointing;
         let param = config.mixed_precision.param;
         let exec = self
             .cached_exec(config)
             .is_none()
-            .then(|| scope.spawn(move || ExecOrder::for_kernels(joint, ac, kernels)));
+            .then(|| scope.spawn(move || ExecOrder::for_runner(joint, ac, runner)));
         let flops = self.model_flops.is_none();
         let times = self.cached_times(config).is_none().then(|| {
             scope.spawn(move || {
@@ -239,10 +239,10 @@ impl PlanCache {
         begun: Begun,
     ) -> Arc<CachedSteps> {
         let param = config.mixed_precision.param;
-        let kernels = Kernels::of(config);
+        let runner = Runner::of(config);
         if let Some(h) = begun.exec {
             let exec = Arc::new(joined(h));
-            self.exec.push((config.activation_checkpointing, kernels, exec));
+            self.exec.push((config.activation_checkpointing, runner, exec));
         }
         if let Some((_, x)) = self.steps.iter().find(|(k, _)| k.is(fsdp, config)) {
             let x = x.clone();
@@ -259,7 +259,7 @@ impl PlanCache {
             runtime: config.runtime,
         };
         let exec = self.exec_for(joint, config);
-        let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, kernels);
+        let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, runner);
         let times = match (begun.times, self.cached_times(config)) {
             (Some(h), _) => self.keep_times(config, joined(h)),
             (None, Some(t)) => t,

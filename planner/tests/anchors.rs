@@ -35,7 +35,7 @@ const OPEN_SPEED_GAPS: &[(&str, f64)] = &[("P3", 1.20), ("P4", 1.24)];
 /// `train_configs/llama2_13b.toml`, the 64-A100 preset) sets `norm_type = "fused_rmsnorm"`,
 /// a Triton kernel that saves only its input and `rstd`. `kernels: eager` models the norm
 /// as PyTorch ops, as the exported program writes it, which also keeps the normalised rows
-/// (4 bytes per element, `Kernels::saved_bytes`). The fit of these rows is checked without
+/// (4 bytes per element, `Runner::saved_bytes`). The fit of these rows is checked without
 /// those rows: with no activation checkpointing every norm's rows are held at the peak (the
 /// loss backward).
 const FUSED_RMSNORM: &[&str] = &["A4"];

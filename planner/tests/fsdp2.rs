@@ -309,7 +309,7 @@ fn an_fsdp2_plan_from_a_file_is_re_derived() {
 #[test]
 fn eager_kernels_save_what_autograd_saves() {
     use shardplan_ir::Op;
-    use shardplan_planner::steps::Kernels;
+    use shardplan_planner::steps::Runner;
     for (name, norms) in [("tiny-llama", "rms_norm"), ("tiny-gpt2", "layer_norm")] {
         let (batch, seq) = (2u64, 16u64);
         let g = trace(
@@ -335,14 +335,9 @@ fn eager_kernels_save_what_autograd_saves() {
             };
             seen_norm += usize::from(node.op.name() == norms);
             seen_attn += usize::from(matches!(node.op, Op::Attention { .. }));
-            assert_eq!(Kernels::Eager.saved_bytes(&g, id), expect, "{name}: {}", node.op.name());
-            assert_eq!(
-                Kernels::Autograd.saved_bytes(&g, id),
-                expect,
-                "{name}: {}",
-                node.op.name()
-            );
-            assert_eq!(Kernels::Fused.saved_bytes(&g, id), 0, "{name}: {}", node.op.name());
+            assert_eq!(Runner::Eager.saved_bytes(&g, id), expect, "{name}: {}", node.op.name());
+            assert_eq!(Runner::Fsdp2.saved_bytes(&g, id), expect, "{name}: {}", node.op.name());
+            assert_eq!(Runner::Shardplan.saved_bytes(&g, id), 0, "{name}: {}", node.op.name());
         }
         assert!(seen_norm > 0 && seen_attn > 0, "{name}");
     }

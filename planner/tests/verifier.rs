@@ -343,7 +343,7 @@ fn a_step_on_another_stream_than_its_own_is_refused() {
 /// shared expert.
 #[test]
 fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
-    use shardplan_planner::{steps::Kernels, ExecOrder, Phase};
+    use shardplan_planner::{steps::Runner, ExecOrder, Phase};
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
     let tiny = shardplan_frontends::load_model(&path).unwrap().config;
     let mut shared = tiny.clone();
@@ -370,7 +370,7 @@ fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
         let joint = common::joint_of(model, &config);
         let plan = shardplan_planner::plan(&joint, &config).unwrap();
         verify(&plan, None).unwrap();
-        let exec = ExecOrder::for_kernels(&joint, config.activation_checkpointing, Kernels::of(&config));
+        let exec = ExecOrder::for_runner(&joint, config.activation_checkpointing, Runner::of(&config));
         let g = &joint.graph;
         // Each step's (node, copy, position) in the execution order.
         let mut pos = 0;

@@ -3,7 +3,7 @@
 //! PyTorch's hold beside the graph's values. The planner's activation model and the
 //! executor both read it, so both free at the same points.
 
-use super::Kernels;
+use super::Runner;
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
 use shardplan_ir::{IdVec, JointGraph, ModuleKind, NodeId, Op, ScopeId};
 
@@ -82,12 +82,12 @@ impl ExecOrder {
     /// The execution order of `joint` under the checkpointing policy `ac`: node order,
     /// except that a checkpointed block's forward runs again just before its first
     /// backward node.
-    /// The order `kernels` runs `joint` in under checkpointing `ac`: shardplan's executor's
+    /// The order `runner` runs `joint` in under checkpointing `ac`: shardplan's executor's
     /// blockwise attention and in-place cross-entropy under `kernels: fused`, flash
     /// attention otherwise.
-    pub fn for_kernels(joint: &JointGraph, ac: ActivationCheckpointing, kernels: Kernels) -> Self {
+    pub fn for_runner(joint: &JointGraph, ac: ActivationCheckpointing, runner: Runner) -> Self {
         let mut exec = ExecOrder::new(joint, ac);
-        if kernels == Kernels::Fused {
+        if runner == Runner::Shardplan {
             exec.shardplan_kernels(&joint.graph);
         } else {
             exec.flash_attention = true;

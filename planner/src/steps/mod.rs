@@ -229,39 +229,39 @@ pub fn steps_and_events(
     ac: ActivationCheckpointing,
     flash_attention: bool,
 ) -> (Vec<Step>, ActEvents) {
-    let kernels = if flash_attention {
-        Kernels::Eager
+    let runner = if flash_attention {
+        Runner::Eager
     } else {
-        Kernels::Fused
+        Runner::Shardplan
     };
-    steps_and_events_for(joint, groups, ac, kernels)
+    steps_and_events_for(joint, groups, ac, runner)
 }
 
-/// What a rank's compute holds beside the graph's own values, by what runs it.
+/// What runs a rank's compute, for what it holds beside the graph's own values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kernels {
+pub enum Runner {
     /// shardplan's executor (`kernels: fused`): every graph value as a tensor, except the
     /// attention backward's `[b, h, s, t]` placeholders (its blockwise kernel, see
     /// [`ExecOrder::blockwise_attention`]) and a cross-entropy gradient written over its
     /// logits ([`ExecOrder::in_place_cross_entropy`]), nothing more.
-    Fused,
+    Shardplan,
     /// PyTorch eager (`kernels: eager`): flash attention, eager cross-entropy, and what
-    /// autograd saves beyond the graph's values (see [`Kernels::saved_bytes`]): the model
+    /// autograd saves beyond the graph's values (see [`Runner::saved_bytes`]): the model
     /// written as PyTorch ops, as the exported program and FSDP2 run it.
     Eager,
     /// PyTorch eager under autograd, as FSDP2 runs a plan (`runtime: fsdp2`): `Eager`, plus
     /// what the training loop holds that the graph does not name: token ids are int64
     /// tensors, and the loss the loop keeps lives through backward.
-    Autograd,
+    Fsdp2,
 }
 
-impl Kernels {
-    /// The kernels a parallel spec's run uses.
+impl Runner {
+    /// What runs a parallel spec's compute.
     pub fn of(config: &shardplan_frontends::ParallelConfig) -> Self {
         match (config.runtime, config.hardware.kernels) {
-            (shardplan_frontends::Runtime::Fsdp2, _) => Kernels::Autograd,
-            (_, shardplan_frontends::KernelMode::Eager) => Kernels::Eager,
-            (_, shardplan_frontends::KernelMode::Fused) => Kernels::Fused,
+            (shardplan_frontends::Runtime::Fsdp2, _) => Runner::Fsdp2,
+            (_, shardplan_frontends::KernelMode::Eager) => Runner::Eager,
+            (_, shardplan_frontends::KernelMode::Fused) => Runner::Shardplan,
         }
     }
 
@@ -271,7 +271,7 @@ impl Kernels {
     /// backward of the op that saved them; an op of a recomputed (checkpointed) block
     /// saves them only in its recompute.
     pub fn saved_bytes(self, g: &shardplan_ir::Graph, id: NodeId) -> u64 {
-        if self == Kernels::Fused {
+        if self == Runner::Shardplan {
             return 0;
         }
         let node = g.node(id);
@@ -295,33 +295,33 @@ impl Kernels {
     }
 }
 
-/// [`steps_and_events`] for the compute `kernels` runs.
+/// [`steps_and_events`] for the compute `runner` runs.
 pub(crate) fn steps_and_events_for(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     ac: ActivationCheckpointing,
-    kernels: Kernels,
+    runner: Runner,
 ) -> (Vec<Step>, ActEvents) {
-    steps_and_events_in(joint, groups, &ExecOrder::for_kernels(joint, ac, kernels), kernels)
+    steps_and_events_in(joint, groups, &ExecOrder::for_runner(joint, ac, runner), runner)
 }
 
 /// [`steps_and_events_for`] in an execution order already made by
-/// [`ExecOrder::for_kernels`] for the same graph, checkpointing and `kernels` (it does not
+/// [`ExecOrder::for_runner`] for the same graph, checkpointing and `runner` (it does not
 /// depend on the groups, so a search makes one per policy).
 pub(crate) fn steps_and_events_in(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     exec: &ExecOrder,
-    kernels: Kernels,
+    runner: Runner,
 ) -> (Vec<Step>, ActEvents) {
-    walk(joint, groups, exec, kernels, true)
+    walk(joint, groups, exec, runner, true)
 }
 
 /// The most activation bytes of any step [`steps_and_events_in`] makes: the same walk,
 /// without the steps' labels, reads and activation events. It is the same for every
 /// grouping (the running level follows the execution order; groups only cut it into
 /// steps).
-pub(crate) fn activation_peak_in(joint: &JointGraph, groups: &[FsdpGroup], exec: &ExecOrder, kernels: Kernels) -> u64 {
-    let (steps, _) = walk(joint, groups, exec, kernels, false);
+pub(crate) fn activation_peak_in(joint: &JointGraph, groups: &[FsdpGroup], exec: &ExecOrder, runner: Runner) -> u64 {
+    let (steps, _) = walk(joint, groups, exec, runner, false);
     steps.iter().map(|s| s.act_peak).max().unwrap_or(0)
 }

@@ -3,7 +3,7 @@
 //! of, and which values are made and freed (as the executor frees them: after the last
 //! reader), with what PyTorch's kernels hold beside them.
 
-use super::{ActEvent, ActEvents, ExecOrder, Kernels, Phase, Step, StepId};
+use super::{ActEvent, ActEvents, ExecOrder, Phase, Runner, Step, StepId};
 use crate::group::{scope_groups, FsdpGroup, GroupId};
 use crate::stream::Stream;
 use shardplan_ir::{Graph, IdVec, JointGraph, NodeId, Op, ParamId, ScopeId};
@@ -14,10 +14,10 @@ pub(super) fn walk(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     exec: &ExecOrder,
-    kernels: Kernels,
+    runner: Runner,
     detail: bool,
 ) -> (Vec<Step>, ActEvents) {
-    let mut w = Walker::new(Tables::new(joint, groups, exec, kernels), detail);
+    let mut w = Walker::new(Tables::new(joint, groups, exec, runner), detail);
     for (pos, &(id, copy)) in exec.order.iter().enumerate() {
         w.node(pos, id, copy);
     }
@@ -30,7 +30,7 @@ struct Tables<'a> {
     g: &'a Graph,
     groups: &'a [FsdpGroup],
     exec: &'a ExecOrder,
-    kernels: Kernels,
+    runner: Runner,
     group_of_scope: IdVec<ScopeId, GroupId>,
     group_of_param: IdVec<ParamId, GroupId>,
     /// Per node that is a parameter's final gradient: its group and parameter.
@@ -42,7 +42,7 @@ struct Tables<'a> {
 }
 
 impl<'a> Tables<'a> {
-    fn new(joint: &'a JointGraph, groups: &'a [FsdpGroup], exec: &'a ExecOrder, kernels: Kernels) -> Self {
+    fn new(joint: &'a JointGraph, groups: &'a [FsdpGroup], exec: &'a ExecOrder, runner: Runner) -> Self {
         let g = &joint.graph;
         let n = g.node_count();
         let mut group_of_param: IdVec<ParamId, GroupId> = IdVec::from_elem(GroupId::new(0), g.params().len());
@@ -64,12 +64,12 @@ impl<'a> Tables<'a> {
             g,
             groups,
             exec,
-            kernels,
+            runner,
             group_of_scope: scope_groups(g, groups),
             group_of_param,
             grad_group,
             grad_param,
-            last_grad_pos: last_grad_positions(joint, exec, kernels),
+            last_grad_pos: last_grad_positions(joint, exec, runner),
         }
     }
 
@@ -78,7 +78,7 @@ impl<'a> Tables<'a> {
     fn bytes(&self, id: NodeId) -> u64 {
         let b = self.exec.value_bytes(self.g, id);
         let node = self.g.node(id);
-        if self.kernels == Kernels::Autograd
+        if self.runner == Runner::Fsdp2
             && matches!(node.op, Op::Input { .. })
             && node.ty.dtype == shardplan_ir::DType::U32
         {
@@ -102,7 +102,7 @@ impl<'a> Tables<'a> {
     /// Under shardplan's runtime each expert-group collective is a step of its own, run on
     /// the all-to-all stream (`runtime: fsdp2` runs them inline, as torchtitan does).
     fn stream_of(&self, id: NodeId) -> Stream {
-        if self.kernels != Kernels::Autograd && self.g.expert_overlap() && self.g.node(id).op.is_expert_collective() {
+        if self.runner != Runner::Fsdp2 && self.g.expert_overlap() && self.g.node(id).op.is_expert_collective() {
             Stream::AllToAll
         } else {
             Stream::Compute
@@ -123,9 +123,9 @@ impl<'a> Tables<'a> {
 
 /// Autograd's saved tensors beyond the graph's values are freed after the last backward
 /// node of the forward node that saved them: that position per forward node.
-fn last_grad_positions(joint: &JointGraph, exec: &ExecOrder, kernels: Kernels) -> IdVec<NodeId, usize> {
+fn last_grad_positions(joint: &JointGraph, exec: &ExecOrder, runner: Runner) -> IdVec<NodeId, usize> {
     let mut last: IdVec<NodeId, usize> = IdVec::new();
-    if kernels == Kernels::Fused {
+    if runner == Runner::Shardplan {
         return last;
     }
     last = IdVec::from_elem(usize::MAX, joint.forward_len);
@@ -322,9 +322,7 @@ impl<'a> Walker<'a> {
         // gradient is its own tensor, made by the op that computes it while the step's
         // activations die around it, so the step ends before each one on those terms.
         let first_grad = match (copy, self.t.grad_group[id]) {
-            (false, Some(gg)) => {
-                (self.t.kernels == Kernels::Autograd || !s.grads.contains(&gg)) && s.act_peak > self.live
-            }
+            (false, Some(gg)) => (self.t.runner == Runner::Fsdp2 || !s.grads.contains(&gg)) && s.act_peak > self.live,
             _ => false,
         };
         s.phase != phase
@@ -429,7 +427,7 @@ impl<'a> Walker<'a> {
     /// gradient, beside it.
     fn eager_cross_entropy(&mut self, id: NodeId) {
         let node = self.t.g.node(id);
-        if self.t.kernels == Kernels::Fused
+        if self.t.runner == Runner::Shardplan
             || !matches!(node.op, Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. })
         {
             return;
@@ -442,18 +440,18 @@ impl<'a> Walker<'a> {
         self.acts.values += 1;
     }
 
-    /// What PyTorch saves for forward node `id` beyond its value ([`Kernels::saved_bytes`];
+    /// What PyTorch saves for forward node `id` beyond its value ([`Runner::saved_bytes`];
     /// the loss a training loop keeps under autograd): made with the op and kept until its
     /// backward, unless its block recomputes it.
     fn saved_by(&mut self, pos: usize, id: NodeId, copy: bool) {
-        let (joint, kernels) = (self.t.joint, self.t.kernels);
+        let (joint, runner) = (self.t.joint, self.t.runner);
         let extra = if id.index() >= joint.forward_len {
             0
-        } else if kernels == Kernels::Autograd && id == joint.loss && !copy {
+        } else if runner == Runner::Fsdp2 && id == joint.loss && !copy {
             // The loss a training loop keeps (`loss = model(...)`) lives through backward.
             joint.graph.node(id).ty.bytes().unwrap_or(0)
         } else {
-            kernels.saved_bytes(&joint.graph, id)
+            runner.saved_bytes(&joint.graph, id)
         };
         if extra == 0 {
             return;
