@@ -151,7 +151,7 @@ impl PlanCache {
         match self.cached_exec(config) {
             Some(e) => e,
             None => {
-                let e = Arc::new(ExecOrder::for_runner(joint, ac, runner));
+                let e = Arc::new(ExecOrder::new(joint, ac, runner));
                 self.exec.push((ac, runner, e.clone()));
                 e
             }
@@ -193,7 +193,7 @@ impl PlanCache {
         let exec = self
             .cached_exec(config)
             .is_none()
-            .then(|| scope.spawn(move || ExecOrder::for_runner(joint, ac, runner)));
+            .then(|| scope.spawn(move || ExecOrder::new(joint, ac, runner)));
         let flops = self.model_flops.is_none();
         let times = self.cached_times(config).is_none().then(|| {
             scope.spawn(move || {

@@ -43,7 +43,7 @@ pub use plan::{
     Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Instr, Issued, Plan, PlanSource, Policy,
     Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
 };
-pub use steps::{ExecOrder, Phase, Step};
+pub use steps::{ExecOrder, Phase, Runner, Step, ValueSlot};
 pub use stream::Stream;
 pub use verify::{verify, VerifyError};
 

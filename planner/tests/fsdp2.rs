@@ -309,7 +309,7 @@ fn an_fsdp2_plan_from_a_file_is_re_derived() {
 #[test]
 fn eager_kernels_save_what_autograd_saves() {
     use shardplan_ir::Op;
-    use shardplan_planner::steps::Runner;
+    use shardplan_planner::Runner;
     for (name, norms) in [("tiny-llama", "rms_norm"), ("tiny-gpt2", "layer_norm")] {
         let (batch, seq) = (2u64, 16u64);
         let g = trace(

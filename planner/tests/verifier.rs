@@ -343,7 +343,7 @@ fn a_step_on_another_stream_than_its_own_is_refused() {
 /// shared expert.
 #[test]
 fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
-    use shardplan_planner::{steps::Runner, ExecOrder, Phase};
+    use shardplan_planner::{ExecOrder, Phase, Runner, ValueSlot};
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
     let tiny = shardplan_frontends::load_model(&path).unwrap().config;
     let mut shared = tiny.clone();
@@ -370,7 +370,7 @@ fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
         let joint = common::joint_of(model, &config);
         let plan = shardplan_planner::plan(&joint, &config).unwrap();
         verify(&plan, None).unwrap();
-        let exec = ExecOrder::for_runner(&joint, config.activation_checkpointing, Runner::of(&config));
+        let exec = ExecOrder::new(&joint, config.activation_checkpointing, Runner::of(&config));
         let g = &joint.graph;
         // Each step's (node, copy, position) in the execution order.
         let mut pos = 0;
@@ -379,7 +379,7 @@ fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
             let copy = s.phase == Phase::Recompute;
             let mut v = Vec::new();
             for i in s.nodes.iter().flat_map(|r| r.clone()) {
-                assert_eq!(exec.order[pos], (shardplan_ir::NodeId(i), copy));
+                assert_eq!(exec.order()[pos], (shardplan_ir::NodeId(i), copy));
                 v.push((shardplan_ir::NodeId(i), copy, pos));
                 pos += 1;
             }
@@ -392,8 +392,8 @@ fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
             .filter(|(_, s)| s.stream == Stream::AllToAll)
         {
             let (id, copy, _) = nodes[k][0];
-            let out = ExecOrder::slot(id, copy);
-            let operands: Vec<usize> = g.node(id).inputs.iter().map(|&i| exec.read_slot(id, copy, i)).collect();
+            let out = ValueSlot::of(id, copy);
+            let operands: Vec<ValueSlot> = g.node(id).inputs.iter().map(|&i| exec.read_slot(id, copy, i)).collect();
             let join = (k + 1..plan.steps.len())
                 .find(|&j| plan.steps[j].waits_for.contains(&x.id))
                 .unwrap_or_else(|| panic!("{} is joined by no step ({yaml})", x.id));
@@ -404,13 +404,13 @@ fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
                 overlapped += 1;
                 for &(r, rc, rpos) in step_nodes {
                     for &input in g.node(r).inputs.iter().chain(exec.extra_reads(g, r)) {
-                        if exec.param_of_node[input.index()].is_some() {
+                        if exec.param_of(input).is_some() {
                             continue;
                         }
                         let s = exec.read_slot(r, rc, input);
                         assert_ne!(s, out, "{r} in {} reads {}'s output ({yaml})", plan.steps[j].id, x.id);
                         assert!(
-                            !(operands.contains(&s) && exec.last_use[s] == rpos),
+                            !(operands.contains(&s) && exec.last_use(s) == Some(rpos)),
                             "{r} in {} frees an operand of {} ({yaml})",
                             plan.steps[j].id,
                             x.id

@@ -16,7 +16,7 @@ use candle_core::{Device, Tensor};
 use shardplan_frontends::{DataSource as DataSpec, ParallelConfig};
 use shardplan_ir::JointGraph;
 use shardplan_models::ModelConfig;
-use shardplan_planner::{ExecOrder, Plan};
+use shardplan_planner::{ExecOrder, Plan, Runner};
 use std::collections::HashMap;
 
 /// Collective tags of evaluations start here (training steps count up from 0 below it).
@@ -44,7 +44,7 @@ pub(crate) fn step_starts(plan: &Plan, exec: &ExecOrder) -> Result<(Vec<usize>, 
         starts.push(pos);
         let copy = s.phase == shardplan_planner::Phase::Recompute;
         for i in s.nodes.iter().flat_map(|r| r.clone()) {
-            if exec.order.get(pos) != Some(&(shardplan_ir::NodeId(i), copy)) {
+            if exec.order().get(pos) != Some(&(shardplan_ir::NodeId(i), copy)) {
                 return Err(ExecError::Unsupported(format!(
                     "the plan's step {} does not match this model's graph (node n{i}): was it made for another model or batch shape?",
                     s.id
@@ -103,7 +103,7 @@ impl Validation {
                 "the plan's groups differ from what its specs give (was it edited?); validation needs the specs' own groups: re-run `shardplan plan`".into(),
             ));
         }
-        let exec = ExecOrder::new(joint, config.activation_checkpointing);
+        let exec = ExecOrder::new(joint, config.activation_checkpointing, Runner::Shardplan);
         let (step_start, _) = step_starts(&plan, &exec)?;
         let shared = Shared {
             plan,

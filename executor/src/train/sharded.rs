@@ -24,7 +24,7 @@ use serde::Serialize;
 use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{differentiate_with, JointGraph};
 use shardplan_models::{trace, ModelConfig};
-use shardplan_planner::{chunk_rows, plan, ByCategory, Category, Coords, ExecOrder, Instr, Plan, Pool, Stream};
+use shardplan_planner::{chunk_rows, plan, ByCategory, Category, Coords, ExecOrder, Instr, Plan, Pool, Runner, Stream};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -205,10 +205,9 @@ fn execution_order(
     joint: &JointGraph,
     config: &ParallelConfig,
 ) -> Result<(ExecOrder, Vec<usize>), ExecError> {
-    let mut exec = ExecOrder::new(joint, config.activation_checkpointing);
-    exec.shardplan_kernels(&joint.graph);
+    let exec = ExecOrder::new(joint, config.activation_checkpointing, Runner::Shardplan);
     let (step_start, pos) = step_starts(plan, &exec)?;
-    if pos != exec.order.len() {
+    if pos != exec.order().len() {
         return Err(ExecError::Unsupported(
             "the plan's steps do not cover this model's graph".into(),
         ));

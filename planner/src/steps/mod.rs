@@ -17,7 +17,7 @@
 mod exec_order;
 mod walk;
 
-pub use exec_order::ExecOrder;
+pub use exec_order::{ExecOrder, ValueSlot};
 
 use crate::group::{FsdpGroup, GroupId};
 use crate::stream::Stream;
@@ -302,11 +302,11 @@ pub(crate) fn steps_and_events_for(
     ac: ActivationCheckpointing,
     runner: Runner,
 ) -> (Vec<Step>, ActEvents) {
-    steps_and_events_in(joint, groups, &ExecOrder::for_runner(joint, ac, runner), runner)
+    steps_and_events_in(joint, groups, &ExecOrder::new(joint, ac, runner), runner)
 }
 
 /// [`steps_and_events_for`] in an execution order already made by
-/// [`ExecOrder::for_runner`] for the same graph, checkpointing and `runner` (it does not
+/// [`ExecOrder::new`] for the same graph, checkpointing and `runner` (it does not
 /// depend on the groups, so a search makes one per policy).
 pub(crate) fn steps_and_events_in(
     joint: &JointGraph,

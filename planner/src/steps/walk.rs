@@ -3,7 +3,7 @@
 //! of, and which values are made and freed (as the executor frees them: after the last
 //! reader), with what PyTorch's kernels hold beside them.
 
-use super::{ActEvent, ActEvents, ExecOrder, Phase, Runner, Step, StepId};
+use super::{ActEvent, ActEvents, ExecOrder, Phase, Runner, Step, StepId, ValueSlot};
 use crate::group::{scope_groups, FsdpGroup, GroupId};
 use crate::stream::Stream;
 use shardplan_ir::{Graph, IdVec, JointGraph, NodeId, Op, ParamId, ScopeId};
@@ -18,7 +18,7 @@ pub(super) fn walk(
     detail: bool,
 ) -> (Vec<Step>, ActEvents) {
     let mut w = Walker::new(Tables::new(joint, groups, exec, runner), detail);
-    for (pos, &(id, copy)) in exec.order.iter().enumerate() {
+    for (pos, &(id, copy)) in exec.order().iter().enumerate() {
         w.node(pos, id, copy);
     }
     w.finish()
@@ -111,12 +111,12 @@ impl<'a> Tables<'a> {
 
     /// The value slots node `id` (a copy or not) reads: its inputs and extra reads that
     /// are not parameters.
-    fn read_slots(&self, id: NodeId, copy: bool) -> impl Iterator<Item = (NodeId, usize)> + '_ {
+    fn read_slots(&self, id: NodeId, copy: bool) -> impl Iterator<Item = (NodeId, ValueSlot)> + '_ {
         let node = self.g.node(id);
         node.inputs
             .iter()
             .chain(self.exec.extra_reads(self.g, id))
-            .filter(|x| self.exec.param_of_node[x.index()].is_none())
+            .filter(|&&x| self.exec.param_of(x).is_none())
             .map(move |&x| (x, self.exec.read_slot(id, copy, x)))
     }
 }
@@ -129,7 +129,7 @@ fn last_grad_positions(joint: &JointGraph, exec: &ExecOrder, runner: Runner) -> 
         return last;
     }
     last = IdVec::from_elem(usize::MAX, joint.forward_len);
-    for (pos, &(id, copy)) in exec.order.iter().enumerate() {
+    for (pos, &(id, copy)) in exec.order().iter().enumerate() {
         if copy || id.index() < joint.forward_len {
             continue;
         }
@@ -146,10 +146,10 @@ fn last_grad_positions(joint: &JointGraph, exec: &ExecOrder, runner: Runner) -> 
 struct Pending {
     step: StepId,
     /// Its value's slot and its operands' slots.
-    out: usize,
-    operands: smallvec::SmallVec<[usize; 2]>,
+    out: ValueSlot,
+    operands: smallvec::SmallVec<[ValueSlot; 2]>,
     /// Operands it is the last reader of: (slot, value number, bytes), freed at the join.
-    dying: Vec<(usize, u32, u64)>,
+    dying: Vec<(ValueSlot, u32, u64)>,
 }
 
 /// The walk's running state.
@@ -158,12 +158,12 @@ struct Walker<'a> {
     detail: bool,
     out: Vec<Step>,
     acts: ActEvents,
-    /// `ExecOrder::slot` -> dense value number.
-    value_of: Vec<u32>,
+    /// Value slot -> dense value number.
+    value_of: IdVec<ValueSlot, u32>,
     /// Activation bytes held now.
     live: u64,
     /// Slots freed at this node (each once).
-    freed: Vec<usize>,
+    freed: Vec<ValueSlot>,
     pending: Vec<Pending>,
     /// (free position, value, bytes) of the saved tensors held now.
     saved_live: Vec<(usize, u32, u64)>,
@@ -174,7 +174,7 @@ struct Walker<'a> {
 impl<'a> Walker<'a> {
     fn new(t: Tables<'a>, detail: bool) -> Self {
         let n = t.g.node_count();
-        let order = t.exec.order.len();
+        let order = t.exec.order().len();
         Walker {
             t,
             detail,
@@ -184,7 +184,7 @@ impl<'a> Walker<'a> {
                 starts: Vec::new(),
                 values: 0,
             },
-            value_of: vec![u32::MAX; n * 2],
+            value_of: IdVec::from_elem(u32::MAX, n * 2),
             live: 0,
             freed: Vec::new(),
             pending: Vec::new(),
@@ -212,7 +212,7 @@ impl<'a> Walker<'a> {
             self.join(joined);
         }
         self.record(id, copy, grp);
-        let own = ExecOrder::slot(id, copy);
+        let own = ValueSlot::of(id, copy);
         // An in-place op's input is gone before its value is made.
         let overwritten = self.t.exec.in_place(id).map(|x| {
             let s = self.t.exec.read_slot(id, copy, x);
@@ -226,7 +226,7 @@ impl<'a> Walker<'a> {
             self.release_due_saved(pos);
         }
         self.release_inputs(pos, id, copy, stream, overwritten);
-        if self.t.exec.last_use[own] == usize::MAX {
+        if self.t.exec.last_use(own).is_none() {
             // A value nothing reads dies as it is made.
             self.live = self.live.saturating_sub(made);
             if made > 0 {
@@ -281,12 +281,12 @@ impl<'a> Walker<'a> {
         if stream != Stream::Compute || self.pending.is_empty() {
             return joined;
         }
-        let slots: smallvec::SmallVec<[usize; 8]> = self.t.read_slots(id, copy).map(|(_, s)| s).collect();
-        let last_use = &self.t.exec.last_use;
+        let slots: smallvec::SmallVec<[ValueSlot; 8]> = self.t.read_slots(id, copy).map(|(_, s)| s).collect();
+        let exec = self.t.exec;
         let touches = |p: &Pending| {
             slots
                 .iter()
-                .any(|&s| s == p.out || (p.operands.contains(&s) && last_use[s] == pos))
+                .any(|&s| s == p.out || (p.operands.contains(&s) && exec.last_use(s) == Some(pos)))
         };
         let mut k = 0;
         while k < self.pending.len() {
@@ -389,7 +389,7 @@ impl<'a> Walker<'a> {
             _ => step.nodes.push(id.0..id.0 + 1),
         }
         for &input in node.inputs.iter().filter(|_| detail) {
-            if let Some(p) = t.exec.param_of_node[input.index()] {
+            if let Some(p) = t.exec.param_of(input) {
                 let pg = t.group_of_param[ParamId(p)];
                 if !step.reads.contains(&pg) {
                     step.reads.push(pg);
@@ -407,7 +407,7 @@ impl<'a> Walker<'a> {
     }
 
     /// Node `id` makes its value (slot `own`); its bytes.
-    fn make(&mut self, id: NodeId, own: usize) -> u64 {
+    fn make(&mut self, id: NodeId, own: ValueSlot) -> u64 {
         let made = self.t.bytes(id);
         self.live = self.live.saturating_add(made);
         self.peak(0);
@@ -463,7 +463,7 @@ impl<'a> Walker<'a> {
         self.acts.push(self.detail, ActEvent { value, bytes: extra });
         let kept = copy || !self.t.exec.recomputed(id);
         let until = if id == joint.loss {
-            self.t.exec.order.len() - 1
+            self.t.exec.order().len() - 1
         } else {
             self.t.last_grad_pos.get(id).copied().unwrap_or(usize::MAX)
         };
@@ -494,11 +494,11 @@ impl<'a> Walker<'a> {
 
     /// Frees the values node `id` is the last reader of (except one it wrote over); an
     /// all-to-all keeps its operands until the compute stream waits for it.
-    fn release_inputs(&mut self, pos: usize, id: NodeId, copy: bool, stream: Stream, overwritten: Option<usize>) {
+    fn release_inputs(&mut self, pos: usize, id: NodeId, copy: bool, stream: Stream, overwritten: Option<ValueSlot>) {
         self.freed.clear();
         let mut waiting = (stream == Stream::AllToAll).then(|| Pending {
             step: self.out.last().expect("a step was pushed at the first node").id,
-            out: ExecOrder::slot(id, copy),
+            out: ValueSlot::of(id, copy),
             operands: smallvec::SmallVec::new(),
             dying: Vec::new(),
         });
@@ -506,14 +506,14 @@ impl<'a> Walker<'a> {
         let t = &self.t;
         let node = t.g.node(id);
         for &input in node.inputs.iter().chain(t.exec.extra_reads(t.g, id)) {
-            if t.exec.param_of_node[input.index()].is_some() {
+            if t.exec.param_of(input).is_some() {
                 continue;
             }
             let s = t.exec.read_slot(id, copy, input);
             if let Some(p) = waiting.as_mut() {
                 p.operands.push(s);
             }
-            if t.exec.last_use[s] == pos && !self.freed.contains(&s) && overwritten != Some(s) {
+            if t.exec.last_use(s) == Some(pos) && !self.freed.contains(&s) && overwritten != Some(s) {
                 self.freed.push(s);
                 let (value, b) = (self.value_of[s], t.bytes(input));
                 match waiting.as_mut() {

@@ -63,7 +63,7 @@ pub(super) fn flatten(
 /// The compute stream's own state: activations and parameter views.
 pub(super) struct Compute<'c> {
     pub(super) ctx: &'c mut Ctx,
-    pub(super) values: Vec<Option<Tensor>>,
+    pub(super) values: IdVec<ValueSlot, Option<Tensor>>,
     /// Gradients a blockwise attention backward made before their own nodes run (see
     /// `ExecOrder::blockwise_attention`); counted in `live` from when they are made.
     pub(super) early: HashMap<NodeId, Tensor>,
@@ -77,7 +77,7 @@ impl<'c> Compute<'c> {
     pub(super) fn new(ctx: &'c mut Ctx, n_values: usize) -> Self {
         Compute {
             ctx,
-            values: vec![None; n_values],
+            values: IdVec::from_elem(None, n_values),
             early: HashMap::new(),
             live: 0,
             micro: None,
@@ -88,7 +88,7 @@ impl<'c> Compute<'c> {
     /// Starts micro-batch `micro`'s values, dropping another micro-batch's.
     fn enter(&mut self, micro: u32) {
         if self.micro != Some(micro) {
-            self.values.iter_mut().for_each(|v| *v = None);
+            self.values.values_mut().for_each(|v| *v = None);
             self.early.clear();
             self.live = 0;
             self.micro = Some(micro);
@@ -201,7 +201,7 @@ impl StepCtx<'_> {
         // instruction's, the profile's all-to-all row.
         let refs: Vec<&Tensor> = ops.iter().collect();
         let value = crate::cpu::kernels::apply_expert(group, &sh.joint.graph.node(id).op, &refs)?;
-        let own = ExecOrder::slot(id, copy);
+        let own = ValueSlot::of(id, copy);
         if self.tables.a2a_last.contains_key(&(own, micro)) {
             // A later all-to-all step reads it (a routing table): kept until that one.
             lock(&self.a2a.kept).insert((own, micro), value.clone());
@@ -223,8 +223,8 @@ impl StepCtx<'_> {
             ))
         })?;
         let bytes = sh.exec.value_bytes(g, id);
-        let own = ExecOrder::slot(id, copy);
-        if sh.exec.last_use[own] != usize::MAX {
+        let own = ValueSlot::of(id, copy);
+        if sh.exec.last_use(own).is_some() {
             c.values[own] = Some(value);
             c.live += bytes;
         }
@@ -393,7 +393,7 @@ impl StepCtx<'_> {
         if !counted {
             c.live += sh.exec.value_bytes(g, id);
         }
-        let own = ExecOrder::slot(id, run.copy);
+        let own = ValueSlot::of(id, run.copy);
         c.values[own] = Some(value);
         {
             let mut m = lock(&self.memory);
@@ -401,7 +401,7 @@ impl StepCtx<'_> {
             m.observe();
         }
         self.free_last_reads(c, id, run.copy, run.pos);
-        if sh.exec.last_use[own] == usize::MAX && c.values[own].take().is_some() {
+        if sh.exec.last_use(own).is_none() && c.values[own].take().is_some() {
             c.live -= sh.exec.value_bytes(g, id);
         }
         run.pos += 1;
@@ -468,7 +468,7 @@ impl StepCtx<'_> {
         let node = sh.joint.graph.node(id);
         let mut ins = Vec::with_capacity(node.inputs.len());
         for &input in &node.inputs {
-            let t = match sh.exec.param_of_node[input.index()] {
+            let t = match sh.exec.param_of(input) {
                 Some(p) => run.params.get(&p).cloned().ok_or_else(|| {
                     ExecError::Internal(format!("{id} reads parameter p{p}, not gathered for this step"))
                 })?,
@@ -499,7 +499,7 @@ impl StepCtx<'_> {
             }
             lock(&self.out).losses.push(loss);
         }
-        if sh.exec.is_param_grad[id.index()] {
+        if sh.exec.is_param_grad(id) {
             if let Some(p) = sh.joint.param_grads.iter().position(|x| *x == Some(id)) {
                 run.grads.insert(p as u32, value.clone());
             }
@@ -513,11 +513,11 @@ impl StepCtx<'_> {
         let sh = self.shared;
         let g = &sh.joint.graph;
         for &x in g.node(id).inputs.iter().chain(sh.exec.extra_reads(g, id)) {
-            if sh.exec.param_of_node[x.index()].is_some() {
+            if sh.exec.param_of(x).is_some() {
                 continue;
             }
             let slot = sh.exec.read_slot(id, copy, x);
-            if sh.exec.last_use[slot] == pos && c.values[slot].take().is_some() {
+            if sh.exec.last_use(slot) == Some(pos) && c.values[slot].take().is_some() {
                 c.live -= sh.exec.value_bytes(g, x);
             }
         }

@@ -30,9 +30,10 @@ use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
 use compute::Compute;
 use norm::GradScale;
-use shardplan_ir::{JointGraph, NodeId, Op};
+use shardplan_ir::{IdVec, JointGraph, NodeId, Op};
 use shardplan_planner::{
     chunk_rows, BufId, ByCategory, Category, Comm, ExecOrder, GroupLayout, Instr, Plan, Pool, ReduceOp, Stream,
+    ValueSlot,
 };
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -285,7 +286,7 @@ struct Exchange {
     mailbox: Mutex<HashMap<usize, Vec<Option<Tensor>>>>,
     /// All-to-all steps' outputs that later all-to-all steps read, by value slot and
     /// micro-batch, until the last of them (`ProgramTables::a2a_last`) has run.
-    kept: Mutex<HashMap<(usize, u32), Tensor>>,
+    kept: Mutex<HashMap<(ValueSlot, u32), Tensor>>,
     /// All-to-all steps' outputs, by step and micro-batch, until the compute step that
     /// waits for them takes them.
     outbox: Mutex<HashMap<(u32, u32), Tensor>>,
@@ -532,7 +533,7 @@ pub fn run_step(
         timing: Timing::new(shared, &ctx.device, n_instrs)?,
         a2a: Exchange::new(ctx.expert_group()),
     };
-    let compute = Mutex::new(Some(Compute::new(ctx, shared.joint.graph.node_count() * 2)));
+    let compute = Mutex::new(Some(Compute::new(ctx, shared.exec.slots())));
     // Collectives that were only enqueued complete at the step's end.
     let result = cx.run_streams(&compute).and_then(|()| cx.flush_collectives());
     if let Err(e) = result {

@@ -26,7 +26,7 @@ pub struct ProgramTables {
     pub(super) ready_of: Vec<Option<usize>>,
     /// Per value slot and micro-batch: the issue index of the last all-to-all step that
     /// reads it.
-    pub(super) a2a_last: HashMap<(usize, u32), usize>,
+    pub(super) a2a_last: HashMap<(ValueSlot, u32), usize>,
     /// Each group's sharded parameter buffer.
     pub(super) sharded: Vec<Option<BufId>>,
     /// The pool of each group's optimizer state buffer, when it has one.
@@ -184,7 +184,7 @@ fn stream_programs(plan: &Plan) -> Vec<StreamProgram> {
 }
 
 /// Type of [`all_to_all_hand_overs`]' result: `ready_of` and `a2a_last`.
-type HandOvers = (Vec<Option<usize>>, HashMap<(usize, u32), usize>);
+type HandOvers = (Vec<Option<usize>>, HashMap<(ValueSlot, u32), usize>);
 
 /// The compute-stream event each all-to-all step waits for last before it runs (by event),
 /// and the last all-to-all step that reads each value slot and micro-batch.

@@ -7,18 +7,35 @@ use super::Runner;
 use shardplan_frontends::{ActivationCheckpointing, SavedMatmuls};
 use shardplan_ir::{IdVec, JointGraph, ModuleKind, NodeId, Op, ScopeId};
 
+shardplan_ir::entity! {
+    /// A value of the execution order (printed `v7`): a node's output, or its recomputed
+    /// copy in a checkpointed block's recompute ([`ValueSlot::of`]).
+    pub struct ValueSlot("v");
+}
+
+impl ValueSlot {
+    /// The slot of node `id`'s value (`copy`: of its recomputed copy).
+    #[inline]
+    pub fn of(id: NodeId, copy: bool) -> ValueSlot {
+        ValueSlot(id.0 * 2 + u32::from(copy))
+    }
+}
+
+/// `last_use` of a value nothing reads.
+const UNREAD: usize = usize::MAX;
+
 /// The order a rank runs the joint graph's nodes in, and when each value dies: shared by
 /// the planner's activation model and the executor, so both free at the same points.
 pub struct ExecOrder {
     /// `(node, recomputed copy?)` in execution order; parameters are not executed.
-    pub order: Vec<(NodeId, bool)>,
+    order: Vec<(NodeId, bool)>,
     /// The parameter a `param` node yields.
-    pub param_of_node: Vec<Option<u32>>,
+    param_of_node: Vec<Option<u32>>,
     /// True for the nodes that are final parameter gradients.
-    pub is_param_grad: Vec<bool>,
-    /// Position in `order` of the last reader of each value (`slot(node, copy)`);
-    /// `usize::MAX` for values nothing reads.
-    pub last_use: Vec<usize>,
+    is_param_grad: Vec<bool>,
+    /// Position in `order` of the last reader of each value; `UNREAD` for values nothing
+    /// reads.
+    last_use: IdVec<ValueSlot, usize>,
     /// The checkpointed block each node belongs to, if any.
     ckpt: IdVec<NodeId, Option<ScopeId>>,
     /// Forward nodes of checkpointed blocks whose outputs are kept (selective
@@ -29,10 +46,10 @@ pub struct ExecOrder {
     /// `scaled_dot_product_attention`): the probabilities and their gradient, the
     /// `[b, h, s, t]` values the graph names, live only in its on-chip tiles, so they hold
     /// no memory. Set by [`ExecOrder::blockwise_attention`] for shardplan's executor too.
-    pub flash_attention: bool,
+    flash_attention: bool,
     /// Attention backwards shardplan's executor runs blockwise (see
     /// [`ExecOrder::blockwise_attention`]); empty otherwise.
-    pub blockwise: Vec<BlockwiseAttention>,
+    blockwise: Vec<BlockwiseAttention>,
     /// Index into `blockwise` of each node that is part of one: its probabilities, their
     /// gradient and its outputs.
     blockwise_of: Vec<Option<u32>>,
@@ -79,14 +96,12 @@ impl BlockwiseAttention {
 }
 
 impl ExecOrder {
-    /// The execution order of `joint` under the checkpointing policy `ac`: node order,
-    /// except that a checkpointed block's forward runs again just before its first
-    /// backward node.
-    /// The order `runner` runs `joint` in under checkpointing `ac`: shardplan's executor's
-    /// blockwise attention and in-place cross-entropy under `kernels: fused`, flash
-    /// attention otherwise.
-    pub fn for_runner(joint: &JointGraph, ac: ActivationCheckpointing, runner: Runner) -> Self {
-        let mut exec = ExecOrder::new(joint, ac);
+    /// The order `runner` runs `joint` in under checkpointing `ac`: node order, except
+    /// that a checkpointed block's forward runs again just before its first backward
+    /// node; shardplan's executor's blockwise attention and in-place cross-entropy
+    /// ([`ExecOrder::shardplan_kernels`]), flash attention under PyTorch.
+    pub fn new(joint: &JointGraph, ac: ActivationCheckpointing, runner: Runner) -> Self {
+        let mut exec = ExecOrder::in_graph_order(joint, ac);
         if runner == Runner::Shardplan {
             exec.shardplan_kernels(&joint.graph);
         } else {
@@ -95,7 +110,44 @@ impl ExecOrder {
         exec
     }
 
-    pub fn new(joint: &JointGraph, ac: ActivationCheckpointing) -> Self {
+    /// `(node, recomputed copy?)` in execution order; parameters are not executed.
+    #[inline]
+    pub fn order(&self) -> &[(NodeId, bool)] {
+        &self.order
+    }
+
+    /// Values in the table [`ValueSlot`]s index: two per node.
+    #[inline]
+    pub fn slots(&self) -> usize {
+        self.last_use.len()
+    }
+
+    /// Position in [`ExecOrder::order`] of the last reader of `slot`'s value; `None` when
+    /// nothing reads it.
+    #[inline]
+    pub fn last_use(&self, slot: ValueSlot) -> Option<usize> {
+        Some(self.last_use[slot]).filter(|&p| p != UNREAD)
+    }
+
+    /// The parameter node `id` yields, if it is a `param` node.
+    #[inline]
+    pub fn param_of(&self, id: NodeId) -> Option<u32> {
+        self.param_of_node[id.index()]
+    }
+
+    /// Whether node `id` is a final parameter gradient.
+    #[inline]
+    pub fn is_param_grad(&self, id: NodeId) -> bool {
+        self.is_param_grad[id.index()]
+    }
+
+    /// The attention backwards run blockwise ([`ExecOrder::blockwise_attention`]).
+    pub fn blockwise(&self) -> &[BlockwiseAttention] {
+        &self.blockwise
+    }
+
+    /// The graph's own order, checkpointed blocks' recompute inserted, every value held.
+    fn in_graph_order(joint: &JointGraph, ac: ActivationCheckpointing) -> Self {
         let g = &joint.graph;
         let n = g.node_count();
         // Checkpointed block of each scope (the nearest block ancestor, if checkpointed).
@@ -151,7 +203,7 @@ impl ExecOrder {
                 };
             }
         }
-        // A plain `Vec` (as `param_of_node`): public, and the executor indexes it by `usize`.
+        // Final parameter gradients (their values live in the groups' gradient buffers).
         let mut is_param_grad = vec![false; n];
         for grad in joint.param_grads.iter().flatten() {
             is_param_grad[grad.index()] = true;
@@ -203,7 +255,7 @@ impl ExecOrder {
             order,
             param_of_node,
             is_param_grad,
-            last_use: vec![usize::MAX; n * 2],
+            last_use: IdVec::from_elem(UNREAD, n * 2),
             ckpt,
             saved,
             forward_len: joint.forward_len,
@@ -239,7 +291,7 @@ impl ExecOrder {
     /// The executor holds dq and dk from the first gradient node on, the plan from their
     /// own nodes; the nodes between make only placeholders and free nothing (every operand
     /// lives to the last gradient node), so both see the same peak.
-    pub fn blockwise_attention(&mut self, g: &shardplan_ir::Graph) {
+    fn blockwise_attention(&mut self, g: &shardplan_ir::Graph) {
         let n = g.node_count();
         let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); n];
         for (id, node) in g.nodes() {
@@ -345,7 +397,7 @@ impl ExecOrder {
     /// How shardplan's executor runs the graph (`kernels: fused`): attention's backward
     /// blockwise ([`ExecOrder::blockwise_attention`]) and the cross-entropy's backward in
     /// place ([`ExecOrder::in_place_cross_entropy`]).
-    pub fn shardplan_kernels(&mut self, g: &shardplan_ir::Graph) {
+    fn shardplan_kernels(&mut self, g: &shardplan_ir::Graph) {
         self.blockwise_attention(g);
         self.in_place_cross_entropy(g);
     }
@@ -356,7 +408,7 @@ impl ExecOrder {
     /// nothing else can share the logits' memory: they and every value they view (through
     /// reshapes, transposes, narrows, broadcasts, casts and sums to a shape) die at or
     /// before it, and none of them is a parameter or a fed input.
-    pub fn in_place_cross_entropy(&mut self, g: &shardplan_ir::Graph) {
+    fn in_place_cross_entropy(&mut self, g: &shardplan_ir::Graph) {
         let n = g.node_count();
         let mut pos_of = vec![usize::MAX; n];
         for (pos, &(id, copy)) in self.order.iter().enumerate() {
@@ -374,11 +426,9 @@ impl ExecOrder {
             if pos == usize::MAX || g.node(x).ty != node.ty {
                 continue;
             }
-            let dies_here = |v: NodeId, read_copy: bool| {
-                let lu = self.last_use[Self::slot(v, read_copy)];
-                lu == usize::MAX || lu <= pos
-            };
-            if self.last_use[self.read_slot(id, false, x)] != pos {
+            let dies_here =
+                |v: NodeId, read_copy: bool| self.last_use(ValueSlot::of(v, read_copy)).is_none_or(|lu| lu <= pos);
+            if self.last_use(self.read_slot(id, false, x)) != Some(pos) {
                 continue;
             }
             let mut v = x;
@@ -445,20 +495,14 @@ impl ExecOrder {
         id.index() < self.forward_len && self.ckpt[id].is_some() && !self.saved[id]
     }
 
-    /// Index of a value (a node's original or its recomputed copy).
-    #[inline]
-    pub fn slot(id: NodeId, copy: bool) -> usize {
-        id.index() * 2 + usize::from(copy)
-    }
-
     /// The value slot `reader` (itself a copy or not) reads for `input`: its own, its
     /// recomputed copy ([`ExecOrder::reads_copy`]), or, for a backward recomputation the
     /// block's recompute already makes, that copy.
     #[inline]
-    pub fn read_slot(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> usize {
+    pub fn read_slot(&self, reader: NodeId, reader_copy: bool, input: NodeId) -> ValueSlot {
         match self.alias.get(input.index()).copied().flatten() {
-            Some(f) => Self::slot(f, true),
-            None => Self::slot(input, self.reads_copy(reader, reader_copy, input)),
+            Some(f) => ValueSlot::of(f, true),
+            None => ValueSlot::of(input, self.reads_copy(reader, reader_copy, input)),
         }
     }
 
@@ -501,3 +545,6 @@ impl ExecOrder {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

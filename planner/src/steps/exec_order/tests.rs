@@ -3,12 +3,20 @@
 //! (`ExecOrder::blockwise_attention`), and the cross-entropy's backward over its logits
 //! (`ExecOrder::in_place_cross_entropy`).
 
-mod common;
+use super::{ExecOrder, ValueSlot};
+use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
+use shardplan_ir::{differentiate, JointGraph, Op};
+use shardplan_models::{preset, trace, ModelConfig};
 
-use common::{joint_of, parallel};
-use shardplan_ir::Op;
-use shardplan_models::preset;
-use shardplan_planner::ExecOrder;
+fn parallel(yaml: &str) -> ParallelConfig {
+    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .0
+}
+
+fn joint_of(model: &ModelConfig, config: &ParallelConfig) -> JointGraph {
+    differentiate(&trace(model, config.trace_options()).unwrap()).unwrap()
+}
 
 #[test]
 fn every_attention_backward_runs_blockwise_holding_no_scores() {
@@ -19,7 +27,7 @@ fn every_attention_backward_runs_blockwise_holding_no_scores() {
             ));
             let joint = joint_of(&preset(model).unwrap(), &config);
             let g = &joint.graph;
-            let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
+            let mut exec = ExecOrder::in_graph_order(&joint, config.activation_checkpointing);
             let materialised = exec.last_use.clone();
             exec.blockwise_attention(g);
             let what = format!("{model}, checkpointing {ac}");
@@ -40,7 +48,7 @@ fn every_attention_backward_runs_blockwise_holding_no_scores() {
                 let last = outputs.iter().map(|&o| pos_of(o)).max().unwrap();
                 // The operands live to the last gradient node, read through the placeholders.
                 for x in b.operands {
-                    let slot = ExecOrder::slot(x, exec.reads_copy(outputs[0], false, x));
+                    let slot = ValueSlot::of(x, exec.reads_copy(outputs[0], false, x));
                     assert!(exec.last_use[slot] >= last, "{what}: {x} dies before {last}");
                     assert!(exec.last_use[slot] >= materialised[slot], "{what}: {x} dies earlier");
                     assert!(exec.extra_reads(g, outputs[0]).contains(&x));
@@ -49,13 +57,13 @@ fn every_attention_backward_runs_blockwise_holding_no_scores() {
                 assert!(exec.extra_reads(g, b.probs).is_empty());
             }
             // Every other value dies where it did.
-            let operands: Vec<usize> = exec
+            let operands: Vec<ValueSlot> = exec
                 .blockwise
                 .iter()
                 .flat_map(|b| b.operands)
-                .flat_map(|x| [ExecOrder::slot(x, false), ExecOrder::slot(x, true)])
+                .flat_map(|x| [ValueSlot::of(x, false), ValueSlot::of(x, true)])
                 .collect();
-            for (slot, (&now, &before)) in exec.last_use.iter().zip(&materialised).enumerate() {
+            for ((slot, &now), &before) in exec.last_use.iter().zip(materialised.values()) {
                 if !operands.contains(&slot) {
                     assert_eq!(now, before, "{what}: slot {slot}");
                 }
@@ -77,7 +85,7 @@ fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them()
             ));
             let joint = joint_of(&preset(model).unwrap(), &config);
             let g = &joint.graph;
-            let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
+            let mut exec = ExecOrder::in_graph_order(&joint, config.activation_checkpointing);
             exec.shardplan_kernels(g);
             let what = format!("{model} {extra:?}");
             let mut seen = 0;
@@ -90,7 +98,7 @@ fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them()
                         assert_eq!(g.node(x).ty, node.ty);
                         // The logits die here.
                         let pos = exec.order.iter().position(|&(n, c)| n == id && !c).unwrap();
-                        assert_eq!(exec.last_use[ExecOrder::slot(x, false)], pos, "{what}");
+                        assert_eq!(exec.last_use[ValueSlot::of(x, false)], pos, "{what}");
                     }
                     None => assert!(!matches!(node.op, Op::CrossEntropyGrad), "{what}: {id} not in place"),
                 }
@@ -101,7 +109,7 @@ fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them()
     // A cross-entropy whose logits are read again later is not overwritten.
     let config = parallel("mesh: {shard: 2}\nbatch: {per_rank: 2, seq_len: 32}\n");
     let joint = joint_of(&preset("tiny-llama").unwrap(), &config);
-    let mut exec = ExecOrder::new(&joint, config.activation_checkpointing);
+    let mut exec = ExecOrder::in_graph_order(&joint, config.activation_checkpointing);
     let ce = joint
         .graph
         .nodes()
@@ -109,7 +117,7 @@ fn the_cross_entropy_backward_writes_over_its_logits_where_nothing_shares_them()
         .map(|(id, _)| id)
         .unwrap();
     let x = joint.graph.node(ce).inputs[0];
-    exec.last_use[ExecOrder::slot(x, false)] = exec.order.len() - 1;
+    exec.last_use[ValueSlot::of(x, false)] = exec.order.len() - 1;
     exec.in_place_cross_entropy(&joint.graph);
     assert_eq!(exec.in_place(ce), None);
 }
@@ -128,7 +136,7 @@ fn a_checkpointed_block_reads_its_recompute_instead_of_recomputing_twice() {
         },
     )
     .unwrap();
-    let exec = ExecOrder::new(&joint, config.activation_checkpointing);
+    let exec = ExecOrder::in_graph_order(&joint, config.activation_checkpointing);
     let in_order = |id| exec.order.iter().any(|&(n, _)| n == id);
     let (mut skipped, mut run) = (0, 0);
     for (i, of) in joint.recompute_of.iter().enumerate() {
@@ -139,7 +147,7 @@ fn a_checkpointed_block_reads_its_recompute_instead_of_recomputing_twice() {
             // read that recomputed value.
             skipped += 1;
             assert!(!in_order(c), "{c} runs beside the recompute of {f}");
-            assert_eq!(exec.read_slot(c, false, c), ExecOrder::slot(f, true));
+            assert_eq!(exec.read_slot(c, false, c), ValueSlot::of(f, true));
         } else {
             run += 1;
             assert!(in_order(c), "{c} (a copy of {f} outside a checkpointed block) must run");
