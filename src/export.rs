@@ -8,12 +8,10 @@
 //! those literals from the plan and refuses, naming the field, any plan FSDP2's hooks cannot
 //! run exactly as planned.
 //!
-//! Prefetch is read from the program itself, so a hand-edited issue order is honoured: every
-//! all-gather waits (through events) for some point of the compute stream; the compute step
-//! issued next is where FSDP2 must issue it. A gather at the first step of its own group in
-//! a pass is the group's own unshard (FSDP2's pre-forward / pre-backward hook); one at the
-//! first step of another group is in that group's explicit prefetch list; anywhere else no
-//! hook can issue it, and the plan is refused.
+//! The prefetch lists are the plan's own `fsdp2_hooks`, which the planner derives from
+//! where its program issues each all-gather (`planner/src/hooks.rs`), so a hand-edited
+//! issue order is honoured; a plan whose program no hook can issue records why, and is
+//! refused here naming the instruction.
 
 use crate::CliError;
 use anyhow::Context;
@@ -27,8 +25,8 @@ use shardplan_frontends::{
 };
 use shardplan_ir::{Graph, JointGraph, ModuleKind};
 use shardplan_models::{Activation, ModelConfig};
-use shardplan_planner::{Instr, Phase, Plan, Program, Stream};
-use std::collections::BTreeMap;
+use shardplan_planner::steps::StepId;
+use shardplan_planner::{GroupId, HookModel, HookRefusal, Phase, Plan};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -236,7 +234,7 @@ fn render(
         "fully_shard units in the plan's order (the root last), with reshard_after_forward; `experts`: routed experts sharded over the ranks holding the same ones",
         groups_literal(plan, g, origin)?,
     ));
-    let (fwd, bwd) = prefetch_lists(plan, g, parallel, joint, origin)?;
+    let (fwd, bwd) = prefetch_lists(plan, g, origin)?;
     lits.push((
         "FORWARD_PREFETCH",
         "module -> modules whose all-gathers its pre-forward issues, in the plan's order",
@@ -435,7 +433,7 @@ fn params_literal(g: &Graph) -> Value {
 fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliError> {
     // A tied weight read by the head outside its own group: FSDP2 would hand the head the
     // sharded parameter once its group reshards, where shardplan gathers it again.
-    let hook = hook_groups(plan);
+    let hook = |k: GroupId| shardplan_planner::schedule::hook_group(&plan.groups, k);
     for (k, grp) in plan.groups.iter().enumerate() {
         if grp.group.is_root() || grp.reshard == Reshard::Keep {
             continue;
@@ -443,7 +441,7 @@ fn groups_literal(plan: &Plan, g: &Graph, origin: &Origin) -> Result<Value, CliE
         let foreign = plan
             .steps
             .iter()
-            .filter(|s| hook[s.group.index()] != hook[k] && s.phase == Phase::Forward)
+            .filter(|s| hook(s.group) != hook(GroupId::new(k)) && s.phase == Phase::Forward)
             .any(|s| s.reads.iter().any(|r| r.index() == k));
         if foreign {
             return Err(origin.refuse(
@@ -559,285 +557,108 @@ fn optimizer_literal(parallel: &ParallelConfig) -> Value {
     }
 }
 
-/// Per instruction of `prog`: the number of compute-stream instructions (records and waits
-/// aside) issued before the point of the compute stream it waits for, through events and
-/// its stream's order (`None`: it waits for none).
-fn compute_gates(prog: &Program, events: u32) -> Vec<Option<usize>> {
-    let idx = |s: Stream| Stream::ALL.iter().position(|&x| x == s).unwrap_or(0);
-    let mut stream_gate: Vec<Option<usize>> = vec![None; Stream::ALL.len()];
-    let mut event_gate: Vec<Option<usize>> = vec![None; events as usize];
-    let mut computed = 0usize;
-    let mut out = Vec::with_capacity(prog.instrs.len());
-    for x in &prog.instrs {
-        let s = idx(x.stream);
-        // Records and waits are the schedule's choices: positions count the work only.
-        let work = x.stream == Stream::Compute && !matches!(x.instr, Instr::Record { .. } | Instr::Wait { .. });
-        if x.stream == Stream::Compute {
-            stream_gate[s] = Some(computed);
+/// FSDP2's explicit prefetch lists the plan records (`fsdp2_hooks`), as Python literals
+/// `[(module, [modules]), ...]`; a plan whose program no hooks can issue is refused,
+/// naming the instruction or program.
+fn prefetch_lists(plan: &Plan, g: &Graph, origin: &Origin) -> Result<(Value, Value), CliError> {
+    let hooks = match &plan.fsdp2_hooks {
+        Some(HookModel::Hooks(h)) => h,
+        Some(HookModel::Refused(r)) => return Err(hooks_refused(plan, r, origin)),
+        None => {
+            return Err(CliError::Other(anyhow::anyhow!(
+                "internal error: the plan records no FSDP2 hooks; please report this"
+            )))
         }
-        match &x.instr {
-            Instr::Record { event } => {
-                if let Some(slot) = event_gate.get_mut(event.index()) {
-                    *slot = stream_gate[s];
-                }
-            }
-            Instr::Wait { event } => {
-                let e = event_gate.get(event.index()).copied().flatten();
-                stream_gate[s] = stream_gate[s].max(e);
-            }
-            _ => {}
-        }
-        out.push(stream_gate[s]);
-        if work {
-            computed += 1;
-        }
-    }
-    out
-}
-
-/// Per group `k`, the group whose module's hooks fire where a step of `k` starts
-/// ([`shardplan_planner::schedule::hook_group`]).
-fn hook_groups(plan: &Plan) -> Vec<usize> {
-    (0..plan.groups.len())
-        .map(|k| shardplan_planner::schedule::hook_group(&plan.groups, shardplan_planner::GroupId::new(k)).index())
-        .collect()
-}
-
-/// Per step, the groups whose modules' pre-hooks may fire where it starts: its own group's
-/// (the block's for a step under a unit of routed experts, by `hook_groups`) and every
-/// group it reads (a unit of routed experts fires where its parameters are first read in
-/// the pass).
-fn step_hooks(plan: &Plan, hook: &[usize]) -> Vec<Vec<usize>> {
-    plan.steps
-        .iter()
-        .map(|s| {
-            let mut out = vec![hook[s.group.index()]];
-            for r in &s.reads {
-                if !out.contains(&r.index()) {
-                    out.push(r.index());
-                }
-            }
-            out
-        })
-        .collect()
-}
-
-/// The pass a step belongs to for FSDP2's hooks: forward, or backward (recompute included).
-fn pass(p: Phase) -> usize {
-    usize::from(p != Phase::Forward)
-}
-
-type Lists = BTreeMap<(u32, usize, usize), Vec<usize>>;
-
-/// The explicit prefetch lists one program implies: `(micro, pass, trigger group) -> groups`.
-fn program_lists(plan: &Plan, prog: &Program, pi: usize, origin: &Origin) -> Result<Lists, CliError> {
-    let gates = compute_gates(prog, plan.events);
-    let hook = hook_groups(plan);
-    let hooks = step_hooks(plan, &hook);
-    // Compute instructions in compute-stream order: (issue index, step, micro).
-    let computes: Vec<(usize, usize, u32)> = prog
-        .instrs
-        .iter()
-        .enumerate()
-        .filter(|(_, x)| x.stream == Stream::Compute && !matches!(x.instr, Instr::Record { .. } | Instr::Wait { .. }))
-        .map(|(i, x)| match &x.instr {
-            Instr::Compute { step, micro, .. } => (i, step.index(), *micro),
-            _ => (i, usize::MAX, u32::MAX),
-        })
-        .collect();
-    // The first step of each (micro, pass, group): where FSDP2's pre-hooks fire.
-    let mut first: BTreeMap<(u32, usize, usize), usize> = BTreeMap::new();
-    for &(_, st, micro) in &computes {
-        if let Some(s) = plan.steps.get(st) {
-            for &k in &hooks[st] {
-                first.entry((micro, pass(s.phase), k)).or_insert(st);
-            }
-        }
-    }
-    let mut lists: Lists = BTreeMap::new();
-    for (i, x) in prog.instrs.iter().enumerate() {
-        let Instr::AllGather { group, dst, .. } = &x.instr else {
-            continue;
-        };
-        let g = group.index();
-        let at = |why: String| {
-            origin.refuse(
-                &format!("programs[{pi}].instrs[{i}]"),
-                why,
-                "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; re-plan with `shardplan plan`, or move the all-gather to the start of a group's step",
-            )
-        };
-        // The compute-stream instruction that reads the gathered buffer first (a step, or
-        // FSDP2's copy-out into per-parameter tensors), the step at or after it, and the
-        // compute step issued next after the point the gather waits for.
-        let read_at = computes.iter().position(|&(ci, _, _)| {
-            ci > i
-                && prog.instrs[ci]
-                    .instr
-                    .accesses()
-                    .iter()
-                    .any(|&(b, a)| b == *dst && a == shardplan_planner::Access::Read)
-        });
-        let reader = read_at.and_then(|k| computes[k..].iter().find(|c| c.1 != usize::MAX));
-        let Some(&(_, rstep, rmicro)) = reader else {
-            return Err(at(format!("the all-gather of group {g} is never read")));
-        };
-        let trigger_pos = gates[i].unwrap_or(0);
-        let Some(&(_, tstep, tmicro)) = computes[trigger_pos.min(computes.len())..]
-            .iter()
-            .find(|c| c.1 != usize::MAX)
-        else {
-            return Err(at(format!("the all-gather of group {g} waits for no compute step")));
-        };
-        let (ts, rs) = (&plan.steps[tstep], &plan.steps[rstep]);
-        if tmicro != rmicro || pass(ts.phase) != pass(rs.phase) {
-            return Err(at(format!(
-                "group {g}'s all-gather for `{}` is issued during another pass or micro-batch (at `{}`)",
-                rs.label, ts.label
-            )));
-        }
-        // The modules whose pre-hooks fire at the trigger step: the gathered group's own
-        // (its unshard), else the outermost one's prefetch list. A unit of routed experts
-        // gathered where its block's hook fires is prefetched by the block, whose hook
-        // fires first, as the plan issues it at the step's start.
-        let fire: Vec<usize> = hooks[tstep]
-            .iter()
-            .copied()
-            .filter(|&k| first.get(&(tmicro, pass(ts.phase), k)) == Some(&tstep))
-            .collect();
-        let companion = hook[g];
-        let trigger = if fire.contains(&g) && !(companion != g && fire.contains(&companion)) {
-            g
-        } else if let Some(&k) = fire
-            .iter()
-            .filter(|&&k| !plan.groups[k].group.experts)
-            .chain(fire.iter())
-            .next()
-        {
-            k
-        } else {
-            let k = hook[ts.group.index()];
-            return Err(at(format!(
-                "group {g}'s all-gather is issued at `{}`, inside group {k}'s {} but not at its start",
-                ts.label,
-                if pass(ts.phase) == 0 { "forward" } else { "backward" }
-            )));
-        };
-        if trigger != g {
-            lists.entry((tmicro, pass(ts.phase), trigger)).or_default().push(g);
-        }
-    }
-    Ok(lists)
-}
-
-/// The non-gather instructions' compute gates per stream, for comparing two programs that
-/// issue the same instructions on every stream.
-fn other_gates(prog: &Program, events: u32) -> Vec<(Stream, Option<usize>)> {
-    let gates = compute_gates(prog, events);
-    prog.instrs
-        .iter()
-        .zip(gates)
-        .filter(|(x, _)| {
-            x.stream != Stream::Compute
-                && !matches!(
-                    x.instr,
-                    Instr::AllGather { .. } | Instr::Record { .. } | Instr::Wait { .. }
-                )
-                && x.stream != Stream::AllGather
-        })
-        .map(|(x, g)| (x.stream, g))
-        .collect()
-}
-
-/// FSDP2's explicit prefetch lists, as Python literals `[(module, [modules]), ...]`.
-fn prefetch_lists(
-    plan: &Plan,
-    g: &Graph,
-    parallel: &ParallelConfig,
-    joint: &JointGraph,
-    origin: &Origin,
-) -> Result<(Value, Value), CliError> {
-    let key_of = |k: usize| -> String {
-        group_modules(plan, g, k)
+    };
+    let key_of = |k: GroupId| -> String {
+        group_modules(plan, g, k.index())
             .into_iter()
             .next()
             .unwrap_or_else(|| "<root>".to_string())
     };
-    // Reductions, all-reduces and copies must wait where the plan's own schedule has them:
-    // FSDP2's post-backward hooks issue them, and nothing moves them.
-    if let Origin::PlanFile(_) = origin {
-        if let Ok(fresh) = shardplan_planner::plan(joint, parallel) {
-            for (pi, prog) in plan.programs.iter().enumerate() {
-                let Some(mine) = fresh.programs.get(pi) else { continue };
-                if other_gates(prog, plan.events) != other_gates(mine, fresh.events) {
-                    return Err(origin.refuse(
-                        &format!("programs[{pi}]"),
-                        "the edited program moves a reduce-scatter, all-reduce or copy away from the point FSDP2's hooks issue it".into(),
-                        "edit only where all-gathers are issued (prefetch), or re-plan with `shardplan plan`",
-                    ));
-                }
-            }
+    let lists = |l: &[(GroupId, Vec<GroupId>)]| {
+        Value::Array(
+            l.iter()
+                .map(|(t, v)| json!([key_of(*t), v.iter().map(|&k| key_of(k)).collect::<Vec<_>>()]))
+                .collect(),
+        )
+    };
+    Ok((lists(&hooks.forward), lists(&hooks.backward)))
+}
+
+/// Why FSDP2's hooks cannot issue the plan's program, in the user's words.
+fn hooks_refused(plan: &Plan, r: &HookRefusal, origin: &Origin) -> CliError {
+    let label = |s: StepId| plan.steps.get(s.index()).map_or("?", |s| s.label.as_str());
+    let at = |program: usize, instr: usize, why: String| {
+        origin.refuse(
+            &format!("programs[{program}].instrs[{instr}]"),
+            why,
+            "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; re-plan with `shardplan plan`, or move the all-gather to the start of a group's step",
+        )
+    };
+    match *r {
+        HookRefusal::NeverRead { program, instr, group } => at(
+            program,
+            instr,
+            format!("the all-gather of group {} is never read", group.index()),
+        ),
+        HookRefusal::Ungated { program, instr, group } => at(
+            program,
+            instr,
+            format!("the all-gather of group {} waits for no compute step", group.index()),
+        ),
+        HookRefusal::OtherPass {
+            program,
+            instr,
+            group,
+            read,
+            at: step,
+        } => at(
+            program,
+            instr,
+            format!(
+                "group {}'s all-gather for `{}` is issued during another pass or micro-batch (at `{}`)",
+                group.index(),
+                label(read),
+                label(step)
+            ),
+        ),
+        HookRefusal::MidModule {
+            program,
+            instr,
+            group,
+            at: step,
+            inside,
+        } => {
+            let forward = plan.steps.get(step.index()).is_some_and(|s| s.phase == Phase::Forward);
+            at(
+                program,
+                instr,
+                format!(
+                    "group {}'s all-gather is issued at `{}`, inside group {}'s {} but not at its start",
+                    group.index(),
+                    label(step),
+                    inside.index(),
+                    if forward { "forward" } else { "backward" }
+                ),
+            )
         }
+        HookRefusal::MicroBatches { program } => origin.refuse(
+            &format!("programs[{program}]"),
+            "the micro-batches of the step prefetch differently; FSDP2's prefetch lists are the same for every micro-batch".into(),
+            "prefetch alike in every micro-batch, or re-plan with `shardplan plan`",
+        ),
+        HookRefusal::Ranks { program } => origin.refuse(
+            &format!("programs[{program}]"),
+            "ranks prefetch differently; FSDP2 runs one program on every rank".into(),
+            "give every rank the same issue order",
+        ),
+        HookRefusal::Moved { program } => origin.refuse(
+            &format!("programs[{program}]"),
+            "the edited program moves a reduce-scatter, all-reduce or copy away from the point FSDP2's hooks issue it".into(),
+            "edit only where all-gathers are issued (prefetch), or re-plan with `shardplan plan`",
+        ),
     }
-    let mut lists: Option<Lists> = None;
-    for (pi, prog) in plan.programs.iter().enumerate() {
-        let l = program_lists(plan, prog, pi, origin)?;
-        // Every micro-batch must prefetch alike (the lists are set once).
-        let per_micro: Vec<Lists> = (0..plan.policy.grad_accum as u32)
-            .map(|m| {
-                l.iter()
-                    .filter(|((mi, _, _), _)| *mi == m)
-                    .map(|(&(_, p, t), v)| ((0, p, t), v.clone()))
-                    .collect()
-            })
-            .collect();
-        if per_micro.windows(2).any(|w| w[0] != w[1]) {
-            return Err(origin.refuse(
-                &format!("programs[{pi}]"),
-                "the micro-batches of the step prefetch differently; FSDP2's prefetch lists are the same for every micro-batch".into(),
-                "prefetch alike in every micro-batch, or re-plan with `shardplan plan`",
-            ));
-        }
-        let l = per_micro.into_iter().next().unwrap_or_default();
-        match &lists {
-            None => lists = Some(l),
-            Some(prev) if *prev != l => {
-                return Err(origin.refuse(
-                    &format!("programs[{pi}]"),
-                    "ranks prefetch differently; FSDP2 runs one program on every rank".into(),
-                    "give every rank the same issue order",
-                ))
-            }
-            Some(_) => {}
-        }
-    }
-    let lists = lists.unwrap_or_default();
-    let hooks = step_hooks(plan, &hook_groups(plan));
-    let mut fwd = Vec::new();
-    let mut bwd = Vec::new();
-    for ((_, p, t), v) in &lists {
-        let entry = json!([key_of(*t), v.iter().map(|&k| key_of(k)).collect::<Vec<_>>()]);
-        if *p == 0 {
-            fwd.push(entry);
-        } else {
-            bwd.push(entry);
-        }
-    }
-    // FSDP2 prefetches the next module in backward by itself when a module has no list;
-    // every group the plan does not prefetch from lists itself (a no-op), so nothing is
-    // gathered earlier than planned.
-    for k in 0..plan.groups.len() {
-        if !lists.contains_key(&(0, 1, k))
-            && plan
-                .steps
-                .iter()
-                .enumerate()
-                .any(|(st, s)| s.phase != Phase::Forward && hooks[st].contains(&k))
-        {
-            bwd.push(json!([key_of(k), [key_of(k)]]));
-        }
-    }
-    Ok((Value::Array(fwd), Value::Array(bwd)))
 }
 
 /// A JSON value as a Python literal: one top-level item per line for lists of rows and
@@ -875,93 +696,5 @@ fn dict(o: &Map<String, Value>, depth: usize) -> String {
         )
     } else {
         format!("{{{}}}", items.join(", "))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use shardplan_planner::{EventId, Issued};
-
-    fn tiny_plan() -> (Plan, PathBuf) {
-        let model = load_model(Path::new("examples/models/tiny-llama.yaml")).unwrap();
-        let parallel = load_parallel(Path::new("examples/parallel/fsdp-1x4-cpu.yaml")).unwrap();
-        let (plan, _) = crate::plan::make_plan_and_graph(&model, &parallel, &parallel.config).unwrap();
-        (plan, PathBuf::from("edited.json"))
-    }
-
-    #[test]
-    fn gathers_map_to_the_hooks_that_issue_them() {
-        let (plan, path) = tiny_plan();
-        let lists = program_lists(&plan, &plan.programs[0], 0, &Origin::PlanFile(path)).unwrap();
-        let root = plan.groups.len() - 1;
-        // Forward: the root's pre-forward gathers layers.0, layers.0's gathers layers.1.
-        assert_eq!(lists.get(&(0, 0, root)), Some(&vec![0]));
-        assert_eq!(lists.get(&(0, 0, 0)), Some(&vec![1]));
-        // Backward: the root's pre-backward gathers layers.1, layers.1's gathers layers.0.
-        assert_eq!(lists.get(&(0, 1, root)), Some(&vec![1]));
-        assert_eq!(lists.get(&(0, 1, 1)), Some(&vec![0]));
-        assert_eq!(lists.len(), 4);
-    }
-
-    #[test]
-    fn a_gather_inside_a_groups_step_sequence_is_refused() {
-        let (mut plan, path) = tiny_plan();
-        let prog = &mut plan.programs[0];
-        // The root's second backward step (`backward output, norm`) is not where any FSDP2
-        // hook fires: record an event just before it and gate layers.0's backward gather on it.
-        let root = plan.groups.len() - 1;
-        let backward: Vec<usize> = prog
-            .instrs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, x)| match &x.instr {
-                Instr::Compute { step, .. }
-                    if plan.steps[step.index()].group.index() == root
-                        && plan.steps[step.index()].phase != Phase::Forward =>
-                {
-                    Some(i)
-                }
-                _ => None,
-            })
-            .collect();
-        let second = backward[1];
-        let event = EventId(plan.events);
-        plan.events += 1;
-        prog.instrs.insert(
-            second,
-            Issued {
-                stream: Stream::Compute,
-                instr: Instr::Record { event },
-            },
-        );
-        // Layers.0's backward gather (wait, alloc, all-gather, record on its stream) moves
-        // right after that record and waits for it.
-        let ag = prog
-            .instrs
-            .iter()
-            .rposition(|x| matches!(x.instr, Instr::AllGather { group, .. } if group.index() == 0))
-            .unwrap();
-        let wait = ag - 2;
-        assert!(matches!(prog.instrs[wait].instr, Instr::Wait { .. }));
-        let mut block: Vec<Issued> = prog.instrs.drain(wait..=ag + 1).collect();
-        assert!(block.iter().all(|x| x.stream == Stream::AllGather));
-        block[0].instr = Instr::Wait { event };
-        let at = prog
-            .instrs
-            .iter()
-            .position(|x| x.instr == Instr::Record { event })
-            .unwrap()
-            + 1;
-        prog.instrs.splice(at..at, block);
-        let err = program_lists(&plan, &plan.programs[0], 0, &Origin::PlanFile(path));
-        let Err(CliError::Input(e)) = err else {
-            panic!("accepted a gather FSDP2 cannot issue")
-        };
-        let text = e.to_string();
-        assert!(
-            text.contains("programs[0].instrs[") && text.contains("not at its start"),
-            "{text}"
-        );
     }
 }

@@ -19,6 +19,7 @@ mod cache;
 mod cost;
 mod error;
 mod group;
+mod hooks;
 mod layout;
 mod lower;
 mod mesh;
@@ -40,8 +41,9 @@ pub use group::{group, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::{
-    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Instr, Issued, Plan, PlanSource, Policy,
-    Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
+    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Fsdp2Hooks, HookModel,
+    HookRefusal, Instr, Issued, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction,
+    WorkKind, PLAN_VERSION,
 };
 pub use steps::{ExecOrder, Phase, Runner, Step, ValueSlot};
 pub use stream::Stream;
@@ -85,6 +87,7 @@ pub fn plan_in(
     let mut placed = prefetch::schedule_plan(&steps, &groups, &lowered, &compute, &config.hardware, Names::Kept)?;
     let done = placed.simulated.take();
     let mut plan = assemble(g, lowered, &config.hardware, groups, steps, placed);
+    plan.fsdp2_hooks = Some(hooks::fsdp2_hooks(&plan, None));
     let model_flops = cache.model_flops(joint);
     // simulate → estimate; beside them, each on a thread of its own, the caching
     // allocator's replay, the arena's layout and proof, and the verifier's proof, none of
@@ -126,6 +129,7 @@ pub fn plan_forward(joint: &JointGraph, config: &ParallelConfig, micro_batches: 
     let mut placed = prefetch::schedule_plan(&steps, &groups, &lowered, &compute, &config.hardware, Names::Kept)?;
     let done = placed.simulated.take();
     let mut plan = assemble(g, lowered, &config.hardware, groups, steps, placed);
+    plan.fsdp2_hooks = Some(hooks::fsdp2_hooks(&plan, None));
     let (sim, estimate) = {
         let s = Setting::of(&plan, &plan.steps, &compute);
         let sim = simulate::simulate(&plan.programs[0], &plan.buffers, plan.events, &s, done);
@@ -229,7 +233,7 @@ pub fn shardplan_executor_prediction(
 }
 
 /// The plan of `lowered` for `g` with one rank's schedule, before it is simulated:
-/// `timing`, `memory` and `estimate` are left to fill, and `source` and
+/// `timing`, `memory`, `estimate` and `fsdp2_hooks` are left to fill, and `source` and
 /// `shardplan_executor` to the caller who knows them.
 fn assemble(
     g: &shardplan_ir::Graph,
@@ -267,6 +271,7 @@ fn assemble(
         shardplan_executor: None,
         experts,
         prefetch_moves: placed.moves,
+        fsdp2_hooks: None,
     }
 }
 

@@ -468,6 +468,75 @@ pub struct PrefetchMove {
     pub peak_after: u64,
 }
 
+/// FSDP2's hook model of a plan's program: the groups whose all-gathers each group's
+/// module issues from its pre-forward and pre-backward hooks
+/// (`set_modules_to_forward_prefetch`, `set_modules_to_backward_prefetch`), in the order
+/// FSDP2 is told them. A group's own unshard is its hook's and is in no list.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fsdp2Hooks {
+    /// Per group whose pre-forward prefetches, by group: the groups it gathers, in issue
+    /// order.
+    pub forward: Vec<(GroupId, Vec<GroupId>)>,
+    /// The same for the pre-backward hooks, then every other group whose pre-backward
+    /// fires listing itself alone: a no-op list, without which FSDP2 would prefetch the
+    /// next module on its own, earlier than planned.
+    pub backward: Vec<(GroupId, Vec<GroupId>)>,
+}
+
+/// Whether FSDP2's hooks can issue a plan's program, and with which prefetch lists.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HookModel {
+    /// The program is what these hooks issue.
+    Hooks(Fsdp2Hooks),
+    /// No hooks issue this program: the first reason, in issue order.
+    Refused(HookRefusal),
+}
+
+/// Why FSDP2's hooks cannot issue a program. `program` and `instr` index `programs` and
+/// its `instrs`; `group` is the gathered group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum HookRefusal {
+    /// An all-gather no compute instruction reads.
+    NeverRead {
+        program: usize,
+        instr: usize,
+        group: GroupId,
+    },
+    /// An all-gather that waits for no compute step.
+    Ungated {
+        program: usize,
+        instr: usize,
+        group: GroupId,
+    },
+    /// An all-gather read at step `read` but issued in another pass or micro-batch, at
+    /// step `at`.
+    OtherPass {
+        program: usize,
+        instr: usize,
+        group: GroupId,
+        read: StepId,
+        at: StepId,
+    },
+    /// An all-gather issued at step `at`, inside the pass of group `inside`'s module but
+    /// where none of the hooks fire.
+    MidModule {
+        program: usize,
+        instr: usize,
+        group: GroupId,
+        at: StepId,
+        inside: GroupId,
+    },
+    /// The micro-batches of the step prefetch differently (FSDP2's lists are set once).
+    MicroBatches { program: usize },
+    /// Two ranks' programs prefetch differently.
+    Ranks { program: usize },
+    /// An edited program issues a reduce-scatter, all-reduce or copy at another point than
+    /// the planned one, where FSDP2's post-backward hooks issue it.
+    Moved { program: usize },
+}
+
 /// The optimizer a plan steps with; its state per parameter element is
 /// [`Policy::optimizer_state_per_param`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -904,6 +973,10 @@ pub struct Plan {
     /// The all-gathers `prefetch: auto` moved, in the order it moved them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub prefetch_moves: Vec<PrefetchMove>,
+    /// FSDP2's hooks for the program (what `export fsdp2` writes), or why none can issue
+    /// it; derived from the program by `hooks.rs`. `None` only in the auto search's
+    /// candidates, which are never written.
+    pub fsdp2_hooks: Option<HookModel>,
 }
 
 impl Plan {

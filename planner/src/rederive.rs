@@ -7,14 +7,16 @@
 //! each instruction of `programs` sits (how early an all-gather is issued, i.e. prefetch;
 //! where buffers are allocated and freed) and the events that order the streams
 //! (`events`, `record` / `wait`). The simulated `timing`, `memory` and `estimate` follow
-//! from the derived fields and the program.
+//! from the derived fields and the program, and so does `fsdp2_hooks`, FSDP2's hooks for
+//! the program (`hooks.rs`).
 //!
 //! [`rederive`] plans the source again and refuses any derived field that differs, naming
 //! its JSON path, the value found and the value expected. An edited program is accepted
 //! only when it does the same work — on each stream the same instructions in the same
 //! order, the same buffers allocated and freed on the same streams — and the verifier proves
-//! the edited interleaving safe; its timing, memory and estimate are then simulated again
-//! and must match the file too. Same work in the same order on every stream, each operand
+//! the edited interleaving safe; its timing, memory and estimate are then simulated again,
+//! its FSDP2 hooks derived again (with its reductions held where the planned program has
+//! them), and both must match the file too. Same work in the same order on every stream, each operand
 //! ready when read, is the same computation: the results are identical.
 
 use crate::plan::{Instr, Issued, Plan, Program, Stream};
@@ -54,6 +56,13 @@ pub enum Refusal {
         message: String,
         help: String,
     },
+    /// `fsdp2_hooks` differs from the hooks derived from the file's program.
+    #[error("`{path}` is {found}, but the plan's program (`programs`) gives {expected}")]
+    Hooks {
+        path: String,
+        found: String,
+        expected: String,
+    },
     /// The recorded source cannot be planned.
     #[error("`source.parallel.{field}`: {0}", field = .0.field())]
     Plan(PlanError),
@@ -69,9 +78,10 @@ impl Refusal {
     /// The JSON path the refusal is about.
     pub fn path(&self) -> String {
         match self {
-            Refusal::Derived { path, .. } | Refusal::Simulated { path, .. } | Refusal::Source { path, .. } => {
-                path.clone()
-            }
+            Refusal::Derived { path, .. }
+            | Refusal::Simulated { path, .. }
+            | Refusal::Hooks { path, .. }
+            | Refusal::Source { path, .. } => path.clone(),
             Refusal::Plan(e) => format!("source.parallel.{}", e.field()),
             Refusal::Schedule { program, .. } => format!("programs[{program}]"),
             Refusal::Verify(e) => format!("programs[{}]", e.program),
@@ -83,6 +93,7 @@ impl Refusal {
         match self {
             Refusal::Derived { .. } => "this field is derived from the specs, not a choice; to change it, change `source` (or the spec files) and write the plan again with `shardplan plan --format json`".into(),
             Refusal::Simulated { .. } => "`timing`, `memory` and `estimate` follow from the program: after editing `programs`, write the simulated values".into(),
+            Refusal::Hooks { .. } => "`fsdp2_hooks` follows from the program (where each all-gather is issued): after editing `programs`, write the derived value".into(),
             Refusal::Source { help, .. } => help.clone(),
             Refusal::Plan(e) => e.help(),
             Refusal::Schedule { .. } | Refusal::Verify(_) => "an edited program may only move instructions in issue order (issue an all-gather earlier, allocate or free elsewhere) and change the events between streams; write it again with `shardplan plan --format json`".into(),
@@ -283,7 +294,7 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
     if let Some(e) = expected.experts.as_mut() {
         e.even = even_split(&source.model, config)?;
     }
-    let choices = ["programs", "events", "timing", "memory", "estimate"];
+    let choices = ["programs", "events", "timing", "memory", "estimate", "fsdp2_hooks"];
     let mut path = String::new();
     if let Some((path, found, expected)) = diff(&mut path, file, &to_value(&expected), &choices) {
         return Err(Refusal::Derived { path, found, expected });
@@ -320,8 +331,9 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
             (sim, estimate)
         };
         let (timing, memory) = (sim.timing, sim.memory);
-        expected.programs = plan.programs.clone();
-        expected.events = plan.events;
+        let planned = std::mem::replace(&mut expected.programs, plan.programs.clone());
+        let planned_events = std::mem::replace(&mut expected.events, plan.events);
+        expected.fsdp2_hooks = Some(crate::hooks::fsdp2_hooks(&expected, Some((&planned, planned_events))));
         expected.timing = timing;
         expected.memory = memory;
         expected.estimate = estimate;
@@ -336,6 +348,8 @@ pub fn rederive(file: &Value, plan: &Plan, joint: &JointGraph) -> Result<(), Ref
             .any(|k| path.starts_with(&format!("{k}.")) || path == *k);
         return Err(if edited && simulated {
             Refusal::Simulated { path, found, expected }
+        } else if path == "fsdp2_hooks" || path.starts_with("fsdp2_hooks.") {
+            Refusal::Hooks { path, found, expected }
         } else {
             Refusal::Derived { path, found, expected }
         });

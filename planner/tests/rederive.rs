@@ -134,6 +134,12 @@ fn every_derived_field_changed_alone_is_refused_by_path() {
                 refused += 1;
                 checked.push(path.clone());
             }
+            // FSDP2's hooks are derived from the program.
+            Err(Refusal::Hooks { path: found, .. }) if path.starts_with("fsdp2_hooks.") => {
+                assert_eq!(&found, path, "changing `{path}` was refused at another path");
+                refused += 1;
+                checked.push(path.clone());
+            }
             Err(e) => panic!("`{path}`: unexpected refusal {e}"),
         }
     }
@@ -146,6 +152,8 @@ fn every_derived_field_changed_alone_is_refused_by_path() {
         "mesh.shard",
         "memory.peak",
         "timing.end[5]",
+        "fsdp2_hooks.hooks.forward[0][1][0]",
+        "fsdp2_hooks.hooks.backward[2][0]",
     ] {
         assert!(checked.iter().any(|c| c == must), "{must} was not checked");
     }
@@ -202,6 +210,37 @@ fn an_edited_schedule_with_a_stale_simulation_is_refused() {
         e.path().starts_with("memory.") || e.path().starts_with("timing."),
         "{e}"
     );
+}
+
+#[test]
+fn fsdp2_hooks_other_than_the_programs_are_refused() {
+    let (p, joint) = plan_for(SPEC);
+    let v = serde_json::to_value(&p).unwrap();
+    // layers.0's pre-forward prefetching the root instead of layers.1.
+    let mut m = v.clone();
+    assert_eq!(m["fsdp2_hooks"]["hooks"]["forward"][0], serde_json::json!([0, [1]]));
+    m["fsdp2_hooks"]["hooks"]["forward"][0][1][0] = 2.into();
+    let e = check(&m, &joint).unwrap_err();
+    assert!(matches!(e, Refusal::Hooks { .. }), "{e}");
+    assert_eq!(e.path(), "fsdp2_hooks.hooks.forward[0][1][0]", "{e}");
+    assert!(
+        e.to_string()
+            .contains("is 2, but the plan's program (`programs`) gives 1"),
+        "{e}"
+    );
+    // A plan recording that no hooks issue it.
+    let mut m = v.clone();
+    m["fsdp2_hooks"] = serde_json::json!({"refused": {"kind": "ranks", "program": 0}});
+    let e = check(&m, &joint).unwrap_err();
+    assert_eq!(e.path(), "fsdp2_hooks.hooks", "{e}");
+    // A deeper prefetch written into the program without its hooks: the root's pre-forward
+    // now gathers both blocks.
+    let (mut m, joint) = deeper_prefetch();
+    assert_eq!(m["fsdp2_hooks"]["hooks"]["forward"], serde_json::json!([[2, [0, 1]]]));
+    m["fsdp2_hooks"] = v["fsdp2_hooks"].clone();
+    let e = check(&m, &joint).unwrap_err();
+    assert!(matches!(e, Refusal::Hooks { .. }), "{e}");
+    assert!(e.path().starts_with("fsdp2_hooks.hooks."), "{e}");
 }
 
 #[test]

@@ -51,14 +51,15 @@ pub fn renumber(program: &Program, from: &[Buffer], to: &[Buffer]) -> Option<Pro
     Some(p)
 }
 
-/// `base` as JSON with `deeper`'s schedule (programs, events) written in, and its simulated
-/// timing, memory and estimate: what a user writes after editing the prefetch by hand.
+/// `base` as JSON with `deeper`'s schedule (programs, events) written in, with its simulated
+/// timing, memory and estimate and its FSDP2 hooks: what a user writes after editing the
+/// prefetch by hand.
 pub fn with_schedule_of(base: &Plan, deeper: &Plan) -> serde_json::Value {
     let program = renumber(&deeper.programs[0], &deeper.buffers, &base.buffers).expect("same buffers");
     let mut v = serde_json::to_value(base).unwrap();
     v["programs"] = serde_json::to_value(vec![program]).unwrap();
     let w = serde_json::to_value(deeper).unwrap();
-    for k in ["events", "timing", "memory", "estimate"] {
+    for k in ["events", "timing", "memory", "estimate", "fsdp2_hooks"] {
         v[k] = w[k].clone();
     }
     v
