@@ -117,6 +117,18 @@ fn changed_derived_fields_are_refused_by_path() {
     m["source"]["model"]["dim"] = (1u64 << 62).into();
     refused(dir.path(), &m, &["`source.model."]);
 
+    // FSDP2's hooks follow from the program: layers.0's pre-forward prefetching the root.
+    let mut m = v.clone();
+    m["fsdp2_hooks"]["hooks"]["forward"][0][1][0] = 2.into();
+    refused(
+        dir.path(),
+        &m,
+        &[
+            "`fsdp2_hooks.hooks.forward[0][1][0]` is 2, but the plan's program (`programs`) gives 1",
+            "write the derived value",
+        ],
+    );
+
     let mut m = v.clone();
     m["groups"][0]["layout"]["params"][0]["shard_offset"] = "twelve".into();
     refused(

@@ -233,14 +233,17 @@ fn program_lists(
         // The compute-stream instruction that reads the gathered buffer first (a step, or
         // FSDP2's copy-out into per-parameter tensors), the step at or after it, and the
         // compute step issued next after the point the gather waits for.
-        let read_at = computes.iter().position(|&(ci, _, _)| {
-            ci > i
-                && prog.instrs[ci]
+        let after = computes.partition_point(|&(ci, _, _)| ci <= i);
+        let read_at = computes[after..]
+            .iter()
+            .position(|&(ci, _, _)| {
+                prog.instrs[ci]
                     .instr
                     .accesses()
                     .iter()
                     .any(|&(b, a)| b == *dst && a == Access::Read)
-        });
+            })
+            .map(|k| after + k);
         let reader = read_at.and_then(|k| computes[k..].iter().find(|c| c.1 != usize::MAX));
         let Some(&(_, rstep, rmicro)) = reader else {
             return Err(HookRefusal::NeverRead {

@@ -1,14 +1,15 @@
 //! `runtime: fsdp2`: the schedule holds what PyTorch FSDP2's hooks hold — the flat
 //! all-gather output beside its per-parameter copy-out, the all-gather state kept through
 //! the next forward copy-out, the reduce-scatter input kept until the next post-backward —
-//! and the plan stays verified, re-derivable, and beside shardplan's own prediction.
+//! and the plan stays verified, re-derivable, and beside shardplan's own prediction; it
+//! records the prefetch lists FSDP2's hooks issue, which `export fsdp2` writes.
 
 mod common;
 
 use common::{joint_of, parallel, plan_as_cli, plan_preset};
 use shardplan_models::{preset, trace, TraceOptions};
 use shardplan_planner::rederive::rederive;
-use shardplan_planner::{BufId, Category, Instr, Plan, PlanSource, Stream};
+use shardplan_planner::{BufId, Category, Fsdp2Hooks, GroupId, HookModel, Instr, Plan, PlanSource, Stream};
 
 const BASE: &str = "mesh: {shard: 4}\ngpus_per_node: 4\n";
 
@@ -546,4 +547,67 @@ fn the_h200_optimizer_step_peak_is_predicted() {
     // Fused holds nothing beyond the state: its peak is lower by the temporaries or is the
     // backward's.
     assert!(foreach.memory.peak > fused.memory.peak);
+}
+
+/// `(group, [groups])` prefetch lists from group numbers.
+fn lists(l: &[(usize, &[usize])]) -> Vec<(GroupId, Vec<GroupId>)> {
+    l.iter()
+        .map(|(t, v)| (GroupId::new(*t), v.iter().map(|&k| GroupId::new(k)).collect()))
+        .collect()
+}
+
+fn hooks_of(p: &Plan) -> &Fsdp2Hooks {
+    match &p.fsdp2_hooks {
+        Some(HookModel::Hooks(h)) => h,
+        other => panic!("no hooks issue the plan: {other:?}"),
+    }
+}
+
+/// The hooks each plan records are the lists `export fsdp2` wrote for it when it derived
+/// them itself (tiny Llama: groups layers.0, layers.1, the root).
+#[test]
+fn the_plan_records_the_prefetch_lists_fsdp2s_hooks_issue() {
+    // Depth 1 each way, on either runtime: each block's hook prefetches the next, the
+    // root's the first; layers.0 prefetches nothing in backward, so it lists itself.
+    for p in [
+        own(""),
+        fsdp2(""),
+        fsdp2("batch: {per_rank: 2, seq_len: 16, grad_accum: 3}\n"),
+    ] {
+        let h = hooks_of(&p);
+        assert_eq!(h.forward, lists(&[(0, &[1]), (2, &[0])]));
+        assert_eq!(h.backward, lists(&[(1, &[0]), (2, &[1]), (0, &[0])]));
+    }
+    // Explicit lists alone: only what they name is prefetched.
+    let p = fsdp2(
+        "prefetch: {forward: 0, backward: 0, explicit: {forward: {layers.0: [layers.1]}, backward: {layers.1: [layers.0]}}}\n",
+    );
+    let h = hooks_of(&p);
+    assert_eq!(h.forward, lists(&[(0, &[1])]));
+    assert_eq!(h.backward, lists(&[(1, &[0]), (0, &[0]), (2, &[2])]));
+    // Depth 2: the root's hooks gather both blocks.
+    let h = hooks_of(&own("prefetch: {forward: 2, backward: 2}\n")).clone();
+    assert_eq!(h.forward, lists(&[(2, &[0, 1])]));
+    assert_eq!(h.backward, lists(&[(2, &[1, 0]), (0, &[0]), (1, &[1])]));
+}
+
+/// Routed experts under an expert axis (groups layers.0, layers.1, its experts, layers.2,
+/// its experts, the root): a block's hooks prefetch its experts' unit, which prefetches
+/// the next block in backward.
+#[test]
+fn a_blocks_hooks_prefetch_its_routed_experts() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-moe.yaml");
+    let model = shardplan_frontends::load_model(std::path::Path::new(path))
+        .unwrap()
+        .config;
+    let p = common::plan_model(
+        &model,
+        "mesh: {shard: 4, expert: 2}\ngpus_per_node: 4\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 2, seq_len: 16}\nmoe: {capacity: 2.0}\nruntime: fsdp2\n",
+    );
+    let h = hooks_of(&p);
+    assert_eq!(h.forward, lists(&[(0, &[1]), (1, &[2, 3]), (3, &[4]), (5, &[0])]));
+    assert_eq!(
+        h.backward,
+        lists(&[(1, &[2]), (2, &[0]), (3, &[4]), (4, &[1]), (5, &[3]), (0, &[0])])
+    );
 }
