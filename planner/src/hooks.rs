@@ -31,6 +31,8 @@ pub(crate) fn fsdp2_hooks(plan: &Plan, planned: Option<(&[Program], u32)>) -> Ho
     }
 }
 
+/// [`fsdp2_hooks`] as a result: the reductions checked first, then each program's gathers
+/// in issue order, then the micro-batches' and the ranks' lists against each other.
 fn derive(plan: &Plan, planned: Option<(&[Program], u32)>) -> Result<Fsdp2Hooks, HookRefusal> {
     if let Some((programs, events)) = planned {
         for (pi, prog) in plan.programs.iter().enumerate() {
