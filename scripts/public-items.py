@@ -50,21 +50,30 @@ def strip_tests(text):
     return "\n".join(out)
 
 
-def methods(src, module, name):
-    """The `pub fn`s of the impl blocks of type `name` in `module`'s file."""
+def module_files(src, module):
+    """`module`'s file and the files of its submodules (`module/**/*.rs`)."""
     path = module_file(src, [module])
-    if not path:
-        return []
-    out, inside = [], False
-    for line in strip_tests(open(path).read()).split("\n"):
-        if re.match(r"^impl(<[^>]*>)? (\w+ for )?" + re.escape(name) + r"\b", line):
-            inside = True
-        elif line.startswith("}"):
-            inside = False
-        elif inside:
-            m = re.match(r"^    pub (?:const )?fn (\w+)", line)
-            if m:
-                out.append(m.group(1))
+    files = [path] if path else []
+    folder = os.path.join(src, module)
+    for root, _, names in os.walk(folder):
+        files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".rs"))
+    return sorted(set(files))
+
+
+def methods(src, module, name):
+    """The `pub fn`s of the impl blocks of type `name` in `module` and its submodules."""
+    out = []
+    for path in module_files(src, module):
+        inside = False
+        for line in strip_tests(open(path).read()).split("\n"):
+            if re.match(r"^impl(<[^>]*>)? (\w+ for )?" + re.escape(name) + r"\b", line):
+                inside = True
+            elif line.startswith("}"):
+                inside = False
+            elif inside:
+                m = re.match(r"^    pub (?:const )?fn (\w+)", line)
+                if m:
+                    out.append(m.group(1))
     return out
 
 
@@ -98,7 +107,11 @@ def main():
     if "--list" in sys.argv:
         for m, n in found:
             print(f"{m}: {n}")
-    print(f"{len(found)} public items in {src}")
+    methods_of_types = sum("::" in n for _, n in found)
+    print(
+        f"{len(found)} public items in {src} "
+        f"({len(found) - methods_of_types} items, {methods_of_types} methods of re-exported types)"
+    )
 
 
 if __name__ == "__main__":

@@ -630,7 +630,7 @@ pub(crate) fn instr_seconds(
             (read + bytes(*dst)) as f64 / mem_bw
         }
         Instr::AllReduce { comm, buf, .. } => ring_seconds(comm.size(mesh), bytes(*buf), link(mesh, *comm, hw), true),
-        Instr::Copy { src, dst, .. } => {
+        Instr::Copy { src, dst, .. } | Instr::PostForwardSlice { src, dst, .. } => {
             let (s, d) = (&buffers[src.index()], &buffers[dst.index()]);
             if s.pool != d.pool {
                 s.bytes().min(d.bytes()) as f64 / (hw.host_link_gbps * 1e9)

@@ -41,9 +41,8 @@ pub use group::{group, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, layout, GroupLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::{
-    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Fsdp2Hooks, HookModel,
-    HookRefusal, Instr, Issued, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction,
-    WorkKind, PLAN_VERSION,
+    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Fsdp2Hooks, HookModel, HookRefusal, Instr,
+    Issued, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
 };
 pub use steps::{ExecOrder, Phase, Runner, Step, ValueSlot};
 pub use stream::Stream;

@@ -23,7 +23,8 @@ use std::fmt;
 /// Format version of [`Plan`]; bumped on every incompatible change (3: the all-to-all
 /// stream, and expert-group collectives as steps of their own; 4: the policy holds each
 /// decision once, in the spec's vocabulary: `reshard_after_forward` per group only, no
-/// master dtype, explicit prefetch lists as maps of groups).
+/// master dtype, explicit prefetch lists as maps of groups; FSDP2's hook model,
+/// `fsdp2_hooks`).
 pub const PLAN_VERSION: u32 = 4;
 
 shardplan_ir::entity! {
@@ -247,12 +248,20 @@ pub enum Instr {
         op: ReduceOp,
         buf: BufId,
     },
-    /// Copy `src` into `dst` (host <-> device, or the post-forward slice of an unsharded
-    /// buffer); `accumulate` adds instead of overwriting.
+    /// Copy `src` into `dst` (host <-> device, or a dtype cast); `accumulate` adds instead
+    /// of overwriting.
     Copy {
         src: BufId,
         dst: BufId,
         accumulate: bool,
+    },
+    /// After a group's last forward read (`reshard_after_forward: N`): this rank's slice of
+    /// the gathered parameters `src` among `ranks` consecutive shard ranks, into `dst`,
+    /// which backward's all-gather over those ranks reads.
+    PostForwardSlice {
+        src: BufId,
+        dst: BufId,
+        ranks: u64,
     },
     /// Sum of squares of the sharded gradients in `grads` into `dst` (a partial norm).
     GradNorm {
@@ -297,7 +306,9 @@ impl Instr {
                 .chain(std::iter::once((*dst, Write)))
                 .collect(),
             Instr::AllReduce { buf, .. } => vec![(*buf, Read), (*buf, Write)],
-            Instr::Copy { src, dst, .. } => vec![(*src, Read), (*dst, Write)],
+            Instr::Copy { src, dst, .. } | Instr::PostForwardSlice { src, dst, .. } => {
+                vec![(*src, Read), (*dst, Write)]
+            }
             Instr::GradNorm { grads, dst } => grads
                 .iter()
                 .map(|&b| (b, Read))

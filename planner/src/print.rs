@@ -141,6 +141,9 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
             .replace("Avg", "avg")
             .replace("Sum", "sum"),
         Instr::Copy { src, dst, .. } => format!("copy {} -> {}", buf(*src), buf(*dst)),
+        Instr::PostForwardSlice { src, dst, ranks } => {
+            format!("keep 1/{ranks} of {} -> {}", buf(*src), buf(*dst))
+        }
         Instr::GradNorm { dst, grads } => format!("grad norm of {} shards -> {}", grads.len(), buf(*dst)),
         Instr::OptimizerStep { group, .. } => format!("{} step {}", plan.policy.optimizer, group_name(plan, *group)),
     }

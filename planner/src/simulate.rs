@@ -412,7 +412,9 @@ pub(crate) fn estimate(
                     breakdown.add(WorkKind::FsdpCopies, copies);
                     breakdown.add(WorkKind::Overlap, d - parts.total() - copies);
                 }
-                Instr::Copy { .. } | Instr::PackGrads { .. } => breakdown.add(WorkKind::FsdpCopies, d),
+                Instr::Copy { .. } | Instr::PostForwardSlice { .. } | Instr::PackGrads { .. } => {
+                    breakdown.add(WorkKind::FsdpCopies, d)
+                }
                 Instr::GradNorm { .. } | Instr::OptimizerStep { .. } => breakdown.add(WorkKind::Optimizer, d),
                 // Allocs, frees and events take no time; a collective on the compute stream
                 // (none today) would count as its overlap-free remainder.

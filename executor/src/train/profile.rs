@@ -76,7 +76,7 @@ impl Kind {
             Instr::AllReduce { .. } => Kind::AllReduce,
             Instr::GradNorm { .. } => Kind::GradNorm,
             Instr::OptimizerStep { .. } => Kind::Optimizer,
-            Instr::Copy { .. } => Kind::Copy,
+            Instr::Copy { .. } | Instr::PostForwardSlice { .. } => Kind::Copy,
             Instr::Alloc { .. } | Instr::Free { .. } => Kind::AllocFree,
             Instr::Wait { .. } => Kind::Wait,
             Instr::Record { .. } => Kind::Record,

@@ -275,10 +275,10 @@ fn reshard_after_forward(b: &mut Builder, g: GroupId, buf: crate::plan::BufId, m
             b.emit(Stream::Compute, Instr::Alloc { buf: pf });
             b.emit(
                 Stream::Compute,
-                Instr::Copy {
+                Instr::PostForwardSlice {
                     src: buf,
                     dst: pf,
-                    accumulate: false,
+                    ranks: k,
                 },
             );
             b.emit(Stream::Compute, Instr::Free { buf });

@@ -25,7 +25,8 @@ pub fn renumber(program: &Program, from: &[Buffer], to: &[Buffer]) -> Option<Pro
             Instr::Alloc { buf } | Instr::Free { buf } | Instr::AllReduce { buf, .. } => m(buf),
             Instr::AllGather { src, dst, .. }
             | Instr::ReduceScatter { src, dst, .. }
-            | Instr::Copy { src, dst, .. } => {
+            | Instr::Copy { src, dst, .. }
+            | Instr::PostForwardSlice { src, dst, .. } => {
                 m(src);
                 m(dst);
             }

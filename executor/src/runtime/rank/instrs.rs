@@ -30,6 +30,7 @@ impl StepCtx<'_> {
             Instr::ReduceScatter { comm, op, src, dst, .. } => self.reduce_scatter(i, (*comm, stream), *op, *src, *dst),
             Instr::AllReduce { comm, op, buf, .. } => self.all_reduce(i, (*comm, stream), *op, *buf),
             Instr::Copy { src, dst, accumulate } => self.copy(*src, *dst, *accumulate),
+            Instr::PostForwardSlice { src, dst, ranks } => self.post_forward_slice(*src, *dst, *ranks),
             Instr::GradNorm { grads, dst } => self.grad_norm(grads, *dst),
             Instr::OptimizerStep {
                 group,
@@ -157,15 +158,7 @@ impl StepCtx<'_> {
     fn copy(&self, src: BufId, dst: BufId, accumulate: bool) -> Result<(), ExecError> {
         let s = self.get(src)?;
         let d = self.shared.plan.buffer(dst);
-        let value = if (d.numel as usize) < s.elem_count() {
-            // A post-forward shard: this rank's slice of its reshard group.
-            let n = d.numel as usize;
-            let k = s.elem_count() / n;
-            let j = self.shared.plan.mesh.coords(self.rank).shard as usize % k;
-            s.narrow(0, j * n, n)?.copy()?
-        } else {
-            s.to_dtype(cdtype(d.dtype))?.copy()?
-        };
+        let value = s.to_dtype(cdtype(d.dtype))?.copy()?;
         // Between pools (CPU offload), the copy is a transfer.
         let value = value.to_device(&self.pool_device(d.pool))?;
         if accumulate {
@@ -173,6 +166,15 @@ impl StepCtx<'_> {
         } else {
             self.set(dst, value)
         }
+    }
+
+    /// `PostForwardSlice`: this rank's slice of the gathered `src` among `ranks`
+    /// consecutive shard ranks (the rank's shard coordinate modulo `ranks`), into `dst`.
+    fn post_forward_slice(&self, src: BufId, dst: BufId, ranks: u64) -> Result<(), ExecError> {
+        let s = self.get(src)?;
+        let n = self.shared.plan.buffer(dst).numel as usize;
+        let j = (self.shared.plan.mesh.coords(self.rank).shard % ranks.max(1)) as usize;
+        self.set(dst, s.narrow(0, j * n, n)?.copy()?)
     }
 
     /// `GradNorm`: the sum of squares of the averaged gradients `grads` into `dst`.
