@@ -25,7 +25,7 @@ use shardplan_frontends::{
 };
 use shardplan_ir::{Graph, JointGraph, ModuleKind};
 use shardplan_models::{Activation, ModelConfig};
-use shardplan_planner::steps::StepId;
+use shardplan_planner::StepId;
 use shardplan_planner::{GroupId, HookModel, HookRefusal, Phase, Plan};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

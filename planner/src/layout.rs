@@ -71,19 +71,13 @@ impl GroupLayout {
     }
 
     /// Bytes of one rank's shard in `dtype`.
-    pub fn shard_bytes(&self, dtype: DType) -> u64 {
+    pub(crate) fn shard_bytes(&self, dtype: DType) -> u64 {
         self.shard_numel * dtype.size_bytes()
     }
 
     /// Bytes of the unsharded (gathered, padded) buffer in `dtype`.
     pub(crate) fn gathered_bytes(&self, dtype: DType) -> u64 {
         self.gathered_numel() * dtype.size_bytes()
-    }
-
-    /// Offset, in elements of the gathered buffer, where rank `rank`'s rows of parameter
-    /// `i` start (the copy-out source).
-    pub fn gathered_offset(&self, i: usize, rank: u64) -> u64 {
-        rank * self.shard_numel + self.params[i].shard_offset
     }
 }
 
@@ -131,5 +125,69 @@ pub(crate) enum Names {
 impl Names {
     pub(crate) fn kept(self) -> bool {
         self == Names::Kept
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Layouts pack padded shards back to back and account for every element.
+
+    use super::layout;
+    use crate::group::{group, WrapPolicy};
+    use proptest::prelude::*;
+    use shardplan_ir::{DType, ModuleKind};
+    use shardplan_models::{preset, trace, TraceOptions};
+
+    fn tiny(name: &str) -> shardplan_ir::Graph {
+        trace(
+            &preset(name).unwrap(),
+            TraceOptions {
+                batch: 1,
+                seq_len: Some(4),
+                ..TraceOptions::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn layout_packs_padded_shards_back_to_back() {
+        let g = tiny("tiny-llama");
+        let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
+        let root = layout(&g, groups.last().unwrap(), 3);
+        // embed [256, 64]: 86 rows per rank (258 padded); norm [64]: 22 (66); head [256, 64]: 86.
+        let chunks: Vec<u64> = root.params.iter().map(|p| p.chunk_rows).collect();
+        assert_eq!(chunks, [86, 22, 86]);
+        assert_eq!(root.params[1].shard_offset, 86 * 64);
+        assert_eq!(root.shard_numel, 86 * 64 + 22 + 86 * 64);
+        assert_eq!(root.padding(), 3 * root.shard_numel - (2 * 256 * 64 + 64));
+        assert_eq!(root.shard_bytes(DType::BF16), root.shard_numel * 2);
+        // Rank 2 holds only 84 real rows of the embedding.
+        assert_eq!(root.params[0].valid_numel(3, 2), 84 * 64);
+    }
+
+    proptest! {
+        #[test]
+        fn layouts_account_for_every_element(dims in prop::collection::vec((1u64..300, 1u64..5), 1..6), shard in 1u64..17) {
+            let mut g = shardplan_ir::Graph::new("p");
+            let scope = g.add_scope(g.root(), "layers.0", ModuleKind::Block);
+            for (i, (d0, d1)) in dims.iter().enumerate() {
+                g.add_param(&format!("w{i}"), shardplan_ir::TensorType::new(DType::F32, [*d0, *d1]), scope).unwrap();
+            }
+            let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
+            let l = layout(&g, &groups[0], shard);
+            let model: u64 = dims.iter().map(|(a, b)| a * b).sum();
+            prop_assert_eq!(l.numel, model);
+            // Sharded bytes summed over the shard group = model bytes + padding.
+            prop_assert_eq!(l.shard_bytes(DType::F32) * shard, (model + l.padding()) * 4);
+            for p in &l.params {
+                let valid: u64 = (0..shard).map(|r| p.valid_numel(shard, r)).sum();
+                prop_assert_eq!(valid, p.numel());
+                prop_assert!(p.shard_numel() >= p.valid_numel(shard, 0));
+                // ceil(d0 / shard) * shard - d0 < shard: under one row of padding per rank.
+                let padding = p.shard_numel() * shard - p.numel();
+                prop_assert!(padding < shard * p.row_elems, "padding {} for dims {:?} over {}", padding, p.dims, shard);
+            }
+        }
     }
 }

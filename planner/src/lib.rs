@@ -2,7 +2,7 @@
 //!
 //! [`plan`] reads as the pipeline: lower → group → layout → steps → schedule → simulate →
 //! estimate → verify, each pass a free function in its own module (`lower`, `group`,
-//! `layout`, [`steps`] through [`PlanCache`], [`schedule`] with [`prefetch`], `simulate`,
+//! `layout`, `steps` through [`PlanCache`], [`schedule`] with [`prefetch`], `simulate`,
 //! `verify`). [`plan_forward`] and the auto search's candidates are built from the same
 //! passes.
 //! Architecture invariant: the crate's public API is what the executor, the CLI and the
@@ -29,29 +29,30 @@ pub mod print;
 pub mod rederive;
 pub mod schedule;
 mod simulate;
-pub mod steps;
+mod steps;
 mod stream;
 pub mod trace;
 mod verify;
 
-pub use cache::{CachedSteps, PlanCache};
-pub use cost::{forks, intra_node, OpModel, PARALLEL_MIN_ELEMS};
+pub(crate) use cache::CachedSteps;
+pub use cache::PlanCache;
+pub use cost::{forks, OpModel, PARALLEL_MIN_ELEMS};
 pub use error::PlanError;
 pub use group::{group, GroupId, WrapPolicy};
-pub use layout::{chunk_rows, layout, GroupLayout};
+pub use layout::{chunk_rows, GroupLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::{
     Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Fsdp2Hooks, HookModel, HookRefusal, Instr,
     Issued, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
 };
-pub use steps::{ExecOrder, Phase, Runner, Step, ValueSlot};
+pub use steps::{steps_and_events, ExecOrder, Phase, Runner, Step, StepId, ValueSlot};
 pub use stream::Stream;
 pub use verify::{verify, VerifyError};
 
 // The passes name each other's types through the crate root.
 pub(crate) use group::FsdpGroup;
 pub(crate) use plan::*;
-pub(crate) use steps::{ActEvents, StepId};
+pub(crate) use steps::ActEvents;
 
 use std::sync::Arc;
 
@@ -190,7 +191,7 @@ pub(crate) fn plan_candidate(
 /// The memory report of [`plan`], without what only a plan to run needs (the verifier,
 /// the arena, the steps' and buffers' names): what a second plan of the same spec at
 /// another routing split is read for.
-pub fn plan_memory(joint: &JointGraph, config: &ParallelConfig) -> Result<MemoryReport, PlanError> {
+pub(crate) fn plan_memory(joint: &JointGraph, config: &ParallelConfig) -> Result<MemoryReport, PlanError> {
     let (plan, compute) = plan_candidate(joint, config, &mut PlanCache::default())?;
     let Plan {
         memory,

@@ -49,7 +49,7 @@ impl Mesh {
     }
 
     /// A replicate x shard x tensor mesh for `world` ranks; the axes must multiply to it.
-    pub fn with_tensor(
+    pub(crate) fn with_tensor(
         replicate: u64,
         shard: u64,
         tensor: u64,
@@ -205,14 +205,14 @@ impl Mesh {
 
     /// The ranks `rank` shards parameters with (same replicate and tensor index), in shard
     /// order.
-    pub fn shard_group(&self, rank: u64) -> Vec<u64> {
+    pub(crate) fn shard_group(&self, rank: u64) -> Vec<u64> {
         let c = self.coords(rank);
         (0..self.shard).map(|s| self.rank(Coords { shard: s, ..c })).collect()
     }
 
     /// The ranks holding the same shard as `rank` (same shard and tensor index): HSDP's
     /// all-reduce group.
-    pub fn replicate_group(&self, rank: u64) -> Vec<u64> {
+    pub(crate) fn replicate_group(&self, rank: u64) -> Vec<u64> {
         let c = self.coords(rank);
         (0..self.replicate)
             .map(|r| self.rank(Coords { replicate: r, ..c }))
@@ -228,7 +228,7 @@ impl Mesh {
 
     /// For `reshard_after_forward: n`: the `n` consecutive ranks of `rank`'s shard group that
     /// keep the parameters between forward and backward (FSDP2's int reshard).
-    pub fn reshard_group(&self, rank: u64, n: u64) -> Vec<u64> {
+    pub(crate) fn reshard_group(&self, rank: u64, n: u64) -> Vec<u64> {
         let c = self.coords(rank);
         let n = n.clamp(1, self.shard);
         let first = c.shard / n * n;
@@ -236,14 +236,79 @@ impl Mesh {
             .map(|s| self.rank(Coords { shard: s, ..c }))
             .collect()
     }
+}
 
-    /// The node a rank runs on.
-    pub(crate) fn node(&self, rank: u64) -> u64 {
-        rank / self.gpus_per_node
+#[cfg(test)]
+mod tests {
+    //! Coordinates, groups and nodes as torchtitan's device mesh lays them out.
+
+    use super::{Coords, Mesh};
+    use crate::PlanError;
+
+    /// Whether every member of `group` runs on one node of `m`.
+    fn one_node(m: &Mesh, group: &[u64]) -> bool {
+        group.iter().all(|r| r / m.gpus_per_node == group[0] / m.gpus_per_node)
     }
 
-    /// True when every member of `group` is on one node (collectives use NVLink, not the network).
-    pub fn intra_node(&self, group: &[u64]) -> bool {
-        group.windows(2).all(|w| self.node(w[0]) == self.node(w[1]))
+    #[test]
+    fn mesh_coordinates_groups_and_nodes() {
+        assert_eq!(
+            Mesh::new(2, 8, 12, 8).unwrap_err().to_string(),
+            "mesh replicate 2 x shard 8 = 16 ranks, but the world has 12"
+        );
+        assert!(matches!(Mesh::new(0, 8, 0, 8), Err(PlanError::EmptyAxis { .. })));
+        let m = Mesh::new(2, 8, 16, 8).unwrap();
+        for rank in 0..16 {
+            assert_eq!(m.rank(m.coords(rank)), rank);
+        }
+        assert_eq!(
+            m.coords(11),
+            Coords {
+                replicate: 1,
+                shard: 3,
+                tensor: 0
+            }
+        );
+        assert_eq!(m.shard_group(11), (8..16).collect::<Vec<_>>());
+        assert_eq!(m.replicate_group(11), [3, 11]);
+        assert_eq!(m.reshard_group(11, 4), [8, 9, 10, 11]);
+        assert!(one_node(&m, &m.shard_group(3)), "shard groups stay in a node");
+        assert!(!one_node(&m, &m.replicate_group(3)), "replicas span nodes");
+        let flat = Mesh::new(1, 16, 16, 8).unwrap();
+        assert!(!one_node(&flat, &flat.shard_group(0)));
+    }
+
+    #[test]
+    fn a_tensor_axis_is_innermost() {
+        assert_eq!(
+            Mesh::with_tensor(2, 4, 2, 12, 8).unwrap_err().to_string(),
+            "mesh replicate 2 x shard 4 x tensor 2 = 16 ranks, but the world has 12"
+        );
+        assert!(matches!(
+            Mesh::with_tensor(1, 4, 0, 0, 8),
+            Err(PlanError::EmptyAxis { tensor: 0, .. })
+        ));
+        // 2 x 4 x 2 on nodes of 8: rank = (r * 4 + s) * 2 + t.
+        let m = Mesh::with_tensor(2, 4, 2, 16, 8).unwrap();
+        assert_eq!(m.world(), 16);
+        assert_eq!(m.data_parallel(), 8);
+        for rank in 0..16 {
+            assert_eq!(m.rank(m.coords(rank)), rank);
+        }
+        assert_eq!(
+            m.coords(11),
+            Coords {
+                replicate: 1,
+                shard: 1,
+                tensor: 1
+            }
+        );
+        assert_eq!(m.tensor_group(11), [10, 11]);
+        assert_eq!(m.shard_group(11), [9, 11, 13, 15]);
+        assert_eq!(m.replicate_group(11), [3, 11]);
+        assert_eq!(m.reshard_group(11, 2), [9, 11]);
+        assert!(one_node(&m, &m.tensor_group(3)), "tensor groups stay in a node");
+        assert!(one_node(&m, &m.shard_group(3)));
+        assert!(!one_node(&m, &m.replicate_group(3)));
     }
 }

@@ -1,10 +1,9 @@
-//! Shard layout equals torch.chunk, layouts account for every byte, meshes and groups
-//! behave as FSDP2 / torchtitan do.
+//! Shard layout equals torch.chunk and groups behave as FSDP2 / torchtitan do (the mesh's
+//! and the layout's own cases are unit tests in `mesh.rs` and `layout.rs`).
 
-use proptest::prelude::*;
-use shardplan_ir::{DType, ModuleKind};
+use shardplan_ir::ModuleKind;
 use shardplan_models::{preset, trace, TraceOptions};
-use shardplan_planner::{chunk_rows, group, layout, Coords, Mesh, PlanError, WrapPolicy};
+use shardplan_planner::{chunk_rows, group, PlanError, WrapPolicy};
 
 /// `[c.numel() for c in torch.chunk(torch.arange(n), k)]`, padded with 0 for the ranks that
 /// get no chunk, as printed by PyTorch 2.15.
@@ -142,110 +141,6 @@ fn a_wrap_kind_the_model_lacks_is_an_error() {
     let groups = group(&g, &WrapPolicy::kinds(&[])).unwrap();
     assert_eq!(groups.len(), 1);
     assert_eq!(groups[0].params.len(), g.params().len());
-}
-
-#[test]
-fn mesh_coordinates_groups_and_nodes() {
-    assert_eq!(
-        Mesh::new(2, 8, 12, 8).unwrap_err().to_string(),
-        "mesh replicate 2 x shard 8 = 16 ranks, but the world has 12"
-    );
-    assert!(matches!(Mesh::new(0, 8, 0, 8), Err(PlanError::EmptyAxis { .. })));
-    let m = Mesh::new(2, 8, 16, 8).unwrap();
-    for rank in 0..16 {
-        assert_eq!(m.rank(m.coords(rank)), rank);
-    }
-    assert_eq!(
-        m.coords(11),
-        Coords {
-            replicate: 1,
-            shard: 3,
-            tensor: 0
-        }
-    );
-    assert_eq!(m.shard_group(11), (8..16).collect::<Vec<_>>());
-    assert_eq!(m.replicate_group(11), [3, 11]);
-    assert_eq!(m.reshard_group(11, 4), [8, 9, 10, 11]);
-    assert!(m.intra_node(&m.shard_group(3)), "shard groups stay in a node");
-    assert!(!m.intra_node(&m.replicate_group(3)), "replicas span nodes");
-    let flat = Mesh::new(1, 16, 16, 8).unwrap();
-    assert!(!flat.intra_node(&flat.shard_group(0)));
-}
-
-#[test]
-fn a_tensor_axis_is_innermost() {
-    assert_eq!(
-        Mesh::with_tensor(2, 4, 2, 12, 8).unwrap_err().to_string(),
-        "mesh replicate 2 x shard 4 x tensor 2 = 16 ranks, but the world has 12"
-    );
-    assert!(matches!(
-        Mesh::with_tensor(1, 4, 0, 0, 8),
-        Err(PlanError::EmptyAxis { tensor: 0, .. })
-    ));
-    // 2 x 4 x 2 on nodes of 8: rank = (r * 4 + s) * 2 + t.
-    let m = Mesh::with_tensor(2, 4, 2, 16, 8).unwrap();
-    assert_eq!(m.world(), 16);
-    assert_eq!(m.data_parallel(), 8);
-    for rank in 0..16 {
-        assert_eq!(m.rank(m.coords(rank)), rank);
-    }
-    assert_eq!(
-        m.coords(11),
-        Coords {
-            replicate: 1,
-            shard: 1,
-            tensor: 1
-        }
-    );
-    assert_eq!(m.tensor_group(11), [10, 11]);
-    assert_eq!(m.shard_group(11), [9, 11, 13, 15]);
-    assert_eq!(m.replicate_group(11), [3, 11]);
-    assert_eq!(m.reshard_group(11, 2), [9, 11]);
-    assert!(m.intra_node(&m.tensor_group(3)), "tensor groups stay in a node");
-    assert!(m.intra_node(&m.shard_group(3)));
-    assert!(!m.intra_node(&m.replicate_group(3)));
-}
-
-#[test]
-fn layout_packs_padded_shards_back_to_back() {
-    let g = tiny("tiny-llama");
-    let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
-    let root = layout(&g, groups.last().unwrap(), 3);
-    // embed [256, 64]: 86 rows per rank (258 padded); norm [64]: 22 (66); head [256, 64]: 86.
-    let chunks: Vec<u64> = root.params.iter().map(|p| p.chunk_rows).collect();
-    assert_eq!(chunks, [86, 22, 86]);
-    assert_eq!(root.params[1].shard_offset, 86 * 64);
-    assert_eq!(root.shard_numel, 86 * 64 + 22 + 86 * 64);
-    assert_eq!(root.padding(), 3 * root.shard_numel - (2 * 256 * 64 + 64));
-    assert_eq!(root.gathered_offset(2, 1), root.shard_numel + 86 * 64 + 22);
-    assert_eq!(root.shard_bytes(DType::BF16), root.shard_numel * 2);
-    // Rank 2 holds only 84 real rows of the embedding.
-    assert_eq!(root.params[0].valid_numel(3, 2), 84 * 64);
-}
-
-proptest! {
-    #[test]
-    fn layouts_account_for_every_element(dims in prop::collection::vec((1u64..300, 1u64..5), 1..6), shard in 1u64..17) {
-        let mut g = shardplan_ir::Graph::new("p");
-        let scope = g.add_scope(g.root(), "layers.0", ModuleKind::Block);
-        for (i, (d0, d1)) in dims.iter().enumerate() {
-            g.add_param(&format!("w{i}"), shardplan_ir::TensorType::new(DType::F32, [*d0, *d1]), scope).unwrap();
-        }
-        let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
-        let l = layout(&g, &groups[0], shard);
-        let model: u64 = dims.iter().map(|(a, b)| a * b).sum();
-        prop_assert_eq!(l.numel, model);
-        // Sharded bytes summed over the shard group = model bytes + padding.
-        prop_assert_eq!(l.shard_bytes(DType::F32) * shard, (model + l.padding()) * 4);
-        for p in &l.params {
-            let valid: u64 = (0..shard).map(|r| p.valid_numel(shard, r)).sum();
-            prop_assert_eq!(valid, p.numel());
-            prop_assert!(p.shard_numel() >= p.valid_numel(shard, 0));
-            // ceil(d0 / shard) * shard - d0 < shard: under one row of padding per rank.
-            let padding = p.shard_numel() * shard - p.numel();
-            prop_assert!(padding < shard * p.row_elems, "padding {} for dims {:?} over {}", padding, p.dims, shard);
-        }
-    }
 }
 
 /// A model whose per-rank bytes would overflow the memory simulation's sums is refused, not

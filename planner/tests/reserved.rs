@@ -8,7 +8,7 @@ use common::{parallel, plan_preset};
 use shardplan_ir::differentiate;
 use shardplan_models::{preset, trace, TraceOptions};
 use shardplan_planner::allocator::replay;
-use shardplan_planner::steps::steps_and_events;
+use shardplan_planner::steps_and_events;
 use shardplan_planner::{plan, Plan};
 
 const GIB: f64 = (1u64 << 30) as f64;

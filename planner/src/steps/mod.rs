@@ -174,11 +174,6 @@ impl std::fmt::Display for StepCollective {
     }
 }
 
-/// Segments `joint` for `groups` and the checkpointing policy.
-pub fn steps(joint: &JointGraph, groups: &[FsdpGroup], ac: ActivationCheckpointing) -> Vec<Step> {
-    steps_and_events(joint, groups, ac, false).0
-}
-
 /// What a step does to activation memory, in order: each value it makes and each value it
 /// frees (after the last reader, as the executor frees them), for the allocator model.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -217,7 +212,8 @@ pub struct ActEvent {
     pub bytes: u64,
 }
 
-/// [`steps`], and the activation events of each step. Attention's backward holds no
+/// `joint` segmented into steps for `groups` and the checkpointing policy `ac`, and the
+/// activation events of each step. Attention's backward holds no
 /// `[b, h, s, t]` probabilities either way (flash attention under PyTorch, see
 /// [`ExecOrder::flash_attention`]; shardplan's blockwise kernel otherwise, see
 /// [`ExecOrder::blockwise_attention`]). With `flash_attention` (PyTorch eager's memory:
