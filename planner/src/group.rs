@@ -64,93 +64,9 @@ impl WrapPolicy {
 
 /// Groups the parameters of `g` by `policy`.
 pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError> {
-    for kind in &policy.kinds {
-        if !g.scopes().any(|(_, s)| s.kind == *kind) {
-            let mut present: Vec<&str> = g
-                .scopes()
-                .map(|(_, s)| s.kind.name())
-                .filter(|k| *k != "root")
-                .collect();
-            present.sort_unstable();
-            present.dedup();
-            return Err(PlanError::WrapMatchesNothing {
-                kind: kind.name().to_string(),
-                present: present.join(", "),
-            });
-        }
-    }
-    let mut explicit = Vec::new();
-    for m in &policy.modules {
-        match g.scopes().find(|(_, s)| s.display_path() == m && s.parent.is_some()) {
-            Some((id, _)) => explicit.push(id),
-            None => {
-                let paths: Vec<&str> = g.scopes().skip(1).map(|(_, s)| s.display_path()).collect();
-                return Err(PlanError::NoSuchModule {
-                    module: m.clone(),
-                    suggestion: shardplan_frontends::did_you_mean(m, paths.iter().copied()).map(str::to_string),
-                });
-            }
-        }
-    }
-    let wrapped = |s: ScopeId| policy.kinds.contains(&g.scope(s).kind) || explicit.contains(&s);
-    // The innermost wrapped ancestor (or self) of each scope.
-    let unit_of = |mut s: ScopeId| -> Option<ScopeId> {
-        loop {
-            if wrapped(s) {
-                return Some(s);
-            }
-            s = g.scope(s).parent?;
-        }
-    };
-    // Where each parameter is first read in the forward pass.
-    let first_use = |node: NodeId| -> usize { g.users(node).first().map_or(usize::MAX, |u| u.index()) };
-
-    // Under expert parallelism a unit's routed experts are a unit of their own (sharded
-    // over another group: torchtitan's `fully_shard` of `moe.experts` on the expert-FSDP
-    // mesh), wrapped even where their module is not.
-    let mut units: Vec<(usize, ScopeId, bool, Vec<ParamId>)> = Vec::new();
-    let mut root = Vec::new();
-    for (p, param) in g.params() {
-        let experts = param.expert.is_some();
-        let unit = if experts {
-            Some(unit_of(param.scope).unwrap_or(param.scope))
-        } else {
-            unit_of(param.scope)
-        };
-        match unit {
-            Some(unit) => match units.iter_mut().find(|u| u.1 == unit && u.2 == experts) {
-                Some(u) => {
-                    u.0 = u.0.min(first_use(param.node));
-                    u.3.push(p);
-                }
-                None => units.push((first_use(param.node), unit, experts, vec![p])),
-            },
-            None => root.push(p),
-        }
-    }
-    units.sort_by_key(|u| (u.0, u.1, u.2));
-
-    let bytes = |ps: &[ParamId]| -> u64 {
-        ps.iter()
-            .map(|&p| g.param(p).ty.numel().unwrap_or(u64::MAX))
-            .fold(0u64, |a, n| {
-                a.saturating_add(n.saturating_mul(policy.bucket_dtype.size_bytes()))
-            })
-    };
-    let mut merged: Vec<(Vec<ScopeId>, Vec<ParamId>, bool)> = Vec::new();
-    for (_, scope, experts, params) in units {
-        match (merged.last_mut(), policy.bucket_bytes) {
-            (Some(last), Some(budget))
-                if last.2 == experts && bytes(&last.1).saturating_add(bytes(&params)) <= budget =>
-            {
-                last.0.push(scope);
-                last.1.extend(params);
-                last.1.sort_unstable();
-            }
-            _ => merged.push((vec![scope], params, experts)),
-        }
-    }
-    let mut groups: Vec<FsdpGroup> = merged
+    let explicit = wrapped_scopes(g, policy)?;
+    let (units, root) = units(g, policy, &explicit);
+    let mut groups: Vec<FsdpGroup> = bucketed(g, policy, units)
         .into_iter()
         .enumerate()
         .map(|(i, (scopes, params, experts))| FsdpGroup {
@@ -182,6 +98,113 @@ pub fn group(g: &Graph, policy: &WrapPolicy) -> Result<Vec<FsdpGroup>, PlanError
         });
     }
     Ok(groups)
+}
+
+/// Checks that every wrapped kind of `policy` occurs in `g`, and returns the scopes its
+/// `wrap_modules` name.
+fn wrapped_scopes(g: &Graph, policy: &WrapPolicy) -> Result<Vec<ScopeId>, PlanError> {
+    for kind in &policy.kinds {
+        if !g.scopes().any(|(_, s)| s.kind == *kind) {
+            let mut present: Vec<&str> = g
+                .scopes()
+                .map(|(_, s)| s.kind.name())
+                .filter(|k| *k != "root")
+                .collect();
+            present.sort_unstable();
+            present.dedup();
+            return Err(PlanError::WrapMatchesNothing {
+                kind: kind.name().to_string(),
+                present: present.join(", "),
+            });
+        }
+    }
+    let mut explicit = Vec::new();
+    for m in &policy.modules {
+        match g.scopes().find(|(_, s)| s.display_path() == m && s.parent.is_some()) {
+            Some((id, _)) => explicit.push(id),
+            None => {
+                let paths: Vec<&str> = g.scopes().skip(1).map(|(_, s)| s.display_path()).collect();
+                return Err(PlanError::NoSuchModule {
+                    module: m.clone(),
+                    suggestion: shardplan_frontends::did_you_mean(m, paths.iter().copied()).map(str::to_string),
+                });
+            }
+        }
+    }
+    Ok(explicit)
+}
+
+/// One wrapped unit before bucketing: where its parameters are first read in forward, its
+/// scope, whether it holds routed experts, and its parameters.
+type Unit = (usize, ScopeId, bool, Vec<ParamId>);
+
+/// The wrapped units of `g` in forward order (by first read), and the parameters no unit
+/// takes (the root group's).
+///
+/// Under expert parallelism a unit's routed experts are a unit of their own (sharded over
+/// another group: torchtitan's `fully_shard` of `moe.experts` on the expert-FSDP mesh),
+/// wrapped even where their module is not.
+fn units(g: &Graph, policy: &WrapPolicy, explicit: &[ScopeId]) -> (Vec<Unit>, Vec<ParamId>) {
+    let wrapped = |s: ScopeId| policy.kinds.contains(&g.scope(s).kind) || explicit.contains(&s);
+    // The innermost wrapped ancestor (or self) of each scope.
+    let unit_of = |mut s: ScopeId| -> Option<ScopeId> {
+        loop {
+            if wrapped(s) {
+                return Some(s);
+            }
+            s = g.scope(s).parent?;
+        }
+    };
+    // Where each parameter is first read in the forward pass.
+    let first_use = |node: NodeId| -> usize { g.users(node).first().map_or(usize::MAX, |u| u.index()) };
+    let mut units: Vec<Unit> = Vec::new();
+    let mut root = Vec::new();
+    for (p, param) in g.params() {
+        let experts = param.expert.is_some();
+        let unit = if experts {
+            Some(unit_of(param.scope).unwrap_or(param.scope))
+        } else {
+            unit_of(param.scope)
+        };
+        match unit {
+            Some(unit) => match units.iter_mut().find(|u| u.1 == unit && u.2 == experts) {
+                Some(u) => {
+                    u.0 = u.0.min(first_use(param.node));
+                    u.3.push(p);
+                }
+                None => units.push((first_use(param.node), unit, experts, vec![p])),
+            },
+            None => root.push(p),
+        }
+    }
+    units.sort_by_key(|u| (u.0, u.1, u.2));
+    (units, root)
+}
+
+/// Consecutive units of one kind (dense or routed experts) merged while their parameters
+/// fit `policy.bucket_bytes`: `(scopes, parameters, experts)` per group.
+fn bucketed(g: &Graph, policy: &WrapPolicy, units: Vec<Unit>) -> Vec<(Vec<ScopeId>, Vec<ParamId>, bool)> {
+    let bytes = |ps: &[ParamId]| -> u64 {
+        ps.iter()
+            .map(|&p| g.param(p).ty.numel().unwrap_or(u64::MAX))
+            .fold(0u64, |a, n| {
+                a.saturating_add(n.saturating_mul(policy.bucket_dtype.size_bytes()))
+            })
+    };
+    let mut merged: Vec<(Vec<ScopeId>, Vec<ParamId>, bool)> = Vec::new();
+    for (_, scope, experts, params) in units {
+        match (merged.last_mut(), policy.bucket_bytes) {
+            (Some(last), Some(budget))
+                if last.2 == experts && bytes(&last.1).saturating_add(bytes(&params)) <= budget =>
+            {
+                last.0.push(scope);
+                last.1.extend(params);
+                last.1.sort_unstable();
+            }
+            _ => merged.push((vec![scope], params, experts)),
+        }
+    }
+    merged
 }
 
 /// The group whose parameters a node of each scope belongs to: the group of its innermost

@@ -150,77 +150,19 @@ impl ExecOrder {
     fn in_graph_order(joint: &JointGraph, ac: ActivationCheckpointing) -> Self {
         let g = &joint.graph;
         let n = g.node_count();
-        // Checkpointed block of each scope (the nearest block ancestor, if checkpointed).
-        let mut block_index = 0u64;
-        let mut ckpt_of_scope: IdVec<ScopeId, Option<ScopeId>> = IdVec::with_capacity(g.scopes().len());
-        for (id, s) in g.scopes() {
-            let inherited = s.parent.and_then(|p| ckpt_of_scope[p]);
-            let own = if s.kind == ModuleKind::Block {
-                let chosen = match ac {
-                    ActivationCheckpointing::None => false,
-                    ActivationCheckpointing::Full | ActivationCheckpointing::Selective(_) => true,
-                    ActivationCheckpointing::Every(k) => block_index.is_multiple_of(k),
-                };
-                block_index += 1;
-                chosen.then_some(id)
-            } else {
-                None
-            };
-            ckpt_of_scope.push(own.or(inherited));
-        }
-        let ckpt: IdVec<NodeId, Option<ScopeId>> = g.nodes().map(|(_, node)| ckpt_of_scope[node.scope]).collect();
+        let ckpt = checkpointed_blocks(g, ac);
         let mut param_of_node: Vec<Option<u32>> = vec![None; n];
         for (p, param) in g.params() {
             param_of_node[param.node.index()] = Some(p.0);
         }
-        // Selective checkpointing: the forward nodes whose outputs a block keeps (they are
-        // not recomputed; its recompute and backward read the originals).
-        let mut saved: IdVec<NodeId, bool> = IdVec::from_elem(false, n);
-        if let ActivationCheckpointing::Selective(policy) = ac {
-            let mut matmuls: Vec<(ScopeId, u64)> = Vec::new();
-            for j in saved.keys().take(joint.forward_len) {
-                let Some(block) = ckpt[j] else { continue };
-                saved[j] = match &g.node(j).op {
-                    Op::Attention { .. } => policy.attention,
-                    Op::Linear { .. } | Op::MatMul => {
-                        let count = match matmuls.iter_mut().find(|(b, _)| *b == block) {
-                            Some((_, c)) => {
-                                *c += 1;
-                                *c
-                            }
-                            None => {
-                                matmuls.push((block, 1));
-                                1
-                            }
-                        };
-                        match policy.matmuls {
-                            SavedMatmuls::None => false,
-                            SavedMatmuls::All => true,
-                            SavedMatmuls::Odd => count % 2 == 1,
-                        }
-                    }
-                    _ => false,
-                };
-            }
-        }
+        let saved = match ac {
+            ActivationCheckpointing::Selective(policy) => selective_saves(joint, &ckpt, policy),
+            _ => IdVec::from_elem(false, n),
+        };
         // Final parameter gradients (their values live in the groups' gradient buffers).
         let mut is_param_grad = vec![false; n];
         for grad in joint.param_grads.iter().flatten() {
             is_param_grad[grad.index()] = true;
-        }
-        // The forward nodes each checkpointed block recomputes, in order.
-        let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
-        for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
-            let f = NodeId::new(j);
-            if param.is_some() || g.node(f).op.is_leaf() || saved[f] {
-                continue;
-            }
-            if let Some(block) = ckpt[f] {
-                match block_nodes.iter_mut().find(|(b, _)| *b == block) {
-                    Some((_, v)) => v.push(f),
-                    None => block_nodes.push((block, vec![f])),
-                }
-            }
         }
         // Backward recomputations of values the block's recompute makes anyway.
         let mut alias: Vec<Option<NodeId>> = vec![None; n];
@@ -232,25 +174,7 @@ impl ExecOrder {
                 }
             }
         }
-        let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
-        let mut recomputed: Vec<ScopeId> = Vec::new();
-        for (i, param) in param_of_node.iter().enumerate() {
-            let id = NodeId::new(i);
-            if param.is_some() || alias[i].is_some() {
-                continue;
-            }
-            if i >= joint.forward_len {
-                if let Some(block) = ckpt[id] {
-                    if !recomputed.contains(&block) {
-                        recomputed.push(block);
-                        if let Some((_, nodes)) = block_nodes.iter().find(|(b, _)| *b == block) {
-                            order.extend(nodes.iter().map(|&f| (f, true)));
-                        }
-                    }
-                }
-            }
-            order.push((id, false));
-        }
+        let order = recompute_order(joint, &ckpt, &saved, &param_of_node, &alias);
         let mut exec = ExecOrder {
             order,
             param_of_node,
@@ -293,23 +217,7 @@ impl ExecOrder {
     /// lives to the last gradient node), so both see the same peak.
     fn blockwise_attention(&mut self, g: &shardplan_ir::Graph) {
         let n = g.node_count();
-        let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); n];
-        for (id, node) in g.nodes() {
-            if matches!(
-                node.op,
-                Op::AttnProbs { .. } | Op::AttnGradScores | Op::AttnGradV { .. } | Op::AttnGradQ | Op::AttnGradK { .. }
-            ) {
-                for &i in &node.inputs {
-                    readers[i.index()].push(id);
-                }
-            } else {
-                for &i in &node.inputs {
-                    if matches!(g.node(i).op, Op::AttnProbs { .. } | Op::AttnGradScores) {
-                        readers[i.index()].push(id);
-                    }
-                }
-            }
-        }
+        let readers = attention_readers(g);
         self.blockwise.clear();
         self.blockwise_of = vec![None; n];
         for (probs, node) in g.nodes() {
@@ -544,6 +452,133 @@ impl ExecOrder {
             g.node(id).ty.bytes().unwrap_or(u64::MAX)
         }
     }
+}
+
+/// Per node: the attention backward's nodes that read it, and every node that reads an
+/// `attn_probs` or `attn_grad_scores` (which must be attention backward's own for it to
+/// run blockwise).
+fn attention_readers(g: &shardplan_ir::Graph) -> Vec<Vec<NodeId>> {
+    let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); g.node_count()];
+    for (id, node) in g.nodes() {
+        let backward = matches!(
+            node.op,
+            Op::AttnProbs { .. } | Op::AttnGradScores | Op::AttnGradV { .. } | Op::AttnGradQ | Op::AttnGradK { .. }
+        );
+        for &i in &node.inputs {
+            if backward || matches!(g.node(i).op, Op::AttnProbs { .. } | Op::AttnGradScores) {
+                readers[i.index()].push(id);
+            }
+        }
+    }
+    readers
+}
+
+/// The checkpointed block each node belongs to under `ac`: the nearest block ancestor of
+/// its scope, when that block is checkpointed.
+fn checkpointed_blocks(g: &shardplan_ir::Graph, ac: ActivationCheckpointing) -> IdVec<NodeId, Option<ScopeId>> {
+    let mut block_index = 0u64;
+    let mut ckpt_of_scope: IdVec<ScopeId, Option<ScopeId>> = IdVec::with_capacity(g.scopes().len());
+    for (id, s) in g.scopes() {
+        let inherited = s.parent.and_then(|p| ckpt_of_scope[p]);
+        let own = if s.kind == ModuleKind::Block {
+            let chosen = match ac {
+                ActivationCheckpointing::None => false,
+                ActivationCheckpointing::Full | ActivationCheckpointing::Selective(_) => true,
+                ActivationCheckpointing::Every(k) => block_index.is_multiple_of(k),
+            };
+            block_index += 1;
+            chosen.then_some(id)
+        } else {
+            None
+        };
+        ckpt_of_scope.push(own.or(inherited));
+    }
+    g.nodes().map(|(_, node)| ckpt_of_scope[node.scope]).collect()
+}
+
+/// Selective checkpointing: the forward nodes whose outputs a checkpointed block keeps
+/// (they are not recomputed; its recompute and backward read the originals).
+fn selective_saves(
+    joint: &JointGraph,
+    ckpt: &IdVec<NodeId, Option<ScopeId>>,
+    policy: shardplan_frontends::SavePolicy,
+) -> IdVec<NodeId, bool> {
+    let g = &joint.graph;
+    let mut saved: IdVec<NodeId, bool> = IdVec::from_elem(false, g.node_count());
+    let mut matmuls: Vec<(ScopeId, u64)> = Vec::new();
+    for j in saved.keys().take(joint.forward_len) {
+        let Some(block) = ckpt[j] else { continue };
+        saved[j] = match &g.node(j).op {
+            Op::Attention { .. } => policy.attention,
+            Op::Linear { .. } | Op::MatMul => {
+                let count = match matmuls.iter_mut().find(|(b, _)| *b == block) {
+                    Some((_, c)) => {
+                        *c += 1;
+                        *c
+                    }
+                    None => {
+                        matmuls.push((block, 1));
+                        1
+                    }
+                };
+                match policy.matmuls {
+                    SavedMatmuls::None => false,
+                    SavedMatmuls::All => true,
+                    SavedMatmuls::Odd => count % 2 == 1,
+                }
+            }
+            _ => false,
+        };
+    }
+    saved
+}
+
+/// Node order with each checkpointed block's forward run again (as copies) just before its
+/// first backward node; parameters, and backward recomputations a block's recompute makes
+/// (`alias`), do not run.
+fn recompute_order(
+    joint: &JointGraph,
+    ckpt: &IdVec<NodeId, Option<ScopeId>>,
+    saved: &IdVec<NodeId, bool>,
+    param_of_node: &[Option<u32>],
+    alias: &[Option<NodeId>],
+) -> Vec<(NodeId, bool)> {
+    let g = &joint.graph;
+    let n = g.node_count();
+    // The forward nodes each checkpointed block recomputes, in order.
+    let mut block_nodes: Vec<(ScopeId, Vec<NodeId>)> = Vec::new();
+    for (j, param) in param_of_node.iter().enumerate().take(joint.forward_len) {
+        let f = NodeId::new(j);
+        if param.is_some() || g.node(f).op.is_leaf() || saved[f] {
+            continue;
+        }
+        if let Some(block) = ckpt[f] {
+            match block_nodes.iter_mut().find(|(b, _)| *b == block) {
+                Some((_, v)) => v.push(f),
+                None => block_nodes.push((block, vec![f])),
+            }
+        }
+    }
+    let mut order: Vec<(NodeId, bool)> = Vec::with_capacity(n + n / 2);
+    let mut recomputed: Vec<ScopeId> = Vec::new();
+    for (i, param) in param_of_node.iter().enumerate() {
+        let id = NodeId::new(i);
+        if param.is_some() || alias[i].is_some() {
+            continue;
+        }
+        if i >= joint.forward_len {
+            if let Some(block) = ckpt[id] {
+                if !recomputed.contains(&block) {
+                    recomputed.push(block);
+                    if let Some((_, nodes)) = block_nodes.iter().find(|(b, _)| *b == block) {
+                        order.extend(nodes.iter().map(|&f| (f, true)));
+                    }
+                }
+            }
+        }
+        order.push((id, false));
+    }
+    order
 }
 
 #[cfg(test)]
