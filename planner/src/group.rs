@@ -226,3 +226,77 @@ pub(crate) fn scope_groups(g: &Graph, groups: &[FsdpGroup]) -> IdVec<ScopeId, Gr
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    //! FSDP2's bottom-up wrapping: units in forward order, the root group last.
+
+    use super::{group, WrapPolicy};
+    use crate::testing::tiny;
+    use crate::PlanError;
+    use shardplan_ir::ModuleKind;
+
+    #[test]
+    fn block_wrap_puts_embeddings_norm_and_head_in_the_root_group_last() {
+        let g = tiny("tiny-llama");
+        let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
+        let names: Vec<&str> = groups.iter().map(|gr| gr.module.as_str()).collect();
+        assert_eq!(names, ["layers.0", "layers.1", "<root>"]);
+        let root: Vec<&str> = groups[2].params.iter().map(|&p| &*g.param(p).name).collect();
+        assert_eq!(
+            root,
+            ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        );
+        // Every parameter in exactly one group.
+        let mut all: Vec<_> = groups.iter().flat_map(|gr| gr.params.clone()).collect();
+        all.sort();
+        assert_eq!(all, g.params().map(|(p, _)| p).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn nested_wrap_is_bottom_up() {
+        let g = tiny("tiny-llama");
+        let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Attention, ModuleKind::Block])).unwrap();
+        let names: Vec<&str> = groups.iter().map(|gr| gr.module.as_str()).collect();
+        // Forward order, as FSDP2's hooks fire: the block (its attention_norm is read first),
+        // then its attention unit.
+        assert_eq!(
+            names,
+            [
+                "layers.0",
+                "layers.0.attention",
+                "layers.1",
+                "layers.1.attention",
+                "<root>"
+            ]
+        );
+        // The block unit keeps what its attention unit did not take: norms and the MLP.
+        assert!(groups[0].params.iter().all(|&p| !g.param(p).name.contains("self_attn")));
+        assert_eq!(groups[0].params.len(), 5);
+        assert_eq!(groups[1].params.len(), 4);
+        // Tied GPT-2: the shared table stays in the root group.
+        let g = tiny("tiny-gpt2");
+        let groups = group(&g, &WrapPolicy::kinds(&[ModuleKind::Block])).unwrap();
+        let root = groups.last().unwrap();
+        assert!(root.is_root());
+        assert!(root
+            .params
+            .iter()
+            .any(|&p| &*g.param(p).name == "transformer.wte.weight"));
+    }
+
+    #[test]
+    fn a_wrap_kind_the_model_lacks_is_an_error() {
+        let e = group(&tiny("tiny-mlp"), &WrapPolicy::kinds(&[ModuleKind::Attention])).unwrap_err();
+        assert!(matches!(e, PlanError::WrapMatchesNothing { .. }));
+        assert_eq!(
+            e.to_string(),
+            "wrap policy `attention` matches no module of this model (its module kinds: block, head, loss)"
+        );
+        // No wrap at all: one root group holding everything (fully_shard on the root only).
+        let g = tiny("tiny-mlp");
+        let groups = group(&g, &WrapPolicy::kinds(&[])).unwrap();
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].params.len(), g.params().len());
+    }
+}

@@ -134,21 +134,9 @@ mod tests {
 
     use super::layout;
     use crate::group::{group, WrapPolicy};
+    use crate::testing::tiny;
     use proptest::prelude::*;
     use shardplan_ir::{DType, ModuleKind};
-    use shardplan_models::{preset, trace, TraceOptions};
-
-    fn tiny(name: &str) -> shardplan_ir::Graph {
-        trace(
-            &preset(name).unwrap(),
-            TraceOptions {
-                batch: 1,
-                seq_len: Some(4),
-                ..TraceOptions::default()
-            },
-        )
-        .unwrap()
-    }
 
     #[test]
     fn layout_packs_padded_shards_back_to_back() {

@@ -31,6 +31,8 @@ pub mod schedule;
 mod simulate;
 mod steps;
 mod stream;
+#[cfg(test)]
+mod testing;
 pub mod trace;
 mod verify;
 

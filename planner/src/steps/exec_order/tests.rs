@@ -4,19 +4,9 @@
 //! (`ExecOrder::in_place_cross_entropy`).
 
 use super::{ExecOrder, ValueSlot};
-use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
-use shardplan_ir::{differentiate, JointGraph, Op};
-use shardplan_models::{preset, trace, ModelConfig};
-
-fn parallel(yaml: &str) -> ParallelConfig {
-    parse_parallel_spec(&Source::from_text("test.yaml", yaml))
-        .unwrap_or_else(|e| panic!("{e}"))
-        .0
-}
-
-fn joint_of(model: &ModelConfig, config: &ParallelConfig) -> JointGraph {
-    differentiate(&trace(model, config.trace_options()).unwrap()).unwrap()
-}
+use crate::testing::{joint_of, parallel};
+use shardplan_ir::Op;
+use shardplan_models::preset;
 
 #[test]
 fn every_attention_backward_runs_blockwise_holding_no_scores() {
