@@ -219,11 +219,17 @@ fn run_nccl(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, C
 /// (`train::engine::Nccl`).
 #[cfg(feature = "cuda")]
 fn run_nccl(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
+    #[cfg(feature = "mpi")]
+    let over_mpi: Option<shardplan_executor::train::engine::JoinProcesses> =
+        Some(Box::new(shardplan_mpi::process_world));
+    #[cfg(not(feature = "mpi"))]
+    let over_mpi = None;
     let engine = shardplan_executor::train::engine::Nccl::start(
         env,
         &args.device,
         std::time::Duration::from_secs_f64(args.collective_timeout),
         &rank_prefix(env),
+        over_mpi,
     )
     .map_err(|x| CliError::Usage(x.to_string()))?;
     train(args, &engine.device, &engine)
@@ -239,7 +245,7 @@ fn run_mpi(_args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cl
 
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, CliError> {
-    let engine = shardplan_executor::train::engine::Mpi::start(env).map_err(|e| CliError::Usage(e.to_string()))?;
+    let engine = shardplan_mpi::Mpi::start(env).map_err(|e| CliError::Usage(e.to_string()))?;
     // Every process runs one rank; on any failure this process stops the whole job, so
     // no rank waits on one that is gone.
     match train(args, &args.device, &engine) {

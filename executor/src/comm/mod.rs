@@ -13,8 +13,6 @@
 
 pub mod env;
 pub mod local;
-#[cfg(feature = "mpi")]
-pub mod mpi;
 pub mod nccl;
 pub mod tcp;
 
@@ -29,7 +27,7 @@ use std::time::Duration;
 /// dtype, as NCCL keeps it; divided by the member count for `Avg`. Every backend reduces
 /// through this one function, or (MPI, on its receive buffer) through the same operations
 /// element by element, so their results agree bit for bit.
-pub(crate) fn rank_order_sum(
+pub fn rank_order_sum(
     mut parts: impl Iterator<Item = Result<Tensor, ExecError>>,
     n: usize,
     op: Reduce,
@@ -61,7 +59,7 @@ pub enum Reduce {
 
 /// What every all-to-all needs of its parts: one per member of the group, each 1-D and of
 /// one dtype, and one expected length from each member.
-pub(crate) fn check_parts(parts: &[Tensor], lens: &[usize], members: usize) -> Result<(), ExecError> {
+pub fn check_parts(parts: &[Tensor], lens: &[usize], members: usize) -> Result<(), ExecError> {
     if parts.len() != members || lens.len() != members {
         return Err(ExecError::Internal(format!(
             "an all-to-all of {} parts and {} expected lengths over {members} members",

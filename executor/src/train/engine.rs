@@ -1,6 +1,7 @@
 //! The engines a sharded run's ranks run on, one entry point each: every rank of the mesh
-//! as a thread of this process (`Threads`), one CPU rank per process over MPI (`Mpi`,
-//! feature `mpi`), one GPU rank per process over NCCL (`Nccl`, feature `cuda`). Each
+//! as a thread of this process (`Threads`), one CPU rank per process over MPI (`Mpi`, in
+//! the `shardplan-mpi` crate), one GPU rank per process over NCCL (`Nccl`, feature
+//! `cuda`). Each
 //! starts what its processes share (the MPI world; NCCL's process world, over which the
 //! communicators' unique ids are exchanged) and places a plan's ranks
 //! (`Engine::place`); `shardplan train` picks one from its arguments and runs the same
@@ -26,49 +27,20 @@ impl Engine for Threads {
     }
 }
 
-/// One CPU rank per process, collectives over MPI; the process was started by mpirun or
-/// srun.
-#[cfg(feature = "mpi")]
-pub struct Mpi {
-    pub world: crate::comm::mpi::MpiWorld,
+/// The processes of a launch joined as one group (`group`), and what must live as long as
+/// it (`keep`: for MPI, its world, finalised when dropped).
+pub struct JoinedProcesses {
+    pub group: Box<dyn crate::comm::Collectives>,
+    pub keep: Box<dyn std::any::Any + Send + Sync>,
 }
 
-#[cfg(feature = "mpi")]
-impl Mpi {
-    /// Initialises MPI and checks that the launcher's world is MPI's.
-    pub fn start(env: Option<&crate::comm::env::ProcessEnv>) -> Result<Mpi, ExecError> {
-        let world = crate::comm::mpi::MpiWorld::init()?;
-        if let Some(e) = env {
-            if e.world_size != world.size {
-                return Err(ExecError::Unsupported(format!(
-                    "{} says {} processes, MPI says {}: start the ranks with mpirun or srun, not {}",
-                    e.launcher.name(),
-                    e.world_size,
-                    world.size,
-                    e.launcher.name()
-                )));
-            }
-        }
-        Ok(Mpi { world })
-    }
-
-    /// Stops every process of the job with `code` (a failed rank must not leave the
-    /// others waiting on it).
-    pub fn abort(&self, code: i32) -> ! {
-        self.world.abort(code)
-    }
-}
-
-#[cfg(feature = "mpi")]
-impl Engine for Mpi {
-    fn place(&self, plan: &Plan, _device: &Device) -> Result<Placement, ExecError> {
-        crate::comm::mpi::place(&self.world, plan)
-    }
-}
+/// How a launch without torchrun's rendezvous (mpirun, srun) joins its processes: given by
+/// the caller that has an MPI backend (the `shardplan-mpi` crate's `process_world`).
+pub type JoinProcesses = Box<dyn FnOnce(std::sync::Arc<crate::comm::Abort>) -> Result<JoinedProcesses, ExecError>>;
 
 /// One GPU rank per process, collectives over NCCL on their own CUDA streams. The
 /// processes agree on the communicators' unique ids and on step figures over TCP (torchrun,
-/// `shardplan launch`) or MPI (mpirun, srun; needs the `mpi` feature too).
+/// `shardplan launch`) or MPI (mpirun, srun; joined by the caller's [`JoinProcesses`]).
 #[cfg(feature = "cuda")]
 pub struct Nccl {
     rank: u64,
@@ -76,21 +48,23 @@ pub struct Nccl {
     abort: std::sync::Arc<crate::comm::Abort>,
     /// The CUDA device this process runs on: GPU `LOCAL_RANK` unless one was named.
     pub device: String,
-    // MPI stays initialised until the run ends (dropping the world finalises it).
-    #[cfg(feature = "mpi")]
-    _mpi: Option<crate::comm::mpi::MpiWorld>,
+    // What the process group needs alive until the run ends (MPI's world: dropping it
+    // finalises MPI).
+    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 #[cfg(feature = "cuda")]
 impl Nccl {
     /// Joins the process world the launcher started (`env`; none: a single process) with
     /// `timeout` for every collective; `device` is `--device` (`cuda` takes the node's GPU
-    /// `LOCAL_RANK`). `who` prefixes messages (`rank R of N: `).
+    /// `LOCAL_RANK`). `who` prefixes messages (`rank R of N: `). Under mpirun or srun the
+    /// processes join with `over_mpi` (`None`: a build without MPI, which refuses).
     pub fn start(
         env: Option<&crate::comm::env::ProcessEnv>,
         device: &str,
         timeout: std::time::Duration,
         who: &str,
+        over_mpi: Option<JoinProcesses>,
     ) -> Result<Nccl, ExecError> {
         use crate::comm::{tcp::TcpWorld, Abort, Collectives};
         if !device.starts_with("cuda") {
@@ -104,19 +78,17 @@ impl Nccl {
         };
         let abort = std::sync::Arc::new(Abort::default());
         abort.set_timeout(timeout);
-        #[cfg(feature = "mpi")]
-        let mut mpi = None;
+        let mut keep = None;
         let (rank, processes): (u64, Option<Box<dyn Collectives>>) = match env {
             None => (0, None),
-            Some(e) => match (&e.torchrun, e.launcher) {
-                (Some(d), _) => (e.rank, Some(Box::new(TcpWorld::connect(d, abort.clone())?))),
-                #[cfg(feature = "mpi")]
-                (None, _) => {
-                    let world: &mut crate::comm::mpi::MpiWorld = mpi.insert(crate::comm::mpi::MpiWorld::init()?);
-                    (e.rank, Some(Box::new(world.process_group(abort.clone()))))
+            Some(e) => match (&e.torchrun, e.launcher, over_mpi) {
+                (Some(d), _, _) => (e.rank, Some(Box::new(TcpWorld::connect(d, abort.clone())?))),
+                (None, _, Some(join)) => {
+                    let joined = join(abort.clone())?;
+                    keep = Some(joined.keep);
+                    (e.rank, Some(joined.group))
                 }
-                #[cfg(not(feature = "mpi"))]
-                (None, launcher) => {
+                (None, launcher, None) => {
                     return Err(ExecError::Unsupported(format!(
                         "{who}under {}, the NCCL backend agrees on its ids over MPI, and this shardplan was built without it: build with `--features cuda,mpi`, or start the ranks with `shardplan launch` or torchrun",
                         launcher.name()
@@ -129,8 +101,7 @@ impl Nccl {
             processes: std::sync::Mutex::new(processes),
             abort,
             device,
-            #[cfg(feature = "mpi")]
-            _mpi: mpi,
+            _keep: keep,
         })
     }
 }

@@ -370,7 +370,7 @@ impl ShardedTrainer {
     }
 
     /// Runs `plan` on the ranks `place` gives this process (a backend built them for this
-    /// plan: `comm::local::place`, or one rank per process from `comm::mpi`).
+    /// plan: `comm::local::place`, or one rank per process from the `shardplan-mpi` crate).
     pub fn from_placement(
         model: &ModelConfig,
         config: &ParallelConfig,

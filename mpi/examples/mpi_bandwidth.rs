@@ -17,9 +17,9 @@
 use candle_core::{Device, Tensor};
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::topology::SimpleCommunicator;
-use shardplan_executor::comm::mpi::{place, MpiWorld};
 use shardplan_executor::comm::Reduce;
 use shardplan_frontends::{parse_parallel_spec, Source};
+use shardplan_mpi::{place, MpiWorld};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

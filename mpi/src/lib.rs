@@ -20,10 +20,15 @@
 //! - MPI collectives cannot time out, so a watchdog thread does: when a collective has
 //!   waited longer than the timeout, or a local stream failed, it prints why and calls
 //!   `MPI_Abort`, which makes the launcher stop every rank.
+//!
+//! The crate is empty without its `mpi` feature (see its Cargo.toml); [`Mpi`] is the
+//! training engine over it.
+#![cfg(feature = "mpi")]
 
-use super::{Abort, Collectives, Placement, Reduce};
-use crate::comm::Comms;
-use crate::ExecError;
+mod engine;
+
+pub use engine::{process_world, Mpi};
+
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use mpi::collective::CommunicatorCollectives;
 use mpi::datatype::Equivalence;
@@ -31,6 +36,8 @@ use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use mpi::Threading;
+use shardplan_executor::comm::{channels, check_parts, rank_order_sum, Abort, Collectives, Comms, Placement, Reduce};
+use shardplan_executor::ExecError;
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -74,7 +81,7 @@ impl MpiWorld {
         // The processes of this job on this node (those that can share memory) split its
         // cores between their kernel thread pools.
         let on_node = world.split_shared(world.rank()).size() as u64;
-        let threads = crate::host::share_cores(on_node as usize) as u64;
+        let threads = shardplan_executor::host::share_cores(on_node as usize) as u64;
         Ok(MpiWorld {
             world: Arc::new(SharedComm(world)),
             _universe: universe,
@@ -341,7 +348,7 @@ fn checked(rc: c_int) -> Result<(), ExecError> {
 
 /// The rank-order sum of the `n` equal rows of `rows` (row r: member r's contribution),
 /// divided by `n` for `Avg`: element for element the operations, in the order and dtype,
-/// of [`super::rank_order_sum`] on those rows (`acc + row`, then candle's `affine(1/n, 0)`),
+/// of [`rank_order_sum`] on those rows (`acc + row`, then candle's `affine(1/n, 0)`),
 /// so the bits are the Local backend's.
 fn sum_rows<E: Elem>(rows: &[E], n: usize, op: Reduce) -> Vec<E> {
     let m = rows.len() / n;
@@ -565,7 +572,7 @@ impl Collectives for MpiGroup {
 
     fn all_reduce(&self, tag: u64, input: &Tensor, op: Reduce) -> Result<Tensor, ExecError> {
         if self.size == 1 {
-            return super::rank_order_sum(std::iter::once(Ok(input.clone())), 1, op);
+            return rank_order_sum(std::iter::once(Ok(input.clone())), 1, op);
         }
         by_dtype!(input.dtype(), E => self.all_reduce_as::<E>(tag, input, op))
     }
@@ -575,7 +582,7 @@ impl Collectives for MpiGroup {
     }
 
     fn all_to_all(&self, tag: u64, parts: &[Tensor], lens: &[usize]) -> Result<Vec<Tensor>, ExecError> {
-        super::check_parts(parts, lens, self.size)?;
+        check_parts(parts, lens, self.size)?;
         by_dtype!(parts[0].dtype(), E => self.all_to_all_as::<E>(tag, parts, lens))
     }
 
@@ -634,7 +641,7 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
         })
     };
     let mut comms = Comms::default();
-    for (c, s) in super::channels(plan) {
+    for (c, s) in channels(plan) {
         let what = format!("{c:?} group ({s:?} stream)").to_lowercase();
         comms.insert(c, s, Box::new(split(c.members(&mesh, rank), what)?));
     }
