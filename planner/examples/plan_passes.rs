@@ -52,11 +52,11 @@ fn main() {
     time("group", 20, || {
         shardplan_planner::group(&joint.graph, &policy).expect("group");
     });
-    let flash = p.config.hardware.kernels == shardplan_frontends::KernelMode::Eager;
+    let runner = shardplan_planner::Runner::of(&p.config);
     time("steps", 20, || {
-        shardplan_planner::steps_and_events(&joint, &groups, p.config.activation_checkpointing, flash);
+        shardplan_planner::steps_and_events(&joint, &groups, p.config.activation_checkpointing, runner);
     });
-    let (_, acts) = shardplan_planner::steps_and_events(&joint, &groups, p.config.activation_checkpointing, flash);
+    let (_, acts) = shardplan_planner::steps_and_events(&joint, &groups, p.config.activation_checkpointing, runner);
     let mut replay = shardplan_planner::allocator::replay(&plan.programs[0], &plan.buffers, &acts, p.config.allocator);
     for (label, settings) in [
         (

@@ -169,7 +169,7 @@ impl BoundCache {
 ///
 /// Activations rise and fall with the execution order, which the checkpointing policy
 /// fixes and the grouping does not change: the step builder's running level
-/// (`steps::steps_and_events_for`) moves the same way whatever the groups, and a grouping
+/// (`steps::steps_and_events`) moves the same way whatever the groups, and a grouping
 /// only decides where steps are cut. So the most activation bytes of any step (`act_max`)
 /// is the same for every grouping of a policy, and every plan holds at least that plus the
 /// CUDA context while its largest step runs. Over the budget, no candidate of the policy

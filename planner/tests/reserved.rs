@@ -76,8 +76,8 @@ fn the_replay_requests_exactly_the_planned_peak() {
     let joint = differentiate(&g).unwrap();
     let p = plan(&joint, &config).unwrap();
     let groups: Vec<_> = p.groups.iter().map(|g| g.group.clone()).collect();
-    let flash = config.hardware.kernels == shardplan_frontends::KernelMode::Eager;
-    let (steps, acts) = steps_and_events(&joint, &groups, config.activation_checkpointing, flash);
+    let runner = shardplan_planner::Runner::of(&config);
+    let (steps, acts) = steps_and_events(&joint, &groups, config.activation_checkpointing, runner);
     assert_eq!(steps, p.steps);
     let r = replay(&p.programs[0], &p.buffers, &acts, p.policy.allocator);
     assert_eq!(r.requested_peak, p.memory.peak);

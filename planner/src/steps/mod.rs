@@ -216,21 +216,16 @@ pub struct ActEvent {
 /// activation events of each step. Attention's backward holds no
 /// `[b, h, s, t]` probabilities either way (flash attention under PyTorch, see
 /// [`ExecOrder::flash_attention`]; shardplan's blockwise kernel otherwise, see
-/// [`ExecOrder::blockwise_attention`]). With `flash_attention` (PyTorch eager's memory:
-/// `kernels: eager`) the cross-entropy's backward holds one more tensor the size of the
-/// logits while it runs (eager's `log_softmax` + `nll_loss`).
+/// [`ExecOrder::blockwise_attention`]). Under PyTorch's runners the cross-entropy's
+/// backward holds one more tensor the size of the logits while it runs (eager's
+/// `log_softmax` + `nll_loss`), and autograd's saved tensors count ([`Runner`]).
 pub fn steps_and_events(
     joint: &JointGraph,
     groups: &[FsdpGroup],
     ac: ActivationCheckpointing,
-    flash_attention: bool,
+    runner: Runner,
 ) -> (Vec<Step>, ActEvents) {
-    let runner = if flash_attention {
-        Runner::Eager
-    } else {
-        Runner::Shardplan
-    };
-    steps_and_events_for(joint, groups, ac, runner)
+    steps_and_events_in(joint, groups, &ExecOrder::new(joint, ac, runner), runner)
 }
 
 /// What runs a rank's compute, for what it holds beside the graph's own values.
@@ -291,17 +286,7 @@ impl Runner {
     }
 }
 
-/// [`steps_and_events`] for the compute `runner` runs.
-pub(crate) fn steps_and_events_for(
-    joint: &JointGraph,
-    groups: &[FsdpGroup],
-    ac: ActivationCheckpointing,
-    runner: Runner,
-) -> (Vec<Step>, ActEvents) {
-    steps_and_events_in(joint, groups, &ExecOrder::new(joint, ac, runner), runner)
-}
-
-/// [`steps_and_events_for`] in an execution order already made by
+/// [`steps_and_events`] in an execution order already made by
 /// [`ExecOrder::new`] for the same graph, checkpointing and `runner` (it does not
 /// depend on the groups, so a search makes one per policy).
 pub(crate) fn steps_and_events_in(
