@@ -23,6 +23,7 @@ mod hooks;
 mod layout;
 mod lower;
 mod mesh;
+pub mod pipeline;
 mod plan;
 pub mod prefetch;
 pub mod print;

@@ -549,3 +549,71 @@ impl std::fmt::Display for ActivationCheckpointing {
         }
     }
 }
+
+/// A pipeline schedule of torch.distributed.pipelining, by the name torchtitan's
+/// `pipeline_parallel_schedule` takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PipelineSchedule {
+    /// All forwards, then all backwards; one stage a rank.
+    #[serde(rename = "GPipe")]
+    GPipe,
+    /// One forward, one backward in steady state; one stage a rank.
+    #[serde(rename = "1F1B")]
+    OneFOneB,
+    /// 1F1B over several stages a rank, looped (Megatron's interleaved schedule).
+    Interleaved1F1B,
+    /// Every forward of a rank's first stage, then its next stage's, breadth first.
+    LoopedBFS,
+    /// Interleaved with split backwards filling the bubble (ZB1P).
+    InterleavedZeroBubble,
+    /// Zero-bubble on two stages a rank placed in a V.
+    ZBVZeroBubble,
+    /// DeepSeek's DualPipe on one V: a forward and a backward overlapped.
+    DualPipeV,
+}
+
+impl PipelineSchedule {
+    pub const ALL: [PipelineSchedule; 7] = [
+        PipelineSchedule::GPipe,
+        PipelineSchedule::OneFOneB,
+        PipelineSchedule::Interleaved1F1B,
+        PipelineSchedule::LoopedBFS,
+        PipelineSchedule::InterleavedZeroBubble,
+        PipelineSchedule::ZBVZeroBubble,
+        PipelineSchedule::DualPipeV,
+    ];
+
+    /// The name as the spec and torchtitan write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PipelineSchedule::GPipe => "GPipe",
+            PipelineSchedule::OneFOneB => "1F1B",
+            PipelineSchedule::Interleaved1F1B => "Interleaved1F1B",
+            PipelineSchedule::LoopedBFS => "LoopedBFS",
+            PipelineSchedule::InterleavedZeroBubble => "InterleavedZeroBubble",
+            PipelineSchedule::ZBVZeroBubble => "ZBVZeroBubble",
+            PipelineSchedule::DualPipeV => "DualPipeV",
+        }
+    }
+
+    /// GPipe and 1F1B run one stage a rank (torch's `PipelineScheduleSingle`).
+    pub fn is_single_stage(self) -> bool {
+        matches!(self, PipelineSchedule::GPipe | PipelineSchedule::OneFOneB)
+    }
+
+    /// Stages a rank unless the spec says: 1 for single-stage schedules, 2 for the others
+    /// (torchtitan's default).
+    pub fn default_stages_per_rank(self) -> u64 {
+        if self.is_single_stage() {
+            1
+        } else {
+            2
+        }
+    }
+}
+
+impl std::fmt::Display for PipelineSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
