@@ -170,6 +170,13 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
                 .context("serialising the trace")?
                 + "\n"
         }
+        Format::PpCsv => {
+            return Err(CliError::Input(parallel.origin.error(
+                "mesh",
+                "--format pp-csv writes a pipeline's schedule, and --auto does not search pipelines yet",
+                "use --format text, json or trace with --auto",
+            )))
+        }
     };
     write_out(args, &text)
 }

@@ -60,6 +60,10 @@ pub enum Format {
     Json,
     /// A Chrome / Perfetto trace of the simulated timeline.
     Trace,
+    /// A pipeline's compute-only schedule in torch.distributed.pipelining's CSV format
+    /// (one row a pipeline rank), as `pipeline.csv` and torchtitan's
+    /// `pipeline_parallel_schedule_csv` read it.
+    PpCsv,
 }
 
 /// `80GiB`, `1.5 TB`, `512MiB`, `1000` (bytes).
@@ -238,6 +242,9 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
             format!("use --rank between 0 and {}", world - 1),
         )));
     }
+    if parallel.config.pipeline.is_some() {
+        return run_pipeline(args, &model, &parallel);
+    }
     let p = make_plan(&model, &parallel, &parallel.config)?;
     if let Some(budget) = args.memory_budget {
         if verify(&p, Some(budget)).is_err() {
@@ -256,6 +263,38 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
                 .context("serialising the trace")?
                 + "\n"
         }
+        Format::PpCsv => {
+            return Err(CliError::Input(parallel.origin.error(
+                "mesh",
+                "--format pp-csv writes a pipeline's schedule, but the mesh has no pipeline axis",
+                "set mesh.pipeline to 2 or more, or use --format text, json or trace",
+            )))
+        }
+    };
+    write_out(args, &text)
+}
+
+/// `plan` of a spec with a pipeline axis: the stages, the schedule and its timeline.
+fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> Result<(), CliError> {
+    let config = &parallel.config;
+    let refused = |what: &str| {
+        CliError::Input(parallel.origin.error(
+            "mesh.pipeline",
+            format!("{what} of a pipeline plan is not made yet: shardplan plans the pipeline's schedule and timeline, not yet each stage's FSDP program"),
+            "use --format text or pp-csv",
+        ))
+    };
+    if args.auto || args.compare.is_some() || args.memory_budget.is_some() {
+        return Err(refused("--auto, --compare or --memory-budget"));
+    }
+    let joint = trace_joint(model, parallel, config, true)?;
+    let plan = shardplan_planner::pipeline::plan_pipeline(&joint, config)
+        .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    let text = match args.format {
+        Format::Text => shardplan_planner::pipeline::print::text(&plan, config.batch.per_rank),
+        Format::PpCsv => shardplan_planner::pipeline::compute_csv(&plan.program.compute),
+        Format::Json => return Err(refused("--format json")),
+        Format::Trace => return Err(refused("--format trace")),
     };
     write_out(args, &text)
 }

@@ -242,6 +242,7 @@ fn mesh_splits(base: &ParallelConfig, fixed: Fixed) -> Vec<MeshShape> {
         .filter(|s| world.is_multiple_of(*s) && (s.is_multiple_of(gpn) || gpn.is_multiple_of(*s)))
         .filter(|shard| shard.is_multiple_of(base.mesh.expert))
         .map(|shard| MeshShape {
+            pipeline: 1,
             replicate: world / shard,
             shard,
             tensor,
@@ -467,6 +468,7 @@ pub fn model_spaces(
             let mut config = base.clone();
             let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
             config.mesh = MeshShape {
+                pipeline: 1,
                 replicate,
                 shard: world / (replicate * t),
                 tensor: t,

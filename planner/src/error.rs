@@ -41,6 +41,13 @@ pub enum PlanError {
     /// `reshard_after_forward: N` with N not dividing the shard axis.
     #[error("reshard_after_forward {n} does not divide the shard axis ({shard})")]
     ReshardDoesNotDivide { n: u64, shard: u64 },
+    /// A pipeline the schedule or the model cannot run: the spec field, the reason, the fix.
+    #[error("{message}")]
+    Pipeline {
+        field: &'static str,
+        message: String,
+        fix: String,
+    },
     /// The model's graph cannot be differentiated or planned.
     #[error("{0}")]
     Graph(String),
@@ -59,6 +66,7 @@ impl PlanError {
             PlanError::NoSuchModule { .. } => "wrap_modules",
             PlanError::PrefetchModule { .. } => "prefetch.explicit",
             PlanError::ReshardDoesNotDivide { .. } => "reshard_after_forward",
+            PlanError::Pipeline { field, .. } => field,
             PlanError::Graph(_) | PlanError::Bug(_) => "batch",
         }
     }
@@ -80,6 +88,7 @@ impl PlanError {
             PlanError::ReshardDoesNotDivide { shard, .. } => {
                 format!("use true, false, or a divisor of {shard} (usually gpus_per_node)")
             }
+            PlanError::Pipeline { fix, .. } => fix.clone(),
             PlanError::Graph(_) => "use smaller sizes in the model or the batch".into(),
             PlanError::Bug(_) => "please report this with the model and parallel spec".into(),
         }

@@ -30,6 +30,13 @@ pub(crate) struct Lowered {
 
 /// Lowers `config` for `g` (traced at the per-rank micro-batch shape).
 pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanError> {
+    if config.mesh.pipeline > 1 {
+        return Err(PlanError::Pipeline {
+            field: "mesh.pipeline",
+            message: "the FSDP program inside each pipeline stage is not planned yet: shardplan plans the pipeline's schedule, its timeline and its bubble (`shardplan plan`), not yet each stage's memory, its FSDP schedule or a pipeline run".into(),
+            fix: "see the schedule with `shardplan plan` (or `--format pp-csv`); to plan memory or to train, set mesh.pipeline to 1".into(),
+        });
+    }
     let mesh = Mesh::with_tensor(
         config.mesh.replicate,
         config.mesh.shard,

@@ -5,12 +5,17 @@ use serde::{Deserialize, Serialize};
 use shardplan_ir::{DType, ModuleKind};
 use std::collections::BTreeMap;
 
-/// Replicate x shard x tensor: `world = replicate * shard * tensor`; replicate > 1 is
-/// HSDP, tensor > 1 tensor parallelism. Ranks are numbered row-major over the three axes,
-/// tensor innermost (torchtitan's `dp_replicate, dp_shard, tp` mesh): rank
-/// `(r * shard + s) * tensor + t`, so a tensor group is `tensor` consecutive ranks.
+/// Pipeline x replicate x shard x tensor: `world = pipeline * replicate * shard * tensor`;
+/// pipeline > 1 is pipeline parallelism, replicate > 1 HSDP, tensor > 1 tensor
+/// parallelism. Ranks are numbered row-major over the axes, pipeline outermost and tensor
+/// innermost (torchtitan's `pp, dp_replicate, dp_shard, tp` mesh): rank
+/// `((p * replicate + r) * shard + s) * tensor + t`, so a tensor group is `tensor`
+/// consecutive ranks and a pipeline stage's ranks are one contiguous block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MeshShape {
+    /// Pipeline ranks (stages of the model in turn); absent from serialised configs when 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pipeline: u64,
     pub replicate: u64,
     pub shard: u64,
     /// Ranks of one tensor-parallel group; absent from serialised configs when 1, so
@@ -34,7 +39,14 @@ fn is_one(v: &u64) -> bool {
 }
 
 impl MeshShape {
+    /// Every rank of the mesh.
     pub fn world(&self) -> u64 {
+        self.pipeline * self.stage_world()
+    }
+
+    /// The ranks of one pipeline rank's stages: `replicate x shard x tensor` (the whole
+    /// world without a pipeline).
+    pub fn stage_world(&self) -> u64 {
         self.replicate * self.shard * self.tensor
     }
 
@@ -474,15 +486,18 @@ pub struct ParallelConfig {
     /// Mixture-of-experts options; absent from a serialised config when default.
     #[serde(default, skip_serializing_if = "MoeParallel::is_default")]
     pub moe: MoeParallel,
+    /// Pipeline parallelism's schedule and stages, when `mesh.pipeline > 1`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<Pipeline>,
 }
 
 impl ParallelConfig {
     /// The shape a model is traced at for this run: one rank's micro-batch (sequences and
-    /// tokens per sequence) in the parameter dtype. The one conversion from a run spec to
-    /// `TraceOptions`.
+    /// tokens per sequence) in the parameter dtype; under a pipeline, one of its
+    /// micro-batches. The one conversion from a run spec to `TraceOptions`.
     pub fn trace_options(&self) -> shardplan_models::TraceOptions {
         shardplan_models::TraceOptions {
-            batch: self.batch.per_rank,
+            batch: self.micro_batch(),
             seq_len: self.batch.seq_len,
             dtype: self.mixed_precision.param,
             tensor: shardplan_models::TensorOptions {
@@ -496,6 +511,14 @@ impl ParallelConfig {
                 capacity_factor: self.moe.capacity_factor,
                 overlap: self.runtime == Runtime::Shardplan,
             },
+        }
+    }
+
+    /// Sequences of one rank's forward: `batch.per_rank`, or one pipeline micro-batch of it.
+    pub fn micro_batch(&self) -> u64 {
+        match &self.pipeline {
+            Some(p) => self.batch.per_rank / p.microbatches,
+            None => self.batch.per_rank,
         }
     }
 
@@ -616,4 +639,47 @@ impl std::fmt::Display for PipelineSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// Pipeline parallelism's schedule and stages (`pipeline:`), torchtitan's knobs under the
+/// spec's names; read when `mesh.pipeline > 1`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pipeline {
+    pub schedule: PipelineSchedule,
+    /// Micro-batches a step: `batch.per_rank` splits into this many.
+    pub microbatches: u64,
+    /// Stages each pipeline rank runs; `None`: from `layers_per_stage`, the module lists,
+    /// or the schedule's default (1 single-stage, 2 otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages_per_rank: Option<u64>,
+    pub split: StageSplit,
+    /// A custom compute-only schedule in torch's CSV format (one row a rank), run instead
+    /// of the named schedule's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csv: Option<std::path::PathBuf>,
+}
+
+/// How the model's modules are cut into stages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageSplit {
+    /// torchtitan's split: the embedding and the head count as `first_stage_less_layers`
+    /// and `last_stage_less_layers` blocks, every stage `layers_per_stage` blocks (when
+    /// set, it fixes the stage count), the first stages one more where they do not divide.
+    Layers {
+        layers_per_stage: Option<u64>,
+        first_stage_less_layers: u64,
+        last_stage_less_layers: u64,
+    },
+    /// Each stage's top-level modules by name (torchtitan's `module_fqns_per_model_part`).
+    Modules(Vec<Vec<String>>),
+}
+
+impl StageSplit {
+    /// torchtitan's defaults: stage count from the schedule, embedding and head one block each.
+    pub const DEFAULT: StageSplit = StageSplit::Layers {
+        layers_per_stage: None,
+        first_stage_less_layers: 1,
+        last_stage_less_layers: 1,
+    };
 }

@@ -8,6 +8,7 @@
 
 mod fsdp;
 mod hardware;
+mod pipeline;
 mod training;
 
 use super::file::*;
@@ -17,6 +18,7 @@ use crate::yaml::{self, pos};
 use crate::{Origin, Source, SpecError};
 use fsdp::{activation_checkpointing, mixed_precision, prefetch, reshard_after_forward, wrap, wrap_modules};
 use hardware::hardware;
+use pipeline::{pipeline, pipeline_axis};
 use serde_saphyr::Spanned;
 use training::{batch, data, grad_clip, lr_schedule, optimizer};
 
@@ -87,6 +89,7 @@ impl ParallelSpecFile {
         let lr_schedule = lr_schedule(&mut o, self.lr_schedule)?;
         let data = data(&mut o, self.data, &src.path)?;
         let allocator = allocator(&mut o, self.allocator);
+        let pipeline = pipeline(&mut o, self.pipeline, mesh.pipeline, batch.per_rank, &src.path)?;
 
         let config = ParallelConfig {
             mesh,
@@ -111,6 +114,7 @@ impl ParallelSpecFile {
             allocator,
             tensor_parallel,
             moe,
+            pipeline,
         };
         Ok((config, o))
     }
@@ -122,6 +126,7 @@ fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError>
     let mesh_file = spec.value;
     record(o, "mesh.replicate", &mesh_file.replicate);
     o.insert("mesh.shard", pos(&mesh_file.shard));
+    let pipeline = pipeline_axis(o, &mesh_file)?;
     record(o, "mesh.tensor", &mesh_file.tensor);
     let replicate = at_least_1(o, "mesh.replicate", mesh_file.replicate.map_or(1, |s| s.value))?;
     let shard = at_least_1(o, "mesh.shard", mesh_file.shard.value)?;
@@ -136,6 +141,7 @@ fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError>
         ));
     }
     Ok(MeshShape {
+        pipeline,
         replicate,
         shard,
         tensor,
@@ -143,19 +149,19 @@ fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError>
     })
 }
 
-/// The mesh's axes as errors name them (`replicate x shard = 2 x 8`).
+/// The mesh's axes as errors name them (`replicate x shard = 2 x 8`, with `pipeline` and
+/// `tensor` where they are more than 1).
 fn axes(mesh: &MeshShape) -> String {
-    let MeshShape {
-        replicate,
-        shard,
-        tensor,
-        ..
-    } = mesh;
-    if *tensor > 1 {
-        format!("replicate x shard x tensor = {replicate} x {shard} x {tensor}")
-    } else {
-        format!("replicate x shard = {replicate} x {shard}")
-    }
+    let axes = [
+        ("pipeline", mesh.pipeline, mesh.pipeline > 1),
+        ("replicate", mesh.replicate, true),
+        ("shard", mesh.shard, true),
+        ("tensor", mesh.tensor, mesh.tensor > 1),
+    ];
+    let shown: Vec<_> = axes.iter().filter(|a| a.2).collect();
+    let names: Vec<&str> = shown.iter().map(|a| a.0).collect();
+    let sizes: Vec<String> = shown.iter().map(|a| a.1.to_string()).collect();
+    format!("{} = {}", names.join(" x "), sizes.join(" x "))
 }
 
 /// The mesh's rank count: at most [`MAX_WORLD`], and the `world` of the spec where written.
@@ -163,8 +169,9 @@ fn world(o: &mut Origin, mesh: &MeshShape, spec: Option<Spanned<u64>>) -> Result
     let axes = axes(mesh);
     let tensor = mesh.tensor;
     match mesh
-        .replicate
-        .checked_mul(mesh.shard)
+        .pipeline
+        .checked_mul(mesh.replicate)
+        .and_then(|p| p.checked_mul(mesh.shard))
         .and_then(|p| p.checked_mul(tensor))
     {
         Some(w) if w <= MAX_WORLD => {}

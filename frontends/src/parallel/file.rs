@@ -35,6 +35,20 @@ pub(super) struct ParallelSpecFile {
     pub(super) allocator: Option<Spanned<AllocatorFile>>,
     pub(super) tensor_parallel: Option<Spanned<TensorParallelFile>>,
     pub(super) moe: Option<Spanned<MoeFile>>,
+    pub(super) pipeline: Option<Spanned<PipelineFile>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct PipelineFile {
+    pub(super) schedule: Option<Spanned<PipelineSchedule>>,
+    pub(super) microbatches: Option<Spanned<u64>>,
+    pub(super) stages_per_rank: Option<Spanned<u64>>,
+    pub(super) layers_per_stage: Option<Spanned<u64>>,
+    pub(super) first_stage_less_layers: Option<Spanned<u64>>,
+    pub(super) last_stage_less_layers: Option<Spanned<u64>>,
+    pub(super) modules_per_stage: Option<Spanned<Vec<Vec<String>>>>,
+    pub(super) csv: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -81,6 +95,7 @@ pub(super) fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct MeshFile {
+    pub(super) pipeline: Option<Spanned<u64>>,
     pub(super) replicate: Option<Spanned<u64>>,
     pub(super) shard: Spanned<u64>,
     pub(super) tensor: Option<Spanned<u64>>,

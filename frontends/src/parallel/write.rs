@@ -39,6 +39,41 @@ fn prefetch_yaml(p: &Prefetch) -> String {
     y
 }
 
+/// The `pipeline:` value that reads back as `p`.
+fn pipeline_yaml(p: &Pipeline) -> String {
+    let q = |x: &str| serde_json::to_string(x).unwrap_or_else(|_| "\"\"".into());
+    let mut y = format!("{{schedule: {}, microbatches: {}", q(p.schedule.name()), p.microbatches);
+    if let Some(v) = p.stages_per_rank {
+        y.push_str(&format!(", stages_per_rank: {v}"));
+    }
+    match &p.split {
+        StageSplit::Layers {
+            layers_per_stage,
+            first_stage_less_layers,
+            last_stage_less_layers,
+        } => {
+            if let Some(k) = layers_per_stage {
+                y.push_str(&format!(", layers_per_stage: {k}"));
+            }
+            y.push_str(&format!(
+                ", first_stage_less_layers: {first_stage_less_layers}, last_stage_less_layers: {last_stage_less_layers}"
+            ));
+        }
+        StageSplit::Modules(stages) => {
+            let stages: Vec<String> = stages
+                .iter()
+                .map(|s| format!("[{}]", s.iter().map(|m| q(m)).collect::<Vec<_>>().join(", ")))
+                .collect();
+            y.push_str(&format!(", modules_per_stage: [{}]", stages.join(", ")));
+        }
+    }
+    if let Some(csv) = &p.csv {
+        y.push_str(&format!(", csv: {}", q(&csv.display().to_string())));
+    }
+    y.push('}');
+    y
+}
+
 /// The parallel spec of `c` as YAML (every field the planner and the trainers read), so a
 /// run is reproducible from it: `plan --auto --emit-spec` writes it, and a plan file's
 /// re-derivation checks that it reads back as `c`.
@@ -92,7 +127,11 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     };
     let mut y = String::new();
     y.push_str("# Written by `shardplan plan --auto --emit-spec`.\n");
-    let mut axes = format!("replicate: {}, shard: {}", c.mesh.replicate, c.mesh.shard);
+    let mut axes = String::new();
+    if c.mesh.pipeline > 1 {
+        axes.push_str(&format!("pipeline: {}, ", c.mesh.pipeline));
+    }
+    axes.push_str(&format!("replicate: {}, shard: {}", c.mesh.replicate, c.mesh.shard));
     if c.mesh.tensor > 1 {
         axes.push_str(&format!(", tensor: {}", c.mesh.tensor));
     }
@@ -111,6 +150,9 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
             "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}}}\n",
             c.tensor_parallel.sequence_parallel, c.tensor_parallel.loss_parallel
         ));
+    }
+    if let Some(p) = &c.pipeline {
+        y.push_str(&format!("pipeline: {}\n", pipeline_yaml(p)));
     }
     y.push_str(&format!("gpus_per_node: {}\n", c.gpus_per_node));
     y.push_str(&format!("hardware: {hardware}\n"));

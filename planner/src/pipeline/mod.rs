@@ -9,11 +9,18 @@
 mod action;
 mod compute;
 mod lower;
+mod plan;
+pub mod print;
+mod split;
+mod timeline;
 
 pub use action::{Action, ActionParseError, Op, OpKind};
 pub use compute::{check, compute_order, placement, Placement, RankOrder, ScheduleError, Shape};
 pub use lower::{lower, Deadlock, StageMap, MAX_ACTIVE_STAGES};
+pub use plan::{plan_pipeline, PipelinePlan, StagePlan};
 pub use shardplan_frontends::PipelineSchedule;
+pub use split::{split_stages, stages_per_rank, top_level_modules};
+pub use timeline::{simulate, Span, StageTimes, Stuck, Timeline};
 
 /// A schedule at one size: its placement, every rank's compute-only program and that
 /// program lowered with communication.
@@ -33,6 +40,21 @@ pub enum PipelineError {
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
     Deadlock(#[from] Deadlock),
+}
+
+/// Every rank's compute-only order in torch's CSV format: a row a rank, a cell an action,
+/// an empty cell an idle slot (what `_load_csv(format="compute_only")` reads).
+pub fn compute_csv(rows: &[RankOrder]) -> String {
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .map(|a| a.as_ref().map(ToString::to_string).unwrap_or_default())
+            .collect();
+        out.push_str(&cells.join(","));
+        out.push_str("\r\n");
+    }
+    out
 }
 
 impl PipelineProgram {
