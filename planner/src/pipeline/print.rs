@@ -19,12 +19,15 @@ pub fn text(plan: &PipelinePlan, per_rank: u64) -> String {
     let stage_word = if s.stages_per_rank == 1 { "stage" } else { "stages" };
     let _ = writeln!(
         out,
-        "pipeline  {}, {} ranks x {} {stage_word} = {} stages ({:?} placement), {} micro-batches of {microbatch} {}",
+        "pipeline  {}, {} ranks x {} {stage_word} = {} stages ({} placement), {} micro-batches of {microbatch} {}",
         p.schedule,
         s.ranks,
         s.stages_per_rank,
         s.stages(),
-        p.placement,
+        match p.placement {
+            super::Placement::Loop => "loop",
+            super::Placement::V => "V",
+        },
         s.microbatches,
         if microbatch == 1 { "sequence" } else { "sequences" }
     );
@@ -153,26 +156,33 @@ fn timeline(out: &mut String, t: &Timeline) {
         .map(|r| format!("{:<width$}", format!("rank {r}")))
         .collect();
     let _ = writeln!(out, "{:>10}  {}", "", header.join(" ").trim_end());
+    let eps = row * 1e-6;
     let mut next = vec![0usize; t.ranks.len()];
     for i in 0..rows {
-        let (from, to) = (i as f64 * row, (i + 1) as f64 * row);
+        let (from, to) = (i as f64 * row - eps, (i + 1) as f64 * row - eps);
         let cells: Vec<String> = t
             .ranks
             .iter()
             .enumerate()
             .map(|(r, spans)| {
-                while next[r] < spans.len() && spans[next[r]].end <= from + 1e-12 * row.max(1.0) {
+                while next[r] < spans.len() && spans[next[r]].end <= from {
                     next[r] += 1;
                 }
-                let cell = match spans.get(next[r]) {
-                    Some(s) if s.start < to - 1e-9 * row && s.start >= from - 1e-9 * row => s.action.to_string(),
-                    Some(s) if s.start < from => "|".to_string(),
+                // A span that starts in this row shows its label; one that started
+                // before and runs on shows `|`; none, the rank idles.
+                let in_row = spans[next[r]..]
+                    .iter()
+                    .take_while(|s| s.start < to)
+                    .find(|s| s.start >= from);
+                let cell = match (in_row, spans.get(next[r])) {
+                    (Some(s), _) => s.action.to_string(),
+                    (None, Some(s)) if s.start < from => "|".to_string(),
                     _ => ".".to_string(),
                 };
                 format!("{cell:<width$}")
             })
             .collect();
-        let _ = writeln!(out, "{:>10}  {}", ms(from), cells.join(" ").trim_end());
+        let _ = writeln!(out, "{:>10}  {}", ms(from + eps), cells.join(" ").trim_end());
     }
 }
 

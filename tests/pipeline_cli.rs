@@ -1,0 +1,123 @@
+//! `shardplan plan` of a spec with a pipeline axis: the report, torch's CSV, and the
+//! spec's pipeline errors located in the file.
+
+mod common;
+
+use common::{shardplan, shardplan_ok, stderr, stdout};
+use std::io::Write;
+
+fn spec(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f
+}
+
+fn plan(spec: &tempfile::NamedTempFile, extra: &[&str]) -> std::process::Output {
+    let path = spec.path().to_str().unwrap();
+    let mut args = vec!["plan", "--model", "examples/models/tiny-llama.yaml", "--parallel", path];
+    args.extend_from_slice(extra);
+    shardplan(&args)
+}
+
+#[test]
+fn the_example_prints_stages_bubble_and_timeline() {
+    let o = shardplan_ok(&[
+        "plan",
+        "--model",
+        "examples/models/llama-10m.yaml",
+        "--parallel",
+        "examples/parallel/pp-4-1f1b-cpu.yaml",
+    ]);
+    let out = stdout(&o);
+    assert!(
+        out.starts_with("pipeline  1F1B, 4 ranks x 1 stage = 4 stages (loop placement), 8 micro-batches"),
+        "{out}"
+    );
+    assert!(out.contains("bubble "), "{out}");
+    assert!(out.contains("tok_embeddings"), "{out}");
+    assert!(out.contains("rank 3"), "{out}");
+    assert!(
+        out.contains("3B7"),
+        "the last stage's last backward is in the timeline:\n{out}"
+    );
+}
+
+#[test]
+fn pp_csv_is_torchs_compute_only_format() {
+    let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {schedule: GPipe, microbatches: 2}\n");
+    let o = plan(&f, &["--format", "pp-csv"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "0F0,0F1,0B0,0B1\r\n1F0,1F1,1B0,1B1\r\n");
+}
+
+#[test]
+fn interleaved_schedules_loop_two_stages_a_rank() {
+    let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {schedule: Interleaved1F1B, microbatches: 4}\n");
+    let o = plan(&f, &["--format", "pp-csv"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let csv = stdout(&o);
+    assert!(
+        csv.lines().next().unwrap().contains("2F0"),
+        "rank 0 runs stage 2 as well:\n{csv}"
+    );
+}
+
+/// Each bad spec and the field, line and words its error must name.
+#[test]
+fn bad_pipelines_are_refused_where_written() {
+    let cases = [
+        (
+            "mesh: {shard: 2}\npipeline: {schedule: 1F1B}\n",
+            ":2:",
+            "no pipeline axis",
+        ),
+        (
+            "mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 6, seq_len: 64}\npipeline: {microbatches: 4}\n",
+            ":3:",
+            "does not split into 4 equal micro-batches",
+        ),
+        (
+            "mesh: {pipeline: 4, shard: 1}\nbatch: {per_rank: 2, seq_len: 64}\npipeline: {schedule: 1F1B, microbatches: 2}\n",
+            ":3:",
+            "at least as many micro-batches as stages",
+        ),
+        (
+            "mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {schedule: DualPipeV, stages_per_rank: 3}\n",
+            ":3:",
+            "two stages a rank in a V",
+        ),
+        (
+            "mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {schedule: 1F1B, modules_per_stage: [[tok_embedings, layers.0], [layers.1, norm, output]]}\n",
+            ":3:",
+            "did you mean `tok_embeddings`",
+        ),
+        (
+            "mesh: {pipeline: 2, shard: 1}\npipeline: {schedule: 2F2B}\n",
+            ":2:",
+            "2F2B",
+        ),
+        (
+            "mesh: {pipeline: 8, shard: 1}\nbatch: {per_rank: 8, seq_len: 64}\npipeline: {schedule: 1F1B}\n",
+            ":3:",
+            "leave some stage empty",
+        ),
+    ];
+    for (text, at, words) in cases {
+        let f = spec(text);
+        let o = plan(&f, &[]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{text}: {err}");
+        assert!(
+            err.contains(at) && err.contains(words),
+            "{text}: expected `{at}` and `{words}` in:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn train_and_json_refuse_a_pipeline_until_stages_are_planned() {
+    let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\n");
+    let o = plan(&f, &["--format", "json"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not made yet"), "{}", stderr(&o));
+}
