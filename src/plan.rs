@@ -287,16 +287,62 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
     if args.auto || args.compare.is_some() || args.memory_budget.is_some() {
         return Err(refused("--auto, --compare or --memory-budget"));
     }
+    let custom = custom_schedule(parallel)?;
     let joint = trace_joint(model, parallel, config, true)?;
-    let plan = shardplan_planner::pipeline::plan_pipeline(&joint, config)
+    let plan = shardplan_planner::pipeline::plan_pipeline(&joint, config, custom)
         .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
     let text = match args.format {
         Format::Text => shardplan_planner::pipeline::print::text(&plan, config.batch.per_rank),
-        Format::PpCsv => shardplan_planner::pipeline::compute_csv(&plan.program.compute),
+        Format::PpCsv => shardplan_planner::pipeline::write_csv(&plan.program.compute),
         Format::Json => return Err(refused("--format json")),
         Format::Trace => return Err(refused("--format trace")),
     };
     write_out(args, &text)
+}
+
+/// The spec's `pipeline.csv`, read and validated (refused naming the file, the cell and
+/// the rank and slot that break it); `None` where the spec names none.
+fn custom_schedule(parallel: &LoadedParallel) -> Result<Option<shardplan_planner::pipeline::CustomSchedule>, CliError> {
+    use shardplan_planner::pipeline::{read_csv, validate_custom, MAX_CSV_BYTES};
+    let Some(pipeline) = &parallel.config.pipeline else {
+        return Ok(None);
+    };
+    let Some(path) = &pipeline.csv else {
+        return Ok(None);
+    };
+    let refuse = |message: String, help: &str| CliError::Input(SpecError::file(path, message).help(help));
+    let bytes = std::fs::metadata(path)
+        .map_err(|e| {
+            CliError::Input(parallel.origin.error(
+                "pipeline.csv",
+                format!("cannot read the schedule {}: {e}", path.display()),
+                "give the path of a CSV file, relative to the spec",
+            ))
+        })?
+        .len();
+    if bytes > MAX_CSV_BYTES as u64 {
+        return Err(refuse(
+            format!("{bytes} bytes is more than a schedule may take ({MAX_CSV_BYTES})"),
+            "write one row a pipeline rank",
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        refuse(
+            format!("cannot read it as text: {e}"),
+            "write a UTF-8 CSV file, as torch's _dump_csv does",
+        )
+    })?;
+    let rows = read_csv(&text).map_err(|e| {
+        refuse(
+            e.to_string(),
+            "write one row a pipeline rank, a cell an action like 2F0 (empty: idle)",
+        )
+    })?;
+    let ranks = u32::try_from(parallel.config.mesh.pipeline).unwrap_or(u32::MAX);
+    let microbatches = u32::try_from(pipeline.microbatches).unwrap_or(u32::MAX);
+    let custom = validate_custom(&rows, ranks, microbatches)
+        .map_err(|e| refuse(e.to_string(), "fix the schedule at the rank and slot named; `shardplan plan --format pp-csv` writes a valid one to start from"))?;
+    Ok(Some(custom))
 }
 
 /// Writes a command's output to `--out` or stdout.

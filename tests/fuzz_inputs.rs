@@ -583,6 +583,49 @@ fn fuzz_parallel_yaml() {
     );
 }
 
+/// Pipeline parallelism's fields (`mesh.pipeline`, `pipeline:`).
+#[test]
+fn fuzz_pipeline_yaml() {
+    fuzz_spec(
+        "parallel-pp",
+        &["examples/parallel/pp-4-1f1b-cpu.yaml"],
+        "tiny-llama",
+        300,
+        false,
+    );
+}
+
+/// A custom pipeline schedule (`pipeline.csv`), mutated, through `shardplan plan`: a
+/// report or an error naming the file, never a panic.
+#[test]
+fn fuzz_pipeline_csv() {
+    let good = "0F0,0F1,,0B0,0B1\r\n,1F0,1F1,1B0,1B1\r\n";
+    let dir = scratch();
+    let spec = dir.path().join("pp.yaml");
+    std::fs::write(
+        &spec,
+        "mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {microbatches: 2, csv: s.csv}\n",
+    )
+    .unwrap();
+    let mut rng = Rng(seed() ^ 0x9e37);
+    for i in 0..cases(100) {
+        let (text, how) = mutate_text(good, &mut rng);
+        std::fs::write(dir.path().join("s.csv"), &text).unwrap();
+        let o = common::shardplan(&["plan", "--model", "tiny-llama", "--parallel", spec.to_str().unwrap()]);
+        let err = common::stderr(&o);
+        assert!(
+            matches!(o.status.code(), Some(0 | 2)),
+            "case {i} ({how}): {text:?}\n{err}"
+        );
+        if o.status.code() == Some(2) {
+            assert!(
+                err.contains("s.csv"),
+                "case {i} ({how}): the error names no file:\n{err}"
+            );
+        }
+    }
+}
+
 /// Expert parallelism's fields (`mesh.expert`, `moe.capacity`, `moe.capacity_factor`) with
 /// a mixture of experts.
 #[test]

@@ -121,3 +121,34 @@ fn train_and_json_refuse_a_pipeline_until_stages_are_planned() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("not made yet"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_custom_schedule_runs_or_is_refused_at_its_cell() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |csv: &str| {
+        std::fs::write(dir.path().join("s.csv"), csv).unwrap();
+        let spec = dir.path().join("pp.yaml");
+        std::fs::write(
+            &spec,
+            "mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {microbatches: 2, csv: s.csv}\n",
+        )
+        .unwrap();
+        shardplan(&[
+            "plan",
+            "--model",
+            "examples/models/tiny-llama.yaml",
+            "--parallel",
+            spec.to_str().unwrap(),
+        ])
+    };
+    let o = run("0F0,0F1,0B0,0B1\r\n1F0,1F1,1B0,1B1\r\n");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).starts_with("pipeline  custom schedule, 2 ranks"),
+        "{}",
+        stdout(&o)
+    );
+    let o = run("0F0,0B1,0F1,0B0\r\n1F0,1F1,1B1,1B0\r\n");
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("s.csv: rank 0, slot 1 (cell B1)"), "{}", stderr(&o));
+}

@@ -49,7 +49,7 @@ fn describe(p: &PipelineProgram) -> String {
         stages_per_rank,
         microbatches,
     } = p.shape;
-    format!("{} P={ranks} V={stages_per_rank} M={microbatches}", p.schedule)
+    format!("{} P={ranks} V={stages_per_rank} M={microbatches}", named(p))
 }
 
 #[test]
@@ -70,9 +70,7 @@ fn every_built_in_schedule_round_trips_and_validates() {
             p.shape.microbatches,
         )
         .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let placed: Vec<u32> = (0..p.shape.stages())
-            .map(|s| p.placement.rank_of(s, p.shape.ranks))
-            .collect();
+        let placed: Vec<u32> = (0..p.shape.stages()).map(|s| p.rank_of_stage[s as usize]).collect();
         assert_eq!(custom.rank_of_stage, placed, "{name}");
         assert_eq!(custom.lowered, p.lowered, "{name}");
         let stages = validate_custom_stages(&p.compute, p.shape.ranks, p.shape.stages(), p.shape.microbatches);
@@ -315,7 +313,7 @@ fn lowered_strings(rows: &[Vec<Action>]) -> Vec<Vec<String>> {
 
 /// The fields of a job over `p`'s size, rank 0's mock stages placed as `p` places them.
 fn shape_job(p: &PipelineProgram, kind: &str) -> Value {
-    let stages = p.placement.stages_of(0, p.shape);
+    let stages = p.stages_of(0);
     json!({"kind": kind, "ranks": p.shape.ranks, "stages": p.shape.stages(),
            "microbatches": p.shape.microbatches, "rank0_stages": stages})
 }
@@ -333,7 +331,7 @@ fn program_jobs(programs: &[PipelineProgram], dir: &TempDir) -> Vec<Value> {
         load["path"] = json!(dir.write(&format!("{i}-ours-comms.csv"), &write_lowered_csv(&p.lowered)));
         jobs.push(load);
         let mut dump = shape_job(p, "dump");
-        dump["class"] = json!(format!("Schedule{}", p.schedule.name()));
+        dump["class"] = json!(format!("Schedule{}", named(p).name()));
         dump["compute_path"] = json!(dir.0.join(format!("{i}-torch-compute.csv")));
         dump["comms_path"] = json!(dir.0.join(format!("{i}-torch-comms.csv")));
         jobs.push(dump);
@@ -353,13 +351,11 @@ fn compare_program(p: &PipelineProgram, results: &[Value], dir: &TempDir, i: usi
             failures.push(format!("{name}: torch lowers our {format} CSV otherwise"));
         }
     }
-    let placed: Vec<u32> = (0..p.shape.stages())
-        .map(|s| p.placement.rank_of(s, p.shape.ranks))
-        .collect();
+    let placed: Vec<u32> = (0..p.shape.stages()).map(|s| p.rank_of_stage[s as usize]).collect();
     if results[0]["stage_to_rank"] != json!(placed) {
         failures.push(format!("{name}: torch maps stages to {}", results[0]["stage_to_rank"]));
     }
-    if p.schedule.is_single_stage() {
+    if named(p).is_single_stage() {
         // GPipe's and 1F1B's classes are not runtimes: they have no CSV dump.
         return failures;
     }
@@ -511,4 +507,9 @@ fn torch_reads_our_csv_and_we_read_torchs() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The named schedule of a built-in program.
+fn named(p: &PipelineProgram) -> PipelineSchedule {
+    p.schedule.expect("built-in programs have a named schedule")
 }

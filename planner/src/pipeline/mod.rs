@@ -4,16 +4,26 @@
 //!
 //! - `action`: the vocabulary and its text form ([`Action`], [`Op`], [`OpKind`]);
 //! - `compute`: each schedule's compute-only program per rank ([`compute_order`]);
-//! - `lower`: FSDP's unshard/reshard, gradient reduction, sends, receives and waits.
+//! - `lower`: FSDP's unshard/reshard, gradient reduction, sends, receives and waits;
+//! - `csv`: schedules as torch's CSV files ([`read_csv`], [`write_csv`]);
+//! - `validate`: a custom compute-only schedule checked before it runs ([`validate_custom`]);
+//! - `split`, `plan`, `timeline`, `print`: a run's stages, its program against the clock,
+//!   and the report.
 
 mod action;
 mod compute;
+mod csv;
 mod lower;
 mod plan;
 pub mod print;
 mod split;
 mod timeline;
+mod validate;
 
+pub use self::csv::{
+    cell_name, read_csv, read_lowered_csv, write_csv, write_lowered_csv, CellAt, CellError, CsvError, MAX_CELLS,
+    MAX_CSV_BYTES, MAX_RANKS,
+};
 pub use action::{Action, ActionParseError, Op, OpKind};
 pub use compute::{check, compute_order, placement, Placement, RankOrder, ScheduleError, Shape};
 pub use lower::{lower, Deadlock, StageMap, MAX_ACTIVE_STAGES};
@@ -21,14 +31,17 @@ pub use plan::{plan_pipeline, PipelinePlan, StagePlan};
 pub use shardplan_frontends::PipelineSchedule;
 pub use split::{split_stages, stages_per_rank, top_level_modules};
 pub use timeline::{simulate, Span, StageTimes, Stuck, Timeline};
+pub use validate::{validate_custom, validate_custom_stages, CustomSchedule, ScheduleFileError, Slot, StuckRank};
 
 /// A schedule at one size: its placement, every rank's compute-only program and that
 /// program lowered with communication.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PipelineProgram {
-    pub schedule: PipelineSchedule,
+    /// The named schedule, or `None` for a custom one read from a CSV file.
+    pub schedule: Option<PipelineSchedule>,
     pub shape: Shape,
-    pub placement: Placement,
+    /// `rank_of_stage[stage]`: the pipeline rank that runs each stage.
+    pub rank_of_stage: Vec<u32>,
     pub compute: Vec<RankOrder>,
     pub lowered: Vec<Vec<Action>>,
 }
@@ -40,21 +53,6 @@ pub enum PipelineError {
     Schedule(#[from] ScheduleError),
     #[error(transparent)]
     Deadlock(#[from] Deadlock),
-}
-
-/// Every rank's compute-only order in torch's CSV format: a row a rank, a cell an action,
-/// an empty cell an idle slot (what `_load_csv(format="compute_only")` reads).
-pub fn compute_csv(rows: &[RankOrder]) -> String {
-    let mut out = String::new();
-    for row in rows {
-        let cells: Vec<String> = row
-            .iter()
-            .map(|a| a.as_ref().map(ToString::to_string).unwrap_or_default())
-            .collect();
-        out.push_str(&cells.join(","));
-        out.push_str("\r\n");
-    }
-    out
 }
 
 impl PipelineProgram {
@@ -69,11 +67,43 @@ impl PipelineProgram {
         };
         let lowered = lower(&compute, shape.microbatches, &map)?;
         Ok(PipelineProgram {
-            schedule,
+            schedule: Some(schedule),
             shape,
-            placement,
+            rank_of_stage: (0..shape.stages()).map(rank_of).collect(),
             compute,
             lowered,
         })
+    }
+
+    /// A custom schedule, validated, as a program; its stages a rank are the most any
+    /// rank runs.
+    pub fn custom(schedule: CustomSchedule) -> PipelineProgram {
+        let stages_per_rank = (0..schedule.ranks)
+            .map(|r| schedule.stages_of(r).len() as u32)
+            .max()
+            .unwrap_or(1);
+        PipelineProgram {
+            schedule: None,
+            shape: Shape {
+                ranks: schedule.ranks,
+                stages_per_rank,
+                microbatches: schedule.microbatches,
+            },
+            rank_of_stage: schedule.rank_of_stage,
+            compute: schedule.compute,
+            lowered: schedule.lowered,
+        }
+    }
+
+    /// The stages `rank` runs, ascending.
+    pub fn stages_of(&self, rank: u32) -> Vec<u32> {
+        (0..self.stages())
+            .filter(|&s| self.rank_of_stage[s as usize] == rank)
+            .collect()
+    }
+
+    /// The number of stages.
+    pub fn stages(&self) -> u32 {
+        self.rank_of_stage.len() as u32
     }
 }

@@ -4,7 +4,7 @@
 
 use super::split::{split_stages, stages_per_rank};
 use super::timeline::{simulate, StageTimes, Timeline};
-use super::{check, PipelineProgram, Placement, Shape};
+use super::{check, CustomSchedule, PipelineProgram, Shape};
 use crate::cost::OpModel;
 use crate::PlanError;
 use shardplan_frontends::{ParallelConfig, Pipeline};
@@ -34,8 +34,12 @@ pub struct PipelinePlan {
 }
 
 /// Plans `config`'s pipeline over `joint` (traced at one micro-batch): `config.pipeline`
-/// must be set.
-pub fn plan_pipeline(joint: &JointGraph, config: &ParallelConfig) -> Result<PipelinePlan, PlanError> {
+/// must be set; `custom` is the validated schedule of its `pipeline.csv`, where written.
+pub fn plan_pipeline(
+    joint: &JointGraph,
+    config: &ParallelConfig,
+    custom: Option<CustomSchedule>,
+) -> Result<PipelinePlan, PlanError> {
     let pipeline = config.pipeline.as_ref().ok_or_else(|| PlanError::Pipeline {
         field: "mesh.pipeline",
         message: "the spec has no pipeline axis".into(),
@@ -47,16 +51,32 @@ pub fn plan_pipeline(joint: &JointGraph, config: &ParallelConfig) -> Result<Pipe
         .iter()
         .filter(|(_, k)| *k == shardplan_ir::ModuleKind::Block)
         .count() as u64;
-    let v = stages_per_rank(
-        &pipeline.split,
-        pipeline.stages_per_rank,
-        pipeline.schedule,
-        ranks,
-        blocks,
-    )?;
-    let shape = shape(pipeline, ranks, v)?;
-    let program = PipelineProgram::build(pipeline.schedule, shape).map_err(|e| PlanError::Bug(e.to_string()))?;
-    let modules = split_stages(graph, &pipeline.split, ranks * v)?;
+    let program = match custom {
+        Some(custom) => PipelineProgram::custom(custom),
+        None => {
+            let v = stages_per_rank(
+                &pipeline.split,
+                pipeline.stages_per_rank,
+                pipeline.schedule,
+                ranks,
+                blocks,
+            )?;
+            let shape = shape(pipeline, ranks, v)?;
+            PipelineProgram::build(pipeline.schedule, shape).map_err(|e| PlanError::Bug(e.to_string()))?
+        }
+    };
+    let modules = split_stages(graph, &pipeline.split, u64::from(program.stages()))?;
+    if modules.len() != program.stages() as usize {
+        return Err(PlanError::Pipeline {
+            field: "pipeline.csv",
+            message: format!(
+                "the schedule runs {} stages, but the module lists make {}",
+                program.stages(),
+                modules.len()
+            ),
+            fix: "list as many stages in modules_per_stage as the schedule runs".into(),
+        });
+    }
     let stage_of = stage_of_nodes(joint, &modules);
     let times = stage_times(joint, config, &stage_of, modules.len());
     let boundary_bytes = boundary_bytes(joint, &stage_of);
@@ -66,7 +86,7 @@ pub fn plan_pipeline(joint: &JointGraph, config: &ParallelConfig) -> Result<Pipe
         .into_iter()
         .enumerate()
         .map(|(s, modules)| StagePlan {
-            rank: program.placement.rank_of(s as u32, shape.ranks),
+            rank: program.rank_of_stage[s],
             params: stage_params(joint, &stage_of, s),
             modules,
             times: times[s],
@@ -199,11 +219,4 @@ fn stage_params(joint: &JointGraph, stage_of: &[Option<usize>], stage: usize) ->
         .filter(|(id, node)| stage_of[id.index()] == Some(stage) && matches!(node.op, shardplan_ir::Op::Param { .. }))
         .map(|(_, node)| node.ty.shape.numel().unwrap_or(0))
         .sum()
-}
-
-impl PipelinePlan {
-    /// Where the plan's stages sit.
-    pub fn placement(&self) -> Placement {
-        self.program.placement
-    }
 }

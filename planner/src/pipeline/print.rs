@@ -17,17 +17,18 @@ pub fn text(plan: &PipelinePlan, per_rank: u64) -> String {
     let s = p.shape;
     let microbatch = per_rank / u64::from(s.microbatches);
     let stage_word = if s.stages_per_rank == 1 { "stage" } else { "stages" };
+    let schedule = p.schedule.map_or("custom schedule".to_string(), |s| s.to_string());
+    let placement = match p.schedule.map(super::placement) {
+        Some(super::Placement::Loop) => "loop placement",
+        Some(super::Placement::V) => "V placement",
+        None => "placed by the schedule file",
+    };
     let _ = writeln!(
         out,
-        "pipeline  {}, {} ranks x {} {stage_word} = {} stages ({} placement), {} micro-batches of {microbatch} {}",
-        p.schedule,
+        "pipeline  {schedule}, {} ranks x {} {stage_word} = {} stages ({placement}), {} micro-batches of {microbatch} {}",
         s.ranks,
         s.stages_per_rank,
-        s.stages(),
-        match p.placement {
-            super::Placement::Loop => "loop",
-            super::Placement::V => "V",
-        },
+        p.stages(),
         s.microbatches,
         if microbatch == 1 { "sequence" } else { "sequences" }
     );

@@ -499,10 +499,10 @@ mod tests {
             };
             let program = PipelineProgram::build(schedule, shape).unwrap();
             let custom = validate_custom(&program.compute, 4, 8).unwrap();
-            let placed: Vec<u32> = (0..shape.stages()).map(|s| program.placement.rank_of(s, 4)).collect();
+            let placed: Vec<u32> = (0..shape.stages()).map(|s| program.rank_of_stage[s as usize]).collect();
             assert_eq!(custom.rank_of_stage, placed, "{schedule}");
             assert_eq!(custom.stages, shape.stages());
-            assert_eq!(custom.stages_of(0), program.placement.stages_of(0, shape));
+            assert_eq!(custom.stages_of(0), program.stages_of(0));
             assert_eq!(custom.lowered, program.lowered, "{schedule}");
         }
     }
