@@ -225,6 +225,17 @@ fn every_bundled_example_exports_a_program_that_compiles() {
             done.insert(key_p);
             continue;
         }
+        if !o.status.success() && err.contains("`mesh.pipeline`") {
+            // Pipeline programs are not exported yet (each stage's FSDP program is not
+            // planned): refused at the field.
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            assert!(
+                err.contains(&format!("{p}:")) && err.contains("not planned yet"),
+                "{m} {p}: {err}"
+            );
+            done.insert(key_p);
+            continue;
+        }
         if !o.status.success() && err.contains("`mesh.tensor`") {
             // A tensor-parallel spec is refused for every model (FSDP2 alone is exported),
             // if the model splits over it at all.
