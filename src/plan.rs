@@ -284,8 +284,8 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
             "use --format text or pp-csv",
         ))
     };
-    if args.auto || args.compare.is_some() || args.memory_budget.is_some() {
-        return Err(refused("--auto, --compare or --memory-budget"));
+    if args.compare.is_some() || args.memory_budget.is_some() {
+        return Err(refused("--compare or --memory-budget"));
     }
     let custom = custom_schedule(parallel)?;
     let joint = trace_joint(model, parallel, config, true)?;

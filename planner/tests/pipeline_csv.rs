@@ -13,6 +13,9 @@
 //!   action that sends nothing, a micro-batch with two backwards and another with none,
 //!   micro-batch indices past M).
 
+mod common;
+
+use common::torch_python;
 use serde_json::{json, Value};
 use shardplan_planner::pipeline::{
     read_csv, read_lowered_csv, validate_custom, validate_custom_stages, write_csv, write_lowered_csv, Action,
@@ -198,18 +201,6 @@ fn custom_schedules_are_refused_at_the_rank_and_slot_at_fault() {
     };
     let at: Vec<Slot> = stuck.iter().map(|s| s.at).collect();
     assert_eq!(at, [Slot { rank: 0, slot: 2 }, Slot { rank: 1, slot: 1 }]);
-}
-
-/// The Python with torch, when there is one: SHARDPLAN_TORCH_PYTHON must have it.
-fn torch_python() -> Option<String> {
-    if let Ok(py) = std::env::var("SHARDPLAN_TORCH_PYTHON") {
-        return Some(py);
-    }
-    let has_torch = Command::new("python3")
-        .args(["-c", "import torch.distributed.pipelining"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    has_torch.then(|| "python3".to_string())
 }
 
 /// Runs each job in torch; one result a job, `{"error": ...}` where torch raised. A job

@@ -12,6 +12,9 @@
 //! starts at micro-batch 1 and ends at micro-batch M). The other ranks' `pipeline_order`
 //! is compared too, the gradient reduction left out.
 
+mod common;
+
+use common::torch_python;
 use serde_json::Value;
 use shardplan_planner::pipeline::{check, PipelineProgram, PipelineSchedule, Shape};
 use std::path::{Path, PathBuf};
@@ -19,18 +22,6 @@ use std::process::Command;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// The Python with torch, when there is one: SHARDPLAN_TORCH_PYTHON must have it.
-fn torch_python() -> Option<String> {
-    if let Ok(py) = std::env::var("SHARDPLAN_TORCH_PYTHON") {
-        return Some(py);
-    }
-    let has_torch = Command::new("python3")
-        .args(["-c", "import torch.distributed.pipelining"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    has_torch.then(|| "python3".to_string())
 }
 
 fn torch_dump() -> Value {

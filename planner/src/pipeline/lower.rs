@@ -16,8 +16,9 @@ pub const MAX_ACTIVE_STAGES: usize = 3;
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the schedule deadlocks: {}", .blocked.iter().map(|(rank, slot, action)| format!("rank {rank} waits at slot {slot} on `{action}`")).collect::<Vec<_>>().join("; "))]
 pub struct Deadlock {
-    /// Each rank that cannot go on: the rank, the index of its blocked action in its
-    /// compute-only program, and the action.
+    /// Each rank that cannot go on: the rank, the index of its blocked action in the
+    /// program this pass was given (FSDP and reduction actions in, idle slots out), and
+    /// the action.
     pub blocked: Vec<(u32, usize, Action)>,
 }
 

@@ -8,8 +8,8 @@ use super::{check, CustomSchedule, PipelineProgram, Shape};
 use crate::cost::OpModel;
 use crate::PlanError;
 use shardplan_frontends::{ParallelConfig, Pipeline};
-use shardplan_ir::{JointGraph, NodeId};
-use std::collections::HashSet;
+use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ScopeId};
+use std::collections::{HashMap, HashSet};
 
 /// One stage: its modules, the pipeline rank that runs it, its parameters and times.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,10 +47,8 @@ pub fn plan_pipeline(
     })?;
     let graph = &joint.graph;
     let ranks = config.mesh.pipeline;
-    let blocks = super::top_level_modules(graph)
-        .iter()
-        .filter(|(_, k)| *k == shardplan_ir::ModuleKind::Block)
-        .count() as u64;
+    let top_level = super::top_level_modules(graph);
+    let blocks = top_level.iter().filter(|(_, k)| *k == ModuleKind::Block).count() as u64;
     let program = match custom {
         Some(custom) => PipelineProgram::custom(custom),
         None => {
@@ -65,7 +63,7 @@ pub fn plan_pipeline(
             PipelineProgram::build(pipeline.schedule, shape).map_err(|e| PlanError::Bug(e.to_string()))?
         }
     };
-    let modules = split_stages(graph, &pipeline.split, u64::from(program.stages()))?;
+    let modules = split_stages(&top_level, &pipeline.split, u64::from(program.stages()))?;
     if modules.len() != program.stages() as usize {
         return Err(PlanError::Pipeline {
             field: "pipeline.csv",
@@ -82,12 +80,13 @@ pub fn plan_pipeline(
     let boundary_bytes = boundary_bytes(joint, &stage_of);
     let p2p_s = p2p_seconds(config, boundary_bytes);
     let timeline = simulate(&program.lowered, &times, p2p_s).map_err(|e| PlanError::Bug(e.to_string()))?;
+    let params = stage_params(joint, &stage_of, modules.len());
     let stages = modules
         .into_iter()
         .enumerate()
         .map(|(s, modules)| StagePlan {
             rank: program.rank_of_stage[s],
-            params: stage_params(joint, &stage_of, s),
+            params: params[s],
             modules,
             times: times[s],
         })
@@ -130,15 +129,21 @@ fn shape(pipeline: &Pipeline, ranks: u64, v: u64) -> Result<Shape, PlanError> {
 /// with its top-level module.
 fn stage_of_nodes(joint: &JointGraph, stages: &[Vec<String>]) -> Vec<Option<usize>> {
     let g = &joint.graph;
-    g.nodes()
-        .map(|(_, node)| {
-            let top = g.top_level(node.scope);
-            if top == g.root() {
-                return None;
-            }
-            let path = &g.scope(top).path;
-            stages.iter().position(|s| s.contains(path))
+    let stage_of_module: HashMap<&str, usize> = stages
+        .iter()
+        .enumerate()
+        .flat_map(|(s, modules)| modules.iter().map(move |m| (m.as_str(), s)))
+        .collect();
+    let stage_of_scope: HashMap<ScopeId, usize> = g
+        .scopes()
+        .filter_map(|(id, _)| {
+            let top = g.top_level(id);
+            let stage = stage_of_module.get(g.scope(top).path.as_str())?;
+            (top != g.root()).then_some((id, *stage))
         })
+        .collect();
+    g.nodes()
+        .map(|(_, node)| stage_of_scope.get(&node.scope).copied())
         .collect()
 }
 
@@ -213,10 +218,13 @@ fn p2p_seconds(config: &ParallelConfig, bytes: u64) -> f64 {
     latency_us * 1e-6 + bytes as f64 / (gbps * 1e9)
 }
 
-fn stage_params(joint: &JointGraph, stage_of: &[Option<usize>], stage: usize) -> u64 {
-    let g = &joint.graph;
-    g.nodes()
-        .filter(|(id, node)| stage_of[id.index()] == Some(stage) && matches!(node.op, shardplan_ir::Op::Param { .. }))
-        .map(|(_, node)| node.ty.shape.numel().unwrap_or(0))
-        .sum()
+/// Each stage's parameter count (this tensor rank's slices).
+fn stage_params(joint: &JointGraph, stage_of: &[Option<usize>], stages: usize) -> Vec<u64> {
+    let mut params = vec![0u64; stages];
+    for (id, node) in joint.graph.nodes() {
+        if let (Some(s), Op::Param { .. }) = (stage_of[id.index()], &node.op) {
+            params[s] += node.ty.shape.numel().unwrap_or(0);
+        }
+    }
+    params
 }

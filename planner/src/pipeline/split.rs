@@ -94,16 +94,19 @@ pub fn stages_per_rank(
     }
 }
 
-/// The module names of each of `stages` stages.
-pub fn split_stages(graph: &Graph, split: &StageSplit, stages: u64) -> Result<Vec<Vec<String>>, PlanError> {
-    let modules = top_level_modules(graph);
+/// The module names of each of `stages` stages, from the graph's [`top_level_modules`].
+pub fn split_stages(
+    modules: &[(String, ModuleKind)],
+    split: &StageSplit,
+    stages: u64,
+) -> Result<Vec<Vec<String>>, PlanError> {
     match split {
-        StageSplit::Modules(lists) => check_module_lists(&modules, lists),
+        StageSplit::Modules(lists) => check_module_lists(modules, lists),
         StageSplit::Layers {
             first_stage_less_layers,
             last_stage_less_layers,
             ..
-        } => split_by_layers(&modules, stages, *first_stage_less_layers, *last_stage_less_layers),
+        } => split_by_layers(modules, stages, *first_stage_less_layers, *last_stage_less_layers),
     }
 }
 

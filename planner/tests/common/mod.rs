@@ -42,3 +42,16 @@ pub fn plan_model(model: &ModelConfig, yaml: &str) -> Plan {
 pub fn plan_preset(name: &str, yaml: &str) -> Plan {
     plan_model(&preset(name).unwrap(), yaml)
 }
+
+/// The Python with torch.distributed.pipelining, when there is one: SHARDPLAN_TORCH_PYTHON
+/// (which must have it), else `python3` if it has it.
+pub fn torch_python() -> Option<String> {
+    if let Ok(py) = std::env::var("SHARDPLAN_TORCH_PYTHON") {
+        return Some(py);
+    }
+    let has_torch = std::process::Command::new("python3")
+        .args(["-c", "import torch.distributed.pipelining"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    has_torch.then(|| "python3".to_string())
+}

@@ -112,13 +112,6 @@ impl Placement {
             }
         }
     }
-
-    /// The stages `rank` runs, ascending.
-    pub fn stages_of(self, rank: u32, shape: Shape) -> Vec<u32> {
-        (0..shape.stages())
-            .filter(|&s| self.rank_of(s, shape.ranks) == rank)
-            .collect()
-    }
 }
 
 /// Refuses what torch's schedule classes refuse for `shape`.
