@@ -78,6 +78,64 @@ pub fn differentiate_with(forward: &Graph, options: DiffOptions) -> Result<Joint
             "the loss must be a float scalar, got {loss_ty}"
         )));
     }
+    Ok(differentiate_from(forward, options, Seed::Ones, &[])?.joint)
+}
+
+/// A pipeline stage's joint graph: its forward differentiated from its output, whose
+/// gradient is an input, to its parameters and to its own input.
+#[derive(Clone, Debug)]
+pub struct StageJoint {
+    pub joint: JointGraph,
+    /// The input node (a backward node named `output_grad`) fed with the gradient of the
+    /// output; `None` when the output is a scalar loss, whose gradient is 1.
+    pub output_grad: Option<NodeId>,
+    /// The gradient of each input asked for, in the order asked.
+    pub input_grads: Vec<NodeId>,
+}
+
+/// Differentiates `forward` from its first output to its parameters and to the inputs
+/// `wrt`. A scalar float output is a loss (its gradient is 1); any other float output's
+/// gradient is fed through an input: what a pipeline stage receives from the next.
+pub fn differentiate_stage(forward: &Graph, options: DiffOptions, wrt: &[NodeId]) -> Result<StageJoint, IrError> {
+    let out = *forward
+        .outputs()
+        .first()
+        .ok_or_else(|| IrError::Autodiff("the graph has no output to differentiate".into()))?;
+    let ty = &forward.node(out).ty;
+    if !ty.dtype.is_float() {
+        return Err(IrError::Autodiff(format!(
+            "the output must be a float tensor, got {ty}"
+        )));
+    }
+    let seed = if ty.shape.rank() == 0 { Seed::Ones } else { Seed::Input };
+    for &i in wrt {
+        if !matches!(forward.node(i).op, Op::Input { .. }) || !forward.node(i).ty.dtype.is_float() {
+            return Err(IrError::Autodiff(format!("{i} is not a float input")));
+        }
+    }
+    differentiate_from(forward, options, seed, wrt)
+}
+
+/// How backward starts from the output.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Seed {
+    /// A scalar loss: its gradient is 1.
+    Ones,
+    /// The gradient comes in through an input node.
+    Input,
+}
+
+fn differentiate_from(
+    forward: &Graph,
+    options: DiffOptions,
+    seed: Seed,
+    wrt: &[NodeId],
+) -> Result<StageJoint, IrError> {
+    let loss = *forward
+        .outputs()
+        .first()
+        .ok_or_else(|| IrError::Autodiff("the graph has no output to differentiate".into()))?;
+    let loss_ty = forward.node(loss).ty.clone();
     if let Some((id, n)) = forward
         .nodes()
         .find(|(_, n)| n.is_backward() || n.op.is_backward_only())
@@ -89,10 +147,12 @@ pub fn differentiate_with(forward: &Graph, options: DiffOptions) -> Result<Joint
     }
     let forward_len = forward.node_count();
 
-    // A node needs a gradient when it depends on a parameter and the loss depends on it.
+    // A node needs a gradient when it depends on a parameter (or an input asked for) and the
+    // loss depends on it.
     let mut depends_on_param: IdVec<NodeId, bool> = IdVec::from_elem(false, forward_len);
     for (id, n) in forward.nodes() {
-        depends_on_param[id] = matches!(n.op, Op::Param { .. }) || n.inputs.iter().any(|&i| depends_on_param[i]);
+        depends_on_param[id] =
+            matches!(n.op, Op::Param { .. }) || wrt.contains(&id) || n.inputs.iter().any(|&i| depends_on_param[i]);
     }
     let mut reaches_loss: IdVec<NodeId, bool> = IdVec::from_elem(false, forward_len);
     reaches_loss[loss] = true;
@@ -124,8 +184,20 @@ pub fn differentiate_with(forward: &Graph, options: DiffOptions) -> Result<Joint
 
     let mut g = forward.clone();
     let mut contributions: IdVec<NodeId, Vec<NodeId>> = IdVec::from_elem(Vec::new(), forward_len);
-    contributions[loss].push(g.add_fill(1.0, loss_ty, loss)?);
+    let output_grad = match seed {
+        Seed::Ones => {
+            contributions[loss].push(g.add_fill(1.0, loss_ty, loss)?);
+            None
+        }
+        Seed::Input => {
+            let grad = g.add_input("output_grad", loss_ty, forward.node(loss).scope)?;
+            g.mark_backward(grad, loss);
+            contributions[loss].push(grad);
+            Some(grad)
+        }
+    };
     let mut param_grads: IdVec<ParamId, Option<NodeId>> = IdVec::from_elem(None, forward.params().len());
+    let mut input_grads: Vec<Option<NodeId>> = vec![None; wrt.len()];
 
     for id in contributions.keys().rev() {
         let parts = std::mem::take(&mut contributions[id]);
@@ -136,6 +208,10 @@ pub fn differentiate_with(forward: &Graph, options: DiffOptions) -> Result<Joint
         let node = g.node(id).clone();
         if let Op::Param { param } = node.op {
             param_grads[param] = Some(grad);
+            continue;
+        }
+        if let Some(k) = wrt.iter().position(|&w| w == id) {
+            input_grads[k] = Some(grad);
             continue;
         }
         let wanted: Vec<bool> = node.inputs.iter().map(|&i| wants(i)).collect();
@@ -153,12 +229,21 @@ pub fn differentiate_with(forward: &Graph, options: DiffOptions) -> Result<Joint
             recompute_of[c.index()] = Some(f);
         }
     }
-    Ok(JointGraph {
-        graph: g,
-        loss,
-        param_grads: param_grads.into_vec(),
-        forward_len,
-        recompute_of,
+    let input_grads = input_grads
+        .into_iter()
+        .zip(wrt)
+        .map(|(grad, i)| grad.ok_or_else(|| IrError::Autodiff(format!("the output does not depend on input {i}"))))
+        .collect::<Result<_, _>>()?;
+    Ok(StageJoint {
+        joint: JointGraph {
+            graph: g,
+            loss,
+            param_grads: param_grads.into_vec(),
+            forward_len,
+            recompute_of,
+        },
+        output_grad,
+        input_grads,
     })
 }
 

@@ -290,6 +290,24 @@ impl Graph {
         Ok(node)
     }
 
+    /// A parameter like `param` of another graph (its name, type and tensor or expert
+    /// split), owned by `scope` of this one: how a pipeline stage's graph takes the model's
+    /// parameters.
+    pub fn add_param_like(&mut self, param: &Param, scope: ScopeId) -> Result<NodeId, IrError> {
+        let node = self.add_param(&param.name, param.ty.clone(), scope)?;
+        if let Op::Param { param: id } = self.dag[NodeIndex::new(node.index())].op {
+            self.params[id].tensor = param.tensor;
+            self.params[id].expert = param.expert;
+        }
+        if let Some(s) = param.tensor {
+            self.tensor_degree = self.tensor_degree.max(s.degree);
+        }
+        if let Some(s) = param.expert {
+            self.expert_degree = self.expert_degree.max(s.degree);
+        }
+        Ok(node)
+    }
+
     /// Ranks of the expert-parallel group this graph is one rank's program for (1: every
     /// rank holds every expert).
     pub fn expert_degree(&self) -> u64 {
@@ -355,6 +373,12 @@ impl Graph {
         let id = self.push(Op::Fill { value }, &[], ty, scope);
         self.dag[NodeIndex::new(id.index())].grad_of = Some(grad_of);
         Ok(id)
+    }
+
+    /// Marks node `id` (an input) as part of the backward pass of `grad_of`: the gradient
+    /// a pipeline stage receives for its output.
+    pub fn mark_backward(&mut self, id: NodeId, grad_of: NodeId) {
+        self.dag[NodeIndex::new(id.index())].grad_of = Some(grad_of);
     }
 
     /// Marks a node as a graph output (the loss).

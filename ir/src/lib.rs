@@ -16,7 +16,7 @@ mod scope;
 mod shape;
 pub mod stats;
 
-pub use autodiff::{differentiate, differentiate_with, DiffOptions, JointGraph};
+pub use autodiff::{differentiate, differentiate_stage, differentiate_with, DiffOptions, JointGraph, StageJoint};
 pub use cost::{elementwise_flops, Cost};
 pub use dot::to_dot;
 pub use dtype::DType;

@@ -14,6 +14,7 @@
 pub mod env;
 pub mod local;
 pub mod nccl;
+pub mod p2p;
 pub mod tcp;
 
 use crate::ExecError;

@@ -76,19 +76,7 @@ impl Interpreter {
             if let Some(t) = times.as_deref_mut() {
                 t[id.index()] += start.elapsed();
             }
-            if value
-                .dims()
-                .iter()
-                .map(|&d| d as u64)
-                .ne(node.ty.shape.dims().iter().copied())
-            {
-                return Err(ExecError::Internal(format!(
-                    "{id} ({}) produced {:?}, expected {}",
-                    node.op.name(),
-                    value.dims(),
-                    node.ty
-                )));
-            }
+            check_shape(id, node, &value)?;
             table[id.index()] = Some(value);
             live += value_bytes(&self.graph, id);
             peak = peak.max(live);
@@ -110,6 +98,25 @@ impl Interpreter {
         Ok(RunOutput { kept, peak_bytes: peak })
     }
 
+    /// Evaluates `nodes` in the order given into `table` (one slot per node), which holds
+    /// every value they read that is not among them; frees nothing: a pipeline stage keeps
+    /// a micro-batch's values from its forward to its backward.
+    pub fn eval_nodes(
+        &self,
+        ctx: &Ctx,
+        nodes: impl IntoIterator<Item = NodeId>,
+        table: &mut [Option<Tensor>],
+        feed: &mut dyn FnMut(NodeId) -> Result<Tensor, ExecError>,
+    ) -> Result<(), ExecError> {
+        for id in nodes {
+            let node = self.graph.node(id);
+            let value = eval(ctx, id, node, table, feed)?;
+            check_shape(id, node, &value)?;
+            table[id.index()] = Some(value);
+        }
+        Ok(())
+    }
+
     /// Reruns the nodes up to `until` (exclusive) and returns the first whose value holds a
     /// NaN or an infinity: where a divergence starts.
     pub fn first_non_finite(
@@ -128,6 +135,24 @@ impl Interpreter {
         }
         Ok(None)
     }
+}
+
+/// Fails when `value` does not have the shape `node` was typed with.
+fn check_shape(id: NodeId, node: &shardplan_ir::Node, value: &Tensor) -> Result<(), ExecError> {
+    if value
+        .dims()
+        .iter()
+        .map(|&d| d as u64)
+        .ne(node.ty.shape.dims().iter().copied())
+    {
+        return Err(ExecError::Internal(format!(
+            "{id} ({}) produced {:?}, expected {}",
+            node.op.name(),
+            value.dims(),
+            node.ty
+        )));
+    }
+    Ok(())
 }
 
 /// The value of one node: fed for inputs and parameters, computed from the table otherwise.

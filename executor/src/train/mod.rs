@@ -6,6 +6,7 @@
 pub mod data;
 pub mod engine;
 pub mod eval;
+pub mod pipeline;
 pub mod profile;
 pub mod sharded;
 pub mod trace;

@@ -4,6 +4,7 @@
 //!
 //! - `action`: the vocabulary and its text form ([`Action`], [`Op`], [`OpKind`]);
 //! - `compute`: each schedule's compute-only program per rank ([`compute_order`]);
+//! - `cut`: the model's graph cut into one differentiated graph per stage ([`StageGraph`]);
 //! - `lower`: FSDP's unshard/reshard, gradient reduction, sends, receives and waits;
 //! - `csv`: schedules as torch's CSV files ([`read_csv`], [`write_csv`]);
 //! - `validate`: a custom compute-only schedule checked before it runs ([`validate_custom`]);
@@ -13,6 +14,7 @@
 mod action;
 mod compute;
 mod csv;
+mod cut;
 mod lower;
 mod plan;
 pub mod print;
@@ -26,6 +28,7 @@ pub use self::csv::{
 };
 pub use action::{Action, ActionParseError, Op, OpKind};
 pub use compute::{check, compute_order, placement, Placement, RankOrder, ScheduleError, Shape};
+pub use cut::{cut_stages, stage_graphs, StageGraph};
 pub use lower::{lower, Deadlock, StageMap, MAX_ACTIVE_STAGES};
 pub use plan::{plan_pipeline, PipelinePlan, StagePlan};
 pub use shardplan_frontends::PipelineSchedule;

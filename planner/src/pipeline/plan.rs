@@ -8,7 +8,7 @@ use super::{check, CustomSchedule, PipelineProgram, Shape};
 use crate::cost::OpModel;
 use crate::PlanError;
 use shardplan_frontends::{ParallelConfig, Pipeline};
-use shardplan_ir::{JointGraph, ModuleKind, NodeId, Op, ScopeId};
+use shardplan_ir::{Graph, JointGraph, ModuleKind, NodeId, Op, ScopeId};
 use std::collections::{HashMap, HashSet};
 
 /// One stage: its modules, the pipeline rank that runs it, its parameters and times.
@@ -75,7 +75,7 @@ pub fn plan_pipeline(
             fix: "list as many stages in modules_per_stage as the schedule runs".into(),
         });
     }
-    let stage_of = stage_of_nodes(joint, &modules);
+    let stage_of = stage_of_nodes(&joint.graph, &modules);
     let times = stage_times(joint, config, &stage_of, modules.len());
     let boundary_bytes = boundary_bytes(joint, &stage_of);
     let p2p_s = p2p_seconds(config, boundary_bytes);
@@ -125,10 +125,9 @@ fn shape(pipeline: &Pipeline, ranks: u64, v: u64) -> Result<Shape, PlanError> {
     Ok(shape)
 }
 
-/// Each node's stage (`None` for the root's inputs, which every stage has): a node goes
-/// with its top-level module.
-fn stage_of_nodes(joint: &JointGraph, stages: &[Vec<String>]) -> Vec<Option<usize>> {
-    let g = &joint.graph;
+/// Each node's stage (`None` for the model's inputs, which any stage may read): a node
+/// goes with its top-level module, a backward node with its forward node.
+pub(crate) fn stage_of_nodes(g: &Graph, stages: &[Vec<String>]) -> Vec<Option<usize>> {
     let stage_of_module: HashMap<&str, usize> = stages
         .iter()
         .enumerate()
@@ -142,9 +141,19 @@ fn stage_of_nodes(joint: &JointGraph, stages: &[Vec<String>]) -> Vec<Option<usiz
             (top != g.root()).then_some((id, *stage))
         })
         .collect();
-    g.nodes()
-        .map(|(_, node)| stage_of_scope.get(&node.scope).copied())
-        .collect()
+    let mut stage_of: Vec<Option<usize>> = Vec::with_capacity(g.node_count());
+    for (_, node) in g.nodes() {
+        let stage = match (stage_of_scope.get(&node.scope), &node.op, node.grad_of) {
+            (Some(&s), _, _) => Some(s),
+            (None, Op::Input { .. }, None) => None,
+            (None, _, Some(of)) => stage_of[of.index()],
+            // An op at the model's root (GPT-2's sum of token and position embeddings)
+            // goes with the latest stage of its operands.
+            (None, _, None) => node.inputs.iter().filter_map(|i| stage_of[i.index()]).max(),
+        };
+        stage_of.push(stage);
+    }
+    stage_of
 }
 
 /// Every stage's forward, input-gradient and weight-gradient seconds: the weight half is
