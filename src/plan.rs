@@ -280,7 +280,7 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
     let refused = |what: &str| {
         CliError::Input(parallel.origin.error(
             "mesh.pipeline",
-            format!("{what} of a pipeline plan is not made yet: shardplan plans the pipeline's schedule and timeline, not yet each stage's FSDP program"),
+            format!("{what} of a pipeline plan is not made yet: `shardplan plan` prints the pipeline's stages, timeline and every rank's memory as text"),
             "use --format text or pp-csv",
         ))
     };
@@ -288,8 +288,9 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
         return Err(refused("--compare or --memory-budget"));
     }
     let custom = custom_schedule(parallel)?;
-    let joint = trace_joint(model, parallel, config, true)?;
-    let plan = shardplan_planner::pipeline::plan_pipeline(&joint, config, custom)
+    let forward =
+        trace(&model.config, trace_options(Some(parallel))).map_err(|e| trace_error(e, model, Some(parallel)))?;
+    let plan = shardplan_planner::pipeline::plan_pipeline(&forward, config, custom)
         .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
     let text = match args.format {
         Format::Text => shardplan_planner::pipeline::print::text(&plan, config.batch.per_rank),
@@ -302,7 +303,9 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
 
 /// The spec's `pipeline.csv`, read and validated (refused naming the file, the cell and
 /// the rank and slot that break it); `None` where the spec names none.
-fn custom_schedule(parallel: &LoadedParallel) -> Result<Option<shardplan_planner::pipeline::CustomSchedule>, CliError> {
+pub(crate) fn custom_schedule(
+    parallel: &LoadedParallel,
+) -> Result<Option<shardplan_planner::pipeline::CustomSchedule>, CliError> {
     use shardplan_planner::pipeline::{read_csv, validate_custom, MAX_CSV_BYTES};
     let Some(pipeline) = &parallel.config.pipeline else {
         return Ok(None);

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 mod fit;
 mod measured;
+mod pipeline;
 
 use measured::Measured;
 
@@ -302,6 +303,12 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
     let device_name = device;
     let (device, kernels) = open_device(args, device_name)?;
     shardplan_executor::host::retain_freed_memory();
+    if let (None, Some(m), Some(par)) = (&args.plan, &args.model, &args.parallel) {
+        let parallel = load_parallel(par)?;
+        if parallel.config.pipeline.is_some() {
+            return pipeline::run(args, &load_model(m)?, &parallel, device);
+        }
+    }
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {
         (Some(p), _, _) => trainer_from_plan(args, engine, &device, device_name, p)?,
         (None, Some(m), Some(par)) => trainer_from_specs(args, engine, &device, device_name, m, par)?,

@@ -40,6 +40,25 @@ fn the_example_prints_stages_bubble_and_timeline() {
         out.contains("3B7"),
         "the last stage's last backward is in the timeline:\n{out}"
     );
+    // Memory: the largest rank named against the device, then every rank, largest first.
+    let memory = out.lines().find(|l| l.starts_with("memory ")).expect("a memory line");
+    assert!(
+        memory.contains("on pipeline rank ") && memory.contains("fits h100-sxm"),
+        "{memory}"
+    );
+    let table: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("rank  peak"))
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(table.len(), 4, "{out}");
+    // 1F1B holds P - r micro-batches in flight on rank r.
+    for row in &table {
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        let rank: usize = cells[0].parse().unwrap();
+        assert_eq!(cells[11], (4 - rank).to_string(), "rank {rank}: {row}");
+    }
 }
 
 #[test]
@@ -115,11 +134,72 @@ fn bad_pipelines_are_refused_where_written() {
 }
 
 #[test]
-fn train_and_json_refuse_a_pipeline_until_stages_are_planned() {
+fn json_of_a_pipeline_plan_is_refused_at_the_field() {
     let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\n");
     let o = plan(&f, &["--format", "json"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("not made yet"), "{}", stderr(&o));
+}
+
+#[test]
+fn train_runs_the_pipeline_example_and_logs_every_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.jsonl");
+    let o = shardplan_ok(&[
+        "train",
+        "--model",
+        "examples/models/tiny-llama.yaml",
+        "--parallel",
+        "examples/parallel/pp-2-1f1b-cpu.yaml",
+        "--steps",
+        "3",
+        "--log",
+        log.to_str().unwrap(),
+    ]);
+    let out = stdout(&o);
+    assert!(out.starts_with("trained 3 steps of tiny-llama on a pipeline"), "{out}");
+    assert!(out.contains("planned"), "{out}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for l in &lines {
+        assert!(l["loss"].as_f64().unwrap().is_finite(), "{l}");
+    }
+}
+
+#[test]
+fn train_refuses_fsdp_inside_stages_and_unsupported_options() {
+    let f = spec("mesh: {pipeline: 2, shard: 2}\nbatch: {per_rank: 4, seq_len: 16}\npipeline: {schedule: GPipe, microbatches: 2}\n");
+    let path = f.path().to_str().unwrap();
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "examples/models/tiny-llama.yaml",
+        "--parallel",
+        path,
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("one rank a stage"), "{}", stderr(&o));
+    let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 16}\npipeline: {schedule: GPipe, microbatches: 2}\n");
+    let path = f.path().to_str().unwrap();
+    let o = shardplan(&[
+        "train",
+        "--model",
+        "examples/models/tiny-llama.yaml",
+        "--parallel",
+        path,
+        "--steps",
+        "1",
+        "--profile",
+        "p.json",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--profile with a pipeline"), "{}", stderr(&o));
 }
 
 #[test]

@@ -43,8 +43,7 @@ fn compare(model: &ModelConfig, ranks: u64, pipeline: &str, batch: u64, steps: u
     ));
     let single = config(&format!("mesh: {{shard: 1}}\ngpus_per_node: 1\n{COMMON}{batch_line}"));
     let graph = shardplan_models::trace(model, piped.trace_options()).unwrap();
-    let joint = shardplan_ir::differentiate(&graph).unwrap();
-    let plan = plan_pipeline(&joint, &piped, None).unwrap_or_else(|e| panic!("{e}"));
+    let plan = plan_pipeline(&graph, &piped, None).unwrap_or_else(|e| panic!("{e}"));
     let mut a = PipelineTrainer::new(model, &piped, &plan, steps, Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
     let mut b = Trainer::new(model, &single, steps, Device::Cpu).unwrap();
     let mut worst_loss = 0f64;

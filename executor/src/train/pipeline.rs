@@ -28,8 +28,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What one pipeline step did.
-#[derive(Clone, Debug)]
+/// What one pipeline step did, as written to the metrics log.
+#[derive(Clone, Debug, serde::Serialize)]
 pub struct PipelineMetrics {
     pub step: u64,
     /// Mean loss over the step's micro-batches.
@@ -39,6 +39,7 @@ pub struct PipelineMetrics {
     pub grad_norm: f32,
     pub tokens: u64,
     pub step_seconds: f64,
+    pub tokens_per_second: f64,
 }
 
 /// One stage as a rank runs it.
@@ -175,6 +176,11 @@ impl PipelineTrainer {
         })
     }
 
+    /// Steps taken so far.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
     /// The f32 master weights, by the model's parameter id.
     pub fn master(&self) -> Vec<Tensor> {
         let mut all: Vec<Option<Tensor>> = vec![None; self.params];
@@ -234,13 +240,15 @@ impl PipelineTrainer {
             summary = r?;
         }
         self.step += 1;
+        let secs = start.elapsed().as_secs_f64();
         Ok(PipelineMetrics {
             step: self.step,
             loss: (summary.0 / self.microbatches as f64) as f32,
             lr,
             grad_norm: summary.1 as f32,
             tokens: batch.tokens,
-            step_seconds: start.elapsed().as_secs_f64(),
+            step_seconds: secs,
+            tokens_per_second: batch.tokens as f64 / secs.max(1e-9),
         })
     }
 }

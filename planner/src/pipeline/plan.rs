@@ -2,16 +2,20 @@
 //! each rank's program, and that program against the clock with every stage's compute
 //! time from the cost model.
 
+use super::cut::{stage_graphs, StageGraph};
+use super::memory::{rank_memory, RankMemory, StageMemory};
 use super::split::{split_stages, stages_per_rank};
 use super::timeline::{simulate, StageTimes, Timeline};
 use super::{check, CustomSchedule, PipelineProgram, Shape};
 use crate::cost::OpModel;
-use crate::PlanError;
+use crate::{Plan, PlanError};
 use shardplan_frontends::{ParallelConfig, Pipeline};
 use shardplan_ir::{Graph, JointGraph, ModuleKind, NodeId, Op, ScopeId};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
-/// One stage: its modules, the pipeline rank that runs it, its parameters and times.
+/// One stage: its modules, the pipeline rank that runs it, its parameters, times and
+/// memory, and its own FSDP plan.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StagePlan {
     pub modules: Vec<String>,
@@ -19,24 +23,30 @@ pub struct StagePlan {
     /// Parameters of this tensor rank's slice of the stage.
     pub params: u64,
     pub times: StageTimes,
+    pub memory: StageMemory,
+    /// The FSDP program of one micro-batch on the stage's ranks (shared by stages alike).
+    pub fsdp: Arc<Plan>,
 }
 
-/// A run's pipeline: stages, program, timeline, and the seconds one activation (or its
-/// gradient) takes between adjacent stages' ranks.
+/// A run's pipeline: stages, program, timeline, each rank's memory, and the seconds one
+/// activation (or its gradient) takes between adjacent stages' ranks.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PipelinePlan {
     pub stages: Vec<StagePlan>,
     pub program: PipelineProgram,
     pub timeline: Timeline,
+    /// Every pipeline rank's memory at its peak, by rank.
+    pub memory: Vec<RankMemory>,
     pub p2p_s: f64,
     /// Bytes one micro-batch's activations crossing a stage boundary take.
     pub boundary_bytes: u64,
 }
 
-/// Plans `config`'s pipeline over `joint` (traced at one micro-batch): `config.pipeline`
-/// must be set; `custom` is the validated schedule of its `pipeline.csv`, where written.
+/// Plans `config`'s pipeline over `forward`, the model's forward graph traced at one
+/// micro-batch: `config.pipeline` must be set; `custom` is the validated schedule of its
+/// `pipeline.csv`, where written.
 pub fn plan_pipeline(
-    joint: &JointGraph,
+    forward: &Graph,
     config: &ParallelConfig,
     custom: Option<CustomSchedule>,
 ) -> Result<PipelinePlan, PlanError> {
@@ -45,9 +55,8 @@ pub fn plan_pipeline(
         message: "the spec has no pipeline axis".into(),
         fix: "set mesh.pipeline to 2 or more".into(),
     })?;
-    let graph = &joint.graph;
     let ranks = config.mesh.pipeline;
-    let top_level = super::top_level_modules(graph);
+    let top_level = super::top_level_modules(forward);
     let blocks = top_level.iter().filter(|(_, k)| *k == ModuleKind::Block).count() as u64;
     let program = match custom {
         Some(custom) => PipelineProgram::custom(custom),
@@ -75,29 +84,82 @@ pub fn plan_pipeline(
             fix: "list as many stages in modules_per_stage as the schedule runs".into(),
         });
     }
-    let stage_of = stage_of_nodes(&joint.graph, &modules);
-    let times = stage_times(joint, config, &stage_of, modules.len());
-    let boundary_bytes = boundary_bytes(joint, &stage_of);
+    let graphs = stage_graphs(forward, &modules, config.diff_options())?;
+    // The largest activation crossing a boundary (every stage sends what the next reads).
+    let boundary_bytes = graphs
+        .iter()
+        .filter_map(|g| g.input.map(|input| g.joint.graph.node(input).ty.bytes().unwrap_or(0)))
+        .max()
+        .unwrap_or(0);
     let p2p_s = p2p_seconds(config, boundary_bytes);
+    let times: Vec<StageTimes> = graphs.iter().map(|g| stage_times(&g.joint, config)).collect();
     let timeline = simulate(&program.lowered, &times, p2p_s).map_err(|e| PlanError::Bug(e.to_string()))?;
-    let params = stage_params(joint, &stage_of, modules.len());
-    let stages = modules
+    let fsdp = stage_fsdp_plans(&graphs, config)?;
+    let stages: Vec<StagePlan> = modules
         .into_iter()
+        .zip(graphs)
+        .zip(fsdp)
         .enumerate()
-        .map(|(s, modules)| StagePlan {
-            rank: program.rank_of_stage[s],
-            params: params[s],
-            modules,
-            times: times[s],
+        .map(|(s, ((modules, graph), fsdp))| {
+            let params = graph.joint.graph.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum();
+            StagePlan {
+                rank: program.rank_of_stage[s],
+                params,
+                modules,
+                times: times[s],
+                memory: StageMemory::of_plan(
+                    &fsdp,
+                    params,
+                    config.mixed_precision.param.size_bytes(),
+                    config.mixed_precision.reduce.size_bytes(),
+                ),
+                fsdp,
+            }
         })
         .collect();
+    let figures: Vec<StageMemory> = stages.iter().map(|s| s.memory).collect();
+    let memory = rank_memory(&program.lowered, &program.rank_of_stage, &figures, boundary_bytes);
     Ok(PipelinePlan {
         stages,
         program,
         timeline,
+        memory,
         p2p_s,
         boundary_bytes,
     })
+}
+
+/// Each stage's FSDP plan of one micro-batch on its ranks: the spec without its pipeline,
+/// one micro-batch a rank. Stages alike in structure (a pipeline's middle stages) share
+/// one plan.
+///
+/// Each stage is wrapped as torchtitan wraps a model part: the spec's wrap policy over the
+/// modules the stage has, and the stage's root (a stage of only an embedding, or only the
+/// norm and head, is one root unit).
+fn stage_fsdp_plans(graphs: &[StageGraph], config: &ParallelConfig) -> Result<Vec<Arc<Plan>>, PlanError> {
+    let mut inner = config.clone();
+    inner.pipeline = None;
+    inner.mesh.pipeline = 1;
+    inner.batch.per_rank = config.micro_batch();
+    inner.batch.grad_accum = 1;
+    let mut made: Vec<(usize, Arc<Plan>)> = Vec::new();
+    let mut plans = Vec::with_capacity(graphs.len());
+    for (s, g) in graphs.iter().enumerate() {
+        let alike = made
+            .iter()
+            .find(|(t, _)| graphs[*t].joint.graph.same_structure(&g.joint.graph))
+            .map(|(_, p)| p.clone());
+        let plan = match alike {
+            Some(p) => p,
+            None => {
+                let p = Arc::new(crate::plan(&g.joint, &stage_wrap(&inner, &g.joint.graph))?);
+                made.push((s, p.clone()));
+                p
+            }
+        };
+        plans.push(plan);
+    }
+    Ok(plans)
 }
 
 /// The schedule's size, refused where torch refuses it.
@@ -156,63 +218,37 @@ pub(crate) fn stage_of_nodes(g: &Graph, stages: &[Vec<String>]) -> Vec<Option<us
     stage_of
 }
 
-/// Every stage's forward, input-gradient and weight-gradient seconds: the weight half is
-/// the nodes that make parameter gradients, the input half the rest of the backward.
-fn stage_times(
-    joint: &JointGraph,
-    config: &ParallelConfig,
-    stage_of: &[Option<usize>],
-    stages: usize,
-) -> Vec<StageTimes> {
+/// `config` with its wrap policy cut to the module kinds and paths `stage` has.
+fn stage_wrap(config: &ParallelConfig, stage: &Graph) -> ParallelConfig {
+    let mut c = config.clone();
+    c.wrap.retain(|k| stage.scopes().any(|(_, s)| s.kind == *k));
+    c.wrap_modules.retain(|m| stage.scopes().any(|(_, s)| s.path == *m));
+    c
+}
+
+/// A stage's forward, input-gradient and weight-gradient seconds: the weight half is the
+/// nodes that make parameter gradients, the input half the rest of the backward.
+fn stage_times(joint: &JointGraph, config: &ParallelConfig) -> StageTimes {
     let g = &joint.graph;
     let model = OpModel::new(g, &config.hardware, config.mixed_precision.param);
     let weight_grads: HashSet<NodeId> = joint.param_grads.iter().flatten().copied().collect();
-    let mut times = vec![
-        StageTimes {
-            forward: 0.0,
-            backward_input: 0.0,
-            backward_weight: 0.0,
-        };
-        stages
-    ];
+    let mut times = StageTimes {
+        forward: 0.0,
+        backward_input: 0.0,
+        backward_weight: 0.0,
+    };
     for (id, node) in g.nodes() {
-        let Some(s) = stage_of[id.index()] else {
-            continue;
-        };
         let t = model.seconds(id);
         let slot = if !node.is_backward() {
-            &mut times[s].forward
+            &mut times.forward
         } else if weight_grads.contains(&id) {
-            &mut times[s].backward_weight
+            &mut times.backward_weight
         } else {
-            &mut times[s].backward_input
+            &mut times.backward_input
         };
         *slot += t;
     }
     times
-}
-
-/// Bytes of the forward values one stage's nodes read from an earlier stage (the hidden
-/// state, in a transformer).
-fn boundary_bytes(joint: &JointGraph, stage_of: &[Option<usize>]) -> u64 {
-    let g = &joint.graph;
-    let mut crossing: HashSet<NodeId> = HashSet::new();
-    for (id, node) in g.nodes().take(joint.forward_len) {
-        let Some(s) = stage_of[id.index()] else {
-            continue;
-        };
-        for &input in node.inputs.iter() {
-            if stage_of[input.index()].is_some_and(|from| from < s) {
-                crossing.insert(input);
-            }
-        }
-    }
-    // The largest boundary: every stage sends what its successors read.
-    crossing
-        .iter()
-        .map(|&n| g.node(n).ty.bytes().unwrap_or(0))
-        .max()
-        .unwrap_or(0)
 }
 
 /// The seconds `bytes` take between two pipeline ranks: across nodes when a stage's ranks
@@ -225,15 +261,4 @@ fn p2p_seconds(config: &ParallelConfig, bytes: u64) -> f64 {
         (hw.intra_node_gbps, hw.intra_node_latency_us)
     };
     latency_us * 1e-6 + bytes as f64 / (gbps * 1e9)
-}
-
-/// Each stage's parameter count (this tensor rank's slices).
-fn stage_params(joint: &JointGraph, stage_of: &[Option<usize>], stages: usize) -> Vec<u64> {
-    let mut params = vec![0u64; stages];
-    for (id, node) in joint.graph.nodes() {
-        if let (Some(s), Op::Param { .. }) = (stage_of[id.index()], &node.op) {
-            params[s] += node.ty.shape.numel().unwrap_or(0);
-        }
-    }
-    params
 }

@@ -45,17 +45,76 @@ pub fn text(plan: &PipelinePlan, per_rank: u64) -> String {
         bytes(plan.boundary_bytes),
         ms(plan.p2p_s)
     );
-    let _ = writeln!(
-        out,
-        "not yet   each stage's FSDP program and memory: this plan times the pipeline's compute and transfers only"
-    );
+    memory_line(&mut out, plan);
     out.push('\n');
     stages_table(&mut out, plan);
+    out.push('\n');
+    memory_table(&mut out, plan);
     out.push('\n');
     busy_table(&mut out, t);
     out.push('\n');
     timeline(&mut out, t);
     out
+}
+
+/// The largest rank's memory against the device: allocated bytes at its peak plus the
+/// process's CUDA context and NCCL buffers (its stages' FSDP plan's overhead).
+fn memory_line(out: &mut String, plan: &PipelinePlan) {
+    let Some(top) = plan.memory.iter().max_by_key(|r| r.peak) else {
+        return;
+    };
+    let Some(stage) = plan.stages.iter().find(|s| s.rank == top.rank) else {
+        return;
+    };
+    let hw = &stage.fsdp.hardware;
+    let device = top.peak + stage.fsdp.memory.overhead.total();
+    let hbm = hw.hbm_bytes();
+    let verdict = if device <= hbm {
+        format!("fits {}'s {} ({} spare)", hw.name, bytes(hbm), bytes(hbm - device))
+    } else {
+        format!(
+            "DOES NOT FIT {}'s {}: {} over",
+            hw.name,
+            bytes(hbm),
+            bytes(device - hbm)
+        )
+    };
+    let _ = writeln!(
+        out,
+        "memory    {} on pipeline rank {} at its peak ({} allocated + {} CUDA context and NCCL): {verdict}",
+        bytes(device),
+        top.rank,
+        bytes(top.peak),
+        bytes(stage.fsdp.memory.overhead.total())
+    );
+}
+
+/// Every pipeline rank's allocated bytes at its peak by part, the largest first (as
+/// torchtitan reports a pipeline run's memory).
+fn memory_table(out: &mut String, plan: &PipelinePlan) {
+    let _ = writeln!(
+        out,
+        "rank  peak        sharded state  params whole  grads whole  activations  in flight  receives   at action"
+    );
+    let mut ranks: Vec<&super::RankMemory> = plan.memory.iter().collect();
+    ranks.sort_by(|a, b| b.peak.cmp(&a.peak).then(a.rank.cmp(&b.rank)));
+    for r in ranks {
+        let at = plan.program.lowered[r.rank as usize]
+            .get(r.at)
+            .map_or_else(String::new, |a| a.to_string());
+        let _ = writeln!(
+            out,
+            "{:<4}  {:<10}  {:<13}  {:<12}  {:<11}  {:<11}  {:<9}  {:<9}  {at}",
+            r.rank,
+            bytes(r.peak),
+            bytes(r.state),
+            bytes(r.params_unsharded),
+            bytes(r.grads_unsharded),
+            bytes(r.activations),
+            r.in_flight,
+            bytes(r.receives)
+        );
+    }
 }
 
 fn stages_table(out: &mut String, plan: &PipelinePlan) {

@@ -1,0 +1,113 @@
+//! `shardplan train` of a spec with a pipeline axis: every pipeline rank as a thread of
+//! this process, running its lowered program (the one `shardplan plan` prints), one JSON
+//! line a step in `--log`, and a summary with the measured step beside the planned one.
+
+use super::TrainArgs;
+use crate::CliError;
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use shardplan_executor::train::pipeline::{PipelineMetrics, PipelineTrainer};
+use shardplan_frontends::{trace_error, trace_options, LoadedModel, LoadedParallel};
+use std::io::Write;
+
+/// Trains `model` with `parallel`'s pipeline on `device` for `--steps` steps.
+pub fn run(
+    args: &TrainArgs,
+    model: &LoadedModel,
+    parallel: &LoadedParallel,
+    device: candle_core::Device,
+) -> Result<Option<u8>, CliError> {
+    refuse_unsupported(args, parallel)?;
+    let config = &parallel.config;
+    let custom = crate::plan::custom_schedule(parallel)?;
+    let forward = shardplan_models::trace(&model.config, trace_options(Some(parallel)))
+        .map_err(|e| CliError::Input(trace_error(e, model, Some(parallel))))?;
+    let plan = shardplan_planner::pipeline::plan_pipeline(&forward, config, custom)
+        .map_err(|e| CliError::Input(parallel.origin.error(e.field(), e.to_string(), e.help())))?;
+    let located = |e: shardplan_executor::ExecError| {
+        CliError::Input(
+            parallel
+                .origin
+                .error("mesh", e.to_string(), "see `shardplan plan` of this spec"),
+        )
+    };
+    let mut trainer = PipelineTrainer::new(&model.config, config, &plan, args.steps, device).map_err(located)?;
+    let mut log = match &args.log {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open the log {}", p.display()))?,
+        )),
+        None => None,
+    };
+    let bar = ProgressBar::new(args.steps);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut steps: Vec<PipelineMetrics> = Vec::new();
+    while trainer.steps_done() < args.steps {
+        let m = trainer.step().map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
+        bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, m.tokens_per_second));
+        bar.inc(1);
+        if let Some(w) = log.as_mut() {
+            let line = serde_json::to_string(&m).context("serialising metrics")?;
+            writeln!(w, "{line}")
+                .and_then(|()| w.flush())
+                .context("writing the metrics log")?;
+        }
+        steps.push(m);
+    }
+    bar.finish_and_clear();
+    crate::emit(&summary(&steps, model, plan.timeline.makespan))?;
+    Ok(None)
+}
+
+/// Refuses what this path does not do yet, naming the option.
+fn refuse_unsupported(args: &TrainArgs, parallel: &LoadedParallel) -> Result<(), CliError> {
+    let unsupported = [
+        (args.checkpoint_dir.is_some(), "--checkpoint-dir"),
+        (args.resume.is_some(), "--resume"),
+        (args.init_from.is_some(), "--init-from"),
+        (args.trace.is_some(), "--trace"),
+        (args.profile.is_some(), "--profile"),
+        (!args.inject_fault.is_empty(), "--inject-fault"),
+        (
+            args.backend.is_some_and(|b| b != super::Backend::Local),
+            "--backend other than local",
+        ),
+    ];
+    if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
+        return Err(CliError::Usage(format!(
+            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs every pipeline rank as a thread of this process, without checkpoints, traces or profiles yet; leave {what} out",
+            parallel.origin.file.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The end-of-run summary: loss from first to last step, throughput, and the measured
+/// step (the steps after the first) against the plan's.
+fn summary(steps: &[PipelineMetrics], model: &LoadedModel, planned: f64) -> String {
+    let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
+        return String::new();
+    };
+    let tokens: u64 = steps.iter().map(|m| m.tokens).sum();
+    let secs: f64 = steps.iter().map(|m| m.step_seconds).sum();
+    let warm = if steps.len() > 1 { &steps[1..] } else { steps };
+    let measured = warm.iter().map(|m| m.step_seconds).sum::<f64>() / warm.len() as f64;
+    format!(
+        "trained {} steps of {} on a pipeline: loss {:.4} -> {:.4}, {:.0} tokens/s\nstep      measured {:.3} ms (mean after the first), planned {:.3} ms: {:.2}x\n",
+        steps.len(),
+        model.config.name(),
+        first.loss,
+        last.loss,
+        tokens as f64 / secs.max(1e-9),
+        measured * 1e3,
+        planned * 1e3,
+        measured / planned.max(1e-12)
+    )
+}
