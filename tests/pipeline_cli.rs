@@ -171,8 +171,8 @@ fn train_runs_the_pipeline_example_and_logs_every_step() {
 }
 
 #[test]
-fn train_refuses_fsdp_inside_stages_and_unsupported_options() {
-    let f = spec("mesh: {pipeline: 2, shard: 2}\nbatch: {per_rank: 4, seq_len: 16}\npipeline: {schedule: GPipe, microbatches: 2}\n");
+fn train_refuses_tensor_parallel_stages_and_unsupported_options() {
+    let f = spec("mesh: {pipeline: 2, shard: 1, tensor: 2}\nbatch: {per_rank: 4, seq_len: 16}\npipeline: {schedule: GPipe, microbatches: 2}\n");
     let path = f.path().to_str().unwrap();
     let o = shardplan(&[
         "train",
@@ -184,7 +184,11 @@ fn train_refuses_fsdp_inside_stages_and_unsupported_options() {
         "1",
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("one rank a stage"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("tensor or expert parallelism inside pipeline stages"),
+        "{}",
+        stderr(&o)
+    );
     let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 16}\npipeline: {schedule: GPipe, microbatches: 2}\n");
     let path = f.path().to_str().unwrap();
     let o = shardplan(&[

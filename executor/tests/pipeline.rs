@@ -37,11 +37,26 @@ fn llama(layers: u64) -> ModelConfig {
 /// `ranks` pipeline ranks and on one rank over the same batch of `batch` sequences;
 /// returns the largest relative differences of loss and of the weights.
 fn compare(model: &ModelConfig, ranks: u64, pipeline: &str, batch: u64, steps: u64) -> (f64, f64) {
-    let batch_line = format!("batch: {{per_rank: {batch}, seq_len: 16}}\n");
+    compare_mesh(model, (ranks, 1, 1), pipeline, batch, steps)
+}
+
+/// As [`compare`] on a pipeline x replicate x shard mesh, each data-parallel rank taking
+/// `batch` sequences; one rank takes all of them.
+fn compare_mesh(
+    model: &ModelConfig,
+    (ranks, replicate, shard): (u64, u64, u64),
+    pipeline: &str,
+    batch: u64,
+    steps: u64,
+) -> (f64, f64) {
+    let world = ranks * replicate * shard;
     let piped = config(&format!(
-        "mesh: {{pipeline: {ranks}, shard: 1}}\ngpus_per_node: {ranks}\n{COMMON}{batch_line}pipeline: {pipeline}\n"
+        "mesh: {{pipeline: {ranks}, replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {world}\n{COMMON}batch: {{per_rank: {batch}, seq_len: 16}}\npipeline: {pipeline}\n"
     ));
-    let single = config(&format!("mesh: {{shard: 1}}\ngpus_per_node: 1\n{COMMON}{batch_line}"));
+    let single = config(&format!(
+        "mesh: {{shard: 1}}\ngpus_per_node: 1\n{COMMON}batch: {{per_rank: {}, seq_len: 16}}\n",
+        batch * replicate * shard
+    ));
     let graph = shardplan_models::trace(model, piped.trace_options()).unwrap();
     let plan = plan_pipeline(&graph, &piped, None).unwrap_or_else(|e| panic!("{e}"));
     let mut a = PipelineTrainer::new(model, &piped, &plan, steps, Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
@@ -54,7 +69,7 @@ fn compare(model: &ModelConfig, ranks: u64, pipeline: &str, batch: u64, steps: u
         worst_loss = worst_loss.max(((x.loss - y.loss).abs() / y.loss.abs().max(1e-6)) as f64);
     }
     let mut worst_w = 0f64;
-    let mine = a.master();
+    let mine = a.master().unwrap();
     assert_eq!(mine.len(), b.master().len());
     for (p, q) in mine.iter().zip(b.master()) {
         worst_w = worst_w.max(rel(p, q));
@@ -123,5 +138,37 @@ fn uneven_stages_train_as_one_rank() {
     assert_parity(
         "1F1B PP2, 3 blocks",
         compare(&llama(3), 2, "{schedule: 1F1B, microbatches: 2}", 4, 20),
+    );
+}
+
+#[test]
+fn fsdp_inside_two_stages_trains_as_one_rank() {
+    assert_parity(
+        "1F1B PP2 x FSDP2",
+        compare_mesh(&llama(2), (2, 1, 2), "{schedule: 1F1B, microbatches: 2}", 2, 20),
+    );
+}
+
+#[test]
+fn hsdp_inside_two_stages_trains_as_one_rank() {
+    // Eight ranks: 2 pipeline x 2 replicate x 2 shard.
+    assert_parity(
+        "Interleaved1F1B PP2 x HSDP 2x2",
+        compare_mesh(
+            &llama(4),
+            (2, 2, 2),
+            "{schedule: Interleaved1F1B, microbatches: 2}",
+            2,
+            20,
+        ),
+    );
+}
+
+#[test]
+fn fsdp_with_uneven_chunks_inside_stages_trains_as_one_rank() {
+    // Three shard ranks: 64-row weights split 22 + 22 + 20, padded.
+    assert_parity(
+        "GPipe PP2 x FSDP3",
+        compare_mesh(&llama(2), (2, 1, 3), "{schedule: GPipe, microbatches: 2}", 2, 20),
     );
 }

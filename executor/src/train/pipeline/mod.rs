@@ -1,0 +1,316 @@
+//! Pipeline-parallel training on threads: each rank of the mesh (pipeline x replicate x
+//! shard) runs its pipeline rank's lowered program (torch.distributed.pipelining's
+//! actions) over its stages' graphs, receiving its input activation from the previous
+//! stage's rank and its output gradient from the next.
+//!
+//! A stage keeps a micro-batch's forward values until that micro-batch's backward (B, or
+//! its W after an I) and sums its parameters' gradients over the step's micro-batches,
+//! scaled by 1 / M as torch's schedules scale them. With FSDP inside the stages
+//! (`shard.rs`), UNSHARD gathers a stage's parameters, which stay whole across
+//! micro-batches, and REDUCE_GRAD averages its gradients over the data-parallel ranks
+//! once; each rank steps the optimizer on its chunks. The gradient norm and the loss are
+//! summed over the world. So a step equals one rank's step over the same global batch.
+//! Tensor and expert parallelism inside the stages are not run here yet: such a spec is
+//! refused.
+
+mod rank;
+mod shard;
+
+use crate::comm::local::{local_group, LocalGroup};
+use crate::comm::p2p::{local_p2p, LocalP2p};
+use crate::comm::Abort;
+use crate::cpu::kernels::Ctx;
+use crate::runtime::optim::{base_lr, lr_at};
+use crate::train::data::{rank_rows, DataSource};
+use crate::train::trainer::data_source;
+use crate::ExecError;
+use candle_core::{Device, Tensor};
+use rank::{Rank, Stage, StepRun};
+use shard::Shard;
+use shardplan_frontends::ParallelConfig;
+use shardplan_models::{trace, ModelConfig};
+use shardplan_planner::pipeline::{stage_graphs, PipelinePlan};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What one pipeline step did, as written to the metrics log.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PipelineMetrics {
+    pub step: u64,
+    /// Mean loss over the global batch.
+    pub loss: f32,
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    pub tokens: u64,
+    pub step_seconds: f64,
+    pub tokens_per_second: f64,
+}
+
+/// Where a rank sits in the mesh: pipeline outermost, then replicate, then shard.
+#[derive(Clone, Copy, Debug)]
+struct Coord {
+    pipeline: usize,
+    replicate: usize,
+    shard: usize,
+}
+
+/// Pipeline training over every rank of the mesh as a thread of this process.
+pub struct PipelineTrainer {
+    ranks: Vec<Rank>,
+    /// The pipeline rank of each stage.
+    rank_of_stage: Vec<usize>,
+    microbatches: usize,
+    data: Box<dyn DataSource>,
+    device: Device,
+    config: ParallelConfig,
+    /// Ends every rank's waits when one fails.
+    abort: Arc<Abort>,
+    /// The shard ranks, for [`PipelineTrainer::master`].
+    shards: usize,
+    /// Parameters of the model, for [`PipelineTrainer::master`].
+    params: usize,
+    total_steps: u64,
+    step: u64,
+}
+
+impl PipelineTrainer {
+    /// Cuts `model` into `plan`'s stages and initialises every rank's chunks as one rank
+    /// initialises the whole model.
+    pub fn new(
+        model: &ModelConfig,
+        config: &ParallelConfig,
+        plan: &PipelinePlan,
+        total_steps: u64,
+        device: Device,
+    ) -> Result<Self, ExecError> {
+        let pipeline = config
+            .pipeline
+            .as_ref()
+            .ok_or_else(|| ExecError::Internal("a pipeline trainer without a pipeline".into()))?;
+        let mesh = config.mesh;
+        if mesh.tensor != 1 || mesh.expert != 1 {
+            return Err(ExecError::Unsupported(format!(
+                "tensor or expert parallelism inside pipeline stages (tensor {}, expert {}) is not run yet: the pipeline executor runs FSDP and HSDP inside its stages; use mesh {{pipeline: {}, replicate: R, shard: S}}",
+                mesh.tensor, mesh.expert, mesh.pipeline
+            )));
+        }
+        if config.batch.grad_accum != 1 {
+            return Err(ExecError::Unsupported(
+                "batch.grad_accum with a pipeline: its micro-batches accumulate already; set grad_accum to 1 and raise pipeline.microbatches".into(),
+            ));
+        }
+        let forward = trace(model, config.trace_options())?;
+        let modules: Vec<Vec<String>> = plan.stages.iter().map(|s| s.modules.clone()).collect();
+        let graphs =
+            stage_graphs(&forward, &modules, config.diff_options()).map_err(|e| ExecError::Internal(e.to_string()))?;
+        let rank_of_stage: Vec<usize> = plan.program.rank_of_stage.iter().map(|&r| r as usize).collect();
+        let (p, r, s) = (mesh.pipeline as usize, mesh.replicate as usize, mesh.shard as usize);
+        let abort = Arc::new(Abort::default());
+        let mut groups = Groups::new(p, r, s, &abort);
+        let mut ranks = Vec::with_capacity(p * r * s);
+        for index in 0..p * r * s {
+            let coord = Coord {
+                pipeline: index / (r * s),
+                replicate: index / s % r,
+                shard: index % s,
+            };
+            let stages = graphs
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| rank_of_stage[*i] == coord.pipeline)
+                .map(|(i, g)| Stage::init(i, g, &forward, config, coord.shard, s, &device))
+                .collect::<Result<Vec<_>, ExecError>>()?;
+            let (p2p, shard, replicate, world) = groups.take(coord)?;
+            ranks.push(Rank {
+                stages,
+                program: plan.program.lowered[coord.pipeline].clone(),
+                pipeline: coord.pipeline,
+                data_rank: coord.replicate * s + coord.shard,
+                p2p,
+                shard,
+                replicate,
+                world,
+                tags: Default::default(),
+                ctx: Ctx::new(device.clone()),
+            });
+        }
+        let first = forward.node(forward.inputs()[0]).ty.shape.dims().to_vec();
+        let seq = first.get(1).copied().unwrap_or(1) as usize;
+        let rows = (config.batch.per_rank * mesh.data_parallel()) as usize;
+        let data = data_source(model, config, rows, seq)?;
+        let params = forward.params().len();
+        Ok(PipelineTrainer {
+            ranks,
+            rank_of_stage,
+            microbatches: pipeline.microbatches as usize,
+            data,
+            device,
+            config: config.clone(),
+            abort,
+            shards: s,
+            params,
+            total_steps,
+            step: 0,
+        })
+    }
+
+    /// Steps taken so far.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The whole f32 master weights, by the model's parameter id (from the first replica's
+    /// chunks).
+    pub fn master(&self) -> Result<Vec<Tensor>, ExecError> {
+        let mut all: Vec<Option<Tensor>> = vec![None; self.params];
+        let first_replica: Vec<&Rank> = self.ranks.iter().filter(|r| r.data_rank < self.shards).collect();
+        for rank in first_replica.iter().filter(|r| r.data_rank == 0) {
+            for (k, stage) in rank.stages.iter().enumerate() {
+                for (i, &param) in stage.graph.params.iter().enumerate() {
+                    let chunks: Vec<&Shard> = first_replica
+                        .iter()
+                        .filter(|r| r.pipeline == rank.pipeline)
+                        .map(|r| &r.stages[k].chunks[i])
+                        .collect();
+                    all[param.index()] = Some(Shard::whole(&chunks)?);
+                }
+            }
+        }
+        all.into_iter()
+            .enumerate()
+            .map(|(i, t)| t.ok_or_else(|| ExecError::Internal(format!("parameter {i} is on no stage"))))
+            .collect()
+    }
+
+    /// One optimizer step: every rank's program over its rows of the global batch.
+    pub fn step(&mut self) -> Result<PipelineMetrics, ExecError> {
+        let start = Instant::now();
+        let batch = self.data.next_batch(&self.device)?;
+        let data_world = self.config.mesh.data_parallel() as usize;
+        let chunks: Vec<Vec<HashMap<String, Tensor>>> = (0..data_world)
+            .map(|d| {
+                let rows = rank_rows(batch.inputs.clone(), d, data_world)?;
+                split_batch(&rows, self.microbatches)
+            })
+            .collect::<Result<_, ExecError>>()?;
+        let lr = lr_at(
+            self.step,
+            self.total_steps,
+            base_lr(&self.config.optimizer),
+            &self.config.lr_schedule,
+        );
+        let run = StepRun {
+            rank_of_stage: &self.rank_of_stage,
+            microbatches: self.microbatches,
+            losses: self.microbatches * data_world,
+            replicas: self.config.mesh.replicate as f64,
+            config: &self.config,
+            step: self.step,
+            lr,
+        };
+        let results: Vec<Result<(f64, f64), ExecError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .map(|rank| {
+                    let (run, abort, chunks) = (&run, &self.abort, &chunks);
+                    scope.spawn(move || {
+                        let out = run.rank_step(rank, &chunks[rank.data_rank]);
+                        if let Err(e) = &out {
+                            // The other ranks' waits end with this rank's reason.
+                            abort.abort(format!("pipeline rank {}: {e}", rank.pipeline));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(ExecError::Internal("a pipeline rank panicked".into())))
+                })
+                .collect()
+        });
+        let mut summary = (0.0, 0.0);
+        for r in results {
+            summary = r?;
+        }
+        self.step += 1;
+        let secs = start.elapsed().as_secs_f64();
+        Ok(PipelineMetrics {
+            step: self.step,
+            loss: summary.0 as f32,
+            lr,
+            grad_norm: summary.1 as f32,
+            tokens: batch.tokens,
+            step_seconds: secs,
+            tokens_per_second: batch.tokens as f64 / secs.max(1e-9),
+        })
+    }
+}
+
+/// The groups of a P x R x S mesh of threads, handed out rank by rank: a pipeline link
+/// per data-parallel coordinate, a shard group per (pipeline, replicate), a replicate
+/// group per (pipeline, shard), and the world.
+struct Groups {
+    mesh: (usize, usize, usize),
+    links: Vec<std::vec::IntoIter<LocalP2p>>,
+    shard: Vec<std::vec::IntoIter<LocalGroup>>,
+    replicate: Vec<std::vec::IntoIter<LocalGroup>>,
+    world: std::vec::IntoIter<LocalGroup>,
+}
+
+/// A rank's ends: its pipeline link, shard and replicate groups (none of one rank), world.
+type Ends = (LocalP2p, Option<LocalGroup>, Option<LocalGroup>, LocalGroup);
+
+impl Groups {
+    fn new(p: usize, r: usize, s: usize, abort: &Arc<Abort>) -> Groups {
+        Groups {
+            mesh: (p, r, s),
+            links: (0..r * s)
+                .map(|_| local_p2p(p, "pipeline group", abort).into_iter())
+                .collect(),
+            shard: (0..p * r)
+                .map(|_| local_group(s, "shard group", abort).into_iter())
+                .collect(),
+            replicate: (0..p * s)
+                .map(|_| local_group(r, "replicate group", abort).into_iter())
+                .collect(),
+            world: local_group(p * r * s, "world", abort).into_iter(),
+        }
+    }
+
+    /// The ends of the rank at `c` (ranks are taken in mesh order).
+    fn take(&mut self, c: Coord) -> Result<Ends, ExecError> {
+        fn taken<T>(it: Option<T>) -> Result<T, ExecError> {
+            it.ok_or_else(|| ExecError::Internal("a group handed out twice".into()))
+        }
+        let (_, r, s) = self.mesh;
+        let link = taken(self.links[c.replicate * s + c.shard].next())?;
+        let shard = taken(self.shard[c.pipeline * r + c.replicate].next())?;
+        let replicate = taken(self.replicate[c.pipeline * s + c.shard].next())?;
+        let world = taken(self.world.next())?;
+        Ok((link, (s > 1).then_some(shard), (r > 1).then_some(replicate), world))
+    }
+}
+
+/// The batch's inputs cut along their first dimension into `m` micro-batches, as torch's
+/// schedules split their arguments.
+fn split_batch(inputs: &HashMap<String, Tensor>, m: usize) -> Result<Vec<HashMap<String, Tensor>>, ExecError> {
+    let mut chunks = vec![HashMap::new(); m];
+    for (name, t) in inputs {
+        let rows = t.dim(0)?;
+        if rows % m != 0 {
+            return Err(ExecError::Internal(format!(
+                "input `{name}` has {rows} rows, which do not split into {m} micro-batches"
+            )));
+        }
+        for (i, chunk) in chunks.iter_mut().enumerate() {
+            chunk.insert(name.clone(), t.narrow(0, i * rows / m, rows / m)?);
+        }
+    }
+    Ok(chunks)
+}

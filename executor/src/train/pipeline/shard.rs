@@ -1,0 +1,113 @@
+//! FSDP inside a pipeline stage, as torchtitan runs it under a pipeline: each parameter's
+//! dim-0 rows chunked over the shard group as `torch.chunk` cuts them (padded to equal
+//! chunks), gathered whole at the stage's UNSHARD and kept across micro-batches,
+//! gradients summed whole over the micro-batches and reduced once at its REDUCE_GRAD
+//! (reduce-scatter over the shard group, then all-reduce over the replicate group).
+
+use crate::comm::{Collectives, Reduce};
+use crate::init::init_elements;
+use crate::ExecError;
+use candle_core::{DType as CDType, Device, Tensor};
+use shardplan_ir::{Graph, ParamId};
+
+/// This rank's chunk of one parameter.
+pub(super) struct Shard {
+    /// The whole parameter's dims.
+    dims: Vec<usize>,
+    /// Rows of every chunk (the last ones padded).
+    rows: usize,
+    /// This rank's f32 chunk, `rows` rows (zeros past the parameter's end).
+    pub(super) master: Tensor,
+}
+
+impl Shard {
+    /// Shard `index` of `shards` of parameter `p` of `model`, initialised as one rank
+    /// initialises the whole parameter.
+    pub(super) fn init(
+        model: &Graph,
+        p: ParamId,
+        seed: u64,
+        index: usize,
+        shards: usize,
+        device: &Device,
+    ) -> Result<Shard, ExecError> {
+        let ty = &model.param(p).ty;
+        let dims: Vec<usize> = ty.shape.dims().iter().map(|&d| d as usize).collect();
+        let (first, rest) = match dims.split_first() {
+            Some((&first, rest)) => (first, rest.iter().product::<usize>()),
+            None => (1, 1),
+        };
+        let rows = first.div_ceil(shards);
+        let start = (index * rows).min(first);
+        let end = ((index + 1) * rows).min(first);
+        let mut values = init_elements(model, p, seed, (start * rest) as u64..(end * rest) as u64);
+        values.resize(rows * rest, 0.0);
+        let mut shape = vec![rows];
+        shape.extend_from_slice(dims.get(1..).unwrap_or(&[]));
+        Ok(Shard {
+            master: Tensor::from_vec(values, shape.as_slice(), device)?,
+            dims,
+            rows,
+        })
+    }
+
+    /// The whole parameter in `dtype`, gathered over `group` (this rank's chunk alone
+    /// without one) under `tag`.
+    pub(super) fn gather(&self, group: Option<&dyn Collectives>, tag: u64, dtype: CDType) -> Result<Tensor, ExecError> {
+        let mine = self.master.to_dtype(dtype)?;
+        let all = match group {
+            Some(g) => g.all_gather(tag, &mine)?,
+            None => mine,
+        };
+        let whole = all.narrow(0, 0, self.dims.first().copied().unwrap_or(1))?;
+        Ok(whole.reshape(self.dims.as_slice())?)
+    }
+
+    /// This rank's chunk of the whole gradient `grad` averaged over the shard group (a
+    /// reduce-scatter) and then the replicate group (an all-reduce).
+    pub(super) fn reduce(
+        &self,
+        grad: &Tensor,
+        shard: Option<(&dyn Collectives, u64)>,
+        replicate: Option<(&dyn Collectives, u64)>,
+    ) -> Result<Tensor, ExecError> {
+        let first = self.dims.first().copied().unwrap_or(1);
+        let shards = shard.map_or(1, |(g, _)| g.size());
+        let mut g = grad.reshape(self.chunked_dims(first).as_slice())?;
+        let padded = self.rows * shards;
+        if padded > first {
+            let mut pad = vec![padded - first];
+            pad.extend_from_slice(self.dims.get(1..).unwrap_or(&[]));
+            let zeros = Tensor::zeros(pad.as_slice(), g.dtype(), g.device())?;
+            g = Tensor::cat(&[g, zeros], 0)?;
+        }
+        let mut mine = match shard {
+            Some((group, tag)) => group.reduce_scatter(tag, &g, Reduce::Avg)?,
+            None => g,
+        };
+        if let Some((group, tag)) = replicate {
+            mine = group.all_reduce(tag, &mine, Reduce::Avg)?;
+        }
+        Ok(mine)
+    }
+
+    /// A zero whole gradient (a parameter the loss does not reach).
+    pub(super) fn zero_grad(&self) -> Result<Tensor, ExecError> {
+        Ok(Tensor::zeros(self.dims.as_slice(), CDType::F32, self.master.device())?)
+    }
+
+    /// The whole parameter's dims (a scalar as one row).
+    fn chunked_dims(&self, first: usize) -> Vec<usize> {
+        let mut d = vec![first];
+        d.extend_from_slice(self.dims.get(1..).unwrap_or(&[]));
+        d
+    }
+
+    /// The whole f32 parameter from every shard rank's chunk, in shard order.
+    pub(super) fn whole(chunks: &[&Shard]) -> Result<Tensor, ExecError> {
+        let first = chunks.first().ok_or_else(|| ExecError::Internal("no chunks".into()))?;
+        let all = Tensor::cat(&chunks.iter().map(|c| c.master.clone()).collect::<Vec<_>>(), 0)?;
+        let rows = first.dims.first().copied().unwrap_or(1);
+        Ok(all.narrow(0, 0, rows)?.reshape(first.dims.as_slice())?)
+    }
+}
