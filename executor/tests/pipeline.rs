@@ -37,21 +37,21 @@ fn llama(layers: u64) -> ModelConfig {
 /// `ranks` pipeline ranks and on one rank over the same batch of `batch` sequences;
 /// returns the largest relative differences of loss and of the weights.
 fn compare(model: &ModelConfig, ranks: u64, pipeline: &str, batch: u64, steps: u64) -> (f64, f64) {
-    compare_mesh(model, (ranks, 1, 1), pipeline, batch, steps)
+    compare_mesh(model, (ranks, 1, 1, 1), pipeline, batch, steps)
 }
 
-/// As [`compare`] on a pipeline x replicate x shard mesh, each data-parallel rank taking
-/// `batch` sequences; one rank takes all of them.
+/// As [`compare`] on a pipeline x replicate x shard x tensor mesh, each data-parallel rank
+/// taking `batch` sequences (its tensor group shares them); one rank takes all of them.
 fn compare_mesh(
     model: &ModelConfig,
-    (ranks, replicate, shard): (u64, u64, u64),
+    (ranks, replicate, shard, tensor): (u64, u64, u64, u64),
     pipeline: &str,
     batch: u64,
     steps: u64,
 ) -> (f64, f64) {
-    let world = ranks * replicate * shard;
+    let world = ranks * replicate * shard * tensor;
     let piped = config(&format!(
-        "mesh: {{pipeline: {ranks}, replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {world}\n{COMMON}batch: {{per_rank: {batch}, seq_len: 16}}\npipeline: {pipeline}\n"
+        "mesh: {{pipeline: {ranks}, replicate: {replicate}, shard: {shard}, tensor: {tensor}}}\ngpus_per_node: {world}\n{COMMON}batch: {{per_rank: {batch}, seq_len: 16}}\npipeline: {pipeline}\n"
     ));
     let single = config(&format!(
         "mesh: {{shard: 1}}\ngpus_per_node: 1\n{COMMON}batch: {{per_rank: {}, seq_len: 16}}\n",
@@ -145,7 +145,7 @@ fn uneven_stages_train_as_one_rank() {
 fn fsdp_inside_two_stages_trains_as_one_rank() {
     assert_parity(
         "1F1B PP2 x FSDP2",
-        compare_mesh(&llama(2), (2, 1, 2), "{schedule: 1F1B, microbatches: 2}", 2, 20),
+        compare_mesh(&llama(2), (2, 1, 2, 1), "{schedule: 1F1B, microbatches: 2}", 2, 20),
     );
 }
 
@@ -156,7 +156,7 @@ fn hsdp_inside_two_stages_trains_as_one_rank() {
         "Interleaved1F1B PP2 x HSDP 2x2",
         compare_mesh(
             &llama(4),
-            (2, 2, 2),
+            (2, 2, 2, 1),
             "{schedule: Interleaved1F1B, microbatches: 2}",
             2,
             20,
@@ -169,6 +169,46 @@ fn fsdp_with_uneven_chunks_inside_stages_trains_as_one_rank() {
     // Three shard ranks: 64-row weights split 22 + 22 + 20, padded.
     assert_parity(
         "GPipe PP2 x FSDP3",
-        compare_mesh(&llama(2), (2, 1, 3), "{schedule: GPipe, microbatches: 2}", 2, 20),
+        compare_mesh(&llama(2), (2, 1, 3, 1), "{schedule: GPipe, microbatches: 2}", 2, 20),
+    );
+}
+
+#[test]
+fn tensor_parallel_stages_train_as_one_rank() {
+    assert_parity(
+        "1F1B PP2 x TP2",
+        compare_mesh(&llama(2), (2, 1, 1, 2), "{schedule: 1F1B, microbatches: 2}", 2, 20),
+    );
+}
+
+#[test]
+fn fsdp_and_tensor_parallel_stages_train_as_one_rank() {
+    assert_parity(
+        "ZBVZeroBubble PP2 x FSDP2 x TP2",
+        compare_mesh(
+            &llama(2),
+            (2, 1, 2, 2),
+            "{schedule: ZBVZeroBubble, microbatches: 4}",
+            4,
+            20,
+        ),
+    );
+}
+
+#[test]
+fn moe_stages_train_as_one_rank() {
+    // tiny-moe (a dense first layer, then routed and shared experts) without its
+    // load-balancing loss, whose router logits a pipeline cannot carry between stages.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let model = shardplan_frontends::parse_model_spec(&Source::from_text(
+        "tiny-moe.yaml",
+        &text.replace("aux_loss_coef: 0.01", "aux_loss_coef: 0"),
+    ))
+    .unwrap_or_else(|e| panic!("{e}"))
+    .0;
+    assert_parity(
+        "1F1B PP2 x FSDP2, MoE",
+        compare_mesh(&model, (2, 1, 2, 1), "{schedule: 1F1B, microbatches: 2}", 2, 20),
     );
 }

@@ -133,6 +133,14 @@ fn boundaries(forward: &Graph, stage_of: &[Option<usize>], stages: usize) -> Res
                 "stage {} passes on {one} from an earlier stage without reading it",
                 b
             ))),
+            many if many.iter().any(|v| read_by_aux_loss(forward, *v)) => Err(PlanError::Pipeline {
+                field: "pipeline",
+                message: format!(
+                    "the load-balancing loss reads every MoE layer's router logits, which cross from stage {b} to stage {} beside the activation, and a stage sends one activation",
+                    b + 1
+                ),
+                fix: "set the model's moe.aux_loss_coef to 0 to train it with a pipeline".into(),
+            }),
             many => match many.iter().find(|v| matches!(forward.node(**v).op, Op::Param { .. })) {
                 Some(p) => Err(shared_param(forward, *p, b)),
                 None => Err(cut_error(format!(
@@ -147,6 +155,14 @@ fn boundaries(forward: &Graph, stage_of: &[Option<usize>], stages: usize) -> Res
             },
         })
         .collect()
+}
+
+/// Whether the MoE load-balancing loss reads `value` (a layer's router logits).
+fn read_by_aux_loss(forward: &Graph, value: NodeId) -> bool {
+    forward
+        .users(value)
+        .iter()
+        .any(|u| matches!(forward.node(*u).op, Op::MoeAuxLoss { .. }))
 }
 
 fn shared_param(forward: &Graph, node: NodeId, boundary: usize) -> PlanError {
@@ -330,6 +346,23 @@ mod tests {
             .map(|(id, _)| id)
             .unwrap();
         assert_eq!(stage_of[add.index()], Some(0));
+    }
+
+    #[test]
+    fn the_moe_load_balancing_loss_across_stages_is_refused_with_its_fix() {
+        // tiny-moe: three layers, the first dense, the load-balancing loss on.
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+        let model = shardplan_frontends::load_model(&path).unwrap().config;
+        let err = modules(
+            &model,
+            &[
+                &["tok_embeddings", "layers.0", "layers.1"],
+                &["layers.2", "norm", "output", "loss"],
+            ],
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("load-balancing loss"), "{err}");
+        assert!(err.help().contains("aux_loss_coef to 0"), "{}", err.help());
     }
 
     #[test]

@@ -20,6 +20,7 @@ use crate::comm::local::{local_group, LocalGroup};
 use crate::comm::p2p::{local_p2p, LocalP2p};
 use crate::comm::Abort;
 use crate::cpu::kernels::Ctx;
+use crate::cpu::tensor::TensorGroup;
 use crate::runtime::optim::{base_lr, lr_at};
 use crate::train::data::{rank_rows, DataSource};
 use crate::train::trainer::data_source;
@@ -48,12 +49,13 @@ pub struct PipelineMetrics {
     pub tokens_per_second: f64,
 }
 
-/// Where a rank sits in the mesh: pipeline outermost, then replicate, then shard.
+/// Where a rank sits in the mesh: pipeline outermost, then replicate, shard and tensor.
 #[derive(Clone, Copy, Debug)]
 struct Coord {
     pipeline: usize,
     replicate: usize,
     shard: usize,
+    tensor: usize,
 }
 
 /// Pipeline training over every rank of the mesh as a thread of this process.
@@ -90,10 +92,10 @@ impl PipelineTrainer {
             .as_ref()
             .ok_or_else(|| ExecError::Internal("a pipeline trainer without a pipeline".into()))?;
         let mesh = config.mesh;
-        if mesh.tensor != 1 || mesh.expert != 1 {
+        if mesh.expert != 1 {
             return Err(ExecError::Unsupported(format!(
-                "tensor or expert parallelism inside pipeline stages (tensor {}, expert {}) is not run yet: the pipeline executor runs FSDP and HSDP inside its stages; use mesh {{pipeline: {}, replicate: R, shard: S}}",
-                mesh.tensor, mesh.expert, mesh.pipeline
+                "expert parallelism inside pipeline stages (expert {}) is not run yet: the pipeline executor runs FSDP, HSDP and tensor parallelism inside its stages; use mesh {{pipeline: {}, replicate: R, shard: S, tensor: T}}",
+                mesh.expert, mesh.pipeline
             )));
         }
         if config.batch.grad_accum != 1 {
@@ -106,34 +108,45 @@ impl PipelineTrainer {
         let graphs =
             stage_graphs(&forward, &modules, config.diff_options()).map_err(|e| ExecError::Internal(e.to_string()))?;
         let rank_of_stage: Vec<usize> = plan.program.rank_of_stage.iter().map(|&r| r as usize).collect();
-        let (p, r, s) = (mesh.pipeline as usize, mesh.replicate as usize, mesh.shard as usize);
+        let (p, r, s, t) = (
+            mesh.pipeline as usize,
+            mesh.replicate as usize,
+            mesh.shard as usize,
+            mesh.tensor as usize,
+        );
         let abort = Arc::new(Abort::default());
-        let mut groups = Groups::new(p, r, s, &abort);
-        let mut ranks = Vec::with_capacity(p * r * s);
-        for index in 0..p * r * s {
+        let mut groups = Groups::new((p, r, s, t), &abort);
+        let mut ranks = Vec::with_capacity(p * r * s * t);
+        for index in 0..p * r * s * t {
             let coord = Coord {
-                pipeline: index / (r * s),
-                replicate: index / s % r,
-                shard: index % s,
+                pipeline: index / (r * s * t),
+                replicate: index / (s * t) % r,
+                shard: index / t % s,
+                tensor: index % t,
             };
             let stages = graphs
                 .iter()
                 .enumerate()
                 .filter(|(i, _)| rank_of_stage[*i] == coord.pipeline)
-                .map(|(i, g)| Stage::init(i, g, &forward, config, coord.shard, s, &device))
+                .map(|(i, g)| Stage::init(i, g, &forward, config, (coord.shard, s), coord.tensor as u64, &device))
                 .collect::<Result<Vec<_>, ExecError>>()?;
-            let (p2p, shard, replicate, world) = groups.take(coord)?;
+            let (p2p, shard, replicate, tensor, world) = groups.take(coord)?;
+            let ctx = match tensor {
+                Some(g) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(Arc::new(g))),
+                None => Ctx::new(device.clone()),
+            };
             ranks.push(Rank {
                 stages,
                 program: plan.program.lowered[coord.pipeline].clone(),
                 pipeline: coord.pipeline,
+                tensor_rank: coord.tensor,
                 data_rank: coord.replicate * s + coord.shard,
                 p2p,
                 shard,
                 replicate,
                 world,
                 tags: Default::default(),
-                ctx: Ctx::new(device.clone()),
+                ctx,
             });
         }
         let first = forward.node(forward.inputs()[0]).ty.shape.dims().to_vec();
@@ -165,14 +178,25 @@ impl PipelineTrainer {
     /// chunks).
     pub fn master(&self) -> Result<Vec<Tensor>, ExecError> {
         let mut all: Vec<Option<Tensor>> = vec![None; self.params];
-        let first_replica: Vec<&Rank> = self.ranks.iter().filter(|r| r.data_rank < self.shards).collect();
-        for rank in first_replica.iter().filter(|r| r.data_rank == 0) {
-            for (k, stage) in rank.stages.iter().enumerate() {
+        let tensor = self.config.mesh.tensor as usize;
+        for pipeline in 0..self.config.mesh.pipeline as usize {
+            // The first replica's ranks of this pipeline rank.
+            let ranks: Vec<&Rank> = self
+                .ranks
+                .iter()
+                .filter(|r| r.pipeline == pipeline && r.data_rank < self.shards)
+                .collect();
+            let Some(lead) = ranks.first() else { continue };
+            for (k, stage) in lead.stages.iter().enumerate() {
                 for (i, &param) in stage.graph.params.iter().enumerate() {
-                    let chunks: Vec<&Shard> = first_replica
-                        .iter()
-                        .filter(|r| r.pipeline == rank.pipeline)
-                        .map(|r| &r.stages[k].chunks[i])
+                    let chunks: Vec<Vec<&Shard>> = (0..tensor)
+                        .map(|t| {
+                            ranks
+                                .iter()
+                                .filter(|r| r.tensor_rank == t)
+                                .map(|r| &r.stages[k].chunks[i])
+                                .collect()
+                        })
                         .collect();
                     all[param.index()] = Some(Shard::whole(&chunks)?);
                 }
@@ -204,8 +228,9 @@ impl PipelineTrainer {
         let run = StepRun {
             rank_of_stage: &self.rank_of_stage,
             microbatches: self.microbatches,
-            losses: self.microbatches * data_world,
+            losses: self.microbatches * data_world * self.config.mesh.tensor as usize,
             replicas: self.config.mesh.replicate as f64,
+            tensor: self.config.mesh.tensor as f64,
             config: &self.config,
             step: self.step,
             lr,
@@ -252,34 +277,43 @@ impl PipelineTrainer {
     }
 }
 
-/// The groups of a P x R x S mesh of threads, handed out rank by rank: a pipeline link
-/// per data-parallel coordinate, a shard group per (pipeline, replicate), a replicate
-/// group per (pipeline, shard), and the world.
+/// The groups of a P x R x S x T mesh of threads, handed out rank by rank: a pipeline
+/// link per (replicate, shard, tensor), a shard group per (pipeline, replicate, tensor), a
+/// replicate group per (pipeline, shard, tensor), a tensor group per (pipeline,
+/// replicate, shard), and the world.
 struct Groups {
-    mesh: (usize, usize, usize),
+    mesh: (usize, usize, usize, usize),
     links: Vec<std::vec::IntoIter<LocalP2p>>,
     shard: Vec<std::vec::IntoIter<LocalGroup>>,
     replicate: Vec<std::vec::IntoIter<LocalGroup>>,
+    tensor: Vec<std::vec::IntoIter<LocalGroup>>,
     world: std::vec::IntoIter<LocalGroup>,
 }
 
-/// A rank's ends: its pipeline link, shard and replicate groups (none of one rank), world.
-type Ends = (LocalP2p, Option<LocalGroup>, Option<LocalGroup>, LocalGroup);
+/// A rank's ends: its pipeline link, shard, replicate and tensor groups (none of one
+/// rank), and the world.
+type Ends = (
+    LocalP2p,
+    Option<LocalGroup>,
+    Option<LocalGroup>,
+    Option<LocalGroup>,
+    LocalGroup,
+);
 
 impl Groups {
-    fn new(p: usize, r: usize, s: usize, abort: &Arc<Abort>) -> Groups {
+    fn new((p, r, s, t): (usize, usize, usize, usize), abort: &Arc<Abort>) -> Groups {
+        let groups = |count: usize, size: usize, name: &str| -> Vec<std::vec::IntoIter<LocalGroup>> {
+            (0..count).map(|_| local_group(size, name, abort).into_iter()).collect()
+        };
         Groups {
-            mesh: (p, r, s),
-            links: (0..r * s)
+            mesh: (p, r, s, t),
+            links: (0..r * s * t)
                 .map(|_| local_p2p(p, "pipeline group", abort).into_iter())
                 .collect(),
-            shard: (0..p * r)
-                .map(|_| local_group(s, "shard group", abort).into_iter())
-                .collect(),
-            replicate: (0..p * s)
-                .map(|_| local_group(r, "replicate group", abort).into_iter())
-                .collect(),
-            world: local_group(p * r * s, "world", abort).into_iter(),
+            shard: groups(p * r * t, s, "shard group"),
+            replicate: groups(p * s * t, r, "replicate group"),
+            tensor: groups(p * r * s, t, "tensor group"),
+            world: local_group(p * r * s * t, "world", abort).into_iter(),
         }
     }
 
@@ -288,12 +322,19 @@ impl Groups {
         fn taken<T>(it: Option<T>) -> Result<T, ExecError> {
             it.ok_or_else(|| ExecError::Internal("a group handed out twice".into()))
         }
-        let (_, r, s) = self.mesh;
-        let link = taken(self.links[c.replicate * s + c.shard].next())?;
-        let shard = taken(self.shard[c.pipeline * r + c.replicate].next())?;
-        let replicate = taken(self.replicate[c.pipeline * s + c.shard].next())?;
+        let (_, r, s, t) = self.mesh;
+        let link = taken(self.links[(c.replicate * s + c.shard) * t + c.tensor].next())?;
+        let shard = taken(self.shard[(c.pipeline * r + c.replicate) * t + c.tensor].next())?;
+        let replicate = taken(self.replicate[(c.pipeline * s + c.shard) * t + c.tensor].next())?;
+        let tensor = taken(self.tensor[(c.pipeline * r + c.replicate) * s + c.shard].next())?;
         let world = taken(self.world.next())?;
-        Ok((link, (s > 1).then_some(shard), (r > 1).then_some(replicate), world))
+        Ok((
+            link,
+            (s > 1).then_some(shard),
+            (r > 1).then_some(replicate),
+            (t > 1).then_some(tensor),
+            world,
+        ))
     }
 }
 

@@ -27,21 +27,21 @@ pub(super) struct Stage {
 }
 
 impl Stage {
-    /// Stage `index` of graph `g` on shard rank `shard` of `shards`: its chunks
+    /// Stage `index` of graph `g` on shard rank `shard.0` of `shard.1`: its chunks
     /// initialised from `model`, the whole model's graph, as one rank initialises it.
     pub(super) fn init(
         index: usize,
         g: &StageGraph,
         model: &shardplan_ir::Graph,
         config: &ParallelConfig,
-        shard: usize,
-        shards: usize,
+        shard: (usize, usize),
+        tensor_rank: u64,
         device: &Device,
     ) -> Result<Stage, ExecError> {
         let chunks = g
             .params
             .iter()
-            .map(|&param| Shard::init(model, param, config.seed, shard, shards, device))
+            .map(|&param| Shard::init(model, param, config.seed, shard, tensor_rank, device))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Stage {
             index,
@@ -74,6 +74,7 @@ pub(super) struct Rank {
     pub(super) stages: Vec<Stage>,
     pub(super) program: Vec<Action>,
     pub(super) pipeline: usize,
+    pub(super) tensor_rank: usize,
     /// Its data-parallel index (replicate x shard), whose rows of the batch it reads.
     pub(super) data_rank: usize,
     pub(super) p2p: LocalP2p,
@@ -114,6 +115,8 @@ pub(super) struct StepRun<'a> {
     pub(super) losses: usize,
     /// Replicas holding each gradient chunk (the norm counts one).
     pub(super) replicas: f64,
+    /// Tensor ranks: a parameter each holds whole counts 1 / tensor on each.
+    pub(super) tensor: f64,
     pub(super) config: &'a ParallelConfig,
     pub(super) step: u64,
     pub(super) lr: f64,
@@ -359,9 +362,11 @@ impl StepRun<'_> {
     /// step each stage's optimizer on this rank's chunks.
     fn finish(&self, rank: &mut Rank, mut state: RankState) -> Result<(f64, f64), ExecError> {
         let mut sq = 0f64;
-        for grads in state.reduced.values() {
-            for t in grads {
-                sq += t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?;
+        for stage in &rank.stages {
+            let grads = state.reduced.get(&stage.index).map_or(&[][..], |g| g.as_slice());
+            for (t, chunk) in grads.iter().zip(&stage.chunks) {
+                let weight = if chunk.split.is_some() { 1.0 } else { 1.0 / self.tensor };
+                sq += weight * t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?;
             }
         }
         let summed = rank

@@ -5,10 +5,11 @@
 //! (reduce-scatter over the shard group, then all-reduce over the replicate group).
 
 use crate::comm::{Collectives, Reduce};
-use crate::init::init_elements;
+use crate::cpu::tensor::whole_from_slices;
+use crate::init::init_slice_elements;
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor};
-use shardplan_ir::{Graph, ParamId};
+use shardplan_ir::{Graph, ParamId, TensorSplit};
 
 /// This rank's chunk of one parameter.
 pub(super) struct Shard {
@@ -18,20 +19,24 @@ pub(super) struct Shard {
     rows: usize,
     /// This rank's f32 chunk, `rows` rows (zeros past the parameter's end).
     pub(super) master: Tensor,
+    /// How the tensor group splits the parameter (`None`: each tensor rank holds it whole).
+    pub(super) split: Option<TensorSplit>,
 }
 
 impl Shard {
-    /// Shard `index` of `shards` of parameter `p` of `model`, initialised as one rank
-    /// initialises the whole parameter.
+    /// Shard `index` of `shards` of parameter `p` of `model` (one tensor rank's graph),
+    /// on tensor rank `tensor_rank`: initialised as one rank initialises the whole
+    /// parameter.
     pub(super) fn init(
         model: &Graph,
         p: ParamId,
         seed: u64,
-        index: usize,
-        shards: usize,
+        (index, shards): (usize, usize),
+        tensor_rank: u64,
         device: &Device,
     ) -> Result<Shard, ExecError> {
-        let ty = &model.param(p).ty;
+        let param = model.param(p);
+        let ty = &param.ty;
         let dims: Vec<usize> = ty.shape.dims().iter().map(|&d| d as usize).collect();
         let (first, rest) = match dims.split_first() {
             Some((&first, rest)) => (first, rest.iter().product::<usize>()),
@@ -40,7 +45,8 @@ impl Shard {
         let rows = first.div_ceil(shards);
         let start = (index * rows).min(first);
         let end = ((index + 1) * rows).min(first);
-        let mut values = init_elements(model, p, seed, (start * rest) as u64..(end * rest) as u64);
+        let range = (start * rest) as u64..(end * rest) as u64;
+        let mut values = init_slice_elements(model, p, u64::from(p.0), seed, range, tensor_rank);
         values.resize(rows * rest, 0.0);
         let mut shape = vec![rows];
         shape.extend_from_slice(dims.get(1..).unwrap_or(&[]));
@@ -48,6 +54,7 @@ impl Shard {
             master: Tensor::from_vec(values, shape.as_slice(), device)?,
             dims,
             rows,
+            split: param.tensor,
         })
     }
 
@@ -103,11 +110,27 @@ impl Shard {
         d
     }
 
-    /// The whole f32 parameter from every shard rank's chunk, in shard order.
-    pub(super) fn whole(chunks: &[&Shard]) -> Result<Tensor, ExecError> {
-        let first = chunks.first().ok_or_else(|| ExecError::Internal("no chunks".into()))?;
-        let all = Tensor::cat(&chunks.iter().map(|c| c.master.clone()).collect::<Vec<_>>(), 0)?;
-        let rows = first.dims.first().copied().unwrap_or(1);
-        Ok(all.narrow(0, 0, rows)?.reshape(first.dims.as_slice())?)
+    /// The whole f32 parameter from every rank's chunk: `chunks[t][s]` is tensor rank
+    /// `t`'s, shard rank `s`'s.
+    pub(super) fn whole(chunks: &[Vec<&Shard>]) -> Result<Tensor, ExecError> {
+        let slices = chunks
+            .iter()
+            .map(|by_shard| {
+                let first = by_shard
+                    .first()
+                    .ok_or_else(|| ExecError::Internal("no chunks".into()))?;
+                let all = Tensor::cat(&by_shard.iter().map(|c| c.master.clone()).collect::<Vec<_>>(), 0)?;
+                let rows = first.dims.first().copied().unwrap_or(1);
+                Ok(all.narrow(0, 0, rows)?.reshape(first.dims.as_slice())?)
+            })
+            .collect::<Result<Vec<_>, ExecError>>()?;
+        let split = chunks.first().and_then(|c| c.first()).and_then(|c| c.split);
+        match split {
+            Some(split) => Ok(whole_from_slices(&slices, &split)?),
+            None => slices
+                .into_iter()
+                .next()
+                .ok_or_else(|| ExecError::Internal("no tensor slices".into())),
+        }
     }
 }
