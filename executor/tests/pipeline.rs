@@ -203,7 +203,7 @@ fn moe_stages_train_as_one_rank() {
     let text = std::fs::read_to_string(path).unwrap();
     let model = shardplan_frontends::parse_model_spec(&Source::from_text(
         "tiny-moe.yaml",
-        &text.replace("aux_loss_coef: 0.01", "aux_loss_coef: 0"),
+        text.replace("aux_loss_coef: 0.01", "aux_loss_coef: 0"),
     ))
     .unwrap_or_else(|e| panic!("{e}"))
     .0;
