@@ -5,6 +5,11 @@
 //! same 16,384 ranks with tensor parallelism over each node (target: under 10 ms).
 //! `qwen3-30b-a3b-64-ep8` plans a mixture of experts (48 MoE layers of 128 experts) on 64
 //! H100s with expert parallelism 8 (target: under 10 ms).
+//!
+//! The `pipeline` group plans Llama 3.1 405B on 512 H100s as FSDP 8 x TP 8 x PP 8 (1F1B and
+//! Interleaved1F1B, 32 micro-batches) from its traced forward graph: the stage cut and each
+//! stage's autodiff, its FSDP plan, the schedule, the timeline and every rank's memory
+//! (target: under 20 ms).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardplan_frontends::{load_model, load_parallel, trace_options};
@@ -44,5 +49,27 @@ fn planning(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, planning);
+fn pipeline_planning(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pipeline");
+    group.sample_size(20);
+    for (label, parallel) in [
+        ("llama3-405b-pp8-fsdp8-tp8-1f1b", "pp-8-fsdp-8-tp-8-405b.yaml"),
+        (
+            "llama3-405b-pp8-fsdp8-tp8-interleaved",
+            "pp-8-fsdp-8-tp-8-405b-interleaved.yaml",
+        ),
+    ] {
+        let m = load_model(Path::new("examples/models/llama3-405b.yaml")).expect("model");
+        let p = load_parallel(&Path::new("examples/parallel").join(parallel)).expect("parallel");
+        let graph = trace(&m.config, trace_options(Some(&p))).expect("trace");
+        group.bench_function(label, |b| {
+            b.iter(|| {
+                shardplan_planner::pipeline::plan_pipeline(black_box(&graph), black_box(&p.config), None).expect("plan")
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, planning, pipeline_planning);
 criterion_main!(benches);
