@@ -306,7 +306,7 @@ fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u
     if let (None, Some(m), Some(par)) = (&args.plan, &args.model, &args.parallel) {
         let parallel = load_parallel(par)?;
         if parallel.config.pipeline.is_some() {
-            return pipeline::run(args, &load_model(m)?, &parallel, device);
+            return pipeline::run(args, engine, &load_model(m)?, &parallel, device);
         }
     }
     let (specs, mut trainer, model_config) = match (&args.plan, &args.model, &args.parallel) {

@@ -6,7 +6,9 @@ use candle_core::Device;
 use shardplan_executor::comm::env::ProcessEnv;
 use shardplan_executor::comm::{Abort, Collectives, Placement};
 use shardplan_executor::train::engine::{Engine, JoinedProcesses};
+use shardplan_executor::train::pipeline::PipelinePlacement;
 use shardplan_executor::ExecError;
+use shardplan_frontends::MeshShape;
 use shardplan_planner::Plan;
 use std::sync::Arc;
 
@@ -44,6 +46,10 @@ impl Mpi {
 impl Engine for Mpi {
     fn place(&self, plan: &Plan, _device: &Device) -> Result<Placement, ExecError> {
         place(&self.world, plan)
+    }
+
+    fn place_pipeline(&self, mesh: &MeshShape) -> Result<PipelinePlacement, ExecError> {
+        crate::place_pipeline(&self.world, mesh)
     }
 }
 

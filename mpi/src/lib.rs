@@ -26,8 +26,10 @@
 #![cfg(feature = "mpi")]
 
 mod engine;
+mod pipeline;
 
 pub use engine::{process_world, Mpi};
+pub use pipeline::place_pipeline;
 
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use mpi::collective::CommunicatorCollectives;
@@ -593,6 +595,31 @@ impl Collectives for MpiGroup {
     }
 }
 
+/// This process's communicator of the group `members` split from the world (every member
+/// names the group by its lowest rank), watched by `dog`. Collective over the world: every
+/// process calls it, in the same order, for the group it belongs to.
+fn split_group(world: &MpiWorld, dog: &Arc<Watchdog>, members: &[u64], what: String) -> Result<MpiGroup, ExecError> {
+    let rank = world.rank;
+    let index = members
+        .iter()
+        .position(|&m| m == rank)
+        .ok_or_else(|| ExecError::Internal(format!("rank {rank} is not in its own {what}")))?;
+    let color = members.iter().copied().min().unwrap_or(rank);
+    let comm = world
+        .world
+        .0
+        .split_by_color_with_key(Color::with_value(color as i32), index as i32)
+        .ok_or_else(|| ExecError::Internal(format!("MPI_Comm_split gave rank {rank} no {what} communicator")))?;
+    Ok(MpiGroup {
+        size: comm.size() as usize,
+        comm: SharedComm(comm),
+        index,
+        name: format!("{what} {members:?}"),
+        dog: dog.clone(),
+        recv: Mutex::default(),
+    })
+}
+
 /// This process's rank of `plan`'s mesh, with an MPI communicator per (process group,
 /// stream) and one across all processes; starts the watchdog. Collective: every process
 /// calls it with the same plan.
@@ -618,28 +645,7 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
         next: Default::default(),
     });
     dog.spawn(world.world.clone(), abort.clone(), rank);
-    // A communicator of `members` split from the world (every member names the group by
-    // its lowest rank), for this rank.
-    let split = |members: Vec<u64>, what: String| -> Result<MpiGroup, ExecError> {
-        let index = members
-            .iter()
-            .position(|&m| m == rank)
-            .ok_or_else(|| ExecError::Internal(format!("rank {rank} is not in its own {what}")))?;
-        let color = members.iter().copied().min().unwrap_or(rank);
-        let comm = world
-            .world
-            .0
-            .split_by_color_with_key(Color::with_value(color as i32), index as i32)
-            .ok_or_else(|| ExecError::Internal(format!("MPI_Comm_split gave rank {rank} no {what} communicator")))?;
-        Ok(MpiGroup {
-            size: comm.size() as usize,
-            comm: SharedComm(comm),
-            index,
-            name: format!("{what} {members:?}"),
-            dog: dog.clone(),
-            recv: Mutex::default(),
-        })
-    };
+    let split = |members: Vec<u64>, what: String| split_group(world, &dog, &members, what);
     let mut comms = Comms::default();
     for (c, s) in channels(plan) {
         let what = format!("{c:?} group ({s:?} stream)").to_lowercase();

@@ -1,18 +1,22 @@
-//! `shardplan train` of a spec with a pipeline axis: every pipeline rank as a thread of
-//! this process, running its lowered program (the one `shardplan plan` prints), one JSON
-//! line a step in `--log`, and a summary with the measured step beside the planned one.
+//! `shardplan train` of a spec with a pipeline axis: the ranks the engine gives this
+//! process (every rank as a thread, or one a process under MPI), each running its lowered
+//! program (the one `shardplan plan` prints); the process holding rank 0 writes one JSON
+//! line a step in `--log` and a summary with the measured step beside the planned one.
 
 use super::TrainArgs;
 use crate::CliError;
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use shardplan_executor::train::engine::Engine;
 use shardplan_executor::train::pipeline::{PipelineMetrics, PipelineTrainer};
 use shardplan_frontends::{trace_error, trace_options, LoadedModel, LoadedParallel};
 use std::io::Write;
 
-/// Trains `model` with `parallel`'s pipeline on `device` for `--steps` steps.
+/// Trains `model` with `parallel`'s pipeline on `device` for `--steps` steps, on the ranks
+/// `engine` places here.
 pub fn run(
     args: &TrainArgs,
+    engine: &dyn Engine,
     model: &LoadedModel,
     parallel: &LoadedParallel,
     device: candle_core::Device,
@@ -31,18 +35,25 @@ pub fn run(
                 .error("mesh", e.to_string(), "see `shardplan plan` of this spec"),
         )
     };
-    let mut trainer = PipelineTrainer::new(&model.config, config, &plan, args.steps, device).map_err(located)?;
+    let placement = engine.place_pipeline(&config.mesh).map_err(located)?;
+    let leader = placement.ranks.iter().any(|(r, _)| *r == 0);
+    let mut trainer = PipelineTrainer::from_placement(&model.config, config, &plan, args.steps, device, placement)
+        .map_err(located)?;
     let mut log = match &args.log {
-        Some(p) => Some(std::io::BufWriter::new(
+        Some(p) if leader => Some(std::io::BufWriter::new(
             std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(p)
                 .with_context(|| format!("cannot open the log {}", p.display()))?,
         )),
-        None => None,
+        _ => None,
     };
-    let bar = ProgressBar::new(args.steps);
+    let bar = if leader {
+        ProgressBar::new(args.steps)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
             .expect("valid template")
@@ -62,7 +73,9 @@ pub fn run(
         steps.push(m);
     }
     bar.finish_and_clear();
-    crate::emit(&summary(&steps, model, plan.timeline.makespan))?;
+    if leader {
+        crate::emit(&summary(&steps, model, plan.timeline.makespan))?;
+    }
     Ok(None)
 }
 
@@ -75,14 +88,10 @@ fn refuse_unsupported(args: &TrainArgs, parallel: &LoadedParallel) -> Result<(),
         (args.trace.is_some(), "--trace"),
         (args.profile.is_some(), "--profile"),
         (!args.inject_fault.is_empty(), "--inject-fault"),
-        (
-            args.backend.is_some_and(|b| b != super::Backend::Local),
-            "--backend other than local",
-        ),
     ];
     if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
         return Err(CliError::Usage(format!(
-            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs every pipeline rank as a thread of this process, without checkpoints, traces or profiles yet; leave {what} out",
+            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs without checkpoints, traces or profiles yet; leave {what} out",
             parallel.origin.file.display()
         )));
     }

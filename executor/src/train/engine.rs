@@ -8,14 +8,25 @@
 //! training loop on any.
 
 use crate::comm::Placement;
+use crate::train::pipeline::PipelinePlacement;
 use crate::ExecError;
 use candle_core::Device;
+use shardplan_frontends::MeshShape;
 use shardplan_planner::Plan;
 
 /// Places a plan's ranks for this process.
 pub trait Engine {
     /// The ranks of `plan` this process runs on `device`, with their communicators.
     fn place(&self, plan: &Plan, device: &Device) -> Result<Placement, ExecError>;
+
+    /// The ranks of a pipeline `mesh` this process runs, with their groups and links.
+    fn place_pipeline(&self, mesh: &MeshShape) -> Result<PipelinePlacement, ExecError> {
+        let _ = mesh;
+        Err(ExecError::Unsupported(
+            "pipeline training runs on threads (--backend local) or over MPI (--backend mpi), not on this backend yet"
+                .into(),
+        ))
+    }
 }
 
 /// Every rank of the mesh as a thread of this process, collectives in memory.
@@ -24,6 +35,10 @@ pub struct Threads;
 impl Engine for Threads {
     fn place(&self, plan: &Plan, _device: &Device) -> Result<Placement, ExecError> {
         Ok(crate::comm::local::place(plan))
+    }
+
+    fn place_pipeline(&self, mesh: &MeshShape) -> Result<PipelinePlacement, ExecError> {
+        Ok(crate::train::pipeline::place_threads(mesh))
     }
 }
 

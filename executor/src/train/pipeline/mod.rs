@@ -15,10 +15,12 @@
 
 mod rank;
 mod shard;
+mod threads;
 
-use crate::comm::local::{local_group, LocalGroup};
-use crate::comm::p2p::{local_p2p, LocalP2p};
-use crate::comm::Abort;
+pub use threads::place_threads;
+
+use crate::comm::p2p::PointToPoint;
+use crate::comm::{Abort, Collectives};
 use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::TensorGroup;
 use crate::runtime::optim::{base_lr, lr_at};
@@ -28,7 +30,7 @@ use crate::ExecError;
 use candle_core::{Device, Tensor};
 use rank::{Rank, Stage, StepRun};
 use shard::Shard;
-use shardplan_frontends::ParallelConfig;
+use shardplan_frontends::{MeshShape, ParallelConfig};
 use shardplan_models::{trace, ModelConfig};
 use shardplan_planner::pipeline::{stage_graphs, PipelinePlan};
 use std::collections::HashMap;
@@ -51,11 +53,46 @@ pub struct PipelineMetrics {
 
 /// Where a rank sits in the mesh: pipeline outermost, then replicate, shard and tensor.
 #[derive(Clone, Copy, Debug)]
-struct Coord {
-    pipeline: usize,
-    replicate: usize,
-    shard: usize,
-    tensor: usize,
+pub struct Coord {
+    pub pipeline: usize,
+    pub replicate: usize,
+    pub shard: usize,
+    pub tensor: usize,
+}
+
+impl Coord {
+    /// The coordinates of rank `index` of `mesh`.
+    pub fn of(index: usize, mesh: &MeshShape) -> Coord {
+        let (r, s, t) = (mesh.replicate as usize, mesh.shard as usize, mesh.tensor as usize);
+        Coord {
+            pipeline: index / (r * s * t),
+            replicate: index / (s * t) % r,
+            shard: index / t % s,
+            tensor: index % t,
+        }
+    }
+
+    /// The rank at these coordinates of `mesh`.
+    pub fn index(&self, mesh: &MeshShape) -> usize {
+        let (r, s, t) = (mesh.replicate as usize, mesh.shard as usize, mesh.tensor as usize);
+        ((self.pipeline * r + self.replicate) * s + self.shard) * t + self.tensor
+    }
+}
+
+/// One rank's ends of a pipeline mesh's groups: its pipeline link, its shard, replicate
+/// and tensor groups (none of one member), and the world.
+pub struct PipelineEnds {
+    pub p2p: Box<dyn PointToPoint>,
+    pub shard: Option<Box<dyn Collectives>>,
+    pub replicate: Option<Box<dyn Collectives>>,
+    pub tensor: Option<Box<dyn Collectives>>,
+    pub world: Box<dyn Collectives>,
+}
+
+/// The ranks of a pipeline mesh this process runs, by mesh index, with their ends.
+pub struct PipelinePlacement {
+    pub ranks: Vec<(usize, PipelineEnds)>,
+    pub abort: Arc<Abort>,
 }
 
 /// Pipeline training over every rank of the mesh as a thread of this process.
@@ -87,6 +124,20 @@ impl PipelineTrainer {
         total_steps: u64,
         device: Device,
     ) -> Result<Self, ExecError> {
+        let placement = place_threads(&config.mesh);
+        Self::from_placement(model, config, plan, total_steps, device, placement)
+    }
+
+    /// As [`PipelineTrainer::new`], for the ranks `placement` gives this process (one per
+    /// process under MPI).
+    pub fn from_placement(
+        model: &ModelConfig,
+        config: &ParallelConfig,
+        plan: &PipelinePlan,
+        total_steps: u64,
+        device: Device,
+        placement: PipelinePlacement,
+    ) -> Result<Self, ExecError> {
         let pipeline = config
             .pipeline
             .as_ref()
@@ -108,31 +159,18 @@ impl PipelineTrainer {
         let graphs =
             stage_graphs(&forward, &modules, config.diff_options()).map_err(|e| ExecError::Internal(e.to_string()))?;
         let rank_of_stage: Vec<usize> = plan.program.rank_of_stage.iter().map(|&r| r as usize).collect();
-        let (p, r, s, t) = (
-            mesh.pipeline as usize,
-            mesh.replicate as usize,
-            mesh.shard as usize,
-            mesh.tensor as usize,
-        );
-        let abort = Arc::new(Abort::default());
-        let mut groups = Groups::new((p, r, s, t), &abort);
-        let mut ranks = Vec::with_capacity(p * r * s * t);
-        for index in 0..p * r * s * t {
-            let coord = Coord {
-                pipeline: index / (r * s * t),
-                replicate: index / (s * t) % r,
-                shard: index / t % s,
-                tensor: index % t,
-            };
+        let s = mesh.shard as usize;
+        let mut ranks = Vec::with_capacity(placement.ranks.len());
+        for (index, ends) in placement.ranks {
+            let coord = Coord::of(index, &mesh);
             let stages = graphs
                 .iter()
                 .enumerate()
                 .filter(|(i, _)| rank_of_stage[*i] == coord.pipeline)
                 .map(|(i, g)| Stage::init(i, g, &forward, config, (coord.shard, s), coord.tensor as u64, &device))
                 .collect::<Result<Vec<_>, ExecError>>()?;
-            let (p2p, shard, replicate, tensor, world) = groups.take(coord)?;
-            let ctx = match tensor {
-                Some(g) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(Arc::new(g))),
+            let ctx = match ends.tensor {
+                Some(g) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(Arc::from(g))),
                 None => Ctx::new(device.clone()),
             };
             ranks.push(Rank {
@@ -141,10 +179,10 @@ impl PipelineTrainer {
                 pipeline: coord.pipeline,
                 tensor_rank: coord.tensor,
                 data_rank: coord.replicate * s + coord.shard,
-                p2p,
-                shard,
-                replicate,
-                world,
+                p2p: ends.p2p,
+                shard: ends.shard,
+                replicate: ends.replicate,
+                world: ends.world,
                 tags: Default::default(),
                 ctx,
             });
@@ -161,7 +199,7 @@ impl PipelineTrainer {
             data,
             device,
             config: config.clone(),
-            abort,
+            abort: placement.abort,
             shards: s,
             params,
             total_steps,
@@ -274,67 +312,6 @@ impl PipelineTrainer {
             step_seconds: secs,
             tokens_per_second: batch.tokens as f64 / secs.max(1e-9),
         })
-    }
-}
-
-/// The groups of a P x R x S x T mesh of threads, handed out rank by rank: a pipeline
-/// link per (replicate, shard, tensor), a shard group per (pipeline, replicate, tensor), a
-/// replicate group per (pipeline, shard, tensor), a tensor group per (pipeline,
-/// replicate, shard), and the world.
-struct Groups {
-    mesh: (usize, usize, usize, usize),
-    links: Vec<std::vec::IntoIter<LocalP2p>>,
-    shard: Vec<std::vec::IntoIter<LocalGroup>>,
-    replicate: Vec<std::vec::IntoIter<LocalGroup>>,
-    tensor: Vec<std::vec::IntoIter<LocalGroup>>,
-    world: std::vec::IntoIter<LocalGroup>,
-}
-
-/// A rank's ends: its pipeline link, shard, replicate and tensor groups (none of one
-/// rank), and the world.
-type Ends = (
-    LocalP2p,
-    Option<LocalGroup>,
-    Option<LocalGroup>,
-    Option<LocalGroup>,
-    LocalGroup,
-);
-
-impl Groups {
-    fn new((p, r, s, t): (usize, usize, usize, usize), abort: &Arc<Abort>) -> Groups {
-        let groups = |count: usize, size: usize, name: &str| -> Vec<std::vec::IntoIter<LocalGroup>> {
-            (0..count).map(|_| local_group(size, name, abort).into_iter()).collect()
-        };
-        Groups {
-            mesh: (p, r, s, t),
-            links: (0..r * s * t)
-                .map(|_| local_p2p(p, "pipeline group", abort).into_iter())
-                .collect(),
-            shard: groups(p * r * t, s, "shard group"),
-            replicate: groups(p * s * t, r, "replicate group"),
-            tensor: groups(p * r * s, t, "tensor group"),
-            world: local_group(p * r * s * t, "world", abort).into_iter(),
-        }
-    }
-
-    /// The ends of the rank at `c` (ranks are taken in mesh order).
-    fn take(&mut self, c: Coord) -> Result<Ends, ExecError> {
-        fn taken<T>(it: Option<T>) -> Result<T, ExecError> {
-            it.ok_or_else(|| ExecError::Internal("a group handed out twice".into()))
-        }
-        let (_, r, s, t) = self.mesh;
-        let link = taken(self.links[(c.replicate * s + c.shard) * t + c.tensor].next())?;
-        let shard = taken(self.shard[(c.pipeline * r + c.replicate) * t + c.tensor].next())?;
-        let replicate = taken(self.replicate[(c.pipeline * s + c.shard) * t + c.tensor].next())?;
-        let tensor = taken(self.tensor[(c.pipeline * r + c.replicate) * s + c.shard].next())?;
-        let world = taken(self.world.next())?;
-        Ok((
-            link,
-            (s > 1).then_some(shard),
-            (r > 1).then_some(replicate),
-            (t > 1).then_some(tensor),
-            world,
-        ))
     }
 }
 

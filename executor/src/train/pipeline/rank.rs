@@ -1,8 +1,7 @@
 //! One rank's step of a pipeline: its lowered program, op by op, then the optimizer.
 
 use super::shard::Shard;
-use crate::comm::local::LocalGroup;
-use crate::comm::p2p::{LocalP2p, PointToPoint};
+use crate::comm::p2p::PointToPoint;
 use crate::comm::{Collectives, Reduce};
 use crate::cpu::kernels::{cdtype, Ctx};
 use crate::runtime::interp::Interpreter;
@@ -77,10 +76,10 @@ pub(super) struct Rank {
     pub(super) tensor_rank: usize,
     /// Its data-parallel index (replicate x shard), whose rows of the batch it reads.
     pub(super) data_rank: usize,
-    pub(super) p2p: LocalP2p,
-    pub(super) shard: Option<LocalGroup>,
-    pub(super) replicate: Option<LocalGroup>,
-    pub(super) world: LocalGroup,
+    pub(super) p2p: Box<dyn PointToPoint>,
+    pub(super) shard: Option<Box<dyn Collectives>>,
+    pub(super) replicate: Option<Box<dyn Collectives>>,
+    pub(super) world: Box<dyn Collectives>,
     pub(super) tags: Tags,
     /// The rank's kernels' context (each thread its own).
     pub(super) ctx: Ctx,
@@ -226,7 +225,7 @@ impl StepRun<'_> {
                 Some(_) => next(&mut rank.tags.shard),
                 None => 0,
             };
-            whole.push(chunk.gather(rank.shard.as_ref().map(|g| g as &dyn Collectives), tag, dtype)?);
+            whole.push(chunk.gather(rank.shard.as_deref(), tag, dtype)?);
         }
         state.unsharded.insert(stage.index, whole);
         Ok(())
@@ -344,12 +343,12 @@ impl StepRun<'_> {
                 Some(g) => (g * scale)?,
                 None => chunk.zero_grad()?,
             };
-            let shard = match &rank.shard {
-                Some(g) => Some((g as &dyn Collectives, next(&mut rank.tags.shard))),
+            let shard = match rank.shard.as_deref() {
+                Some(g) => Some((g, next(&mut rank.tags.shard))),
                 None => None,
             };
-            let replicate = match &rank.replicate {
-                Some(g) => Some((g as &dyn Collectives, next(&mut rank.tags.replicate))),
+            let replicate = match rank.replicate.as_deref() {
+                Some(g) => Some((g, next(&mut rank.tags.replicate))),
                 None => None,
             };
             reduced.push(chunk.reduce(&grad, shard, replicate)?);

@@ -15,9 +15,7 @@ use shardplan_ir::{Graph, ParamId, TensorSplit};
 pub(super) struct Shard {
     /// The whole parameter's dims.
     dims: Vec<usize>,
-    /// Rows of every chunk (the last ones padded).
-    rows: usize,
-    /// This rank's f32 chunk, `rows` rows (zeros past the parameter's end).
+    /// This rank's f32 chunk: ceil(rows / shards) rows (zeros past the parameter's end).
     pub(super) master: Tensor,
     /// How the tensor group splits the parameter (`None`: each tensor rank holds it whole).
     pub(super) split: Option<TensorSplit>,
@@ -53,39 +51,40 @@ impl Shard {
         Ok(Shard {
             master: Tensor::from_vec(values, shape.as_slice(), device)?,
             dims,
-            rows,
             split: param.tensor,
         })
     }
 
+    /// Elements of the whole parameter.
+    fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+
     /// The whole parameter in `dtype`, gathered over `group` (this rank's chunk alone
-    /// without one) under `tag`.
+    /// without one) under `tag`. Chunks travel flat: the backends concatenate elements.
     pub(super) fn gather(&self, group: Option<&dyn Collectives>, tag: u64, dtype: CDType) -> Result<Tensor, ExecError> {
-        let mine = self.master.to_dtype(dtype)?;
+        let mine = self.master.to_dtype(dtype)?.flatten_all()?;
         let all = match group {
-            Some(g) => g.all_gather(tag, &mine)?,
+            Some(g) => g.all_gather(tag, &mine)?.flatten_all()?,
             None => mine,
         };
-        let whole = all.narrow(0, 0, self.dims.first().copied().unwrap_or(1))?;
-        Ok(whole.reshape(self.dims.as_slice())?)
+        Ok(all.narrow(0, 0, self.numel())?.reshape(self.dims.as_slice())?)
     }
 
     /// This rank's chunk of the whole gradient `grad` averaged over the shard group (a
-    /// reduce-scatter) and then the replicate group (an all-reduce).
+    /// reduce-scatter) and then the replicate group (an all-reduce), flat, then shaped as
+    /// the chunk.
     pub(super) fn reduce(
         &self,
         grad: &Tensor,
         shard: Option<(&dyn Collectives, u64)>,
         replicate: Option<(&dyn Collectives, u64)>,
     ) -> Result<Tensor, ExecError> {
-        let first = self.dims.first().copied().unwrap_or(1);
         let shards = shard.map_or(1, |(g, _)| g.size());
-        let mut g = grad.reshape(self.chunked_dims(first).as_slice())?;
-        let padded = self.rows * shards;
-        if padded > first {
-            let mut pad = vec![padded - first];
-            pad.extend_from_slice(self.dims.get(1..).unwrap_or(&[]));
-            let zeros = Tensor::zeros(pad.as_slice(), g.dtype(), g.device())?;
+        let mut g = grad.flatten_all()?;
+        let padded = self.master.elem_count() * shards;
+        if padded > self.numel() {
+            let zeros = Tensor::zeros(padded - self.numel(), g.dtype(), g.device())?;
             g = Tensor::cat(&[g, zeros], 0)?;
         }
         let mut mine = match shard {
@@ -95,19 +94,12 @@ impl Shard {
         if let Some((group, tag)) = replicate {
             mine = group.all_reduce(tag, &mine, Reduce::Avg)?;
         }
-        Ok(mine)
+        Ok(mine.reshape(self.master.dims())?)
     }
 
     /// A zero whole gradient (a parameter the loss does not reach).
     pub(super) fn zero_grad(&self) -> Result<Tensor, ExecError> {
         Ok(Tensor::zeros(self.dims.as_slice(), CDType::F32, self.master.device())?)
-    }
-
-    /// The whole parameter's dims (a scalar as one row).
-    fn chunked_dims(&self, first: usize) -> Vec<usize> {
-        let mut d = vec![first];
-        d.extend_from_slice(self.dims.get(1..).unwrap_or(&[]));
-        d
     }
 
     /// The whole f32 parameter from every rank's chunk: `chunks[t][s]` is tensor rank
