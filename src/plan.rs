@@ -274,14 +274,15 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
     write_out(args, &text)
 }
 
-/// `plan` of a spec with a pipeline axis: the stages, the schedule and its timeline.
+/// `plan` of a spec with a pipeline axis: the stages, the schedule, its timeline and every
+/// rank's memory, as text, JSON, a trace or torch's CSV.
 fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> Result<(), CliError> {
     let config = &parallel.config;
     let refused = |what: &str| {
         CliError::Input(parallel.origin.error(
             "mesh.pipeline",
-            format!("{what} of a pipeline plan is not made yet: `shardplan plan` prints the pipeline's stages, timeline and every rank's memory as text"),
-            "use --format text or pp-csv",
+            format!("{what} of a pipeline plan is not made yet: `shardplan plan` prints the pipeline's stages, timeline and every rank's memory"),
+            "leave it out: plan with --format text, json, trace or pp-csv",
         ))
     };
     if args.compare.is_some() || args.memory_budget.is_some() {
@@ -295,8 +296,13 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
     let text = match args.format {
         Format::Text => shardplan_planner::pipeline::print::text(&plan, config.batch.per_rank),
         Format::PpCsv => shardplan_planner::pipeline::write_csv(&plan.program.compute),
-        Format::Json => return Err(refused("--format json")),
-        Format::Trace => return Err(refused("--format trace")),
+        Format::Json => {
+            serde_json::to_string(&shardplan_planner::pipeline::to_json(&plan)).context("serialising the plan")? + "\n"
+        }
+        Format::Trace => {
+            serde_json::to_string(&shardplan_planner::pipeline::chrome_trace(&plan)).context("serialising the trace")?
+                + "\n"
+        }
     };
     write_out(args, &text)
 }

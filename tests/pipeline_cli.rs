@@ -134,11 +134,44 @@ fn bad_pipelines_are_refused_where_written() {
 }
 
 #[test]
-fn json_of_a_pipeline_plan_is_refused_at_the_field() {
-    let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\n");
+fn json_and_trace_of_a_pipeline_plan() {
+    let f = spec("mesh: {pipeline: 2, shard: 2}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {schedule: Interleaved1F1B, microbatches: 4}\n");
     let o = plan(&f, &["--format", "json"]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("not made yet"), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["kind"], "pipeline");
+    assert_eq!(v["schedule"], "Interleaved1F1B");
+    let stages = v["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 4);
+    // Every stage names a stage FSDP plan, written once however many stages share it.
+    let plans = v["fsdp_plans"].as_array().unwrap().len();
+    assert!(plans >= 1 && plans <= 4, "{plans}");
+    for s in stages {
+        assert!(s["fsdp_plan"].as_u64().unwrap() < plans as u64, "{s}");
+    }
+    // The lowered program holds each rank's compute, and every rank's memory is there.
+    let lowered = v["lowered"].as_array().unwrap();
+    assert_eq!(lowered.len(), 2);
+    assert!(
+        lowered[0].as_array().unwrap().iter().any(|a| a == "0F0"),
+        "{}",
+        lowered[0]
+    );
+    assert_eq!(v["memory"].as_array().unwrap().len(), 2);
+    // The trace: a slice per compute action of the timeline, and flows between ranks.
+    let o = plan(&f, &["--format", "trace"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let t: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let events = t["traceEvents"].as_array().unwrap();
+    let slices = events.iter().filter(|e| e["ph"] == "X").count();
+    let spans: usize = v["timeline"]["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_array().unwrap().len())
+        .sum();
+    assert_eq!(slices, spans);
+    assert!(events.iter().any(|e| e["ph"] == "s") && events.iter().any(|e| e["ph"] == "f"));
 }
 
 #[test]

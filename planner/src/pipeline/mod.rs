@@ -8,6 +8,7 @@
 //! - `lower`: FSDP's unshard/reshard, gradient reduction, sends, receives and waits;
 //! - `csv`: schedules as torch's CSV files ([`read_csv`], [`write_csv`]);
 //! - `validate`: a custom compute-only schedule checked before it runs ([`validate_custom`]);
+//! - `json`: the plan as JSON and as a Chrome / Perfetto trace;
 //! - `memory`: every pipeline rank's memory walked through its program ([`RankMemory`]);
 //! - `split`, `plan`, `timeline`, `print`: a run's stages, its program against the clock,
 //!   and the report.
@@ -16,6 +17,7 @@ mod action;
 mod compute;
 mod csv;
 mod cut;
+mod json;
 mod lower;
 mod memory;
 mod plan;
@@ -31,6 +33,7 @@ pub use self::csv::{
 pub use action::{Action, ActionParseError, Op, OpKind};
 pub use compute::{check, compute_order, placement, Placement, RankOrder, ScheduleError, Shape};
 pub use cut::{cut_stages, stage_graphs, StageGraph};
+pub use json::{chrome_trace, to_json, PIPELINE_PLAN_VERSION};
 pub use lower::{lower, Deadlock, StageMap, MAX_ACTIVE_STAGES};
 pub use memory::{rank_memory, RankMemory, StageMemory};
 pub use plan::{plan_pipeline, PipelinePlan, StagePlan};
