@@ -145,7 +145,7 @@ fn json_and_trace_of_a_pipeline_plan() {
     assert_eq!(stages.len(), 4);
     // Every stage names a stage FSDP plan, written once however many stages share it.
     let plans = v["fsdp_plans"].as_array().unwrap().len();
-    assert!(plans >= 1 && plans <= 4, "{plans}");
+    assert!((1..=4).contains(&plans), "{plans}");
     for s in stages {
         assert!(s["fsdp_plan"].as_u64().unwrap() < plans as u64, "{s}");
     }
