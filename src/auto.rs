@@ -11,6 +11,8 @@ use shardplan_planner::auto::{default_budget, knob_effects, search_model, Candid
 use shardplan_planner::print::{bytes, ms};
 use std::fmt::Write as _;
 
+mod pipeline;
+
 fn table(o: &mut String, cands: &[Candidate], top: usize, budget: u64) {
     let _ = writeln!(
         o,
@@ -84,6 +86,9 @@ pub fn run_args(args: &PlanArgs) -> Result<(), CliError> {
 pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> Result<(), CliError> {
     let base = &parallel.config;
     let budget = args.memory_budget.unwrap_or_else(|| default_budget(&base.hardware));
+    if base.pipeline.is_some() {
+        return pipeline::run(args, model, parallel, budget);
+    }
     let fixed = Fixed::from_origin(&parallel.origin);
     // The spec must plan as written (its errors are the user's); the search then traces
     // the model again at each tensor-parallel degree it tries.
@@ -173,8 +178,8 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
         Format::PpCsv => {
             return Err(CliError::Input(parallel.origin.error(
                 "mesh",
-                "--format pp-csv writes a pipeline's schedule, and --auto does not search pipelines yet",
-                "use --format text, json or trace with --auto",
+                "--format pp-csv writes a pipeline's schedule, and this spec has no pipeline",
+                "add a pipeline section to search pipelines, or use --format text, json or trace",
             )))
         }
     };

@@ -274,3 +274,43 @@ fn a_custom_schedule_runs_or_is_refused_at_its_cell() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("s.csv: rank 0, slot 1 (cell B1)"), "{}", stderr(&o));
 }
+
+#[test]
+fn auto_searches_the_open_pipeline_knobs_and_says_why() {
+    // The schedule, stages a rank and checkpointing are open; the micro-batches written.
+    let f = spec("mesh: {pipeline: 2, shard: 1}\nbatch: {per_rank: 4, seq_len: 64}\npipeline: {microbatches: 4}\n");
+    let o = plan(&f, &["--auto", "--top", "50"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.starts_with("auto: "), "{out}");
+    let rows: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("#  mesh"))
+        .skip(1)
+        .take_while(|l| !l.starts_with("why:"))
+        .collect();
+    assert!(rows.len() >= 4, "{out}");
+    assert!(rows.iter().all(|r| r.contains(" 4  ")), "M stays 4:\n{out}");
+    assert!(out.contains("the fastest that fits"), "{out}");
+    // The winner's plan follows, and --emit-spec writes the chosen spec, which plans.
+    assert!(out.contains("\npipeline  "), "{out}");
+    let dir = tempfile::tempdir().unwrap();
+    let chosen = dir.path().join("chosen.yaml");
+    let o = plan(
+        &f,
+        &["--auto", "--emit-spec", chosen.to_str().unwrap(), "--format", "pp-csv"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let searched = stdout(&o);
+    let o = shardplan(&[
+        "plan",
+        "--model",
+        "examples/models/tiny-llama.yaml",
+        "--parallel",
+        chosen.to_str().unwrap(),
+        "--format",
+        "pp-csv",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), searched, "the chosen spec plans the winner's schedule");
+}

@@ -3,6 +3,7 @@
 //! lowered as PyTorch lowers it.
 //!
 //! - `action`: the vocabulary and its text form ([`Action`], [`Op`], [`OpKind`]);
+//! - `auto`: `plan --auto` over the pipeline's knobs ([`search_pipeline`]);
 //! - `compute`: each schedule's compute-only program per rank ([`compute_order`]);
 //! - `cut`: the model's graph cut into one differentiated graph per stage ([`StageGraph`]);
 //! - `lower`: FSDP's unshard/reshard, gradient reduction, sends, receives and waits;
@@ -14,6 +15,7 @@
 //!   and the report.
 
 mod action;
+mod auto;
 mod compute;
 mod csv;
 mod cut;
@@ -31,6 +33,7 @@ pub use self::csv::{
     MAX_CSV_BYTES, MAX_RANKS,
 };
 pub use action::{Action, ActionParseError, Op, OpKind};
+pub use auto::{search_pipeline, PipelineAuto, PipelineCandidate, PipelineFixed};
 pub use compute::{check, compute_order, placement, Placement, RankOrder, ScheduleError, Shape};
 pub use cut::{cut_stages, stage_graphs, StageGraph};
 pub use json::{chrome_trace, to_json, PIPELINE_PLAN_VERSION};

@@ -42,6 +42,20 @@ pub struct PipelinePlan {
     pub boundary_bytes: u64,
 }
 
+impl PipelinePlan {
+    /// The rank with the largest peak and its device bytes: that peak plus the CUDA context
+    /// and NCCL buffers of its stages' FSDP plan. `None` without ranks.
+    pub fn largest_rank(&self) -> Option<(&RankMemory, u64)> {
+        let top = self.memory.iter().max_by_key(|r| r.peak)?;
+        let overhead = self
+            .stages
+            .iter()
+            .find(|s| s.rank == top.rank)
+            .map_or(0, |s| s.fsdp.memory.overhead.total());
+        Some((top, top.peak + overhead))
+    }
+}
+
 /// Plans `config`'s pipeline over `forward`, the model's forward graph traced at one
 /// micro-batch: `config.pipeline` must be set; `custom` is the validated schedule of its
 /// `pipeline.csv`, where written.
@@ -50,6 +64,18 @@ pub fn plan_pipeline(
     config: &ParallelConfig,
     custom: Option<CustomSchedule>,
 ) -> Result<PipelinePlan, PlanError> {
+    let (program, modules) = program_and_split(forward, config, custom)?;
+    let stages = plan_stages(forward, config, modules)?;
+    assemble(program, &stages, config)
+}
+
+/// `config`'s schedule built at its size (or `custom`) and the model's top-level modules of
+/// `forward` split into its stages.
+pub(crate) fn program_and_split(
+    forward: &Graph,
+    config: &ParallelConfig,
+    custom: Option<CustomSchedule>,
+) -> Result<(PipelineProgram, Vec<Vec<String>>), PlanError> {
     let pipeline = config.pipeline.as_ref().ok_or_else(|| PlanError::Pipeline {
         field: "mesh.pipeline",
         message: "the spec has no pipeline axis".into(),
@@ -84,6 +110,28 @@ pub fn plan_pipeline(
             fix: "list as many stages in modules_per_stage as the schedule runs".into(),
         });
     }
+    Ok((program, modules))
+}
+
+/// What the stages of one split hold, whatever the schedule: the modules, parameters,
+/// times, memory figures and FSDP plan of each, and the activation crossing a boundary.
+#[derive(Clone, Debug)]
+pub(crate) struct Stages {
+    pub(crate) modules: Vec<Vec<String>>,
+    params: Vec<u64>,
+    times: Vec<StageTimes>,
+    memory: Vec<StageMemory>,
+    fsdp: Vec<Arc<Plan>>,
+    boundary_bytes: u64,
+}
+
+/// The stages `modules` of `forward` (traced at one micro-batch), each cut, differentiated
+/// and planned on its own.
+pub(crate) fn plan_stages(
+    forward: &Graph,
+    config: &ParallelConfig,
+    modules: Vec<Vec<String>>,
+) -> Result<Stages, PlanError> {
     let graphs = stage_graphs(forward, &modules, config.diff_options())?;
     // The largest activation crossing a boundary (every stage sends what the next reads).
     let boundary_bytes = graphs
@@ -91,41 +139,69 @@ pub fn plan_pipeline(
         .filter_map(|g| g.input.map(|input| g.joint.graph.node(input).ty.bytes().unwrap_or(0)))
         .max()
         .unwrap_or(0);
-    let p2p_s = p2p_seconds(config, boundary_bytes);
-    let times: Vec<StageTimes> = graphs.iter().map(|g| stage_times(&g.joint, config)).collect();
-    let timeline = simulate(&program.lowered, &times, p2p_s).map_err(|e| PlanError::Bug(e.to_string()))?;
     let fsdp = stage_fsdp_plans(&graphs, config)?;
-    let stages: Vec<StagePlan> = modules
-        .into_iter()
-        .zip(graphs)
-        .zip(fsdp)
-        .enumerate()
-        .map(|(s, ((modules, graph), fsdp))| {
-            let params = graph.joint.graph.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum();
-            StagePlan {
-                rank: program.rank_of_stage[s],
+    let times = graphs
+        .iter()
+        .zip(&fsdp)
+        .map(|(g, plan)| stage_times(&g.joint, plan, config))
+        .collect();
+    let params: Vec<u64> = graphs
+        .iter()
+        .map(|g| g.joint.graph.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum())
+        .collect();
+    let memory = fsdp
+        .iter()
+        .zip(&params)
+        .map(|(plan, &params)| {
+            StageMemory::of_plan(
+                plan,
                 params,
-                modules,
-                times: times[s],
-                memory: StageMemory::of_plan(
-                    &fsdp,
-                    params,
-                    config.mixed_precision.param.size_bytes(),
-                    config.mixed_precision.reduce.size_bytes(),
-                ),
-                fsdp,
-            }
+                config.mixed_precision.param.size_bytes(),
+                config.mixed_precision.reduce.size_bytes(),
+            )
         })
         .collect();
-    let figures: Vec<StageMemory> = stages.iter().map(|s| s.memory).collect();
-    let memory = rank_memory(&program.lowered, &program.rank_of_stage, &figures, boundary_bytes);
+    Ok(Stages {
+        modules,
+        params,
+        times,
+        memory,
+        fsdp,
+        boundary_bytes,
+    })
+}
+
+/// `program` run over `stages`: its timeline and every rank's memory.
+pub(crate) fn assemble(
+    program: PipelineProgram,
+    stages: &Stages,
+    config: &ParallelConfig,
+) -> Result<PipelinePlan, PlanError> {
+    let p2p_s = p2p_seconds(config, stages.boundary_bytes);
+    let timeline = simulate(&program.lowered, &stages.times, p2p_s).map_err(|e| PlanError::Bug(e.to_string()))?;
+    let memory = rank_memory(
+        &program.lowered,
+        &program.rank_of_stage,
+        &stages.memory,
+        stages.boundary_bytes,
+    );
+    let plans = (0..stages.modules.len())
+        .map(|s| StagePlan {
+            rank: program.rank_of_stage[s],
+            params: stages.params[s],
+            modules: stages.modules[s].clone(),
+            times: stages.times[s],
+            memory: stages.memory[s],
+            fsdp: stages.fsdp[s].clone(),
+        })
+        .collect();
     Ok(PipelinePlan {
-        stages,
+        stages: plans,
         program,
         timeline,
         memory,
         p2p_s,
-        boundary_bytes,
+        boundary_bytes: stages.boundary_bytes,
     })
 }
 
@@ -227,8 +303,10 @@ fn stage_wrap(config: &ParallelConfig, stage: &Graph) -> ParallelConfig {
 }
 
 /// A stage's forward, input-gradient and weight-gradient seconds: the weight half is the
-/// nodes that make parameter gradients, the input half the rest of the backward.
-fn stage_times(joint: &JointGraph, config: &ParallelConfig) -> StageTimes {
+/// nodes that make parameter gradients, the input half the rest of the backward, with the
+/// forward its FSDP `plan` recomputes under activation checkpointing (before the input
+/// gradient, which reads it).
+fn stage_times(joint: &JointGraph, plan: &Plan, config: &ParallelConfig) -> StageTimes {
     let g = &joint.graph;
     let model = OpModel::new(g, &config.hardware, config.mixed_precision.param);
     let weight_grads: HashSet<NodeId> = joint.param_grads.iter().flatten().copied().collect();
@@ -247,6 +325,13 @@ fn stage_times(joint: &JointGraph, config: &ParallelConfig) -> StageTimes {
             &mut times.backward_input
         };
         *slot += t;
+    }
+    for step in plan.steps.iter().filter(|s| s.phase == crate::Phase::Recompute) {
+        for run in &step.nodes {
+            for n in run.clone() {
+                times.backward_input += model.seconds(NodeId::new(n as usize));
+            }
+        }
     }
     times
 }

@@ -60,14 +60,13 @@ pub fn text(plan: &PipelinePlan, per_rank: u64) -> String {
 /// The largest rank's memory against the device: allocated bytes at its peak plus the
 /// process's CUDA context and NCCL buffers (its stages' FSDP plan's overhead).
 fn memory_line(out: &mut String, plan: &PipelinePlan) {
-    let Some(top) = plan.memory.iter().max_by_key(|r| r.peak) else {
+    let Some((top, device)) = plan.largest_rank() else {
         return;
     };
     let Some(stage) = plan.stages.iter().find(|s| s.rank == top.rank) else {
         return;
     };
     let hw = &stage.fsdp.hardware;
-    let device = top.peak + stage.fsdp.memory.overhead.total();
     let hbm = hw.hbm_bytes();
     let verdict = if device <= hbm {
         format!("fits {}'s {} ({} spare)", hw.name, bytes(hbm), bytes(hbm - device))
@@ -85,7 +84,7 @@ fn memory_line(out: &mut String, plan: &PipelinePlan) {
         bytes(device),
         top.rank,
         bytes(top.peak),
-        bytes(stage.fsdp.memory.overhead.total())
+        bytes(device - top.peak)
     );
 }
 
