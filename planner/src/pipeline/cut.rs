@@ -67,8 +67,39 @@ pub fn stage_graphs(
     modules: &[Vec<String>],
     options: DiffOptions,
 ) -> Result<Vec<StageGraph>, PlanError> {
-    let stage_of = super::plan::stage_of_nodes(forward, modules);
+    let stage_of = stage_of_nodes(forward, modules);
     cut_stages(forward, &stage_of, modules.len(), options)
+}
+
+/// Each node's stage (`None` for the model's inputs, which any stage may read): a node
+/// goes with its top-level module, a backward node with its forward node.
+pub(crate) fn stage_of_nodes(g: &Graph, stages: &[Vec<String>]) -> Vec<Option<usize>> {
+    let stage_of_module: HashMap<&str, usize> = stages
+        .iter()
+        .enumerate()
+        .flat_map(|(s, modules)| modules.iter().map(move |m| (m.as_str(), s)))
+        .collect();
+    let stage_of_scope: HashMap<ScopeId, usize> = g
+        .scopes()
+        .filter_map(|(id, _)| {
+            let top = g.top_level(id);
+            let stage = stage_of_module.get(g.scope(top).path.as_str())?;
+            (top != g.root()).then_some((id, *stage))
+        })
+        .collect();
+    let mut stage_of: Vec<Option<usize>> = Vec::with_capacity(g.node_count());
+    for (_, node) in g.nodes() {
+        let stage = match (stage_of_scope.get(&node.scope), &node.op, node.grad_of) {
+            (Some(&s), _, _) => Some(s),
+            (None, Op::Input { .. }, None) => None,
+            (None, _, Some(of)) => stage_of[of.index()],
+            // An op at the model's root (GPT-2's sum of token and position embeddings)
+            // goes with the latest stage of its operands.
+            (None, _, None) => node.inputs.iter().filter_map(|i| stage_of[i.index()]).max(),
+        };
+        stage_of.push(stage);
+    }
+    stage_of
 }
 
 /// Cuts `forward` (the model's forward graph) into a graph per stage, `stage_of[node]`
@@ -339,7 +370,7 @@ mod tests {
         let model = preset("tiny-gpt2").unwrap();
         let forward = trace(&model, TraceOptions::default()).unwrap();
         let lists = vec![vec!["wte".to_string(), "wpe".into(), "h.0".into()], vec!["h.1".into()]];
-        let stage_of = super::super::plan::stage_of_nodes(&forward, &lists);
+        let stage_of = super::stage_of_nodes(&forward, &lists);
         let add = forward
             .nodes()
             .find(|(_, n)| n.scope == forward.root() && matches!(n.op, Op::Add))

@@ -10,8 +10,8 @@ use super::{check, CustomSchedule, PipelineProgram, Shape};
 use crate::cost::OpModel;
 use crate::{Plan, PlanError};
 use shardplan_frontends::{ParallelConfig, Pipeline};
-use shardplan_ir::{Graph, JointGraph, ModuleKind, NodeId, Op, ScopeId};
-use std::collections::{HashMap, HashSet};
+use shardplan_ir::{Graph, JointGraph, ModuleKind, NodeId};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 /// One stage: its modules, the pipeline rank that runs it, its parameters, times and
@@ -261,37 +261,6 @@ fn shape(pipeline: &Pipeline, ranks: u64, v: u64) -> Result<Shape, PlanError> {
         message: e.to_string(),
     })?;
     Ok(shape)
-}
-
-/// Each node's stage (`None` for the model's inputs, which any stage may read): a node
-/// goes with its top-level module, a backward node with its forward node.
-pub(crate) fn stage_of_nodes(g: &Graph, stages: &[Vec<String>]) -> Vec<Option<usize>> {
-    let stage_of_module: HashMap<&str, usize> = stages
-        .iter()
-        .enumerate()
-        .flat_map(|(s, modules)| modules.iter().map(move |m| (m.as_str(), s)))
-        .collect();
-    let stage_of_scope: HashMap<ScopeId, usize> = g
-        .scopes()
-        .filter_map(|(id, _)| {
-            let top = g.top_level(id);
-            let stage = stage_of_module.get(g.scope(top).path.as_str())?;
-            (top != g.root()).then_some((id, *stage))
-        })
-        .collect();
-    let mut stage_of: Vec<Option<usize>> = Vec::with_capacity(g.node_count());
-    for (_, node) in g.nodes() {
-        let stage = match (stage_of_scope.get(&node.scope), &node.op, node.grad_of) {
-            (Some(&s), _, _) => Some(s),
-            (None, Op::Input { .. }, None) => None,
-            (None, _, Some(of)) => stage_of[of.index()],
-            // An op at the model's root (GPT-2's sum of token and position embeddings)
-            // goes with the latest stage of its operands.
-            (None, _, None) => node.inputs.iter().filter_map(|i| stage_of[i.index()]).max(),
-        };
-        stage_of.push(stage);
-    }
-    stage_of
 }
 
 /// `config` with its wrap policy cut to the module kinds and paths `stage` has.
