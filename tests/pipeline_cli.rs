@@ -314,3 +314,72 @@ fn auto_searches_the_open_pipeline_knobs_and_says_why() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(stdout(&o), searched, "the chosen spec plans the winner's schedule");
 }
+
+#[test]
+fn train_checkpoints_a_pipeline_and_resumes_it_on_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ck, first, second) = (d.join("ck"), d.join("first.jsonl"), d.join("second.jsonl"));
+    let train = |spec: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--model",
+            "examples/models/tiny-llama.yaml",
+            "--parallel",
+            spec,
+            "--steps",
+            "6",
+        ];
+        args.extend_from_slice(extra);
+        shardplan_ok(&args);
+    };
+    train(
+        "examples/parallel/pp-2-1f1b-cpu.yaml",
+        &[
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "3",
+            "--log",
+            first.to_str().unwrap(),
+        ],
+    );
+    assert!(ck.join("step-00000003/metadata.json").is_file());
+    assert!(ck.join("step-00000006/metadata.json").is_file());
+    // Resumed at step 3 as GPipe on two pipeline ranks x FSDP 2, the same global batch.
+    let other = d.join("other.yaml");
+    std::fs::write(
+        &other,
+        std::fs::read_to_string("examples/parallel/pp-2-1f1b-cpu.yaml")
+            .unwrap()
+            .replace("mesh: {pipeline: 2, shard: 1}", "mesh: {pipeline: 2, shard: 2}")
+            .replace("gpus_per_node: 2", "gpus_per_node: 4")
+            .replace("batch: {per_rank: 4, seq_len: 64}", "batch: {per_rank: 2, seq_len: 64}")
+            .replace(
+                "pipeline: {schedule: 1F1B, microbatches: 4}",
+                "pipeline: {schedule: GPipe, microbatches: 2}",
+            ),
+    )
+    .unwrap();
+    let resume = ck.join("step-00000003");
+    train(
+        other.to_str().unwrap(),
+        &["--resume", resume.to_str().unwrap(), "--log", second.to_str().unwrap()],
+    );
+    let losses = |p: &std::path::Path| -> Vec<(u64, f64)> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            })
+            .collect()
+    };
+    let (a, b) = (losses(&first), losses(&second));
+    assert_eq!(b.iter().map(|x| x.0).collect::<Vec<_>>(), vec![4, 5, 6]);
+    for ((sa, la), (sb, lb)) in a[3..].iter().zip(&b) {
+        assert_eq!(sa, sb);
+        assert!((la - lb).abs() <= 1e-5 * la.abs(), "step {sa}: {la} vs {lb}");
+    }
+}

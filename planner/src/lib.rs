@@ -46,7 +46,8 @@ pub use layout::{chunk_rows, GroupLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::{
     Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Fsdp2Hooks, HookModel, HookRefusal, Instr,
-    Issued, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind, PLAN_VERSION,
+    Issued, OptimizerKind, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind,
+    PLAN_VERSION,
 };
 pub use steps::{steps_and_events, ExecOrder, Phase, Runner, Step, StepId, ValueSlot};
 pub use stream::Stream;

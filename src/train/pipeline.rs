@@ -9,11 +9,12 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use shardplan_executor::train::engine::Engine;
 use shardplan_executor::train::pipeline::{PipelineMetrics, PipelineTrainer};
-use shardplan_frontends::{trace_error, trace_options, LoadedModel, LoadedParallel};
+use shardplan_frontends::{trace_error, trace_options, LoadedModel, LoadedParallel, SpecError};
 use std::io::Write;
 
 /// Trains `model` with `parallel`'s pipeline on `device` for `--steps` steps, on the ranks
-/// `engine` places here.
+/// `engine` places here: resumed from `--resume`, checkpointed under `--checkpoint-dir`
+/// every `--checkpoint-every` steps and at the end.
 pub fn run(
     args: &TrainArgs,
     engine: &dyn Engine,
@@ -22,6 +23,53 @@ pub fn run(
     device: candle_core::Device,
 ) -> Result<Option<u8>, CliError> {
     refuse_unsupported(args, parallel)?;
+    let (mut trainer, planned, leader) = start(args, engine, model, parallel, device)?;
+    let failed = |e: shardplan_executor::ExecError| CliError::Other(anyhow::anyhow!("{e}"));
+    let mut log = match &args.log {
+        Some(p) if leader => Some(std::io::BufWriter::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open the log {}", p.display()))?,
+        )),
+        _ => None,
+    };
+    let bar = progress_bar(args, leader, trainer.steps_done());
+    let mut steps: Vec<PipelineMetrics> = Vec::new();
+    while trainer.steps_done() < args.steps {
+        let m = trainer.step().map_err(failed)?;
+        bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, m.tokens_per_second));
+        bar.inc(1);
+        if let Some(w) = log.as_mut() {
+            let line = serde_json::to_string(&m).context("serialising metrics")?;
+            writeln!(w, "{line}")
+                .and_then(|()| w.flush())
+                .context("writing the metrics log")?;
+        }
+        steps.push(m);
+        let done = trainer.steps_done();
+        if args.checkpoint_every > 0 && done.is_multiple_of(args.checkpoint_every) && done < args.steps {
+            save(args, &mut trainer).map_err(failed)?;
+        }
+    }
+    bar.finish_and_clear();
+    save(args, &mut trainer).map_err(failed)?;
+    if leader {
+        crate::emit(&summary(&steps, model, planned))?;
+    }
+    Ok(None)
+}
+
+/// The plan and the trainer of this process's ranks, resumed from `--resume`; the planned
+/// step's seconds; whether this process holds rank 0.
+fn start(
+    args: &TrainArgs,
+    engine: &dyn Engine,
+    model: &LoadedModel,
+    parallel: &LoadedParallel,
+    device: candle_core::Device,
+) -> Result<(PipelineTrainer, f64, bool), CliError> {
     let config = &parallel.config;
     let custom = crate::plan::custom_schedule(parallel)?;
     let forward = shardplan_models::trace(&model.config, trace_options(Some(parallel)))
@@ -37,53 +85,64 @@ pub fn run(
     };
     let placement = engine.place_pipeline(&config.mesh).map_err(located)?;
     let leader = placement.ranks.iter().any(|(r, _)| *r == 0);
+    let world = (config.mesh.pipeline * config.mesh.stage_world()) as usize;
+    if args.checkpoint_dir.is_some() && placement.ranks.len() != world {
+        return Err(CliError::Usage(
+            "--checkpoint-dir with a pipeline over several processes: a pipeline checkpoint is put together by one process holding every rank; train with --backend local to save, or leave out --checkpoint-dir".into(),
+        ));
+    }
     let mut trainer = PipelineTrainer::from_placement(&model.config, config, &plan, args.steps, device, placement)
         .map_err(located)?;
-    let mut log = match &args.log {
-        Some(p) if leader => Some(std::io::BufWriter::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open the log {}", p.display()))?,
-        )),
-        _ => None,
-    };
+    if let Some(dir) = &args.resume {
+        let warnings = trainer.load(dir).map_err(|e| {
+            CliError::Input(SpecError::file(dir, e.to_string()).help("give a shardplan checkpoint of this model"))
+        })?;
+        if leader {
+            for w in warnings {
+                eprintln!("warning: {w}");
+            }
+        }
+        if trainer.steps_done() >= args.steps {
+            return Err(CliError::Usage(format!(
+                "{}: the checkpoint is at step {}; --steps {} leaves nothing to do (--steps counts the whole run)",
+                dir.display(),
+                trainer.steps_done(),
+                args.steps
+            )));
+        }
+    }
+    Ok((trainer, plan.timeline.makespan, leader))
+}
+
+/// The progress bar over `--steps`, from `done`, shown by the process holding rank 0.
+fn progress_bar(args: &TrainArgs, leader: bool, done: u64) -> ProgressBar {
     let bar = if leader {
         ProgressBar::new(args.steps)
     } else {
         ProgressBar::hidden()
     };
+    bar.set_position(done);
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
             .expect("valid template")
             .progress_chars("=> "),
     );
-    let mut steps: Vec<PipelineMetrics> = Vec::new();
-    while trainer.steps_done() < args.steps {
-        let m = trainer.step().map_err(|e| CliError::Other(anyhow::anyhow!("{e}")))?;
-        bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, m.tokens_per_second));
-        bar.inc(1);
-        if let Some(w) = log.as_mut() {
-            let line = serde_json::to_string(&m).context("serialising metrics")?;
-            writeln!(w, "{line}")
-                .and_then(|()| w.flush())
-                .context("writing the metrics log")?;
-        }
-        steps.push(m);
+    bar
+}
+
+/// Saves a checkpoint under `--checkpoint-dir` (when given), keeping the newest
+/// `--checkpoint-keep`.
+fn save(args: &TrainArgs, trainer: &mut PipelineTrainer) -> Result<(), shardplan_executor::ExecError> {
+    if let Some(dir) = &args.checkpoint_dir {
+        trainer.save(dir)?;
+        shardplan_executor::ShardedTrainer::prune(dir, args.checkpoint_keep)?;
     }
-    bar.finish_and_clear();
-    if leader {
-        crate::emit(&summary(&steps, model, plan.timeline.makespan))?;
-    }
-    Ok(None)
+    Ok(())
 }
 
 /// Refuses what this path does not do yet, naming the option.
 fn refuse_unsupported(args: &TrainArgs, parallel: &LoadedParallel) -> Result<(), CliError> {
     let unsupported = [
-        (args.checkpoint_dir.is_some(), "--checkpoint-dir"),
-        (args.resume.is_some(), "--resume"),
         (args.init_from.is_some(), "--init-from"),
         (args.trace.is_some(), "--trace"),
         (args.profile.is_some(), "--profile"),
@@ -91,7 +150,7 @@ fn refuse_unsupported(args: &TrainArgs, parallel: &LoadedParallel) -> Result<(),
     ];
     if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
         return Err(CliError::Usage(format!(
-            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs without checkpoints, traces or profiles yet; leave {what} out",
+            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs without traces, profiles or fault injection yet; leave {what} out",
             parallel.origin.file.display()
         )));
     }

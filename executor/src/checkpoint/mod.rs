@@ -20,7 +20,8 @@ use crate::runtime::optim::state_names;
 use crate::train::sharded::ShardedTrainer;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
-use read::read_rows;
+pub(crate) use read::read_rows;
+use shardplan_models::ModelConfig;
 use shardplan_planner::chunk_rows;
 use std::collections::HashMap;
 use std::fs::File;
@@ -39,22 +40,22 @@ pub enum SaveStage {
     BeforeMetadata,
 }
 
-fn io(path: &Path, what: &str, e: std::io::Error) -> ExecError {
+pub(crate) fn io(path: &Path, what: &str, e: std::io::Error) -> ExecError {
     ExecError::Checkpoint(format!("{}: {what}: {e}", path.display()))
 }
 
-fn fsync_dir(dir: &Path) -> Result<(), ExecError> {
+pub(crate) fn fsync_dir(dir: &Path) -> Result<(), ExecError> {
     File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(|e| io(dir, "fsync", e))
 }
 
-fn step_dir(root: &Path, step: u64) -> PathBuf {
+pub(crate) fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
 }
 
 /// An f32 tensor's elements, to be written as little-endian bytes (safetensors' layout).
-fn host_f32(t: &Tensor) -> Result<Vec<f32>, ExecError> {
+pub(crate) fn host_f32(t: &Tensor) -> Result<Vec<f32>, ExecError> {
     let mut v = t.flatten_all()?.to_vec1::<f32>()?;
     if cfg!(target_endian = "big") {
         v.iter_mut().for_each(|x| *x = f32::from_bits(x.to_bits().swap_bytes()));
@@ -84,7 +85,7 @@ fn blocks(bytes: &[u8], row_bytes: u64) -> Vec<Block> {
 pub type Complete = Vec<(u64, PathBuf)>;
 
 /// A rank file and the tensor pieces it holds, by tensor name.
-type Written = (FileMeta, Vec<(String, Piece)>);
+pub(crate) type Written = (FileMeta, Vec<(String, Piece)>);
 
 /// Complete checkpoints under `root` and the folders of interrupted saves.
 pub fn list(root: &Path) -> Result<(Complete, Vec<PathBuf>), ExecError> {
@@ -371,25 +372,7 @@ impl ShardedTrainer {
             tensors,
             files,
         };
-        // A metadata.json makes the folder a checkpoint: never write one a load would refuse
-        // (pieces missing or overlapping, sizes that do not add up).
-        meta::check(&meta).map_err(|e| {
-            ExecError::Internal(format!(
-                "{}: the checkpoint's own metadata fails its check: {e}; no metadata written",
-                dir.display()
-            ))
-        })?;
-        let tmp = dir.join("metadata.json.tmp");
-        let text = serde_json::to_string_pretty(&meta).map_err(|e| ExecError::Internal(e.to_string()))?;
-        {
-            let mut f = File::create(&tmp).map_err(|e| io(&tmp, "cannot create", e))?;
-            f.write_all(text.as_bytes()).map_err(|e| io(&tmp, "write", e))?;
-            f.sync_all().map_err(|e| io(&tmp, "fsync", e))?;
-        }
-        std::fs::rename(&tmp, dir.join("metadata.json")).map_err(|e| io(&tmp, "rename", e))?;
-        fsync_dir(dir)?;
-        fsync_dir(root)?;
-        Ok(())
+        write_metadata_file(dir, root, &meta)
     }
 
     /// Saves a checkpoint of the current step under `root`.
@@ -416,33 +399,8 @@ impl ShardedTrainer {
     pub fn load(&mut self, path: &Path) -> Result<Vec<String>, ExecError> {
         let (dir, mut warnings) = resolve(path)?;
         let meta = read_metadata(&dir)?;
-        if meta.model != self.model {
-            // Name the first field that differs: a whole config is hard to compare by eye.
-            let (a, b) = (
-                serde_json::to_value(&meta.model).unwrap_or_default(),
-                serde_json::to_value(&self.model).unwrap_or_default(),
-            );
-            let field = match (a.as_object(), b.as_object()) {
-                (Some(x), Some(y)) => x
-                    .keys()
-                    .chain(y.keys())
-                    .find(|k| x.get(*k) != y.get(*k))
-                    .map(|k| {
-                        format!(
-                            " (`model.{k}` is {}, this run's is {})",
-                            x.get(k).unwrap_or(&serde_json::Value::Null),
-                            y.get(k).unwrap_or(&serde_json::Value::Null)
-                        )
-                    })
-                    .unwrap_or_default(),
-                _ => String::new(),
-            };
-            return Err(ExecError::Checkpoint(format!(
-                "{}: written for model `{}`, not `{}`: the model specs differ{field}",
-                dir.join("metadata.json").display(),
-                meta.model.name(),
-                self.model.name(),
-            )));
+        if let Some(e) = model_mismatch(&dir, &meta.model, &self.model) {
+            return Err(e);
         }
         if meta.optimizer != self.shared.plan.policy.optimizer.name() {
             return Err(ExecError::Checkpoint(format!(
@@ -570,6 +528,62 @@ pub fn is_checkpoint(path: &Path) -> bool {
             }))
 }
 
+/// Writes `meta` as `dir/metadata.json` by an atomic rename, once it passes the check a
+/// load makes: a metadata.json makes the folder a checkpoint, so never write one a load
+/// would refuse (pieces missing or overlapping, sizes that do not add up).
+pub(crate) fn write_metadata_file(dir: &Path, root: &Path, meta: &Metadata) -> Result<(), ExecError> {
+    meta::check(meta).map_err(|e| {
+        ExecError::Internal(format!(
+            "{}: the checkpoint's own metadata fails its check: {e}; no metadata written",
+            dir.display()
+        ))
+    })?;
+    let tmp = dir.join("metadata.json.tmp");
+    let text = serde_json::to_string_pretty(meta).map_err(|e| ExecError::Internal(e.to_string()))?;
+    {
+        let mut f = File::create(&tmp).map_err(|e| io(&tmp, "cannot create", e))?;
+        f.write_all(text.as_bytes()).map_err(|e| io(&tmp, "write", e))?;
+        f.sync_all().map_err(|e| io(&tmp, "fsync", e))?;
+    }
+    std::fs::rename(&tmp, dir.join("metadata.json")).map_err(|e| io(&tmp, "rename", e))?;
+    fsync_dir(dir)?;
+    fsync_dir(root)?;
+    Ok(())
+}
+
+/// The error for a checkpoint of another model than `model`, naming the first field of
+/// the two configs that differs; `None` when they are the same.
+pub(crate) fn model_mismatch(dir: &Path, written: &ModelConfig, model: &ModelConfig) -> Option<ExecError> {
+    if written == model {
+        return None;
+    }
+    let (a, b) = (
+        serde_json::to_value(written).unwrap_or_default(),
+        serde_json::to_value(model).unwrap_or_default(),
+    );
+    let field = match (a.as_object(), b.as_object()) {
+        (Some(x), Some(y)) => x
+            .keys()
+            .chain(y.keys())
+            .find(|k| x.get(*k) != y.get(*k))
+            .map(|k| {
+                format!(
+                    " (`model.{k}` is {}, this run's is {})",
+                    x.get(k).unwrap_or(&serde_json::Value::Null),
+                    y.get(k).unwrap_or(&serde_json::Value::Null)
+                )
+            })
+            .unwrap_or_default(),
+        _ => String::new(),
+    };
+    Some(ExecError::Checkpoint(format!(
+        "{}: written for model `{}`, not `{}`: the model specs differ{field}",
+        dir.join("metadata.json").display(),
+        written.name(),
+        model.name(),
+    )))
+}
+
 /// Writes one rank's file of a checkpoint; returns the file and its pieces.
 fn write_rank(
     plan: &shardplan_planner::Plan,
@@ -614,10 +628,10 @@ fn write_rank(
 
 /// One tensor's rows in a rank file: its name, the whole tensor's rows they are, their f32
 /// values, their dims.
-type Entry = (String, std::ops::Range<u64>, Vec<f32>, Vec<usize>);
+pub(crate) type Entry = (String, std::ops::Range<u64>, Vec<f32>, Vec<usize>);
 
 /// Writes rank file `file` holding `entries`; returns the file and its pieces.
-fn write_entries(dir: &Path, file: &str, entries: Vec<Entry>) -> Result<Written, ExecError> {
+pub(crate) fn write_entries(dir: &Path, file: &str, entries: Vec<Entry>) -> Result<Written, ExecError> {
     let file = file.to_string();
     let mut data: Vec<(String, Vec<f32>, Vec<usize>)> = Vec::with_capacity(entries.len());
     let mut pieces = Vec::with_capacity(entries.len());
@@ -656,7 +670,7 @@ fn write_entries(dir: &Path, file: &str, entries: Vec<Entry>) -> Result<Written,
 }
 
 /// The whole parameter's dims (a tensor-parallel slice's, times its tensor group).
-fn whole_dims(param: &shardplan_ir::Param) -> Vec<u64> {
+pub(crate) fn whole_dims(param: &shardplan_ir::Param) -> Vec<u64> {
     let local = param.ty.shape.dims();
     match &param.tensor {
         Some(split) => split.whole_dims(local),
@@ -668,7 +682,7 @@ fn whole_dims(param: &shardplan_ir::Param) -> Vec<u64> {
 /// gives rows of the whole tensor: the same rows without a split; for a split along dim
 /// 0 the whole rows each block of them is; along a later dim the whole rows, cut to the
 /// rank's columns.
-fn local_rows(
+pub(crate) fn local_rows(
     param: &shardplan_ir::Param,
     tensor_rank: u64,
     rows: std::ops::Range<u64>,

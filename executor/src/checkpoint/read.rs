@@ -10,7 +10,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
 
 /// A safetensors file's header: each tensor's dtype, shape and absolute data range.
-pub(super) struct Header {
+pub(crate) struct Header {
     pub(super) tensors: HashMap<String, (String, Vec<u64>, u64, u64)>,
 }
 
@@ -125,7 +125,7 @@ pub(super) fn to_f32(bytes: &[u8], dtype: &str) -> Option<Vec<f32>> {
 ///
 /// `t` comes from [`super::read_metadata`], which bounds its sizes by the files on disk, so
 /// the arithmetic on them here cannot overflow; the rank files' headers are checked here.
-pub(super) fn read_rows(
+pub(crate) fn read_rows(
     dir: &Path,
     t: &TensorMeta,
     want: std::ops::Range<u64>,

@@ -13,6 +13,7 @@
 //! Tensor and expert parallelism inside the stages are not run here yet: such a spec is
 //! refused.
 
+mod checkpoint;
 mod rank;
 mod shard;
 mod threads;
@@ -104,6 +105,8 @@ pub struct PipelineTrainer {
     data: Box<dyn DataSource>,
     device: Device,
     config: ParallelConfig,
+    /// The model, as checkpoints record it.
+    model: ModelConfig,
     /// Ends every rank's waits when one fails.
     abort: Arc<Abort>,
     /// The shard ranks, for [`PipelineTrainer::master`].
@@ -199,6 +202,7 @@ impl PipelineTrainer {
             data,
             device,
             config: config.clone(),
+            model: model.clone(),
             abort: placement.abort,
             shards: s,
             params,

@@ -12,6 +12,7 @@ use candle_core::{DType as CDType, Device, Tensor};
 use shardplan_ir::{Graph, ParamId, TensorSplit};
 
 /// This rank's chunk of one parameter.
+#[derive(Clone)]
 pub(super) struct Shard {
     /// The whole parameter's dims.
     dims: Vec<usize>,
@@ -95,6 +96,21 @@ impl Shard {
             mine = group.all_reduce(tag, &mine, Reduce::Avg)?;
         }
         Ok(mine.reshape(self.master.dims())?)
+    }
+
+    /// This chunk's geometry holding `t` (an optimizer state's chunk) instead.
+    pub(super) fn with_master(&self, t: Tensor) -> Shard {
+        Shard {
+            dims: self.dims.clone(),
+            master: t,
+            split: self.split,
+        }
+    }
+
+    /// A chunk shaped as this one from its rows' `values` (unpadded), zeros after them.
+    pub(super) fn padded(&self, mut values: Vec<f32>, device: &Device) -> Result<Tensor, ExecError> {
+        values.resize(self.master.elem_count(), 0.0);
+        Ok(Tensor::from_vec(values, self.master.dims(), device)?)
     }
 
     /// A zero whole gradient (a parameter the loss does not reach).
