@@ -158,6 +158,12 @@ fn json_and_trace_of_a_pipeline_plan() {
         lowered[0]
     );
     assert_eq!(v["memory"].as_array().unwrap().len(), 2);
+    // The JSON is for reading: `train --plan` and `export --plan` take the specs instead.
+    let file = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
+    std::fs::write(file.path(), stdout(&o)).unwrap();
+    let o = shardplan(&["train", "--plan", file.path().to_str().unwrap(), "--steps", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("a pipeline plan"), "{}", stderr(&o));
     // The trace: a slice per compute action of the timeline, and flows between ranks.
     let o = plan(&f, &["--format", "trace"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));

@@ -166,6 +166,14 @@ pub fn read_plan(path: &Path, text: &str) -> Result<CheckedPlan, SpecError> {
             .at(pos(&e))
             .help(rewrite)
     })?;
+    if value.get("kind").and_then(Value::as_str) == Some("pipeline") {
+        return Err(SpecError::file(
+            path,
+            "a pipeline plan: its stages' programs are planned again from its specs, not read from its JSON",
+        )
+        .field("kind")
+        .help("give the pipeline's specs instead: --model ... --parallel ..."));
+    }
     // Before the fields are read: another version's fields may have another shape.
     if let Some(version) = value.get("version").and_then(Value::as_u64) {
         if version != u64::from(crate::PLAN_VERSION) {

@@ -931,9 +931,10 @@ def start(device_kind):
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != MESH["replicate"] * MESH["shard"]:
-        raise SystemExit(f"error: the plan's mesh is {MESH['replicate']} x {MESH['shard']} ranks; started with {world} "
-                         f"(run torchrun --nproc-per-node {MESH['replicate'] * MESH['shard']})")
+    want = MESH["pipeline"] * MESH["replicate"] * MESH["shard"]
+    if world != want:
+        raise SystemExit(f"error: the plan's mesh is {MESH['pipeline']} x {MESH['replicate']} x {MESH['shard']} ranks "
+                         f"(pipeline x replicate x shard); started with {world} (run torchrun --nproc-per-node {want})")
     if device_kind == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -957,6 +958,8 @@ def main(argv=None):
 
 
 def run(a, device, rank, world):
+    if PIPELINE is not None:
+        return run_pipeline(a, device, rank, world)
     model, names = build_model()
     apply_checkpointing(model)
     meshes = make_mesh(device)
@@ -1003,6 +1006,150 @@ def run(a, device, rank, world):
                 print(text)
             else:
                 print(text, file=sys.stderr)
+
+
+# ---------------------------------------------------------------- pipeline parallelism
+# The plan's stages on the ranks it places them, FSDP2 inside each stage as torchtitan
+# applies it under a pipeline (each block, then the stage; parameters kept unsharded across
+# micro-batches), run by torch.distributed.pipelining: the named schedule's class, or the
+# plan's own program from its CSV through _PipelineScheduleRuntime for a custom schedule.
+
+class StageModule(nn.Module):
+    """One pipeline stage: the model's modules of PIPELINE["stages"][s] under their own
+    paths (so parameter names stay the model's), run in the model's order; the last stage
+    returns the logits, and the schedule's loss_fn takes the loss."""
+
+    def __init__(self, model, modules):
+        super().__init__()
+        self.order = [path for path in modules if path != "loss"]
+        for path in self.order:
+            head, _, tail = path.partition(".")
+            if tail:
+                if head not in self._modules:
+                    self.add_module(head, nn.ModuleDict())
+                self._modules[head][tail] = module_at(model, path)
+            else:
+                self.add_module(head, module_at(model, path))
+
+    def forward(self, x):
+        ROUTER_LOGITS.clear()
+        for path in self.order:
+            x = module_at(self, path)(x)
+        return x
+
+
+def make_pipeline_mesh(device):
+    """The (pipeline, replicate, shard) mesh, pipeline outermost, and its data-parallel part."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    p, r, s = MESH["pipeline"], MESH["replicate"], MESH["shard"]
+    if r > 1:
+        mesh = init_device_mesh(device.type, (p, r, s), mesh_dim_names=("pp", "replicate", "shard"))
+        return mesh, mesh["replicate", "shard"]
+    mesh = init_device_mesh(device.type, (p, s), mesh_dim_names=("pp", "shard"))
+    return mesh, mesh["shard"]
+
+
+def pipeline_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def build_stages(a, device, mesh, dp):
+    """This rank's stage modules, sharded over the data-parallel mesh and initialised."""
+    from torch.distributed.pipelining import PipelineStage
+
+    model, names = build_model()
+    apply_checkpointing(model)
+    me = mesh.get_local_rank("pp")
+    count = len(PIPELINE["stages"])
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
+                              reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])
+    parts, stages = [], []
+    for s in range(count):
+        if PIPELINE["rank_of_stage"][s] != me:
+            continue
+        part = StageModule(model, PIPELINE["stages"][s])
+        for path in part.order:
+            if isinstance(module_at(part, path), Block):
+                fully_shard(module_at(part, path), mesh=dp, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(part, mesh=dp, reshard_after_forward=False, mp_policy=mp)
+        part.to_empty(device=device)
+        init_weights(part, names, a.init_from)
+        parts.append(part)
+        stages.append(PipelineStage(part, s, count, device, group=mesh.get_group("pp")))
+    return parts, stages
+
+
+def make_schedule(stages):
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, get_schedule_class
+
+    m = PIPELINE["microbatches"]
+    if PIPELINE["csv"] is not None:
+        sched = _PipelineScheduleRuntime(stages, m, loss_fn=pipeline_loss, scale_grads=True)
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
+            f.write(PIPELINE["csv"])
+        sched._load_csv(f.name, format="compute_only")
+        os.unlink(f.name)
+        return sched
+    cls = get_schedule_class(PIPELINE["schedule"])
+    single = PIPELINE["schedule"] in ("GPipe", "1F1B")
+    return cls(stages[0] if single else stages, m, loss_fn=pipeline_loss, scale_grads=True)
+
+
+def clip_pipeline(parts, mesh, clip):
+    """torch's clip over every stage of the pipeline: each rank's norm over its stages'
+    gradient shards (full over the data-parallel mesh), squared, summed over the pipeline."""
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    sq = norm.double() ** 2
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group("pp"))
+    torch.nn.utils.clip_grads_with_norm_(params, clip, sq.sqrt().float())
+
+
+def run_pipeline(a, device, rank, world):
+    mesh, dp = make_pipeline_mesh(device)
+    parts, stages = build_stages(a, device, mesh, dp)
+    sched = make_schedule(stages)
+    opt = make_optimizer(nn.ModuleList(parts))
+    count = len(PIPELINE["stages"])
+    first = any(s.stage_index == 0 for s in stages)
+    last = any(s.stage_index == count - 1 for s in stages)
+    dp_world = MESH["replicate"] * MESH["shard"]
+    batches = Batches(DATA, rank % dp_world, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
+    tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * dp_world
+    log = open(a.log, "a") if a.log and rank == 0 else None
+    for step in range(a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, a.steps)
+        tokens, targets = (t.to(device) for t in batches.next())
+        losses = []
+        args = (tokens,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        sched.step(*args, **kwargs)
+        if GRAD_CLIP is not None:
+            clip_pipeline(parts, mesh, GRAD_CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = torch.tensor(sum(float(x) for x in losses), dtype=torch.float64, device=device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        loss = total.item() / (PIPELINE["microbatches"] * dp_world)
+        seconds = time.perf_counter() - t0
+        if not math.isfinite(loss):
+            raise SystemExit(f"error: non-finite loss {loss} at step {step + 1}")
+        line = {"step": step + 1, "loss": loss, "step_seconds": seconds,
+                "tokens_per_second": tokens_per_step / seconds}
+        if rank == 0:
+            text = json.dumps(line)
+            if log:
+                log.write(text + "\n")
+                log.flush()
+            print(text, file=sys.stdout if step + 1 == a.steps else sys.stderr)
 
 
 if __name__ == "__main__":
