@@ -153,7 +153,7 @@ fn refuse(config: &shardplan_frontends::ParallelConfig, spec: &LoadedParallel) -
 
 fn predicted(plan: &PipelinePlan) -> Value {
     json!({
-        "step_seconds": plan.timeline.makespan,
+        "step_seconds": plan.step_s,
         "bubble": plan.timeline.bubble(),
         "peak_allocated_by_rank": plan.memory.iter().map(|r| r.peak).collect::<Vec<_>>(),
     })

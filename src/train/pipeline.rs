@@ -111,7 +111,7 @@ fn start(
             )));
         }
     }
-    Ok((trainer, plan.timeline.makespan, leader))
+    Ok((trainer, plan.step_s, leader))
 }
 
 /// The progress bar over `--steps`, from `done`, shown by the process holding rank 0.

@@ -164,7 +164,7 @@ fn describe(plan: &PipelinePlan, config: &ParallelConfig, budget: u64) -> Pipeli
         stages_per_rank: p.stages_per_rank,
         microbatches: p.microbatches,
         checkpointing: config.activation_checkpointing,
-        step_s: plan.timeline.makespan,
+        step_s: plan.step_s,
         bubble: plan.timeline.bubble(),
         device,
         fits: device <= budget,
@@ -283,7 +283,7 @@ mod tests {
         assert!(schedules.len() >= 4, "{schedules:?}");
         assert!(found.candidates.iter().any(|c| c.pipeline == 4));
         // The winner's plan is the plan of its config, and its step the candidate's.
-        assert_eq!(found.winner.timeline.makespan, best.step_s);
+        assert_eq!(found.winner.step_s, best.step_s);
         assert_eq!(found.config.pipeline.as_ref().unwrap().schedule, best.schedule);
         // The global batch is kept: 16 sequences over the data-parallel ranks.
         assert_eq!(found.config.batch.per_rank * found.config.mesh.data_parallel(), 16);

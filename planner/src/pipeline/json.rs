@@ -81,6 +81,7 @@ pub fn to_json(plan: &PipelinePlan) -> Value {
             "ranks": timeline,
         },
         "memory": plan.memory,
+        "step_seconds": plan.step_s,
         "p2p_seconds": plan.p2p_s,
         "boundary_bytes": plan.boundary_bytes,
         "fsdp_plans": fsdp.iter().map(|p| serde_json::to_value(p.as_ref()).unwrap_or(Value::Null)).collect::<Vec<_>>(),

@@ -37,6 +37,9 @@ pub struct PipelinePlan {
     pub timeline: Timeline,
     /// Every pipeline rank's memory at its peak, by rank.
     pub memory: Vec<RankMemory>,
+    /// The whole step: the pipeline's program, then each rank's optimizer step over its
+    /// stages (the slowest rank's end), and the executor's start of a step.
+    pub step_s: f64,
     pub p2p_s: f64,
     /// Bytes one micro-batch's activations crossing a stage boundary take.
     pub boundary_bytes: u64,
@@ -122,6 +125,8 @@ pub(crate) struct Stages {
     times: Vec<StageTimes>,
     memory: Vec<StageMemory>,
     fsdp: Vec<Arc<Plan>>,
+    /// Each stage's optimizer step (with its gradient norm share), once a step.
+    optimizer: Vec<f64>,
     boundary_bytes: u64,
 }
 
@@ -161,12 +166,14 @@ pub(crate) fn plan_stages(
             )
         })
         .collect();
+    let optimizer = fsdp.iter().map(|p| once_a_step(p).optimizer).collect();
     Ok(Stages {
         modules,
         params,
         times,
         memory,
         fsdp,
+        optimizer,
         boundary_bytes,
     })
 }
@@ -195,11 +202,25 @@ pub(crate) fn assemble(
             fsdp: stages.fsdp[s].clone(),
         })
         .collect();
+    let step_s = timeline
+        .ends
+        .iter()
+        .enumerate()
+        .map(|(rank, end)| {
+            let optimizer: f64 = (0..stages.modules.len())
+                .filter(|&s| program.rank_of_stage[s] as usize == rank)
+                .map(|s| stages.optimizer[s])
+                .sum();
+            end + optimizer
+        })
+        .fold(0.0, f64::max)
+        + config.hardware.step_overhead_us * 1e-6;
     Ok(PipelinePlan {
         stages: plans,
         program,
         timeline,
         memory,
+        step_s,
         p2p_s,
         boundary_bytes: stages.boundary_bytes,
     })
@@ -283,6 +304,8 @@ fn stage_times(joint: &JointGraph, plan: &Plan, config: &ParallelConfig) -> Stag
         forward: 0.0,
         backward_input: 0.0,
         backward_weight: 0.0,
+        unshard: 0.0,
+        reduce: 0.0,
     };
     for (id, node) in g.nodes() {
         let t = model.seconds(id);
@@ -295,6 +318,9 @@ fn stage_times(joint: &JointGraph, plan: &Plan, config: &ParallelConfig) -> Stag
         };
         *slot += t;
     }
+    let once = once_a_step(plan);
+    times.unshard = once.unshard;
+    times.reduce = once.reduce;
     for step in plan.steps.iter().filter(|s| s.phase == crate::Phase::Recompute) {
         for run in &step.nodes {
             for n in run.clone() {
@@ -303,6 +329,47 @@ fn stage_times(joint: &JointGraph, plan: &Plan, config: &ParallelConfig) -> Stag
         }
     }
     times
+}
+
+/// What a stage does once a step whatever its micro-batches, in seconds, from its FSDP
+/// plan of one micro-batch: the all-gather of its parameters (the forward's all-gathers,
+/// one a group), the gradient reduction (packing, reduce-scatter, HSDP's all-reduce), and
+/// the optimizer's step with its share of the gradient norm.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct OnceAStep {
+    pub(crate) unshard: f64,
+    pub(crate) reduce: f64,
+    pub(crate) optimizer: f64,
+}
+
+pub(crate) fn once_a_step(plan: &Plan) -> OnceAStep {
+    let mut once = OnceAStep::default();
+    let Some(program) = plan.programs.first() else {
+        return once;
+    };
+    let first_backward = program
+        .instrs
+        .iter()
+        .position(|i| match &i.instr {
+            crate::Instr::Compute { step, .. } => plan
+                .steps
+                .get(step.index())
+                .is_some_and(|s| s.phase != crate::Phase::Forward),
+            _ => false,
+        })
+        .unwrap_or(program.instrs.len());
+    for (k, issued) in program.instrs.iter().enumerate() {
+        let seconds = plan.timing.end.get(k).copied().unwrap_or(0.0) - plan.timing.start.get(k).copied().unwrap_or(0.0);
+        match &issued.instr {
+            crate::Instr::AllGather { .. } if k < first_backward => once.unshard += seconds,
+            crate::Instr::PackGrads { .. } | crate::Instr::ReduceScatter { .. } | crate::Instr::AllReduce { .. } => {
+                once.reduce += seconds
+            }
+            crate::Instr::GradNorm { .. } | crate::Instr::OptimizerStep { .. } => once.optimizer += seconds,
+            _ => {}
+        }
+    }
+    once
 }
 
 /// The seconds `bytes` take between two pipeline ranks: across nodes when a stage's ranks

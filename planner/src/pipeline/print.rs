@@ -35,7 +35,8 @@ pub fn text(plan: &PipelinePlan, per_rank: u64) -> String {
     let t = &plan.timeline;
     let _ = writeln!(
         out,
-        "step      {} of pipeline compute and transfers, bubble {:.1}% of rank-time",
+        "step      {}: the pipeline's program {} (bubble {:.1}% of rank-time), then the optimizer",
+        ms(plan.step_s),
         ms(t.makespan),
         100.0 * t.bubble()
     );

@@ -3,8 +3,9 @@
 //! program ends (no rank waits on a send or receive that never comes) and gives the step's
 //! makespan and bubble.
 //!
-//! Communication between stages costs `p2p_s` after the send; unshard, reshard and the
-//! gradient reduction cost nothing here (the stage's own FSDP schedule costs them).
+//! Communication between stages costs `p2p_s` after the send; a stage's unshard (its
+//! parameters' all-gather) and gradient reduction take their time on the rank, as the
+//! executor runs them; a reshard costs nothing.
 
 use super::action::{Action, Op, OpKind};
 use std::collections::HashMap;
@@ -17,6 +18,10 @@ pub struct StageTimes {
     pub backward_input: f64,
     /// The weight-gradient half (W); a full backward (B) takes both halves.
     pub backward_weight: f64,
+    /// The all-gather of the stage's parameters (UNSHARD).
+    pub unshard: f64,
+    /// The reduction of its gradients over the data-parallel ranks (REDUCE_GRAD).
+    pub reduce: f64,
 }
 
 impl StageTimes {
@@ -25,6 +30,8 @@ impl StageTimes {
         forward: 1.0,
         backward_input: 1.0,
         backward_weight: 1.0,
+        unshard: 0.0,
+        reduce: 0.0,
     };
 
     fn of(&self, kind: OpKind) -> f64 {
@@ -33,6 +40,8 @@ impl StageTimes {
             OpKind::Backward => self.backward_input + self.backward_weight,
             OpKind::BackwardInput => self.backward_input,
             OpKind::BackwardWeight => self.backward_weight,
+            OpKind::Unshard => self.unshard,
+            OpKind::ReduceGrad => self.reduce,
             _ => 0.0,
         }
     }
@@ -50,6 +59,8 @@ pub struct Span {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Timeline {
     pub ranks: Vec<Vec<Span>>,
+    /// When each rank's program ends.
+    pub ends: Vec<f64>,
     pub makespan: f64,
 }
 
@@ -189,7 +200,11 @@ pub fn simulate(lowered: &[Vec<Action>], times: &[StageTimes], p2p_s: f64) -> Re
             .collect();
         if stuck.is_empty() {
             let makespan = free.iter().copied().fold(0.0, f64::max);
-            return Ok(Timeline { ranks: spans, makespan });
+            return Ok(Timeline {
+                ranks: spans,
+                ends: free,
+                makespan,
+            });
         }
         if !progress {
             return Err(Stuck(stuck));
