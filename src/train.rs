@@ -258,6 +258,30 @@ fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cli
     }
 }
 
+/// After a resume from `dir` at step `done`: its `warnings` (by the leader), and a refusal
+/// when `--steps`, which counts the whole run, leaves nothing to do.
+fn resumed(
+    args: &TrainArgs,
+    dir: &std::path::Path,
+    warnings: Vec<String>,
+    leader: bool,
+    done: u64,
+) -> Result<(), CliError> {
+    if leader {
+        for w in warnings {
+            eprintln!("warning: {w}");
+        }
+    }
+    if done >= args.steps {
+        return Err(CliError::Usage(format!(
+            "{}: the checkpoint is at step {done}; --steps {} leaves nothing to do (--steps counts the whole run)",
+            dir.display(),
+            args.steps
+        )));
+    }
+    Ok(())
+}
+
 /// Where a GPU run's instructions are timed (`--profile-clock`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum ProfileClock {
@@ -474,19 +498,7 @@ fn configure(
     }
     if let Some(dir) = &args.resume {
         let warnings = trainer.load(dir).map_err(|e| exec_error(e, specs))?;
-        if leader {
-            for w in warnings {
-                eprintln!("warning: {w}");
-            }
-        }
-        if trainer.steps_done() >= args.steps {
-            return Err(CliError::Usage(format!(
-                "{}: the checkpoint is at step {}; --steps {} leaves nothing to do (--steps counts the whole run)",
-                dir.display(),
-                trainer.steps_done(),
-                args.steps
-            )));
-        }
+        resumed(args, dir, warnings, leader, trainer.steps_done())?;
     }
     if args.trace.is_some() {
         trainer.record_times();

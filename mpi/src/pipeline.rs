@@ -13,14 +13,12 @@ use crate::{split_group, MpiWorld, SharedComm, Watchdog};
 use candle_core::{DType, Device, Tensor};
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::Communicator;
-use shardplan_executor::comm::p2p::PointToPoint;
+use shardplan_executor::comm::p2p::{Mailbox, PointToPoint};
 use shardplan_executor::comm::{Abort, Collectives};
 use shardplan_executor::train::pipeline::{Coord, PipelineEnds, PipelinePlacement};
 use shardplan_executor::ExecError;
 use shardplan_frontends::MeshShape;
-use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
 
 /// The tag that stops a link's receiving thread (sent by the process to itself).
 const STOP: i32 = i32::MAX - 1;
@@ -70,13 +68,6 @@ pub fn place_pipeline(world: &MpiWorld, mesh: &MeshShape) -> Result<PipelinePlac
     })
 }
 
-/// What has arrived and not yet been taken, by (sender, tag).
-#[derive(Default)]
-struct Mailbox {
-    waiting: Mutex<HashMap<(usize, u64), Tensor>>,
-    arrived: Condvar,
-}
-
 /// One process's end of the pipeline link over MPI.
 pub struct MpiLink {
     comm: Arc<SharedComm>,
@@ -95,7 +86,7 @@ impl MpiLink {
         let mailbox = Arc::new(Mailbox::default());
         let receiver = {
             let (comm, mailbox, abort) = (comm.clone(), mailbox.clone(), abort.clone());
-            std::thread::spawn(move || receive_loop(&comm, &mailbox, &abort))
+            std::thread::spawn(move || receive_loop(&comm, index, &mailbox, &abort))
         };
         MpiLink {
             comm,
@@ -109,7 +100,7 @@ impl MpiLink {
 }
 
 /// Receives every message of the link into the mailbox until this process's STOP.
-fn receive_loop(comm: &SharedComm, mailbox: &Mailbox, abort: &Abort) {
+fn receive_loop(comm: &SharedComm, me: usize, mailbox: &Mailbox, abort: &Abort) {
     loop {
         let (bytes, status) = comm.0.any_process().matched_probe().matched_receive_vec::<u8>();
         if status.tag() == STOP {
@@ -117,9 +108,10 @@ fn receive_loop(comm: &SharedComm, mailbox: &Mailbox, abort: &Abort) {
         }
         match decode(&bytes) {
             Ok(t) => {
-                let key = (status.source_rank() as usize, status.tag() as u64);
-                mailbox.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(key, t);
-                mailbox.arrived.notify_all();
+                let key = (status.source_rank() as usize, me, status.tag() as u64);
+                if let Err(e) = mailbox.put(key, t, "pipeline link") {
+                    abort.abort(e.to_string());
+                }
             }
             Err(e) => abort.abort(format!(
                 "pipeline link: a message from rank {} is malformed: {e}",
@@ -168,32 +160,7 @@ impl PointToPoint for MpiLink {
     }
 
     fn recv(&self, peer: usize, tag: u64) -> Result<Tensor, ExecError> {
-        let deadline = Instant::now() + self.abort.timeout();
-        let mut waiting = self.mailbox.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(t) = waiting.remove(&(peer, tag)) {
-                return Ok(t);
-            }
-            if let Some(r) = self.abort.reason() {
-                return Err(ExecError::Aborted(r));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let msg = format!(
-                    "pipeline link: member {} waited {:.1} s for tag {tag} from member {peer}",
-                    self.index,
-                    self.abort.timeout().as_secs_f64()
-                );
-                self.abort.abort(msg.clone());
-                return Err(ExecError::Aborted(msg));
-            }
-            waiting = self
-                .mailbox
-                .arrived
-                .wait_timeout(waiting, (deadline - now).min(Duration::from_millis(200)))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.mailbox.take((peer, self.index, tag), &self.abort, "pipeline link")
     }
 }
 

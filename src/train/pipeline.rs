@@ -97,19 +97,7 @@ fn start(
         let warnings = trainer.load(dir).map_err(|e| {
             CliError::Input(SpecError::file(dir, e.to_string()).help("give a shardplan checkpoint of this model"))
         })?;
-        if leader {
-            for w in warnings {
-                eprintln!("warning: {w}");
-            }
-        }
-        if trainer.steps_done() >= args.steps {
-            return Err(CliError::Usage(format!(
-                "{}: the checkpoint is at step {}; --steps {} leaves nothing to do (--steps counts the whole run)",
-                dir.display(),
-                trainer.steps_done(),
-                args.steps
-            )));
-        }
+        super::resumed(args, dir, warnings, leader, trainer.steps_done())?;
     }
     Ok((trainer, plan.step_s, leader))
 }

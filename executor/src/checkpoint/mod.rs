@@ -151,20 +151,7 @@ impl ShardedTrainer {
     pub fn save_with_hook(&mut self, root: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<PathBuf, ExecError> {
         let dir = step_dir(root, self.step);
         // The leader clears an interrupted save of this step; nobody writes until it has.
-        let prepared = (|| {
-            std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
-            if dir.join("metadata.json").exists() {
-                return Err(ExecError::Checkpoint(format!(
-                    "{}: a complete checkpoint of step {} exists; it is not overwritten",
-                    dir.display(),
-                    self.step
-                )));
-            }
-            if self.is_leader() && dir.exists() {
-                std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, "removing an interrupted save", e))?;
-            }
-            Ok(())
-        })();
+        let prepared = prepare_step_dir(root, self.step, self.is_leader());
         if !self.all_ok(prepared.is_ok())? {
             prepared?;
             return Err(ExecError::Checkpoint(format!(
@@ -526,6 +513,23 @@ pub fn is_checkpoint(path: &Path) -> bool {
                     .flatten()
                     .any(|e| e.file_name().to_string_lossy().starts_with("step-") && e.path().is_dir())
             }))
+}
+
+/// `root`'s folder for `step`, ready for a save: made, an interrupted save of that step
+/// removed (by the `leader`), a complete one refused (it is never overwritten).
+pub(crate) fn prepare_step_dir(root: &Path, step: u64, leader: bool) -> Result<PathBuf, ExecError> {
+    let dir = step_dir(root, step);
+    std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
+    if dir.join("metadata.json").exists() {
+        return Err(ExecError::Checkpoint(format!(
+            "{}: a complete checkpoint of step {step} exists; it is not overwritten",
+            dir.display()
+        )));
+    }
+    if leader && dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, "removing an interrupted save", e))?;
+    }
+    Ok(dir)
 }
 
 /// Writes `meta` as `dir/metadata.json` by an atomic rename, once it passes the check a

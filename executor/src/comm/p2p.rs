@@ -22,22 +22,69 @@ pub trait PointToPoint: Send + Sync {
     fn recv(&self, peer: usize, tag: u64) -> Result<Tensor, ExecError>;
 }
 
-/// What has been sent and not yet received, by (sender, receiver, tag).
-struct Mailboxes {
+/// What has been sent and not yet received, by (sender, receiver, tag): each backend's
+/// receiver waits on it, under the run's timeout and abort.
+#[derive(Default)]
+pub struct Mailbox {
     waiting: Mutex<HashMap<(usize, usize, u64), Tensor>>,
-    cv: Condvar,
+    arrived: Condvar,
 }
 
-impl Wake for Mailboxes {
+impl Wake for Mailbox {
     fn wake(&self) {
         let _guard = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        self.cv.notify_all();
+        self.arrived.notify_all();
+    }
+}
+
+impl Mailbox {
+    /// Leaves `t`, sent by `from` to `to` under `tag`; refuses a second one under the same
+    /// key (`name` names the group in the error).
+    pub fn put(&self, (from, to, tag): (usize, usize, u64), t: Tensor, name: &str) -> Result<(), ExecError> {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if waiting.insert((from, to, tag), t).is_some() {
+            return Err(ExecError::Internal(format!(
+                "{name}: member {from} sent tag {tag} to member {to} twice"
+            )));
+        }
+        self.arrived.notify_all();
+        Ok(())
+    }
+
+    /// Waits for what `from` sent `to` under `tag`, up to `abort`'s timeout; a timeout
+    /// aborts the run naming the wait.
+    pub fn take(&self, (from, to, tag): (usize, usize, u64), abort: &Abort, name: &str) -> Result<Tensor, ExecError> {
+        let deadline = Instant::now() + abort.timeout();
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(t) = waiting.remove(&(from, to, tag)) {
+                return Ok(t);
+            }
+            if let Some(r) = abort.reason() {
+                return Err(ExecError::Aborted(r));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let msg = format!(
+                    "{name}: member {to} waited {:.1} s for tag {tag} from member {from}",
+                    abort.timeout().as_secs_f64()
+                );
+                drop(waiting);
+                abort.abort(msg.clone());
+                return Err(ExecError::Aborted(msg));
+            }
+            waiting = self
+                .arrived
+                .wait_timeout(waiting, (deadline - now).min(Duration::from_millis(200)))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 }
 
 /// One member's handle on a Local point-to-point group.
 pub struct LocalP2p {
-    shared: Arc<Mailboxes>,
+    shared: Arc<Mailbox>,
     size: usize,
     index: usize,
     abort: Arc<Abort>,
@@ -47,10 +94,7 @@ pub struct LocalP2p {
 
 /// The handles of one group of `size` members (index i for member i).
 pub fn local_p2p(size: usize, name: &str, abort: &Arc<Abort>) -> Vec<LocalP2p> {
-    let shared = Arc::new(Mailboxes {
-        waiting: Mutex::new(HashMap::new()),
-        cv: Condvar::new(),
-    });
+    let shared = Arc::new(Mailbox::default());
     abort.watch(shared.clone());
     (0..size)
         .map(|index| LocalP2p {
@@ -89,47 +133,12 @@ impl PointToPoint for LocalP2p {
 
     fn send(&self, peer: usize, tag: u64, t: &Tensor) -> Result<(), ExecError> {
         self.check_peer(peer)?;
-        let mut waiting = self.shared.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        if waiting.insert((self.index, peer, tag), t.clone()).is_some() {
-            return Err(ExecError::Internal(format!(
-                "{}: member {} sent tag {tag} to member {peer} twice",
-                self.name, self.index
-            )));
-        }
-        self.shared.cv.notify_all();
-        Ok(())
+        self.shared.put((self.index, peer, tag), t.clone(), &self.name)
     }
 
     fn recv(&self, peer: usize, tag: u64) -> Result<Tensor, ExecError> {
         self.check_peer(peer)?;
-        let deadline = Instant::now() + self.abort.timeout();
-        let mut waiting = self.shared.waiting.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if let Some(t) = waiting.remove(&(peer, self.index, tag)) {
-                return Ok(t);
-            }
-            if let Some(r) = self.abort.reason() {
-                return Err(ExecError::Aborted(r));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let msg = format!(
-                    "{}: member {} waited {:.1} s for tag {tag} from member {peer}",
-                    self.name,
-                    self.index,
-                    self.abort.timeout().as_secs_f64()
-                );
-                drop(waiting);
-                self.abort.abort(msg.clone());
-                return Err(ExecError::Aborted(msg));
-            }
-            waiting = self
-                .shared
-                .cv
-                .wait_timeout(waiting, (deadline - now).min(Duration::from_millis(200)))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.shared.take((peer, self.index, tag), &self.abort, &self.name)
     }
 }
 

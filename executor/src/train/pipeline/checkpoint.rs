@@ -12,8 +12,8 @@ use super::rank::Rank;
 use super::shard::Shard;
 use super::PipelineTrainer;
 use crate::checkpoint::{
-    host_f32, io, local_rows, model_mismatch, read_metadata, read_rows, resolve, step_dir, whole_dims, write_entries,
-    write_metadata_file, Metadata, Piece, TensorMeta, Written, CHECKPOINT_FORMAT,
+    host_f32, io, local_rows, model_mismatch, prepare_step_dir, read_metadata, read_rows, resolve, whole_dims,
+    write_entries, write_metadata_file, Metadata, Piece, TensorMeta, Written, CHECKPOINT_FORMAT,
 };
 use crate::runtime::optim::state_names;
 use crate::ExecError;
@@ -33,18 +33,7 @@ impl PipelineTrainer {
                 root.display()
             )));
         }
-        let dir = step_dir(root, self.step);
-        std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
-        if dir.join("metadata.json").exists() {
-            return Err(ExecError::Checkpoint(format!(
-                "{}: a complete checkpoint of step {} exists; it is not overwritten",
-                dir.display(),
-                self.step
-            )));
-        }
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, "removing an interrupted save", e))?;
-        }
+        let dir = prepare_step_dir(root, self.step, true)?;
         std::fs::create_dir_all(&dir).map_err(|e| io(&dir, "cannot create", e))?;
         let whole = self.whole_tensors()?;
         let shards = self.config.mesh.shard;
