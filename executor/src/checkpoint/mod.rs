@@ -11,6 +11,7 @@
 
 mod hf;
 mod meta;
+mod pipeline;
 mod read;
 
 pub use hf::{export, read_weights, ExportDType};

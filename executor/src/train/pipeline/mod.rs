@@ -13,10 +13,12 @@
 //! Tensor and expert parallelism inside the stages are not run here yet: such a spec is
 //! refused.
 
-mod checkpoint;
 mod rank;
 mod shard;
 mod threads;
+
+pub(crate) use rank::Rank;
+pub(crate) use shard::Shard;
 
 pub use threads::place_threads;
 
@@ -29,8 +31,7 @@ use crate::train::data::{rank_rows, DataSource};
 use crate::train::trainer::data_source;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
-use rank::{Rank, Stage, StepRun};
-use shard::Shard;
+use rank::{Stage, StepRun};
 use shardplan_frontends::{MeshShape, ParallelConfig};
 use shardplan_models::{trace, ModelConfig};
 use shardplan_planner::pipeline::{stage_graphs, PipelinePlan};
@@ -98,23 +99,23 @@ pub struct PipelinePlacement {
 
 /// Pipeline training over every rank of the mesh as a thread of this process.
 pub struct PipelineTrainer {
-    ranks: Vec<Rank>,
+    pub(crate) ranks: Vec<Rank>,
     /// The pipeline rank of each stage.
-    rank_of_stage: Vec<usize>,
-    microbatches: usize,
-    data: Box<dyn DataSource>,
-    device: Device,
-    config: ParallelConfig,
+    pub(crate) rank_of_stage: Vec<usize>,
+    pub(crate) microbatches: usize,
+    pub(crate) data: Box<dyn DataSource>,
+    pub(crate) device: Device,
+    pub(crate) config: ParallelConfig,
     /// The model, as checkpoints record it.
-    model: ModelConfig,
+    pub(crate) model: ModelConfig,
     /// Ends every rank's waits when one fails.
-    abort: Arc<Abort>,
+    pub(crate) abort: Arc<Abort>,
     /// The shard ranks, for [`PipelineTrainer::master`].
-    shards: usize,
+    pub(crate) shards: usize,
     /// Parameters of the model, for [`PipelineTrainer::master`].
-    params: usize,
-    total_steps: u64,
-    step: u64,
+    pub(crate) params: usize,
+    pub(crate) total_steps: u64,
+    pub(crate) step: u64,
 }
 
 impl PipelineTrainer {

@@ -14,21 +14,21 @@ use shardplan_planner::pipeline::{Action, OpKind, StageGraph};
 use std::collections::HashMap;
 
 /// One stage as a rank runs it.
-pub(super) struct Stage {
-    pub(super) index: usize,
-    pub(super) graph: StageGraph,
-    pub(super) interp: Interpreter,
-    pub(super) input_half: Vec<NodeId>,
-    pub(super) weight_half: Vec<NodeId>,
+pub(crate) struct Stage {
+    pub(crate) index: usize,
+    pub(crate) graph: StageGraph,
+    pub(crate) interp: Interpreter,
+    pub(crate) input_half: Vec<NodeId>,
+    pub(crate) weight_half: Vec<NodeId>,
     /// This rank's f32 chunk of each of the stage's parameters, and their optimizer state.
-    pub(super) chunks: Vec<Shard>,
-    pub(super) opt: OptState,
+    pub(crate) chunks: Vec<Shard>,
+    pub(crate) opt: OptState,
 }
 
 impl Stage {
     /// Stage `index` of graph `g` on shard rank `shard.0` of `shard.1`: its chunks
     /// initialised from `model`, the whole model's graph, as one rank initialises it.
-    pub(super) fn init(
+    pub(crate) fn init(
         index: usize,
         g: &StageGraph,
         model: &shardplan_ir::Graph,
@@ -57,7 +57,7 @@ impl Stage {
 /// Each group's next collective tag (a group's members issue its collectives in one
 /// order).
 #[derive(Default)]
-pub(super) struct Tags {
+pub(crate) struct Tags {
     shard: u64,
     replicate: u64,
     world: u64,
@@ -69,20 +69,20 @@ fn next(tag: &mut u64) -> u64 {
 }
 
 /// One rank: its stages and its ends of the mesh's groups.
-pub(super) struct Rank {
-    pub(super) stages: Vec<Stage>,
-    pub(super) program: Vec<Action>,
-    pub(super) pipeline: usize,
-    pub(super) tensor_rank: usize,
+pub(crate) struct Rank {
+    pub(crate) stages: Vec<Stage>,
+    pub(crate) program: Vec<Action>,
+    pub(crate) pipeline: usize,
+    pub(crate) tensor_rank: usize,
     /// Its data-parallel index (replicate x shard), whose rows of the batch it reads.
-    pub(super) data_rank: usize,
-    pub(super) p2p: Box<dyn PointToPoint>,
-    pub(super) shard: Option<Box<dyn Collectives>>,
-    pub(super) replicate: Option<Box<dyn Collectives>>,
-    pub(super) world: Box<dyn Collectives>,
-    pub(super) tags: Tags,
+    pub(crate) data_rank: usize,
+    pub(crate) p2p: Box<dyn PointToPoint>,
+    pub(crate) shard: Option<Box<dyn Collectives>>,
+    pub(crate) replicate: Option<Box<dyn Collectives>>,
+    pub(crate) world: Box<dyn Collectives>,
+    pub(crate) tags: Tags,
     /// The rank's kernels' context (each thread its own).
-    pub(super) ctx: Ctx,
+    pub(crate) ctx: Ctx,
 }
 
 /// A micro-batch in flight on one stage: its values, from forward to the last backward.
@@ -107,18 +107,18 @@ struct RankState {
 }
 
 /// What every rank's step shares.
-pub(super) struct StepRun<'a> {
-    pub(super) rank_of_stage: &'a [usize],
-    pub(super) microbatches: usize,
+pub(crate) struct StepRun<'a> {
+    pub(crate) rank_of_stage: &'a [usize],
+    pub(crate) microbatches: usize,
     /// Micro-batch losses the step's loss averages: M x the data-parallel ranks.
-    pub(super) losses: usize,
+    pub(crate) losses: usize,
     /// Replicas holding each gradient chunk (the norm counts one).
-    pub(super) replicas: f64,
+    pub(crate) replicas: f64,
     /// Tensor ranks: a parameter each holds whole counts 1 / tensor on each.
-    pub(super) tensor: f64,
-    pub(super) config: &'a ParallelConfig,
-    pub(super) step: u64,
-    pub(super) lr: f64,
+    pub(crate) tensor: f64,
+    pub(crate) config: &'a ParallelConfig,
+    pub(crate) step: u64,
+    pub(crate) lr: f64,
 }
 
 /// Tag of the activation crossing boundary `b` (after stage `b`) for micro-batch `m`, or
@@ -130,7 +130,7 @@ fn tag(b: usize, m: usize, microbatches: usize, gradient: bool) -> u64 {
 impl StepRun<'_> {
     /// One rank's step over its micro-batches `data`: its program, then the optimizer on
     /// its chunks. Returns the step's mean loss and the global gradient norm.
-    pub(super) fn rank_step(&self, rank: &mut Rank, data: &[HashMap<String, Tensor>]) -> Result<(f64, f64), ExecError> {
+    pub(crate) fn rank_step(&self, rank: &mut Rank, data: &[HashMap<String, Tensor>]) -> Result<(f64, f64), ExecError> {
         let mut state = RankState::default();
         let program = rank.program.clone();
         for action in &program {

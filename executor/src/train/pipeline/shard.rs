@@ -13,20 +13,20 @@ use shardplan_ir::{Graph, ParamId, TensorSplit};
 
 /// This rank's chunk of one parameter.
 #[derive(Clone)]
-pub(super) struct Shard {
+pub(crate) struct Shard {
     /// The whole parameter's dims.
     dims: Vec<usize>,
     /// This rank's f32 chunk: ceil(rows / shards) rows (zeros past the parameter's end).
-    pub(super) master: Tensor,
+    pub(crate) master: Tensor,
     /// How the tensor group splits the parameter (`None`: each tensor rank holds it whole).
-    pub(super) split: Option<TensorSplit>,
+    pub(crate) split: Option<TensorSplit>,
 }
 
 impl Shard {
     /// Shard `index` of `shards` of parameter `p` of `model` (one tensor rank's graph),
     /// on tensor rank `tensor_rank`: initialised as one rank initialises the whole
     /// parameter.
-    pub(super) fn init(
+    pub(crate) fn init(
         model: &Graph,
         p: ParamId,
         seed: u64,
@@ -63,7 +63,7 @@ impl Shard {
 
     /// The whole parameter in `dtype`, gathered over `group` (this rank's chunk alone
     /// without one) under `tag`. Chunks travel flat: the backends concatenate elements.
-    pub(super) fn gather(&self, group: Option<&dyn Collectives>, tag: u64, dtype: CDType) -> Result<Tensor, ExecError> {
+    pub(crate) fn gather(&self, group: Option<&dyn Collectives>, tag: u64, dtype: CDType) -> Result<Tensor, ExecError> {
         let mine = self.master.to_dtype(dtype)?.flatten_all()?;
         let all = match group {
             Some(g) => g.all_gather(tag, &mine)?.flatten_all()?,
@@ -75,7 +75,7 @@ impl Shard {
     /// This rank's chunk of the whole gradient `grad` averaged over the shard group (a
     /// reduce-scatter) and then the replicate group (an all-reduce), flat, then shaped as
     /// the chunk.
-    pub(super) fn reduce(
+    pub(crate) fn reduce(
         &self,
         grad: &Tensor,
         shard: Option<(&dyn Collectives, u64)>,
@@ -99,7 +99,7 @@ impl Shard {
     }
 
     /// This chunk's geometry holding `t` (an optimizer state's chunk) instead.
-    pub(super) fn with_master(&self, t: Tensor) -> Shard {
+    pub(crate) fn with_master(&self, t: Tensor) -> Shard {
         Shard {
             dims: self.dims.clone(),
             master: t,
@@ -108,19 +108,19 @@ impl Shard {
     }
 
     /// A chunk shaped as this one from its rows' `values` (unpadded), zeros after them.
-    pub(super) fn padded(&self, mut values: Vec<f32>, device: &Device) -> Result<Tensor, ExecError> {
+    pub(crate) fn padded(&self, mut values: Vec<f32>, device: &Device) -> Result<Tensor, ExecError> {
         values.resize(self.master.elem_count(), 0.0);
         Ok(Tensor::from_vec(values, self.master.dims(), device)?)
     }
 
     /// A zero whole gradient (a parameter the loss does not reach).
-    pub(super) fn zero_grad(&self) -> Result<Tensor, ExecError> {
+    pub(crate) fn zero_grad(&self) -> Result<Tensor, ExecError> {
         Ok(Tensor::zeros(self.dims.as_slice(), CDType::F32, self.master.device())?)
     }
 
     /// The whole f32 parameter from every rank's chunk: `chunks[t][s]` is tensor rank
     /// `t`'s, shard rank `s`'s.
-    pub(super) fn whole(chunks: &[Vec<&Shard>]) -> Result<Tensor, ExecError> {
+    pub(crate) fn whole(chunks: &[Vec<&Shard>]) -> Result<Tensor, ExecError> {
         let slices = chunks
             .iter()
             .map(|by_shard| {

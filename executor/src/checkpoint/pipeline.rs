@@ -1,4 +1,4 @@
-//! Checkpoints of a pipeline run in shardplan's checkpoint format (`crate::checkpoint`):
+//! Checkpoints of a pipeline run in shardplan's checkpoint format (this module's):
 //! whole tensors' rows in rank files and `metadata.json` written last, so a pipeline
 //! checkpoint loads on any pipeline degree, any FSDP, HSDP or tensor-parallel mesh inside
 //! the stages, and into a run without a pipeline; and any shardplan checkpoint loads here.
@@ -8,14 +8,12 @@
 //! as the same mesh without its pipeline writes them. A load reads, for each rank, the
 //! rows of its chunks (its tensor rank's slice of them) and nothing else.
 
-use super::rank::Rank;
-use super::shard::Shard;
-use super::PipelineTrainer;
-use crate::checkpoint::{
+use super::{
     host_f32, io, local_rows, model_mismatch, prepare_step_dir, read_metadata, read_rows, resolve, whole_dims,
     write_entries, write_metadata_file, Metadata, Piece, TensorMeta, Written, CHECKPOINT_FORMAT,
 };
 use crate::runtime::optim::state_names;
+use crate::train::pipeline::{PipelineTrainer, Rank, Shard};
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use shardplan_ir::ParamId;
