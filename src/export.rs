@@ -233,7 +233,7 @@ fn render(
     lits.push((
         "MESH",
         "replicate x shard (HSDP when replicate > 1); the routed experts split over groups of `expert` consecutive shards",
-        json!({"pipeline": 1, "replicate": plan.mesh.replicate(), "shard": plan.mesh.shard(), "expert": plan.mesh.expert()}),
+        json!({"replicate": plan.mesh.replicate(), "shard": plan.mesh.shard(), "expert": plan.mesh.expert()}),
     ));
     lits.push((
         "GROUPS",

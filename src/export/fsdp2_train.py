@@ -931,9 +931,10 @@ def start(device_kind):
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    want = MESH["pipeline"] * MESH["replicate"] * MESH["shard"]
+    pipeline = MESH.get("pipeline", 1)
+    want = pipeline * MESH["replicate"] * MESH["shard"]
     if world != want:
-        raise SystemExit(f"error: the plan's mesh is {MESH['pipeline']} x {MESH['replicate']} x {MESH['shard']} ranks "
+        raise SystemExit(f"error: the plan's mesh is {pipeline} x {MESH['replicate']} x {MESH['shard']} ranks "
                          f"(pipeline x replicate x shard); started with {world} (run torchrun --nproc-per-node {want})")
     if device_kind == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -1042,7 +1043,7 @@ def make_pipeline_mesh(device):
     """The (pipeline, replicate, shard) mesh, pipeline outermost, and its data-parallel part."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    p, r, s = MESH["pipeline"], MESH["replicate"], MESH["shard"]
+    p, r, s = MESH.get("pipeline", 1), MESH["replicate"], MESH["shard"]
     if r > 1:
         mesh = init_device_mesh(device.type, (p, r, s), mesh_dim_names=("pp", "replicate", "shard"))
         return mesh, mesh["replicate", "shard"]
