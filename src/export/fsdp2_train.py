@@ -1099,14 +1099,15 @@ def make_schedule(stages):
     return cls(stages[0] if single else stages, m, loss_fn=pipeline_loss, scale_grads=True)
 
 
-def clip_pipeline(parts, mesh, clip):
+def clip_pipeline(parts, mesh, clip, device):
     """torch's clip over every stage of the pipeline: each rank's norm over its stages'
-    gradient shards (full over the data-parallel mesh), squared, summed over the pipeline."""
+    gradient shards (full over the data-parallel mesh), squared, summed over the pipeline
+    on the process group's device."""
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    sq = norm.double() ** 2
+    sq = (norm.double() ** 2).to(device=device)
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group("pp"))
     torch.nn.utils.clip_grads_with_norm_(params, clip, sq.sqrt().float())
 
@@ -1134,7 +1135,7 @@ def run_pipeline(a, device, rank, world):
         kwargs = {"target": targets, "losses": losses} if last else {}
         sched.step(*args, **kwargs)
         if GRAD_CLIP is not None:
-            clip_pipeline(parts, mesh, GRAD_CLIP)
+            clip_pipeline(parts, mesh, GRAD_CLIP, device)
         opt.step()
         opt.zero_grad(set_to_none=True)
         total = torch.tensor(sum(float(x) for x in losses), dtype=torch.float64, device=device)
