@@ -258,6 +258,48 @@ fn run_mpi(args: &TrainArgs, env: Option<&ProcessEnv>) -> Result<Option<u8>, Cli
     }
 }
 
+/// The metrics log `--log` (appended to), on the process that holds rank 0.
+fn open_log(args: &TrainArgs, leader: bool) -> Result<Option<std::io::BufWriter<std::fs::File>>, CliError> {
+    Ok(match &args.log {
+        Some(p) if leader => Some(std::io::BufWriter::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open the log {}", p.display()))?,
+        )),
+        _ => None,
+    })
+}
+
+/// Appends one step's metrics `m` to `log` as a flushed JSON line: a crash or a Ctrl-C
+/// leaves a complete log.
+fn log_line(log: &mut Option<std::io::BufWriter<std::fs::File>>, m: &impl serde::Serialize) -> Result<(), CliError> {
+    if let Some(w) = log.as_mut() {
+        let line = serde_json::to_string(m).context("serialising metrics")?;
+        writeln!(w, "{line}")
+            .and_then(|()| w.flush())
+            .context("writing the metrics log")?;
+    }
+    Ok(())
+}
+
+/// The progress bar over `--steps` from step `done`, shown by the process holding rank 0.
+fn step_bar(args: &TrainArgs, leader: bool, done: u64) -> ProgressBar {
+    let bar = if leader {
+        ProgressBar::new(args.steps)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_position(done);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
 /// After a resume from `dir` at step `done`: its `warnings` (by the leader), and a refusal
 /// when `--steps`, which counts the whole run, leaves nothing to do.
 fn resumed(
@@ -532,33 +574,14 @@ impl<'a> Run<'a> {
         device_name: &'a str,
     ) -> Result<Self, CliError> {
         let leader = trainer.is_leader();
-        let log = match &args.log {
-            Some(p) if leader => Some(std::io::BufWriter::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(p)
-                    .with_context(|| format!("cannot open the log {}", p.display()))?,
-            )),
-            _ => None,
-        };
+        let log = open_log(args, leader)?;
         let stop = Arc::new(AtomicBool::new(false));
         {
             let stop = stop.clone();
             ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)).context("installing the Ctrl-C handler")?;
         }
         trainer.set_stop_flag(stop);
-        let bar = if leader {
-            ProgressBar::new(args.steps)
-        } else {
-            ProgressBar::hidden()
-        };
-        bar.set_position(trainer.steps_done());
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
+        let bar = step_bar(args, leader, trainer.steps_done());
         Ok(Run {
             args,
             trainer,
@@ -597,13 +620,7 @@ impl<'a> Run<'a> {
     /// Appends the step's metrics to the log, one flushed line per step: a crash or a
     /// Ctrl-C leaves a complete log.
     fn log_step(&mut self, m: &shardplan_executor::ShardedMetrics) -> Result<(), CliError> {
-        if let Some(w) = self.log.as_mut() {
-            let line = serde_json::to_string(m).context("serialising metrics")?;
-            writeln!(w, "{line}")
-                .and_then(|()| w.flush())
-                .context("writing the metrics log")?;
-        }
-        Ok(())
+        log_line(&mut self.log, m)
     }
 
     /// Saves a checkpoint under `--checkpoint-dir` (when given), keeping the newest

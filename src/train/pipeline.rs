@@ -5,12 +5,9 @@
 
 use super::TrainArgs;
 use crate::CliError;
-use anyhow::Context;
-use indicatif::{ProgressBar, ProgressStyle};
 use shardplan_executor::train::engine::Engine;
 use shardplan_executor::train::pipeline::{PipelineMetrics, PipelineTrainer};
 use shardplan_frontends::{trace_error, trace_options, LoadedModel, LoadedParallel, SpecError};
-use std::io::Write;
 
 /// Trains `model` with `parallel`'s pipeline on `device` for `--steps` steps, on the ranks
 /// `engine` places here: resumed from `--resume`, checkpointed under `--checkpoint-dir`
@@ -25,28 +22,14 @@ pub fn run(
     refuse_unsupported(args, parallel)?;
     let (mut trainer, planned, leader) = start(args, engine, model, parallel, device)?;
     let failed = |e: shardplan_executor::ExecError| CliError::Other(anyhow::anyhow!("{e}"));
-    let mut log = match &args.log {
-        Some(p) if leader => Some(std::io::BufWriter::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open the log {}", p.display()))?,
-        )),
-        _ => None,
-    };
-    let bar = progress_bar(args, leader, trainer.steps_done());
+    let mut log = super::open_log(args, leader)?;
+    let bar = super::step_bar(args, leader, trainer.steps_done());
     let mut steps: Vec<PipelineMetrics> = Vec::new();
     while trainer.steps_done() < args.steps {
         let m = trainer.step().map_err(failed)?;
         bar.set_message(format!("loss {:.4} | {:.0} tokens/s", m.loss, m.tokens_per_second));
         bar.inc(1);
-        if let Some(w) = log.as_mut() {
-            let line = serde_json::to_string(&m).context("serialising metrics")?;
-            writeln!(w, "{line}")
-                .and_then(|()| w.flush())
-                .context("writing the metrics log")?;
-        }
+        super::log_line(&mut log, &m)?;
         steps.push(m);
         let done = trainer.steps_done();
         if args.checkpoint_every > 0 && done.is_multiple_of(args.checkpoint_every) && done < args.steps {
@@ -100,22 +83,6 @@ fn start(
         super::resumed(args, dir, warnings, leader, trainer.steps_done())?;
     }
     Ok((trainer, plan.step_s, leader))
-}
-
-/// The progress bar over `--steps`, from `done`, shown by the process holding rank 0.
-fn progress_bar(args: &TrainArgs, leader: bool, done: u64) -> ProgressBar {
-    let bar = if leader {
-        ProgressBar::new(args.steps)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_position(done);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30}] {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar
 }
 
 /// Saves a checkpoint under `--checkpoint-dir` (when given), keeping the newest
