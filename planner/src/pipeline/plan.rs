@@ -306,6 +306,7 @@ fn stage_times(joint: &JointGraph, plan: &Plan, config: &ParallelConfig) -> Stag
         backward_weight: 0.0,
         unshard: 0.0,
         reduce: 0.0,
+        accumulate: accumulate_seconds(g, config),
     };
     for (id, node) in g.nodes() {
         let t = model.seconds(id);
@@ -329,6 +330,16 @@ fn stage_times(joint: &JointGraph, plan: &Plan, config: &ParallelConfig) -> Stag
         }
     }
     times
+}
+
+/// Seconds to add one micro-batch's gradients into the stage's unsharded sums in the
+/// reduce dtype, in place: both read, the sum written, at the device's bandwidth (as
+/// `PackGrads` is costed).
+fn accumulate_seconds(g: &Graph, config: &ParallelConfig) -> f64 {
+    let hw = &config.hardware;
+    let elems: u64 = g.params().map(|(_, p)| p.ty.numel().unwrap_or(0)).sum();
+    let bytes = 3 * elems * config.mixed_precision.reduce.size_bytes();
+    bytes as f64 / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
 }
 
 /// What a stage does once a step whatever its micro-batches, in seconds, from its FSDP

@@ -22,6 +22,10 @@ pub struct StageTimes {
     pub unshard: f64,
     /// The reduction of its gradients over the data-parallel ranks (REDUCE_GRAD).
     pub reduce: f64,
+    /// Adding one micro-batch's weight gradients to those of the earlier ones (autograd's
+    /// in-place accumulation into the unsharded gradients): paid by the B or W of every
+    /// micro-batch but the first, whose gradients become the sum.
+    pub accumulate: f64,
 }
 
 impl StageTimes {
@@ -32,14 +36,20 @@ impl StageTimes {
         backward_weight: 1.0,
         unshard: 0.0,
         reduce: 0.0,
+        accumulate: 0.0,
     };
 
-    fn of(&self, kind: OpKind) -> f64 {
-        match kind {
+    /// The seconds of `op`, one of this stage's.
+    fn of(&self, op: Op) -> f64 {
+        let accumulate = match op.microbatch {
+            Some(m) if m > 0 => self.accumulate,
+            _ => 0.0,
+        };
+        match op.kind {
             OpKind::Forward => self.forward,
-            OpKind::Backward => self.backward_input + self.backward_weight,
+            OpKind::Backward => self.backward_input + self.backward_weight + accumulate,
             OpKind::BackwardInput => self.backward_input,
-            OpKind::BackwardWeight => self.backward_weight,
+            OpKind::BackwardWeight => self.backward_weight + accumulate,
             OpKind::Unshard => self.unshard,
             OpKind::ReduceGrad => self.reduce,
             _ => 0.0,
@@ -213,7 +223,7 @@ pub fn simulate(lowered: &[Vec<Action>], times: &[StageTimes], p2p_s: f64) -> Re
 }
 
 fn times_of(times: &[StageTimes], op: Op) -> f64 {
-    times.get(op.stage as usize).map_or(0.0, |t| t.of(op.kind))
+    times.get(op.stage as usize).map_or(0.0, |t| t.of(op))
 }
 
 #[cfg(test)]

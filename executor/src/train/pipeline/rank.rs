@@ -3,6 +3,7 @@
 use super::shard::Shard;
 use crate::comm::p2p::PointToPoint;
 use crate::comm::{Collectives, Reduce};
+use crate::cpu::fused;
 use crate::cpu::kernels::{cdtype, Ctx};
 use crate::runtime::interp::Interpreter;
 use crate::runtime::optim::OptState;
@@ -331,16 +332,16 @@ impl StepRun<'_> {
         rank.p2p.recv(peer, tag(boundary, m, self.microbatches, gradient))
     }
 
-    /// Stage `at`'s gradients scaled by 1 / M and averaged over the data-parallel ranks
-    /// into this rank's chunks (FSDP's reduce-scatter, HSDP's all-reduce).
+    /// Stage `at`'s gradients summed over the micro-batches, averaged over the
+    /// data-parallel ranks into this rank's chunks (FSDP's reduce-scatter, HSDP's
+    /// all-reduce); the mean over the micro-batches is taken in `finish`.
     fn reduce(&self, rank: &mut Rank, at: usize, state: &mut RankState) -> Result<(), ExecError> {
         let stage = &rank.stages[at];
         let sums = state.grads.remove(&stage.index).unwrap_or_default();
-        let scale = 1.0 / self.microbatches as f64;
         let mut reduced = Vec::with_capacity(stage.chunks.len());
         for (k, chunk) in stage.chunks.iter().enumerate() {
             let grad = match sums.get(k).cloned().flatten() {
-                Some(g) => (g * scale)?,
+                Some(g) => g,
                 None => chunk.zero_grad()?,
             };
             let shard = match rank.shard.as_deref() {
@@ -365,7 +366,7 @@ impl StepRun<'_> {
             let grads = state.reduced.get(&stage.index).map_or(&[][..], |g| g.as_slice());
             for (t, chunk) in grads.iter().zip(&stage.chunks) {
                 let weight = if chunk.split.is_some() { 1.0 } else { 1.0 / self.tensor };
-                sq += weight * t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?;
+                sq += weight * sum_squares(t)?;
             }
         }
         let summed = rank
@@ -377,25 +378,28 @@ impl StepRun<'_> {
             )?
             .to_vec1::<f64>()?;
         let loss = summed[0] / self.losses as f64;
-        let norm = (summed[1] / self.replicas).sqrt();
+        // The reduced gradients are sums over the M micro-batches: their mean is 1 / M of
+        // them, folded into the norm and the optimizer's gradient scale (no pass of its own).
+        let mean = 1.0 / self.microbatches as f64;
+        let norm = (summed[1] / self.replicas).sqrt() * mean;
         if !norm.is_finite() {
             return Err(ExecError::Internal(format!(
                 "step {}: the gradient norm is not finite (loss {loss})",
                 self.step + 1
             )));
         }
-        let clip = self.config.grad_clip.filter(|&c| norm > c).map(|c| c / (norm + 1e-6));
+        let clip = self
+            .config
+            .grad_clip
+            .filter(|&c| norm > c)
+            .map_or(1.0, |c| c / (norm + 1e-6));
         for stage in &mut rank.stages {
             let grads = state
                 .reduced
                 .remove(&stage.index)
                 .ok_or_else(|| ExecError::Internal(format!("stage {}'s gradients were not reduced", stage.index)))?;
-            let grads = match clip {
-                Some(c) => grads.iter().map(|t| t * c).collect::<Result<Vec<_>, _>>()?,
-                None => grads,
-            };
             let mut masters: Vec<Tensor> = stage.chunks.iter().map(|c| c.master.clone()).collect();
-            stage.opt.step(&mut masters, &grads, self.lr)?;
+            stage.opt.step_scaled(&mut masters, &grads, self.lr, mean * clip)?;
             for (c, m) in stage.chunks.iter_mut().zip(masters) {
                 c.master = m;
             }
@@ -424,6 +428,15 @@ fn accumulate(stage: &Stage, state: &mut RankState, m: usize) -> Result<(), Exec
         });
     }
     Ok(())
+}
+
+/// The sum of `t`'s squared elements in f64: one pass of the fused kernel over an f32 CPU
+/// tensor.
+fn sum_squares(t: &Tensor) -> Result<f64, ExecError> {
+    if fused::applies(&[t]) {
+        return fused::sum_squares(t);
+    }
+    Ok(t.sqr()?.sum_all()?.to_dtype(CDType::F64)?.to_scalar::<f64>()?)
 }
 
 fn value(values: &[Option<Tensor>], id: NodeId) -> Result<Tensor, ExecError> {
