@@ -48,7 +48,7 @@ impl Engine for Mpi {
         place(&self.world, plan)
     }
 
-    fn place_pipeline(&self, mesh: &MeshShape) -> Result<PipelinePlacement, ExecError> {
+    fn place_pipeline(&self, mesh: &MeshShape, _device: &Device) -> Result<PipelinePlacement, ExecError> {
         crate::place_pipeline(&self.world, mesh)
     }
 }

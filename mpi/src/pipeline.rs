@@ -15,7 +15,7 @@ use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::Communicator;
 use shardplan_executor::comm::p2p::{Mailbox, PointToPoint};
 use shardplan_executor::comm::{Abort, Collectives};
-use shardplan_executor::train::pipeline::{Coord, PipelineEnds, PipelinePlacement};
+use shardplan_executor::train::pipeline::{GroupMembers, PipelineEnds, PipelinePlacement};
 use shardplan_executor::ExecError;
 use shardplan_frontends::MeshShape;
 use std::sync::{Arc, Mutex};
@@ -39,22 +39,14 @@ pub fn place_pipeline(world: &MpiWorld, mesh: &MeshShape) -> Result<PipelinePlac
         next: Default::default(),
     });
     dog.spawn(world.world.clone(), abort.clone(), world.rank);
-    let me = Coord::of(world.rank as usize, mesh);
-    let members = |vary: &dyn Fn(usize) -> Coord, n: u64| -> Vec<u64> {
-        (0..n as usize).map(|i| vary(i).index(mesh) as u64).collect()
-    };
-    let link = members(&|p| Coord { pipeline: p, ..me }, mesh.pipeline);
-    let shard = members(&|s| Coord { shard: s, ..me }, mesh.shard);
-    let replicate = members(&|r| Coord { replicate: r, ..me }, mesh.replicate);
-    let tensor = members(&|t| Coord { tensor: t, ..me }, mesh.tensor);
-    let everyone: Vec<u64> = (0..size).collect();
+    let g = GroupMembers::of(mesh, world.rank as usize);
     // Every process splits the same five times, in this order.
-    let link = split_group(world, &dog, &link, "pipeline group".into())?;
+    let link = split_group(world, &dog, &g.link, "pipeline group".into())?;
     let boxed = |g: crate::MpiGroup| Box::new(g) as Box<dyn Collectives>;
-    let shard = boxed(split_group(world, &dog, &shard, "shard group".into())?);
-    let replicate = boxed(split_group(world, &dog, &replicate, "replicate group".into())?);
-    let tensor = boxed(split_group(world, &dog, &tensor, "tensor group".into())?);
-    let all = boxed(split_group(world, &dog, &everyone, "world".into())?);
+    let shard = boxed(split_group(world, &dog, &g.shard, "shard group".into())?);
+    let replicate = boxed(split_group(world, &dog, &g.replicate, "replicate group".into())?);
+    let tensor = boxed(split_group(world, &dog, &g.tensor, "tensor group".into())?);
+    let all = boxed(split_group(world, &dog, &g.world, "world".into())?);
     let ends = PipelineEnds {
         p2p: Box::new(MpiLink::start(link.comm, link.index, link.size, abort.clone())),
         shard: (mesh.shard > 1).then_some(shard),

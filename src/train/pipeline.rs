@@ -66,7 +66,7 @@ fn start(
                 .error("mesh", e.to_string(), "see `shardplan plan` of this spec"),
         )
     };
-    let placement = engine.place_pipeline(&config.mesh).map_err(located)?;
+    let placement = engine.place_pipeline(&config.mesh, &device).map_err(located)?;
     let leader = placement.ranks.iter().any(|(r, _)| *r == 0);
     let world = (config.mesh.pipeline * config.mesh.stage_world()) as usize;
     if args.checkpoint_dir.is_some() && placement.ranks.len() != world {

@@ -44,14 +44,22 @@ pub struct CommSpec {
     pub index: usize,
 }
 
-impl CommSpec {
-    /// The rank that makes the group's unique id: its first member.
-    pub fn root(&self) -> u64 {
+/// A communicator the start-up id exchange opens: its name, the same on every member and
+/// distinct among a rank's communicators (it keys the exchanged ids), and the member that
+/// makes its id.
+pub trait IdGroup {
+    fn name(&self) -> String;
+    fn root(&self) -> u64;
+}
+
+impl IdGroup for CommSpec {
+    /// The group's first member.
+    fn root(&self) -> u64 {
         self.members[0]
     }
 
     /// How errors name it: `shard group [0, 1] (all-gather stream)`.
-    pub fn name(&self) -> String {
+    fn name(&self) -> String {
         format!("{} group {:?} ({} stream)", self.comm, self.members, self.stream.name())
     }
 }
@@ -119,8 +127,7 @@ pub fn comm_streams(specs: &[CommSpec]) -> Vec<Stream> {
 /// One id on the wire: which group it opens, and its bytes (hex).
 #[derive(Serialize, Deserialize)]
 struct IdEntry {
-    comm: Comm,
-    stream: Stream,
+    group: String,
     root: u64,
     id: String,
 }
@@ -143,9 +150,9 @@ fn unhex(s: &str) -> Option<[u8; ID_BYTES]> {
 /// The unique id of each of `specs` (in their order). This process makes the ids of the
 /// groups it roots with `make_id`, and `all_gather` (the process world, a collective)
 /// brings every process's ids to every process.
-pub fn exchange_ids(
+pub fn exchange_ids<G: IdGroup>(
     rank: u64,
-    specs: &[CommSpec],
+    specs: &[G],
     make_id: &mut dyn FnMut() -> Result<[u8; ID_BYTES], ExecError>,
     all_gather: &dyn Fn(Vec<u8>) -> Result<Vec<Vec<u8>>, ExecError>,
 ) -> Result<Vec<[u8; ID_BYTES]>, ExecError> {
@@ -154,16 +161,15 @@ pub fn exchange_ids(
 }
 
 /// What this process contributes to the id exchange: the ids of the groups it roots.
-fn my_ids(
+fn my_ids<G: IdGroup>(
     rank: u64,
-    specs: &[CommSpec],
+    specs: &[G],
     make_id: &mut dyn FnMut() -> Result<[u8; ID_BYTES], ExecError>,
 ) -> Result<Vec<u8>, ExecError> {
     let mut mine = Vec::new();
     for s in specs.iter().filter(|s| s.root() == rank) {
         mine.push(IdEntry {
-            comm: s.comm,
-            stream: s.stream,
+            group: s.name(),
             root: rank,
             id: hex(&make_id()?),
         });
@@ -172,8 +178,8 @@ fn my_ids(
 }
 
 /// Each of `specs`' ids, from every process's contribution (in process order).
-fn pick_ids(rank: u64, specs: &[CommSpec], all: &[Vec<u8>]) -> Result<Vec<[u8; ID_BYTES]>, ExecError> {
-    let mut table: Vec<(Comm, Stream, u64, [u8; ID_BYTES])> = Vec::new();
+fn pick_ids<G: IdGroup>(rank: u64, specs: &[G], all: &[Vec<u8>]) -> Result<Vec<[u8; ID_BYTES]>, ExecError> {
+    let mut table: Vec<(String, u64, [u8; ID_BYTES])> = Vec::new();
     for (from, bytes) in all.iter().enumerate() {
         let entries: Vec<IdEntry> = serde_json::from_slice(bytes).map_err(|e| {
             ExecError::Aborted(format!(
@@ -183,22 +189,20 @@ fn pick_ids(rank: u64, specs: &[CommSpec], all: &[Vec<u8>]) -> Result<Vec<[u8; I
         for e in entries {
             let id = unhex(&e.id).ok_or_else(|| {
                 ExecError::Aborted(format!(
-                    "rank {rank}: process {from} sent a malformed NCCL id for the {} group of rank {}",
-                    e.comm, e.root
+                    "rank {rank}: process {from} sent a malformed NCCL id for the {} of rank {}",
+                    e.group, e.root
                 ))
             })?;
-            table.push((e.comm, e.stream, e.root, id));
+            table.push((e.group, e.root, id));
         }
     }
     specs
         .iter()
         .map(|s| {
-            let found: Vec<_> = table
-                .iter()
-                .filter(|(c, st, r, _)| (*c, *st, *r) == (s.comm, s.stream, s.root()))
-                .collect();
+            let (name, root) = (s.name(), s.root());
+            let found: Vec<_> = table.iter().filter(|(g, r, _)| (g, *r) == (&name, root)).collect();
             match found.as_slice() {
-                [(_, _, _, id)] => Ok(*id),
+                [(_, _, id)] => Ok(*id),
                 [] => Err(ExecError::Aborted(format!(
                     "rank {rank}: no NCCL id arrived for the {} (rank {} makes it): do all ranks run the same plan?",
                     s.name(),
@@ -286,6 +290,7 @@ fn guard_blocking_with<T>(timeout: Duration, f: impl FnOnce() -> T, on_timeout: 
 
 #[cfg(feature = "cuda")]
 pub mod device;
+pub mod p2p;
 
 #[cfg(test)]
 mod tests {

@@ -19,9 +19,10 @@ pub trait Engine {
     /// The ranks of `plan` this process runs on `device`, with their communicators.
     fn place(&self, plan: &Plan, device: &Device) -> Result<Placement, ExecError>;
 
-    /// The ranks of a pipeline `mesh` this process runs, with their groups and links.
-    fn place_pipeline(&self, mesh: &MeshShape) -> Result<PipelinePlacement, ExecError> {
-        let _ = mesh;
+    /// The ranks of a pipeline `mesh` this process runs on `device`, with their groups and
+    /// links.
+    fn place_pipeline(&self, mesh: &MeshShape, device: &Device) -> Result<PipelinePlacement, ExecError> {
+        let _ = (mesh, device);
         Err(ExecError::Unsupported(
             "pipeline training runs on threads (--backend local) or over MPI (--backend mpi), not on this backend yet"
                 .into(),
@@ -37,7 +38,7 @@ impl Engine for Threads {
         Ok(crate::comm::local::place(plan))
     }
 
-    fn place_pipeline(&self, mesh: &MeshShape) -> Result<PipelinePlacement, ExecError> {
+    fn place_pipeline(&self, mesh: &MeshShape, _device: &Device) -> Result<PipelinePlacement, ExecError> {
         Ok(crate::train::pipeline::place_threads(mesh))
     }
 }
@@ -128,6 +129,12 @@ impl Engine for Nccl {
     fn place(&self, plan: &Plan, device: &Device) -> Result<Placement, ExecError> {
         let procs = self.processes.lock().unwrap_or_else(|e| e.into_inner()).take();
         crate::comm::nccl::device::place(plan, self.rank, device, procs, self.abort.clone())
+    }
+
+    /// Places this process's one pipeline rank, as `place` does a plan's.
+    fn place_pipeline(&self, mesh: &MeshShape, device: &Device) -> Result<PipelinePlacement, ExecError> {
+        let procs = self.processes.lock().unwrap_or_else(|e| e.into_inner()).take();
+        crate::train::pipeline::nccl::place_pipeline(mesh, self.rank, device, procs, self.abort.clone())
     }
 }
 

@@ -5,7 +5,7 @@
 //! timeout. Everything it decides comes
 //! from the plain, CPU-tested parts of `comm::nccl`.
 
-use super::{comm_specs, comm_streams, exchange_ids, offsets, wait_done, ID_BYTES};
+use super::{comm_specs, comm_streams, exchange_ids, offsets, wait_done, IdGroup, ID_BYTES};
 use crate::comm::Comms;
 use crate::comm::{all_gather_bytes, Abort, Collectives, Placement, Reduce};
 use crate::ExecError;
@@ -23,10 +23,10 @@ use std::time::Duration;
 
 /// Tag of the start-up id exchange on the process world (its between-step tags count up
 /// from 1; these sit far above them).
-const ID_TAG: u64 = u64::MAX - 16;
+pub const ID_TAG: u64 = u64::MAX - 16;
 
 /// An NCCL communicator, usable from whichever stream thread holds the lock.
-struct Shared(NcclComm);
+pub(crate) struct Shared(pub(crate) NcclComm);
 // SAFETY: an NCCL communicator may be used from any host thread as long as calls on it do
 // not overlap; every use goes through the `Mutex` in `NcclGroup`.
 unsafe impl Send for Shared {}
@@ -45,11 +45,11 @@ pub struct NcclGroup {
     abort: Arc<Abort>,
 }
 
-fn nccl_err(name: &str, what: &str, e: impl std::fmt::Debug) -> ExecError {
+pub(crate) fn nccl_err(name: &str, what: &str, e: impl std::fmt::Debug) -> ExecError {
     ExecError::Aborted(format!("{name}: {what}: NCCL error {e:?}"))
 }
 
-fn cuda_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
+pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
     ExecError::Internal(format!("{what}: CUDA error {e:?}"))
 }
 
@@ -307,6 +307,58 @@ impl Collectives for NcclGroup {
     }
 }
 
+/// Joins NCCL communicator `name` with unique id `id` as member `index` of `size`, its
+/// work on `stream`, as rank `rank` (for messages). ncclCommInitRank waits for every
+/// member; one that never comes must not hang this one, so the wait has the collective
+/// timeout too (at least a minute).
+pub fn join_comm(
+    name: &str,
+    index: usize,
+    size: usize,
+    id: [u8; ID_BYTES],
+    stream: Arc<CudaStream>,
+    abort: &Abort,
+    rank: u64,
+) -> Result<NcclComm, ExecError> {
+    let raw: [std::ffi::c_char; ID_BYTES] = id.map(|b| b as std::ffi::c_char);
+    super::guard_blocking(
+        &format!("rank {rank}: joining the NCCL {name}"),
+        abort.timeout().max(Duration::from_secs(60)),
+        || NcclComm::from_rank(stream, index, size, Id::uninit(raw)),
+    )
+    .map_err(|e| nccl_err(name, "ncclCommInitRank", e))
+}
+
+/// The collectives of NCCL communicator `name` (see [`join_comm`]) on `dev`.
+#[allow(clippy::too_many_arguments)]
+pub fn open_group(
+    name: String,
+    index: usize,
+    size: usize,
+    id: [u8; ID_BYTES],
+    stream: Arc<CudaStream>,
+    dev: &CudaDevice,
+    abort: &Arc<Abort>,
+    rank: u64,
+) -> Result<NcclGroup, ExecError> {
+    let comm = join_comm(&name, index, size, id, stream.clone(), abort, rank)?;
+    Ok(NcclGroup {
+        comm: Mutex::new(Some(Shared(comm))),
+        stream,
+        device: dev.clone(),
+        size,
+        index,
+        name,
+        abort: abort.clone(),
+    })
+}
+
+/// Makes a unique id for a communicator this process roots.
+pub fn new_id() -> Result<[u8; ID_BYTES], ExecError> {
+    let id = Id::new().map_err(|e| nccl_err("start-up", "ncclGetUniqueId", e))?;
+    Ok(id.internal().map(|c| c as u8))
+}
+
 /// This process's one rank of `plan` on the GPU `device`: a CUDA stream per collective
 /// plan stream and an NCCL communicator per (process group, stream) (and the expert
 /// group's, on a stream of its own, for the compute stream's all-to-all), their unique ids
@@ -343,40 +395,23 @@ pub fn place(
                 .map_err(|e| cuda_err("creating a collective stream", e))?,
         );
     }
-    let ids = exchange_ids(
-        rank,
-        &specs,
-        &mut || {
-            let id = Id::new().map_err(|e| nccl_err("start-up", "ncclGetUniqueId", e))?;
-            Ok(id.internal().map(|c| c as u8))
-        },
-        &|mine| match processes.as_ref() {
-            Some(p) => all_gather_bytes(p.as_ref(), ID_TAG, &mine),
-            None => Ok(vec![mine]),
-        },
-    )?;
+    let ids = exchange_ids(rank, &specs, &mut new_id, &|mine| match processes.as_ref() {
+        Some(p) => all_gather_bytes(p.as_ref(), ID_TAG, &mine),
+        None => Ok(vec![mine]),
+    })?;
     let mut comms = Comms::default();
     for (spec, id) in specs.iter().zip(ids) {
         let stream = streams[&spec.stream].clone();
-        let name = spec.name();
-        let raw: [std::ffi::c_char; ID_BYTES] = id.map(|b| b as std::ffi::c_char);
-        // ncclCommInitRank waits for every member; a member that never comes must not
-        // hang this one, so the wait has the collective timeout too.
-        let comm = super::guard_blocking(
-            &format!("rank {rank}: joining the NCCL {name}"),
-            abort.timeout().max(Duration::from_secs(60)),
-            || NcclComm::from_rank(stream.clone(), spec.index, spec.members.len(), Id::uninit(raw)),
-        )
-        .map_err(|e| nccl_err(&name, "ncclCommInitRank", e))?;
-        let group = Box::new(NcclGroup {
-            comm: Mutex::new(Some(Shared(comm))),
+        let group = Box::new(open_group(
+            spec.name(),
+            spec.index,
+            spec.members.len(),
+            id,
             stream,
-            device: dev.clone(),
-            size: spec.members.len(),
-            index: spec.index,
-            name,
-            abort: abort.clone(),
-        });
+            dev,
+            &abort,
+            rank,
+        )?);
         if spec.comm == Comm::Expert {
             // The compute stream's expert-parallel ops (the tokens' all-to-all).
             comms.expert = Some(group);

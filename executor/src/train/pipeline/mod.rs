@@ -10,9 +10,12 @@
 //! micro-batches, and REDUCE_GRAD averages its gradients over the data-parallel ranks
 //! once; each rank steps the optimizer on its chunks. The gradient norm and the loss are
 //! summed over the world. So a step equals one rank's step over the same global batch.
-//! Tensor and expert parallelism inside the stages are not run here yet: such a spec is
-//! refused.
+//! Tensor parallelism runs inside the stages; expert parallelism is not run here yet:
+//! such a spec is refused.
 
+mod groups;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod rank;
 mod shard;
 mod threads;
@@ -20,6 +23,7 @@ mod threads;
 pub(crate) use rank::Rank;
 pub(crate) use shard::Shard;
 
+pub use groups::{nccl_openings, GroupMembers, NcclOpening, OpeningKind};
 pub use threads::place_threads;
 
 use crate::comm::p2p::PointToPoint;
@@ -173,8 +177,9 @@ impl PipelineTrainer {
                 .filter(|(i, _)| rank_of_stage[*i] == coord.pipeline)
                 .map(|(i, g)| Stage::init(i, g, &forward, config, (coord.shard, s), coord.tensor as u64, &device))
                 .collect::<Result<Vec<_>, ExecError>>()?;
-            let ctx = match ends.tensor {
-                Some(g) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(Arc::from(g))),
+            let tensor: Option<Arc<dyn Collectives>> = ends.tensor.map(Arc::from);
+            let ctx = match &tensor {
+                Some(g) => Ctx::with_tensor_group(device.clone(), TensorGroup::new(g.clone())),
                 None => Ctx::new(device.clone()),
             };
             ranks.push(Rank {
@@ -186,6 +191,7 @@ impl PipelineTrainer {
                 p2p: ends.p2p,
                 shard: ends.shard,
                 replicate: ends.replicate,
+                tensor,
                 world: ends.world,
                 tags: Default::default(),
                 ctx,

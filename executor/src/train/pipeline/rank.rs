@@ -13,6 +13,7 @@ use shardplan_frontends::ParallelConfig;
 use shardplan_ir::{NodeId, Op};
 use shardplan_planner::pipeline::{Action, OpKind, StageGraph};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// One stage as a rank runs it.
 pub(crate) struct Stage {
@@ -80,6 +81,8 @@ pub(crate) struct Rank {
     pub(crate) p2p: Box<dyn PointToPoint>,
     pub(crate) shard: Option<Box<dyn Collectives>>,
     pub(crate) replicate: Option<Box<dyn Collectives>>,
+    /// The tensor group its kernels' context runs the tensor-parallel ops on.
+    pub(crate) tensor: Option<Arc<dyn Collectives>>,
     pub(crate) world: Box<dyn Collectives>,
     pub(crate) tags: Tags,
     /// The rank's kernels' context (each thread its own).
@@ -152,7 +155,9 @@ impl StepRun<'_> {
                 self.reduce(rank, at, &mut state)?;
             }
         }
-        self.finish(rank, state)
+        let out = self.finish(rank, state)?;
+        flush(rank)?;
+        Ok(out)
     }
 
     /// One op of the program on the rank's `at`-th stage, for micro-batch `m` where it
@@ -373,7 +378,7 @@ impl StepRun<'_> {
             .world
             .all_reduce(
                 next(&mut rank.tags.world),
-                &Tensor::new(&[state.loss, sq], &Device::Cpu)?,
+                &Tensor::new(&[state.loss, sq], &rank.ctx.device)?,
                 Reduce::Sum,
             )?
             .to_vec1::<f64>()?;
@@ -426,6 +431,21 @@ fn accumulate(stage: &Stage, state: &mut RankState, m: usize) -> Result<(), Exec
             None => g,
             Some(acc) => (acc + g)?,
         });
+    }
+    Ok(())
+}
+
+/// Waits for the rank's collectives that were only enqueued (NCCL's): the step's end,
+/// where their failures surface. Blocking backends have none.
+fn flush(rank: &Rank) -> Result<(), ExecError> {
+    let groups = [
+        rank.shard.as_deref(),
+        rank.replicate.as_deref(),
+        rank.tensor.as_deref(),
+        Some(&*rank.world),
+    ];
+    for g in groups.into_iter().flatten().filter(|g| g.enqueues()) {
+        g.flush()?;
     }
     Ok(())
 }
