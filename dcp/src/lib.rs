@@ -5,3 +5,14 @@
 //! names what is wrong.
 
 pub mod pickle;
+pub mod read;
+pub mod archive;
+pub mod dtype;
+pub mod error;
+pub mod metadata;
+
+pub use archive::TensorData;
+pub use dtype::DType;
+pub use error::{DcpError, Result};
+pub use metadata::{Chunk, Entry, Metadata, StorageInfo, TensorEntry};
+pub use read::{is_checkpoint, Checkpoint};
