@@ -969,3 +969,186 @@ fn fuzz_profiles() {
     }
     eprintln!("profiles: {n} cases, {accepted} accepted, {spawned} through the binary");
 }
+
+// ---- DCP checkpoints ----
+
+/// Every tensor and value of a DCP checkpoint, read through `shardplan_dcp`.
+fn read_dcp(dir: &Path) -> Result<Vec<String>, String> {
+    let c = shardplan_dcp::Checkpoint::open(dir).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for (key, entry) in &c.metadata.entries {
+        let read = match entry {
+            shardplan_dcp::Entry::Tensor(_) => c.tensor(key).map(|t| format!("{key} {:?} {:?}", t.shape, t.bytes)),
+            shardplan_dcp::Entry::Bytes => c.value(key).map(|v| format!("{key} {v:?}")),
+        };
+        out.push(read.map_err(|e| e.to_string())?);
+    }
+    Ok(out)
+}
+
+/// One mutation of a `.metadata` pickle: a flipped bit, a truncation, a length or int
+/// made huge, a global renamed, or garbage spliced in.
+fn mutate_pickle(bytes: &[u8], rng: &mut Rng) -> (Vec<u8>, String) {
+    let mut v = bytes.to_vec();
+    match rng.below(5) {
+        0 => {
+            let i = rng.below(v.len());
+            v[i] ^= 1 << rng.below(8);
+            (v, format!("bit flipped at byte {i}"))
+        }
+        1 => {
+            let n = rng.below(v.len());
+            v.truncate(n);
+            (v, format!("truncated to {n} bytes"))
+        }
+        2 => {
+            // The length byte after a SHORT_BINUNICODE or BININT1, or an int's bytes.
+            let at: Vec<usize> = (0..v.len() - 1)
+                .filter(|&i| matches!(v[i], 0x8c | b'K' | b'M' | b'J'))
+                .collect();
+            let i = *rng.pick(&at) + 1;
+            let b = *rng.pick(&[0u8, 1, 0x7f, 0x80, 0xff]);
+            v[i] = b;
+            (v, format!("the operand at byte {i} = {b}"))
+        }
+        3 => {
+            let text = String::from_utf8_lossy(bytes).into_owned();
+            let from = *rng.pick(&[
+                "Size",
+                "float32",
+                "_StorageInfo",
+                "MetadataIndex",
+                "__0_0.distcp",
+                "offsets",
+            ]);
+            let to = *rng.pick(&["system", "eval", "Sizf", "../../x", "float3"]);
+            match text.find(from) {
+                Some(i) if from.len() == to.len() || rng.below(2) == 0 => {
+                    let n = from.len().min(to.len());
+                    v[i..i + n].copy_from_slice(&to.as_bytes()[..n]);
+                    (v, format!("`{from}` at byte {i} overwritten with `{to}`"))
+                }
+                _ => (v, "unchanged".into()),
+            }
+        }
+        _ => {
+            let i = rng.below(v.len());
+            let junk: Vec<u8> = (0..1 + rng.below(16)).map(|_| rng.next() as u8).collect();
+            v.splice(i..i, junk.iter().copied());
+            (v, format!("{} bytes spliced in at byte {i}", junk.len()))
+        }
+    }
+}
+
+/// The torch-made two-rank checkpoint, and one written by shardplan_dcp with zstd items.
+fn dcp_originals(scratch: &Path) -> Vec<PathBuf> {
+    let torch = Path::new("dcp/tests/fixtures/two-ranks/step-1");
+    let zstd = Path::new("dcp/tests/fixtures/zstd/step-1");
+    let mut out = Vec::new();
+    for (i, d) in [torch, zstd].iter().enumerate() {
+        let to = scratch.join(format!("original{i}"));
+        copy_dir(d, &to);
+        out.push(to);
+    }
+    out
+}
+
+#[test]
+fn fuzz_dcp_checkpoints() {
+    let dir = scratch();
+    let originals = dcp_originals(dir.path());
+    let wants: Vec<Vec<String>> = originals.iter().map(|d| read_dcp(d).unwrap()).collect();
+    let mut rng = Rng(seed() ^ 0xdc9);
+    let n = cases(60);
+    for k in 0..n {
+        let which = rng.below(originals.len());
+        let case_dir = dir.path().join(format!("case{k}"));
+        copy_dir(&originals[which], &case_dir);
+        let files: Vec<String> = std::fs::read_dir(&case_dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let name = rng.pick(&files).clone();
+        let path = case_dir.join(&name);
+        let bytes = std::fs::read(&path).unwrap();
+        let (mutated, what) = if name == ".metadata" {
+            mutate_pickle(&bytes, &mut rng)
+        } else if rng.below(3) == 0 {
+            let n = rng.below(bytes.len());
+            (bytes[..n].to_vec(), format!("truncated to {n} bytes"))
+        } else {
+            let mut v = bytes.clone();
+            let i = rng.below(v.len());
+            v[i] ^= 1 << rng.below(8);
+            (v, format!("bit flipped at byte {i}"))
+        };
+        std::fs::write(&path, &mutated).unwrap();
+        let case = format!("dcp case {k}: {name}: {what}");
+        let d = case_dir.clone();
+        match guarded(&case, Duration::from_secs(30), move || read_dcp(&d)) {
+            Err(msg) => assert_located(&case, &msg, &case_dir.display().to_string()),
+            // A changed `.metadata` may still describe a readable checkpoint; a changed
+            // data file is read as it was or refused (every entry's CRC is checked).
+            Ok(got) => assert!(
+                name == ".metadata" || got == wants[which],
+                "{case}: read different data"
+            ),
+        }
+        std::fs::remove_dir_all(&case_dir).unwrap();
+    }
+    eprintln!("DCP metadata and data files: {n} cases");
+}
+
+#[test]
+fn dcp_bombs_and_escapes_are_refused() {
+    use shardplan_dcp::{write_metadata, Chunk, DType, DataFile, Entry, Metadata, TensorData, TensorEntry};
+    let dir = scratch();
+    let ckpt = dir.path().join("bomb");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    // A 2x2 tensor whose item is a zstd frame of 64 MiB of zeros.
+    let mut f = DataFile::create(&ckpt, 0, true).unwrap();
+    let t = TensorData {
+        dtype: DType::F32,
+        shape: vec![2, 2],
+        bytes: vec![0; 16],
+    };
+    f.tensor("w", &Chunk::whole(&[2, 2]), &t).unwrap();
+    let mut storage: std::collections::HashMap<_, _> = f.finish().unwrap().into_iter().collect();
+    let bomb = vec![0u8; 64 << 20];
+    let frame = ruzstd_frame(&bomb);
+    std::fs::write(ckpt.join("__0_0.distcp"), &frame).unwrap();
+    for info in storage.values_mut() {
+        info.length = frame.len() as u64;
+    }
+    let entry = Entry::Tensor(TensorEntry {
+        dtype: DType::F32,
+        size: vec![2, 2],
+        chunks: vec![Chunk::whole(&[2, 2])],
+    });
+    let md = Metadata {
+        entries: vec![("w".into(), entry)],
+        storage,
+        paths: Default::default(),
+    };
+    write_metadata(&ckpt, &md).unwrap();
+    let e = read_dcp(&ckpt).unwrap_err();
+    assert!(e.contains("compression bomb") && e.contains("key `w`"), "{e}");
+    // A data file outside the folder.
+    let mut md = md;
+    for info in md.storage.values_mut() {
+        info.file = "../outside.distcp".into();
+    }
+    let e = write_metadata(&ckpt, &md).unwrap_err().to_string();
+    assert!(e.contains("not a file of the checkpoint's folder"), "{e}");
+}
+
+/// `bytes` as one zstd frame.
+fn ruzstd_frame(bytes: &[u8]) -> Vec<u8> {
+    let dir = scratch();
+    let mut f = shardplan_dcp::DataFile::create(dir.path(), 9, true).unwrap();
+    f.value("x", &shardplan_dcp::pickle::Value::Bytes(bytes.to_vec()))
+        .unwrap();
+    let info = f.finish().unwrap().remove(0).1;
+    let file = std::fs::read(dir.path().join(&info.file)).unwrap();
+    file[info.offset as usize..(info.offset + info.length) as usize].to_vec()
+}

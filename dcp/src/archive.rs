@@ -65,12 +65,20 @@ pub fn read_archive(bytes: &[u8]) -> Result<Archive<'_>> {
         if f.compression() != zip::CompressionMethod::Stored || f.compressed_size() != f.size() {
             return Err(bad(format!("entry `{name}` is compressed (torch stores every entry)")));
         }
-        let start = f.data_start().ok_or_else(|| bad(format!("entry `{name}` has no data offset")))?;
+        let start = f
+            .data_start()
+            .ok_or_else(|| bad(format!("entry `{name}` has no data offset")))?;
         let end = start
             .checked_add(f.size())
             .filter(|&e| e <= bytes.len() as u64)
             .ok_or_else(|| bad(format!("entry `{name}` ends past the item ({} bytes)", bytes.len())))?;
-        entries.insert(name, &bytes[start as usize..end as usize]);
+        let data = &bytes[start as usize..end as usize];
+        // torch records each entry's CRC in the directory (and does not check it on load);
+        // checked here, a flipped byte is refused rather than read as another value.
+        if crc32fast::hash(data) != f.crc32() {
+            return Err(bad(format!("entry `{name}` does not match its CRC-32")));
+        }
+        entries.insert(name, data);
     }
     let pkl = entries
         .keys()
@@ -81,8 +89,8 @@ pub fn read_archive(bytes: &[u8]) -> Result<Archive<'_>> {
     if !entries.contains_key(&format!("{prefix}version")) {
         return Err(bad(format!("no `{prefix}version` entry")));
     }
-    let pickle = pickle::read(entries[&pkl], &archive_globals)
-        .map_err(|e| DcpError::invalid(format!("its `data.pkl`: {e}")))?;
+    let pickle =
+        pickle::read(entries[&pkl], &archive_globals).map_err(|e| DcpError::invalid(format!("its `data.pkl`: {e}")))?;
     let data_dir = format!("{prefix}data/");
     let storages = entries
         .into_iter()
@@ -102,12 +110,15 @@ impl Archive<'_> {
         if class.name != "_rebuild_tensor_v2" || args.len() < 4 {
             return Err(bad(&format!("the item holds a `{class}` call, not a tensor")));
         }
-        let (dtype, key, numel) = storage_of(&args[0]).ok_or_else(|| bad("its storage is not ('storage', class, key, location, numel)"))?;
+        let (dtype, key, numel) =
+            storage_of(&args[0]).ok_or_else(|| bad("its storage is not ('storage', class, key, location, numel)"))?;
         let storage = self
             .storages
             .get(&key)
             .ok_or_else(|| bad(&format!("its storage `data/{key}` is not in the archive")))?;
-        let need = numel.checked_mul(dtype.size()).ok_or_else(|| bad("a storage too large"))?;
+        let need = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| bad("a storage too large"))?;
         if storage.len() < need {
             return Err(bad(&format!(
                 "its storage holds {} bytes, {numel} elements of {dtype} need {need}",
@@ -120,7 +131,8 @@ impl Archive<'_> {
         if stride.len() != shape.len() {
             return Err(bad("its size and stride differ in length"));
         }
-        let bytes = gather(&storage[..need], dtype.size(), offset, &shape, &stride).ok_or_else(|| bad("its size and stride reach past its storage"))?;
+        let bytes = gather(&storage[..need], dtype.size(), offset, &shape, &stride)
+            .ok_or_else(|| bad("its size and stride reach past its storage"))?;
         Ok(TensorData { dtype, shape, bytes })
     }
 }

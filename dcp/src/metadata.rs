@@ -128,7 +128,9 @@ fn bad(what: impl Into<String>) -> DcpError {
 fn fields<'a>(v: &'a Value, class: &str) -> Result<&'a Value> {
     match v {
         Value::Object {
-            class: c, state: Some(s), ..
+            class: c,
+            state: Some(s),
+            ..
         } if c.name == class => Ok(s),
         _ => Err(bad(format!("expected a `{class}`, found {}", v.kind()))),
     }
@@ -179,8 +181,9 @@ fn dtype(properties: &Value) -> Result<DType> {
         _ => None,
     };
     match first {
-        Some(Value::Global(g)) if g.module == "torch" => DType::from_torch_name(&g.name)
-            .ok_or_else(|| bad(format!("a tensor of dtype `{g}`, which is not read"))),
+        Some(Value::Global(g)) if g.module == "torch" => {
+            DType::from_torch_name(&g.name).ok_or_else(|| bad(format!("a tensor of dtype `{g}`, which is not read")))
+        }
         _ => Err(bad("a tensor's properties without a torch dtype")),
     }
 }
@@ -260,15 +263,20 @@ impl Metadata {
         let v = pickle::read(bytes, &metadata_globals).map_err(|e| bad(e.to_string()))?;
         let top = fields(&v, "Metadata")?;
         let mut entries = Vec::new();
-        for (k, e) in dict(top.get("state_dict_metadata"), "state_dict_metadata")? {
+        for (i, (k, e)) in dict(top.get("state_dict_metadata"), "state_dict_metadata")?
+            .iter()
+            .enumerate()
+        {
             let Value::Str(key) = k else {
-                return Err(bad("a state dict key that is not a string"));
+                return Err(bad(format!(
+                    "`state_dict_metadata` entry {i}: a key that is not a string"
+                )));
             };
             entries.push((key.clone(), entry(e).map_err(|e| e.within(&format!("key `{key}`")))?));
         }
         let mut storage = HashMap::new();
-        for (k, s) in dict(top.get("storage_data"), "storage_data")? {
-            let key = storage_key(k)?;
+        for (i, (k, s)) in dict(top.get("storage_data"), "storage_data")?.iter().enumerate() {
+            let key = storage_key(k).map_err(|e| e.within(&format!("`storage_data` entry {i}")))?;
             let info = storage_info(s).map_err(|e| e.within(&format!("the storage of `{}`", key.0)))?;
             storage.insert(key, info);
         }
@@ -288,7 +296,11 @@ impl Metadata {
                 }
             }
         }
-        let m = Metadata { entries, storage, paths };
+        let m = Metadata {
+            entries,
+            storage,
+            paths,
+        };
         m.check()?;
         Ok(m)
     }
@@ -328,12 +340,13 @@ impl Metadata {
                 Some(o) => bad(format!("its chunk at {o:?} is in no file")),
                 None => bad("its value is in no file"),
             })?;
-        let name_ok = !info.file.is_empty()
-            && !info.file.contains(['/', '\\', '\0'])
-            && info.file != "."
-            && info.file != "..";
+        let name_ok =
+            !info.file.is_empty() && !info.file.contains(['/', '\\', '\0']) && info.file != "." && info.file != "..";
         if !name_ok {
-            return Err(bad(format!("its file `{}` is not a file of the checkpoint's folder", info.file)));
+            return Err(bad(format!(
+                "its file `{}` is not a file of the checkpoint's folder",
+                info.file
+            )));
         }
         if let Some(t) = info.transforms.iter().find(|t| !TRANSFORMS.contains(&t.as_str())) {
             return Err(bad(format!("transform `{t}`, which is not read (only {TRANSFORMS:?})")));
@@ -344,11 +357,19 @@ impl Metadata {
 
 /// Every chunk of `t` inside it, in its rank; none overlapping; their volume its own.
 fn check_chunks(t: &TensorEntry) -> Result<()> {
-    let total = t.size.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("a size too large"))?;
+    let total = t
+        .size
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad("a size too large"))?;
     let mut volume = 0usize;
     for (i, c) in t.chunks.iter().enumerate() {
         if c.offsets.len() != t.size.len() || c.sizes.len() != t.size.len() {
-            return Err(bad(format!("chunk {i} has {} dims, the tensor {}", c.offsets.len(), t.size.len())));
+            return Err(bad(format!(
+                "chunk {i} has {} dims, the tensor {}",
+                c.offsets.len(),
+                t.size.len()
+            )));
         }
         let inside = c
             .offsets
@@ -357,7 +378,10 @@ fn check_chunks(t: &TensorEntry) -> Result<()> {
             .zip(&t.size)
             .all(|((&o, &s), &d)| o.checked_add(s).is_some_and(|e| e <= d));
         if !inside {
-            return Err(bad(format!("chunk {i} (at {:?}, of {:?}) reaches past the size {:?}", c.offsets, c.sizes, t.size)));
+            return Err(bad(format!(
+                "chunk {i} (at {:?}, of {:?}) reaches past the size {:?}",
+                c.offsets, c.sizes, t.size
+            )));
         }
         volume += c.numel();
         for (j, other) in t.chunks[..i].iter().enumerate() {
@@ -406,7 +430,13 @@ fn tensor_value(t: &TensorEntry) -> Value {
         vec![],
         Some(Value::Tuple(vec![
             Value::Global(Global::new("torch", t.dtype.torch_name())),
-            obj("torch.serialization", "_get_layout", Construct::Call, vec![Value::str("torch.strided")], None),
+            obj(
+                "torch.serialization",
+                "_get_layout",
+                Construct::Call,
+                vec![Value::str("torch.strided")],
+                None,
+            ),
             Value::Bool(false),
             obj(MD, "_MEM_FORMAT_ENCODING", Construct::Call, vec![Value::Int(0)], None),
             Value::Bool(false),
@@ -425,7 +455,11 @@ fn tensor_value(t: &TensorEntry) -> Value {
         .collect();
     dataclass(
         "TensorStorageMetadata",
-        vec![("properties", properties), ("size", torch_size(&t.size)), ("chunks", Value::List(chunks))],
+        vec![
+            ("properties", properties),
+            ("size", torch_size(&t.size)),
+            ("chunks", Value::List(chunks)),
+        ],
     )
 }
 
@@ -449,7 +483,10 @@ impl Metadata {
             .iter()
             .map(|(k, _)| {
                 let path = self.paths.get(k).cloned().unwrap_or_else(|| vec![k.clone()]);
-                (Value::str(k.clone()), Value::Tuple(path.into_iter().map(Value::Str).collect()))
+                (
+                    Value::str(k.clone()),
+                    Value::Tuple(path.into_iter().map(Value::Str).collect()),
+                )
             })
             .collect();
         let mut keys: Vec<&StorageKey> = self.storage.keys().collect();
@@ -477,7 +514,15 @@ impl Metadata {
                         Value::List(info.transforms.iter().cloned().map(Value::Str).collect()),
                     ));
                 }
-                let info = obj("torch.distributed.checkpoint.filesystem", "_StorageInfo", Construct::New, vec![], Some(Value::Dict(fields.into_iter().map(|(k, v)| (Value::str(k), v)).collect())));
+                let info = obj(
+                    "torch.distributed.checkpoint.filesystem",
+                    "_StorageInfo",
+                    Construct::New,
+                    vec![],
+                    Some(Value::Dict(
+                        fields.into_iter().map(|(k, v)| (Value::str(k), v)).collect(),
+                    )),
+                );
                 (dataclass("MetadataIndex", index), info)
             })
             .collect();

@@ -47,9 +47,14 @@ impl Checkpoint {
     /// Opens the checkpoint in `dir` and checks its metadata.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let path = dir.join(METADATA_FILE);
-        let len = std::fs::metadata(&path).map_err(|e| io(&path, "cannot read the checkpoint's metadata", e))?.len();
+        let len = std::fs::metadata(&path)
+            .map_err(|e| io(&path, "cannot read the checkpoint's metadata", e))?
+            .len();
         if len > MAX_METADATA_BYTES {
-            return Err(DcpError::invalid(format!("{}: {len} bytes, more than a checkpoint's metadata holds", path.display())));
+            return Err(DcpError::invalid(format!(
+                "{}: {len} bytes, more than a checkpoint's metadata holds",
+                path.display()
+            )));
         }
         let bytes = std::fs::read(&path).map_err(|e| io(&path, "cannot read the checkpoint's metadata", e))?;
         let metadata = Metadata::read(&bytes).map_err(|e| e.within(&path.display().to_string()))?;
@@ -71,10 +76,17 @@ impl Checkpoint {
             return Ok(m.clone());
         }
         let path = self.dir.join(file);
-        let f = std::fs::File::open(&path).map_err(|e| io(&path, "cannot open the checkpoint's data file", e))?;
+        // Said as content errors, so the key that needs the file is named with them.
+        let unreadable = |e: std::io::Error| {
+            DcpError::invalid(format!(
+                "{}: the data file the metadata names cannot be read: {e}",
+                path.display()
+            ))
+        };
+        let f = std::fs::File::open(&path).map_err(unreadable)?;
         // SAFETY: the map is read only; a file changed while it is read shows changed
         // bytes, which every read checks as untrusted anyway.
-        let m = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| io(&path, "cannot map", e))?);
+        let m = std::sync::Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(unreadable)?);
         maps.insert(file.to_string(), m.clone());
         Ok(m)
     }
@@ -83,15 +95,19 @@ impl Checkpoint {
     fn item(&self, info: &StorageInfo, cap: u64) -> Result<Vec<u8>> {
         let map = self.map(&info.file)?;
         let path = self.dir.join(&info.file);
-        let end = info.offset.checked_add(info.length).filter(|&e| e <= map.len() as u64).ok_or_else(|| {
-            DcpError::invalid(format!(
-                "{}: an item at {} of {} bytes reaches past the file's {} bytes",
-                path.display(),
-                info.offset,
-                info.length,
-                map.len()
-            ))
-        })?;
+        let end = info
+            .offset
+            .checked_add(info.length)
+            .filter(|&e| e <= map.len() as u64)
+            .ok_or_else(|| {
+                DcpError::invalid(format!(
+                    "{}: an item at {} of {} bytes reaches past the file's {} bytes",
+                    path.display(),
+                    info.offset,
+                    info.length,
+                    map.len()
+                ))
+            })?;
         let raw = &map[info.offset as usize..end as usize];
         let mut bytes = raw.to_vec();
         for t in info.transforms.iter().rev() {
@@ -117,8 +133,14 @@ impl Checkpoint {
     pub fn tensor_entry(&self, key: &str) -> Result<&TensorEntry> {
         match self.metadata.entry(key) {
             Some(Entry::Tensor(t)) => Ok(t),
-            Some(Entry::Bytes) => Err(DcpError::invalid(format!("{}: key `{key}` holds a value, not a tensor", self.dir.display()))),
-            None => Err(DcpError::invalid(format!("{}: key `{key}` is not in the checkpoint", self.dir.display()))),
+            Some(Entry::Bytes) => Err(DcpError::invalid(format!(
+                "{}: key `{key}` holds a value, not a tensor",
+                self.dir.display()
+            ))),
+            None => Err(DcpError::invalid(format!(
+                "{}: key `{key}` is not in the checkpoint",
+                self.dir.display()
+            ))),
         }
     }
 
@@ -142,7 +164,9 @@ impl Checkpoint {
         let elem = t.dtype.size();
         let mut out = vec![0u8; want.numel() * elem];
         for c in &t.chunks {
-            let Some(part) = c.intersect(want).filter(|p| p.numel() > 0) else { continue };
+            let Some(part) = c.intersect(want).filter(|p| p.numel() > 0) else {
+                continue;
+            };
             let info = self.metadata.place(key, Some(&c.offsets)).map_err(within)?;
             let cap = (c.numel() * elem) as u64 + (1 << 20);
             let bytes = self.item(info, cap).map_err(within)?;

@@ -10,7 +10,10 @@ fn open(name: &str) -> Checkpoint {
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    bytes
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
 }
 
 fn index(n: usize) -> Vec<f32> {
@@ -31,13 +34,20 @@ fn check_values(c: &Checkpoint) {
     assert_eq!(bf16, vec![0x0000, 0x3f80, 0x4000]);
     let plain = c.tensor("plain").unwrap();
     assert_eq!(plain.dtype, DType::I64);
-    let longs: Vec<i64> = plain.bytes.chunks(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+    let longs: Vec<i64> = plain
+        .bytes
+        .chunks(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
     assert_eq!(longs, vec![0, 1, 2, 3]);
     let scalar = c.tensor("scalar").unwrap();
     assert_eq!((scalar.shape.len(), f32s(&scalar.bytes)), (0, vec![7.0]));
     assert_eq!(c.value("train_state.step").unwrap(), Value::Int(7));
     assert_eq!(c.value("train_state.lr").unwrap(), Value::Float(0.5));
-    assert_eq!(c.value("betas").unwrap(), Value::Tuple(vec![Value::Float(0.9), Value::Float(0.95)]));
+    assert_eq!(
+        c.value("betas").unwrap(),
+        Value::Tuple(vec![Value::Float(0.9), Value::Float(0.95)])
+    );
 }
 
 #[test]
@@ -45,7 +55,9 @@ fn a_checkpoint_two_torch_ranks_saved_reads_whole() {
     let c = open("two-ranks/step-1");
     // Sharded by rows, evenly and not, and by columns: two chunks each.
     for key in ["rows", "uneven", "cols"] {
-        let Some(Entry::Tensor(t)) = c.metadata.entry(key) else { panic!("{key}") };
+        let Some(Entry::Tensor(t)) = c.metadata.entry(key) else {
+            panic!("{key}")
+        };
         assert_eq!(t.chunks.len(), 2, "{key}");
     }
     check_values(&c);
