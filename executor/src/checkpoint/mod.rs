@@ -220,12 +220,7 @@ impl ShardedTrainer {
                 .map(|state| {
                     let names = &names;
                     let rank = state.rank;
-                    let groups: Vec<(Tensor, Vec<Option<Tensor>>)> = state
-                        .params
-                        .iter()
-                        .zip(&state.opt)
-                        .map(|(p, o)| (p.clone(), (0..states.len()).map(|k| o.state(k, 0).cloned()).collect()))
-                        .collect();
+                    let groups = rank_buffers(state, states.len());
                     let device = state.ctx.device.clone();
                     s.spawn(move || {
                         // The thread drops device tensors: their context must be current.
@@ -266,6 +261,23 @@ impl ShardedTrainer {
                 dir.display()
             )));
         }
+        let shards = self.shared.plan.mesh.shard();
+        let mut out = Vec::with_capacity(shards as usize);
+        for (s, entries) in self.whole_rows()?.into_iter().enumerate() {
+            out.push(write_entries(dir, &format!("rank-{s:05}.safetensors"), entries)?);
+            if !hook(SaveStage::AfterRankFile(s)) {
+                return Err(ExecError::Checkpoint(format!(
+                    "{}: save stopped after rank file {s}",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every parameter and optimizer state put back together, cut into the rows each
+    /// shard rank of the same mesh without a tensor axis owns: one list of entries a shard.
+    pub(crate) fn whole_rows(&self) -> Result<Vec<Vec<Entry>>, ExecError> {
         let plan = &self.shared.plan;
         let shards = plan.mesh.shard();
         let names = self.param_names();
@@ -292,13 +304,7 @@ impl ShardedTrainer {
                 let part = t.narrow(0, rows.start as usize, (rows.end - rows.start) as usize)?;
                 entries.push((name.clone(), rows, host_f32(&part)?, part.dims().to_vec()));
             }
-            out.push(write_entries(dir, &format!("rank-{s:05}.safetensors"), entries)?);
-            if !hook(SaveStage::AfterRankFile(s as usize)) {
-                return Err(ExecError::Checkpoint(format!(
-                    "{}: save stopped after rank file {s}",
-                    dir.display()
-                )));
-            }
+            out.push(entries);
         }
         Ok(out)
     }
@@ -307,9 +313,7 @@ impl ShardedTrainer {
     fn write_metadata(&self, dir: &Path, root: &Path, results: Vec<Written>) -> Result<(), ExecError> {
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
-        let names = self.param_names();
         let optimizer = plan.policy.optimizer.name().to_string();
-        let states = state_names(&self.config.optimizer);
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
         for (f, ps) in results {
@@ -318,34 +322,16 @@ impl ShardedTrainer {
                 pieces.entry(name).or_default().push(p);
             }
         }
-        let g = &self.shared.joint.graph;
-        // The whole model's parameters, in its order (each of a rank's experts once per
-        // expert rank).
-        let mut whole: Vec<(usize, Vec<u64>)> = g
-            .params()
-            .flat_map(|(p, param)| {
-                let ranks = if param.expert.is_some() { mesh.expert() } else { 1 };
-                (0..ranks).map(move |r| (self.whole.id(p, r), whole_dims(param)))
-            })
-            .collect();
-        whole.sort_by_key(|w| w.0);
         let mut tensors = Vec::new();
-        for (p, shape) in whole {
-            for prefix in std::iter::once("").chain(states.iter().copied()) {
-                let name = if prefix.is_empty() {
-                    names[p].clone()
-                } else {
-                    format!("{prefix}.{}", names[p])
-                };
-                let mut ps = pieces.remove(&name).unwrap_or_default();
-                ps.sort_by_key(|x| x.start);
-                tensors.push(TensorMeta {
-                    name,
-                    shape: shape.clone(),
-                    dtype: "F32".into(),
-                    pieces: ps,
-                });
-            }
+        for (name, shape) in self.whole_tensors() {
+            let mut ps = pieces.remove(&name).unwrap_or_default();
+            ps.sort_by_key(|x| x.start);
+            tensors.push(TensorMeta {
+                name,
+                shape,
+                dtype: "F32".into(),
+                pieces: ps,
+            });
         }
         let meta = Metadata {
             format: CHECKPOINT_FORMAT,
@@ -361,6 +347,35 @@ impl ShardedTrainer {
             files,
         };
         write_metadata_file(dir, root, &meta)
+    }
+
+    /// Every tensor a checkpoint holds, by name, with its whole dims: each parameter in
+    /// the whole model's order (a rank's experts once per expert rank), followed by its
+    /// optimizer states.
+    pub(crate) fn whole_tensors(&self) -> Vec<(String, Vec<u64>)> {
+        let mesh = self.shared.plan.mesh;
+        let names = self.param_names();
+        let states = state_names(&self.config.optimizer);
+        let g = &self.shared.joint.graph;
+        let mut whole: Vec<(usize, Vec<u64>)> = g
+            .params()
+            .flat_map(|(p, param)| {
+                let ranks = if param.expert.is_some() { mesh.expert() } else { 1 };
+                (0..ranks).map(move |r| (self.whole.id(p, r), whole_dims(param)))
+            })
+            .collect();
+        whole.sort_by_key(|w| w.0);
+        let mut out = Vec::new();
+        for (p, shape) in whole {
+            for prefix in std::iter::once("").chain(states.iter().copied()) {
+                let name = match prefix {
+                    "" => names[p].clone(),
+                    _ => format!("{prefix}.{}", names[p]),
+                };
+                out.push((name, shape.clone()));
+            }
+        }
+        out
     }
 
     /// Saves a checkpoint of the current step under `root`.
@@ -589,6 +604,16 @@ pub(crate) fn model_mismatch(dir: &Path, written: &ModelConfig, model: &ModelCon
     )))
 }
 
+/// A rank's flat group buffers: each group's parameters and its optimizer states.
+pub(crate) fn rank_buffers(state: &crate::runtime::rank::RankState, states: usize) -> Vec<(Tensor, Vec<Option<Tensor>>)> {
+    state
+        .params
+        .iter()
+        .zip(&state.opt)
+        .map(|(p, o)| (p.clone(), (0..states).map(|k| o.state(k, 0).cloned()).collect()))
+        .collect()
+}
+
 /// Writes one rank's file of a checkpoint; returns the file and its pieces.
 fn write_rank(
     plan: &shardplan_planner::Plan,
@@ -598,6 +623,19 @@ fn write_rank(
     states: &[&str],
     groups: &[(Tensor, Vec<Option<Tensor>>)],
 ) -> Result<Written, ExecError> {
+    let entries = rank_entries(plan, rank, names, states, groups)?;
+    write_entries(dir, &format!("rank-{rank:05}.safetensors"), entries)
+}
+
+/// The rows rank `rank` owns of every whole parameter and optimizer state (by name),
+/// from its flat group buffers `groups` (parameters, then each state).
+pub(crate) fn rank_entries(
+    plan: &shardplan_planner::Plan,
+    rank: u64,
+    names: &[String],
+    states: &[&str],
+    groups: &[(Tensor, Vec<Option<Tensor>>)],
+) -> Result<Vec<Entry>, ExecError> {
     let mut entries = Vec::new();
     for (gi, grp) in plan.groups.iter().enumerate() {
         let l = &grp.layout;
@@ -628,7 +666,7 @@ fn write_rank(
             }
         }
     }
-    write_entries(dir, &format!("rank-{rank:05}.safetensors"), entries)
+    Ok(entries)
 }
 
 /// One tensor's rows in a rank file: its name, the whole tensor's rows they are, their f32
