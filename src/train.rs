@@ -52,8 +52,20 @@ pub struct TrainArgs {
     /// Complete checkpoints to keep (older ones are removed after each save).
     #[arg(long, value_name = "K", default_value_t = 3, requires = "checkpoint_dir")]
     pub checkpoint_keep: usize,
+    /// How checkpoints are written: shardplan's own format, or torch.distributed.checkpoint's
+    /// (`dcp`: torchtitan's layout, which torch's `dcp.load`, torchtitan and exported
+    /// programs read).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "FORMAT",
+        default_value = "shardplan",
+        requires = "checkpoint_dir"
+    )]
+    pub checkpoint_format: CheckpointFormat,
     /// Continue from the newest complete checkpoint in DIR (or from a `step-N` folder),
-    /// written on any mesh; --steps counts the whole run.
+    /// written on any mesh, in either format (a DCP folder has `.metadata`); --steps
+    /// counts the whole run.
     #[arg(long, value_name = "DIR", conflicts_with = "init_from")]
     pub resume: Option<PathBuf>,
     /// Start from pretrained weights: a Hugging Face safetensors file, or a folder with
@@ -361,6 +373,15 @@ fn startup(
     t
 }
 
+/// The format `--checkpoint-dir`'s checkpoints are written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CheckpointFormat {
+    /// shardplan's own: `step-00000010/` with `metadata.json` and a safetensors file a rank.
+    Shardplan,
+    /// torch.distributed.checkpoint's, in torchtitan's layout: `step-10/` with `.metadata`.
+    Dcp,
+}
+
 /// Runs the training loop with the ranks `place` gives this process.
 fn train(args: &TrainArgs, device: &str, engine: &dyn Engine) -> Result<Option<u8>, CliError> {
     if args.steps == 0 {
@@ -627,7 +648,11 @@ impl<'a> Run<'a> {
     /// `--checkpoint-keep`.
     fn save(&mut self) -> Result<(), CliError> {
         if let Some(dir) = &self.args.checkpoint_dir {
-            self.trainer.save(dir).map_err(|e| exec_error(e, &self.specs))?;
+            let saved = match self.args.checkpoint_format {
+                CheckpointFormat::Shardplan => self.trainer.save(dir),
+                CheckpointFormat::Dcp => self.trainer.save_dcp(dir),
+            };
+            saved.map_err(|e| exec_error(e, &self.specs))?;
             if self.trainer.is_leader() {
                 ShardedTrainer::prune(dir, self.args.checkpoint_keep).map_err(|e| exec_error(e, &self.specs))?;
             }

@@ -365,3 +365,118 @@ fn damaged_checkpoints_exit_2_naming_the_file_and_field() {
         }
     }
 }
+
+/// The Python with torch and safetensors: SHARDPLAN_TORCH_PYTHON, else `python3` if it has
+/// them.
+fn torch_python() -> Option<String> {
+    let candidates = std::env::var("SHARDPLAN_TORCH_PYTHON")
+        .ok()
+        .into_iter()
+        .chain(["python3".to_string()]);
+    candidates.into_iter().find(|py| {
+        std::process::Command::new(py)
+            .args(["-c", "import torch.distributed.checkpoint, safetensors"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// torch's `dcp.load` of every tensor and value of a checkpoint folder (`argv[1]`), the
+/// tensors written to `argv[2]` as safetensors, the values printed as `key=repr`.
+const TORCH_LOAD: &str = r#"
+import sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+warnings.simplefilter("ignore")
+md = dcp.FileSystemReader(sys.argv[1]).read_metadata()
+sd = {}
+for k, v in md.state_dict_metadata.items():
+    sd[k] = torch.full(tuple(v.size), float("nan"), dtype=v.properties.dtype) if hasattr(v, "size") else None
+dcp.load(sd, checkpoint_id=sys.argv[1])
+save_file({k: v.contiguous() for k, v in sd.items() if torch.is_tensor(v)}, sys.argv[2])
+for k, v in sd.items():
+    if not torch.is_tensor(v):
+        print(f"{k}={v!r}")
+"#;
+
+#[test]
+fn dcp_checkpoints_resume_on_another_mesh_and_load_in_torch() {
+    let scratch = tempfile::tempdir().unwrap();
+    let ck = temp(scratch.path(), "run");
+    let spec2 = temp(scratch.path(), "two.yaml");
+    std::fs::write(&spec2, "mesh: {replicate: 2, shard: 2}\ngpus_per_node: 4\nmixed_precision: {param: f32, reduce: f32}\nbatch: {per_rank: 2, seq_len: 16}\n").unwrap();
+    let (full, resumed) = (
+        temp(scratch.path(), "full.jsonl"),
+        temp(scratch.path(), "resumed.jsonl"),
+    );
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--model", "tiny-llama", "--steps", "8"];
+        args.extend_from_slice(extra);
+        ok(&shardplan(&args))
+    };
+    train(&[
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--log",
+        full.to_str().unwrap(),
+    ]);
+    let c = ck.to_str().unwrap();
+    train(&[
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--checkpoint-dir",
+        c,
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-format",
+        "dcp",
+    ]);
+    let step4 = ck.join("step-4");
+    assert!(step4.join(".metadata").is_file() && step4.join("__3_0.distcp").is_file());
+    train(&[
+        "--parallel",
+        spec2.to_str().unwrap(),
+        "--resume",
+        step4.to_str().unwrap(),
+        "--log",
+        resumed.to_str().unwrap(),
+    ]);
+    let (a, b) = (losses(&full), losses(&resumed));
+    assert_eq!(b.len(), 4);
+    for (x, y) in a[4..].iter().zip(&b) {
+        assert!(((x - y) / x).abs() < 1e-6, "resumed {b:?} vs {a:?}");
+    }
+
+    let Some(py) = torch_python() else {
+        assert!(std::env::var("CI").is_err(), "CI runs this part: its venv has torch");
+        eprintln!("skipped the torch half: no Python with torch and safetensors (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let out = temp(scratch.path(), "torch.safetensors");
+    let o = std::process::Command::new(&py)
+        .args(["-c", TORCH_LOAD, step4.to_str().unwrap(), out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let values = ok(&o);
+    for want in [
+        "train_state.step=4",
+        "dataloader.position=",
+        "optimizer.param_groups.model.norm.weight.lr=0.0003",
+    ] {
+        assert!(values.contains(want), "{want}: {values}");
+    }
+    // Every tensor torch read equals, bit for bit, what shardplan reads from the folder.
+    let ours = shardplan_dcp::Checkpoint::open(&step4).unwrap();
+    let bytes = std::fs::read(&out).unwrap();
+    let theirs = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut compared = 0;
+    for (key, entry) in &ours.metadata.entries {
+        if let shardplan_dcp::Entry::Tensor(_) = entry {
+            let t = ours.tensor(key).unwrap();
+            assert_eq!(theirs.tensor(key).unwrap().data(), t.bytes.as_slice(), "{key}");
+            compared += 1;
+        }
+    }
+    assert!(compared > 50, "{compared} tensors");
+}

@@ -733,6 +733,19 @@ fn resume_with<M: Copy + std::fmt::Debug>(
     to: &[M],
     config: impl Fn(M) -> ParallelConfig,
 ) {
+    resume_saved(m, from, to, config, |t, dir| {
+        t.save(dir).unwrap();
+    })
+}
+
+/// [`resume_with`], the checkpoint written by `save`.
+fn resume_saved<M: Copy + std::fmt::Debug>(
+    m: &shardplan_models::ModelConfig,
+    from: M,
+    to: &[M],
+    config: impl Fn(M) -> ParallelConfig,
+    save: impl Fn(&mut ShardedTrainer, &std::path::Path),
+) {
     let scratch = tempfile::tempdir().unwrap();
     let mut straight = ShardedTrainer::new(m, &config(from), 20).unwrap();
     let want: Vec<f32> = (0..20).map(|_| straight.step().unwrap().loss).collect();
@@ -741,7 +754,7 @@ fn resume_with<M: Copy + std::fmt::Debug>(
     for _ in 0..10 {
         first.step().unwrap();
     }
-    first.save(&dir).unwrap();
+    save(&mut first, &dir);
     for &mesh in to {
         let mut second = ShardedTrainer::new(m, &config(mesh), 20).unwrap();
         let warnings = second.load(&dir).unwrap();
@@ -880,4 +893,77 @@ fn tensor_parallel_exports_and_imports_hf_weights() {
             );
         }
     }
+}
+
+/// A MoE whose load-balancing loss is off, so that meshes of another data-parallel width
+/// continue the same run.
+fn tiny_moe() -> shardplan_models::ModelConfig {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.yaml");
+    let shardplan_models::ModelConfig::Llama(mut c) = shardplan_frontends::load_model(&path).unwrap().config else {
+        unreachable!()
+    };
+    c.moe.as_mut().unwrap().aux_loss_coef = 0.0;
+    shardplan_models::ModelConfig::Llama(c)
+}
+
+#[test]
+fn dcp_checkpoints_resume_on_another_mesh() {
+    let dcp = |t: &mut ShardedTrainer, dir: &std::path::Path| {
+        let step = t.save_dcp(dir).unwrap();
+        assert!(
+            step.join(".metadata").is_file() && step.ends_with("step-10"),
+            "{}",
+            step.display()
+        );
+    };
+    for model in ["tiny-llama", "tiny-qwen3"] {
+        let m = preset(model).unwrap();
+        resume_saved(&m, (1, 4, 1), &[(2, 2, 1), (1, 2, 1)], |mesh| config3(mesh, 8), dcp);
+    }
+    // Tensor parallelism: written as whole tensors' rows, read on meshes with or without it.
+    resume_saved(
+        &preset("tiny-llama").unwrap(),
+        (1, 2, 2),
+        &[(1, 4, 1), (2, 1, 2)],
+        |mesh| config3(mesh, 8),
+        dcp,
+    );
+    // Experts by their Hugging Face names, resumed on another expert degree or none.
+    resume_saved(
+        &tiny_moe(),
+        (1, 4, 2),
+        &[(2, 2, 2), (1, 2, 1)],
+        |m| config_ep(m, 8),
+        dcp,
+    );
+}
+
+#[test]
+fn dcp_and_shardplan_checkpoints_hold_the_same_state() {
+    // Saved both ways at the same step, loaded into fresh trainers: the same bits.
+    let scratch = tempfile::tempdir().unwrap();
+    let m = preset("tiny-llama").unwrap();
+    let mut t = ShardedTrainer::new(&m, &config(1, 4, 8), 6).unwrap();
+    for _ in 0..3 {
+        t.step().unwrap();
+    }
+    let (a, b) = (temp(scratch.path(), "own"), temp(scratch.path(), "dcp"));
+    t.save(&a).unwrap();
+    t.save_dcp(&b).unwrap();
+    let mut from_own = ShardedTrainer::new(&m, &config(2, 2, 8), 6).unwrap();
+    from_own.load(&a).unwrap();
+    let mut from_dcp = ShardedTrainer::new(&m, &config(2, 2, 8), 6).unwrap();
+    from_dcp.load(&b).unwrap();
+    assert_eq!(from_own.steps_done(), 3);
+    assert_eq!(from_dcp.steps_done(), 3);
+    assert_eq!(
+        bits(&from_own.full_params().unwrap()),
+        bits(&from_dcp.full_params().unwrap())
+    );
+    let (x, y) = (from_own.step().unwrap(), from_dcp.step().unwrap());
+    assert_eq!(x.loss.to_bits(), y.loss.to_bits());
+    // A DCP checkpoint of another model is refused by its `shardplan.model`.
+    let mut other = ShardedTrainer::new(&preset("tiny-qwen3").unwrap(), &config(1, 4, 8), 6).unwrap();
+    let e = other.load(&b).unwrap_err().to_string();
+    assert!(e.contains("written for model `tiny-llama`"), "{e}");
 }

@@ -9,11 +9,13 @@
 //! global shape and which file holds which rows, with a CRC32 per block of rows, so a
 //! loading rank reads (and checks) only the byte ranges it needs.
 
+mod dcp;
 mod hf;
 mod meta;
 mod pipeline;
 mod read;
 
+pub use dcp::dcp_key;
 pub use hf::{export, read_weights, ExportDType};
 pub use meta::{read_metadata, Block, FileMeta, Metadata, Piece, TensorMeta, CHECKPOINT_FORMAT};
 
@@ -52,7 +54,12 @@ pub(crate) fn fsync_dir(dir: &Path) -> Result<(), ExecError> {
 }
 
 pub(crate) fn step_dir(root: &Path, step: u64) -> PathBuf {
-    root.join(format!("step-{step:08}"))
+    root.join(step_dir_name(step))
+}
+
+/// The folder name of step `step` in shardplan's format (DCP's is torchtitan's `step-N`).
+pub(crate) fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
 }
 
 /// An f32 tensor's elements, to be written as little-endian bytes (safetensors' layout).
@@ -82,6 +89,12 @@ fn blocks(bytes: &[u8], row_bytes: u64) -> Vec<Block> {
     out
 }
 
+/// Whether `dir` is a complete checkpoint: shardplan's (`metadata.json`) or DCP's
+/// (`.metadata`), each written last.
+pub fn complete(dir: &Path) -> bool {
+    dir.join("metadata.json").is_file() || shardplan_dcp::is_checkpoint(dir)
+}
+
 /// Complete checkpoints (step, folder), by step, ascending.
 pub type Complete = Vec<(u64, PathBuf)>;
 
@@ -98,7 +111,7 @@ pub fn list(root: &Path) -> Result<(Complete, Vec<PathBuf>), ExecError> {
         let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse::<u64>().ok()) else {
             continue;
         };
-        if e.path().join("metadata.json").is_file() {
+        if complete(&e.path()) {
             done.push((step, e.path()));
         } else {
             partial.push(e.path());
@@ -112,7 +125,7 @@ pub fn list(root: &Path) -> Result<(Complete, Vec<PathBuf>), ExecError> {
 /// The checkpoint to load from `path`: a step folder itself, or the newest complete one
 /// under a checkpoint root. Returns warnings about interrupted saves it skipped.
 pub fn resolve(path: &Path) -> Result<(PathBuf, Vec<String>), ExecError> {
-    if path.join("metadata.json").is_file() {
+    if complete(path) {
         return Ok((path.to_path_buf(), Vec::new()));
     }
     if !path.is_dir() {
@@ -124,12 +137,17 @@ pub fn resolve(path: &Path) -> Result<(PathBuf, Vec<String>), ExecError> {
     let (done, partial) = list(path)?;
     let warnings = partial
         .iter()
-        .map(|p| format!("ignoring {}: an interrupted save (no metadata.json)", p.display()))
+        .map(|p| {
+            format!(
+                "ignoring {}: an interrupted save (no metadata.json or .metadata)",
+                p.display()
+            )
+        })
         .collect();
     match done.last() {
         Some((_, p)) => Ok((p.clone(), warnings)),
         None => Err(ExecError::Checkpoint(format!(
-            "{}: no complete checkpoint (a `step-N` folder with metadata.json){}",
+            "{}: no complete checkpoint (a `step-N` folder with metadata.json, or DCP's .metadata){}",
             path.display(),
             if partial.is_empty() {
                 ""
@@ -152,7 +170,7 @@ impl ShardedTrainer {
     pub fn save_with_hook(&mut self, root: &Path, hook: &dyn Fn(SaveStage) -> bool) -> Result<PathBuf, ExecError> {
         let dir = step_dir(root, self.step);
         // The leader clears an interrupted save of this step; nobody writes until it has.
-        let prepared = prepare_step_dir(root, self.step, self.is_leader());
+        let prepared = prepare_step_dir(root, &step_dir_name(self.step), self.is_leader());
         if !self.all_ok(prepared.is_ok())? {
             prepared?;
             return Err(ExecError::Checkpoint(format!(
@@ -397,10 +415,66 @@ impl ShardedTrainer {
         Ok(())
     }
 
+    /// Every local rank's parameter and optimizer-state buffers read from `source` (the
+    /// states `absent` marks are left at zero).
+    pub(crate) fn read_local(&self, source: &mut dyn TensorSource, absent: &[bool]) -> Result<Loaded, ExecError> {
+        let plan = &self.shared.plan;
+        let mesh = plan.mesh;
+        let g = &self.shared.joint.graph;
+        let names = self.param_names();
+        let states = state_names(&self.config.optimizer);
+        let mut loaded: Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)> = Vec::new();
+        for rank in self.local_ranks() {
+            let coords = mesh.coords(rank);
+            let mut params = Vec::new();
+            let mut st: Vec<Vec<Tensor>> = vec![Vec::new(); states.len()];
+            for grp in &plan.groups {
+                let l = &grp.layout;
+                let mut flats = vec![vec![0f32; l.shard_numel as usize]; 1 + states.len()];
+                for pl in &l.params {
+                    let shard = mesh.shard_rank(rank, &grp.group);
+                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, shard);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let whole_name = &names[self.whole.id(pl.param, mesh.expert_index(rank))];
+                    for (k, prefix) in std::iter::once("").chain(states.iter().copied()).enumerate() {
+                        if k > 0 && absent[k - 1] {
+                            continue;
+                        }
+                        let name = if prefix.is_empty() {
+                            whole_name.clone()
+                        } else {
+                            format!("{prefix}.{whole_name}")
+                        };
+                        let param = g.param(pl.param);
+                        source.check_shape(&name, &whole_dims(param))?;
+                        let vals = local_rows(param, coords.tensor, rows.clone(), &mut |r| source.rows(&name, r))?;
+                        let at = pl.shard_offset as usize;
+                        flats[k][at..at + vals.len()].copy_from_slice(&vals);
+                    }
+                }
+                let mut it = flats.into_iter();
+                let p = it.next().expect("params first");
+                params.push(Tensor::from_vec(p, l.shard_numel as usize, &Device::Cpu)?);
+                for (k, f) in it.enumerate() {
+                    st[k].push(Tensor::from_vec(f, l.shard_numel as usize, &Device::Cpu)?);
+                }
+            }
+            loaded.push((params, st));
+        }
+        Ok(loaded)
+    }
+
     /// Loads the checkpoint at `path` (a step folder, or the newest complete one under a
     /// root) into this trainer's mesh, whatever mesh wrote it. Returns warnings.
     pub fn load(&mut self, path: &Path) -> Result<Vec<String>, ExecError> {
         let (dir, mut warnings) = resolve(path)?;
+        if shardplan_dcp::is_checkpoint(&dir) {
+            let mut more = self.load_dcp(&dir)?;
+            warnings.append(&mut more);
+            return Ok(warnings);
+        }
         let meta = read_metadata(&dir)?;
         if let Some(e) = model_mismatch(&dir, &meta.model, &self.model) {
             return Err(e);
@@ -414,7 +488,6 @@ impl ShardedTrainer {
             )));
         }
         let by_name: HashMap<&str, &TensorMeta> = meta.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        let names = self.param_names();
         let states = state_names(&self.config.optimizer);
         // SGD keeps momentum buffers only when momentum is not 0, so the two runs may differ
         // in them. Buffers the checkpoint lacks start at zero (the first step is then plain
@@ -438,67 +511,13 @@ impl ShardedTrainer {
                 dir.display()
             ));
         }
-        let plan = &self.shared.plan;
-        let mesh = plan.mesh;
-        let g = &self.shared.joint.graph;
+        let mut source = ShardplanSource {
+            dir: &dir,
+            by_name,
+            headers: HashMap::new(),
+        };
         // Read everything first: a failure leaves the trainer as it was.
-        let mut loaded: Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)> = Vec::new();
-        for rank in self.local_ranks() {
-            let coords = mesh.coords(rank);
-            let mut headers = HashMap::new();
-            let mut params = Vec::new();
-            let mut st: Vec<Vec<Tensor>> = vec![Vec::new(); states.len()];
-            for grp in &plan.groups {
-                let l = &grp.layout;
-                let mut flats = vec![vec![0f32; l.shard_numel as usize]; 1 + states.len()];
-                for pl in &l.params {
-                    let shard = mesh.shard_rank(rank, &grp.group);
-                    let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, shard);
-                    if rows.is_empty() {
-                        continue;
-                    }
-                    let whole_name = &names[self.whole.id(pl.param, mesh.expert_index(rank))];
-                    for (k, prefix) in std::iter::once("").chain(states.iter().copied()).enumerate() {
-                        if k > 0 && absent[k - 1] {
-                            continue;
-                        }
-                        let name = if prefix.is_empty() {
-                            whole_name.clone()
-                        } else {
-                            format!("{prefix}.{whole_name}")
-                        };
-                        let t = by_name.get(name.as_str()).ok_or_else(|| {
-                            ExecError::Checkpoint(format!(
-                                "{}: tensor `{name}` is missing",
-                                dir.join("metadata.json").display()
-                            ))
-                        })?;
-                        let param = g.param(pl.param);
-                        let want = whole_dims(param);
-                        if t.shape != want {
-                            return Err(ExecError::Checkpoint(format!(
-                                "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
-                                dir.join("metadata.json").display(),
-                                t.shape,
-                                want
-                            )));
-                        }
-                        let vals = local_rows(param, coords.tensor, rows.clone(), &mut |r| {
-                            read_rows(&dir, t, r, &mut headers)
-                        })?;
-                        let at = pl.shard_offset as usize;
-                        flats[k][at..at + vals.len()].copy_from_slice(&vals);
-                    }
-                }
-                let mut it = flats.into_iter();
-                let p = it.next().expect("params first");
-                params.push(Tensor::from_vec(p, l.shard_numel as usize, &Device::Cpu)?);
-                for (k, f) in it.enumerate() {
-                    st[k].push(Tensor::from_vec(f, l.shard_numel as usize, &Device::Cpu)?);
-                }
-            }
-            loaded.push((params, st));
-        }
+        let loaded = self.read_local(&mut source, &absent)?;
         for (r, (params, st)) in self.ranks.iter_mut().zip(loaded) {
             r.params = params;
             for (gi, o) in r.opt.iter_mut().enumerate() {
@@ -519,6 +538,56 @@ impl ShardedTrainer {
     }
 }
 
+/// What a load reads for each local rank: its groups' parameter buffers and, per
+/// optimizer state, its groups' state buffers.
+pub(crate) type Loaded = Vec<(Vec<Tensor>, Vec<Vec<Tensor>>)>;
+
+/// Where a load reads whole tensors' rows from: a checkpoint of one format.
+pub(crate) trait TensorSource {
+    /// Refuses a tensor the checkpoint lacks or holds in another shape than `want`.
+    fn check_shape(&mut self, name: &str, want: &[u64]) -> Result<(), ExecError>;
+    /// Rows `rows` of tensor `name`, as f32.
+    fn rows(&mut self, name: &str, rows: std::ops::Range<u64>) -> Result<Vec<f32>, ExecError>;
+}
+
+/// A shardplan checkpoint's tensors: `metadata.json`'s pieces in the rank files.
+struct ShardplanSource<'a> {
+    dir: &'a Path,
+    by_name: HashMap<&'a str, &'a TensorMeta>,
+    headers: HashMap<String, read::Header>,
+}
+
+impl<'a> ShardplanSource<'a> {
+    fn meta(&self, name: &str) -> Result<&'a TensorMeta, ExecError> {
+        self.by_name.get(name).copied().ok_or_else(|| {
+            ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` is missing",
+                self.dir.join("metadata.json").display()
+            ))
+        })
+    }
+}
+
+impl TensorSource for ShardplanSource<'_> {
+    fn check_shape(&mut self, name: &str, want: &[u64]) -> Result<(), ExecError> {
+        let t = self.meta(name)?;
+        if t.shape != want {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
+                self.dir.join("metadata.json").display(),
+                t.shape,
+                want
+            )));
+        }
+        Ok(())
+    }
+
+    fn rows(&mut self, name: &str, rows: std::ops::Range<u64>) -> Result<Vec<f32>, ExecError> {
+        let t = self.meta(name)?;
+        read_rows(self.dir, t, rows, &mut self.headers)
+    }
+}
+
 /// Whether `path` is a shardplan checkpoint: a `step-N` folder with `metadata.json`, or a
 /// root holding such folders (complete or not).
 pub fn is_checkpoint(path: &Path) -> bool {
@@ -533,12 +602,12 @@ pub fn is_checkpoint(path: &Path) -> bool {
 
 /// `root`'s folder for `step`, ready for a save: made, an interrupted save of that step
 /// removed (by the `leader`), a complete one refused (it is never overwritten).
-pub(crate) fn prepare_step_dir(root: &Path, step: u64, leader: bool) -> Result<PathBuf, ExecError> {
-    let dir = step_dir(root, step);
+pub(crate) fn prepare_step_dir(root: &Path, name: &str, leader: bool) -> Result<PathBuf, ExecError> {
+    let dir = root.join(name);
     std::fs::create_dir_all(root).map_err(|e| io(root, "cannot create the checkpoint folder", e))?;
-    if dir.join("metadata.json").exists() {
+    if complete(&dir) {
         return Err(ExecError::Checkpoint(format!(
-            "{}: a complete checkpoint of step {step} exists; it is not overwritten",
+            "{}: a complete checkpoint exists; it is not overwritten",
             dir.display()
         )));
     }
@@ -605,7 +674,10 @@ pub(crate) fn model_mismatch(dir: &Path, written: &ModelConfig, model: &ModelCon
 }
 
 /// A rank's flat group buffers: each group's parameters and its optimizer states.
-pub(crate) fn rank_buffers(state: &crate::runtime::rank::RankState, states: usize) -> Vec<(Tensor, Vec<Option<Tensor>>)> {
+pub(crate) fn rank_buffers(
+    state: &crate::runtime::rank::RankState,
+    states: usize,
+) -> Vec<(Tensor, Vec<Option<Tensor>>)> {
     state
         .params
         .iter()

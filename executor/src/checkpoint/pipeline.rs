@@ -31,7 +31,7 @@ impl PipelineTrainer {
                 root.display()
             )));
         }
-        let dir = prepare_step_dir(root, self.step, true)?;
+        let dir = prepare_step_dir(root, &super::step_dir_name(self.step), true)?;
         std::fs::create_dir_all(&dir).map_err(|e| io(&dir, "cannot create", e))?;
         let whole = self.whole_tensors()?;
         let shards = self.config.mesh.shard;
