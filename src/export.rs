@@ -226,6 +226,11 @@ fn render(
         model_literal(model, origin)?,
     ));
     lits.push((
+        "MODEL_SPEC",
+        "the model spec as shardplan's checkpoints record it (`shardplan.model`)",
+        model_spec_literal(model)?,
+    ));
+    lits.push((
         "PARAMS",
         "every parameter: Hugging Face name, shape, initialisation (constant, or normal with std and stream)",
         params_literal(every),
@@ -360,6 +365,14 @@ fn fsdp2_prediction(plan: &Plan, parallel: &ParallelConfig, joint: &JointGraph) 
         // Planning the same spec again cannot fail where it planned once; if it does, say so.
         Err(_) => Value::Null,
     }
+}
+
+/// The model spec as JSON text: what `shardplan train` writes under `shardplan.model` in
+/// a DCP checkpoint, so a resume on either side checks it continues the same model.
+pub(crate) fn model_spec_literal(model: &ModelConfig) -> Result<Value, CliError> {
+    serde_json::to_string(model)
+        .map(Value::String)
+        .map_err(|e| CliError::Other(anyhow::anyhow!("the model spec as JSON: {e}")))
 }
 
 fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError> {

@@ -797,3 +797,170 @@ fn exported_pipeline_programs_train_as_shardplan_does() {
         }
     }
 }
+
+/// `torchrun --nproc-per-node 4` of an exported `program` with `args`; its log's losses.
+fn run_program(py: &str, program: &Path, log: &Path, args: &[&str]) -> Vec<f64> {
+    let o = Command::new(py)
+        .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"])
+        .arg(program)
+        .args(["--threads", "1", "--log-file"])
+        .arg(log)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}: {}",
+        program.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    log_losses(log)
+}
+
+fn log_losses(log: &Path) -> Vec<f64> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// `resumed` (the steps after `k`) against the straight run `straight`, to 1e-6.
+fn continues(what: &str, straight: &[f64], resumed: &[f64], k: usize) {
+    assert_eq!(resumed.len(), straight.len() - k, "{what}: {resumed:?}");
+    for (a, b) in straight[k..].iter().zip(resumed) {
+        assert!(
+            ((a - b) / a).abs() < 1e-6,
+            "{what}: resumed {resumed:?} vs {:?}",
+            &straight[k..]
+        );
+    }
+}
+
+#[test]
+fn dcp_checkpoints_move_between_exported_programs_and_shardplan_train() {
+    let Some(py) = torch_python() else {
+        assert!(std::env::var("CI").is_err(), "CI runs this test: its venv has torch");
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = "gpus_per_node: 4\nmixed_precision: {param: f32, reduce: f32}\noptimizer: {adamw: {lr: 3.0e-3, betas: [0.9, 0.95], weight_decay: 0.1}}\nlr_schedule: {warmup_steps: 2}\ngrad_clip: 1.0\n";
+    let spec = |name: &str, mesh: &str, per_rank: u64| {
+        let p = d.join(name);
+        std::fs::write(
+            &p,
+            format!("mesh: {mesh}\nbatch: {{per_rank: {per_rank}, seq_len: 16}}\n{base}"),
+        )
+        .unwrap();
+        p
+    };
+    // 1x4 saves; 2x2 (replicated shards) and 1x2 (half the ranks, twice the rows) resume.
+    let (a, b, c) = (
+        spec("1x4.yaml", "{replicate: 1, shard: 4}", 1),
+        spec("2x2.yaml", "{replicate: 2, shard: 2}", 1),
+        spec("1x2.yaml", "{replicate: 1, shard: 2}", 2),
+    );
+    for (model, to, to_ranks) in [("tiny-llama", &b, 4), ("tiny-qwen3", &c, 2)] {
+        let (out_a, out_to) = (d.join(format!("{model}-a")), d.join(format!("{model}-to")));
+        for (s, out) in [(&a, &out_a), (to, &out_to)] {
+            let o = export(model, s.to_str().unwrap(), out);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        }
+        // Both straight runs save at step 3 (saving changes nothing of the run).
+        let (ck_torch, ck_ours) = (d.join(format!("{model}-ck-torch")), d.join(format!("{model}-ck-ours")));
+        let torch = run_program(
+            &py,
+            &out_a.join("train.py"),
+            &d.join(format!("{model}-torch.jsonl")),
+            &[
+                "--steps",
+                "8",
+                "--checkpoint-every",
+                "3",
+                "--checkpoint-dir",
+                ck_torch.to_str().unwrap(),
+            ],
+        );
+        let ours_log = d.join(format!("{model}-ours.jsonl"));
+        let o = Command::new(env!("CARGO_BIN_EXE_shardplan"))
+            .args([
+                "train",
+                "--model",
+                model,
+                "--parallel",
+                a.to_str().unwrap(),
+                "--steps",
+                "8",
+                "--log",
+            ])
+            .arg(&ours_log)
+            .args([
+                "--checkpoint-dir",
+                ck_ours.to_str().unwrap(),
+                "--checkpoint-every",
+                "3",
+                "--checkpoint-format",
+                "dcp",
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let ours = log_losses(&ours_log);
+        let program = out_to.join("train.py");
+        let nproc = to_ranks.to_string();
+        let resume_program = |from: &Path, log: &str| {
+            let log = d.join(log);
+            let o = Command::new(&py)
+                .args([
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    &nproc,
+                ])
+                .arg(&program)
+                .args(["--threads", "1", "--steps", "8", "--resume"])
+                .arg(from)
+                .arg("--log-file")
+                .arg(&log)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            log_losses(&log)
+        };
+        let e2e = resume_program(&ck_torch.join("step-3"), &format!("{model}-e2e.jsonl"));
+        continues(&format!("{model}: exported -> exported"), &torch, &e2e, 3);
+        let s2e = resume_program(&ck_ours.join("step-3"), &format!("{model}-s2e.jsonl"));
+        continues(&format!("{model}: shardplan train -> exported"), &torch, &s2e, 3);
+        let e2s_log = d.join(format!("{model}-e2s.jsonl"));
+        let o = Command::new(env!("CARGO_BIN_EXE_shardplan"))
+            .args([
+                "train",
+                "--model",
+                model,
+                "--parallel",
+                to.to_str().unwrap(),
+                "--steps",
+                "8",
+                "--resume",
+            ])
+            .arg(ck_torch.join("step-3"))
+            .arg("--log")
+            .arg(&e2s_log)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        continues(
+            &format!("{model}: exported -> shardplan train"),
+            &ours,
+            &log_losses(&e2s_log),
+            3,
+        );
+    }
+}

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import time
@@ -49,9 +50,18 @@ def parse_args(argv=None):
     ap.add_argument("--track-memory", action="store_true",
                     help="CPU: measure each step's peak with FSDPMemTracker (slower)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="save torch.distributed.checkpoint (DCP) checkpoints here (step-N/), at the end and every --checkpoint-every steps")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    ap.add_argument("--keep-latest", type=int, default=3, help="complete checkpoints to keep (older ones are removed)")
+    ap.add_argument("--resume", default=None,
+                    help="continue from a DCP checkpoint: a step-N folder, or the newest complete one in this folder "
+                         "(this program's or `shardplan train --checkpoint-format dcp`'s, on any mesh)")
     a = ap.parse_args(argv)
     if a.steps < 1:
         ap.error("--steps must be at least 1")
+    if a.checkpoint_every < 0 or a.keep_latest < 1:
+        ap.error("--checkpoint-every must be at least 0 and --keep-latest at least 1")
     return a
 
 
@@ -817,6 +827,103 @@ def lr_at(step, total):
     return low + (base - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# ---------------------------------------------------------------- checkpoints (DCP)
+# torch.distributed.checkpoint folders in torchtitan's layout, the keys `shardplan train
+# --checkpoint-format dcp` writes and reads: each parameter under its Hugging Face name,
+# `optimizer.state.<name>.<state>`, `optimizer.param_groups.<name>.<field>`,
+# `train_state.step`, `lr_scheduler.last_epoch`, `dataloader.position` (micro-batches
+# consumed) and `shardplan.model` / `shardplan.seed`. Each rank saves and loads its own
+# shards (DTensors), so a checkpoint resumes on any mesh, here or in `shardplan train`.
+
+def init_optimizer_state(opt):
+    """Each parameter's optimizer state, zero, as torch makes it at its first step: the
+    tensors a load then fills."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if st:
+                continue
+            if isinstance(opt, torch.optim.AdamW):
+                on_device = group.get("fused") or group.get("capturable")
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif group["momentum"] != 0:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def checkpoint_state(model, names, opt, batches, step):
+    """The flat state dict of a checkpoint (tensors are this rank's DTensors)."""
+    sd = {}
+    fields = ["lr", "betas", "eps", "weight_decay"] if OPTIMIZER["name"] == "adamw" else ["lr", "momentum", "weight_decay"]
+    for path, p in model.named_parameters():
+        hf = names[path]
+        sd[hf] = p
+        for k, v in opt.state.get(p, {}).items():
+            sd[f"optimizer.state.{hf}.{k}"] = v
+        for f in fields:
+            sd[f"optimizer.param_groups.{hf}.{f}"] = OPTIMIZER[f] if f != "betas" else tuple(OPTIMIZER[f])
+    sd["train_state.step"] = step
+    sd["lr_scheduler.last_epoch"] = step
+    sd["dataloader.position"] = batches.position
+    sd["shardplan.model"] = MODEL_SPEC
+    sd["shardplan.seed"] = SEED
+    return sd
+
+
+def save_checkpoint(a, model, names, opt, batches, step, rank):
+    import torch.distributed.checkpoint as dcp
+
+    folder = os.path.join(a.checkpoint_dir, f"step-{step}")
+    if os.path.exists(os.path.join(folder, ".metadata")):
+        raise SystemExit(f"error: {folder}: a complete checkpoint exists; it is not overwritten")
+    dcp.save(checkpoint_state(model, names, opt, batches, step), checkpoint_id=folder)
+    dist.barrier()
+    if rank == 0:
+        done = sorted(complete_steps(a.checkpoint_dir))
+        for s, path in done[:-a.keep_latest]:
+            shutil.rmtree(path)
+
+
+def complete_steps(root):
+    """(step, folder) of every complete checkpoint under `root` (a `step-N` folder whose
+    `.metadata` DCP wrote last)."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if name.startswith("step-") and name[5:].isdigit() and os.path.isfile(os.path.join(path, ".metadata")):
+            out.append((int(name[5:]), path))
+    return out
+
+
+def resume_checkpoint(path, model, names, opt, batches):
+    """Loads a checkpoint into this rank's shards; returns the step it was taken after."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        done = sorted(complete_steps(path))
+        if not done:
+            raise SystemExit(f"error: {path}: no complete DCP checkpoint (a step-N folder with .metadata)")
+        path = done[-1][1]
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    spec = "shardplan.model"
+    init_optimizer_state(opt)
+    sd = checkpoint_state(model, names, opt, batches, 0)
+    # Only what this program needs: the hyperparameters come from its own spec.
+    sd = {k: v for k, v in sd.items() if not k.startswith("optimizer.param_groups.")}
+    if spec not in md:
+        del sd[spec], sd["shardplan.seed"]
+    missing = sorted(k for k in sd if k not in md)
+    if missing:
+        raise SystemExit(f"error: {path}: the checkpoint lacks `{missing[0]}` ({len(missing)} keys missing): "
+                         "is it of this model and optimizer?")
+    dcp.load(sd, checkpoint_id=path)
+    if spec in sd and json.loads(sd[spec]) != json.loads(MODEL_SPEC):
+        raise SystemExit(f"error: {path}: written for another model (`shardplan.model` differs from this program's)")
+    batches.position = int(sd["dataloader.position"])
+    return int(sd["train_state.step"])
+
+
 # ---------------------------------------------------------------- one step
 
 def train_step(model, opt, batches, step, total, device, meter):
@@ -973,7 +1080,11 @@ def run(a, device, rank, world):
     meter = MemoryMeter(model, opt, device, a.track_memory)
     tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * world * BATCH["grad_accum"]
     log = open(a.log, "a") if a.log and rank == 0 else None
-    for step in range(a.steps):
+    first = resume_checkpoint(a.resume, model, names, opt, batches) if a.resume else 0
+    if first >= a.steps:
+        raise SystemExit(f"error: the checkpoint is at step {first}; --steps {a.steps} leaves nothing to do "
+                         "(--steps counts the whole run)")
+    for step in range(first, a.steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
@@ -1007,6 +1118,9 @@ def run(a, device, rank, world):
                 print(text)
             else:
                 print(text, file=sys.stderr)
+        every = a.checkpoint_every
+        if a.checkpoint_dir and (step + 1 == a.steps or (every and (step + 1) % every == 0)):
+            save_checkpoint(a, model, names, opt, batches, step + 1, rank)
 
 
 # ---------------------------------------------------------------- pipeline parallelism
@@ -1113,6 +1227,8 @@ def clip_pipeline(parts, mesh, clip, device):
 
 
 def run_pipeline(a, device, rank, world):
+    if a.checkpoint_dir or a.resume:
+        raise SystemExit("error: --checkpoint-dir and --resume: a pipeline program does not checkpoint yet")
     mesh, dp = make_pipeline_mesh(device)
     parts, stages = build_stages(a, device, mesh, dp)
     sched = make_schedule(stages)

@@ -32,6 +32,11 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
     let lits: Vec<(&str, &str, Value)> = vec![
         ("MODEL", "the model, as shardplan traces it", model_literal(&model, &origin)?),
         (
+            "MODEL_SPEC",
+            "the model spec as shardplan's checkpoints record it (`shardplan.model`)",
+            super::model_spec_literal(&model)?,
+        ),
+        (
             "PARAMS",
             "every parameter: Hugging Face name, shape, initialisation (constant, or normal with std and stream)",
             params_literal(&forward),
