@@ -480,3 +480,105 @@ fn dcp_checkpoints_resume_on_another_mesh_and_load_in_torch() {
     }
     assert!(compared > 50, "{compared} tensors");
 }
+
+#[test]
+fn checkpoints_convert_between_formats_and_resume_alike() {
+    let scratch = tempfile::tempdir().unwrap();
+    let d = scratch.path();
+    let (ck, full) = (d.join("ck"), d.join("full.jsonl"));
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--steps",
+        "6",
+        "--log",
+        full.to_str().unwrap(),
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--checkpoint-every",
+        "3",
+    ]));
+    let step3 = ck.join("step-00000003");
+    let (dcp, own, hf) = (d.join("dcp"), d.join("own"), d.join("hf"));
+    let convert = |src: &std::path::Path, to: &str, out: &std::path::Path, extra: &[&str]| {
+        let mut args = vec![
+            "checkpoint",
+            "convert",
+            src.to_str().unwrap(),
+            "--to",
+            to,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        shardplan(&args)
+    };
+    assert!(ok(&convert(&step3, "dcp", &dcp, &[])).contains("wrote 63 tensors"));
+    assert!(dcp.join(".metadata").is_file());
+    ok(&convert(&dcp, "shardplan", &own, &[]));
+    assert!(own.join("metadata.json").is_file());
+    ok(&convert(&own, "hf", &hf, &["--dtype", "bf16"]));
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("model.safetensors.index.json")).unwrap()).unwrap();
+    assert_eq!(index["weight_map"].as_object().unwrap().len(), 21);
+    // Both converted checkpoints resume as the original does.
+    let want = losses(&full)[3..].to_vec();
+    for (name, from) in [("dcp", &dcp), ("own", &own)] {
+        let log = d.join(format!("{name}.jsonl"));
+        ok(&shardplan(&[
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/parallel/fsdp-1x4-cpu.yaml",
+            "--steps",
+            "6",
+            "--resume",
+            from.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+        ]));
+        assert_eq!(losses(&log), want, "{name}");
+    }
+    // The Hugging Face shards and the DCP folder start new runs from the same weights
+    // (the bf16 shards rounded).
+    let mut first = Vec::new();
+    for from in [&hf, &dcp] {
+        let log = d.join("init.jsonl");
+        let _ = std::fs::remove_file(&log);
+        ok(&shardplan(&[
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            "examples/parallel/fsdp-1x4-cpu.yaml",
+            "--steps",
+            "1",
+            "--init-from",
+            from.to_str().unwrap(),
+            "--log",
+            log.to_str().unwrap(),
+        ]));
+        first.push(losses(&log)[0]);
+    }
+    assert!(((first[0] - first[1]) / first[1]).abs() < 1e-3, "{first:?}");
+    // Nothing is overwritten; a torch-made checkpoint records no model for shardplan's format.
+    let o = convert(&step3, "dcp", &dcp, &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not empty"));
+    let o = convert(
+        std::path::Path::new("dcp/tests/fixtures/two-ranks/step-1"),
+        "shardplan",
+        &d.join("x"),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("records no model spec"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

@@ -38,9 +38,45 @@ pub fn dcp_key(name: &str) -> String {
     name.to_string()
 }
 
+/// The checkpoint tensor name of DCP key `key` (the inverse of [`dcp_key`]); `None` for
+/// what is not a parameter or optimizer state (AdamW's step counts, values).
+pub(crate) fn shardplan_name(key: &str) -> Option<String> {
+    if let Some(rest) = key.strip_prefix("optimizer.state.") {
+        for (suffix, state) in [
+            (".exp_avg_sq", "optim.exp_avg_sq"),
+            (".exp_avg", "optim.exp_avg"),
+            (".momentum_buffer", "optim.momentum"),
+        ] {
+            if let Some(param) = rest.strip_suffix(suffix) {
+                return Some(format!("{state}.{param}"));
+            }
+        }
+        return None;
+    }
+    let values = [
+        "optimizer.",
+        "train_state.",
+        "lr_scheduler.",
+        "dataloader.",
+        "shardplan.",
+    ];
+    (!values.iter().any(|v| key.starts_with(v))).then(|| key.to_string())
+}
+
+/// AdamW's step count of parameter `name` as torch keeps it (a 0-d f32 tensor), with its
+/// DCP key and chunk.
+pub(crate) fn dcp_step_tensor(name: &str, steps: u64) -> (String, Chunk, TensorData) {
+    let data = TensorData {
+        dtype: DType::F32,
+        shape: vec![],
+        bytes: (steps as f32).to_le_bytes().to_vec(),
+    };
+    (format!("optimizer.state.{name}.step"), Chunk::whole(&[]), data)
+}
+
 /// Each key's path in the nested state dict torchtitan flattens (`planner_data`): a
 /// parameter is a key of its own, the rest sit under their first segment.
-fn path_of(key: &str) -> Vec<String> {
+pub(crate) fn path_of(key: &str) -> Vec<String> {
     match key.split_once('.') {
         Some((top @ ("optimizer" | "train_state" | "lr_scheduler" | "dataloader" | "shardplan"), rest)) => {
             vec![top.to_string(), rest.to_string()]
@@ -199,18 +235,11 @@ impl ShardedTrainer {
         if !matches!(self.config.optimizer, Optimizer::AdamW { .. }) {
             return Vec::new();
         }
-        let steps = self.ranks[0].opt.first().map_or(0, |o| o.steps) as f32;
+        let steps = self.ranks[0].opt.first().map_or(0, |o| o.steps);
         self.whole_tensors()
             .into_iter()
             .filter(|(name, _)| !name.starts_with("optim."))
-            .map(|(name, _)| {
-                let data = TensorData {
-                    dtype: DType::F32,
-                    shape: vec![],
-                    bytes: steps.to_le_bytes().to_vec(),
-                };
-                (format!("optimizer.state.{name}.step"), Chunk::whole(&[]), data)
-            })
+            .map(|(name, _)| dcp_step_tensor(&name, steps))
             .collect()
     }
 
@@ -309,6 +338,19 @@ impl ShardedTrainer {
                 dir.display()
             ))
         })
+    }
+
+    /// Starts from the parameters of the DCP checkpoint in `dir` (its optimizer state and
+    /// step are not read: a new run).
+    pub(crate) fn init_from_dcp(&mut self, dir: &Path) -> Result<(), ExecError> {
+        let ck = Checkpoint::open(dir).map_err(dcp_err)?;
+        let absent = vec![true; state_names(&self.config.optimizer).len()];
+        let loaded = self.read_local(&mut DcpSource { ck: &ck }, &absent)?;
+        for (r, (params, _)) in self.ranks.iter_mut().zip(loaded) {
+            r.params = params;
+        }
+        let device = self.device().clone();
+        self.to_device(&device)
     }
 
     /// Loads the DCP checkpoint in `dir` into this trainer's mesh. Returns warnings.
@@ -424,7 +466,7 @@ impl TensorSource for DcpSource<'_> {
 }
 
 /// A tensor's elements as f32, converted as torch's `copy_` converts them.
-fn to_f32(t: &TensorData) -> Result<Vec<f32>, ExecError> {
+pub(crate) fn to_f32(t: &TensorData) -> Result<Vec<f32>, ExecError> {
     let conv: fn(&[u8]) -> f32 = match t.dtype {
         DType::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         DType::BF16 => |b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),

@@ -17,6 +17,9 @@ impl ShardedTrainer {
     /// holding `model.safetensors` or shards listed by `model.safetensors.index.json`.
     /// Each rank reads only its rows; the optimizer starts fresh.
     pub fn init_from(&mut self, path: &Path) -> Result<(), ExecError> {
+        if shardplan_dcp::is_checkpoint(path) {
+            return self.init_from_dcp(path);
+        }
         let files = hf_files(path)?;
         let mut headers: HashMap<PathBuf, Header> = HashMap::new();
         let names = self.param_names();
@@ -100,8 +103,11 @@ impl ShardedTrainer {
 /// Errors name the file and the tensor.
 pub fn read_weights(path: &Path, wanted: &[(String, Vec<u64>)]) -> Result<HashMap<String, Tensor>, ExecError> {
     let mut out = HashMap::with_capacity(wanted.len());
-    if is_checkpoint(path) {
+    if is_checkpoint(path) || shardplan_dcp::is_checkpoint(path) {
         let (dir, _) = resolve(path)?;
+        if shardplan_dcp::is_checkpoint(&dir) {
+            return read_dcp_weights(&dir, wanted);
+        }
         let meta = read_metadata(&dir)?;
         let mut headers = HashMap::new();
         for (name, shape) in wanted {
@@ -167,6 +173,30 @@ pub fn read_weights(path: &Path, wanted: &[(String, Vec<u64>)]) -> Result<HashMa
     Ok(out)
 }
 
+/// Whole tensors `wanted` from a DCP checkpoint folder (its parameters are under their
+/// Hugging Face names), as f32.
+fn read_dcp_weights(dir: &Path, wanted: &[(String, Vec<u64>)]) -> Result<HashMap<String, Tensor>, ExecError> {
+    let ck = shardplan_dcp::Checkpoint::open(dir).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+    let mut out = HashMap::with_capacity(wanted.len());
+    for (name, shape) in wanted {
+        let t = ck
+            .tensor_entry(name)
+            .map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+        if t.size.iter().map(|&d| d as u64).ne(shape.iter().copied()) {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: key `{name}` has size {:?}, the model needs {shape:?}",
+                dir.display(),
+                t.size
+            )));
+        }
+        let data = ck.tensor(name).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+        let vals = super::dcp::to_f32(&data)?;
+        let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+        out.insert(name.clone(), Tensor::from_vec(vals, dims, &Device::Cpu)?);
+    }
+    Ok(out)
+}
+
 /// Which file holds each tensor of a Hugging Face checkpoint (`"*"`: one file holds all).
 fn hf_files(path: &Path) -> Result<HashMap<String, PathBuf>, ExecError> {
     let mut out = HashMap::new();
@@ -220,19 +250,38 @@ pub fn export(path: &Path, out: &Path, dtype: ExportDType) -> Result<usize, Exec
     for t in meta.tensors.iter().filter(|t| !t.name.starts_with("optim.")) {
         let rows = t.shape.first().copied().unwrap_or(1);
         let vals = read_rows(&dir, t, 0..rows, &mut headers)?;
-        let bytes: Vec<u8> = match dtype {
-            ExportDType::F32 => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            ExportDType::Bf16 => vals
-                .iter()
-                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                .collect(),
-            ExportDType::F16 => vals
-                .iter()
-                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                .collect(),
-        };
-        data.push((t.name.clone(), bytes, t.shape.iter().map(|&d| d as usize).collect()));
+        data.push((
+            t.name.clone(),
+            encode(&vals, dtype),
+            t.shape.iter().map(|&d| d as usize).collect(),
+        ));
     }
+    write_safetensors(out, &data, dtype)?;
+    Ok(data.len())
+}
+
+/// `vals` in `dtype`'s bytes (bf16 and f16 rounded to nearest even).
+pub(crate) fn encode(vals: &[f32], dtype: ExportDType) -> Vec<u8> {
+    match dtype {
+        ExportDType::F32 => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ExportDType::Bf16 => vals
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        ExportDType::F16 => vals
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Writes `data` (name, bytes in `dtype`, dims) as the safetensors file `out` (through a
+/// temporary name).
+pub(crate) fn write_safetensors(
+    out: &Path,
+    data: &[(String, Vec<u8>, Vec<usize>)],
+    dtype: ExportDType,
+) -> Result<(), ExecError> {
     let st_dtype = match dtype {
         ExportDType::F32 => safetensors::Dtype::F32,
         ExportDType::Bf16 => safetensors::Dtype::BF16,
@@ -246,12 +295,10 @@ pub fn export(path: &Path, out: &Path, dtype: ExportDType) -> Result<usize, Exec
                 .map_err(|e| ExecError::Internal(format!("{name}: {e}")))
         })
         .collect::<Result<_, _>>()?;
-    let n = views.len();
     let mut info = HashMap::new();
     info.insert("format".to_string(), "pt".to_string());
     let tmp = out.with_extension("safetensors.tmp");
     safetensors::serialize_to_file(views, Some(info), &tmp)
         .map_err(|e| ExecError::Checkpoint(format!("{}: {e}", tmp.display())))?;
-    std::fs::rename(&tmp, out).map_err(|e| io(out, "rename", e))?;
-    Ok(n)
+    std::fs::rename(&tmp, out).map_err(|e| io(out, "rename", e))
 }

@@ -9,12 +9,14 @@
 //! global shape and which file holds which rows, with a CRC32 per block of rows, so a
 //! loading rank reads (and checks) only the byte ranges it needs.
 
+mod convert;
 mod dcp;
 mod hf;
 mod meta;
 mod pipeline;
 mod read;
 
+pub use convert::{convert, Format};
 pub use dcp::dcp_key;
 pub use hf::{export, read_weights, ExportDType};
 pub use meta::{read_metadata, Block, FileMeta, Metadata, Piece, TensorMeta, CHECKPOINT_FORMAT};
