@@ -68,8 +68,13 @@ pub struct TrainArgs {
     /// counts the whole run.
     #[arg(long, value_name = "DIR", conflicts_with = "init_from")]
     pub resume: Option<PathBuf>,
+    /// How a DCP checkpoint given to --resume or --init-from names the parameters:
+    /// Hugging Face's (what shardplan writes), or torchtitan's own for its Llama 3
+    /// (`layers.0.attention.wq.weight`, wq and wk in its rotary layout).
+    #[arg(long, value_enum, value_name = "NAMES", default_value = "hf")]
+    pub names: Names,
     /// Start from pretrained weights: a Hugging Face safetensors file, or a folder with
-    /// model.safetensors or model.safetensors.index.json.
+    /// model.safetensors or model.safetensors.index.json, or a DCP step folder.
     #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// Where to compute: `cpu`, or `cuda` / `cuda:N` in a CUDA build (scripts/build-cuda.sh).
@@ -373,6 +378,15 @@ fn startup(
     t
 }
 
+/// How the parameters of a DCP checkpoint read by `--resume` or `--init-from` are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Names {
+    /// Hugging Face's: `model.layers.0.self_attn.q_proj.weight`.
+    Hf,
+    /// torchtitan's for its Llama 3: `layers.0.attention.wq.weight`.
+    Torchtitan,
+}
+
 /// The format `--checkpoint-dir`'s checkpoints are written in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum CheckpointFormat {
@@ -556,6 +570,10 @@ fn configure(
     trainer
         .set_kernels(kernels)
         .map_err(|e| CliError::Usage(format!("--kernels: {e}")))?;
+    trainer.set_checkpoint_names(match args.names {
+        Names::Hf => shardplan_executor::checkpoint::CheckpointNames::HuggingFace,
+        Names::Torchtitan => shardplan_executor::checkpoint::CheckpointNames::Torchtitan,
+    });
     if let Some(p) = &args.init_from {
         trainer.init_from(p).map_err(|e| exec_error(e, specs))?;
     }

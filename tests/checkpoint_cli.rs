@@ -582,3 +582,109 @@ fn checkpoints_convert_between_formats_and_resume_alike() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// Rewrites the DCP checkpoint `argv[1]` (shardplan's keys, tiny-llama) into `argv[2]` as
+/// torchtitan v0.2 writes its Llama 3: its own parameter names, wq and wk in Meta's rotary
+/// layout (what its state-dict adapter turns Hugging Face's into), its optimizer and train
+/// state keys, nothing of shardplan's.
+const TO_TORCHTITAN: &str = r#"
+import re, sys, warnings
+import torch
+import torch.distributed.checkpoint as dcp
+warnings.simplefilter("ignore")
+md = dcp.FileSystemReader(sys.argv[1]).read_metadata()
+sd = {k: (torch.zeros(v.size, dtype=v.properties.dtype) if hasattr(v, "size") else None) for k, v in md.state_dict_metadata.items()}
+dcp.load(sd, checkpoint_id=sys.argv[1])
+heads = {"q_proj": 4, "k_proj": 2}
+rules = [
+    (r"^model\.embed_tokens\.weight$", "tok_embeddings.weight"), (r"^model\.norm\.weight$", "norm.weight"),
+    (r"^lm_head\.weight$", "output.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight$", r"layers.\1.attention.w\2.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.weight$", r"layers.\1.feed_forward.w1.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.weight$", r"layers.\1.feed_forward.w2.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.up_proj\.weight$", r"layers.\1.feed_forward.w3.weight"),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"layers.\1.attention_norm.weight"),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"layers.\1.ffn_norm.weight"),
+]
+def tt(name):
+    for pat, rep in rules:
+        if re.match(pat, name):
+            return re.sub(pat, rep, name)
+    raise SystemExit(f"no torchtitan name for {name}")
+def meta(name, t):
+    for proj, n in heads.items():
+        if name.endswith(f"self_attn.{proj}.weight") and t.dim() == 2:
+            hd = t.shape[0] // n
+            return t.view(n, 2, hd // 2, t.shape[1]).transpose(1, 2).reshape(t.shape)
+    return t
+out = {}
+for k, v in sd.items():
+    m = re.match(r"^optimizer\.(state|param_groups)\.(.+)\.([a-z_]+)$", k)
+    if m and m.group(1) == "state":
+        out[f"optimizer.state.{tt(m.group(2))}.{m.group(3)}"] = meta(m.group(2), v)
+    elif m:
+        out[f"optimizer.param_groups.{tt(m.group(2))}.{m.group(3)}"] = v
+    elif k in ("train_state.step", "lr_scheduler.last_epoch"):
+        out[k] = v
+    elif not (k.startswith("shardplan.") or k.startswith("dataloader.")):
+        out[tt(k)] = meta(k, v)
+dcp.save(out, checkpoint_id=sys.argv[2])
+print(len(out))
+"#;
+
+#[test]
+fn a_torchtitan_checkpoint_resumes_with_its_names() {
+    let Some(py) = torch_python() else {
+        assert!(std::env::var("CI").is_err(), "CI runs this test: its venv has torch");
+        eprintln!("skipped: no Python with torch and safetensors (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let scratch = tempfile::tempdir().unwrap();
+    let d = scratch.path();
+    let (ck, full, resumed) = (d.join("ck"), d.join("full.jsonl"), d.join("resumed.jsonl"));
+    let spec = "examples/parallel/fsdp-1x4-cpu.yaml";
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", "--model", "tiny-llama", "--parallel", spec, "--steps", "8"];
+        args.extend_from_slice(extra);
+        shardplan(&args)
+    };
+    ok(&train(&[
+        "--log",
+        full.to_str().unwrap(),
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-format",
+        "dcp",
+    ]));
+    let tt = d.join("torchtitan").join("step-4");
+    let o = std::process::Command::new(&py)
+        .args(["-c", TO_TORCHTITAN])
+        .arg(ck.join("step-4"))
+        .arg(&tt)
+        .output()
+        .unwrap();
+    ok(&o);
+    // Under Hugging Face's names the keys are not there.
+    let o = train(&["--resume", tt.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(
+        err.contains("key `model.") && err.contains("is not in the checkpoint"),
+        "{err}"
+    );
+    let o = train(&[
+        "--resume",
+        tt.to_str().unwrap(),
+        "--names",
+        "torchtitan",
+        "--log",
+        resumed.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    ok(&o);
+    assert!(err.contains("not written by shardplan"), "{err}");
+    let (a, b) = (losses(&full), losses(&resumed));
+    assert_eq!(b, a[4..].to_vec(), "resumed from torchtitan's layout: {b:?} vs {a:?}");
+}

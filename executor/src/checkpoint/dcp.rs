@@ -13,6 +13,7 @@
 //! them; tensor- and expert-parallel runs write whole tensors' rows per shard rank, as in
 //! shardplan's own format.
 
+use super::names::{meta_row, rotary_rows, torchtitan_name, CheckpointNames};
 use super::{prepare_step_dir, rank_buffers, rank_entries, Entry, Loaded, TensorSource};
 use crate::runtime::optim::state_names;
 use crate::train::sharded::ShardedTrainer;
@@ -345,7 +346,12 @@ impl ShardedTrainer {
     pub(crate) fn init_from_dcp(&mut self, dir: &Path) -> Result<(), ExecError> {
         let ck = Checkpoint::open(dir).map_err(dcp_err)?;
         let absent = vec![true; state_names(&self.config.optimizer).len()];
-        let loaded = self.read_local(&mut DcpSource { ck: &ck }, &absent)?;
+        let mut source = DcpSource {
+            ck: &ck,
+            names: self.checkpoint_names,
+            model: &self.model,
+        };
+        let loaded = self.read_local(&mut source, &absent)?;
         for (r, (params, _)) in self.ranks.iter_mut().zip(loaded) {
             r.params = params;
         }
@@ -382,7 +388,11 @@ impl ShardedTrainer {
             .iter()
             .map(|&s| s == "optim.momentum" && lacks(s))
             .collect();
-        let mut source = DcpSource { ck: &ck };
+        let mut source = DcpSource {
+            ck: &ck,
+            names: self.checkpoint_names,
+            model: &self.model,
+        };
         let loaded: Loaded = self.read_local(&mut source, &absent)?;
         let int = |key: &str| match ck.value(key) {
             Ok(Value::Int(i)) if i >= 0 => Some(i as u64),
@@ -433,14 +443,40 @@ impl ShardedTrainer {
     }
 }
 
-/// A DCP checkpoint's tensors, by shardplan's names.
+/// A DCP checkpoint's tensors, by shardplan's names (the checkpoint's own under `names`).
 struct DcpSource<'a> {
     ck: &'a Checkpoint,
+    names: CheckpointNames,
+    model: &'a shardplan_models::ModelConfig,
+}
+
+impl DcpSource<'_> {
+    /// The key of checkpoint tensor `name`, and, when its rows are in Meta's rotary layout,
+    /// its heads' row count.
+    fn key(&self, name: &str) -> (String, Option<usize>) {
+        if self.names == CheckpointNames::HuggingFace {
+            return (dcp_key(name), None);
+        }
+        let (state, param) = match name.strip_prefix("optim.") {
+            Some(rest) => match rest.split_once('.') {
+                Some((state, param)) => (Some(state), param),
+                None => (None, name),
+            },
+            None => (None, name),
+        };
+        let rotary = rotary_rows(self.model, param).map(|(_, hd)| hd);
+        let tt = torchtitan_name(param).unwrap_or_else(|| param.to_string());
+        let renamed = match state {
+            Some(s) => format!("optim.{s}.{tt}"),
+            None => tt,
+        };
+        (dcp_key(&renamed), rotary)
+    }
 }
 
 impl TensorSource for DcpSource<'_> {
     fn check_shape(&mut self, name: &str, want: &[u64]) -> Result<(), ExecError> {
-        let key = dcp_key(name);
+        let (key, _) = self.key(name);
         let t = self.ck.tensor_entry(&key).map_err(dcp_err)?;
         if t.size.iter().map(|&d| d as u64).ne(want.iter().copied()) {
             return Err(ExecError::Checkpoint(format!(
@@ -453,15 +489,31 @@ impl TensorSource for DcpSource<'_> {
     }
 
     fn rows(&mut self, name: &str, rows: std::ops::Range<u64>) -> Result<Vec<f32>, ExecError> {
-        let key = dcp_key(name);
+        let (key, rotary) = self.key(name);
         let t = self.ck.tensor_entry(&key).map_err(dcp_err)?;
         let mut want = Chunk::whole(&t.size);
         if want.offsets.is_empty() {
             return to_f32(&self.ck.tensor(&key).map_err(dcp_err)?);
         }
-        want.offsets[0] = rows.start as usize;
-        want.sizes[0] = (rows.end - rows.start) as usize;
-        to_f32(&self.ck.region(&key, &want).map_err(dcp_err)?)
+        let (a, b) = (rows.start as usize, rows.end as usize);
+        let Some(hd) = rotary.filter(|&hd| hd >= 2 && hd % 2 == 0) else {
+            want.offsets[0] = a;
+            want.sizes[0] = b - a;
+            return to_f32(&self.ck.region(&key, &want).map_err(dcp_err)?);
+        };
+        // The whole heads the rows fall in (a permutation stays inside a head), read in
+        // Meta's order, then each Hugging Face row taken from where Meta keeps it.
+        let (first, last) = (a / hd * hd, b.div_ceil(hd) * hd);
+        want.offsets[0] = first;
+        want.sizes[0] = last - first;
+        let block = to_f32(&self.ck.region(&key, &want).map_err(dcp_err)?)?;
+        let width = block.len() / (last - first).max(1);
+        let mut out = Vec::with_capacity((b - a) * width);
+        for r in a..b {
+            let src = meta_row(r, hd) - first;
+            out.extend_from_slice(&block[src * width..(src + 1) * width]);
+        }
+        Ok(out)
     }
 }
 

@@ -13,6 +13,7 @@ mod convert;
 mod dcp;
 mod hf;
 mod meta;
+mod names;
 mod pipeline;
 mod read;
 
@@ -20,6 +21,7 @@ pub use convert::{convert, Format};
 pub use dcp::dcp_key;
 pub use hf::{export, read_weights, ExportDType};
 pub use meta::{read_metadata, Block, FileMeta, Metadata, Piece, TensorMeta, CHECKPOINT_FORMAT};
+pub use names::{torchtitan_name, CheckpointNames};
 
 use crate::runtime::optim::state_names;
 use crate::train::sharded::ShardedTrainer;

@@ -104,6 +104,8 @@ pub struct ShardedTrainer {
     device: Device,
     /// Where each parameter of the plan's graph sits in the whole model.
     pub(crate) whole: WholeParams,
+    /// How the DCP checkpoints this run reads name the parameters.
+    pub(crate) checkpoint_names: crate::checkpoint::CheckpointNames,
 }
 
 /// Where the parameters of a rank's graph sit in the whole model. Under expert parallelism
@@ -472,6 +474,7 @@ impl ShardedTrainer {
             step: 0,
             device: device.clone(),
             whole,
+            checkpoint_names: Default::default(),
         })
     }
 
@@ -548,6 +551,12 @@ impl ShardedTrainer {
     /// The plan being run.
     pub fn plan(&self) -> &Plan {
         &self.shared.plan
+    }
+
+    /// Reads DCP checkpoints (`load`, `init_from`) under `names`: torchtitan's own for its
+    /// Llama 3, or Hugging Face's (the default, what shardplan writes).
+    pub fn set_checkpoint_names(&mut self, names: crate::checkpoint::CheckpointNames) {
+        self.checkpoint_names = names;
     }
 
     /// Steps taken so far.
