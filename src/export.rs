@@ -421,6 +421,7 @@ fn model_literal(model: &ModelConfig, origin: &Origin) -> Result<Value, CliError
                     "aux_loss_coef": m.aux_loss_coef,
                     "every": m.every,
                     "first_dense": m.first_dense,
+                    "dense_layers": m.dense_layers.layers(),
                     "names": m.hf_names.name(),
                 })),
             })

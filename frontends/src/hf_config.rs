@@ -367,7 +367,7 @@ fn moe_key(arch: Arch, field: &str) -> Option<&'static str> {
         "moe.expert_ffn_dim" => "moe_intermediate_size",
         "moe.shared_experts" | "moe.shared_expert_ffn_dim" => "shared_expert_intermediate_size",
         "moe.every" => "decoder_sparse_step",
-        "moe.first_dense" => "mlp_only_layers",
+        "moe.first_dense" | "moe.dense_layers" => "mlp_only_layers",
         "moe.aux_loss_coef" => "router_aux_loss_coef",
         _ => return None,
     })
@@ -434,18 +434,35 @@ impl HfConfig {
                 },
                 _ => (0, 0),
             };
-        let first_dense = match &self.mlp_only_layers {
-            None => 0,
+        // Qwen's `mlp_only_layers`: a leading run is `first_dense`, any others are listed.
+        let (first_dense, dense_layers) = match &self.mlp_only_layers {
+            None => (0, Default::default()),
             Some(layers) => {
-                let n = layers.len() as u64;
-                if layers.iter().enumerate().any(|(i, &l)| l != i as u64) {
+                if let Some(&l) = layers
+                    .iter()
+                    .find(|&&l| l >= self.num_hidden_layers.unwrap_or(u64::MAX))
+                {
                     return Err(fail(
                         "mlp_only_layers",
-                        format!("`mlp_only_layers` is {layers:?}: dense layers other than the first ones are not implemented"),
-                        "shardplan keeps the dense MLP on leading layers (0, 1, ..) only; list a prefix such as [0, 1], or []",
+                        format!(
+                            "`mlp_only_layers` lists layer {l}, past the model's {} layers",
+                            self.num_hidden_layers.unwrap_or(0)
+                        ),
+                        "list layer indices from 0 to num_hidden_layers - 1",
                     ));
                 }
-                n
+                let mut sorted = layers.clone();
+                sorted.sort_unstable();
+                sorted.dedup();
+                let lead = sorted.iter().enumerate().take_while(|(i, &l)| l == *i as u64).count();
+                let rest = shardplan_models::LayerSet::try_from(sorted[lead..].to_vec()).map_err(|e| {
+                    fail(
+                        "mlp_only_layers",
+                        format!("`mlp_only_layers`: {e}"),
+                        "list fewer layers",
+                    )
+                })?;
+                (lead as u64, rest)
             }
         };
         let aux_loss_coef = if self.output_router_logits == Some(true) {
@@ -471,6 +488,7 @@ impl HfConfig {
                 _ => self.decoder_sparse_step.unwrap_or(1),
             },
             first_dense,
+            dense_layers,
             hf_names: match arch {
                 Arch::Mixtral => MoeNames::Mixtral,
                 _ => MoeNames::Qwen,

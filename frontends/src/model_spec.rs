@@ -136,6 +136,7 @@ impl MoeSpecFile {
             aux_loss_coef: self.aux_loss_coef.as_ref().map_or(0.0, |s| s.value),
             every: v(&self.every, 1),
             first_dense: v(&self.first_dense, 0),
+            dense_layers: Default::default(),
             hf_names: self.hf_names.as_ref().map_or(MoeNames::Qwen, |s| s.value),
         }
     }

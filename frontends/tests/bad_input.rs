@@ -257,8 +257,8 @@ const QWEN3_MOE: &str = "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_
 #[test]
 fn moe_config_json_fields() {
     parse_hf_config(&Source::from_text("config.json", format!("{QWEN3_MOE}}}"))).unwrap();
-    let e = hf(&format!("{QWEN3_MOE},\n \"mlp_only_layers\": [1]}}"));
-    check(&e, 4, 2, &["`mlp_only_layers`", "[1]", "prefix"]);
+    let e = hf(&format!("{QWEN3_MOE},\n \"mlp_only_layers\": [5]}}"));
+    check(&e, 4, 2, &["`mlp_only_layers`", "layer 5", "past the model's 2 layers"]);
     let e = hf(&format!("{QWEN3_MOE},\n \"mlp_only_layers\": [0, 1]}}"));
     check(&e, 4, 2, &["`mlp_only_layers`", "no layer of 2 has experts"]);
     let e = hf(&format!(

@@ -247,6 +247,14 @@ fn moe_keys_map_onto_the_moe_feed_forward() {
         .moe
         .unwrap();
     assert_eq!((m.every, m.first_dense, m.layers_of(4)), (2, 2, 1));
+    // Dense layers anywhere (Qwen3-MoE's mlp_only_layers): a leading run and the rest.
+    let six = QWEN3_MOE.replace(r#""num_hidden_layers": 4"#, r#""num_hidden_layers": 6"#);
+    let m = llama(parse(&six, r#""mlp_only_layers": [4, 0, 2]"#).unwrap())
+        .moe
+        .unwrap();
+    assert_eq!((m.first_dense, m.dense_layers.layers()), (1, vec![2, 4]));
+    let moe: Vec<u64> = (0..6).filter(|&i| m.is_moe_layer(i)).collect();
+    assert_eq!((moe, m.layers_of(6)), (vec![1, 3, 5], 3));
     // Qwen2-MoE: q/k/v biases unless qkv_bias is false, one gated shared expert.
     let qwen2 = QWEN3_MOE.replace("Qwen3Moe", "Qwen2Moe");
     let c = llama(parse(&qwen2, r#""shared_expert_intermediate_size": 96"#).unwrap());

@@ -134,24 +134,80 @@ pub struct MoeConfig {
     /// The first `first_dense` layers keep the dense MLP of `ffn_dim` (DeepSeek's
     /// `first_k_dense_replace`; Qwen's `mlp_only_layers` when they lead).
     pub first_dense: u64,
+    /// Layers that keep the dense MLP wherever they sit (Qwen's `mlp_only_layers` that do
+    /// not lead), besides the first `first_dense`.
+    #[serde(default, skip_serializing_if = "LayerSet::is_empty")]
+    pub dense_layers: LayerSet,
     /// The parameters' Hugging Face names (Qwen's or Mixtral's modules).
     #[serde(default)]
     pub hf_names: MoeNames,
 }
 
+/// A set of layer indices below [`LayerSet::MAX`], kept as bits so the config stays
+/// `Copy`; written as the list of its indices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "Vec<u64>", try_from = "Vec<u64>")]
+pub struct LayerSet([u64; 4]);
+
+impl LayerSet {
+    /// Layers a set can hold: 0 to 255.
+    pub const MAX: u64 = 256;
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|&w| w == 0)
+    }
+
+    pub fn contains(&self, i: u64) -> bool {
+        i < Self::MAX && self.0[(i / 64) as usize] & (1 << (i % 64)) != 0
+    }
+
+    /// Its layers, ascending.
+    pub fn layers(&self) -> Vec<u64> {
+        (0..Self::MAX).filter(|&i| self.contains(i)).collect()
+    }
+}
+
+impl From<LayerSet> for Vec<u64> {
+    fn from(s: LayerSet) -> Vec<u64> {
+        s.layers()
+    }
+}
+
+impl TryFrom<Vec<u64>> for LayerSet {
+    type Error = String;
+
+    fn try_from(layers: Vec<u64>) -> Result<LayerSet, String> {
+        let mut s = LayerSet::default();
+        for i in layers {
+            if i >= Self::MAX {
+                return Err(format!("layer {i}: at most {} layers are listed", Self::MAX));
+            }
+            s.0[(i / 64) as usize] |= 1 << (i % 64);
+        }
+        Ok(s)
+    }
+}
+
 impl MoeConfig {
     /// Whether layer `i` (from 0) has the MoE feed-forward.
     pub fn is_moe_layer(&self, i: u64) -> bool {
-        i >= self.first_dense && self.every > 0 && (i + 1).is_multiple_of(self.every)
+        i >= self.first_dense && self.every > 0 && (i + 1).is_multiple_of(self.every) && !self.dense_layers.contains(i)
     }
 
     /// How many of `n_layers` layers have experts: the `i + 1` in `first_dense + 1..=n_layers`
-    /// that `every` divides.
+    /// that `every` divides, but for `dense_layers`.
     pub fn layers_of(&self, n_layers: u64) -> u64 {
         if self.every == 0 || self.first_dense >= n_layers {
             return 0;
         }
-        n_layers / self.every - self.first_dense / self.every
+        let layers = self.dense_layers.layers();
+        let listed = layers.iter().filter(|&&i| i < n_layers && self.is_moe_layer_by_rule(i));
+        n_layers / self.every - self.first_dense / self.every - listed.count() as u64
+    }
+
+    /// Whether `first_dense` and `every` alone give layer `i` experts.
+    fn is_moe_layer_by_rule(&self, i: u64) -> bool {
+        i >= self.first_dense && self.every > 0 && (i + 1).is_multiple_of(self.every)
     }
 }
 
@@ -396,8 +452,10 @@ fn validate_moe(m: &MoeConfig, n_layers: u64) -> Result<(), ConfigError> {
                 "moe.every"
             },
             format!(
-                "no layer of {n_layers} has experts: first_dense = {}, every = {}",
-                m.first_dense, m.every
+                "no layer of {n_layers} has experts: first_dense = {}, every = {}, dense_layers = {:?}",
+                m.first_dense,
+                m.every,
+                m.dense_layers.layers()
             ),
             "leave some layer i >= first_dense with (i + 1) a multiple of every, or remove `moe`",
         ));

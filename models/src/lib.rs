@@ -12,7 +12,8 @@ mod trace;
 mod tracer;
 
 pub use config::{
-    Activation, ConfigError, Gpt2Config, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router, MAX_LAYERS,
+    Activation, ConfigError, Gpt2Config, LayerSet, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router,
+    MAX_LAYERS,
 };
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;

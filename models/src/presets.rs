@@ -87,6 +87,7 @@ fn moe(experts: u64, top_k: u64, width: u64, norm_topk_prob: bool) -> MoeConfig 
         aux_loss_coef: 0.0,
         every: 1,
         first_dense: 0,
+        dense_layers: Default::default(),
         hf_names: MoeNames::Qwen,
     }
 }

@@ -366,7 +366,8 @@ def moe_aux_loss(logits, k, coef):
 
 def is_moe_layer(m, i):
     moe = m.get("moe")
-    return bool(moe) and i >= moe["first_dense"] and moe["every"] > 0 and (i + 1) % moe["every"] == 0
+    return (bool(moe) and i >= moe["first_dense"] and moe["every"] > 0 and (i + 1) % moe["every"] == 0
+            and i not in moe.get("dense_layers", []))
 
 
 # The router logits of each MoE block of the forward pass under way, for the load-balancing
