@@ -860,24 +860,38 @@ fn dcp_checkpoints_move_between_exported_programs_and_shardplan_train() {
         .unwrap();
         p
     };
-    // 1x4 saves; 2x2 (replicated shards) and 1x2 (half the ranks, twice the rows) resume.
+    // 1x4 saves; 2x2 (replicated shards) and 1x2 (half the ranks, twice the rows) resume;
+    // the MoE (load-balancing loss off, so another data-parallel width continues the same
+    // run) saves with its experts over 2 expert ranks and resumes on 2x2 with the same.
     let (a, b, c) = (
         spec("1x4.yaml", "{replicate: 1, shard: 4}", 1),
         spec("2x2.yaml", "{replicate: 2, shard: 2}", 1),
         spec("1x2.yaml", "{replicate: 1, shard: 2}", 2),
     );
-    for (model, to, to_ranks) in [("tiny-llama", &b, 4), ("tiny-qwen3", &c, 2)] {
-        let (out_a, out_to) = (d.join(format!("{model}-a")), d.join(format!("{model}-to")));
-        for (s, out) in [(&a, &out_a), (to, &out_to)] {
+    let (ep_a, ep_b) = (
+        spec("ep-1x4.yaml", "{shard: 4, expert: 2}", 1),
+        spec("ep-2x2.yaml", "{replicate: 2, shard: 2, expert: 2}", 1),
+    );
+    let moe = d.join("moe.yaml");
+    let text = std::fs::read_to_string("examples/models/tiny-moe.yaml").unwrap();
+    std::fs::write(&moe, text.replace("aux_loss_coef: 0.01", "aux_loss_coef: 0.0")).unwrap();
+    let cases = [
+        ("tiny-llama", "tiny-llama", &a, &b, 4),
+        ("tiny-qwen3", "tiny-qwen3", &a, &c, 2),
+        ("moe", moe.to_str().unwrap(), &ep_a, &ep_b, 4),
+    ];
+    for (tag, model, a, to, to_ranks) in cases {
+        let (out_a, out_to) = (d.join(format!("{tag}-a")), d.join(format!("{tag}-to")));
+        for (s, out) in [(a, &out_a), (to, &out_to)] {
             let o = export(model, s.to_str().unwrap(), out);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         }
         // Both straight runs save at step 3 (saving changes nothing of the run).
-        let (ck_torch, ck_ours) = (d.join(format!("{model}-ck-torch")), d.join(format!("{model}-ck-ours")));
+        let (ck_torch, ck_ours) = (d.join(format!("{tag}-ck-torch")), d.join(format!("{tag}-ck-ours")));
         let torch = run_program(
             &py,
             &out_a.join("train.py"),
-            &d.join(format!("{model}-torch.jsonl")),
+            &d.join(format!("{tag}-torch.jsonl")),
             &[
                 "--steps",
                 "8",
@@ -887,7 +901,7 @@ fn dcp_checkpoints_move_between_exported_programs_and_shardplan_train() {
                 ck_torch.to_str().unwrap(),
             ],
         );
-        let ours_log = d.join(format!("{model}-ours.jsonl"));
+        let ours_log = d.join(format!("{tag}-ours.jsonl"));
         let o = Command::new(env!("CARGO_BIN_EXE_shardplan"))
             .args([
                 "train",
@@ -934,11 +948,11 @@ fn dcp_checkpoints_move_between_exported_programs_and_shardplan_train() {
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
             log_losses(&log)
         };
-        let e2e = resume_program(&ck_torch.join("step-3"), &format!("{model}-e2e.jsonl"));
-        continues(&format!("{model}: exported -> exported"), &torch, &e2e, 3);
-        let s2e = resume_program(&ck_ours.join("step-3"), &format!("{model}-s2e.jsonl"));
-        continues(&format!("{model}: shardplan train -> exported"), &torch, &s2e, 3);
-        let e2s_log = d.join(format!("{model}-e2s.jsonl"));
+        let e2e = resume_program(&ck_torch.join("step-3"), &format!("{tag}-e2e.jsonl"));
+        continues(&format!("{tag}: exported -> exported"), &torch, &e2e, 3);
+        let s2e = resume_program(&ck_ours.join("step-3"), &format!("{tag}-s2e.jsonl"));
+        continues(&format!("{tag}: shardplan train -> exported"), &torch, &s2e, 3);
+        let e2s_log = d.join(format!("{tag}-e2s.jsonl"));
         let o = Command::new(env!("CARGO_BIN_EXE_shardplan"))
             .args([
                 "train",
@@ -957,7 +971,7 @@ fn dcp_checkpoints_move_between_exported_programs_and_shardplan_train() {
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         continues(
-            &format!("{model}: exported -> shardplan train"),
+            &format!("{tag}: exported -> shardplan train"),
             &ours,
             &log_losses(&e2s_log),
             3,
