@@ -415,14 +415,10 @@ fn torch_size(xs: &[usize]) -> Value {
     obj("torch", "Size", Construct::Call, vec![t], None)
 }
 
+/// A tensor's metadata as torch pickles it. Its properties are the five-element state
+/// (dtype, layout, requires_grad, memory format, pin_memory) every torch release since
+/// DCP's first reads; later ones add the local shard's strides, which no loader uses.
 fn tensor_value(t: &TensorEntry) -> Value {
-    let strides = {
-        let mut s = vec![1i64; t.size.len()];
-        for d in (0..t.size.len().saturating_sub(1)).rev() {
-            s[d] = s[d + 1] * t.size[d + 1] as i64;
-        }
-        Value::Tuple(s.into_iter().map(Value::Int).collect())
-    };
     let properties = obj(
         MD,
         "TensorProperties",
@@ -440,7 +436,6 @@ fn tensor_value(t: &TensorEntry) -> Value {
             Value::Bool(false),
             obj(MD, "_MEM_FORMAT_ENCODING", Construct::Call, vec![Value::Int(0)], None),
             Value::Bool(false),
-            strides,
         ])),
     );
     let chunks = t
