@@ -299,3 +299,33 @@ fn a_pipeline_checkpoint_resumes_on_another_pipeline_and_without_one() {
         assert!(rel(a, &b) < 1e-7, "{}", rel(a, &b));
     }
 }
+
+#[test]
+fn a_pipeline_dcp_checkpoint_resumes_on_another_pipeline_and_without_one() {
+    let model = llama(2);
+    let pp2 = spec_of("{pipeline: 2, shard: 2}", 2, Some("{schedule: 1F1B, microbatches: 2}"));
+    let mut straight = pipeline_trainer(&model, &pp2, 6);
+    let reference: Vec<f32> = (0..6).map(|_| straight.step().unwrap().loss).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = pipeline_trainer(&model, &pp2, 6);
+    for _ in 0..3 {
+        first.step().unwrap();
+    }
+    let saved = first.save_dcp(dir.path()).unwrap();
+    assert!(saved.join(".metadata").is_file() && saved.ends_with("step-3"));
+    let close = |what: &str, got: f32, want: f32| {
+        assert!((got - want).abs() <= 1e-5 * want.abs(), "{what}: {got} vs {want}");
+    };
+    let pp4 = spec_of("{pipeline: 4, shard: 1}", 4, Some("{schedule: 1F1B, microbatches: 4}"));
+    let mut resumed = pipeline_trainer(&model, &pp4, 6);
+    resumed.load(&saved).unwrap();
+    assert_eq!(resumed.steps_done(), 3);
+    for want in &reference[3..] {
+        close("PP 4", resumed.step().unwrap().loss, *want);
+    }
+    let mut plain = ShardedTrainer::new(&model, &spec_of("{shard: 2}", 2, None), 6).unwrap();
+    plain.load(&saved).unwrap();
+    for want in &reference[3..] {
+        close("FSDP 2", plain.step().unwrap().loss, *want);
+    }
+}

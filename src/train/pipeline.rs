@@ -89,7 +89,10 @@ fn start(
 /// `--checkpoint-keep`.
 fn save(args: &TrainArgs, trainer: &mut PipelineTrainer) -> Result<(), shardplan_executor::ExecError> {
     if let Some(dir) = &args.checkpoint_dir {
-        trainer.save(dir)?;
+        match args.checkpoint_format {
+            super::CheckpointFormat::Shardplan => trainer.save(dir)?,
+            super::CheckpointFormat::Dcp => trainer.save_dcp(dir)?,
+        };
         shardplan_executor::ShardedTrainer::prune(dir, args.checkpoint_keep)?;
     }
     Ok(())
@@ -102,14 +105,10 @@ fn refuse_unsupported(args: &TrainArgs, parallel: &LoadedParallel) -> Result<(),
         (args.trace.is_some(), "--trace"),
         (args.profile.is_some(), "--profile"),
         (!args.inject_fault.is_empty(), "--inject-fault"),
-        (
-            args.checkpoint_format == super::CheckpointFormat::Dcp,
-            "--checkpoint-format dcp",
-        ),
     ];
     if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
         return Err(CliError::Usage(format!(
-            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs without traces, profiles, fault injection or DCP checkpoints yet; leave {what} out",
+            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs without traces, profiles or fault injection yet; leave {what} out",
             parallel.origin.file.display()
         )));
     }

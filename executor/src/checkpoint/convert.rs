@@ -6,12 +6,12 @@
 //! the output is written as one process would write it: one rank file or data file, then
 //! its metadata last.
 
-use super::dcp::{dcp_key, dcp_step_tensor, shardplan_name};
+use super::dcp::{dcp_key, shardplan_name, write_whole_dcp};
 use super::meta::{read_metadata, FileMeta, Metadata, TensorMeta, CHECKPOINT_FORMAT};
 use super::{io, read_rows, resolve, write_entries, write_metadata_file, ExportDType};
 use crate::ExecError;
 use shardplan_dcp::pickle::Value;
-use shardplan_dcp::{Checkpoint, Chunk, DType, DataFile, TensorData};
+use shardplan_dcp::Checkpoint;
 use shardplan_models::ModelConfig;
 use std::collections::HashMap;
 use std::path::Path;
@@ -41,7 +41,7 @@ struct Source {
 }
 
 /// Reads tensor `name` (of dims `dims`) whole, as f32.
-type ReadWhole = Box<dyn FnMut(&str, &[u64]) -> Result<Vec<f32>, ExecError>>;
+type ReadWhole = Box<super::dcp::ReadTensor<'static>>;
 
 fn open(path: &Path) -> Result<Source, ExecError> {
     let (dir, _) = resolve(path)?;
@@ -147,35 +147,7 @@ pub fn convert(
     }
 }
 
-fn f32_data(vals: &[f32], dims: &[u64]) -> TensorData {
-    TensorData {
-        dtype: DType::F32,
-        shape: dims.iter().map(|&d| d as usize).collect(),
-        bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    }
-}
-
 fn to_dcp(s: &mut Source, out: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, ExecError> {
-    let err = |e: shardplan_dcp::DcpError| ExecError::Checkpoint(e.to_string());
-    let mut f = DataFile::create(out, 0, false).map_err(err)?;
-    let mut entries = Vec::new();
-    let total = s.tensors.len();
-    let tensors = s.tensors.clone();
-    for (k, (name, dims)) in tensors.iter().enumerate() {
-        let vals = (s.read)(name, dims)?;
-        let data = f32_data(&vals, dims);
-        let chunk = Chunk::whole(&data.shape);
-        f.tensor(&dcp_key(name), &chunk, &data).map_err(err)?;
-        entries.push((dcp_key(name), data.shape.clone(), vec![chunk]));
-        progress(k + 1, total);
-    }
-    if s.optimizer == "adamw" {
-        for (name, _) in tensors.iter().filter(|(n, _)| !n.starts_with("optim.")) {
-            let (key, chunk, data) = dcp_step_tensor(name, s.optimizer_steps);
-            f.tensor(&key, &chunk, &data).map_err(err)?;
-            entries.push((key, vec![], vec![chunk]));
-        }
-    }
     let mut values = vec![
         ("train_state.step".to_string(), Value::Int(s.step as i64)),
         ("lr_scheduler.last_epoch".to_string(), Value::Int(s.step as i64)),
@@ -186,33 +158,10 @@ fn to_dcp(s: &mut Source, out: &Path, progress: &mut dyn FnMut(usize, usize)) ->
         let json = serde_json::to_string(m).map_err(|e| ExecError::Internal(e.to_string()))?;
         values.push(("shardplan.model".to_string(), Value::Str(json)));
     }
-    for (key, v) in &values {
-        f.value(key, v).map_err(err)?;
-    }
-    let storage = f.finish().map_err(err)?.into_iter().collect();
-    let mut md_entries: Vec<(String, shardplan_dcp::Entry)> = entries
-        .into_iter()
-        .map(|(key, size, chunks)| {
-            let t = shardplan_dcp::TensorEntry {
-                dtype: DType::F32,
-                size,
-                chunks,
-            };
-            (key, shardplan_dcp::Entry::Tensor(t))
-        })
-        .collect();
-    md_entries.extend(values.into_iter().map(|(k, _)| (k, shardplan_dcp::Entry::Bytes)));
-    let paths = md_entries
-        .iter()
-        .map(|(k, _)| (k.clone(), super::dcp::path_of(k)))
-        .collect();
-    let md = shardplan_dcp::Metadata {
-        entries: md_entries,
-        storage,
-        paths,
-    };
-    shardplan_dcp::write_metadata(out, &md).map_err(err)?;
-    Ok(total)
+    let adam_steps = (s.optimizer == "adamw").then_some(s.optimizer_steps);
+    let tensors = s.tensors.clone();
+    write_whole_dcp(out, &tensors, &mut s.read, adam_steps, &values, progress)?;
+    Ok(tensors.len())
 }
 
 fn to_shardplan(s: &mut Source, out: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, ExecError> {

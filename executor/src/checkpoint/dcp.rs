@@ -246,50 +246,18 @@ impl ShardedTrainer {
 
     /// The values a checkpoint holds besides its tensors.
     fn dcp_values(&self) -> Result<Vec<(String, Value)>, ExecError> {
-        let model = serde_json::to_string(&self.model).map_err(|e| ExecError::Internal(e.to_string()))?;
-        let int = |v: u64| Value::Int(v as i64);
-        let mut out = vec![
-            ("train_state.step".to_string(), int(self.step)),
-            ("lr_scheduler.last_epoch".to_string(), int(self.step)),
-            ("dataloader.position".to_string(), int(self.data[0].position())),
-            ("shardplan.model".to_string(), Value::Str(model)),
-            ("shardplan.seed".to_string(), int(self.config.seed)),
-        ];
-        let groups: Vec<(&str, Value)> = match self.config.optimizer {
-            Optimizer::AdamW {
-                lr,
-                betas,
-                eps,
-                weight_decay,
-            } => vec![
-                ("lr", Value::Float(lr)),
-                (
-                    "betas",
-                    Value::Tuple(vec![Value::Float(betas[0]), Value::Float(betas[1])]),
-                ),
-                ("eps", Value::Float(eps)),
-                ("weight_decay", Value::Float(weight_decay)),
-            ],
-            Optimizer::Sgd {
-                lr,
-                momentum,
-                weight_decay,
-            } => vec![
-                ("lr", Value::Float(lr)),
-                ("momentum", Value::Float(momentum)),
-                ("weight_decay", Value::Float(weight_decay)),
-            ],
-        };
-        for (name, _) in self
+        let params: Vec<String> = self
             .whole_tensors()
             .into_iter()
             .filter(|(n, _)| !n.starts_with("optim."))
-        {
-            for (field, v) in &groups {
-                out.push((format!("optimizer.param_groups.{name}.{field}"), v.clone()));
-            }
-        }
-        Ok(out)
+            .map(|(n, _)| n)
+            .collect();
+        let run = RunState {
+            step: self.step,
+            optimizer_steps: 0,
+            position: Some(self.data[0].position()),
+        };
+        run_values(&run, &self.model, &self.config, &params)
     }
 
     /// `.metadata` from every process's records: each tensor with its chunks, each value.
@@ -346,11 +314,7 @@ impl ShardedTrainer {
     pub(crate) fn init_from_dcp(&mut self, dir: &Path) -> Result<(), ExecError> {
         let ck = Checkpoint::open(dir).map_err(dcp_err)?;
         let absent = vec![true; state_names(&self.config.optimizer).len()];
-        let mut source = DcpSource {
-            ck: &ck,
-            names: self.checkpoint_names,
-            model: &self.model,
-        };
+        let mut source = DcpSource::new(&ck, self.checkpoint_names, &self.model);
         let loaded = self.read_local(&mut source, &absent)?;
         for (r, (params, _)) in self.ranks.iter_mut().zip(loaded) {
             r.params = params;
@@ -362,23 +326,9 @@ impl ShardedTrainer {
     /// Loads the DCP checkpoint in `dir` into this trainer's mesh. Returns warnings.
     pub(crate) fn load_dcp(&mut self, dir: &Path) -> Result<Vec<String>, ExecError> {
         let ck = Checkpoint::open(dir).map_err(dcp_err)?;
-        let mut warnings = Vec::new();
-        match ck.value("shardplan.model") {
-            Ok(Value::Str(json)) => {
-                let written: shardplan_models::ModelConfig = serde_json::from_str(&json).map_err(|e| {
-                    ExecError::Checkpoint(format!("{}: key `shardplan.model` is not a model spec: {e}", dir.display()))
-                })?;
-                if let Some(e) = super::model_mismatch(dir, &written, &self.model) {
-                    return Err(e);
-                }
-            }
-            _ => warnings.push(format!(
-                "{}: not written by shardplan (no `shardplan.model`): the model is checked by its tensors' names and shapes only",
-                dir.display()
-            )),
-        }
-        // A run with SGD momentum 0 keeps no momentum buffers: they start at zero.
         let first = self.whole_tensors().into_iter().next().map(|(n, _)| n);
+        let (run, mut warnings) = read_run_state(&ck, &self.model, first.as_deref())?;
+        // A run with SGD momentum 0 keeps no momentum buffers: they start at zero.
         let lacks = |s: &str| {
             first
                 .as_ref()
@@ -388,46 +338,20 @@ impl ShardedTrainer {
             .iter()
             .map(|&s| s == "optim.momentum" && lacks(s))
             .collect();
-        let mut source = DcpSource {
-            ck: &ck,
-            names: self.checkpoint_names,
-            model: &self.model,
-        };
+        let mut source = DcpSource::new(&ck, self.checkpoint_names, &self.model);
         let loaded: Loaded = self.read_local(&mut source, &absent)?;
-        let int = |key: &str| match ck.value(key) {
-            Ok(Value::Int(i)) if i >= 0 => Some(i as u64),
-            _ => None,
-        };
-        let step = int("train_state.step").ok_or_else(|| {
-            ExecError::Checkpoint(format!(
-                "{}: key `train_state.step` is missing or not a step count",
-                dir.display()
-            ))
-        })?;
-        let optimizer_steps = match self.whole_tensors().first() {
-            Some((name, _)) => match ck.tensor(&format!("optimizer.state.{name}.step")) {
-                Ok(t) => to_f32(&t)
-                    .ok()
-                    .and_then(|v| v.first().copied())
-                    .map_or(step, |s| s as u64),
-                Err(_) => step,
-            },
-            None => step,
-        };
-        let position = match int("dataloader.position") {
-            Some(p) => p,
-            None => {
-                warnings.push(format!(
-                    "{}: no `dataloader.position`: the data continues from step {step} of this run's batch",
-                    dir.display()
-                ));
-                step * self.shared.plan.policy.grad_accum
-            }
-        };
+        let position = run.position.unwrap_or_else(|| {
+            warnings.push(format!(
+                "{}: no `dataloader.position`: the data continues from step {} of this run's batch",
+                dir.display(),
+                run.step
+            ));
+            run.step * self.shared.plan.policy.grad_accum
+        });
         for (r, (params, st)) in self.ranks.iter_mut().zip(loaded) {
             r.params = params;
             for (gi, o) in r.opt.iter_mut().enumerate() {
-                o.steps = optimizer_steps;
+                o.steps = run.optimizer_steps;
                 for (k, s) in st.iter().enumerate() {
                     o.set_state(k, 0, s[gi].clone());
                 }
@@ -436,21 +360,193 @@ impl ShardedTrainer {
         for d in &mut self.data {
             d.seek(position);
         }
-        self.step = step;
+        self.step = run.step;
         let device = self.device().clone();
         self.to_device(&device)?;
         Ok(warnings)
     }
 }
 
+/// Reads a checkpoint tensor whole, as f32, given its name and dims.
+pub(crate) type ReadTensor<'a> = dyn FnMut(&str, &[u64]) -> Result<Vec<f32>, ExecError> + 'a;
+
+/// Writes a DCP checkpoint in `dir` from one process: `tensors` (by checkpoint name, with
+/// their dims) each whole, read by `read` in turn (`progress(done, total)` after each),
+/// AdamW's step tensors when `adam_steps` is given, and `values`; `.metadata` last.
+pub(crate) fn write_whole_dcp(
+    dir: &Path,
+    tensors: &[(String, Vec<u64>)],
+    read: &mut ReadTensor<'_>,
+    adam_steps: Option<u64>,
+    values: &[(String, Value)],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(), ExecError> {
+    let mut f = DataFile::create(dir, 0, false).map_err(dcp_err)?;
+    let mut entries = Vec::new();
+    for (k, (name, dims)) in tensors.iter().enumerate() {
+        let vals = read(name, dims)?;
+        let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+        let data = TensorData {
+            dtype: DType::F32,
+            shape: shape.clone(),
+            bytes: vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        let chunk = Chunk::whole(&shape);
+        f.tensor(&dcp_key(name), &chunk, &data).map_err(dcp_err)?;
+        entries.push((dcp_key(name), shape, chunk));
+        progress(k + 1, tensors.len());
+    }
+    if let Some(steps) = adam_steps {
+        for (name, _) in tensors.iter().filter(|(n, _)| !n.starts_with("optim.")) {
+            let (key, chunk, data) = dcp_step_tensor(name, steps);
+            f.tensor(&key, &chunk, &data).map_err(dcp_err)?;
+            entries.push((key, vec![], chunk));
+        }
+    }
+    for (key, v) in values {
+        f.value(key, v).map_err(dcp_err)?;
+    }
+    let storage = f.finish().map_err(dcp_err)?.into_iter().collect();
+    let mut md_entries: Vec<(String, shardplan_dcp::Entry)> = entries
+        .into_iter()
+        .map(|(key, size, chunk)| {
+            let t = TensorEntry {
+                dtype: DType::F32,
+                size,
+                chunks: vec![chunk],
+            };
+            (key, shardplan_dcp::Entry::Tensor(t))
+        })
+        .collect();
+    md_entries.extend(values.iter().map(|(k, _)| (k.clone(), shardplan_dcp::Entry::Bytes)));
+    let paths = md_entries.iter().map(|(k, _)| (k.clone(), path_of(k))).collect();
+    let md = Metadata {
+        entries: md_entries,
+        storage,
+        paths,
+    };
+    shardplan_dcp::write_metadata(dir, &md).map_err(dcp_err)
+}
+
+/// What a checkpoint records of its run besides the tensors.
+pub(crate) struct RunState {
+    pub(crate) step: u64,
+    pub(crate) optimizer_steps: u64,
+    /// Micro-batches consumed (`None`: a checkpoint without `dataloader.position`).
+    pub(crate) position: Option<u64>,
+}
+
+/// The run values of a checkpoint: its step, data position, model spec and seed, and
+/// each parameter's optimizer hyperparameters.
+pub(crate) fn run_values(
+    run: &RunState,
+    model: &shardplan_models::ModelConfig,
+    config: &shardplan_frontends::ParallelConfig,
+    params: &[String],
+) -> Result<Vec<(String, Value)>, ExecError> {
+    let spec = serde_json::to_string(model).map_err(|e| ExecError::Internal(e.to_string()))?;
+    let int = |v: u64| Value::Int(v as i64);
+    let mut out = vec![
+        ("train_state.step".to_string(), int(run.step)),
+        ("lr_scheduler.last_epoch".to_string(), int(run.step)),
+        ("shardplan.model".to_string(), Value::Str(spec)),
+        ("shardplan.seed".to_string(), int(config.seed)),
+    ];
+    if let Some(p) = run.position {
+        out.push(("dataloader.position".to_string(), int(p)));
+    }
+    let groups: Vec<(&str, Value)> = match config.optimizer {
+        Optimizer::AdamW {
+            lr,
+            betas,
+            eps,
+            weight_decay,
+        } => vec![
+            ("lr", Value::Float(lr)),
+            (
+                "betas",
+                Value::Tuple(vec![Value::Float(betas[0]), Value::Float(betas[1])]),
+            ),
+            ("eps", Value::Float(eps)),
+            ("weight_decay", Value::Float(weight_decay)),
+        ],
+        Optimizer::Sgd {
+            lr,
+            momentum,
+            weight_decay,
+        } => vec![
+            ("lr", Value::Float(lr)),
+            ("momentum", Value::Float(momentum)),
+            ("weight_decay", Value::Float(weight_decay)),
+        ],
+    };
+    for name in params {
+        for (field, v) in &groups {
+            out.push((format!("optimizer.param_groups.{name}.{field}"), v.clone()));
+        }
+    }
+    Ok(out)
+}
+
+/// A checkpoint's run state, its model checked against `model` (a checkpoint without
+/// `shardplan.model` is said to be checked by its tensors only); the optimizer steps are
+/// AdamW's count of parameter `first`, else the step. Returns warnings with it.
+pub(crate) fn read_run_state(
+    ck: &Checkpoint,
+    model: &shardplan_models::ModelConfig,
+    first: Option<&str>,
+) -> Result<(RunState, Vec<String>), ExecError> {
+    let dir = ck.dir();
+    let mut warnings = Vec::new();
+    match ck.value("shardplan.model") {
+        Ok(Value::Str(json)) => {
+            let written: shardplan_models::ModelConfig = serde_json::from_str(&json).map_err(|e| {
+                ExecError::Checkpoint(format!("{}: key `shardplan.model` is not a model spec: {e}", dir.display()))
+            })?;
+            if let Some(e) = super::model_mismatch(dir, &written, model) {
+                return Err(e);
+            }
+        }
+        _ => warnings.push(format!(
+            "{}: not written by shardplan (no `shardplan.model`): the model is checked by its tensors' names and shapes only",
+            dir.display()
+        )),
+    }
+    let int = |key: &str| match ck.value(key) {
+        Ok(Value::Int(i)) if i >= 0 => Some(i as u64),
+        _ => None,
+    };
+    let step = int("train_state.step").ok_or_else(|| {
+        ExecError::Checkpoint(format!(
+            "{}: key `train_state.step` is missing or not a step count",
+            dir.display()
+        ))
+    })?;
+    let optimizer_steps = first
+        .and_then(|name| ck.tensor(&format!("optimizer.state.{name}.step")).ok())
+        .and_then(|t| to_f32(&t).ok())
+        .and_then(|v| v.first().copied())
+        .map_or(step, |s| s as u64);
+    let run = RunState {
+        step,
+        optimizer_steps,
+        position: int("dataloader.position"),
+    };
+    Ok((run, warnings))
+}
+
 /// A DCP checkpoint's tensors, by shardplan's names (the checkpoint's own under `names`).
-struct DcpSource<'a> {
+pub(crate) struct DcpSource<'a> {
     ck: &'a Checkpoint,
     names: CheckpointNames,
     model: &'a shardplan_models::ModelConfig,
 }
 
-impl DcpSource<'_> {
+impl<'a> DcpSource<'a> {
+    pub(crate) fn new(ck: &'a Checkpoint, names: CheckpointNames, model: &'a shardplan_models::ModelConfig) -> Self {
+        DcpSource { ck, names, model }
+    }
+
     /// The key of checkpoint tensor `name`, and, when its rows are in Meta's rotary layout,
     /// its heads' row count.
     fn key(&self, name: &str) -> (String, Option<usize>) {

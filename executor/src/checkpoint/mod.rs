@@ -555,13 +555,21 @@ pub(crate) trait TensorSource {
 }
 
 /// A shardplan checkpoint's tensors: `metadata.json`'s pieces in the rank files.
-struct ShardplanSource<'a> {
+pub(crate) struct ShardplanSource<'a> {
     dir: &'a Path,
     by_name: HashMap<&'a str, &'a TensorMeta>,
     headers: HashMap<String, read::Header>,
 }
 
 impl<'a> ShardplanSource<'a> {
+    pub(crate) fn new(dir: &'a Path, meta: &'a Metadata) -> Self {
+        ShardplanSource {
+            dir,
+            by_name: meta.tensors.iter().map(|t| (t.name.as_str(), t)).collect(),
+            headers: HashMap::new(),
+        }
+    }
+
     fn meta(&self, name: &str) -> Result<&'a TensorMeta, ExecError> {
         self.by_name.get(name).copied().ok_or_else(|| {
             ExecError::Checkpoint(format!(

@@ -5,17 +5,8 @@
 //! then the second halves. A checkpoint torchtitan wrote is read under these names, its
 //! `wq`/`wk` rows (and their optimizer states') taken in Hugging Face's order.
 
+pub use crate::train::sharded::CheckpointNames;
 use shardplan_models::ModelConfig;
-
-/// How a checkpoint names the model's parameters.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CheckpointNames {
-    /// Hugging Face's (what shardplan writes).
-    #[default]
-    HuggingFace,
-    /// torchtitan's for its Llama 3, wq and wk in Meta's rotary layout.
-    Torchtitan,
-}
 
 /// torchtitan's name of Hugging Face Llama parameter `hf`; `None` for a name it has no
 /// counterpart for.

@@ -8,10 +8,13 @@
 //! as the same mesh without its pipeline writes them. A load reads, for each rank, the
 //! rows of its chunks (its tensor rank's slice of them) and nothing else.
 
+use super::dcp::{read_run_state, run_values, write_whole_dcp, DcpSource, RunState};
+use super::names::CheckpointNames;
 use super::{
-    host_f32, io, local_rows, model_mismatch, prepare_step_dir, read_metadata, read_rows, resolve, whole_dims,
-    write_entries, write_metadata_file, Metadata, Piece, TensorMeta, Written, CHECKPOINT_FORMAT,
+    host_f32, io, local_rows, model_mismatch, prepare_step_dir, read_metadata, resolve, whole_dims, write_entries,
+    write_metadata_file, Metadata, Piece, TensorMeta, Written, CHECKPOINT_FORMAT,
 };
+use super::{ShardplanSource, TensorSource};
 use crate::runtime::optim::state_names;
 use crate::train::pipeline::{PipelineTrainer, Rank, Shard};
 use crate::ExecError;
@@ -144,7 +147,21 @@ impl PipelineTrainer {
     /// Loads the checkpoint at `path` (a step folder, or the newest complete one under a
     /// root), whatever mesh wrote it. Returns warnings.
     pub fn load(&mut self, path: &Path) -> Result<Vec<String>, ExecError> {
-        let (dir, warnings) = resolve(path)?;
+        let (dir, mut warnings) = resolve(path)?;
+        if shardplan_dcp::is_checkpoint(&dir) {
+            let ck = shardplan_dcp::Checkpoint::open(&dir).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+            let first = self
+                .ranks
+                .first()
+                .and_then(|r| r.stages.first())
+                .map(|s| s.graph.joint.graph.param(ParamId::new(0)).name.to_string());
+            let (run, more) = read_run_state(&ck, &self.model, first.as_deref())?;
+            warnings.extend(more);
+            let loaded = self.read_stages(&mut DcpSource::new(&ck, CheckpointNames::HuggingFace, &self.model))?;
+            let position = run.position.unwrap_or(run.step);
+            self.apply(loaded, run.optimizer_steps, position, run.step)?;
+            return Ok(warnings);
+        }
         let meta = read_metadata(&dir)?;
         if let Some(e) = model_mismatch(&dir, &meta.model, &self.model) {
             return Err(e);
@@ -157,12 +174,18 @@ impl PipelineTrainer {
                 OptimizerKind::of(&self.config.optimizer).name()
             )));
         }
-        let states = state_names(&self.config.optimizer);
-        let by_name: HashMap<&str, &TensorMeta> = meta.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        let shards = self.config.mesh.shard;
-        let mut headers = HashMap::new();
         // Read everything first: a failure leaves the trainer as it was.
-        let mut loaded: Vec<Vec<Vec<Vec<Tensor>>>> = Vec::with_capacity(self.ranks.len());
+        let loaded = self.read_stages(&mut ShardplanSource::new(&dir, &meta))?;
+        self.apply(loaded, meta.optimizer_steps, meta.data_position, meta.step)?;
+        Ok(warnings)
+    }
+
+    /// Every local rank's chunks of every stage's parameters and optimizer states, from
+    /// `source`: by rank, stage, parameter, then the parameter and each state.
+    fn read_stages(&self, source: &mut dyn TensorSource) -> Result<Vec<Vec<Vec<Vec<Tensor>>>>, ExecError> {
+        let states = state_names(&self.config.optimizer);
+        let shards = self.config.mesh.shard;
+        let mut loaded = Vec::with_capacity(self.ranks.len());
         for rank in &self.ranks {
             let shard = (rank.data_rank % self.shards) as u64;
             let mut by_stage = Vec::with_capacity(rank.stages.len());
@@ -178,25 +201,12 @@ impl PipelineTrainer {
                             "" => param.name.to_string(),
                             p => format!("{p}.{}", param.name),
                         };
-                        let t = by_name.get(name.as_str()).ok_or_else(|| {
-                            ExecError::Checkpoint(format!(
-                                "{}: tensor `{name}` is missing",
-                                dir.join("metadata.json").display()
-                            ))
-                        })?;
-                        if t.shape != whole_dims(param) {
-                            return Err(ExecError::Checkpoint(format!(
-                                "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
-                                dir.join("metadata.json").display(),
-                                t.shape,
-                                whole_dims(param)
-                            )));
-                        }
+                        source.check_shape(&name, &whole_dims(param))?;
                         let vals = if rows.is_empty() {
                             Vec::new()
                         } else {
                             local_rows(param, rank.tensor_rank as u64, rows.clone(), &mut |r| {
-                                read_rows(&dir, t, r, &mut headers)
+                                source.rows(&name, r)
                             })?
                         };
                         kinds.push(chunk.padded(vals, &Device::Cpu)?);
@@ -207,9 +217,21 @@ impl PipelineTrainer {
             }
             loaded.push(by_stage);
         }
+        Ok(loaded)
+    }
+
+    /// Puts what `read_stages` read in place, with the optimizer's step count, the data
+    /// position and the step.
+    fn apply(
+        &mut self,
+        loaded: Vec<Vec<Vec<Vec<Tensor>>>>,
+        optimizer_steps: u64,
+        position: u64,
+        step: u64,
+    ) -> Result<(), ExecError> {
         for (rank, by_stage) in self.ranks.iter_mut().zip(loaded) {
             for (stage, by_param) in rank.stages.iter_mut().zip(by_stage) {
-                stage.opt.steps = meta.optimizer_steps;
+                stage.opt.steps = optimizer_steps;
                 for (i, kinds) in by_param.into_iter().enumerate() {
                     let mut it = kinds.into_iter();
                     if let Some(m) = it.next() {
@@ -221,8 +243,54 @@ impl PipelineTrainer {
                 }
             }
         }
-        self.data.seek(meta.data_position);
-        self.step = meta.step;
-        Ok(warnings)
+        self.data.seek(position);
+        self.step = step;
+        Ok(())
+    }
+
+    /// Saves a DCP checkpoint of the current step under `root` (`step-N/`), every tensor
+    /// whole in one data file (put together by this process, as [`PipelineTrainer::save`]).
+    pub fn save_dcp(&mut self, root: &Path) -> Result<PathBuf, ExecError> {
+        let world = (self.config.mesh.pipeline * self.config.mesh.stage_world()) as usize;
+        if self.ranks.len() != world {
+            return Err(ExecError::Unsupported(format!(
+                "{}: a pipeline checkpoint is put together by one process holding every rank; train with --backend local to save",
+                root.display()
+            )));
+        }
+        let dir = prepare_step_dir(root, &format!("step-{}", self.step), true)?;
+        std::fs::create_dir_all(&dir).map_err(|e| io(&dir, "cannot create", e))?;
+        let whole = self.whole_tensors()?;
+        let order: Vec<(String, Vec<u64>)> = whole
+            .iter()
+            .map(|(n, t)| (n.clone(), t.dims().iter().map(|&d| d as u64).collect()))
+            .collect();
+        let by_name: HashMap<&str, &Tensor> = whole.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let params: Vec<String> = order
+            .iter()
+            .map(|(n, _)| n.clone())
+            .filter(|n| !n.starts_with("optim."))
+            .collect();
+        let run = RunState {
+            step: self.step,
+            optimizer_steps: self
+                .ranks
+                .first()
+                .and_then(|r| r.stages.first())
+                .map_or(0, |s| s.opt.steps),
+            position: Some(self.data.position()),
+        };
+        let adamw = matches!(self.config.optimizer, shardplan_frontends::Optimizer::AdamW { .. });
+        let values = run_values(&run, &self.model, &self.config, &params)?;
+        let mut read = |name: &str, _: &[u64]| host_f32(by_name[name]);
+        write_whole_dcp(
+            &dir,
+            &order,
+            &mut read,
+            adamw.then_some(run.optimizer_steps),
+            &values,
+            &mut |_, _| {},
+        )?;
+        Ok(dir)
     }
 }

@@ -73,6 +73,16 @@ type RankMicroBatches = Vec<HashMap<String, Tensor>>;
 /// Each local rank's [`RankMicroBatches`].
 type RankBatches = Vec<RankMicroBatches>;
 
+/// How a checkpoint names the model's parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CheckpointNames {
+    /// Hugging Face's (what shardplan writes).
+    #[default]
+    HuggingFace,
+    /// torchtitan's for its Llama 3, wq and wk in Meta's rotary layout.
+    Torchtitan,
+}
+
 /// A model, its Plan, and every rank's shards.
 pub struct ShardedTrainer {
     pub(crate) shared: Shared,
@@ -105,7 +115,7 @@ pub struct ShardedTrainer {
     /// Where each parameter of the plan's graph sits in the whole model.
     pub(crate) whole: WholeParams,
     /// How the DCP checkpoints this run reads name the parameters.
-    pub(crate) checkpoint_names: crate::checkpoint::CheckpointNames,
+    pub(crate) checkpoint_names: CheckpointNames,
 }
 
 /// Where the parameters of a rank's graph sit in the whole model. Under expert parallelism
@@ -555,7 +565,7 @@ impl ShardedTrainer {
 
     /// Reads DCP checkpoints (`load`, `init_from`) under `names`: torchtitan's own for its
     /// Llama 3, or Hugging Face's (the default, what shardplan writes).
-    pub fn set_checkpoint_names(&mut self, names: crate::checkpoint::CheckpointNames) {
+    pub fn set_checkpoint_names(&mut self, names: CheckpointNames) {
         self.checkpoint_names = names;
     }
 
