@@ -53,7 +53,8 @@ pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> ExecError {
     ExecError::Internal(format!("{what}: CUDA error {e:?}"))
 }
 
-/// Runs `$body` with `$T` the Rust type of `$dtype` (the dtypes the plan's buffers use).
+/// Runs `$body` with `$T` the Rust type of `$dtype` (the dtypes the plan's buffers and the
+/// pipeline's activations use).
 macro_rules! by_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
@@ -73,10 +74,11 @@ macro_rules! by_dtype {
                 type $T = f64;
                 $body
             }
-            other => Err(ExecError::Unsupported(format!("NCCL collectives of {other:?} tensors"))),
+            other => Err(ExecError::Unsupported(format!("NCCL transfers of {other:?} tensors"))),
         }
     };
 }
+pub(crate) use by_dtype;
 
 #[derive(Clone, Copy)]
 enum Kind {

@@ -3,7 +3,7 @@
 //! receiving thread per incoming pair (see the parent module for why).
 
 use super::{Header, HEADER_WORDS};
-use crate::comm::nccl::device::{cuda_err, join_comm, nccl_err, Shared};
+use crate::comm::nccl::device::{by_dtype, cuda_err, join_comm, nccl_err, Shared};
 use crate::comm::nccl::ID_BYTES;
 use crate::comm::p2p::{Mailbox, PointToPoint};
 use crate::comm::Abort;
@@ -17,33 +17,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Runs `$body` with `$T` the Rust type of `$dtype` (the dtypes the link carries).
-macro_rules! by_dtype {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::BF16 => {
-                type $T = half::bf16;
-                $body
-            }
-            DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            other => Err(ExecError::Unsupported(format!(
-                "the NCCL pipeline link carrying {other:?} tensors"
-            ))),
-        }
-    };
-}
 
 /// One end of a directed pair's communicator: this process sends on it (member 0) or
 /// receives on it (member 1).
