@@ -978,3 +978,86 @@ fn dcp_checkpoints_move_between_exported_programs_and_shardplan_train() {
         );
     }
 }
+
+#[test]
+fn exported_programs_write_and_read_torchtitans_names() {
+    let Some(py) = torch_python() else {
+        assert!(std::env::var("CI").is_err(), "CI runs this test: its venv has torch");
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = "examples/parallel/fsdp-1x4-cpu.yaml";
+    let out = d.join("export");
+    let o = export("tiny-llama", spec, &out);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let program = out.join("train.py");
+    let ck = d.join("ck");
+    let straight = run_program(
+        &py,
+        &program,
+        &d.join("straight.jsonl"),
+        &[
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "3",
+            "--names",
+            "torchtitan",
+        ],
+    );
+    let step3 = ck.join("step-3");
+    let md = shardplan_dcp::Checkpoint::open(&step3).unwrap().metadata;
+    for key in [
+        "tok_embeddings.weight",
+        "layers.0.attention.wq.weight",
+        "optimizer.state.layers.1.feed_forward.w2.weight.exp_avg",
+    ] {
+        assert!(md.entry(key).is_some(), "{key} not written");
+    }
+    assert!(md.entry("model.embed_tokens.weight").is_none());
+    // Read back by the program itself and by shardplan, each with its own rotary permutation.
+    let again = run_program(
+        &py,
+        &program,
+        &d.join("again.jsonl"),
+        &[
+            "--steps",
+            "6",
+            "--resume",
+            step3.to_str().unwrap(),
+            "--names",
+            "torchtitan",
+        ],
+    );
+    continues("exported -> exported under torchtitan's names", &straight, &again, 3);
+    let log = d.join("ours.jsonl");
+    let o = Command::new(env!("CARGO_BIN_EXE_shardplan"))
+        .args([
+            "train",
+            "--model",
+            "tiny-llama",
+            "--parallel",
+            spec,
+            "--steps",
+            "6",
+            "--names",
+            "torchtitan",
+            "--resume",
+        ])
+        .arg(&step3)
+        .arg("--log")
+        .arg(&log)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    continues(
+        "exported -> shardplan train under torchtitan's names",
+        &straight,
+        &log_losses(&log),
+        3,
+    );
+}

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -54,6 +55,9 @@ def parse_args(argv=None):
                     help="save torch.distributed.checkpoint (DCP) checkpoints here (step-N/), at the end and every --checkpoint-every steps")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     ap.add_argument("--keep-latest", type=int, default=3, help="complete checkpoints to keep (older ones are removed)")
+    ap.add_argument("--names", choices=["hf", "torchtitan"], default="hf",
+                    help="checkpoint parameter names: Hugging Face's (shardplan's), or torchtitan's for its Llama 3 "
+                         "(layers.0.attention.wq.weight, wq and wk in its rotary layout)")
     ap.add_argument("--resume", default=None,
                     help="continue from a DCP checkpoint: a step-N folder, or the newest complete one in this folder "
                          "(this program's or `shardplan train --checkpoint-format dcp`'s, on any mesh)")
@@ -853,23 +857,79 @@ def init_optimizer_state(opt):
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def checkpoint_state(model, names, opt, batches, step):
-    """The flat state dict of a checkpoint (tensors are this rank's DTensors)."""
-    sd = {}
+# torchtitan's names for its Llama 3's parameters, from Hugging Face's.
+TORCHTITAN_NAMES = [
+    (r"^model\.embed_tokens\.weight$", "tok_embeddings.weight"),
+    (r"^model\.norm\.weight$", "norm.weight"),
+    (r"^lm_head\.weight$", "output.weight"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight$", r"layers.\1.attention.w\2.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.weight$", r"layers.\1.feed_forward.w1.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.weight$", r"layers.\1.feed_forward.w2.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.up_proj\.weight$", r"layers.\1.feed_forward.w3.weight"),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"layers.\1.attention_norm.weight"),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"layers.\1.ffn_norm.weight"),
+]
+
+
+def torchtitan_name(hf):
+    for pattern, name in TORCHTITAN_NAMES:
+        if re.match(pattern, hf):
+            return re.sub(pattern, name, hf)
+    return hf
+
+
+def rotary_heads(hf):
+    """Heads of a query or key projection, whose rows torchtitan keeps in Meta's rotary
+    layout (each head's rows as interleaved pairs, where Hugging Face keeps halves)."""
+    if MODEL["family"] != "llama":
+        return None
+    if hf.endswith("self_attn.q_proj.weight"):
+        return MODEL["n_heads"]
+    if hf.endswith("self_attn.k_proj.weight"):
+        return MODEL["n_kv_heads"]
+    return None
+
+
+def to_meta(t, heads):
+    hd = t.shape[0] // heads
+    return t.reshape(heads, 2, hd // 2, -1).transpose(1, 2).reshape(t.shape)
+
+
+def from_meta(t, heads):
+    hd = t.shape[0] // heads
+    return t.reshape(heads, hd // 2, 2, -1).transpose(1, 2).reshape(t.shape)
+
+
+def checkpoint_state(model, names, opt, batches, step, torchtitan=False):
+    """The flat state dict of a checkpoint (tensors are this rank's DTensors), and what a
+    load must put back by hand: under torchtitan's names, each query and key projection
+    (and its optimizer state) is saved whole in Meta's layout, (key, target, heads)."""
+    sd, fixups = {}, []
     fields = ["lr", "betas", "eps", "weight_decay"] if OPTIMIZER["name"] == "adamw" else ["lr", "momentum", "weight_decay"]
+
+    def put(key, hf, v):
+        heads = rotary_heads(hf) if torchtitan and torch.is_tensor(v) and v.dim() == 2 else None
+        if heads is None:
+            sd[key] = v
+            return
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        sd[key] = to_meta(full.detach(), heads).contiguous()
+        fixups.append((key, v, heads))
+
     for path, p in model.named_parameters():
         hf = names[path]
-        sd[hf] = p
+        name = torchtitan_name(hf) if torchtitan else hf
+        put(name, hf, p)
         for k, v in opt.state.get(p, {}).items():
-            sd[f"optimizer.state.{hf}.{k}"] = v
+            put(f"optimizer.state.{name}.{k}", hf, v)
         for f in fields:
-            sd[f"optimizer.param_groups.{hf}.{f}"] = OPTIMIZER[f] if f != "betas" else tuple(OPTIMIZER[f])
+            sd[f"optimizer.param_groups.{name}.{f}"] = OPTIMIZER[f] if f != "betas" else tuple(OPTIMIZER[f])
     sd["train_state.step"] = step
     sd["lr_scheduler.last_epoch"] = step
     sd["dataloader.position"] = batches.position
     sd["shardplan.model"] = MODEL_SPEC
     sd["shardplan.seed"] = SEED
-    return sd
+    return sd, fixups
 
 
 def save_checkpoint(a, model, names, opt, batches, step, rank):
@@ -878,7 +938,8 @@ def save_checkpoint(a, model, names, opt, batches, step, rank):
     folder = os.path.join(a.checkpoint_dir, f"step-{step}")
     if os.path.exists(os.path.join(folder, ".metadata")):
         raise SystemExit(f"error: {folder}: a complete checkpoint exists; it is not overwritten")
-    dcp.save(checkpoint_state(model, names, opt, batches, step), checkpoint_id=folder)
+    sd, _ = checkpoint_state(model, names, opt, batches, step, a.names == "torchtitan")
+    dcp.save(sd, checkpoint_id=folder)
     dist.barrier()
     if rank == 0:
         done = sorted(complete_steps(a.checkpoint_dir))
@@ -897,7 +958,7 @@ def complete_steps(root):
     return out
 
 
-def resume_checkpoint(path, model, names, opt, batches):
+def resume_checkpoint(path, model, names, opt, batches, torchtitan):
     """Loads a checkpoint into this rank's shards; returns the step it was taken after."""
     import torch.distributed.checkpoint as dcp
 
@@ -909,7 +970,7 @@ def resume_checkpoint(path, model, names, opt, batches):
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     spec = "shardplan.model"
     init_optimizer_state(opt)
-    sd = checkpoint_state(model, names, opt, batches, 0)
+    sd, fixups = checkpoint_state(model, names, opt, batches, 0, torchtitan)
     # Only what this program needs: the hyperparameters come from its own spec.
     sd = {k: v for k, v in sd.items() if not k.startswith("optimizer.param_groups.")}
     if spec not in md:
@@ -919,6 +980,10 @@ def resume_checkpoint(path, model, names, opt, batches):
         raise SystemExit(f"error: {path}: the checkpoint lacks `{missing[0]}` ({len(missing)} keys missing): "
                          "is it of this model and optimizer?")
     dcp.load(sd, checkpoint_id=path)
+    with torch.no_grad():
+        for key, target, heads in fixups:
+            start, end, local = local_rows(target)
+            local.copy_(from_meta(sd[key], heads)[start:end].to(local.dtype))
     if spec in sd and json.loads(sd[spec]) != json.loads(MODEL_SPEC):
         raise SystemExit(f"error: {path}: written for another model (`shardplan.model` differs from this program's)")
     batches.position = int(sd["dataloader.position"])
@@ -1081,7 +1146,7 @@ def run(a, device, rank, world):
     meter = MemoryMeter(model, opt, device, a.track_memory)
     tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * world * BATCH["grad_accum"]
     log = open(a.log, "a") if a.log and rank == 0 else None
-    first = resume_checkpoint(a.resume, model, names, opt, batches) if a.resume else 0
+    first = resume_checkpoint(a.resume, model, names, opt, batches, a.names == "torchtitan") if a.resume else 0
     if first >= a.steps:
         raise SystemExit(f"error: the checkpoint is at step {first}; --steps {a.steps} leaves nothing to do "
                          "(--steps counts the whole run)")
