@@ -565,6 +565,24 @@ fn checkpoints_convert_between_formats_and_resume_alike() {
         first.push(losses(&log)[0]);
     }
     assert!(((first[0] - first[1]) / first[1]).abs() < 1e-3, "{first:?}");
+    // Hugging Face weights convert to DCP (parameters only, step 0), which starts a run.
+    let from_hf = d.join("from-hf");
+    assert!(ok(&convert(&hf, "dcp", &from_hf, &[])).contains("wrote 21 tensors"));
+    let log = d.join("init-dcp.jsonl");
+    ok(&shardplan(&[
+        "train",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        "examples/parallel/fsdp-1x4-cpu.yaml",
+        "--steps",
+        "1",
+        "--init-from",
+        from_hf.to_str().unwrap(),
+        "--log",
+        log.to_str().unwrap(),
+    ]));
+    assert_eq!(losses(&log)[0], first[0], "the bf16 weights, through DCP");
     // Nothing is overwritten; a torch-made checkpoint records no model for shardplan's format.
     let o = convert(&step3, "dcp", &dcp, &[]);
     assert_eq!(o.status.code(), Some(2));

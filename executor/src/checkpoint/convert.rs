@@ -1,5 +1,5 @@
-//! `shardplan checkpoint convert`: a checkpoint from shardplan's format or DCP into
-//! shardplan's format, DCP, or Hugging Face safetensors (parameters only, in shards of at
+//! `shardplan checkpoint convert`: a checkpoint from shardplan's format, DCP or Hugging
+//! Face safetensors (parameters only) into shardplan's format, DCP, or Hugging Face safetensors (parameters only, in shards of at
 //! most 5 GB with `model.safetensors.index.json`, as `save_pretrained` writes them).
 //!
 //! The source is read one whole tensor at a time (every check a resume makes is made);
@@ -44,6 +44,9 @@ struct Source {
 type ReadWhole = Box<super::dcp::ReadTensor<'static>>;
 
 fn open(path: &Path) -> Result<Source, ExecError> {
+    if !super::is_checkpoint(path) && !shardplan_dcp::is_checkpoint(path) {
+        return open_hf(path);
+    }
     let (dir, _) = resolve(path)?;
     if shardplan_dcp::is_checkpoint(&dir) {
         return open_dcp(&dir);
@@ -63,6 +66,28 @@ fn open(path: &Path) -> Result<Source, ExecError> {
         read: Box::new(move |name, shape| {
             let t = &by_name[name];
             read_rows(&dir, t, 0..shape.first().copied().unwrap_or(1), &mut headers)
+        }),
+    })
+}
+
+/// Hugging Face weights: parameters only, a run not yet started.
+fn open_hf(path: &Path) -> Result<Source, ExecError> {
+    let tensors = super::hf::hf_tensors(path)?;
+    let path = path.to_path_buf();
+    Ok(Source {
+        tensors,
+        step: 0,
+        optimizer: "none".into(),
+        optimizer_steps: 0,
+        data_position: 0,
+        seed: 0,
+        model: None,
+        read: Box::new(move |name, dims| {
+            let t = super::read_weights(&path, &[(name.to_string(), dims.to_vec())])?;
+            let t = t
+                .get(name)
+                .ok_or_else(|| ExecError::Checkpoint(format!("{}: no tensor `{name}`", path.display())))?;
+            Ok(t.flatten_all()?.to_vec1::<f32>()?)
         }),
     })
 }
@@ -167,7 +192,7 @@ fn to_dcp(s: &mut Source, out: &Path, progress: &mut dyn FnMut(usize, usize)) ->
 fn to_shardplan(s: &mut Source, out: &Path, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, ExecError> {
     let model = s.model.clone().ok_or_else(|| {
         ExecError::Checkpoint(
-            "the checkpoint records no model spec (`shardplan.model`), which shardplan's format needs: it was not written by shardplan; resume it with `shardplan train --resume`, which checks it against the run's model".into(),
+            "the source records no model spec (`shardplan.model`), which shardplan's format needs: torch, torchtitan or Hugging Face wrote it; convert it to `dcp` or `hf`, or use it as it is (`--resume` for a DCP checkpoint, `--init-from` for weights)".into(),
         )
     })?;
     let total = s.tensors.len();

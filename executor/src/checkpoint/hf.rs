@@ -197,6 +197,22 @@ fn read_dcp_weights(dir: &Path, wanted: &[(String, Vec<u64>)]) -> Result<HashMap
     Ok(out)
 }
 
+/// Every tensor of a Hugging Face checkpoint (a safetensors file, or a folder with
+/// `model.safetensors` or an index) with its shape, by name.
+pub(crate) fn hf_tensors(path: &Path) -> Result<Vec<(String, Vec<u64>)>, ExecError> {
+    let mut files: Vec<PathBuf> = hf_files(path)?.into_values().collect();
+    files.sort();
+    files.dedup();
+    let mut out = Vec::new();
+    for f in files {
+        for (name, (_, shape, _, _)) in read_header(&f)?.tensors {
+            out.push((name, shape));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Which file holds each tensor of a Hugging Face checkpoint (`"*"`: one file holds all).
 fn hf_files(path: &Path) -> Result<HashMap<String, PathBuf>, ExecError> {
     let mut out = HashMap::new();
