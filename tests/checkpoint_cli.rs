@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{json_lines, shardplan};
+use common::{json_lines, shardplan, torch_python};
 
 use std::process::Output;
 
@@ -364,21 +364,6 @@ fn damaged_checkpoints_exit_2_naming_the_file_and_field() {
             assert!(!err.contains("panicked"), "{err}");
         }
     }
-}
-
-/// The Python with torch and safetensors: SHARDPLAN_TORCH_PYTHON, else `python3` if it has
-/// them.
-fn torch_python() -> Option<String> {
-    let candidates = std::env::var("SHARDPLAN_TORCH_PYTHON")
-        .ok()
-        .into_iter()
-        .chain(["python3".to_string()]);
-    candidates.into_iter().find(|py| {
-        std::process::Command::new(py)
-            .args(["-c", "import torch.distributed.checkpoint, safetensors"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
 }
 
 /// torch's `dcp.load` of every tensor and value of a checkpoint folder (`argv[1]`), the

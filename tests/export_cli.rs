@@ -9,7 +9,7 @@ mod common;
 #[path = "../planner/tests/common/edit.rs"]
 mod edit;
 
-use common::{shardplan, shardplan_ok, stderr};
+use common::{shardplan, shardplan_ok, stderr, torch_python};
 use std::path::Path;
 use std::process::Command;
 
@@ -434,25 +434,6 @@ fn plans_fsdp2_cannot_run_as_planned_are_refused() {
     // A missing --out or specs is a usage error, not a panic.
     let o = shardplan(&["export", "fsdp2", "--model", "examples/models/tiny-gpt2.yaml"]);
     assert_eq!(o.status.code(), Some(2));
-}
-
-/// The Python with torch, safetensors and numpy (the check's weight writer):
-/// SHARDPLAN_TORCH_PYTHON, else `python3` if it has them.
-fn torch_python() -> Option<String> {
-    let candidates = std::env::var("SHARDPLAN_TORCH_PYTHON")
-        .ok()
-        .into_iter()
-        .chain(["python3".to_string()]);
-    for py in candidates {
-        let ok = Command::new(&py)
-            .args(["-c", "import torch, safetensors, numpy"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return Some(py);
-        }
-    }
-    None
 }
 
 /// `benches/fsdp2_export.py` on the small models, 2 steps, memory checked, the ranks forked

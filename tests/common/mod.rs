@@ -37,3 +37,18 @@ pub fn json_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// The Python with torch, safetensors and numpy (the torch checks' needs):
+/// SHARDPLAN_TORCH_PYTHON, else `python3` if it has them.
+pub fn torch_python() -> Option<String> {
+    let candidates = std::env::var("SHARDPLAN_TORCH_PYTHON")
+        .ok()
+        .into_iter()
+        .chain(["python3".to_string()]);
+    candidates.into_iter().find(|py| {
+        Command::new(py)
+            .args(["-c", "import torch, safetensors, numpy"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
