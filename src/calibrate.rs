@@ -269,8 +269,20 @@ fn attention_efficiency(ranks: usize, secs: f64, launch: f64, tflops: f64) -> Re
     let p = [b, h, s, s];
     let att = |op: Op, shapes: &[&[u64]]| -> Result<f64, CliError> { time_op(ranks, secs, &Bench::new(op, shapes)?) };
     let part = (2 * b * h * s * s * d) as f64 * kept(s, 64);
-    let t_fwd = att(Op::Attention { causal: true }, &[&q, &q, &q])? - launch;
-    let mut t_bwd = att(Op::AttnProbs { causal: true }, &[&q, &q])?;
+    let t_fwd = att(
+        Op::Attention {
+            causal: true,
+            context: None,
+        },
+        &[&q, &q, &q],
+    )? - launch;
+    let mut t_bwd = att(
+        Op::AttnProbs {
+            causal: true,
+            context: None,
+        },
+        &[&q, &q],
+    )?;
     t_bwd += att(Op::AttnGradV { kv_heads: h }, &[&p, &q])?;
     t_bwd += att(Op::AttnGradScores, &[&p, &q, &q])?;
     t_bwd += att(Op::AttnGradQ, &[&p, &q])?;

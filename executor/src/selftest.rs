@@ -249,7 +249,7 @@ impl Backend for Twin {
             DType::F32,
             shardplan_ir::Shape::new(q.dims().iter().map(|&d| d as u64).collect::<Vec<_>>()),
         );
-        let o = kernels::apply(&self.ctx, &Op::Attention { causal }, &[q, k, v], &out)?;
+        let o = kernels::apply(&self.ctx, &Op::Attention { causal, context: None }, &[q, k, v], &out)?;
         Ok((o, attention_lse(q, k, causal)?))
     }
     fn attention_backward(
@@ -262,7 +262,8 @@ impl Backend for Twin {
         _lse: &Tensor,
         causal: bool,
     ) -> Result<[Tensor; 3]> {
-        let [dq, dk, dv] = kernels::attention_backward_blockwise(q, k, v, dy, causal, [true; 3])?;
+        let [dq, dk, dv] =
+            kernels::attention_backward_blockwise(q, k, v, dy, &kernels::Mask::of(causal, None, 0, 0), [true; 3])?;
         let missing = || ExecError::Internal("the blockwise attention backward made no gradient".into());
         Ok([
             dq.ok_or_else(missing)?,
@@ -339,7 +340,7 @@ impl Backend for Composed {
             DType::F64,
             shardplan_ir::Shape::new(q.dims().iter().map(|&d| d as u64).collect::<Vec<_>>()),
         );
-        let o = kernels::apply(&self.ctx, &Op::Attention { causal }, &[q, k, v], &out)?;
+        let o = kernels::apply(&self.ctx, &Op::Attention { causal, context: None }, &[q, k, v], &out)?;
         Ok((o, attention_lse(q, k, causal)?))
     }
     fn attention_backward(

@@ -24,9 +24,9 @@ pub use load::{load_model, load_parallel, trace_error, trace_options, LoadedMode
 pub use model_spec::{parse_model_spec, Family, ModelSpecFile};
 pub use origin::Origin;
 pub use parallel::{
-    parse_parallel_spec, spec_yaml, ActivationCheckpointing, AdamwImplementation, AllocatorConfig, Batch, DataSource,
-    Eval, GradSync, LrSchedule, MeshShape, MixedPrecision, MoeParallel, Offload, Optimizer, ParallelConfig, Pipeline,
-    PipelineSchedule, Prefetch, Reshard, Runtime, SavePolicy, SavedMatmuls, StageSplit, TensorParallel, TokenDType,
-    DEFAULT_MOE_CAPACITY, MAX_EVAL_BATCHES, MAX_WORLD,
+    parse_parallel_spec, spec_yaml, ActivationCheckpointing, AdamwImplementation, AllocatorConfig, Batch,
+    ContextParallel, DataSource, Eval, GradSync, LrSchedule, MeshShape, MixedPrecision, MoeParallel, Offload,
+    Optimizer, ParallelConfig, Pipeline, PipelineSchedule, Prefetch, Reshard, Runtime, SavePolicy, SavedMatmuls,
+    StageSplit, TensorParallel, TokenDType, DEFAULT_MOE_CAPACITY, MAX_EVAL_BATCHES, MAX_WORLD,
 };
 pub use source::{Source, MAX_SPEC_BYTES};

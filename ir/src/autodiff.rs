@@ -401,7 +401,11 @@ fn vjp(
                 put(2, g.add_grad_node(Op::SumTo { shape }, &[dy], id)?);
             }
         }
-        Op::Rope { theta, scaling } => {
+        Op::Rope {
+            theta,
+            scaling,
+            context,
+        } => {
             if wanted[0] {
                 put(
                     0,
@@ -409,6 +413,7 @@ fn vjp(
                         Op::RopeGrad {
                             theta: *theta,
                             scaling: *scaling,
+                            context: *context,
                         },
                         &[dy],
                         id,
@@ -416,9 +421,16 @@ fn vjp(
                 );
             }
         }
-        Op::Attention { causal } => {
+        Op::Attention { causal, context } => {
             let kv_heads = ty(g, 1).shape.dims()[2];
-            let probs = g.add_grad_node(Op::AttnProbs { causal: *causal }, &[ins[0], ins[1]], id)?;
+            let probs = g.add_grad_node(
+                Op::AttnProbs {
+                    causal: *causal,
+                    context: *context,
+                },
+                &[ins[0], ins[1]],
+                id,
+            )?;
             if wanted[2] {
                 put(2, g.add_grad_node(Op::AttnGradV { kv_heads }, &[probs, dy], id)?);
             }
@@ -542,6 +554,24 @@ fn vjp(
         Op::TpAllReduce { .. } => {
             if wanted[0] {
                 put(0, dy);
+            }
+        }
+        Op::CpAllGather { layout, rotate } => {
+            if wanted[0] {
+                let back = Op::CpReduceScatter {
+                    layout: *layout,
+                    rotate: *rotate,
+                };
+                put(0, g.add_grad_node(back, &[dy], id)?);
+            }
+        }
+        Op::CpReduceScatter { layout, rotate } => {
+            if wanted[0] {
+                let gather = Op::CpAllGather {
+                    layout: *layout,
+                    rotate: *rotate,
+                };
+                put(0, g.add_grad_node(gather, &[dy], id)?);
             }
         }
         Op::TpCopy { degree } => {

@@ -122,7 +122,8 @@ impl Graph {
             // Collectives move bytes (costed by the planner on the tensor group's links);
             // a reduction adds each arriving element once.
             Op::TpReduceScatter { .. } | Op::TpAllReduce { .. } => (ins[0].numel().unwrap_or(u64::MAX), 0),
-            Op::TpAllGather { .. } | Op::TpCopy { .. } | Op::TpSlice { .. } => (0, 0),
+            Op::TpAllGather { .. } | Op::TpCopy { .. } | Op::TpSlice { .. } | Op::CpAllGather { .. } => (0, 0),
+            Op::CpReduceScatter { .. } => (ins[0].numel().unwrap_or(u64::MAX), 0),
             Op::SumTo { .. }
             | Op::BroadcastTo { .. }
             | Op::Pad { .. }

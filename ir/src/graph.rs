@@ -164,6 +164,9 @@ pub struct Graph {
     tensor_degree: u64,
     expert_degree: u64,
     expert_overlap: bool,
+    /// The context layout of a context-parallel graph's ops (`None`: every rank holds
+    /// whole sequences).
+    context: Option<crate::ContextLayout>,
 }
 
 impl Graph {
@@ -184,6 +187,7 @@ impl Graph {
             tensor_degree: 1,
             expert_degree: 1,
             expert_overlap: true,
+            context: None,
         }
     }
 
@@ -332,6 +336,17 @@ impl Graph {
         self.tensor_degree
     }
 
+    /// How a context-parallel graph's rows sit in their sequences (from its first op that
+    /// reads a position); `None` without context parallelism.
+    pub fn context_layout(&self) -> Option<crate::ContextLayout> {
+        self.context
+    }
+
+    /// Ranks of the context group this graph is one rank's program of (1: none).
+    pub fn context_degree(&self) -> u64 {
+        self.context.map_or(1, |l| l.degree)
+    }
+
     /// Marks the graph as one rank's program of a `degree`-rank tensor group.
     pub fn set_tensor_degree(&mut self, degree: u64) {
         self.tensor_degree = degree.max(1);
@@ -398,6 +413,7 @@ impl Graph {
     }
 
     fn push(&mut self, op: Op, inputs: &[NodeId], ty: TensorType, scope: ScopeId) -> NodeId {
+        self.context = self.context.or(op.context());
         let idx = self.dag.add_node(Node {
             op,
             inputs: Operands::from_slice(inputs),

@@ -4,6 +4,7 @@
 //! Architecture invariant: the IR knows nothing of devices, sharding or collectives.
 
 pub mod autodiff;
+mod context;
 mod cost;
 mod dot;
 mod dtype;
@@ -17,6 +18,7 @@ mod shape;
 pub mod stats;
 
 pub use autodiff::{differentiate, differentiate_stage, differentiate_with, DiffOptions, JointGraph, StageJoint};
+pub use context::{ContextBalance, ContextLayout, ContextRotate};
 pub use cost::{elementwise_flops, Cost};
 pub use dot::to_dot;
 pub use dtype::DType;

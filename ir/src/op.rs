@@ -3,7 +3,7 @@
 //! Ops are coarse where kernels are coarse (attention, rms_norm, cross_entropy), so the
 //! planner and cost model see the same units the executor runs.
 
-use crate::{DType, ParamId, Shape, TensorType};
+use crate::{ContextLayout, ContextRotate, DType, ParamId, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -140,14 +140,25 @@ pub enum Op {
     /// `(x [..., d], w [d], b [d]) -> [..., d]`.
     LayerNorm { eps: f64 },
     /// Rotary position embedding over positions `0..seq`: `(x [b, s, h, d]) -> same`, d even.
+    /// With `context`, the rows are this context rank's of a longer sequence, at their
+    /// positions in it ([`ContextLayout::positions`]).
     Rope {
         theta: f64,
         #[serde(default, skip_serializing_if = "is_default_scaling")]
         scaling: RopeScaling,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<ContextLayout>,
     },
     /// Scaled dot-product attention with grouped-query heads:
     /// `(q [b, s, h, d], k [b, t, kv, d], v [b, t, kv, d]) -> [b, s, h, d]`, h % kv == 0.
-    Attention { causal: bool },
+    /// Causal, query `i` sees keys `0..=i + t - s`. With `context`, the queries are this
+    /// context rank's rows and the keys the whole sequence in position order
+    /// (`cp_all_gather`'s), and a query sees the keys up to its own position.
+    Attention {
+        causal: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<ContextLayout>,
+    },
     /// `x * sigmoid(x)`.
     Silu,
     /// GELU, tanh approximation (GPT-2's `gelu_new`, `gelu_pytorch_tanh`).
@@ -196,9 +207,16 @@ pub enum Op {
         theta: f64,
         #[serde(default, skip_serializing_if = "is_default_scaling")]
         scaling: RopeScaling,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<ContextLayout>,
     },
-    /// Attention probabilities, recomputed in backward: `(q, k) -> [b, h, s, t]`.
-    AttnProbs { causal: bool },
+    /// Attention probabilities, recomputed in backward: `(q, k) -> [b, h, s, t]`, masked as
+    /// its `attention`.
+    AttnProbs {
+        causal: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<ContextLayout>,
+    },
     /// `(p [b, h, s, t], g [b, s, h, d]) -> dv [b, t, kv, d]`.
     AttnGradV { kv_heads: u64 },
     /// Gradient of the (scaled) scores through the softmax: `(p, g, v) -> [b, h, s, t]`.
@@ -332,6 +350,24 @@ pub enum Op {
     /// `(logits [n, V / degree], targets [n], g []) -> dlogits [n, V / degree]` of
     /// `vocab_cross_entropy` (the log-sum-exp reduced over the group again).
     VocabCrossEntropyGrad { degree: u64 },
+
+    // ---- context parallelism: ops over the `layout.degree` ranks of one context group ----
+    // A context-parallel graph is one context rank's program: each rank holds its rows of
+    // every sequence ([`ContextLayout`]); attention is where they meet.
+    /// Every context rank's rows of dim 1 (keys or values), the whole sequence in position
+    /// order: `[b, s, ..] -> [b, s * degree, ..]`, moved as `rotate` says. Backward:
+    /// `cp_reduce_scatter`.
+    CpAllGather {
+        layout: ContextLayout,
+        rotate: ContextRotate,
+    },
+    /// The sum over the context group of `x` (a whole sequence in position order), this
+    /// rank's rows: `[b, s * degree, ..] -> [b, s, ..]` (keys' and values' gradients).
+    /// Backward: `cp_all_gather`.
+    CpReduceScatter {
+        layout: ContextLayout,
+        rotate: ContextRotate,
+    },
 }
 
 /// How a tensor-parallel all-gather's gradient comes back.
@@ -436,6 +472,8 @@ impl Op {
             Op::MoeDispatch { .. } => "moe_dispatch",
             Op::MoeCombine { .. } => "moe_combine",
             Op::MoeLocalIds { .. } => "moe_local_ids",
+            Op::CpAllGather { .. } => "cp_all_gather",
+            Op::CpReduceScatter { .. } => "cp_reduce_scatter",
         }
     }
 
@@ -463,10 +501,18 @@ impl Op {
             Op::RmsNorm { eps } | Op::LayerNorm { eps } => format!("eps={eps:e}"),
             Op::Rope {
                 theta,
-                scaling: RopeScaling::Default,
-            } => format!("theta={theta}"),
-            Op::Rope { theta, scaling } => format!("theta={theta} scaling={scaling:?}"),
-            Op::Attention { causal } => if *causal { "causal" } else { "full" }.to_string(),
+                scaling,
+                context,
+            } => {
+                let mut s = format!("theta={theta}");
+                if *scaling != RopeScaling::Default {
+                    s.push_str(&format!(" scaling={scaling:?}"));
+                }
+                s + &context_attrs(context)
+            }
+            Op::Attention { causal, context } | Op::AttnProbs { causal, context } => {
+                if *causal { "causal" } else { "full" }.to_string() + &context_attrs(context)
+            }
             Op::Softmax { dim } => format!("dim={dim}"),
             Op::Reshape { shape } => format!("to={shape}"),
             Op::Transpose { dim0, dim1 } => format!("dims={dim0},{dim1}"),
@@ -485,8 +531,7 @@ impl Op {
                     if *wrt == NormWrt::Input { "input" } else { "weight" }
                 )
             }
-            Op::RopeGrad { theta, .. } => format!("theta={theta}"),
-            Op::AttnProbs { causal } => if *causal { "causal" } else { "full" }.to_string(),
+            Op::RopeGrad { theta, context, .. } => format!("theta={theta}") + &context_attrs(context),
             Op::AttnGradV { kv_heads } | Op::AttnGradK { kv_heads } => format!("kv_heads={kv_heads}"),
             Op::SoftmaxGrad { dim } => format!("dim={dim}"),
             Op::Pad { dim, before, after } => format!("dim={dim} before={before} after={after}"),
@@ -532,6 +577,14 @@ impl Op {
                 format!("degree={degree} experts={experts} rows={rows}")
             }
             Op::MoeCombine { degree, experts } => format!("degree={degree} experts={experts}"),
+            Op::CpAllGather { layout, rotate } | Op::CpReduceScatter { layout, rotate } => {
+                format!(
+                    "cp={} balance={} rotate={}",
+                    layout.degree,
+                    layout.balance.name(),
+                    rotate.name()
+                )
+            }
             _ => String::new(),
         }
     }
@@ -561,7 +614,9 @@ impl Op {
             | Op::TpReduceScatter { .. }
             | Op::TpAllReduce { .. }
             | Op::TpCopy { .. }
-            | Op::TpSlice { .. } => 1,
+            | Op::TpSlice { .. }
+            | Op::CpAllGather { .. }
+            | Op::CpReduceScatter { .. } => 1,
             Op::VocabEmbedding { .. } | Op::VocabEmbeddingGrad { .. } | Op::VocabCrossEntropy { .. } => 2,
             Op::VocabCrossEntropyGrad { .. } => 3,
             Op::MoeTopK { .. } | Op::MoeDrop { .. } | Op::MoeGatherIds { .. } | Op::MoeLocalIds { .. } => 1,
@@ -705,9 +760,14 @@ impl Op {
                     ins[1].clone()
                 })
             }
-            Op::RopeGrad { theta, scaling } => Op::Rope {
+            Op::RopeGrad {
+                theta,
+                scaling,
+                context,
+            } => Op::Rope {
                 theta: *theta,
                 scaling: *scaling,
+                context: *context,
             }
             .infer(ins),
             Op::AttnProbs { .. } => {
@@ -830,6 +890,28 @@ impl Op {
             Op::TpAllReduce { .. } | Op::TpCopy { .. } => {
                 float(ins[0], "input")?;
                 Ok(ins[0].clone())
+            }
+            Op::CpAllGather { layout, .. } => Op::TpAllGather {
+                dim: 1,
+                degree: layout.degree,
+                grad: TpGrad::Partial,
+            }
+            .infer(ins),
+            Op::CpReduceScatter { layout, .. } => {
+                float(ins[0], "input")?;
+                let n = ins[0].shape.dims().get(1).copied().unwrap_or(0);
+                let chunks = layout.balance.chunks(layout.degree);
+                if !n.is_multiple_of(chunks) {
+                    return Err(format!(
+                        "dim 1 of {} does not split into {chunks} equal chunks",
+                        ins[0].shape
+                    ));
+                }
+                Op::TpReduceScatter {
+                    dim: 1,
+                    degree: layout.degree,
+                }
+                .infer(ins)
             }
             Op::MoeTopK { k, .. } => {
                 let (t, e) = router_logits(ins[0])?;
@@ -1026,6 +1108,7 @@ impl Op {
                 | Op::MoeRouterWeightsGrad { .. }
                 | Op::GroupedWeightGrad { .. }
                 | Op::MoeAuxLossGrad { .. }
+                | Op::CpReduceScatter { .. }
         )
     }
 
@@ -1035,6 +1118,23 @@ impl Op {
             self,
             Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. }
         )
+    }
+
+    /// True for the ops that exchange data within the context-parallel group.
+    pub fn is_context_collective(&self) -> bool {
+        matches!(self, Op::CpAllGather { .. } | Op::CpReduceScatter { .. })
+    }
+
+    /// The context layout an op's rows follow, for the ops that read it.
+    pub fn context(&self) -> Option<ContextLayout> {
+        match self {
+            Op::Rope { context, .. }
+            | Op::RopeGrad { context, .. }
+            | Op::Attention { context, .. }
+            | Op::AttnProbs { context, .. } => *context,
+            Op::CpAllGather { layout, .. } | Op::CpReduceScatter { layout, .. } => Some(*layout),
+            _ => None,
+        }
     }
 
     /// True for the ops that exchange data within the tensor-parallel group.
@@ -1057,6 +1157,13 @@ impl RouterScore {
             RouterScore::Sigmoid => "sigmoid",
         }
     }
+}
+
+/// ` cp=2 balance=head_tail` for an op over a context group; empty without.
+fn context_attrs(context: &Option<ContextLayout>) -> String {
+    context.map_or(String::new(), |l| {
+        format!(" cp={} balance={}", l.degree, l.balance.name())
+    })
 }
 
 /// `(tokens, experts)` of router logits `[T, E]`.

@@ -92,7 +92,14 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
             )?;
             qkv_heads.push(t.reshape(attn, part, &[batch, seq, heads, hd])?);
         }
-        let a = t.op(attn, Op::Attention { causal: true }, &qkv_heads)?;
+        let a = t.op(
+            attn,
+            Op::Attention {
+                causal: true,
+                context: None,
+            },
+            &qkv_heads,
+        )?;
         let a = t.reshape(attn, a, &[batch, seq, width])?;
         let o = t.row_linear(attn, a, &format!("{p}.attn.c_proj"), [d, d], WeightLayout::InOut, true)?;
         x = t.op(block, Op::Add, &[x, o])?;

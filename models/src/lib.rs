@@ -18,4 +18,4 @@ pub use config::{
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
 pub use trace::{trace, TraceError, TraceOptions};
-pub use tracer::{ExpertOptions, TensorOptions};
+pub use tracer::{ContextOptions, ExpertOptions, TensorOptions};

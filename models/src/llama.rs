@@ -138,13 +138,23 @@ fn attention(
     let attn = t.scope(block, "attention", ModuleKind::Attention);
     let h = t.tp_enter(attn, h)?;
     let [q, k, v] = qkv_heads(t, c, dims, attn, h, sa)?;
+    let context = t.cp.layout();
     let rope = || Op::Rope {
         theta: c.rope_theta,
         scaling: c.rope_scaling,
+        context,
     };
     let q = t.op(attn, rope(), &[q])?;
-    let k = t.op(attn, rope(), &[k])?;
-    let a = t.op(attn, Op::Attention { causal: true }, &[q, k, v])?;
+    let mut k = t.op(attn, rope(), &[k])?;
+    let mut v = v;
+    if let Some(layout) = context {
+        // Ring attention: every context rank's keys and values, in position order.
+        let rotate = t.cp.rotate;
+        let gather = || Op::CpAllGather { layout, rotate };
+        k = t.op(attn, gather(), &[k])?;
+        v = t.op(attn, gather(), &[v])?;
+    }
+    let a = t.op(attn, Op::Attention { causal: true, context }, &[q, k, v])?;
     let a = t.reshape(attn, a, &[batch, seq, dims.heads * head_dim])?;
     t.row_linear(
         attn,

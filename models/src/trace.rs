@@ -1,8 +1,8 @@
 //! Entry point of tracing: a validated config and the batch shape in, an IR graph out.
 
-use crate::tracer::{ExpertOptions, TensorOptions, Tracer};
+use crate::tracer::{ContextOptions, ExpertOptions, TensorOptions, Tracer};
 use crate::{gpt2, llama, mlp, ConfigError, ModelConfig};
-use shardplan_ir::{DType, Graph, IrError};
+use shardplan_ir::{ContextBalance, DType, Graph, IrError};
 use thiserror::Error;
 
 /// The concrete shape a graph is traced for (a plan is for one shape).
@@ -18,6 +18,9 @@ pub struct TraceOptions {
     pub tensor: TensorOptions,
     /// Expert parallelism: with `degree > 1` the graph is one expert rank's program.
     pub expert: ExpertOptions,
+    /// Context parallelism: with `degree > 1` the graph is one context rank's program,
+    /// `seq_len / degree` rows of each sequence.
+    pub context: ContextOptions,
 }
 
 impl Default for TraceOptions {
@@ -28,6 +31,7 @@ impl Default for TraceOptions {
             dtype: DType::F32,
             tensor: TensorOptions::default(),
             expert: ExpertOptions::default(),
+            context: ContextOptions::default(),
         }
     }
 }
@@ -81,24 +85,78 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
             });
         }
     }
-    check_tensor(config, &opts.tensor, seq)?;
+    check_context(config, &opts, seq)?;
+    let local = opts.context.local_seq(seq);
+    check_tensor(config, &opts.tensor, local)?;
     check_expert(config, &opts.expert)?;
     let mut t = Tracer {
         g: Graph::new(config.name()),
         dtype: opts.dtype,
         tp: opts.tensor,
         ep: opts.expert,
+        cp: opts.context,
         aux_loss: None,
     };
     t.g.set_tensor_degree(opts.tensor.degree);
     match config {
-        ModelConfig::Llama(c) => llama::build(&mut t, c, opts.batch, seq)?,
-        ModelConfig::Gpt2(c) => gpt2::build(&mut t, c, opts.batch, seq)?,
-        ModelConfig::Mlp(c) => mlp::build(&mut t, c, opts.batch, seq)?,
+        ModelConfig::Llama(c) => llama::build(&mut t, c, opts.batch, local)?,
+        ModelConfig::Gpt2(c) => gpt2::build(&mut t, c, opts.batch, local)?,
+        ModelConfig::Mlp(c) => mlp::build(&mut t, c, opts.batch, local)?,
     }
     let mut g = t.g;
     g.set_expert_overlap(opts.expert.overlap);
     Ok(g)
+}
+
+/// What a context-parallel degree needs: a Llama-family model without routed experts
+/// (rotary positions, which each rank takes at its rows' places), and a sequence that cuts
+/// into the layout's chunks, each split again over the tensor group.
+fn check_context(config: &ModelConfig, opts: &TraceOptions, seq: u64) -> Result<(), TraceError> {
+    let cp = &opts.context;
+    if !cp.is_parallel() {
+        return Ok(());
+    }
+    let c = cp.degree;
+    let shape = |field: &'static str, message: String, help: String| TraceError::Shape { field, message, help };
+    match config {
+        ModelConfig::Llama(l) if l.moe.is_none() => {}
+        ModelConfig::Llama(_) => {
+            return Err(shape(
+                "mesh.context",
+                format!("context parallelism over {c} ranks is not supported for mixture-of-experts models yet"),
+                "set mesh.context to 1 (or leave it out) for this model".into(),
+            ))
+        }
+        _ => {
+            return Err(shape(
+                "mesh.context",
+                format!(
+                    "context parallelism needs rotary positions; {} is not a Llama-family model",
+                    config.name()
+                ),
+                "set mesh.context to 1 (or leave it out), or use a Llama, Mistral or Qwen model".into(),
+            ))
+        }
+    }
+    let t = opts.tensor.degree.max(1);
+    let chunks = cp.balance.chunks(c);
+    let unit = chunks * t;
+    if !seq.is_multiple_of(unit) {
+        let how = match cp.balance {
+            ContextBalance::HeadTail => format!("2 x context {c}"),
+            ContextBalance::None => format!("context {c}"),
+        };
+        let how = if t > 1 { format!("{how} x tensor {t}") } else { how };
+        return Err(shape(
+            "batch.seq_len",
+            format!("sequence length {seq} does not divide by {how} = {unit}"),
+            format!(
+                "set batch.seq_len to a multiple of {unit} (for example {})",
+                (seq / unit).max(1) * unit
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// What an expert-parallel degree needs of the model (routed experts, as many on every

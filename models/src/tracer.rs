@@ -4,8 +4,8 @@
 //! imports them and this, so nothing imports back.
 
 use shardplan_ir::{
-    DType, ExpertSplit, Graph, IrError, ModuleKind, NodeId, Op, ScopeId, Shape, TensorSplit, TensorType, TpGrad,
-    WeightLayout,
+    ContextBalance, ContextLayout, ContextRotate, DType, ExpertSplit, Graph, IrError, ModuleKind, NodeId, Op, ScopeId,
+    Shape, TensorSplit, TensorType, TpGrad, WeightLayout,
 };
 
 /// How a model is split over a tensor-parallel group (torchtitan's Llama plan): attention
@@ -101,6 +101,46 @@ impl ExpertOptions {
     }
 }
 
+/// How each sequence is split over a context-parallel group (torchtitan's `cp` axis):
+/// each rank holds its rows of every sequence ([`ContextLayout`]), and attention meets
+/// every rank's keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextOptions {
+    /// Ranks of the context group; 1: every rank holds whole sequences.
+    pub degree: u64,
+    pub balance: ContextBalance,
+    pub rotate: ContextRotate,
+}
+
+impl Default for ContextOptions {
+    fn default() -> Self {
+        ContextOptions {
+            degree: 1,
+            balance: ContextBalance::HeadTail,
+            rotate: ContextRotate::AllGather,
+        }
+    }
+}
+
+impl ContextOptions {
+    pub fn is_parallel(&self) -> bool {
+        self.degree > 1
+    }
+
+    /// The layout of a context-parallel trace; `None` without context parallelism.
+    pub fn layout(&self) -> Option<ContextLayout> {
+        self.is_parallel().then_some(ContextLayout {
+            degree: self.degree,
+            balance: self.balance,
+        })
+    }
+
+    /// Rows of a sequence of `seq` tokens each context rank holds.
+    pub fn local_seq(&self, seq: u64) -> u64 {
+        seq / self.degree.max(1)
+    }
+}
+
 /// Small helpers shared by the builders.
 pub(crate) struct Tracer {
     pub g: Graph,
@@ -109,6 +149,8 @@ pub(crate) struct Tracer {
     pub tp: TensorOptions,
     /// Expert parallelism of the graph being traced.
     pub ep: ExpertOptions,
+    /// Context parallelism of the graph being traced.
+    pub cp: ContextOptions,
     /// A term added to the loss (the MoE load-balancing loss), made in the loss's scope.
     pub aux_loss: Option<(Op, Vec<NodeId>)>,
 }

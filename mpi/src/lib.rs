@@ -663,6 +663,10 @@ pub fn place(world: &MpiWorld, plan: &shardplan_planner::Plan) -> Result<Placeme
         // or the compute stream's under `runtime: fsdp2`.
         comms.expert = Some(Box::new(split(mesh.expert_group(rank), "expert group".into())?));
     }
+    if mesh.context() > 1 {
+        // Ring attention's keys and values: the compute stream's context-parallel ops.
+        comms.context = Some(Box::new(split(mesh.context_group(rank), "context group".into())?));
+    }
     let processes = MpiGroup {
         comm: SharedComm(world.world.0.duplicate()),
         size: world.size as usize,

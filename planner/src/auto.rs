@@ -245,6 +245,7 @@ fn mesh_splits(base: &ParallelConfig, fixed: Fixed) -> Vec<MeshShape> {
             pipeline: 1,
             replicate: world / shard,
             shard,
+            context: base.mesh.context,
             tensor,
             expert: base.mesh.expert,
         })
@@ -470,7 +471,8 @@ pub fn model_spaces(
             config.mesh = MeshShape {
                 pipeline: 1,
                 replicate,
-                shard: world / (replicate * t),
+                shard: world / (replicate * t * base.mesh.context),
+                context: base.mesh.context,
                 tensor: t,
                 expert: e,
             };

@@ -92,10 +92,11 @@ pub(crate) fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) ->
         .unzip()
 }
 
-/// Records each step's tensor-parallel collectives ([`crate::steps::TensorOp`]) with
-/// where they fall in the step by [`OpModel::seconds`]; nothing without tensor parallelism.
+/// Records each step's tensor-, expert- and context-parallel collectives
+/// ([`crate::steps::TensorOp`]) with where they fall in the step by [`OpModel::seconds`];
+/// nothing without them.
 pub(crate) fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Step]) {
-    if g.tensor_degree() <= 1 && g.expert_degree() <= 1 {
+    if g.tensor_degree() <= 1 && g.expert_degree() <= 1 && g.context_degree() <= 1 {
         return;
     }
     for s in steps {
@@ -106,7 +107,12 @@ pub(crate) fn annotate_tensor_ops(g: &Graph, times: &NodeTimes, steps: &mut [Ste
             let node = g.node(id);
             if let Some(op) = crate::steps::StepCollective::of(&node.op) {
                 let bytes = match node.op {
-                    Op::TpAllGather { .. } | Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } => node.ty.bytes(),
+                    Op::TpAllGather { .. }
+                    | Op::MoeGatherIds { .. }
+                    | Op::MoeDispatch { .. }
+                    | Op::CpAllGather { .. } => node.ty.bytes(),
+                    // The gradients travel in f32.
+                    Op::CpReduceScatter { .. } => g.node(node.inputs[0]).ty.numel().map(|n| n * 4),
                     Op::VocabCrossEntropy { degree } | Op::VocabCrossEntropyGrad { degree } => {
                         // Row maxima gathered, exponential sums and target logits reduced.
                         let rows = g.node(node.inputs[0]).ty.shape.dims().first().copied().unwrap_or(0);
@@ -152,6 +158,7 @@ pub(crate) fn work_kind(op: &Op) -> WorkKind {
         }
         Op::TpAllGather { .. } | Op::TpReduceScatter { .. } | Op::TpAllReduce { .. } => WorkKind::TensorComm,
         Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. } => WorkKind::ExpertComm,
+        Op::CpAllGather { .. } | Op::CpReduceScatter { .. } => WorkKind::ContextComm,
         Op::MoeLocalIds { .. } | Op::MoeDrop { .. } => WorkKind::Layout,
         Op::Add
         | Op::Mul
@@ -271,6 +278,8 @@ pub struct OpModel<'a> {
     launch: f64,
     /// Whether the model's attention is causal (the backward parts do not say).
     causal: bool,
+    /// The layout of a context-parallel graph's rows (the backward parts do not say).
+    context: Option<shardplan_ir::ContextLayout>,
 }
 
 impl<'a> OpModel<'a> {
@@ -280,7 +289,9 @@ impl<'a> OpModel<'a> {
         } else {
             hw.bf16_tflops
         } * 1e12;
-        let causal = g.nodes().any(|(_, n)| matches!(n.op, Op::Attention { causal: true }));
+        let causal = g
+            .nodes()
+            .any(|(_, n)| matches!(n.op, Op::Attention { causal: true, .. }));
         OpModel {
             g,
             hw,
@@ -288,6 +299,7 @@ impl<'a> OpModel<'a> {
             bw: hw.hbm_gbps * 1e9 * hw.memory_efficiency,
             launch: hw.kernel_launch_us * 1e-6,
             causal,
+            context: g.context_layout(),
         }
     }
 
@@ -406,17 +418,29 @@ impl<'a> OpModel<'a> {
                 let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
                 self.launched(t.max(bytes / self.bw), 1.0)
             }
-            Op::Attention { causal } => {
+            Op::Attention { causal, .. } => {
                 let q = dims(0);
                 let t = dims(1)[1];
                 let f = flops * self.kept(q[1], t, *causal);
                 self.launched(f / (self.peak * self.hw.attention_fwd_efficiency), 1.0)
             }
-            Op::AttnProbs { causal } => {
+            Op::AttnProbs { causal, .. } => {
                 let q = dims(0);
                 let t = dims(1)[1];
                 let f = flops * self.kept(q[1], t, *causal);
                 self.launched(f / (self.peak * self.hw.attention_bwd_efficiency), 1.0)
+            }
+            Op::CpAllGather { layout, rotate } | Op::CpReduceScatter { layout, rotate } => {
+                let full = match node.op {
+                    Op::CpAllGather { .. } => node.ty.bytes(),
+                    // The gradients travel in f32.
+                    _ => self.g.node(node.inputs[0]).ty.numel().map(|n| n * 4),
+                }
+                .unwrap_or(u64::MAX);
+                // Inside a node, as the expert group's consecutive shards.
+                let t = context_ring_seconds(self.tensor_link(), layout.degree, full, *rotate);
+                // The gather's rows put in position order, the reduction's arriving sums.
+                self.launched(t + 2.0 * full as f64 / self.bw, 2.0)
             }
             Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
                 // Operand 0 is the [b, h, s, t] probabilities or their gradient.
@@ -470,10 +494,17 @@ impl<'a> OpModel<'a> {
         (batch * m * n / (waves * sms * tm * tn)).clamp(1e-6, 1.0)
     }
 
-    /// The fraction of an `s x t` score matrix's blocks that flash attention computes.
+    /// The fraction of an `s x t` score matrix's blocks that flash attention computes; in
+    /// a context-parallel graph, the share of its rank's pairs that the busiest rank of
+    /// the group computes (the others wait for it at the next collective).
     fn kept(&self, s: u64, t: u64, causal: bool) -> f64 {
         if !causal || s == 0 || t == 0 {
             return 1.0;
+        }
+        if let Some(layout) = self.context {
+            let whole = t as f64;
+            let share = layout.worst_causal_share(s);
+            return (share * whole * (whole + 1.0) / 2.0 / (s as f64 * whole)).min(1.0);
         }
         let b = self.hw.attention_block.max(1.0);
         let (nq, nk) = ((s as f64 / b).ceil(), (t as f64 / b).ceil());
@@ -514,14 +545,35 @@ pub fn intra_node(mesh: &Mesh, comm: Comm) -> bool {
         }
         // The spec keeps a tensor group inside a node.
         Comm::Tensor => true,
-        // Consecutive shards, as a reshard group of `expert`.
+        // Consecutive shards, as a reshard group of `expert` (or `context`).
         Comm::Expert => intra_node(mesh, Comm::Reshard(mesh.expert())),
+        Comm::Context => intra_node(mesh, Comm::Reshard(mesh.context())),
         // Every `expert`-th shard: inside a node only if the whole shard group is.
         Comm::ExpertShard => mesh.expert_shard() <= 1 || intra_node(mesh, Comm::Shard),
         Comm::Replicate => {
             let stride = mesh.shard() * t;
             let last = (mesh.replicate() - 1) * stride;
             (0..stride.min(g)).all(|s| node(s) == node(s + last))
+        }
+    }
+}
+
+/// Seconds of a context group of `degree` ranks exchanging a whole sequence's keys or
+/// values (`bytes`, every rank's rows): one ring all-gather or reduce-scatter
+/// (`allgather`), or `degree - 1` steps each passing one rank's rows to the next rank
+/// (`alltoall`, torch's ring rotation).
+pub(crate) fn context_ring_seconds(
+    link: (f64, f64),
+    degree: u64,
+    bytes: u64,
+    rotate: shardplan_ir::ContextRotate,
+) -> f64 {
+    match rotate {
+        shardplan_ir::ContextRotate::AllGather => ring_seconds(degree, bytes, link, false),
+        shardplan_ir::ContextRotate::AllToAll => {
+            let (bw, alpha) = link;
+            let steps = degree.saturating_sub(1) as f64;
+            steps * (alpha + bytes as f64 / degree.max(1) as f64 / bw)
         }
     }
 }
@@ -553,6 +605,7 @@ pub(crate) fn ranks_per_node(mesh: &Mesh, comm: Comm) -> u64 {
         }
         Comm::Tensor => mesh.tensor().clamp(1, g),
         Comm::Expert => (g / mesh.tensor().max(1)).clamp(1, mesh.expert().max(1)),
+        Comm::Context => (g / mesh.tensor().max(1)).clamp(1, mesh.context().max(1)),
         // Members are `expert x tensor` ranks apart.
         Comm::ExpertShard => (g / (mesh.expert() * mesh.tensor()).max(1)).clamp(1, mesh.expert_shard().max(1)),
         // Replicas are `shard x tensor` ranks apart.

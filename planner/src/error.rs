@@ -29,6 +29,10 @@ pub enum PlanError {
     /// `mesh.expert` does not divide the shard axis.
     #[error("an expert group of {expert} ranks does not divide the shard axis ({shard})")]
     ExpertDoesNotDivide { expert: u64, shard: u64 },
+    /// `mesh.context` does not divide the shard axis it is carved from (a planner bug: the
+    /// spec's shard axis is multiplied by it).
+    #[error("a context group of {context} ranks does not divide the FSDP shard axis ({shard})")]
+    ContextDoesNotDivide { context: u64, shard: u64 },
     /// A wrap policy kind that matches no module of the model.
     #[error("wrap policy `{kind}` matches no module of this model (its module kinds: {present})")]
     WrapMatchesNothing { kind: String, present: String },
@@ -62,6 +66,7 @@ impl PlanError {
         match self {
             PlanError::MeshWorld { .. } | PlanError::EmptyAxis { .. } => "mesh",
             PlanError::ExpertDoesNotDivide { .. } => "mesh.expert",
+            PlanError::ContextDoesNotDivide { .. } => "mesh.context",
             PlanError::WrapMatchesNothing { .. } => "wrap",
             PlanError::NoSuchModule { .. } => "wrap_modules",
             PlanError::PrefetchModule { .. } => "prefetch.explicit",
@@ -80,6 +85,7 @@ impl PlanError {
             PlanError::ExpertDoesNotDivide { shard, .. } => {
                 format!("set mesh.expert to a divisor of mesh.shard ({shard})")
             }
+            PlanError::ContextDoesNotDivide { .. } => "set mesh.context to a positive integer".into(),
             PlanError::WrapMatchesNothing { present, .. } => format!("wrap one of: {present}"),
             PlanError::NoSuchModule { .. } => "use a dotted module path as `shardplan inspect` prints it".into(),
             PlanError::PrefetchModule { .. } => {

@@ -39,12 +39,13 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
     }
     let mesh = Mesh::with_tensor(
         config.mesh.replicate,
-        config.mesh.shard,
+        config.mesh.shard * config.mesh.context,
         config.mesh.tensor,
         config.mesh.world(),
         config.gpus_per_node,
     )?
-    .with_expert(config.mesh.expert)?;
+    .with_expert(config.mesh.expert)?
+    .with_context(config.mesh.context)?;
     let policy = Policy {
         wrap: config.wrap.iter().map(|k| k.name().to_string()).collect(),
         wrap_modules: config.wrap_modules.clone(),
@@ -62,11 +63,13 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         offload: config.offload,
         activation_checkpointing: config.activation_checkpointing,
         batch_per_rank: config.batch.per_rank,
+        // A context-parallel graph holds `1 / context` of each sequence.
         seq_len: g
             .inputs()
             .first()
             .and_then(|&i| g.node(i).ty.shape.dims().get(1).copied())
-            .unwrap_or(1),
+            .unwrap_or(1)
+            * g.context_degree(),
         grad_accum: config.batch.grad_accum,
         grad_sync: config.batch.grad_sync,
         optimizer_state_per_param: config.optimizer.state_per_param(),
@@ -80,6 +83,11 @@ pub(crate) fn lower(g: &Graph, config: &ParallelConfig) -> Result<Lowered, PlanE
         grad_clip: config.grad_clip,
         tensor_parallel: if mesh.tensor() > 1 {
             config.tensor_parallel
+        } else {
+            Default::default()
+        },
+        context_parallel: if mesh.context() > 1 {
+            config.context_parallel
         } else {
             Default::default()
         },

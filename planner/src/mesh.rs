@@ -22,6 +22,11 @@ pub struct Mesh {
     /// without expert parallelism.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     expert: u64,
+    /// Ranks of a context-parallel group, the innermost part of the shard axis (which is
+    /// then torchtitan's `dp_shard_cp`: FSDP shards over `shard`, the sequences differ over
+    /// `shard / context`); absent from plans without context parallelism.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    context: u64,
     gpus_per_node: u64,
 }
 
@@ -69,6 +74,7 @@ impl Mesh {
                 shard,
                 tensor,
                 expert: 1,
+                context: 1,
                 gpus_per_node: gpus_per_node.max(1),
             }),
             p => Err(PlanError::MeshWorld {
@@ -90,6 +96,46 @@ impl Mesh {
             });
         }
         Ok(Mesh { expert, ..self })
+    }
+
+    /// This mesh with a context axis of `context` ranks, the innermost part of the shard
+    /// axis.
+    pub(crate) fn with_context(self, context: u64) -> Result<Self, PlanError> {
+        if context == 0 || !self.shard.is_multiple_of(context) {
+            return Err(PlanError::ContextDoesNotDivide {
+                context,
+                shard: self.shard,
+            });
+        }
+        Ok(Mesh { context, ..self })
+    }
+
+    /// Ranks of one context-parallel group (1: none).
+    pub fn context(&self) -> u64 {
+        self.context
+    }
+
+    /// `rank`'s index in its context group: which rows of each sequence it holds.
+    pub fn context_index(&self, rank: u64) -> u64 {
+        self.coords(rank).shard % self.context.max(1)
+    }
+
+    /// The context group of `rank`: the `context` consecutive ranks of its shard group
+    /// that hold one sequence between them, in context order.
+    pub fn context_group(&self, rank: u64) -> Vec<u64> {
+        let c = self.coords(rank);
+        let n = self.context.max(1);
+        let first = c.shard / n * n;
+        (first..first + n)
+            .map(|s| self.rank(Coords { shard: s, ..c }))
+            .collect()
+    }
+
+    /// `rank`'s data-parallel index: which rows of the global batch it reads (a tensor
+    /// group and a context group read the same sequences).
+    pub fn data_index(&self, rank: u64) -> u64 {
+        let c = self.coords(rank);
+        c.replicate * (self.shard / self.context.max(1)) + c.shard / self.context.max(1)
     }
 
     /// Ranks of one expert-parallel group (1: none).
@@ -167,10 +213,10 @@ impl Mesh {
         self.replicate * self.shard * self.tensor
     }
 
-    /// Ranks that see different data (`replicate x shard`): a tensor group shares its
-    /// sequences.
+    /// Ranks that see different data (`replicate x shard / context`): a tensor group and a
+    /// context group share their sequences.
     pub fn data_parallel(&self) -> u64 {
-        self.replicate * self.shard
+        self.replicate * self.shard / self.context.max(1)
     }
 
     /// Ranks of one tensor-parallel group (1: none).

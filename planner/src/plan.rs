@@ -56,6 +56,9 @@ pub enum Comm {
     /// The ranks of its shard group that hold the same routed experts: FSDP's group for
     /// them.
     ExpertShard,
+    /// The rank's context-parallel group (the ranks holding the other rows of its
+    /// sequences): ring attention's keys and values (graph ops inside compute steps).
+    Context,
 }
 
 impl Comm {
@@ -68,6 +71,7 @@ impl Comm {
             Comm::Tensor => mesh.tensor(),
             Comm::Expert => mesh.expert(),
             Comm::ExpertShard => mesh.expert_shard(),
+            Comm::Context => mesh.context(),
         }
     }
 
@@ -79,6 +83,7 @@ impl Comm {
             Comm::Reshard(n) => mesh.reshard_group(rank, n),
             Comm::Tensor => mesh.tensor_group(rank),
             Comm::Expert => mesh.expert_group(rank),
+            Comm::Context => mesh.context_group(rank),
             Comm::ExpertShard => mesh.expert_shard_group(rank),
         }
     }
@@ -92,6 +97,7 @@ impl fmt::Display for Comm {
             Comm::Reshard(n) => write!(f, "reshard{n}"),
             Comm::Tensor => write!(f, "tensor"),
             Comm::Expert => write!(f, "expert"),
+            Comm::Context => write!(f, "context"),
             Comm::ExpertShard => write!(f, "expert-shard"),
         }
     }
@@ -460,6 +466,10 @@ pub struct Policy {
     /// when default.
     #[serde(default, skip_serializing_if = "TensorParallel::is_default")]
     pub tensor_parallel: TensorParallel,
+    /// Context parallelism's options, when the mesh has a context axis; absent from the
+    /// JSON when default.
+    #[serde(default, skip_serializing_if = "shardplan_frontends::ContextParallel::is_default")]
+    pub context_parallel: shardplan_frontends::ContextParallel,
 }
 
 fn cuda_malloc() -> AllocatorConfig {
@@ -766,13 +776,15 @@ pub enum WorkKind {
     /// Expert parallelism's all-to-all (and routing-table gather), on the compute stream
     /// between the router and the experts and after them.
     ExpertComm,
+    /// Context parallelism's ring: keys and values gathered, their gradients reduced.
+    ContextComm,
     /// PyTorch FSDP2's host time per FSDP unit that the GPU waits for (`runtime: fsdp2`,
     /// `fsdp2_unit_host_us`): its hooks in Python and its ops' autograd bookkeeping.
     Hooks,
 }
 
 impl WorkKind {
-    pub const ALL: [WorkKind; 15] = [
+    pub const ALL: [WorkKind; 16] = [
         WorkKind::Matmul,
         WorkKind::Attention,
         WorkKind::Norm,
@@ -787,6 +799,7 @@ impl WorkKind {
         WorkKind::Overlap,
         WorkKind::TensorComm,
         WorkKind::ExpertComm,
+        WorkKind::ContextComm,
         WorkKind::Hooks,
     ];
 
@@ -806,6 +819,7 @@ impl WorkKind {
             WorkKind::Overlap => "overlap slowdown",
             WorkKind::TensorComm => "tensor collectives",
             WorkKind::ExpertComm => "expert all-to-all",
+            WorkKind::ContextComm => "context ring",
             WorkKind::Hooks => "fsdp2 host (hooks)",
         }
     }
@@ -833,6 +847,9 @@ pub struct Breakdown {
     /// Absent from the JSON without expert parallelism.
     #[serde(skip_serializing_if = "is_zero")]
     pub expert_comm_s: f64,
+    /// Absent from the JSON without context parallelism.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub context_comm_s: f64,
     /// Absent from the JSON outside `runtime: fsdp2`.
     #[serde(skip_serializing_if = "is_zero")]
     pub hooks_s: f64,
@@ -882,6 +899,7 @@ impl Breakdown {
             WorkKind::Overlap => &mut self.overlap_s,
             WorkKind::TensorComm => &mut self.tensor_comm_s,
             WorkKind::ExpertComm => &mut self.expert_comm_s,
+            WorkKind::ContextComm => &mut self.context_comm_s,
             WorkKind::Hooks => &mut self.hooks_s,
         }
     }

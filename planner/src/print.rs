@@ -106,8 +106,9 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
                     String::new()
                 } else {
                     let b: u64 = s.tensor_ops.iter().map(|t| t.bytes).sum();
-                    let axis = if plan.mesh.tensor() > 1 { "tensor" } else { "expert" };
-                    format!(" +{} {axis} collectives {}", s.tensor_ops.len(), bytes(b))
+                    let mut axes: Vec<&str> = s.tensor_ops.iter().map(|t| t.op.axis()).collect();
+                    axes.dedup();
+                    format!(" +{} {} collectives {}", s.tensor_ops.len(), axes.join("/"), bytes(b))
                 };
                 format!("{} {}{mb} [{step}]{tp}", s.phase.name(), s.label)
             }

@@ -724,15 +724,19 @@ fn verify_collective_order(plan: &Plan) -> Result<(), VerifyError> {
             .find(|s| rank >= s.first && rank - s.first < s.count)
             .map_or(0, |s| s.program as usize)
     };
-    for (axis, size) in [("tensor", plan.mesh.tensor()), ("expert", plan.mesh.expert())] {
+    for (axis, size) in [
+        ("tensor", plan.mesh.tensor()),
+        ("expert", plan.mesh.expert()),
+        ("context", plan.mesh.context()),
+    ] {
         if size <= 1 {
             continue;
         }
         for rank in 0..plan.mesh.world() {
-            let first = if axis == "tensor" {
-                plan.mesh.tensor_group(rank)[0]
-            } else {
-                plan.mesh.expert_group(rank)[0]
+            let first = match axis {
+                "tensor" => plan.mesh.tensor_group(rank)[0],
+                "expert" => plan.mesh.expert_group(rank)[0],
+                _ => plan.mesh.context_group(rank)[0],
             };
             let (a, b) = (program_of(first), program_of(rank));
             let (sa, sb) = (&seqs[a], &seqs[b]);

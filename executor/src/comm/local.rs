@@ -402,6 +402,14 @@ pub fn place(plan: &shardplan_planner::Plan) -> super::Placement {
             }
         }
     }
+    if mesh.context() > 1 {
+        let mut handles = local_groups(world, "context (compute stream)", |r| mesh.context_group(r), &abort);
+        for (rank, comm) in comms.iter_mut().enumerate() {
+            if let Some(h) = handles.remove(&(rank as u64)) {
+                comm.context = Some(Box::new(h));
+            }
+        }
+    }
     super::Placement {
         ranks: (0..world).zip(comms).collect(),
         processes: None,

@@ -193,6 +193,9 @@ pub struct Comms {
     /// The expert group the compute stream's expert-parallel ops (the tokens' all-to-all)
     /// run over; `None` without expert parallelism.
     pub expert: Option<Box<dyn Collectives>>,
+    /// The context group the compute stream's context-parallel ops (ring attention's keys
+    /// and values) run over; `None` without context parallelism.
+    pub context: Option<Box<dyn Collectives>>,
 }
 
 impl Comms {

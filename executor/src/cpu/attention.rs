@@ -140,13 +140,57 @@ unsafe fn mm(dst: View, a: View, b: View, alpha: f32, accumulate: bool) {
     );
 }
 
-/// Keys `0..visible(i)` that query row `i` of `s` sees among `t` (rows aligned to the end
-/// of the keys under a causal mask).
-fn visible(i: usize, s: usize, t: usize, causal: bool) -> usize {
-    if causal {
-        (i + 1 + t).saturating_sub(s).min(t)
-    } else {
-        t
+/// Which keys each query row of an attention sees: row `i` the keys `0..keys(i)`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mask {
+    /// Every key.
+    Full,
+    /// Causal, the rows aligned to the end of the keys: row `i` of `s` sees `0..=i + t - s`.
+    Causal,
+    /// A context rank's rows of a whole sequence (the keys in position order): row `i` sees
+    /// the keys up to its position, `positions[i]`.
+    Positions(std::sync::Arc<[usize]>),
+}
+
+impl Mask {
+    /// The mask of an attention op (`causal`, and a context-parallel graph's `context`)
+    /// on context rank `rank`'s `rows` query rows.
+    pub fn of(causal: bool, context: Option<shardplan_ir::ContextLayout>, rank: u64, rows: usize) -> Mask {
+        match (causal, context) {
+            (false, _) => Mask::Full,
+            (true, None) => Mask::Causal,
+            (true, Some(l)) => {
+                Mask::Positions(l.positions(rank, rows as u64).into_iter().map(|p| p as usize).collect())
+            }
+        }
+    }
+
+    /// Keys `0..keys(i)` that query row `i` of `s` sees among `t`.
+    pub fn keys(&self, i: usize, s: usize, t: usize) -> usize {
+        match self {
+            Mask::Full => t,
+            Mask::Causal => (i + 1 + t).saturating_sub(s).min(t),
+            Mask::Positions(p) => p.get(i).map_or(t, |&p| (p + 1).min(t)),
+        }
+    }
+
+    /// The most keys any of rows `r0..r1` sees.
+    pub fn block_keys(&self, r0: usize, r1: usize, s: usize, t: usize) -> usize {
+        (r0..r1).map(|i| self.keys(i, s, t)).max().unwrap_or(0)
+    }
+
+    /// The mask of rows `r0..r1` on their own, against the first `tk` keys (at least the
+    /// keys those rows see): a causal block stays aligned to the end of its keys, a
+    /// context rank's rows keep their positions.
+    pub fn rows(&self, r0: usize, r1: usize) -> Mask {
+        match self {
+            Mask::Positions(p) => Mask::Positions(p[r0.min(p.len())..r1.min(p.len())].into()),
+            m => m.clone(),
+        }
+    }
+
+    pub fn is_full(&self) -> bool {
+        *self == Mask::Full
     }
 }
 
@@ -211,13 +255,13 @@ fn probs_block(
     hi: usize,
     r0: usize,
     r1: usize,
-    causal: bool,
+    mask: &Mask,
     p: &mut [f32],
 ) -> usize {
     let Dims { s, t, d, .. } = dm;
     let (qo, qrs) = dm.q_head(bi, hi);
     let (ko, krs) = dm.kv_head(bi, hi);
-    let cols = visible(r1 - 1, s, t, causal);
+    let cols = mask.block_keys(r0, r1, s, t);
     // SAFETY: `p` is borrowed mutably for the call; the view is checked against it.
     unsafe {
         mm(
@@ -229,17 +273,13 @@ fn probs_block(
         )
     };
     for i in r0..r1 {
-        softmax_row(
-            &mut p[(i - r0) * t..(i - r0 + 1) * t],
-            visible(i, s, t, causal),
-            dm.scale(),
-        );
+        softmax_row(&mut p[(i - r0) * t..(i - r0 + 1) * t], mask.keys(i, s, t), dm.scale());
     }
     cols
 }
 
 /// Softmax of the scaled scores `q k^T / sqrt(d)`, `[b, h, s, t]`.
-pub fn probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
+pub fn probs(q: &Tensor, k: &Tensor, mask: &Mask) -> Result<Tensor> {
     let dm = Dims::of(q, k)?;
     let Dims { b, s, t, h, .. } = dm;
     let mut out = vec![0f32; b * h * s * t];
@@ -248,7 +288,7 @@ pub fn probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
             out.par_chunks_mut((s * t).max(1)).enumerate().for_each(|(bh, p)| {
                 for r0 in (0..s).step_by(BLOCK) {
                     let r1 = (r0 + BLOCK).min(s);
-                    probs_block(qs, ks, dm, bh / h, bh % h, r0, r1, causal, &mut p[r0 * t..r1 * t]);
+                    probs_block(qs, ks, dm, bh / h, bh % h, r0, r1, mask, &mut p[r0 * t..r1 * t]);
                 }
             })
         })
@@ -258,7 +298,7 @@ pub fn probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
 
 /// Attention output `softmax(q k^T / sqrt(d)) v`, `[b, s, h, d]`, without keeping the
 /// probabilities.
-pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<Tensor> {
     let dm = Dims::of(q, k)?;
     let Dims { b, s, t, h, d, .. } = dm;
     let mut out = vec![0f32; b * s * h * d];
@@ -274,7 +314,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tenso
                         let (vo, vrs) = dm.kv_head(bi, hi);
                         for r0 in (0..s).step_by(BLOCK) {
                             let r1 = (r0 + BLOCK).min(s);
-                            let cols = probs_block(qs, ks, dm, bi, hi, r0, r1, causal, &mut p[..(r1 - r0) * t]);
+                            let cols = probs_block(qs, ks, dm, bi, hi, r0, r1, mask, &mut p[..(r1 - r0) * t]);
                             // SAFETY: the output rows written are head `hi` of batch `bi`,
                             // which no other task writes.
                             unsafe {
@@ -302,7 +342,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tenso
 /// score gradient in a second one, writing the block's dq rows and summing its dk and dv
 /// rows for the k/v head (which only this task writes). The same blocks, in the same order,
 /// as [`probs`], [`grad_scores`], [`grad_q`], [`grad_k`] and [`grad_v`] one after another.
-pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, dy: &Tensor, causal: bool) -> Result<[Tensor; 3]> {
+pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, dy: &Tensor, mask: &Mask) -> Result<[Tensor; 3]> {
     let dm = Dims::of(q, k)?;
     let Dims { b, s, t, h, kv, d } = dm;
     let group = h / kv;
@@ -324,7 +364,7 @@ pub fn backward(q: &Tensor, k: &Tensor, v: &Tensor, dy: &Tensor, causal: bool) -
                                 for r0 in (0..s).step_by(BLOCK) {
                                     let r1 = (r0 + BLOCK).min(s);
                                     let rows = r1 - r0;
-                                    let cols = probs_block(qs, ks, dm, bi, hi, r0, r1, causal, &mut p[..rows * t]);
+                                    let cols = probs_block(qs, ks, dm, bi, hi, r0, r1, mask, &mut p[..rows * t]);
                                     let gb = View::new(gs, qo + r0 * qrs, rows, d, qrs, 1);
                                     // SAFETY: dk and dv rows of k/v head `c` of batch `bi` and dq
                                     // rows of query head `hi` are this task's alone; `p` and `ds`
@@ -621,9 +661,10 @@ mod tests {
             let g = randn(&[b, s, h, d], seed + 3);
             for causal in [true, false] {
                 let want = reference(&q, &k, &v, causal);
-                let p = probs(&q, &k, causal).unwrap();
+                let mask = Mask::of(causal, None, 0, s);
+                let p = probs(&q, &k, &mask).unwrap();
                 close(&p, &want.p, 1e-5);
-                close(&forward(&q, &k, &v, causal).unwrap(), &want.out, 1e-5);
+                close(&forward(&q, &k, &v, &mask).unwrap(), &want.out, 1e-5);
 
                 let gh = g.transpose(1, 2).unwrap().contiguous().unwrap();
                 let dv = group_sum(&want.p.transpose(2, 3).unwrap().matmul(&gh).unwrap(), kv);
@@ -654,7 +695,7 @@ mod tests {
     fn causal_blocks_skip_only_masked_keys() {
         // Every probability above the diagonal is exactly zero, every row sums to one.
         let (q, k) = (randn(&[1, 150, 2, 8], 7), randn(&[1, 150, 1, 8], 8));
-        let p = probs(&q, &k, true).unwrap();
+        let p = probs(&q, &k, &Mask::Causal).unwrap();
         let rows = p.reshape((300, 150)).unwrap().to_vec2::<f32>().unwrap();
         for (r, row) in rows.iter().enumerate() {
             let i = r % 150;

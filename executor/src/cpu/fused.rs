@@ -84,9 +84,9 @@ fn rows_par(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> 
     v
 }
 
-/// Softmax over the last dim of `scale * x`, with a causal mask when asked: `x` is
-/// `[..., s, t]`; query row `i` sees keys `0..=i + t - s`.
-pub fn masked_softmax(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+/// Softmax over the last dim of `scale * x` under `mask`: `x` is `[..., s, t]`; query row
+/// `i` sees keys `0..mask.keys(i, s, t)`.
+pub fn masked_softmax(x: &Tensor, scale: f64, mask: &crate::cpu::attention::Mask) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let (s, t) = (dims[dims.len() - 2], dims[dims.len() - 1]);
     let rows = x.elem_count() / t.max(1);
@@ -94,11 +94,7 @@ pub fn masked_softmax(x: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     let v = with_slice(x, |xs| {
         rows_par(rows, t, |r, o| {
             let row = &xs[r * t..(r + 1) * t];
-            let visible = if causal {
-                ((r % s) + t + 1).saturating_sub(s).min(t)
-            } else {
-                t
-            };
+            let visible = mask.keys(r % s, s, t);
             let o = &mut o[..visible];
             o.copy_from_slice(&row[..visible]);
             // `scale > 0`, so the largest scaled score is the scaled largest score.

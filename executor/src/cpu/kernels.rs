@@ -2,13 +2,15 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
+pub use crate::cpu::attention::Mask;
+use crate::cpu::context::ContextGroup;
 use crate::cpu::expert::ExpertGroup;
 use crate::cpu::linear::{linear, rows, weight_grad};
 use crate::cpu::tensor::TensorGroup;
 use crate::cpu::{attention, fused, moe};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
-use shardplan_ir::{DType, NormWrt, Op, TensorType};
+use shardplan_ir::{ContextLayout, DType, NormWrt, Op, TensorType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -38,8 +40,8 @@ pub fn ir_dtype(d: CDType) -> DType {
     }
 }
 
-/// `(theta bits, seq, head_dim, dtype)` of a rotary table.
-type RopeKey = (u64, String, usize, usize, CDType);
+/// `(theta bits, scaling, seq, context rows, head_dim, dtype)` of a rotary table.
+type RopeKey = (u64, String, usize, Option<(ContextLayout, u64)>, usize, CDType);
 
 /// What kernels share: the device, cached rotary tables and, for a tensor-parallel
 /// graph, the rank's tensor group.
@@ -48,6 +50,7 @@ pub struct Ctx {
     rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
     tensor: Option<TensorGroup>,
     expert: Option<std::sync::Arc<ExpertGroup>>,
+    context: Option<ContextGroup>,
     /// Run the ops shardplan has its own CUDA kernels for on them (`--kernels native`):
     /// see [`crate::gpu`]. Only on a CUDA device.
     pub native: bool,
@@ -60,7 +63,16 @@ impl Ctx {
             rope: RefCell::new(HashMap::new()),
             tensor: None,
             expert: None,
+            context: None,
             native: false,
+        }
+    }
+
+    /// This context with its context-parallel ops running over `group`.
+    pub fn with_context_group(self, group: ContextGroup) -> Self {
+        Ctx {
+            context: Some(group),
+            ..self
         }
     }
 
@@ -92,6 +104,7 @@ impl Ctx {
             rope: RefCell::new(HashMap::new()),
             tensor: self.tensor,
             expert: self.expert,
+            context: self.context,
             native: self.native,
         }
     }
@@ -104,6 +117,33 @@ impl Ctx {
                 op.name()
             ))
         })
+    }
+
+    /// The context group a context-parallel op runs over.
+    fn context(&self, op: &Op) -> Result<&ContextGroup> {
+        self.context.as_ref().ok_or_else(|| {
+            ExecError::Internal(format!(
+                "{} is a context-parallel op, but this rank has no context group",
+                op.name()
+            ))
+        })
+    }
+
+    /// Under a context layout, the layout with this rank's index in its context group:
+    /// where its rows sit in their sequences. `None` without one.
+    pub fn context_rows(&self, context: Option<ContextLayout>) -> Result<Option<(ContextLayout, u64)>> {
+        let Some(layout) = context else { return Ok(None) };
+        let group = self
+            .context
+            .as_ref()
+            .ok_or_else(|| ExecError::Internal("a context-parallel op ran on a rank without a context group".into()))?;
+        Ok(Some((layout, group.index() as u64)))
+    }
+
+    /// The mask of an attention op with `rows` query rows on this rank.
+    pub fn mask(&self, causal: bool, context: Option<ContextLayout>, rows: usize) -> Result<Mask> {
+        let rank = self.context_rows(context)?.map_or(0, |(_, r)| r);
+        Ok(Mask::of(causal, context, rank, rows))
     }
 
     /// Waits, under the collective timeout, for this rank's expert-group collectives that
@@ -135,16 +175,21 @@ impl Ctx {
         theta: f64,
         scaling: &shardplan_ir::RopeScaling,
         seq: usize,
+        context: Option<(ContextLayout, u64)>,
         head_dim: usize,
         dtype: CDType,
     ) -> Result<(Tensor, Tensor)> {
-        let key = (theta.to_bits(), format!("{scaling:?}"), seq, head_dim, dtype);
+        let key = (theta.to_bits(), format!("{scaling:?}"), seq, context, head_dim, dtype);
         if let Some(t) = self.rope.borrow().get(&key) {
             return Ok(t.clone());
         }
         let half = head_dim / 2;
         let mut angles = Vec::with_capacity(seq * half);
-        for pos in 0..seq {
+        let positions: Vec<u64> = match context {
+            Some((layout, rank)) => layout.positions(rank, seq as u64),
+            None => (0..seq as u64).collect(),
+        };
+        for pos in positions {
             for i in 0..half {
                 let inv_freq = scaling.inv_freq(theta, head_dim, i);
                 angles.push(pos as f64 * inv_freq);
@@ -158,11 +203,12 @@ impl Ctx {
     }
 }
 
-/// One of attention's backward ops (`attn_probs`, `attn_grad_{v,scores,q,k}`) on `ins`.
-fn attention_backward_op(op: &Op, ins: &[&Tensor]) -> Result<Tensor> {
+/// One of attention's backward ops (`attn_probs`, `attn_grad_{v,scores,q,k}`) on `ins`;
+/// `mask` is the probabilities' mask.
+fn attention_backward_op(op: &Op, ins: &[&Tensor], mask: &Mask) -> Result<Tensor> {
     let t = match op {
-        Op::AttnProbs { causal } if fused::applies(&ins[..2]) => attention::probs(ins[0], ins[1], *causal)?,
-        Op::AttnProbs { causal } => attn_probs(ins[0], ins[1], *causal)?,
+        Op::AttnProbs { .. } if fused::applies(&ins[..2]) => attention::probs(ins[0], ins[1], mask)?,
+        Op::AttnProbs { .. } => attn_probs(ins[0], ins[1], mask)?,
         Op::AttnGradV { kv_heads } if fused::applies(&ins[..2]) => {
             attention::grad_v(ins[0], ins[1], *kv_heads as usize)?
         }
@@ -230,19 +276,19 @@ pub fn attention_backward_blockwise(
     k: &Tensor,
     v: &Tensor,
     dy: &Tensor,
-    causal: bool,
+    mask: &Mask,
     want: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
     if fused::applies(&[q, k, v, dy]) {
         // f32 on the CPU: one fused pass, `BLOCK x t` scratch per thread.
-        let [dq, dk, dv] = attention::backward(q, k, v, dy, causal)?;
+        let [dq, dk, dv] = attention::backward(q, k, v, dy, mask)?;
         return Ok([want[0].then_some(dq), want[1].then_some(dk), want[2].then_some(dv)]);
     }
     let (b, s, h, _) = q.dims4()?;
     let t = k.dim(1)?;
     let per_row = (b * h * t).max(1);
     let rows = ((BLOCKWISE_SCORES / per_row) / 64 * 64).clamp(64, s.max(64));
-    blockwise_in_rows(q, k, v, dy, causal, want, rows)
+    blockwise_in_rows(q, k, v, dy, mask, want, rows)
 }
 
 /// [`attention_backward_blockwise`] in blocks of `rows` query rows.
@@ -251,7 +297,7 @@ fn blockwise_in_rows(
     k: &Tensor,
     v: &Tensor,
     dy: &Tensor,
-    causal: bool,
+    mask: &Mask,
     want: [bool; 3],
     rows: usize,
 ) -> Result<[Option<Tensor>; 3]> {
@@ -269,8 +315,8 @@ fn blockwise_in_rows(
     for r0 in (0..s).step_by(rows) {
         let r1 = (r0 + rows).min(s);
         let c = r1 - r0;
-        // Keys the block's last row sees (rows aligned to the end of the keys).
-        let tk = if causal { (r1 + t).saturating_sub(s).min(t) } else { t };
+        // Keys the block's rows see.
+        let tk = mask.block_keys(r0, r1, s, t);
         if tk == 0 {
             if want[0] {
                 dq_parts.push(q.narrow(1, r0, c)?.zeros_like()?);
@@ -281,7 +327,11 @@ fn blockwise_in_rows(
         let dyc = dy.narrow(1, r0, c)?.contiguous()?;
         let kc = k.narrow(1, 0, tk)?.contiguous()?;
         let vc = v.narrow(1, 0, tk)?.contiguous()?;
-        let p = attention_backward_op(&Op::AttnProbs { causal }, &[&qc, &kc])?;
+        let probs = Op::AttnProbs {
+            causal: !mask.is_full(),
+            context: None,
+        };
+        let p = attention_backward_op(&probs, &[&qc, &kc], &mask.rows(r0, r1))?;
         let add = |acc: &mut Option<Tensor>, part: Tensor| -> Result<()> {
             let part = part.to_dtype(wide_dtype)?.pad_with_zeros(1, 0, t - tk)?;
             *acc = Some(match acc.take() {
@@ -293,19 +343,19 @@ fn blockwise_in_rows(
         if want[2] {
             add(
                 &mut dv,
-                attention_backward_op(&Op::AttnGradV { kv_heads }, &[&p, &dyc])?,
+                attention_backward_op(&Op::AttnGradV { kv_heads }, &[&p, &dyc], mask)?,
             )?;
         }
         if want[0] || want[1] {
-            let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dyc, &vc])?;
+            let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dyc, &vc], mask)?;
             drop(p);
             if want[0] {
-                dq_parts.push(attention_backward_op(&Op::AttnGradQ, &[&ds, &kc])?);
+                dq_parts.push(attention_backward_op(&Op::AttnGradQ, &[&ds, &kc], mask)?);
             }
             if want[1] {
                 add(
                     &mut dk,
-                    attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &qc])?,
+                    attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &qc], mask)?,
                 )?;
             }
         }
@@ -391,9 +441,18 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             candle_nn::ops::layer_norm_slow(ins[0], ins[1], ins[2], *eps as f32)?
         }
         Op::LayerNorm { eps } => candle_nn::ops::layer_norm(&ins[0].contiguous()?, ins[1], ins[2], *eps as f32)?,
-        Op::Rope { theta, scaling } | Op::RopeGrad { theta, scaling } => {
+        Op::Rope {
+            theta,
+            scaling,
+            context,
+        }
+        | Op::RopeGrad {
+            theta,
+            scaling,
+            context,
+        } => {
             let (_, s, _, d) = ins[0].dims4()?;
-            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, d, ins[0].dtype())?;
+            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, ctx.context_rows(*context)?, d, ins[0].dtype())?;
             // The inverse rotation (the gradient) is the rotation by minus the angle.
             let sin = if matches!(op, Op::RopeGrad { .. }) {
                 sin.neg()?
@@ -402,9 +461,11 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             };
             candle_nn::rotary_emb::rope_thd(&ins[0].contiguous()?, &cos, &sin)?
         }
-        Op::Attention { causal } if fused::applies(&ins[..3]) => attention::forward(ins[0], ins[1], ins[2], *causal)?,
-        Op::Attention { causal } => {
-            let p = attn_probs(ins[0], ins[1], *causal)?;
+        Op::Attention { causal, context } if fused::applies(&ins[..3]) => {
+            attention::forward(ins[0], ins[1], ins[2], &ctx.mask(*causal, *context, ins[0].dim(1)?)?)?
+        }
+        Op::Attention { causal, context } => {
+            let p = attn_probs(ins[0], ins[1], &ctx.mask(*causal, *context, ins[0].dim(1)?)?)?;
             let kv = ins[1].dim(2)?;
             // out[b, s, h, :] = sum_t p[b, h, s, t] v[b, t, kv(h), :]
             let o = grouped(&p, kv)?.matmul(&heads_first(ins[2])?)?;
@@ -435,8 +496,11 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         },
         Op::RmsNormGrad { eps, wrt } => rms_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
         Op::LayerNormGrad { eps, wrt } => layer_norm_grad(ins[0], ins[1], ins[2], *eps, *wrt)?,
-        Op::AttnProbs { .. } | Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
-            attention_backward_op(op, ins)?
+        Op::AttnProbs { causal, context } => {
+            attention_backward_op(op, ins, &ctx.mask(*causal, *context, ins[0].dim(1)?)?)?
+        }
+        Op::AttnGradV { .. } | Op::AttnGradScores | Op::AttnGradQ | Op::AttnGradK { .. } => {
+            attention_backward_op(op, ins, &Mask::Full)?
         }
         Op::SiluGrad | Op::GeluGrad if fused::applies(&[ins[0], ins[1]]) => {
             fused::activation_grad(ins[0], ins[1], matches!(op, Op::GeluGrad))?
@@ -488,6 +552,8 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         }
         Op::VocabCrossEntropy { degree } => ctx.tensor(op)?.cross_entropy(ins[0], ins[1], *degree)?,
         Op::VocabCrossEntropyGrad { degree } => ctx.tensor(op)?.cross_entropy_grad(ins[0], ins[1], ins[2], *degree)?,
+        Op::CpAllGather { layout, rotate } => ctx.context(op)?.all_gather(ins[0], layout, *rotate)?,
+        Op::CpReduceScatter { layout, rotate } => ctx.context(op)?.reduce_scatter(ins[0], layout, *rotate)?,
         Op::MoeTopK { k, score } => moe::top_k(ins[0], *k as usize, *score)?,
         Op::MoeDrop { experts, capacity } => moe::drop_over_capacity(ins[0], *experts as usize, *capacity as usize)?,
         Op::MoeRouterWeights { score, norm } => moe::router_weights(ins[0], ins[1], *score, *norm)?,
@@ -535,12 +601,21 @@ pub(crate) fn native_op(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -
         }
         Op::Silu if takes(&ins[..1]) => gpu::silu(ins[0])?,
         Op::SiluGrad if takes(&ins[..2]) => gpu::silu_grad(ins[0], ins[1])?,
-        Op::Rope { theta, scaling } | Op::RopeGrad { theta, scaling } if takes(&ins[..1]) => {
+        Op::Rope {
+            theta,
+            scaling,
+            context,
+        }
+        | Op::RopeGrad {
+            theta,
+            scaling,
+            context,
+        } if takes(&ins[..1]) => {
             let (_, s, _, d) = ins[0].dims4()?;
-            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, d, ins[0].dtype())?;
+            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, ctx.context_rows(*context)?, d, ins[0].dtype())?;
             gpu::rope(ins[0], &cos, &sin, matches!(op, Op::RopeGrad { .. }))?
         }
-        Op::Attention { causal } if gpu::attention_applies(ins[0], ins[1], ins[2]) => {
+        Op::Attention { causal, context: None } if gpu::attention_applies(ins[0], ins[1], ins[2]) => {
             gpu::attention(ins[0], ins[1], ins[2], *causal)?.0
         }
         Op::CrossEntropy if takes(&ins[..1]) && ins[0].rank() == 2 => gpu::cross_entropy(ins[0], ins[1])?,
@@ -694,6 +769,21 @@ fn ungroup_heads(t: &Tensor, h: usize) -> Result<Tensor> {
 }
 
 /// Softmax of the scaled scores: `(q [b, s, h, d], k [b, t, kv, d]) -> [b, h, s, t]`.
+/// The additive mask of `s` queries against `t` keys: query i sees keys
+/// `0..mask.keys(i, s, t)`.
+fn additive_mask(mask: &Mask, s: usize, t: usize, dtype: CDType, device: &Device) -> Result<Tensor> {
+    if *mask == Mask::Causal {
+        return causal_mask(s, t, dtype, device);
+    }
+    let m: Vec<f32> = (0..s)
+        .flat_map(|i| {
+            let n = mask.keys(i, s, t);
+            (0..t).map(move |j| if j >= n { f32::NEG_INFINITY } else { 0.0 })
+        })
+        .collect();
+    Ok(Tensor::from_vec(m, (s, t), device)?.to_dtype(dtype)?)
+}
+
 /// The additive causal mask of `s` queries (aligned to the end of `t` keys): query i sees
 /// keys 0..=i + t - s. Made once per shape, dtype and device, then reused: on a GPU,
 /// building it on the host and copying it every call cost as much as the attention.
@@ -718,7 +808,7 @@ fn causal_mask(s: usize, t: usize, dtype: CDType, device: &Device) -> Result<Ten
     Ok(mask)
 }
 
-fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
+fn attn_probs(q: &Tensor, k: &Tensor, mask: &Mask) -> Result<Tensor> {
     let (_, s, h, d) = q.dims4()?;
     let (_, t, kv, _) = k.dims4()?;
     let scale = 1.0 / (d as f64).sqrt();
@@ -727,11 +817,11 @@ fn attn_probs(q: &Tensor, k: &Tensor, causal: bool) -> Result<Tensor> {
     let kt = heads_first(k)?.transpose(2, 3)?;
     let scores = ungroup(&qg.matmul(&kt)?, h)?;
     if fused::applies(&[&scores]) {
-        return fused::masked_softmax(&scores, scale, causal);
+        return fused::masked_softmax(&scores, scale, mask);
     }
     let mut w = wide(&scores)?.affine(scale, 0.0)?;
-    if causal {
-        w = w.broadcast_add(&causal_mask(s, t, w.dtype(), q.device())?)?;
+    if !mask.is_full() {
+        w = w.broadcast_add(&additive_mask(mask, s, t, w.dtype(), q.device())?)?;
     }
     Ok(candle_nn::ops::softmax_last_dim(&w.contiguous()?)?.to_dtype(q.dtype())?)
 }

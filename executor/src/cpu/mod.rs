@@ -1,10 +1,12 @@
 //! CPU compute: one kernel per IR op (`kernels`), the fused f32 kernels behind them
 //! (`fused`, `attention`, `vmath`), the linear layers (`linear`), the mixture-of-experts
-//! routing kernels (`moe`), and the tensor- and expert-parallel ops (`tensor`, `expert`).
+//! routing kernels (`moe`), and the tensor-, expert- and context-parallel ops (`tensor`,
+//! `expert`, `context`).
 //!
 //! On CUDA, `kernels` dispatches to candle's own ops; the fused kernels are CPU-only.
 
-mod attention;
+pub(crate) mod attention;
+pub mod context;
 pub mod expert;
 pub(crate) mod fused;
 pub mod kernels;

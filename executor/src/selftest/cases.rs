@@ -112,6 +112,7 @@ fn rope(full: bool) -> Vec<Case> {
                     Op::Rope {
                         theta: 500_000.0,
                         scaling: RopeScaling::Default,
+                        context: None,
                     },
                 ),
                 (
@@ -119,6 +120,7 @@ fn rope(full: bool) -> Vec<Case> {
                     Op::RopeGrad {
                         theta: 10_000.0,
                         scaling: RopeScaling::Default,
+                        context: None,
                     },
                 ),
             ] {

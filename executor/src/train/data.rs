@@ -332,6 +332,54 @@ impl DataSource for TokenFile {
         self.position = position;
     }
 }
+
+/// What mesh rank `rank` reads of a global batch's `inputs`: the rows of its data-parallel
+/// index ([`rank_rows`]) and, in a context-parallel graph (`layout`), its rows of each of
+/// their sequences ([`context_rows`]).
+pub(crate) fn mesh_rows(
+    inputs: Vec<(String, Tensor)>,
+    mesh: &shardplan_planner::Mesh,
+    layout: Option<shardplan_ir::ContextLayout>,
+    rank: u64,
+) -> Result<HashMap<String, Tensor>, ExecError> {
+    let rows = rank_rows(inputs, mesh.data_index(rank) as usize, mesh.data_parallel() as usize)?;
+    match layout {
+        Some(l) => context_rows(rows, &l, mesh.context_index(rank)),
+        None => Ok(rows),
+    }
+}
+
+/// Context rank `rank`'s rows of every sequence of `inputs` (`tokens [b, s]`, and inputs
+/// of `b x s` elements such as the flat `targets`), as `layout` deals them.
+pub(crate) fn context_rows(
+    inputs: HashMap<String, Tensor>,
+    layout: &shardplan_ir::ContextLayout,
+    rank: u64,
+) -> Result<HashMap<String, Tensor>, ExecError> {
+    let b = inputs.get("tokens").map_or(Ok(1), |t| t.dim(0))?;
+    let chunks = layout.balance.chunks(layout.degree) as usize;
+    inputs
+        .into_iter()
+        .map(|(name, t)| {
+            let dims = t.dims().to_vec();
+            let seqs = t.reshape((b, ()))?;
+            let len = seqs.dim(1)? / chunks;
+            let pieces: Vec<Tensor> = layout
+                .chunks_of(rank)
+                .into_iter()
+                .map(|c| seqs.narrow(1, c as usize * len, len))
+                .collect::<Result<_, _>>()?;
+            let mine = Tensor::cat(&pieces, 1)?;
+            let mine = if dims.len() == 1 {
+                mine.flatten_all()?
+            } else {
+                mine.contiguous()?
+            };
+            Ok((name, mine))
+        })
+        .collect()
+}
+
 /// Rank `rank`'s rows (of `world` equal shares along dim 0) of every input of a global
 /// batch.
 pub(crate) fn rank_rows(

@@ -10,7 +10,7 @@
 //! over the global batches whatever the mesh.
 
 use crate::runtime::rank::{run_step, ProgramTables, RankState, Shared};
-use crate::train::data::{rank_rows, DataSource, TokenFile};
+use crate::train::data::{mesh_rows, DataSource, TokenFile};
 use crate::ExecError;
 use candle_core::{Device, Tensor};
 use shardplan_frontends::{DataSource as DataSpec, ParallelConfig};
@@ -129,23 +129,24 @@ impl Validation {
 
     /// Runs the forward program on `ranks` (this process's) over the validation batches;
     /// returns each local rank's (rank, loss per batch). Each rank takes the rows of its
-    /// data-parallel index (`rank / tensor`) of `data_world`.
+    /// data-parallel index on `mesh`, and under a context `layout` its rows of their
+    /// sequences.
     pub(crate) fn run(
         &mut self,
         ranks: &mut [RankState],
         abort: &crate::comm::Abort,
-        data_world: usize,
-        tensor: usize,
+        mesh: &shardplan_planner::Mesh,
+        layout: Option<shardplan_ir::ContextLayout>,
         device: &Device,
     ) -> Result<Vec<(u64, Vec<f32>)>, ExecError> {
         let mut batches: Vec<Vec<HashMap<String, Tensor>>> = Vec::with_capacity(ranks.len());
         for (d, state) in self.data.iter_mut().zip(ranks.iter()) {
-            let rank = state.rank as usize;
+            let rank = state.rank;
             d.seek(0);
             let mut mine = Vec::with_capacity(self.batches as usize);
             for _ in 0..self.batches {
                 let b = d.next_batch(device)?;
-                mine.push(rank_rows(b.inputs, rank / tensor, data_world)?);
+                mine.push(mesh_rows(b.inputs, mesh, layout, rank)?);
             }
             batches.push(mine);
         }

@@ -8,6 +8,7 @@
 //! the model equals the single-rank one bit for bit without any rank building it whole.
 
 use crate::comm::{Abort, Collectives, Placement};
+use crate::cpu::context::ContextGroup;
 use crate::cpu::expert::{ExpertGroup, RoutingLoad};
 use crate::cpu::kernels::Ctx;
 use crate::cpu::tensor::{whole_from_slices, TensorGroup};
@@ -15,7 +16,7 @@ use crate::init::init_slice_elements;
 use crate::runtime::optim::{base_lr, lr_at, OptState};
 use crate::runtime::rank::{run_step, ProgramTables, RankState, Shared};
 pub use crate::runtime::rank::{Fault, Injected};
-use crate::train::data::{rank_rows, DataSource};
+use crate::train::data::{mesh_rows, DataSource};
 use crate::train::eval::{step_starts, Validation};
 use crate::train::trainer::data_source;
 use crate::ExecError;
@@ -304,6 +305,16 @@ impl ShardInit<'_> {
             }
             None => Ctx::new(device.clone()),
         };
+        match comms.context.take() {
+            Some(c) => ctx = ctx.with_context_group(ContextGroup::new(std::sync::Arc::from(c))),
+            None if mesh.context() > 1 => {
+                return Err(ExecError::Unsupported(format!(
+                    "the {backend} backend does not run context parallelism yet (mesh.context {}): run it as threads of one process (`--backend local`) or one CPU process per rank under mpirun (`--backend mpi`)",
+                    mesh.context()
+                )))
+            }
+            None => {}
+        }
         match comms.expert.take() {
             Some(e) => ctx = ctx.with_expert_group(ExpertGroup::new(std::sync::Arc::from(e))),
             None if mesh.expert() > 1 => {
@@ -429,7 +440,8 @@ impl ShardedTrainer {
         } = place;
         let g = &joint.graph;
         let first = g.node(g.inputs()[0]).ty.shape.dims().to_vec();
-        let (per_rank, seq) = (first[0] as usize, first[1] as usize);
+        // A context-parallel graph holds `1 / context` of each sequence.
+        let (per_rank, seq) = (first[0] as usize, first[1] as usize * g.context_degree() as usize);
         // A tensor group shares its sequences: the batch is split over the data-parallel
         // ranks only.
         let rows = per_rank * plan.mesh.data_parallel() as usize;
@@ -618,19 +630,20 @@ impl ShardedTrainer {
     /// of those micro-batches.
     fn next_batches(&mut self, accum: usize) -> Result<(RankBatches, u64), ExecError> {
         let mesh = self.shared.plan.mesh;
-        let data_world = mesh.data_parallel() as usize;
+        let layout = self.shared.joint.graph.context_layout();
         let mut batches: RankBatches = Vec::with_capacity(self.ranks.len());
         let mut tokens = 0u64;
         for (k, (d, state)) in self.data.iter_mut().zip(&self.ranks).enumerate() {
-            let rank = state.rank as usize;
+            let rank = state.rank;
             let mut mine = Vec::with_capacity(accum);
             for _ in 0..accum {
                 let b = d.next_batch(&self.device)?;
                 if k == 0 {
                     tokens += b.tokens;
                 }
-                // The rows of this rank's data-parallel index (its tensor group's).
-                mine.push(rank_rows(b.inputs, rank / mesh.tensor() as usize, data_world)?);
+                // The rows of this rank's data-parallel index (its tensor and context
+                // group's), and its rows of their sequences.
+                mine.push(mesh_rows(b.inputs, &mesh, layout, rank)?);
             }
             batches.push(mine);
         }
@@ -758,13 +771,8 @@ impl ShardedTrainer {
             ));
         };
         let mesh = self.shared.plan.mesh;
-        let local = v.run(
-            &mut self.ranks,
-            &self.abort,
-            mesh.data_parallel() as usize,
-            mesh.tensor() as usize,
-            &self.device,
-        )?;
+        let layout = self.shared.joint.graph.context_layout();
+        let local = v.run(&mut self.ranks, &self.abort, &mesh, layout, &self.device)?;
         let batches = local.first().map_or(0, |l| l.1.len());
         let all = match self.processes.as_ref() {
             None => local,

@@ -18,6 +18,11 @@ pub struct MeshShape {
     pub pipeline: u64,
     pub replicate: u64,
     pub shard: u64,
+    /// Ranks of one context-parallel group (torchtitan's `cp`, between shard and tensor):
+    /// each holds `1 / context` of every sequence. FSDP shards parameters over `shard x
+    /// context` (torchtitan's `dp_shard_cp`). Absent from serialised configs when 1.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub context: u64,
     /// Ranks of one tensor-parallel group; absent from serialised configs when 1, so
     /// plans made before the axis existed read as they did.
     #[serde(default = "one", skip_serializing_if = "is_one")]
@@ -44,15 +49,41 @@ impl MeshShape {
         self.pipeline * self.stage_world()
     }
 
-    /// The ranks of one pipeline rank's stages: `replicate x shard x tensor` (the whole
-    /// world without a pipeline).
+    /// The ranks of one pipeline rank's stages: `replicate x shard x context x tensor`
+    /// (the whole world without a pipeline).
     pub fn stage_world(&self) -> u64 {
-        self.replicate * self.shard * self.tensor
+        self.replicate * self.shard * self.context * self.tensor
     }
 
     /// Ranks that see different data: `replicate x shard`.
     pub fn data_parallel(&self) -> u64 {
         self.replicate * self.shard
+    }
+}
+
+/// Context parallelism's options (torchtitan's defaults: all-gather, head-tail).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContextParallel {
+    /// How keys and values reach every rank of a context group (torch's
+    /// `set_rotate_method`).
+    pub rotate: shardplan_ir::ContextRotate,
+    /// Which rows of a sequence each context rank holds (torch's head-tail load balancer,
+    /// or contiguous chunks).
+    pub load_balance: shardplan_ir::ContextBalance,
+}
+
+impl Default for ContextParallel {
+    fn default() -> Self {
+        ContextParallel {
+            rotate: shardplan_ir::ContextRotate::AllGather,
+            load_balance: shardplan_ir::ContextBalance::HeadTail,
+        }
+    }
+}
+
+impl ContextParallel {
+    pub fn is_default(&self) -> bool {
+        *self == ContextParallel::default()
     }
 }
 
@@ -483,6 +514,10 @@ pub struct ParallelConfig {
     /// serialised config when default.
     #[serde(default, skip_serializing_if = "TensorParallel::is_default")]
     pub tensor_parallel: TensorParallel,
+    /// Context parallelism's options (used when `mesh.context > 1`); absent from a
+    /// serialised config when default.
+    #[serde(default, skip_serializing_if = "ContextParallel::is_default")]
+    pub context_parallel: ContextParallel,
     /// Mixture-of-experts options; absent from a serialised config when default.
     #[serde(default, skip_serializing_if = "MoeParallel::is_default")]
     pub moe: MoeParallel,
@@ -510,6 +545,11 @@ impl ParallelConfig {
                 capacity: self.moe.capacity,
                 capacity_factor: self.moe.capacity_factor,
                 overlap: self.runtime == Runtime::Shardplan,
+            },
+            context: shardplan_models::ContextOptions {
+                degree: self.mesh.context,
+                balance: self.context_parallel.load_balance,
+                rotate: self.context_parallel.rotate,
             },
         }
     }

@@ -62,6 +62,7 @@ impl ParallelSpecFile {
         let world = world(&mut o, &mesh, self.world)?;
         let gpus_per_node = gpus_per_node(&mut o, self.gpus_per_node, &mesh, world)?;
         let tensor_parallel = tensor_parallel(&mut o, self.tensor_parallel);
+        let context_parallel = context_parallel(&mut o, self.context_parallel);
         let moe = moe(&mut o, self.moe)?;
         let mut hardware = hardware(&mut o, self.hardware)?;
         let runtime = runtime(&mut o, self.runtime, &mut hardware, mesh.tensor)?;
@@ -113,6 +114,7 @@ impl ParallelSpecFile {
             runtime,
             allocator,
             tensor_parallel,
+            context_parallel,
             moe,
             pipeline,
         };
@@ -133,6 +135,9 @@ fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError>
     let tensor = at_least_1(o, "mesh.tensor", mesh_file.tensor.map_or(1, |s| s.value))?;
     record(o, "mesh.expert", &mesh_file.expert);
     let expert = at_least_1(o, "mesh.expert", mesh_file.expert.map_or(1, |s| s.value))?;
+    record(o, "mesh.context", &mesh_file.context);
+    let context = at_least_1(o, "mesh.context", mesh_file.context.map_or(1, |s| s.value))?;
+    check_context_axis(o, context, pipeline, expert)?;
     if !shard.is_multiple_of(expert) {
         return Err(o.error(
             "mesh.expert",
@@ -144,9 +149,27 @@ fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError>
         pipeline,
         replicate,
         shard,
+        context,
         tensor,
         expert,
     })
+}
+
+/// Refuses a context axis beside the axes it does not combine with yet.
+fn check_context_axis(o: &Origin, context: u64, pipeline: u64, expert: u64) -> Result<(), SpecError> {
+    if context <= 1 {
+        return Ok(());
+    }
+    for (axis, size) in [("pipeline", pipeline), ("expert", expert)] {
+        if size > 1 {
+            return Err(o.error(
+                "mesh.context",
+                format!("context parallelism does not combine with a {axis} axis yet (mesh.{axis} {size})"),
+                format!("set mesh.context to 1, or mesh.{axis} to 1"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The mesh's axes as errors name them (`replicate x shard = 2 x 8`, with `pipeline` and
@@ -156,6 +179,7 @@ fn axes(mesh: &MeshShape) -> String {
         ("pipeline", mesh.pipeline, mesh.pipeline > 1),
         ("replicate", mesh.replicate, true),
         ("shard", mesh.shard, true),
+        ("context", mesh.context, mesh.context > 1),
         ("tensor", mesh.tensor, mesh.tensor > 1),
     ];
     let shown: Vec<_> = axes.iter().filter(|a| a.2).collect();
@@ -172,6 +196,7 @@ fn world(o: &mut Origin, mesh: &MeshShape, spec: Option<Spanned<u64>>) -> Result
         .pipeline
         .checked_mul(mesh.replicate)
         .and_then(|p| p.checked_mul(mesh.shard))
+        .and_then(|p| p.checked_mul(mesh.context))
         .and_then(|p| p.checked_mul(tensor))
     {
         Some(w) if w <= MAX_WORLD => {}
@@ -246,6 +271,23 @@ fn tensor_parallel(o: &mut Origin, spec: Option<Spanned<TensorParallelFile>>) ->
         }
     }
     tensor_parallel
+}
+
+/// Context parallelism's options: torchtitan's defaults unless written.
+fn context_parallel(o: &mut Origin, spec: Option<Spanned<ContextParallelFile>>) -> ContextParallel {
+    let mut cp = ContextParallel::default();
+    if let Some(c) = spec {
+        o.insert("context_parallel", pos(&c));
+        if let Some(v) = &c.value.rotate {
+            o.insert("context_parallel.rotate", pos(v));
+            cp.rotate = v.value;
+        }
+        if let Some(v) = &c.value.load_balance {
+            o.insert("context_parallel.load_balance", pos(v));
+            cp.load_balance = v.value;
+        }
+    }
+    cp
 }
 
 /// The routing of a mixture of experts: dropless within `capacity`, or dropping past

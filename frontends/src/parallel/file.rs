@@ -34,6 +34,7 @@ pub(super) struct ParallelSpecFile {
     pub(super) runtime: Option<Spanned<Runtime>>,
     pub(super) allocator: Option<Spanned<AllocatorFile>>,
     pub(super) tensor_parallel: Option<Spanned<TensorParallelFile>>,
+    pub(super) context_parallel: Option<Spanned<ContextParallelFile>>,
     pub(super) moe: Option<Spanned<MoeFile>>,
     pub(super) pipeline: Option<Spanned<PipelineFile>>,
 }
@@ -63,6 +64,13 @@ pub(super) struct MoeFile {
 pub(super) struct TensorParallelFile {
     pub(super) sequence_parallel: Option<Spanned<bool>>,
     pub(super) loss_parallel: Option<Spanned<bool>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ContextParallelFile {
+    pub(super) rotate: Option<Spanned<shardplan_ir::ContextRotate>>,
+    pub(super) load_balance: Option<Spanned<shardplan_ir::ContextBalance>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -98,6 +106,7 @@ pub(super) struct MeshFile {
     pub(super) pipeline: Option<Spanned<u64>>,
     pub(super) replicate: Option<Spanned<u64>>,
     pub(super) shard: Spanned<u64>,
+    pub(super) context: Option<Spanned<u64>>,
     pub(super) tensor: Option<Spanned<u64>>,
     pub(super) expert: Option<Spanned<u64>>,
 }

@@ -132,6 +132,9 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         axes.push_str(&format!("pipeline: {}, ", c.mesh.pipeline));
     }
     axes.push_str(&format!("replicate: {}, shard: {}", c.mesh.replicate, c.mesh.shard));
+    if c.mesh.context > 1 {
+        axes.push_str(&format!(", context: {}", c.mesh.context));
+    }
     if c.mesh.tensor > 1 {
         axes.push_str(&format!(", tensor: {}", c.mesh.tensor));
     }
@@ -149,6 +152,13 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         y.push_str(&format!(
             "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}}}\n",
             c.tensor_parallel.sequence_parallel, c.tensor_parallel.loss_parallel
+        ));
+    }
+    if !c.context_parallel.is_default() {
+        y.push_str(&format!(
+            "context_parallel: {{rotate: {}, load_balance: {}}}\n",
+            c.context_parallel.rotate.name(),
+            c.context_parallel.load_balance.name()
         ));
     }
     if let Some(p) = &c.pipeline {

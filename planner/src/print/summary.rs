@@ -11,6 +11,7 @@ use std::fmt::Write;
 pub(crate) fn summary(o: &mut String, plan: &Plan) {
     mesh_line(o, plan);
     tensor_parallel_line(o, plan);
+    context_parallel_lines(o, plan);
     if let Some(e) = &plan.experts {
         expert_lines(o, plan, e);
     }
@@ -37,8 +38,12 @@ fn mesh_line(o: &mut String, plan: &Plan) {
         thousands(plan.params),
         m.world(),
         m.replicate(),
-        m.shard(),
-        if m.tensor() > 1 {
+        m.shard() / m.context(),
+        if m.context() > 1 {
+            format!(" x {} context", m.context())
+        } else {
+            String::new()
+        } + &if m.tensor() > 1 {
             format!(" x {} tensor", m.tensor())
         } else {
             String::new()
@@ -70,6 +75,78 @@ fn tensor_parallel_line(o: &mut String, plan: &Plan) {
         m.tensor(),
         if tp.sequence_parallel { "on" } else { "off" },
         if tp.loss_parallel { "on" } else { "off" },
+    );
+}
+
+/// How the context axis deals each sequence and moves keys and values, and the ring's
+/// traffic and time per layer (the first block's steps) and per step, when there is one.
+fn context_parallel_lines(o: &mut String, plan: &Plan) {
+    let m = &plan.mesh;
+    if m.context() <= 1 {
+        return;
+    }
+    let c = m.context();
+    let cp = &plan.policy.context_parallel;
+    let chunks = cp.load_balance.chunks(c);
+    let held = match cp.load_balance {
+        shardplan_ir::ContextBalance::HeadTail => format!("rank r holds chunks r and {} - r of {chunks}", 2 * c - 1),
+        shardplan_ir::ContextBalance::None => format!("rank r holds chunk r of {chunks}"),
+    };
+    let _ = writeln!(
+        o,
+        "context parallel: groups of {c} consecutive shard ranks (FSDP shards over shard x context = {}), {} balance ({held}, {} tokens each), rotate {}",
+        m.shard(),
+        cp.load_balance.name(),
+        thousands(plan.policy.seq_len / chunks),
+        cp.rotate.name(),
+    );
+    let ops = |label: Option<&str>| {
+        // (phase, op) -> (count, bytes, seconds), in phase order.
+        let mut by_phase: Vec<((crate::Phase, &str), (u64, u64, f64))> = Vec::new();
+        for s in plan.steps.iter().filter(|s| label.is_none_or(|l| s.label == l)) {
+            for t in s.tensor_ops.iter().filter(|t| t.op.is_context()) {
+                let key = (s.phase, t.op.name());
+                let i = match by_phase.iter().position(|(k, _)| *k == key) {
+                    Some(i) => i,
+                    None => {
+                        by_phase.push((key, (0, 0, 0.0)));
+                        by_phase.len() - 1
+                    }
+                };
+                let e = &mut by_phase[i].1;
+                *e = (e.0 + 1, e.1 + t.bytes, e.2 + t.dur_s);
+            }
+        }
+        by_phase.sort_by_key(|((phase, op), _)| (*phase as u8, *op));
+        by_phase
+    };
+    let first = plan
+        .steps
+        .iter()
+        .find(|s| s.tensor_ops.iter().any(|t| t.op.is_context()))
+        .map(|s| s.label.as_str());
+    let parts: Vec<String> = ops(first)
+        .into_iter()
+        .map(|((phase, op), (n, b, s))| {
+            let what = if op == "cp_all_gather" {
+                "all-gather"
+            } else {
+                "reduce-scatter (f32)"
+            };
+            format!("{} {n} x {what} {} in {}", phase.name(), bytes(b / n.max(1)), ms(s))
+        })
+        .collect();
+    let (n, b, s) = ops(None)
+        .iter()
+        .map(|(_, v)| v)
+        .fold((0, 0, 0.0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
+    let _ = writeln!(
+        o,
+        "  ring per layer ({}): {}; per step {n} exchanges, {} per rank, {} on the compute stream",
+        first.unwrap_or("-"),
+        parts.join(", "),
+        bytes(b),
+        ms(s),
     );
 }
 
@@ -200,10 +277,19 @@ fn batch_line(o: &mut String, plan: &Plan) {
         GradSync::FinalMicroBatch => "reduce-scatter on the final micro-batch",
     };
     let tokens = m.data_parallel() * p.batch_per_rank * p.seq_len * p.grad_accum;
-    let per = if m.tensor() > 1 {
-        format!("per data-parallel rank (its {} tensor ranks share them)", m.tensor())
-    } else {
-        "per rank".to_string()
+    let per = match (m.tensor() > 1, m.context() > 1) {
+        (true, false) => format!("per data-parallel rank (its {} tensor ranks share them)", m.tensor()),
+        (_, true) => format!(
+            "per data-parallel rank (each of its {} context ranks holds {} tokens of each{})",
+            m.context(),
+            p.seq_len / m.context(),
+            if m.tensor() > 1 {
+                format!(", shared by {} tensor ranks", m.tensor())
+            } else {
+                String::new()
+            }
+        ),
+        (false, false) => "per rank".to_string(),
     };
     let _ = writeln!(
         o,

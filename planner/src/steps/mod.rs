@@ -98,7 +98,7 @@ fn on_compute(s: &Stream) -> bool {
     *s == Stream::Compute
 }
 
-/// A tensor- or expert-parallel collective inside a compute step: it runs on the compute
+/// A tensor-, expert- or context-parallel collective inside a compute step: it runs on the compute
 /// stream, between the ops that make its input and read its output.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TensorOp {
@@ -126,6 +126,8 @@ pub enum StepCollective {
     MoeGatherIds,
     MoeDispatch,
     MoeCombine,
+    CpAllGather,
+    CpReduceScatter,
 }
 
 impl StepCollective {
@@ -141,6 +143,8 @@ impl StepCollective {
             Op::MoeGatherIds { .. } => StepCollective::MoeGatherIds,
             Op::MoeDispatch { .. } => StepCollective::MoeDispatch,
             Op::MoeCombine { .. } => StepCollective::MoeCombine,
+            Op::CpAllGather { .. } => StepCollective::CpAllGather,
+            Op::CpReduceScatter { .. } => StepCollective::CpReduceScatter,
             _ => return None,
         })
     }
@@ -156,7 +160,25 @@ impl StepCollective {
             StepCollective::MoeGatherIds => "moe_gather_ids",
             StepCollective::MoeDispatch => "moe_dispatch",
             StepCollective::MoeCombine => "moe_combine",
+            StepCollective::CpAllGather => "cp_all_gather",
+            StepCollective::CpReduceScatter => "cp_reduce_scatter",
         }
+    }
+
+    /// The group it runs over: `tensor`, `expert` or `context`.
+    pub fn axis(self) -> &'static str {
+        if self.is_expert() {
+            "expert"
+        } else if self.is_context() {
+            "context"
+        } else {
+            "tensor"
+        }
+    }
+
+    /// Whether it runs over the context group.
+    pub fn is_context(self) -> bool {
+        matches!(self, StepCollective::CpAllGather | StepCollective::CpReduceScatter)
     }
 
     /// Whether it runs over the expert group (else the tensor group).

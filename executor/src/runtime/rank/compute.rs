@@ -255,7 +255,7 @@ impl StepCtx<'_> {
             );
         }
         let outs = [b.dq, b.dk, b.dv];
-        let made = if sh.native && crate::gpu::attention_applies(&ops[0], &ops[1], &ops[2]) {
+        let made = if sh.native && b.context.is_none() && crate::gpu::attention_applies(&ops[0], &ops[1], &ops[2]) {
             // cuDNN's backward reads the forward's output and log-sum-exp; the plan keeps
             // neither, so the forward runs again here (a fifth of the backward's time on an
             // H200 at the 1.1B shape) and one plan serves every device.
@@ -274,7 +274,7 @@ impl StepCtx<'_> {
                 &ops[1],
                 &ops[2],
                 &ops[3],
-                b.causal,
+                &c.ctx.mask(b.causal, b.context, ops[0].dim(1)?)?,
                 outs.map(|o| o.is_some()),
             )?
         };

@@ -80,6 +80,8 @@ pub struct BlockwiseAttention {
     pub v: NodeId,
     pub dy: NodeId,
     pub causal: bool,
+    /// The context layout of a context-parallel attention's mask.
+    pub context: Option<shardplan_ir::ContextLayout>,
     /// The gradient nodes, where the graph has them.
     pub dq: Option<NodeId>,
     pub dk: Option<NodeId>,
@@ -221,7 +223,9 @@ impl ExecOrder {
         self.blockwise.clear();
         self.blockwise_of = vec![None; n];
         for (probs, node) in g.nodes() {
-            let Op::AttnProbs { causal } = node.op else { continue };
+            let Op::AttnProbs { causal, context } = node.op else {
+                continue;
+            };
             let (q, k) = (node.inputs[0], node.inputs[1]);
             let mut b = BlockwiseAttention {
                 probs,
@@ -232,6 +236,7 @@ impl ExecOrder {
                 v: q,
                 dy: q,
                 causal,
+                context,
                 dq: None,
                 dk: None,
                 dv: None,
