@@ -217,6 +217,7 @@ proptest! {
         let y = c.op(Op::Rope {
                 theta: 10000.0,
                 scaling: Default::default(),
+                context: None,
             }, &[x]);
         c.check(y);
     }
@@ -227,7 +228,7 @@ proptest! {
         let q = c.param(&[b, s, kv * group, d]);
         let k = c.param(&[b, s, kv, d]);
         let v = c.param(&[b, s, kv, d]);
-        let y = c.op(Op::Attention { causal }, &[q, k, v]);
+        let y = c.op(Op::Attention { causal, context: None }, &[q, k, v]);
         c.check(y);
     }
 

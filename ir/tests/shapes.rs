@@ -116,7 +116,8 @@ fn rope() {
         ok(
             Op::Rope {
                 theta: 1e4,
-                scaling: Default::default()
+                scaling: Default::default(),
+                context: None
             },
             &[(F, &[2, 8, 4, 16])]
         ),
@@ -126,6 +127,7 @@ fn rope() {
         Op::Rope {
             theta: 1e4,
             scaling: Default::default(),
+            context: None,
         },
         &[(F, &[2, 8, 4, 15])],
     );
@@ -134,6 +136,7 @@ fn rope() {
         Op::Rope {
             theta: 1e4,
             scaling: Default::default(),
+            context: None,
         },
         &[(F, &[8, 4, 16])],
     );
@@ -142,7 +145,10 @@ fn rope() {
 
 #[test]
 fn attention_with_grouped_query_heads() {
-    let att = Op::Attention { causal: true };
+    let att = Op::Attention {
+        causal: true,
+        context: None,
+    };
     assert_eq!(
         ok(
             att.clone(),
@@ -295,7 +301,16 @@ fn costs_follow_the_documented_conventions() {
     assert_eq!(c.fwd_bytes, (16 * 64 + 32 * 64 + 16 * 32) * 4);
     let q = g.add_input("q", TensorType::new(F, [2, 8, 4, 16]), root).unwrap();
     let kv = g.add_input("kv", TensorType::new(F, [2, 8, 2, 16]), root).unwrap();
-    let a = g.add_node(Op::Attention { causal: true }, &[q, kv, kv], root).unwrap();
+    let a = g
+        .add_node(
+            Op::Attention {
+                causal: true,
+                context: None,
+            },
+            &[q, kv, kv],
+            root,
+        )
+        .unwrap();
     assert_eq!(g.node_cost(a).fwd_flops, 4 * 2 * 4 * 8 * 8 * 16);
 }
 

@@ -685,6 +685,7 @@ pub fn grouped_matmul(x: &Tensor, ws: &[&Tensor], counts: &[usize], transposed: 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::cpu::attention::Mask;
     use candle_core::D;
 
     /// `a` equals `b` within `tol` relative to `b`'s largest magnitude (at least 1).
@@ -737,9 +738,9 @@ pub(crate) mod tests {
             let mask = Tensor::from_vec(mask, (s, t), &Device::Cpu).unwrap();
             let want =
                 candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap().broadcast_add(&mask).unwrap()).unwrap();
-            close(&masked_softmax(&x, 0.5, true).unwrap(), &want, 1e-6);
+            close(&masked_softmax(&x, 0.5, &Mask::Causal).unwrap(), &want, 1e-6);
             let want = candle_nn::ops::softmax_last_dim(&x.affine(0.5, 0.0).unwrap()).unwrap();
-            close(&masked_softmax(&x, 0.5, false).unwrap(), &want, 1e-6);
+            close(&masked_softmax(&x, 0.5, &Mask::Full).unwrap(), &want, 1e-6);
         }
     }
 

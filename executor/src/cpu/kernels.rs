@@ -910,26 +910,41 @@ mod tests {
     fn blockwise_attention_backward_equals_the_materialised_one() {
         use candle_core::DType as CD;
         // s = t = 100 in blocks of 32 (a partial last block); GQA (4 query heads on 2 k/v
-        // heads) and MHA; causal and not; f32 (the fused kernels) and f64 (the composed ones).
+        // heads) and MHA; causal, full, and a context rank's head and tail rows (rank 1 of
+        // 2: positions 50..100 and 200..250 of 400 keys); f32 (the fused kernels) and f64
+        // (the composed ones).
+        let layout = shardplan_ir::ContextLayout {
+            degree: 2,
+            balance: shardplan_ir::ContextBalance::HeadTail,
+        };
         for (dtype, tol) in [(CD::F32, 1e-5), (CD::F64, 1e-12)] {
             for (h, kv) in [(4usize, 2usize), (2, 2)] {
-                for causal in [true, false] {
+                for (mask, t) in [
+                    (Mask::Causal, 100),
+                    (Mask::Full, 100),
+                    (Mask::of(true, Some(layout), 1, 100), 200),
+                ] {
                     let (b, s, d) = (2usize, 100usize, 8usize);
                     let dev = Device::Cpu;
                     let r = |n: &[usize]| Tensor::randn(0f32, 1.0, n, &dev).unwrap().to_dtype(dtype).unwrap();
-                    let (q, k, v, dy) = (r(&[b, s, h, d]), r(&[b, s, kv, d]), r(&[b, s, kv, d]), r(&[b, s, h, d]));
+                    let (q, k, v, dy) = (r(&[b, s, h, d]), r(&[b, t, kv, d]), r(&[b, t, kv, d]), r(&[b, s, h, d]));
                     let kv_heads = kv as u64;
-                    let p = attention_backward_op(&Op::AttnProbs { causal }, &[&q, &k]).unwrap();
-                    let dv = attention_backward_op(&Op::AttnGradV { kv_heads }, &[&p, &dy]).unwrap();
-                    let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dy, &v]).unwrap();
-                    let dq = attention_backward_op(&Op::AttnGradQ, &[&ds, &k]).unwrap();
-                    let dk = attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &q]).unwrap();
+                    let probs = Op::AttnProbs {
+                        causal: !mask.is_full(),
+                        context: None,
+                    };
+                    let p = attention_backward_op(&probs, &[&q, &k], &mask).unwrap();
+                    let dv = attention_backward_op(&Op::AttnGradV { kv_heads }, &[&p, &dy], &mask).unwrap();
+                    let ds = attention_backward_op(&Op::AttnGradScores, &[&p, &dy, &v], &mask).unwrap();
+                    let dq = attention_backward_op(&Op::AttnGradQ, &[&ds, &k], &mask).unwrap();
+                    let dk = attention_backward_op(&Op::AttnGradK { kv_heads }, &[&ds, &q], &mask).unwrap();
+                    let causal = !mask.is_full();
                     // Blocks of 32 to 1000 rows, and the public entry (f32: the fused pass).
                     for rows in [32, 64, 100, 1000, 0] {
                         let got = if rows == 0 {
-                            attention_backward_blockwise(&q, &k, &v, &dy, causal, [true, true, true]).unwrap()
+                            attention_backward_blockwise(&q, &k, &v, &dy, &mask, [true, true, true]).unwrap()
                         } else {
-                            blockwise_in_rows(&q, &k, &v, &dy, causal, [true, true, true], rows).unwrap()
+                            blockwise_in_rows(&q, &k, &v, &dy, &mask, [true, true, true], rows).unwrap()
                         };
                         for (name, want, got) in [("dq", &dq, &got[0]), ("dk", &dk, &got[1]), ("dv", &dv, &got[2])] {
                             let got = got.as_ref().unwrap();
@@ -954,7 +969,7 @@ mod tests {
                         }
                     }
                     // Only what is asked for is made.
-                    let only_v = blockwise_in_rows(&q, &k, &v, &dy, causal, [false, false, true], 32).unwrap();
+                    let only_v = blockwise_in_rows(&q, &k, &v, &dy, &mask, [false, false, true], 32).unwrap();
                     assert!(only_v[0].is_none() && only_v[1].is_none() && only_v[2].is_some());
                 }
             }

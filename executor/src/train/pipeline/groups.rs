@@ -108,6 +108,7 @@ mod tests {
             pipeline: p,
             replicate: r,
             shard: s,
+            context: 1,
             tensor: t,
             expert: 1,
         }
