@@ -161,7 +161,13 @@ fn parity(name: &str, replicate: u64, shard: u64, extra: &str) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let s = spec(d, name, replicate, shard, extra);
-    let (tl, tc, ml, mc) = run_both(name, &s, d, replicate * shard);
+    spec_parity(name, &s, d, replicate * shard);
+}
+
+/// Runs spec `s` (in `d`) as threads and as `ranks` MPI processes; losses within 1e-5,
+/// weights within 1e-4.
+fn spec_parity(name: &str, s: &Path, d: &Path, ranks: u64) {
+    let (tl, tc, ml, mc) = run_both(name, s, d, ranks);
     close(&losses(&tl), &losses(&ml), 1e-5, name);
     let (a, b) = (
         weights(&tc, &d.join("t.safetensors")),
@@ -549,6 +555,49 @@ fn tensor_parity(model: &str, name: &str, (replicate, shard, tensor): (u64, u64,
     )
     .unwrap();
     threads_then_mpi(name, model, &s, world, "--checkpoint-dir: a tensor-parallel run");
+}
+
+/// tiny-llama with each sequence split over a context group (shard x context x tensor,
+/// global batch 8 x 16), as threads and as one MPI process per rank: the ring's all-gather
+/// and all-to-all over MPI give the threads' losses and weights (checkpoints cross, as
+/// FSDP's); with a tensor axis, the losses.
+#[test]
+fn mpi_matches_threads_context_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for (name, (shard, context, tensor), cp) in [
+        ("cp4-ring", (1, 4, 1), "{rotate: alltoall, load_balance: head_tail}"),
+        ("fsdp2-cp2", (2, 2, 1), "{rotate: allgather, load_balance: none}"),
+        ("cp2-tp2", (1, 2, 2), "{rotate: alltoall, load_balance: head_tail}"),
+    ] {
+        let world = shard * context * tensor;
+        let s = d.join(format!("{name}.yaml"));
+        std::fs::write(
+            &s,
+            format!(
+                "mesh: {{shard: {shard}, context: {context}, tensor: {tensor}}}\ngpus_per_node: {world}\n\
+                 context_parallel: {cp}\nmixed_precision: {{param: f32, reduce: f32}}\n\
+                 optimizer: {{adamw: {{lr: 3.0e-3, betas: [0.9, 0.95], weight_decay: 0.1}}}}\ngrad_clip: 1.0\nseed: 0\n\
+                 batch: {{per_rank: {}, seq_len: 16}}\n",
+                8 / shard
+            ),
+        )
+        .unwrap();
+        if tensor > 1 {
+            let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/models/tiny-llama.yaml");
+            threads_then_mpi(
+                name,
+                model.to_str().unwrap(),
+                &s,
+                world,
+                "--checkpoint-dir: a tensor-parallel run",
+            );
+        } else {
+            let run = d.join(name);
+            std::fs::create_dir_all(&run).unwrap();
+            spec_parity(name, &s, &run, world);
+        }
+    }
 }
 
 /// Trains `spec` of `model` for 10 steps as threads and as `world` MPI processes: the same

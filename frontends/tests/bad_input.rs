@@ -408,6 +408,42 @@ fn parallel_spec_rules() {
             "3 does not divide the shard axis (8)",
         ),
         (
+            "mesh: {shard: 2, context: 2}\ngpus_per_node: 4\nreshard_after_forward: 3\n",
+            3,
+            24,
+            "3 does not divide the shard axis (4)",
+        ),
+        (
+            "mesh: {shard: 4, context: 0}\n",
+            1,
+            27,
+            "must be at least 1",
+        ),
+        (
+            "mesh: {shard: 2, context: 2, expert: 2}\ngpus_per_node: 4\n",
+            1,
+            27,
+            "does not combine with mesh.expert 2",
+        ),
+        (
+            "mesh: {pipeline: 2, shard: 2, context: 2}\n",
+            1,
+            40,
+            "does not combine with mesh.pipeline 2",
+        ),
+        (
+            "mesh: {shard: 2, context: 2}\ngpus_per_node: 4\ncontext_parallel: {rotate: ring}\n",
+            3,
+            28,
+            "unknown variant `ring`",
+        ),
+        (
+            "mesh: {shard: 2, context: 2}\ngpus_per_node: 4\ncontext_parallel: {load_balance: zigzag}\n",
+            3,
+            34,
+            "unknown variant `zigzag`",
+        ),
+        (
             "mesh: {shard: 8}\nreshard_after_forward: maybe\n",
             2,
             1,

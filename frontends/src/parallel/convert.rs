@@ -74,7 +74,7 @@ impl ParallelSpecFile {
             .bucket_mib
             .map(|s| at_least_1(&o, "bucket_mib", s.value))
             .transpose()?;
-        let reshard_after_forward = reshard_after_forward(&mut o, self.reshard_after_forward, mesh.shard)?;
+        let reshard_after_forward = reshard_after_forward(&mut o, self.reshard_after_forward, mesh.shard * mesh.context)?;
         let prefetch = prefetch(&mut o, self.prefetch)?;
         let mixed_precision = mixed_precision(&mut o, self.mixed_precision)?;
         record(&mut o, "offload", &self.offload);
@@ -164,7 +164,7 @@ fn check_context_axis(o: &Origin, context: u64, pipeline: u64, expert: u64) -> R
         if size > 1 {
             return Err(o.error(
                 "mesh.context",
-                format!("context parallelism does not combine with a {axis} axis yet (mesh.{axis} {size})"),
+                format!("context parallelism does not combine with mesh.{axis} {size} yet"),
                 format!("set mesh.context to 1, or mesh.{axis} to 1"),
             ));
         }
