@@ -4,7 +4,9 @@
 //! (compare `llama3-405b-1x8` with `llama3-405b-2048x8`). `llama3-405b-32x64x8-tp` plans the
 //! same 16,384 ranks with tensor parallelism over each node (target: under 10 ms).
 //! `qwen3-30b-a3b-64-ep8` plans a mixture of experts (48 MoE layers of 128 experts) on 64
-//! H100s with expert parallelism 8 (target: under 10 ms).
+//! H100s with expert parallelism 8 (target: under 10 ms). `llama3.1-8b-131072-fsdp2-cp4`
+//! plans Llama 3.1 8B at 131,072 tokens on 8 H100s as FSDP 2 x context parallelism 4
+//! (target: under 10 ms).
 //!
 //! The `pipeline` group plans Llama 3.1 405B on 512 H100s as FSDP 8 x TP 8 x PP 8 (1F1B and
 //! Interleaved1F1B, 32 micro-batches) from its traced forward graph: the stage cut and each
@@ -28,6 +30,11 @@ fn planning(c: &mut Criterion) {
         ("llama3-405b-2048x8", "llama3-405b.yaml", "hsdp-2048x8.yaml"),
         ("llama3-405b-32x64x8-tp", "llama3-405b.yaml", "hsdp-32x64-tp-8.yaml"),
         ("qwen3-30b-a3b-64-ep8", "qwen3-30b-a3b.config.json", "ep-8-fsdp-64.yaml"),
+        (
+            "llama3.1-8b-131072-fsdp2-cp4",
+            "llama3.1-8b.config.json",
+            "long-context-fsdp-2-cp-4.yaml",
+        ),
     ] {
         let m = load_model(&Path::new("examples/models").join(model)).expect("model");
         let p = load_parallel(&Path::new("examples/parallel").join(parallel)).expect("parallel");

@@ -148,7 +148,7 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
             );
             table(&mut o, &r.candidates, args.top, budget);
             let _ = writeln!(o, "the winner, knob by knob:");
-            for e in &effects {
+            for e in effects.iter().chain(&r.context_effects) {
                 let _ = writeln!(o, "  {e}");
             }
             o.push('\n');
@@ -166,6 +166,7 @@ pub fn run(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel) -> R
                 "pruned": r.pruned,
                 "candidates": r.candidates,
                 "knob_effects": effects,
+                "context_effects": r.context_effects,
             }))
             .context("serialising the search")?
                 + "\n"

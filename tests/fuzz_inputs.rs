@@ -583,6 +583,18 @@ fn fuzz_parallel_yaml() {
     );
 }
 
+/// Context parallelism's fields (`mesh.context`, `context_parallel:`).
+#[test]
+fn fuzz_context_yaml() {
+    fuzz_spec(
+        "parallel-cp",
+        &["examples/parallel/context-2x2-cpu.yaml"],
+        "tiny-llama",
+        300,
+        false,
+    );
+}
+
 /// Pipeline parallelism's fields (`mesh.pipeline`, `pipeline:`).
 #[test]
 fn fuzz_pipeline_yaml() {

@@ -35,7 +35,8 @@ pub struct Tried {
 
 /// Single changes to a spec that lower memory without a search, in the order they are
 /// tried: checkpointing, resharding, shallower prefetch, gradient sync, half the per-rank
-/// batch (same global batch), twice the ranks, CPU offload.
+/// batch (same global batch), twice the ranks, CPU offload, and for long sequences a
+/// context axis of 2, 4 or 8 ranks.
 pub fn plan_alternatives(c: &ParallelConfig) -> Vec<Alternative> {
     let mut out = Vec::new();
     let mut push = |change: String, f: &dyn Fn(&mut ParallelConfig)| {
@@ -90,6 +91,30 @@ pub fn plan_alternatives(c: &ParallelConfig) -> Vec<Alternative> {
         &|n| n.mesh.shard *= 2,
     );
     push("offload: cpu".into(), &|n| n.offload = Offload::Cpu);
+    // Long sequences: each split over a context group carved from the shard axis, the
+    // global batch kept by accumulation (a model that cannot split is left out when traced).
+    if c.batch.seq_len.unwrap_or(0) >= crate::auto::CONTEXT_MIN_SEQ && c.mesh.expert <= 1 && c.mesh.pipeline <= 1 {
+        for k in [2u64, 4, 8] {
+            if !c.mesh.shard.is_multiple_of(k) {
+                continue;
+            }
+            push(
+                format!(
+                    "mesh: {{replicate: {}, shard: {}, context: {}}} with grad_accum {} (each sequence over {} context ranks, same global batch)",
+                    c.mesh.replicate,
+                    c.mesh.shard / k,
+                    c.mesh.context * k,
+                    c.batch.grad_accum * k,
+                    c.mesh.context * k
+                ),
+                &|n| {
+                    n.mesh.shard /= k;
+                    n.mesh.context *= k;
+                    n.batch.grad_accum *= k;
+                },
+            );
+        }
+    }
     out
 }
 

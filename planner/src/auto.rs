@@ -26,6 +26,7 @@ use shardplan_frontends::{
 use shardplan_ir::{JointGraph, ModuleKind};
 
 mod branch;
+mod context;
 
 /// The default per-rank budget on `hw`: all its device memory. A candidate fits when its
 /// device total does (the caching allocator's reserved peak, the CUDA context and NCCL's
@@ -48,6 +49,9 @@ pub struct Fixed {
     /// The expert-parallel degree (`mesh.expert`); only [`search_model`] searches it, and
     /// only for a model with routed experts.
     pub expert: bool,
+    /// The context-parallel degree (`mesh.context`); only [`search_model`] searches it, and
+    /// only for long sequences ([`context_degrees`]).
+    pub context: bool,
 }
 
 impl Fixed {
@@ -64,6 +68,7 @@ impl Fixed {
             offload: origin.has("offload"),
             tensor: origin.has("mesh.tensor"),
             expert: origin.has("mesh.expert"),
+            context: origin.has("mesh.context"),
         }
     }
 }
@@ -88,6 +93,9 @@ pub struct Knobs {
     /// Ranks of an expert-parallel group (inside the shard axis).
     #[serde(default = "one")]
     pub expert: u64,
+    /// Ranks of a context-parallel group (each holds `1 / context` of every sequence).
+    #[serde(default = "one")]
+    pub context: u64,
 }
 
 fn one() -> u64 {
@@ -95,12 +103,18 @@ fn one() -> u64 {
 }
 
 impl Knobs {
-    /// The mesh as `replicate x shard`, with `x tensor` when there is a tensor axis.
+    /// The mesh as `replicate x shard`, with `cpC` after the shard axis when there is a
+    /// context axis and `x tensor` when there is a tensor axis.
     pub fn mesh(&self) -> String {
-        let base = if self.tensor > 1 {
-            format!("{}x{}x{}", self.replicate, self.shard, self.tensor)
+        let context = if self.context > 1 {
+            format!(" cp{}", self.context)
         } else {
-            format!("{}x{}", self.replicate, self.shard)
+            String::new()
+        };
+        let base = if self.tensor > 1 {
+            format!("{}x{}{context}x{}", self.replicate, self.shard, self.tensor)
+        } else {
+            format!("{}x{}{context}", self.replicate, self.shard)
         };
         if self.expert > 1 {
             format!("{base} ep{}", self.expert)
@@ -151,6 +165,9 @@ pub struct AutoResult {
     /// Plans built and verified; candidates skipped by the pruning rules.
     pub evaluated: usize,
     pub pruned: usize,
+    /// Under a context degree the search chose among several: what each other degree gives
+    /// on its own (`search_model`); empty otherwise.
+    pub context_effects: Vec<String>,
 }
 
 /// Nothing fits the budget.
@@ -348,6 +365,7 @@ impl Choice {
             offload: self.offload == Offload::Cpu,
             tensor: self.mesh.tensor,
             expert: self.mesh.expert,
+            context: self.mesh.context,
         };
         (knobs, c)
     }
@@ -451,42 +469,49 @@ pub fn search_model(
 ) -> Result<Result<AutoResult, NoFit>, PlanError> {
     let spaces = model_spaces(model, base, fixed)?;
     let spaces: Vec<(&JointGraph, ParallelConfig)> = spaces.iter().map(|(j, c)| (j, c.clone())).collect();
-    search_spaces(&spaces, fixed, budget, prune)
+    let mut found = search_spaces(&spaces, fixed, budget, prune)?;
+    if let Ok(r) = found.as_mut() {
+        if let Some(w) = r.candidates.first() {
+            r.context_effects = context::context_effects(&spaces, fixed, budget, w)?;
+        }
+    }
+    Ok(found)
 }
 
-/// The spaces [`search_model`] searches: for each of [`tensor_degrees`] the model splits
-/// over, its graph traced and differentiated at that degree and the spec with its mesh
-/// (the data-parallel ranks left) and `batch.per_rank` (the same tokens per step).
+/// The context-parallel degrees `--auto` tries: the spec's own when it fixes
+/// `mesh.context`; else, for a Llama-family model without routed experts on sequences of
+/// at least [`CONTEXT_MIN_SEQ`] tokens, 1 and the powers of two up to the node that split
+/// the sequence (torchtitan trains context parallelism from 32k tokens up); else 1.
+pub fn context_degrees(model: &shardplan_models::ModelConfig, base: &ParallelConfig, fixed: Fixed) -> Vec<u64> {
+    let dense_llama = matches!(model, shardplan_models::ModelConfig::Llama(c) if c.moe.is_none());
+    let seq = base.batch.seq_len.unwrap_or_else(|| model.default_seq_len());
+    if fixed.context || !dense_llama || seq < CONTEXT_MIN_SEQ || base.mesh.expert > 1 {
+        return vec![base.mesh.context];
+    }
+    std::iter::successors(Some(1u64), |c| c.checked_mul(2))
+        .take_while(|&c| c <= base.gpus_per_node && c <= base.mesh.world())
+        .filter(|&c| seq.is_multiple_of(base.context_parallel.load_balance.chunks(c)))
+        .collect()
+}
+
+/// The shortest sequence `--auto` splits over a context axis.
+pub const CONTEXT_MIN_SEQ: u64 = 16_384;
+
+/// The spaces [`search_model`] searches: for each of [`tensor_degrees`] and
+/// [`context_degrees`] the model splits over, its graph traced and differentiated at those
+/// degrees and the spec with its mesh (the data-parallel ranks left), `batch.per_rank` and
+/// `batch.grad_accum` (the same tokens per step).
 pub fn model_spaces(
     model: &shardplan_models::ModelConfig,
     base: &ParallelConfig,
     fixed: Fixed,
 ) -> Result<Vec<(JointGraph, ParallelConfig)>, PlanError> {
-    let world = base.mesh.world();
     let mut configs: Vec<ParallelConfig> = Vec::new();
-    for t in tensor_degrees(base, fixed) {
-        for e in expert_degrees(model, base, fixed) {
-            let mut config = base.clone();
-            let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
-            config.mesh = MeshShape {
-                pipeline: 1,
-                replicate,
-                shard: world / (replicate * t * base.mesh.context),
-                context: base.mesh.context,
-                tensor: t,
-                expert: e,
-            };
-            if !config.mesh.shard.is_multiple_of(e) {
-                continue;
+    for c in context_degrees(model, base, fixed) {
+        for t in tensor_degrees(base, fixed) {
+            for e in expert_degrees(model, base, fixed) {
+                configs.extend(space_config(base, fixed, (c, t, e)));
             }
-            // The step's batch stays the spec's: a tensor group shares its sequences, so each
-            // data-parallel rank takes `t / base t` times the spec's.
-            let per_rank = base.batch.per_rank * t;
-            if !per_rank.is_multiple_of(base.mesh.tensor) {
-                continue;
-            }
-            config.batch.per_rank = per_rank / base.mesh.tensor;
-            configs.push(config);
         }
     }
     // Each degree traced and differentiated on a thread of its own.
@@ -526,6 +551,40 @@ pub fn model_spaces(
         ));
     }
     Ok(spaces)
+}
+
+/// `base` on a mesh of context degree `c`, tensor degree `t` and expert degree `e` over the
+/// same world, with the batch that keeps its tokens per step: a tensor group shares its
+/// sequences, so each data-parallel rank takes `t / base t` times the spec's; a context
+/// group shares them too, and each rank keeps its micro-batch and accumulates `c / base c`
+/// times as many (the smaller micro-batch is what a context axis is for). `None` where the
+/// degrees do not divide.
+fn space_config(base: &ParallelConfig, fixed: Fixed, (c, t, e): (u64, u64, u64)) -> Option<ParallelConfig> {
+    let world = base.mesh.world();
+    let replicate = if fixed.mesh_split { base.mesh.replicate } else { 1 };
+    if !world.is_multiple_of(replicate * t * c) {
+        return None;
+    }
+    let mut config = base.clone();
+    config.mesh = MeshShape {
+        pipeline: 1,
+        replicate,
+        shard: world / (replicate * t * c),
+        context: c,
+        tensor: t,
+        expert: e,
+    };
+    if !config.mesh.shard.is_multiple_of(e) {
+        return None;
+    }
+    let per_rank = base.batch.per_rank * t;
+    let accum = base.batch.grad_accum * c;
+    if !per_rank.is_multiple_of(base.mesh.tensor) || !accum.is_multiple_of(base.mesh.context) {
+        return None;
+    }
+    config.batch.per_rank = per_rank / base.mesh.tensor;
+    config.batch.grad_accum = accum / base.mesh.context;
+    Some(config)
 }
 
 /// For the winner, one line per knob: what it bought against the best candidate that

@@ -136,7 +136,7 @@ impl BoundCache {
                 return Ok(Bounds { step_s: 0.0, device });
             }
         }
-        grouping.lay_out(joint, config.mesh.shard);
+        grouping.lay_out(joint, config.mesh.fsdp_shard());
         let fkey = (gkey, config.activation_checkpointing);
         if let Entry::Vacant(slot) = self.facts.entry(fkey) {
             slot.insert(StepFacts::of(joint, config, cache, &grouping.groups));
@@ -305,7 +305,7 @@ fn reshard_mode(config: &ParallelConfig) -> u64 {
 /// group that does not divide the shard axis, which planning refuses, is bounded as given.
 fn lowered_reshard(config: &ParallelConfig) -> Reshard {
     let r = config.reshard_after_forward;
-    crate::lower::lower_reshard(r, config.mesh.shard).unwrap_or(r)
+    crate::lower::lower_reshard(r, config.mesh.fsdp_shard()).unwrap_or(r)
 }
 
 /// Prefetch depths (forward, backward) as the schedule applies them to shardplan's runtime
@@ -436,7 +436,7 @@ struct Sizes<'a> {
 impl<'a> Sizes<'a> {
     fn of(config: &ParallelConfig, grouping: &'a Grouping) -> Sizes<'a> {
         let precision = config.mixed_precision;
-        let shard = config.mesh.shard;
+        let shard = config.mesh.fsdp_shard();
         Sizes {
             param_b: precision.param.size_bytes(),
             reduce_b: precision.reduce.size_bytes(),
@@ -552,7 +552,8 @@ fn time_bound(config: &ParallelConfig, grouping: &Grouping, facts: &StepFacts) -
         config.mesh.tensor,
         config.mesh.world(),
         config.gpus_per_node,
-    ) else {
+    )
+    .and_then(|m| m.with_context(config.mesh.context)) else {
         return step_s;
     };
     let shard_link = link(&mesh, Comm::Shard, hw);

@@ -320,6 +320,10 @@ pub(crate) fn overhead(program: &Program, mesh: &Mesh, hw: &HardwareProfile) -> 
     if mesh.expert() > 1 {
         communicators += 1;
     }
+    // So does the context group's ring (the compute stream's graph ops too).
+    if mesh.context() > 1 {
+        communicators += 1;
+    }
     Overhead {
         cuda_context: hw.cuda_context_bytes(),
         nccl: hw

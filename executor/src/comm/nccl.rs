@@ -67,7 +67,8 @@ impl IdGroup for CommSpec {
 /// The communicators `rank` joins, in the order every rank creates them: the program's
 /// (`channels`), then, under expert parallelism, the expert group's, over which the
 /// all-to-all stream's steps move the tokens (the compute stream's graph ops under
-/// `runtime: fsdp2`; the planner counts it too: `simulate::overhead`).
+/// `runtime: fsdp2`; the planner counts it too: `simulate::overhead`), then, under context
+/// parallelism, the context group's, for the compute stream's ring attention.
 pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
     let mut channels = super::channels(plan);
     if plan.mesh.expert() > 1 {
@@ -81,6 +82,9 @@ pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
             Stream::Compute
         };
         channels.push((Comm::Expert, stream));
+    }
+    if plan.mesh.context() > 1 {
+        channels.push((Comm::Context, Stream::Compute));
     }
     channels
         .into_iter()
@@ -348,6 +352,29 @@ mod tests {
             .unwrap()
             .iter()
             .all(|s| s.comm != Comm::Expert));
+    }
+
+    /// Under context parallelism every rank joins its context group's communicator last, on
+    /// the compute stream, with the consecutive shard ranks that share its sequences.
+    #[test]
+    fn a_context_parallel_rank_joins_its_context_group() {
+        let yaml = "mesh: {shard: 2, context: 2}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 16}\n";
+        let cfg = shardplan_frontends::parse_parallel_spec(&shardplan_frontends::Source::from_text("t.yaml", yaml))
+            .expect("spec")
+            .0;
+        let model = shardplan_models::preset("tiny-llama").expect("preset");
+        let graph = shardplan_models::trace(&model, cfg.trace_options()).expect("trace");
+        let joint = shardplan_ir::differentiate(&graph).expect("differentiate");
+        let p = shardplan_planner::plan(&joint, &cfg).expect("plan");
+        for r in 0..4u64 {
+            let specs = comm_specs(&p, r).unwrap();
+            let last = specs.last().unwrap();
+            assert_eq!((last.comm, last.stream), (Comm::Context, Stream::Compute));
+            let want = if r < 2 { vec![0, 1] } else { vec![2, 3] };
+            assert_eq!((last.members.clone(), last.index), (want, (r % 2) as usize), "rank {r}");
+            let joined = specs.iter().filter(|s| s.members.len() > 1).count() as u32;
+            assert_eq!(joined, p.memory.overhead.communicators, "rank {r}");
+        }
     }
 
     #[test]

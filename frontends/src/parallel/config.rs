@@ -55,6 +55,11 @@ impl MeshShape {
         self.replicate * self.shard * self.context * self.tensor
     }
 
+    /// Ranks a parameter is sharded over: `shard x context` (torchtitan's `dp_shard_cp`).
+    pub fn fsdp_shard(&self) -> u64 {
+        self.shard * self.context
+    }
+
     /// Ranks that see different data: `replicate x shard`.
     pub fn data_parallel(&self) -> u64 {
         self.replicate * self.shard

@@ -74,8 +74,7 @@ impl ParallelSpecFile {
             .bucket_mib
             .map(|s| at_least_1(&o, "bucket_mib", s.value))
             .transpose()?;
-        let reshard_after_forward =
-            reshard_after_forward(&mut o, self.reshard_after_forward, mesh.shard * mesh.context)?;
+        let reshard_after_forward = reshard_after_forward(&mut o, self.reshard_after_forward, mesh.fsdp_shard())?;
         let prefetch = prefetch(&mut o, self.prefetch)?;
         let mixed_precision = mixed_precision(&mut o, self.mixed_precision)?;
         record(&mut o, "offload", &self.offload);

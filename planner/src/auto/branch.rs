@@ -458,6 +458,7 @@ impl<'a> Search<'a> {
             candidates: planned.into_iter().map(|(_, c)| c).collect(),
             evaluated: self.evaluated,
             pruned,
+            context_effects: Vec::new(),
         })
     }
 

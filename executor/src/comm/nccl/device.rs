@@ -414,11 +414,12 @@ pub fn place(
             &abort,
             rank,
         )?);
-        if spec.comm == Comm::Expert {
+        match spec.comm {
             // The compute stream's expert-parallel ops (the tokens' all-to-all).
-            comms.expert = Some(group);
-        } else {
-            comms.insert(spec.comm, spec.stream, group);
+            Comm::Expert => comms.expert = Some(group),
+            // The compute stream's context-parallel ops (ring attention's keys and values).
+            Comm::Context => comms.context = Some(group),
+            _ => comms.insert(spec.comm, spec.stream, group),
         }
     }
     Ok(Placement {
