@@ -104,9 +104,16 @@ impl ContextLayout {
     /// The share of a causal attention's query-key pairs over a whole sequence of
     /// `degree x local` rows that rank `rank` computes.
     pub fn causal_share(&self, rank: u64, local: u64) -> f64 {
-        let whole = local * self.degree;
-        let pairs: u64 = self.positions(rank, local).iter().map(|p| p + 1).sum();
-        pairs as f64 / (whole as f64 * (whole as f64 + 1.0) / 2.0)
+        let chunks = self.chunks_of(rank);
+        let len = (local / chunks.len() as u64) as f64;
+        // Chunk `c` of `len` rows: its row `i` at position `c * len + i` sees that many
+        // keys plus one.
+        let pairs: f64 = chunks
+            .iter()
+            .map(|&c| len * (c as f64 * len) + len * (len + 1.0) / 2.0)
+            .sum();
+        let whole = (local * self.degree) as f64;
+        pairs / (whole * (whole + 1.0) / 2.0)
     }
 
     /// The largest [`ContextLayout::causal_share`] over the group's ranks: the rank that
@@ -141,5 +148,12 @@ mod tests {
         assert_eq!(plain.gathered_rows(4), (0..8).collect::<Vec<_>>());
         // The last rank's chunk sees the most keys: 26 of the 36 pairs.
         assert!((plain.worst_causal_share(4) - 26.0 / 36.0).abs() < 1e-12);
+        // The closed form counts what the positions say.
+        for layout in [l, plain] {
+            for rank in 0..2 {
+                let pairs: u64 = layout.positions(rank, 4).iter().map(|p| p + 1).sum();
+                assert!((layout.causal_share(rank, 4) - pairs as f64 / 36.0).abs() < 1e-12);
+            }
+        }
     }
 }
