@@ -218,6 +218,7 @@ fn fixed_knobs_are_the_fields_the_spec_writes() {
             offload: true,
             tensor: false,
             expert: false,
+            context: false,
         }
     );
     assert_eq!(

@@ -100,54 +100,75 @@ fn context_parallel_lines(o: &mut String, plan: &Plan) {
         thousands(plan.policy.seq_len / chunks),
         cp.rotate.name(),
     );
-    let ops = |label: Option<&str>| {
-        // (phase, op) -> (count, bytes, seconds), in phase order.
-        let mut by_phase: Vec<((crate::Phase, &str), (u64, u64, f64))> = Vec::new();
-        for s in plan.steps.iter().filter(|s| label.is_none_or(|l| s.label == l)) {
-            for t in s.tensor_ops.iter().filter(|t| t.op.is_context()) {
-                let key = (s.phase, t.op.name());
-                let i = match by_phase.iter().position(|(k, _)| *k == key) {
-                    Some(i) => i,
-                    None => {
-                        by_phase.push((key, (0, 0, 0.0)));
-                        by_phase.len() - 1
-                    }
-                };
-                let e = &mut by_phase[i].1;
-                *e = (e.0 + 1, e.1 + t.bytes, e.2 + t.dur_s);
-            }
-        }
-        by_phase.sort_by_key(|((phase, op), _)| (*phase as u8, *op));
-        by_phase
-    };
     let first = plan
         .steps
         .iter()
         .find(|s| s.tensor_ops.iter().any(|t| t.op.is_context()))
         .map(|s| s.label.as_str());
-    let parts: Vec<String> = ops(first)
-        .into_iter()
-        .map(|((phase, op), (n, b, s))| {
-            let what = if op == "cp_all_gather" {
+    let parts: Vec<String> = ring_rows(plan, first)
+        .iter()
+        .map(|r| {
+            let what = if r.op == crate::steps::StepCollective::CpAllGather {
                 "all-gather"
             } else {
                 "reduce-scatter (f32)"
             };
-            format!("{} {n} x {what} {} in {}", phase.name(), bytes(b / n.max(1)), ms(s))
+            format!(
+                "{} {} x {what} {} in {}",
+                r.phase.name(),
+                r.count,
+                bytes(r.bytes / r.count.max(1)),
+                ms(r.secs)
+            )
         })
         .collect();
-    let (n, b, s) = ops(None)
-        .iter()
-        .map(|(_, v)| v)
-        .fold((0, 0, 0.0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
+    let all = ring_rows(plan, None);
     let _ = writeln!(
         o,
-        "  ring per layer ({}): {}; per step {n} exchanges, {} per rank, {} on the compute stream",
+        "  ring per layer ({}): {}; per step {} exchanges, {} per rank, {} on the compute stream",
         first.unwrap_or("-"),
         parts.join(", "),
-        bytes(b),
-        ms(s),
+        all.iter().map(|r| r.count).sum::<u64>(),
+        bytes(all.iter().map(|r| r.bytes).sum()),
+        ms(all.iter().map(|r| r.secs).sum()),
     );
+}
+
+/// The context ring's exchanges of one kind in one phase: how many, their bytes and time.
+struct RingRow {
+    phase: crate::Phase,
+    op: crate::steps::StepCollective,
+    count: u64,
+    bytes: u64,
+    secs: f64,
+}
+
+/// The context ring's exchanges of the steps labelled `label` (every step: `None`) by
+/// phase and kind, in phase order.
+fn ring_rows(plan: &Plan, label: Option<&str>) -> Vec<RingRow> {
+    let mut rows: Vec<RingRow> = Vec::new();
+    for s in plan.steps.iter().filter(|s| label.is_none_or(|l| s.label == l)) {
+        for t in s.tensor_ops.iter().filter(|t| t.op.is_context()) {
+            let i = match rows.iter().position(|r| r.phase == s.phase && r.op == t.op) {
+                Some(i) => i,
+                None => {
+                    rows.push(RingRow {
+                        phase: s.phase,
+                        op: t.op,
+                        count: 0,
+                        bytes: 0,
+                        secs: 0.0,
+                    });
+                    rows.len() - 1
+                }
+            };
+            rows[i].count += 1;
+            rows[i].bytes += t.bytes;
+            rows[i].secs += t.dur_s;
+        }
+    }
+    rows.sort_by_key(|r| (r.phase as u8, r.op.name()));
+    rows
 }
 
 /// The experts' placement over the expert and tensor axes, and what bounds their routing.
