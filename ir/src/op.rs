@@ -503,16 +503,8 @@ impl Op {
                 theta,
                 scaling,
                 context,
-            } => {
-                let mut s = format!("theta={theta}");
-                if *scaling != RopeScaling::Default {
-                    s.push_str(&format!(" scaling={scaling:?}"));
-                }
-                s + &context_attrs(context)
-            }
-            Op::Attention { causal, context } | Op::AttnProbs { causal, context } => {
-                if *causal { "causal" } else { "full" }.to_string() + &context_attrs(context)
-            }
+            } => rope_attrs(*theta, scaling, context),
+            Op::Attention { causal, context } | Op::AttnProbs { causal, context } => mask_attrs(*causal, context),
             Op::Softmax { dim } => format!("dim={dim}"),
             Op::Reshape { shape } => format!("to={shape}"),
             Op::Transpose { dim0, dim1 } => format!("dims={dim0},{dim1}"),
@@ -577,14 +569,7 @@ impl Op {
                 format!("degree={degree} experts={experts} rows={rows}")
             }
             Op::MoeCombine { degree, experts } => format!("degree={degree} experts={experts}"),
-            Op::CpAllGather { layout, rotate } | Op::CpReduceScatter { layout, rotate } => {
-                format!(
-                    "cp={} balance={} rotate={}",
-                    layout.degree,
-                    layout.balance.name(),
-                    rotate.name()
-                )
-            }
+            Op::CpAllGather { layout, rotate } | Op::CpReduceScatter { layout, rotate } => ring_attrs(layout, *rotate),
             _ => String::new(),
         }
     }
@@ -1157,6 +1142,30 @@ impl RouterScore {
             RouterScore::Sigmoid => "sigmoid",
         }
     }
+}
+
+/// `theta=500000 scaling=...` of a rotary embedding, with its context layout.
+fn rope_attrs(theta: f64, scaling: &RopeScaling, context: &Option<ContextLayout>) -> String {
+    let scaling = match scaling {
+        RopeScaling::Default => String::new(),
+        s => format!(" scaling={s:?}"),
+    };
+    format!("theta={theta}{scaling}") + &context_attrs(context)
+}
+
+/// `causal` or `full`, with the context layout of a context rank's queries.
+fn mask_attrs(causal: bool, context: &Option<ContextLayout>) -> String {
+    if causal { "causal" } else { "full" }.to_string() + &context_attrs(context)
+}
+
+/// `cp=2 balance=head_tail rotate=allgather` of a context group's exchange.
+fn ring_attrs(layout: &ContextLayout, rotate: ContextRotate) -> String {
+    format!(
+        "cp={} balance={} rotate={}",
+        layout.degree,
+        layout.balance.name(),
+        rotate.name()
+    )
 }
 
 /// ` cp=2 balance=head_tail` for an op over a context group; empty without.

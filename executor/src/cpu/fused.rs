@@ -86,7 +86,7 @@ fn rows_par(rows: usize, width: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> 
 
 /// Softmax over the last dim of `scale * x` under `mask`: `x` is `[..., s, t]`; query row
 /// `i` sees keys `0..mask.keys(i, s, t)`.
-pub fn masked_softmax(x: &Tensor, scale: f64, mask: &crate::cpu::attention::Mask) -> Result<Tensor> {
+pub fn masked_softmax(x: &Tensor, scale: f64, mask: &crate::cpu::mask::Mask) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let (s, t) = (dims[dims.len() - 2], dims[dims.len() - 1]);
     let rows = x.elem_count() / t.max(1);
@@ -685,7 +685,7 @@ pub fn grouped_matmul(x: &Tensor, ws: &[&Tensor], counts: &[usize], transposed: 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::cpu::attention::Mask;
+    use crate::cpu::mask::Mask;
     use candle_core::D;
 
     /// `a` equals `b` within `tol` relative to `b`'s largest magnitude (at least 1).

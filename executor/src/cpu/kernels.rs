@@ -2,10 +2,10 @@
 //! built, so kernels trust them; numerics that need range (norms, softmax, cross-entropy,
 //! scatter-adds) run in f32 (or f64) and cast back to the op's dtype.
 
-pub use crate::cpu::attention::Mask;
 use crate::cpu::context::ContextGroup;
 use crate::cpu::expert::ExpertGroup;
 use crate::cpu::linear::{linear, rows, weight_grad};
+pub use crate::cpu::mask::Mask;
 use crate::cpu::tensor::TensorGroup;
 use crate::cpu::{attention, fused, moe};
 use crate::ExecError;

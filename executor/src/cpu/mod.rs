@@ -11,6 +11,7 @@ pub mod expert;
 pub(crate) mod fused;
 pub mod kernels;
 mod linear;
+pub(crate) mod mask;
 pub(crate) mod moe;
 pub mod tensor;
 mod vmath;

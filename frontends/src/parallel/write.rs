@@ -74,6 +74,47 @@ fn pipeline_yaml(p: &Pipeline) -> String {
     y
 }
 
+/// The mesh and the sections of its axes' options (`moe`, `tensor_parallel`,
+/// `context_parallel`) where they differ from the defaults, one line each.
+fn mesh_yaml(c: &ParallelConfig) -> String {
+    let mut y = String::new();
+    let mut axes = String::new();
+    if c.mesh.pipeline > 1 {
+        axes.push_str(&format!("pipeline: {}, ", c.mesh.pipeline));
+    }
+    axes.push_str(&format!("replicate: {}, shard: {}", c.mesh.replicate, c.mesh.shard));
+    if c.mesh.context > 1 {
+        axes.push_str(&format!(", context: {}", c.mesh.context));
+    }
+    if c.mesh.tensor > 1 {
+        axes.push_str(&format!(", tensor: {}", c.mesh.tensor));
+    }
+    if c.mesh.expert > 1 {
+        axes.push_str(&format!(", expert: {}", c.mesh.expert));
+    }
+    y.push_str(&format!("mesh: {{{axes}}}\n"));
+    if !c.moe.is_default() {
+        match c.moe.capacity_factor {
+            Some(f) => y.push_str(&format!("moe: {{capacity_factor: {f:?}}}\n")),
+            None => y.push_str(&format!("moe: {{capacity: {:?}}}\n", c.moe.capacity)),
+        }
+    }
+    if !c.tensor_parallel.is_default() {
+        y.push_str(&format!(
+            "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}}}\n",
+            c.tensor_parallel.sequence_parallel, c.tensor_parallel.loss_parallel
+        ));
+    }
+    if !c.context_parallel.is_default() {
+        y.push_str(&format!(
+            "context_parallel: {{rotate: {}, load_balance: {}}}\n",
+            c.context_parallel.rotate.name(),
+            c.context_parallel.load_balance.name()
+        ));
+    }
+    y
+}
+
 /// The parallel spec of `c` as YAML (every field the planner and the trainers read), so a
 /// run is reproducible from it: `plan --auto --emit-spec` writes it, and a plan file's
 /// re-derivation checks that it reads back as `c`.
@@ -127,40 +168,7 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
     };
     let mut y = String::new();
     y.push_str("# Written by `shardplan plan --auto --emit-spec`.\n");
-    let mut axes = String::new();
-    if c.mesh.pipeline > 1 {
-        axes.push_str(&format!("pipeline: {}, ", c.mesh.pipeline));
-    }
-    axes.push_str(&format!("replicate: {}, shard: {}", c.mesh.replicate, c.mesh.shard));
-    if c.mesh.context > 1 {
-        axes.push_str(&format!(", context: {}", c.mesh.context));
-    }
-    if c.mesh.tensor > 1 {
-        axes.push_str(&format!(", tensor: {}", c.mesh.tensor));
-    }
-    if c.mesh.expert > 1 {
-        axes.push_str(&format!(", expert: {}", c.mesh.expert));
-    }
-    y.push_str(&format!("mesh: {{{axes}}}\n"));
-    if !c.moe.is_default() {
-        match c.moe.capacity_factor {
-            Some(f) => y.push_str(&format!("moe: {{capacity_factor: {f:?}}}\n")),
-            None => y.push_str(&format!("moe: {{capacity: {:?}}}\n", c.moe.capacity)),
-        }
-    }
-    if !c.tensor_parallel.is_default() {
-        y.push_str(&format!(
-            "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}}}\n",
-            c.tensor_parallel.sequence_parallel, c.tensor_parallel.loss_parallel
-        ));
-    }
-    if !c.context_parallel.is_default() {
-        y.push_str(&format!(
-            "context_parallel: {{rotate: {}, load_balance: {}}}\n",
-            c.context_parallel.rotate.name(),
-            c.context_parallel.load_balance.name()
-        ));
-    }
+    y.push_str(&mesh_yaml(c));
     if let Some(p) = &c.pipeline {
         y.push_str(&format!("pipeline: {}\n", pipeline_yaml(p)));
     }
