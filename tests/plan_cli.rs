@@ -651,3 +651,71 @@ fn bad_expert_specs_exit_2_naming_the_field() {
         );
     }
 }
+
+/// Llama 3.1 8B at its 131,072 tokens on 8 H100s: as FSDP 8 the plan does not fit; as FSDP
+/// 2 x context parallelism 4 it fits 80 GiB and prints the ring's traffic per layer.
+#[test]
+fn a_long_context_plan_fits_once_each_sequence_is_split() {
+    let model = "examples/models/llama3.1-8b.config.json";
+    let whole = stdout(&shardplan_ok(&[
+        "plan",
+        "--model",
+        model,
+        "--parallel",
+        "examples/parallel/long-context-fsdp-8.yaml",
+    ]));
+    assert!(whole.contains("peak 237.05 GiB"), "{whole}");
+    assert!(whole.contains("DOES NOT FIT h100-sxm's 79.60 GiB"), "{whole}");
+    let split = stdout(&shardplan_ok(&[
+        "plan",
+        "--model",
+        model,
+        "--parallel",
+        "examples/parallel/long-context-fsdp-2-cp-4.yaml",
+    ]));
+    for want in [
+        "mesh 1 replicate x 2 shard x 4 context",
+        "head_tail balance (rank r holds chunks r and 7 - r of 8, 16,384 tokens each), rotate allgather",
+        "ring per layer (layers.0): forward 2 x all-gather 256.00 MiB",
+        "backward 2 x reduce-scatter (f32) 512.00 MiB",
+        "peak 69.14 GiB",
+        "fits h100-sxm's 79.60 GiB",
+        "context ring",
+        "+2 context collectives 512.00 MiB",
+    ] {
+        assert!(split.contains(want), "`{want}` not in:\n{split}");
+    }
+}
+
+#[test]
+fn bad_context_specs_exit_2_naming_the_field() {
+    let scratch = tempfile::tempdir().unwrap();
+    for (model, text, want) in [
+        (
+            "tiny-llama",
+            "mesh: {shard: 1, context: 4}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 20}\n",
+            "`batch.seq_len`: sequence length 20 does not divide by 2 x context 4 = 8",
+        ),
+        (
+            "tiny-llama",
+            "mesh: {shard: 1, context: 2, tensor: 2}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 12}\n",
+            "sequence length 12 does not divide by 2 x context 2 x tensor 2 = 8",
+        ),
+        (
+            "tiny-gpt2",
+            "mesh: {shard: 1, context: 2}\ngpus_per_node: 2\nbatch: {per_rank: 1, seq_len: 16}\n",
+            "`mesh.context`: context parallelism needs rotary positions; tiny-gpt2 is not a Llama-family model",
+        ),
+        (
+            "examples/models/tiny-moe.yaml",
+            "mesh: {shard: 1, context: 2}\ngpus_per_node: 2\nbatch: {per_rank: 1, seq_len: 16}\n",
+            "not supported for mixture-of-experts models yet",
+        ),
+    ] {
+        let spec = temp(scratch.path(), "cp.yaml", text);
+        bad(
+            &["plan", "--model", model, "--parallel", spec.to_str().unwrap()],
+            &[want],
+        );
+    }
+}
