@@ -303,10 +303,14 @@ mod tests {
     use std::sync::Arc;
 
     fn plan(replicate: u64, shard: u64) -> Plan {
-        let yaml = format!(
+        llama_plan(&format!(
             "mesh: {{replicate: {replicate}, shard: {shard}}}\ngpus_per_node: {}\nbatch: {{per_rank: 1, seq_len: 16}}\n",
             replicate * shard
-        );
+        ))
+    }
+
+    /// tiny-llama planned on spec `yaml`.
+    fn llama_plan(yaml: &str) -> Plan {
         let cfg = shardplan_frontends::parse_parallel_spec(&shardplan_frontends::Source::from_text("t.yaml", yaml))
             .expect("spec")
             .0;
@@ -358,14 +362,7 @@ mod tests {
     /// the compute stream, with the consecutive shard ranks that share its sequences.
     #[test]
     fn a_context_parallel_rank_joins_its_context_group() {
-        let yaml = "mesh: {shard: 2, context: 2}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 16}\n";
-        let cfg = shardplan_frontends::parse_parallel_spec(&shardplan_frontends::Source::from_text("t.yaml", yaml))
-            .expect("spec")
-            .0;
-        let model = shardplan_models::preset("tiny-llama").expect("preset");
-        let graph = shardplan_models::trace(&model, cfg.trace_options()).expect("trace");
-        let joint = shardplan_ir::differentiate(&graph).expect("differentiate");
-        let p = shardplan_planner::plan(&joint, &cfg).expect("plan");
+        let p = llama_plan("mesh: {shard: 2, context: 2}\ngpus_per_node: 4\nbatch: {per_rank: 1, seq_len: 16}\n");
         for r in 0..4u64 {
             let specs = comm_specs(&p, r).unwrap();
             let last = specs.last().unwrap();

@@ -140,6 +140,18 @@ impl Ctx {
         Ok(Some((layout, group.index() as u64)))
     }
 
+    /// The rotary tables `rope` (`theta`, `scaling`, `context`) rotates `x [b, s, h, d]` by.
+    fn rope_tables_of(
+        &self,
+        theta: f64,
+        scaling: &shardplan_ir::RopeScaling,
+        context: Option<ContextLayout>,
+        x: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (_, s, _, d) = x.dims4()?;
+        self.rope_tables(theta, scaling, s, self.context_rows(context)?, d, x.dtype())
+    }
+
     /// The mask of an attention op with `rows` query rows on this rank.
     pub fn mask(&self, causal: bool, context: Option<ContextLayout>, rows: usize) -> Result<Mask> {
         let rank = self.context_rows(context)?.map_or(0, |(_, r)| r);
@@ -451,8 +463,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
             scaling,
             context,
         } => {
-            let (_, s, _, d) = ins[0].dims4()?;
-            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, ctx.context_rows(*context)?, d, ins[0].dtype())?;
+            let (cos, sin) = ctx.rope_tables_of(*theta, scaling, *context, ins[0])?;
             // The inverse rotation (the gradient) is the rotation by minus the angle.
             let sin = if matches!(op, Op::RopeGrad { .. }) {
                 sin.neg()?
@@ -611,8 +622,7 @@ pub(crate) fn native_op(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -
             scaling,
             context,
         } if takes(&ins[..1]) => {
-            let (_, s, _, d) = ins[0].dims4()?;
-            let (cos, sin) = ctx.rope_tables(*theta, scaling, s, ctx.context_rows(*context)?, d, ins[0].dtype())?;
+            let (cos, sin) = ctx.rope_tables_of(*theta, scaling, *context, ins[0])?;
             gpu::rope(ins[0], &cos, &sin, matches!(op, Op::RopeGrad { .. }))?
         }
         Op::Attention { causal, context: None } if gpu::attention_applies(ins[0], ins[1], ins[2]) => {
