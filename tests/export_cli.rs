@@ -188,7 +188,12 @@ fn every_bundled_example_exports_a_program_that_compiles() {
         "examples/parallel/fsdp-8-seq1024.yaml",
         "examples/parallel/fsdp-1x4-cpu.yaml",
     ];
-    let models = ["examples/models/tiny-llama.yaml", "examples/models/llama3-8b.yaml"];
+    // Llama 3.1's 128k positions for the long-context (context-parallel) specs.
+    let models = [
+        "examples/models/tiny-llama.yaml",
+        "examples/models/llama3-8b.yaml",
+        "examples/models/llama3.1-8b.config.json",
+    ];
     let mut pairs: Vec<(String, String)> = Vec::new();
     for m in files("examples/models") {
         for p in fallbacks {
@@ -434,6 +439,227 @@ fn plans_fsdp2_cannot_run_as_planned_are_refused() {
     // A missing --out or specs is a usage error, not a panic.
     let o = shardplan(&["export", "fsdp2", "--model", "examples/models/tiny-gpt2.yaml"]);
     assert_eq!(o.status.code(), Some(2));
+}
+
+/// The context-parallel specs the tests below export (name, spec): head-tail balance and
+/// the all-gather rotation on one context group of 2 (torchtitan's defaults); no balance
+/// and the ring on shard 2 x context 2; HSDP over two context groups, bf16.
+const CONTEXT_SPECS: [(&str, &str); 3] = [
+    (
+        "cp-2",
+        "mesh: {shard: 1, context: 2}\ngpus_per_node: 2\nmixed_precision: {param: f32, reduce: f32}\n\
+         batch: {per_rank: 4, seq_len: 16}\n",
+    ),
+    (
+        "cp-2x2-ring",
+        "mesh: {shard: 2, context: 2}\ngpus_per_node: 4\nmixed_precision: {param: f32, reduce: f32}\n\
+         batch: {per_rank: 2, seq_len: 16}\ncontext_parallel: {rotate: alltoall, load_balance: none}\n",
+    ),
+    (
+        "hsdp-cp-2",
+        "mesh: {replicate: 2, shard: 1, context: 2}\ngpus_per_node: 4\n\
+         mixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 2, seq_len: 32}\n",
+    ),
+];
+
+/// Writes the spec `name` of [`CONTEXT_SPECS`] into `dir`; its path and its plan (JSON,
+/// read back) with the plan file's path.
+fn context_spec(dir: &Path, name: &str) -> (std::path::PathBuf, shardplan_planner::Plan, std::path::PathBuf) {
+    let text = CONTEXT_SPECS.iter().find(|s| s.0 == name).unwrap().1;
+    let spec = dir.join(format!("{name}.yaml"));
+    std::fs::write(&spec, text).unwrap();
+    let plan_file = dir.join(format!("{name}.json"));
+    shardplan_ok(&[
+        "plan",
+        "--model",
+        "examples/models/tiny-llama.yaml",
+        "--parallel",
+        spec.to_str().unwrap(),
+        "--format",
+        "json",
+        "--out",
+        plan_file.to_str().unwrap(),
+    ]);
+    let plan = serde_json::from_str(&std::fs::read_to_string(&plan_file).unwrap()).unwrap();
+    (spec, plan, plan_file)
+}
+
+/// A context-parallel plan's program: its mesh is torchtitan's (FSDP over shard x context,
+/// the context groups innermost), CONTEXT holds the plan's degree, rotation and balance, a
+/// plan file exports as its specs do, and the export says the program needs CUDA. Plans
+/// without the axis (a pipeline's too) read `CONTEXT = None`, their mesh unchanged.
+#[test]
+fn a_context_parallel_plan_exports_its_mesh_and_layout() {
+    let d = tempfile::tempdir().unwrap();
+    let want = [
+        (
+            "cp-2",
+            1,
+            2,
+            "{\"degree\": 2, \"load_balance\": \"head_tail\", \"rotate\": \"allgather\"}",
+        ),
+        (
+            "cp-2x2-ring",
+            1,
+            4,
+            "{\"degree\": 2, \"load_balance\": \"none\", \"rotate\": \"alltoall\"}",
+        ),
+        (
+            "hsdp-cp-2",
+            2,
+            2,
+            "{\"degree\": 2, \"load_balance\": \"head_tail\", \"rotate\": \"allgather\"}",
+        ),
+    ];
+    for (name, replicate, shard, context) in want {
+        let (spec, plan, plan_file) = context_spec(d.path(), name);
+        assert_eq!(plan.mesh.context(), 2, "{name}");
+        let out = d.path().join(name);
+        let o = export("examples/models/tiny-llama.yaml", spec.to_str().unwrap(), &out);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let said = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            said.contains("context groups of 2") && said.contains(" --device cuda\n"),
+            "{name}: {said}"
+        );
+        let file = out.join("train.py");
+        py_compile(&file);
+        let text = std::fs::read_to_string(&file).unwrap();
+        // FSDP's shard axis is the plan's: the spec's shard x context.
+        let mesh = literal(&text, "MESH");
+        for field in [
+            "\"context\": 2,".to_string(),
+            format!("\"replicate\": {replicate},"),
+            format!("\"shard\": {shard},"),
+        ] {
+            assert!(mesh.contains(&field), "{name}: `{field}` not in {mesh}");
+        }
+        assert_eq!(literal(&text, "CONTEXT"), format!("CONTEXT = {context}"), "{name}");
+        assert!(text.contains(", context groups of 2), "), "{name}: header");
+        // The plan file's program is the specs' (but for the command line).
+        let from_plan = d.path().join(format!("{name}-plan"));
+        shardplan_ok(&[
+            "export",
+            "fsdp2",
+            "--plan",
+            plan_file.to_str().unwrap(),
+            "--out",
+            from_plan.to_str().unwrap(),
+        ]);
+        let body = |t: &str| t.lines().skip(3).collect::<Vec<_>>().join("\n");
+        let again = std::fs::read_to_string(from_plan.join("train.py")).unwrap();
+        assert_eq!(body(&text), body(&again), "{name}");
+    }
+    for (name, parallel) in [
+        ("plain", "examples/parallel/fsdp-1x4-cpu.yaml"),
+        ("pipeline", "examples/parallel/pp-2-fsdp-2-cpu.yaml"),
+    ] {
+        let out = d.path().join(name);
+        let o = export("examples/models/tiny-llama.yaml", parallel, &out);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let text = std::fs::read_to_string(out.join("train.py")).unwrap();
+        assert_eq!(literal(&text, "CONTEXT"), "CONTEXT = None", "{name}");
+        assert!(!literal(&text, "MESH").contains("context"), "{name}");
+        py_compile(&out.join("train.py"));
+    }
+}
+
+/// torch's context_parallel attends only in CUDA's SDPA kernels (its dispatcher has no
+/// rule for the CPU's `_scaled_dot_product_flash_attention_for_cpu`), so on the CPU the
+/// exported program refuses to train, saying why. What runs there is checked with
+/// `--check-context-layout` under torchrun (gloo): torch's mesh, its data-parallel and
+/// context indices, and its head-tail (or plain) sharding of tokens, targets and rotary
+/// tables are the plan's (`Mesh::context_index`, `Mesh::data_index`,
+/// `ContextLayout::positions`), and the forward runs up to the first attention, where
+/// torch's CP dispatcher stops.
+#[test]
+fn a_context_parallel_program_shards_as_the_plan_lays_out() {
+    let Some(py) = torch_python() else {
+        assert!(std::env::var("CI").is_err(), "CI runs this test: its venv has torch");
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let d = tempfile::tempdir().unwrap();
+    for (k, (name, _)) in CONTEXT_SPECS.iter().enumerate() {
+        let (spec, plan, _) = context_spec(d.path(), name);
+        let out = d.path().join(name);
+        let o = export("examples/models/tiny-llama.yaml", spec.to_str().unwrap(), &out);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let program = out.join("train.py");
+        if k == 0 {
+            // Training on the CPU is refused before any process group is made.
+            let o = Command::new(&py).arg(&program).args(["--steps", "1"]).output().unwrap();
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{err}");
+            assert!(
+                err.contains("context_parallel")
+                    && err.contains("_scaled_dot_product_flash_attention_for_cpu")
+                    && err.contains("--device cuda"),
+                "{err}"
+            );
+        }
+        let world = plan.mesh.world();
+        let o = Command::new(&py)
+            .args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"])
+            .arg(world.to_string())
+            .arg(&program)
+            .args(["--check-context-layout", "--threads", "1"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{name}: {text}\n{}", stderr(&o));
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len() as u64, world, "{name}: {text}");
+        let c = plan.mesh.context();
+        let layout = shardplan_ir::ContextLayout {
+            degree: c,
+            balance: plan.policy.context_parallel.load_balance,
+        };
+        let local = plan.policy.seq_len / c;
+        for line in &lines {
+            let rank = line["rank"].as_u64().unwrap();
+            let cr = plan.mesh.context_index(rank);
+            assert_eq!(line["context_rank"].as_u64(), Some(cr), "{name}: {line}");
+            assert_eq!(
+                line["data_rank"].as_u64(),
+                Some(plan.mesh.data_index(rank)),
+                "{name}: {line}"
+            );
+            let positions: Vec<u64> = line["positions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| p.as_u64().unwrap())
+                .collect();
+            assert_eq!(positions, layout.positions(cr, local), "{name}: rank {rank}");
+            assert_eq!(line["rows_alike"], true, "{name}: {line}");
+            assert_eq!(line["buffers_match"], true, "{name}: {line}");
+            // FSDP shards over replicate x (shard x context), the plan's axes.
+            let (names, shape) = if plan.mesh.replicate() > 1 {
+                (
+                    serde_json::json!(["replicate", "dp_shard_cp"]),
+                    serde_json::json!([plan.mesh.replicate(), plan.mesh.shard()]),
+                )
+            } else {
+                (
+                    serde_json::json!(["dp_shard_cp"]),
+                    serde_json::json!([plan.mesh.shard()]),
+                )
+            };
+            assert_eq!(line["fsdp_mesh"]["names"], names, "{name}: {line}");
+            assert_eq!(line["fsdp_mesh"]["shape"], shape, "{name}: {line}");
+            let forward = line["forward"].as_str().unwrap();
+            assert!(
+                forward.starts_with("stopped in attention: ")
+                    && forward.contains("_scaled_dot_product_flash_attention_for_cpu"),
+                "{name}: {forward}"
+            );
+        }
+    }
 }
 
 /// `benches/fsdp2_export.py` on the small models, 2 steps, memory checked, the ranks forked

@@ -9,7 +9,9 @@
 # for --init-from, safetensors. One JSON line per step goes to --log-file (and the last one to
 # stdout): step, loss, step_seconds, tokens_per_second, peak_allocated, peak_reserved
 # (bytes; on a GPU torch.cuda.max_memory_*, on the CPU with --track-memory FSDPMemTracker's
-# peak, else null). `shardplan plan --compare FILE` reads that file as it is.
+# peak, else null). `shardplan plan --compare FILE` reads that file as it is. A plan with
+# context parallelism (CONTEXT) runs on GPUs only (torch's context_parallel attends in CUDA's
+# SDPA kernels); on the CPU, --check-context-layout shows how its sequences are split.
 #
 # Everything the plan decided is written below as literals; the code after them is the same
 # for every plan. Editing a literal changes the run, and the run is then no longer the plan.
@@ -17,6 +19,7 @@
 # @@PLAN@@
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -58,6 +61,10 @@ def parse_args(argv=None):
     ap.add_argument("--names", choices=["hf", "torchtitan"], default="hf",
                     help="checkpoint parameter names: Hugging Face's (shardplan's), or torchtitan's for its Llama 3 "
                          "(layers.0.attention.wq.weight, wq and wk in its rotary layout)")
+    ap.add_argument("--check-context-layout", action="store_true",
+                    help="context parallelism: shard the first micro-batch as a step does, print each rank's "
+                         "token positions (JSON lines) and run the forward as far as it goes, then stop "
+                         "(the CPU stops at the first attention)")
     ap.add_argument("--resume", default=None,
                     help="continue from a DCP checkpoint: a step-N folder, or the newest complete one in this folder "
                          "(this program's or `shardplan train --checkpoint-format dcp`'s, on any mesh)")
@@ -165,12 +172,34 @@ def activation(name):
 
 
 def attention(q, k, v):
-    """Causal attention; q [b, s, h, d], k and v [b, s, kv, d] -> [b, s, h, d]."""
+    """Causal attention; q [b, s, h, d], k and v [b, s, kv, d] -> [b, s, h, d]. Under
+    context parallelism torch's context_parallel has replaced F.scaled_dot_product_attention
+    by its ring attention over the context group (q, k, v this rank's rows); each k/v head
+    is then repeated for its query heads, as torchtitan does, since the ring's kernels take
+    no `enable_gqa` (the same numbers)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if k.shape[1] != q.shape[1] and CONTEXT is not None:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     if k.shape[1] != q.shape[1]:
         # Each k/v head serves heads / kv_heads query heads, read in place (torch >= 2.5).
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+# Under context parallelism, while a step runs: this rank's rows of the whole sequence's
+# rotary tables (cos, sin), f64 [local, 1, head_dim], sharded by torch's context_parallel
+# with the tokens (the rows' global positions, torchtitan's `freqs_cis` buffer).
+CONTEXT_ROPE = [None]
+
+
+def rope_tables(inv_freq, factor, seq, device="cpu"):
+    """cos and sin of every position below `seq`, f64 [seq, 1, head_dim] (rotate-half),
+    each in a storage of its own."""
+    pos = torch.arange(seq, dtype=torch.float64)
+    ang = torch.outer(pos, torch.tensor(inv_freq, dtype=torch.float64))
+    ang = torch.cat((ang, ang), dim=-1)
+    cos, sin = (ang.cos() * factor), (ang.sin() * factor)
+    return cos[:, None, :].to(device).clone(), sin[:, None, :].to(device).clone()
 
 
 class Rope:
@@ -180,13 +209,15 @@ class Rope:
         self.inv_freq, self.factor, self.cache = inv_freq, factor, {}
 
     def tables(self, seq, dtype, device):
+        if CONTEXT_ROPE[0] is not None:
+            cos, sin = CONTEXT_ROPE[0]
+            if cos.shape[0] != seq:
+                raise RuntimeError(f"context parallelism: {seq} rows of a sequence, {cos.shape[0]} rotary rows")
+            return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
         key = (seq, dtype, str(device))
         if key not in self.cache:
-            pos = torch.arange(seq, dtype=torch.float64)
-            ang = torch.outer(pos, torch.tensor(self.inv_freq, dtype=torch.float64))
-            ang = torch.cat((ang, ang), dim=-1)
-            cos, sin = (ang.cos() * self.factor), (ang.sin() * self.factor)
-            self.cache[key] = (cos.to(dtype).to(device)[:, None, :], sin.to(dtype).to(device)[:, None, :])
+            cos, sin = rope_tables(self.inv_freq, self.factor, seq)
+            self.cache[key] = (cos.to(dtype).to(device), sin.to(dtype).to(device))
         return self.cache[key]
 
     def apply(self, x):
@@ -653,6 +684,8 @@ def make_mesh(device):
     from torch.distributed.device_mesh import init_device_mesh
 
     r, s, e = MESH["replicate"], MESH["shard"], MESH["expert"]
+    if CONTEXT is not None:
+        return make_context_mesh(device, r, s, CONTEXT["degree"]), None
     if r > 1:
         mesh = init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
     else:
@@ -667,6 +700,26 @@ def make_mesh(device):
         experts = ep["expert_shard"]
     EXPERT_GROUP[0] = ep.get_group("expert")
     return mesh, experts
+
+
+def make_context_mesh(device, r, s, c):
+    """torchtitan's mesh under context parallelism: replicate x shard x cp, the context
+    groups the innermost `c` ranks of the shard axis, and FSDP sharding over shard and cp
+    together (`dp_shard_cp`, the plan's shard axis of `s` ranks). Returns FSDP's mesh
+    (replicate x dp_shard_cp, or dp_shard_cp alone) and sets CONTEXT_MESH to the cp mesh."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if hasattr(DeviceMesh, "_unflatten"):
+        # Newer torch: the cp mesh unflattened out of dp_shard_cp, as torchtitan now builds
+        # it (slicing a flattened dim out of its root mesh is deprecated there).
+        dims, names = ((r, s), ("replicate", "dp_shard_cp")) if r > 1 else ((s,), ("dp_shard_cp",))
+        mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
+        CONTEXT_MESH[0] = mesh._unflatten("dp_shard_cp", (s // c, c), ("shard", "cp"))["cp"]
+        return mesh
+    world = init_device_mesh(device.type, (r, s // c, c), mesh_dim_names=("replicate", "shard", "cp"))
+    world["shard", "cp"]._flatten("dp_shard_cp")
+    CONTEXT_MESH[0] = world["cp"]
+    return world["replicate", "dp_shard_cp"] if r > 1 else world["dp_shard_cp"]
 
 
 def apply_fully_shard(model, meshes, device):
@@ -990,6 +1043,105 @@ def resume_checkpoint(path, model, names, opt, batches, torchtitan):
     return int(sd["train_state.step"])
 
 
+# ---------------------------------------------------------------- context parallelism
+# torchtitan's, with torch's context_parallel: each rank of a context group of
+# CONTEXT["degree"] ranks holds 1/degree of every sequence of its data-parallel rank's
+# batch. Every step's forward and backward run inside context_parallel, which shards the
+# tokens, the targets and the rotary tables along the sequence (head_tail: cut in
+# 2 x degree chunks, context rank r holding chunks r and 2 x degree - 1 - r, torch's
+# _HeadTailLoadBalancer; none: chunk r of degree) and replaces F.scaled_dot_product_attention
+# by its ring attention (keys and values all-gathered, or passed around the ring with
+# "alltoall"). Each rank's loss is the mean over its own tokens; FSDP averages the
+# gradients over shard x context.
+
+# The context groups' mesh (set by make_mesh under context parallelism).
+CONTEXT_MESH = [None]
+
+CONTEXT_NEEDS_CUDA = (
+    "the plan runs context parallelism, and torch's context_parallel runs attention only in "
+    "the CUDA SDPA kernels (flash, memory-efficient, cuDNN): on the CPU, SDPA is "
+    "aten._scaled_dot_product_flash_attention_for_cpu, which its dispatcher does not handle "
+    "(torch 2.15: \"Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not "
+    "have a sharding strategy registered\"). Run it with --device cuda (one GPU a rank), or check "
+    "its layout on the CPU with --check-context-layout")
+
+
+def data_rank(rank, world):
+    """(this rank's data-parallel index, data-parallel ranks): the ranks of a context group
+    (the innermost CONTEXT["degree"] ranks) read the same sequences."""
+    c = CONTEXT["degree"] if CONTEXT is not None else 1
+    return rank // c, world // c
+
+
+@contextlib.contextmanager
+def context_shards(tokens, targets, device, extra=()):
+    """Under context parallelism, torch's context_parallel over the context group around a
+    micro-batch's forward and backward: `tokens` and `targets` [rows, seq] (and `extra`
+    tensors of the same shape) and the whole sequence's rotary tables [seq, 1, head_dim]
+    become this rank's rows of them, in place, for the duration (never restored: the step
+    reads them no more). Without it, nothing."""
+    if CONTEXT is None:
+        yield
+        return
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    set_rotate_method(CONTEXT["rotate"])
+    # context_parallel balances with torch's head-tail balancer exactly when this is set
+    # (and the sequence divides by 2 x degree, which the plan checked).
+    _cp_options.enable_load_balance = CONTEXT["load_balance"] == "head_tail"
+    seq = tokens.shape[1]
+    if seq % (2 * CONTEXT["degree"] if _cp_options.enable_load_balance else CONTEXT["degree"]):
+        raise SystemExit(f"error: a sequence of {seq} tokens does not split over the context group as planned")
+    tables = rope_tables(MODEL["rope_inv_freq"], MODEL["rope_attention_factor"], seq, device)
+    buffers = [tokens, targets, *tables, *extra]
+    dims = [1, 1, 0, 0] + [1] * len(extra)
+    with context_parallel(CONTEXT_MESH[0], buffers=buffers, buffer_seq_dims=dims, no_restore_buffers=set(buffers)):
+        CONTEXT_ROPE[0] = tables
+        try:
+            yield
+        finally:
+            CONTEXT_ROPE[0] = None
+
+
+def check_context_layout(model, batches, device, rank, world, fsdp_mesh):
+    """--check-context-layout: the first micro-batch sharded by context_parallel as a step
+    shards it, then the forward up to where it stops (on the CPU, at the first attention,
+    which torch's ring attention cannot run there). One JSON line per rank on stdout: its
+    context and data-parallel index, FSDP's mesh, the global positions of its rows, whether
+    its tokens, targets and rotary rows are those positions', and how the forward ended."""
+    tokens, targets = (t.to(device) for t in batches.at(0))
+    whole = (tokens.clone(), targets.clone())
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=device).expand(tokens.shape[0], seq).contiguous()
+    cos, sin = rope_tables(MODEL["rope_inv_freq"], MODEL["rope_attention_factor"], seq, device)
+    out = {
+        "rank": rank,
+        "context_rank": CONTEXT_MESH[0].get_local_rank(),
+        "data_rank": data_rank(rank, world)[0],
+        "fsdp_mesh": {"names": list(fsdp_mesh.mesh_dim_names), "shape": list(fsdp_mesh.shape)},
+    }
+    with context_shards(tokens, targets, device, extra=(positions,)):
+        pos = positions[0]
+        local_cos, local_sin = CONTEXT_ROPE[0]
+        out["positions"] = pos.tolist()
+        out["rows_alike"] = bool((positions == pos).all())
+        out["buffers_match"] = bool(torch.equal(tokens, whole[0][:, pos]) and torch.equal(targets, whole[1][:, pos])
+                                    and torch.equal(local_cos, cos[pos]) and torch.equal(local_sin, sin[pos]))
+        try:
+            loss = model(tokens, targets)
+            out["forward"] = f"ok: loss {loss.item()}"
+        except NotImplementedError as e:
+            import traceback
+
+            # The innermost function of this program the error came through.
+            here = [f.name for f in traceback.extract_tb(e.__traceback__) if f.filename == __file__]
+            out["forward"] = f"stopped in {here[-1] if here else '?'}: {e}"
+    # One write a line: every rank shares the output, and print writes the newline apart.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(out) + "\n").encode())
+
+
 # ---------------------------------------------------------------- one step
 
 def train_step(model, opt, batches, step, total, device, meter):
@@ -1008,8 +1160,9 @@ def train_step(model, opt, batches, step, total, device, meter):
         if micro > 0:
             meter.next_micro_batch()
         tokens, targets = (t.to(device) for t in batches.next())
-        loss = model(tokens, targets)
-        (loss / accum).backward()
+        with context_shards(tokens, targets, device):
+            loss = model(tokens, targets)
+            (loss / accum).backward()
         loss_sum += loss.detach().double()
     scale_expert_grads(model)
     if GRAD_CLIP is not None:
@@ -1058,13 +1211,16 @@ def clip_grad_norm(model, clip, device):
 def evaluate(model, device, rank, world):
     """The validation loss: the mean over the first `batches` global batches of the val file."""
     ev = DATA["eval"]
-    val = Batches({"kind": "tokens", "path": ev["path"], "dtype": DATA["dtype"]}, rank, world,
+    val = Batches({"kind": "tokens", "path": ev["path"], "dtype": DATA["dtype"]}, *data_rank(rank, world),
                   BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for k in range(ev["batches"]):
             tokens, targets = (t.to(device) for t in val.at(k))
-            total += model(tokens, targets).double()
+            # Under context parallelism each rank's loss is over its rows, all of the same
+            # count: the mean over every rank is the batch's.
+            with context_shards(tokens, targets, device):
+                total += model(tokens, targets).double()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / (ev["batches"] * world)
 
@@ -1122,6 +1278,12 @@ def start(device_kind):
 
 def main(argv=None):
     a = parse_args(argv)
+    if CONTEXT is not None and a.device != "cuda" and not a.check_context_layout:
+        raise SystemExit(f"error: {CONTEXT_NEEDS_CUDA}")
+    if a.check_context_layout and CONTEXT is None:
+        raise SystemExit("error: --check-context-layout: the plan has no context parallelism")
+    if CONTEXT is not None and MODEL["family"] != "llama":
+        raise SystemExit("error: context parallelism needs rotary positions (a Llama-family model)")
     if a.threads:
         torch.set_num_threads(a.threads)
     device, rank, world = start(a.device)
@@ -1142,9 +1304,13 @@ def run(a, device, rank, world):
     model.to_empty(device="cpu" if OFFLOAD else device)
     init_weights(model, names, a.init_from)
     opt = make_optimizer(model)
-    batches = Batches(DATA, rank, world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
+    # Under context parallelism a context group reads one data-parallel rank's rows.
+    dp_rank, dp_world = data_rank(rank, world)
+    batches = Batches(DATA, dp_rank, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
+    if a.check_context_layout:
+        return check_context_layout(model, batches, device, rank, world, meshes[0])
     meter = MemoryMeter(model, opt, device, a.track_memory)
-    tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * world * BATCH["grad_accum"]
+    tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * dp_world * BATCH["grad_accum"]
     log = open(a.log, "a") if a.log and rank == 0 else None
     first = resume_checkpoint(a.resume, model, names, opt, batches, a.names == "torchtitan") if a.resume else 0
     if first >= a.steps:
