@@ -677,13 +677,11 @@ fn prefetch_lists(plan: &Plan, g: &Graph, origin: &Origin) -> Result<(Value, Val
 /// Why FSDP2's hooks cannot issue the plan's program, in the user's words.
 fn hooks_refused(plan: &Plan, r: &HookRefusal, origin: &Origin) -> CliError {
     let label = |s: StepId| plan.steps.get(s.index()).map_or("?", |s| s.label.as_str());
-    let at = |program: usize, instr: usize, why: String| {
-        origin.refuse(
-            &format!("programs[{program}].instrs[{instr}]"),
-            why,
-            "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; re-plan with `shardplan plan`, or move the all-gather to the start of a group's step",
-        )
+    let help = "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; re-plan with `shardplan plan`, or move the all-gather to the start of a group's step";
+    let at_with = |program: usize, instr: usize, why: String, help: &str| {
+        origin.refuse(&format!("programs[{program}].instrs[{instr}]"), why, help)
     };
+    let at = |program: usize, instr: usize, why: String| at_with(program, instr, why, help);
     match *r {
         HookRefusal::NeverRead { program, instr, group } => at(
             program,
@@ -719,7 +717,9 @@ fn hooks_refused(plan: &Plan, r: &HookRefusal, origin: &Origin) -> CliError {
             inside,
         } => {
             let forward = plan.steps.get(step.index()).is_some_and(|s| s.phase == Phase::Forward);
-            at(
+            // shardplan's runtime splits a module's step around the collectives it runs on
+            // the all-to-all stream, and `prefetch: auto` may gather between the pieces.
+            at_with(
                 program,
                 instr,
                 format!(
@@ -729,6 +729,7 @@ fn hooks_refused(plan: &Plan, r: &HookRefusal, origin: &Origin) -> CliError {
                     inside.index(),
                     if forward { "forward" } else { "backward" }
                 ),
+                "FSDP2 issues an all-gather only in a module's pre-forward or pre-backward hook; plan the spec with `runtime: fsdp2` (FSDP2's issue order) or export from the specs (`--model` and `--parallel`), or move the all-gather to the start of a group's step",
             )
         }
         HookRefusal::MicroBatches { program } => origin.refuse(

@@ -413,12 +413,7 @@ fn parallel_spec_rules() {
             24,
             "3 does not divide the shard axis (4)",
         ),
-        (
-            "mesh: {shard: 4, context: 0}\n",
-            1,
-            27,
-            "must be at least 1",
-        ),
+        ("mesh: {shard: 4, context: 0}\n", 1, 27, "must be at least 1"),
         (
             "mesh: {shard: 2, context: 2, expert: 2}\ngpus_per_node: 4\n",
             1,

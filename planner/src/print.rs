@@ -89,17 +89,17 @@ fn describe_for(plan: &Plan, issued: &Issued, rank: Option<u64>) -> String {
                     String::new()
                 };
                 if s.stream == Stream::AllToAll {
-                    // One expert-group collective: its op, size and group.
-                    let (op, b) = s
-                        .tensor_ops
-                        .first()
-                        .map_or(("expert collective", 0), |t| (t.op.name(), t.bytes));
+                    // One expert- or context-group collective: its op, size and group.
+                    let (op, b, comm) = s.tensor_ops.first().map_or(("collective", 0, Comm::Expert), |t| {
+                        let comm = if t.op.is_context() { Comm::Context } else { Comm::Expert };
+                        (t.op.name(), t.bytes, comm)
+                    });
                     return format!(
                         "{op} {} {}{mb} [{step}] {} over {}",
                         s.phase.name(),
                         s.label,
                         bytes(b),
-                        over(Comm::Expert)
+                        over(comm)
                     );
                 }
                 let tp = if s.tensor_ops.is_empty() {

@@ -387,7 +387,8 @@ pub(crate) fn estimate(
     let mut breakdown = Breakdown::default();
     let (mut ag, mut rs, mut ar, mut n) = (0u64, 0u64, 0u64, 0u64);
     // Events the all-to-all stream records: the compute stream's waits on them are the
-    // expert group's collectives, not FSDP's communication.
+    // expert group's collectives (or, with a context axis, the context ring's), not FSDP's
+    // communication.
     let mut expert_event = vec![false; timing.start.len()];
     for issued in &program.instrs {
         if let (Stream::AllToAll, Instr::Record { event }) = (issued.stream, &issued.instr) {
@@ -396,13 +397,18 @@ pub(crate) fn estimate(
             }
         }
     }
+    let group_comm = if costed.mesh.context() > 1 {
+        WorkKind::ContextComm
+    } else {
+        WorkKind::ExpertComm
+    };
     for (i, issued) in program.instrs.iter().enumerate() {
         if issued.stream == Stream::Compute {
             let d = timing.end[i] - timing.start[i];
             compute_s += d;
             match issued.instr {
                 Instr::Wait { event } if expert_event.get(event.index()).copied().unwrap_or(false) => {
-                    breakdown.add(WorkKind::ExpertComm, stall[i]);
+                    breakdown.add(group_comm, stall[i]);
                 }
                 _ => exposed += stall[i],
             }

@@ -315,6 +315,35 @@ fn a_compute_step_not_waiting_for_an_all_to_all_is_an_activation_order_error() {
     assert!(e.message.contains("moe_dispatch"), "{e}");
 }
 
+/// tiny-llama on 2 shard x 2 context ranks: the ring's exchanges are steps on the
+/// all-to-all stream, and a compute step that does not wait for its gathered keys is caught.
+#[test]
+fn a_compute_step_not_waiting_for_the_ring_is_an_activation_order_error() {
+    let config =
+        common::parallel("mesh: {shard: 2, context: 2}\ngpus_per_node: 4\nbatch: {per_rank: 2, seq_len: 16}\n");
+    let joint = common::joint_of(&shardplan_models::preset("tiny-llama").unwrap(), &config);
+    let mut plan = shardplan_planner::plan(&joint, &config).unwrap();
+    verify(&plan, None).unwrap();
+    let steps = all_to_all_steps(&plan);
+    // Two layers: keys and values gathered in forward, their gradients reduced in backward.
+    assert_eq!(steps.len(), 8, "{steps:?}");
+    // The values' gather: the keys' is ordered before it on the all-to-all stream, so the
+    // attention waiting for the values' alone also waits for the keys'.
+    let i = steps[1];
+    let instrs = &mut plan.programs[0].instrs;
+    let Instr::Record { event } = instrs[i + 1].instr else {
+        panic!("#{} records", i + 1)
+    };
+    let wait = instrs
+        .iter()
+        .position(|x| x.stream == Stream::Compute && x.instr == Instr::Wait { event })
+        .unwrap();
+    instrs.remove(wait);
+    let e = verify(&plan, None).unwrap_err();
+    assert_eq!(e.rule, "activation order", "{e}");
+    assert!(e.message.contains("cp_all_gather"), "{e}");
+}
+
 #[test]
 fn an_all_to_all_not_waiting_for_its_input_is_an_activation_order_error() {
     let mut plan = tiny_moe("shardplan");
@@ -353,12 +382,27 @@ fn compute_steps_beside_an_all_to_all_touch_none_of_its_values() {
         m.shared_expert_ffn_dim = 64;
         m.shared_expert_gate = true;
     }
+    let llama = shardplan_models::preset("tiny-llama").unwrap();
+    let llama = match llama {
+        shardplan_models::ModelConfig::Llama(l) => {
+            shardplan_models::ModelConfig::Llama(shardplan_models::LlamaConfig { n_kv_heads: 4, ..l })
+        }
+        other => other,
+    };
     let mut overlapped = 0;
     for (model, extra) in [
         (&tiny, ""),
         (&tiny, "activation_checkpointing: full\n"),
         (&tiny, "mesh: {shard: 2, tensor: 2, expert: 2}\n"),
         (&shared, ""),
+        // The context ring, both rotations, under checkpointing and with tensor parallelism.
+        (&llama, "mesh: {shard: 2, context: 2}\n"),
+        (
+            &llama,
+            "mesh: {shard: 2, context: 2}\ncontext_parallel: {rotate: alltoall, load_balance: none}\n",
+        ),
+        (&llama, "mesh: {shard: 2, context: 2}\nactivation_checkpointing: full\n"),
+        (&llama, "mesh: {shard: 1, context: 2, tensor: 2}\n"),
     ] {
         let mesh = if extra.starts_with("mesh") {
             ""

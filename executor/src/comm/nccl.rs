@@ -68,7 +68,8 @@ impl IdGroup for CommSpec {
 /// (`channels`), then, under expert parallelism, the expert group's, over which the
 /// all-to-all stream's steps move the tokens (the compute stream's graph ops under
 /// `runtime: fsdp2`; the planner counts it too: `simulate::overhead`), then, under context
-/// parallelism, the context group's, for the compute stream's ring attention.
+/// parallelism, the context group's, for ring attention's exchanges (the all-to-all
+/// stream's steps; the compute stream's ops under `runtime: fsdp2`).
 pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
     let mut channels = super::channels(plan);
     if plan.mesh.expert() > 1 {
@@ -84,7 +85,17 @@ pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
         channels.push((Comm::Expert, stream));
     }
     if plan.mesh.context() > 1 {
-        channels.push((Comm::Context, Stream::Compute));
+        // The ring's steps run on the all-to-all stream (inline under `runtime: fsdp2`).
+        let on_own_stream = plan
+            .programs
+            .iter()
+            .any(|p| p.instrs.iter().any(|x| x.stream == Stream::AllToAll));
+        let stream = if on_own_stream {
+            Stream::AllToAll
+        } else {
+            Stream::Compute
+        };
+        channels.push((Comm::Context, stream));
     }
     channels
         .into_iter()
@@ -366,7 +377,7 @@ mod tests {
         for r in 0..4u64 {
             let specs = comm_specs(&p, r).unwrap();
             let last = specs.last().unwrap();
-            assert_eq!((last.comm, last.stream), (Comm::Context, Stream::Compute));
+            assert_eq!((last.comm, last.stream), (Comm::Context, Stream::AllToAll));
             let want = if r < 2 { vec![0, 1] } else { vec![2, 3] };
             assert_eq!((last.members.clone(), last.index), (want, (r % 2) as usize), "rank {r}");
             let joined = specs.iter().filter(|s| s.members.len() > 1).count() as u32;

@@ -8,13 +8,15 @@
 //! reduce-scatter); `alltoall` passes blocks around the ring, `degree - 1` steps each
 //! sending the block in hand to the next rank (torch's rotation, on the backend's
 //! all-to-all). Gradients are summed in f32 whatever the compute dtype. Like the tensor
-//! group's, the collectives are tagged by a per-rank counter.
+//! group's, the collectives are tagged by a per-rank counter; under shardplan's runtime
+//! they run on the all-to-all stream's thread while the compute stream reads the rank's
+//! index, so the group is shared between threads.
 
 use crate::comm::{Collectives, Reduce};
 use crate::ExecError;
 use candle_core::{DType as CDType, Tensor};
 use shardplan_ir::{ContextLayout, ContextRotate};
-use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 type Result<T> = std::result::Result<T, ExecError>;
@@ -22,14 +24,14 @@ type Result<T> = std::result::Result<T, ExecError>;
 /// One rank's handle on its context group, with the tag of its next collective.
 pub struct ContextGroup {
     comm: Arc<dyn Collectives>,
-    next: Cell<u64>,
+    next: AtomicU64,
 }
 
 impl ContextGroup {
     pub fn new(comm: Arc<dyn Collectives>) -> Self {
         ContextGroup {
             comm,
-            next: Cell::new(0),
+            next: AtomicU64::new(0),
         }
     }
 
@@ -40,9 +42,17 @@ impl ContextGroup {
 
     /// `n` consecutive tags.
     fn tags(&self, n: u64) -> u64 {
-        let t = self.next.get();
-        self.next.set(t + n);
-        t
+        self.next.fetch_add(n, Ordering::Relaxed)
+    }
+
+    /// Waits, under the collective timeout, for the group's collectives that were only
+    /// enqueued (NCCL); nothing to do on a blocking backend.
+    pub fn flush(&self) -> Result<()> {
+        if self.comm.enqueues() {
+            self.comm.flush()
+        } else {
+            Ok(())
+        }
     }
 
     fn check(&self, layout: &ContextLayout) -> Result<()> {

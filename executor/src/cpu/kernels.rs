@@ -50,7 +50,7 @@ pub struct Ctx {
     rope: RefCell<HashMap<RopeKey, (Tensor, Tensor)>>,
     tensor: Option<TensorGroup>,
     expert: Option<std::sync::Arc<ExpertGroup>>,
-    context: Option<ContextGroup>,
+    context: Option<std::sync::Arc<ContextGroup>>,
     /// Run the ops shardplan has its own CUDA kernels for on them (`--kernels native`):
     /// see [`crate::gpu`]. Only on a CUDA device.
     pub native: bool,
@@ -71,9 +71,14 @@ impl Ctx {
     /// This context with its context-parallel ops running over `group`.
     pub fn with_context_group(self, group: ContextGroup) -> Self {
         Ctx {
-            context: Some(group),
+            context: Some(std::sync::Arc::new(group)),
             ..self
         }
+    }
+
+    /// The context group, for the all-to-all stream's steps (`apply_context`).
+    pub fn context_group(&self) -> Option<std::sync::Arc<ContextGroup>> {
+        self.context.clone()
     }
 
     /// This context with its expert-parallel ops running over `group`.
@@ -121,7 +126,7 @@ impl Ctx {
 
     /// The context group a context-parallel op runs over.
     fn context(&self, op: &Op) -> Result<&ContextGroup> {
-        self.context.as_ref().ok_or_else(|| {
+        self.context.as_deref().ok_or_else(|| {
             ExecError::Internal(format!(
                 "{} is a context-parallel op, but this rank has no context group",
                 op.name()
@@ -158,10 +163,12 @@ impl Ctx {
         Ok(Mask::of(causal, context, rank, rows))
     }
 
-    /// Waits, under the collective timeout, for this rank's expert-group collectives that
-    /// were only enqueued (NCCL); nothing to do on a blocking backend or without experts.
-    pub fn flush_expert(&self) -> Result<()> {
-        self.expert.as_ref().map_or(Ok(()), |g| g.flush())
+    /// Waits, under the collective timeout, for this rank's expert- and context-group
+    /// collectives that were only enqueued (NCCL); nothing to do on a blocking backend or
+    /// without those groups.
+    pub fn flush_groups(&self) -> Result<()> {
+        self.expert.as_ref().map_or(Ok(()), |g| g.flush())?;
+        self.context.as_ref().map_or(Ok(()), |g| g.flush())
     }
 
     /// The heaviest routing of this rank's expert group since the last call (`None`: no
@@ -398,6 +405,22 @@ fn dims(t: &TensorType) -> Vec<usize> {
 /// Applies `op` to `ins`, producing a tensor of type `out`.
 /// An expert-group collective (`Op::is_expert_collective`) over `group`: the all-to-all
 /// stream's steps run it without the compute stream's context.
+/// A context-group collective (`Op::is_context_collective`) over `group`: ring
+/// attention's keys and values gathered, or their gradients reduced.
+pub fn apply_context(group: &ContextGroup, op: &Op, ins: &[&Tensor]) -> Result<Tensor> {
+    let x = ins
+        .first()
+        .ok_or_else(|| ExecError::Internal(format!("{} takes one operand", op.name())))?;
+    match op {
+        Op::CpAllGather { layout, rotate } => group.all_gather(x, layout, *rotate),
+        Op::CpReduceScatter { layout, rotate } => group.reduce_scatter(x, layout, *rotate),
+        _ => Err(ExecError::Internal(format!(
+            "{} is not a context-group collective",
+            op.name()
+        ))),
+    }
+}
+
 pub fn apply_expert(group: &ExpertGroup, op: &Op, ins: &[&Tensor]) -> Result<Tensor> {
     let arg = |k: usize| {
         ins.get(k)
@@ -563,8 +586,7 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         }
         Op::VocabCrossEntropy { degree } => ctx.tensor(op)?.cross_entropy(ins[0], ins[1], *degree)?,
         Op::VocabCrossEntropyGrad { degree } => ctx.tensor(op)?.cross_entropy_grad(ins[0], ins[1], ins[2], *degree)?,
-        Op::CpAllGather { layout, rotate } => ctx.context(op)?.all_gather(ins[0], layout, *rotate)?,
-        Op::CpReduceScatter { layout, rotate } => ctx.context(op)?.reduce_scatter(ins[0], layout, *rotate)?,
+        Op::CpAllGather { .. } | Op::CpReduceScatter { .. } => apply_context(ctx.context(op)?, op, ins)?,
         Op::MoeTopK { k, score } => moe::top_k(ins[0], *k as usize, *score)?,
         Op::MoeDrop { experts, capacity } => moe::drop_over_capacity(ins[0], *experts as usize, *capacity as usize)?,
         Op::MoeRouterWeights { score, norm } => moe::router_weights(ins[0], ins[1], *score, *norm)?,

@@ -125,18 +125,21 @@ fn context_parallel_lines(o: &mut String, plan: &Plan) {
     let all = ring_rows(plan, None);
     let _ = writeln!(
         o,
-        "  ring per layer ({}): {}; per step {} exchanges, {} per rank, {} on the compute stream",
+        "  ring per layer ({}): {}; per step {} exchanges, {} per rank, {} on the {} stream",
         first.unwrap_or("-"),
         parts.join(", "),
         all.iter().map(|r| r.count).sum::<u64>(),
         bytes(all.iter().map(|r| r.bytes).sum()),
         ms(all.iter().map(|r| r.secs).sum()),
+        all.first().map_or("compute", |r| r.stream.name()),
     );
 }
 
 /// The context ring's exchanges of one kind in one phase: how many, their bytes and time.
 struct RingRow {
     phase: crate::Phase,
+    /// The stream that runs them.
+    stream: crate::Stream,
     op: crate::steps::StepCollective,
     count: u64,
     bytes: u64,
@@ -154,6 +157,7 @@ fn ring_rows(plan: &Plan, label: Option<&str>) -> Vec<RingRow> {
                 None => {
                     rows.push(RingRow {
                         phase: s.phase,
+                        stream: s.stream,
                         op: t.op,
                         count: 0,
                         bytes: 0,

@@ -99,10 +99,13 @@ impl<'a> Tables<'a> {
         }
     }
 
-    /// Under shardplan's runtime each expert-group collective is a step of its own, run on
-    /// the all-to-all stream (`runtime: fsdp2` runs them inline, as torchtitan does).
+    /// Under shardplan's runtime each expert-group and context-group collective is a step
+    /// of its own, run on the all-to-all stream beside the compute stream's work that does
+    /// not need it (`runtime: fsdp2` runs them inline, as torchtitan does).
     fn stream_of(&self, id: NodeId) -> Stream {
-        if self.runner != Runner::Fsdp2 && self.g.expert_overlap() && self.g.node(id).op.is_expert_collective() {
+        let op = &self.g.node(id).op;
+        let own = (self.g.expert_overlap() && op.is_expert_collective()) || op.is_context_collective();
+        if self.runner != Runner::Fsdp2 && own {
             Stream::AllToAll
         } else {
             Stream::Compute

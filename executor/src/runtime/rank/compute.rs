@@ -192,15 +192,22 @@ impl StepCtx<'_> {
                 ops.push(t);
             }
         }
-        let group = self.a2a.expert.as_ref().ok_or_else(|| {
-            ExecError::Internal(format!(
-                "s{step} is an all-to-all step, but this rank has no expert group"
-            ))
-        })?;
         // Not in `node_seconds`, the compute stream's ops: the step's time is its own
         // instruction's, the profile's all-to-all row.
         let refs: Vec<&Tensor> = ops.iter().collect();
-        let value = crate::cpu::kernels::apply_expert(group, &sh.joint.graph.node(id).op, &refs)?;
+        let op = &sh.joint.graph.node(id).op;
+        let missing = |group: &str| {
+            ExecError::Internal(format!(
+                "s{step} is an all-to-all step, but this rank has no {group} group"
+            ))
+        };
+        let value = if op.is_context_collective() {
+            let group = self.a2a.context.as_ref().ok_or_else(|| missing("context"))?;
+            crate::cpu::kernels::apply_context(group, op, &refs)?
+        } else {
+            let group = self.a2a.expert.as_ref().ok_or_else(|| missing("expert"))?;
+            crate::cpu::kernels::apply_expert(group, op, &refs)?
+        };
         let own = ValueSlot::of(id, copy);
         if self.tables.a2a_last.contains_key(&(own, micro)) {
             // A later all-to-all step reads it (a routing table): kept until that one.

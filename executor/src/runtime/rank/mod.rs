@@ -279,8 +279,9 @@ impl Timing {
 
 /// What the all-to-all stream and the compute stream hand each other.
 struct Exchange {
-    /// The expert group the all-to-all stream's steps run over.
+    /// The expert group or the context group the all-to-all stream's steps run over.
     expert: Option<std::sync::Arc<crate::cpu::expert::ExpertGroup>>,
+    context: Option<std::sync::Arc<crate::cpu::context::ContextGroup>>,
     /// Operands handed to all-to-all steps, by issue index (`None`: an earlier all-to-all
     /// step's output, in `kept`).
     mailbox: Mutex<HashMap<usize, Vec<Option<Tensor>>>>,
@@ -293,10 +294,14 @@ struct Exchange {
 }
 
 impl Exchange {
-    /// Nothing handed over yet, on `expert`.
-    fn new(expert: Option<std::sync::Arc<crate::cpu::expert::ExpertGroup>>) -> Self {
+    /// Nothing handed over yet, on `expert` or `context`.
+    fn new(
+        expert: Option<std::sync::Arc<crate::cpu::expert::ExpertGroup>>,
+        context: Option<std::sync::Arc<crate::cpu::context::ContextGroup>>,
+    ) -> Self {
         Exchange {
             expert,
+            context,
             mailbox: Mutex::new(HashMap::new()),
             kept: Mutex::new(HashMap::new()),
             outbox: Mutex::new(HashMap::new()),
@@ -531,7 +536,7 @@ pub fn run_step(
         norm: Mutex::new(None),
         device_losses: Mutex::new(Vec::new()),
         timing: Timing::new(shared, &ctx.device, n_instrs)?,
-        a2a: Exchange::new(ctx.expert_group()),
+        a2a: Exchange::new(ctx.expert_group(), ctx.context_group()),
     };
     let compute = Mutex::new(Some(Compute::new(ctx, shared.exec.slots())));
     // Collectives that were only enqueued complete at the step's end.

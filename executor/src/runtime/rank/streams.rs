@@ -80,7 +80,7 @@ impl StepCtx<'_> {
         if s.stream == Stream::Compute {
             // The all-to-all stream's last step ends before the compute stream's.
             if let Some(c) = lock(state).as_ref() {
-                c.ctx.flush_expert()?;
+                c.ctx.flush_groups()?;
                 lock(&self.out).routing = c.ctx.take_routing_load();
             }
         }

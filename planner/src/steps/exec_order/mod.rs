@@ -104,6 +104,11 @@ impl ExecOrder {
     /// ([`ExecOrder::shardplan_kernels`]), flash attention under PyTorch.
     pub fn new(joint: &JointGraph, ac: ActivationCheckpointing, runner: Runner) -> Self {
         let mut exec = ExecOrder::in_graph_order(joint, ac);
+        if runner != Runner::Fsdp2 {
+            // The ring runs on the all-to-all stream (`steps::walk`), FSDP2 inline.
+            ring::overlap_context_collectives(&joint.graph, joint.forward_len, &mut exec.order);
+            exec.last_reads(&joint.graph);
+        }
         if runner == Runner::Shardplan {
             exec.shardplan_kernels(&joint.graph);
         } else {
@@ -191,16 +196,22 @@ impl ExecOrder {
             in_place: Vec::new(),
             alias,
         };
-        for pos in 0..exec.order.len() {
-            let (id, copy) = exec.order[pos];
+        exec.last_reads(g);
+        exec
+    }
+
+    /// Each value's last reader in `order`, anew.
+    fn last_reads(&mut self, g: &shardplan_ir::Graph) {
+        self.last_use = IdVec::from_elem(UNREAD, g.node_count() * 2);
+        for pos in 0..self.order.len() {
+            let (id, copy) = self.order[pos];
             for &input in &g.node(id).inputs {
-                if exec.param_of_node[input.index()].is_none() {
-                    let s = exec.read_slot(id, copy, input);
-                    exec.last_use[s] = pos;
+                if self.param_of_node[input.index()].is_none() {
+                    let s = self.read_slot(id, copy, input);
+                    self.last_use[s] = pos;
                 }
             }
         }
-        exec
     }
 
     /// Runs attention's backward as shardplan's executor does: blockwise, as flash
@@ -586,5 +597,6 @@ fn recompute_order(
     order
 }
 
+mod ring;
 #[cfg(test)]
 mod tests;

@@ -146,3 +146,74 @@ fn a_checkpointed_block_reads_its_recompute_instead_of_recomputing_twice() {
     // Every second block is checkpointed: both kinds occur.
     assert!(skipped > 0 && run > 0, "skipped {skipped}, run {run}");
 }
+
+/// Under shardplan's runtime the context ring's gathers come as soon as their operands
+/// exist, with the queries' work after them, and in backward the queries' gradient path
+/// runs before the work that reads the reduced key and value gradients; the order stays
+/// topological and every node runs once.
+#[test]
+fn the_ring_overlaps_the_work_that_does_not_need_it() {
+    use crate::Runner;
+    for ac in ["none", "full"] {
+        let config = parallel(&format!(
+            "mesh: {{shard: 1, context: 2}}\ngpus_per_node: 2\nbatch: {{per_rank: 2, seq_len: 16}}\nactivation_checkpointing: {ac}\n"
+        ));
+        let joint = joint_of(&preset("tiny-llama").unwrap(), &config);
+        let g = &joint.graph;
+        let plain = ExecOrder::in_graph_order(&joint, config.activation_checkpointing);
+        let exec = ExecOrder::new(&joint, config.activation_checkpointing, Runner::Shardplan);
+        let mut a = plain.order.clone();
+        let mut b = exec.order.clone();
+        a.sort();
+        b.sort();
+        assert_eq!(a, b, "{ac}: the same nodes");
+        assert_ne!(plain.order, exec.order, "{ac}: nothing moved");
+        let mut done = std::collections::HashSet::new();
+        for &(id, copy) in &exec.order {
+            for &x in &g.node(id).inputs {
+                let ran = done.contains(&(x, copy)) || done.contains(&(x, false)) || g.node(x).op.is_leaf();
+                assert!(ran || exec.param_of(x).is_some(), "{ac}: {id} before its operand {x}");
+            }
+            done.insert((id, copy));
+        }
+        // Forward: a rope (the queries') runs after the first gather of its attention.
+        let pos = |want: &dyn Fn(&Op) -> bool, copy: bool| {
+            exec.order
+                .iter()
+                .position(|&(id, c)| c == copy && id.index() < joint.forward_len && want(&g.node(id).op))
+                .unwrap()
+        };
+        let first_gather = pos(&|op| matches!(op, Op::CpAllGather { .. }), false);
+        let ropes: Vec<usize> = exec
+            .order
+            .iter()
+            .enumerate()
+            .filter(|(_, &(id, c))| !c && matches!(g.node(id).op, Op::Rope { .. }))
+            .map(|(i, _)| i)
+            .collect();
+        assert!(ropes[1] > first_gather, "{ac}: the queries' rope before the gather");
+        // Backward: the queries' rotary gradient before the first work on a reduced gradient.
+        let bwd = |want: &dyn Fn(&Op) -> bool| {
+            exec.order
+                .iter()
+                .position(|&(id, _)| id.index() >= joint.forward_len && want(&g.node(id).op))
+                .unwrap()
+        };
+        let first_rs = bwd(&|op| matches!(op, Op::CpReduceScatter { .. }));
+        let readers_of_rs = exec.order[first_rs..]
+            .iter()
+            .position(|&(id, _)| {
+                g.node(id)
+                    .inputs
+                    .iter()
+                    .any(|x| matches!(g.node(*x).op, Op::CpReduceScatter { .. }))
+            })
+            .unwrap()
+            + first_rs;
+        let rope_grad = bwd(&|op| matches!(op, Op::RopeGrad { .. }));
+        assert!(
+            rope_grad > first_rs && rope_grad < readers_of_rs,
+            "{ac}: {first_rs} {rope_grad} {readers_of_rs}"
+        );
+    }
+}
