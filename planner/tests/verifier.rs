@@ -297,10 +297,9 @@ fn expert_collectives_are_steps_of_their_own_on_the_all_to_all_stream() {
     assert!(fsdp2.steps.iter().all(|s| s.stream == Stream::Compute));
 }
 
-#[test]
-fn a_compute_step_not_waiting_for_an_all_to_all_is_an_activation_order_error() {
-    let mut plan = tiny_moe("shardplan");
-    let i = all_to_all_steps(&plan)[1];
+/// Removes the compute stream's wait for the event recorded after rank 0's all-to-all
+/// step at issue index `i`.
+fn remove_compute_wait_after(plan: &mut Plan, i: usize) {
     let instrs = &mut plan.programs[0].instrs;
     let Instr::Record { event } = instrs[i + 1].instr else {
         panic!("#{} records", i + 1)
@@ -310,6 +309,13 @@ fn a_compute_step_not_waiting_for_an_all_to_all_is_an_activation_order_error() {
         .position(|x| x.stream == Stream::Compute && x.instr == Instr::Wait { event })
         .unwrap();
     instrs.remove(wait);
+}
+
+#[test]
+fn a_compute_step_not_waiting_for_an_all_to_all_is_an_activation_order_error() {
+    let mut plan = tiny_moe("shardplan");
+    let i = all_to_all_steps(&plan)[1];
+    remove_compute_wait_after(&mut plan, i);
     let e = verify(&plan, None).unwrap_err();
     assert_eq!(e.rule, "activation order", "{e}");
     assert!(e.message.contains("moe_dispatch"), "{e}");
@@ -329,16 +335,7 @@ fn a_compute_step_not_waiting_for_the_ring_is_an_activation_order_error() {
     assert_eq!(steps.len(), 8, "{steps:?}");
     // The values' gather: the keys' is ordered before it on the all-to-all stream, so the
     // attention waiting for the values' alone also waits for the keys'.
-    let i = steps[1];
-    let instrs = &mut plan.programs[0].instrs;
-    let Instr::Record { event } = instrs[i + 1].instr else {
-        panic!("#{} records", i + 1)
-    };
-    let wait = instrs
-        .iter()
-        .position(|x| x.stream == Stream::Compute && x.instr == Instr::Wait { event })
-        .unwrap();
-    instrs.remove(wait);
+    remove_compute_wait_after(&mut plan, steps[1]);
     let e = verify(&plan, None).unwrap_err();
     assert_eq!(e.rule, "activation order", "{e}");
     assert!(e.message.contains("cp_all_gather"), "{e}");

@@ -72,30 +72,22 @@ impl IdGroup for CommSpec {
 /// stream's steps; the compute stream's ops under `runtime: fsdp2`).
 pub fn comm_specs(plan: &Plan, rank: u64) -> Result<Vec<CommSpec>, ExecError> {
     let mut channels = super::channels(plan);
+    // The expert and context groups' collectives are the all-to-all stream's steps when
+    // the plan has that stream (inline on the compute stream under `runtime: fsdp2`).
+    let group_stream = if plan
+        .programs
+        .iter()
+        .any(|p| p.instrs.iter().any(|x| x.stream == Stream::AllToAll))
+    {
+        Stream::AllToAll
+    } else {
+        Stream::Compute
+    };
     if plan.mesh.expert() > 1 {
-        let on_own_stream = plan
-            .programs
-            .iter()
-            .any(|p| p.instrs.iter().any(|x| x.stream == Stream::AllToAll));
-        let stream = if on_own_stream {
-            Stream::AllToAll
-        } else {
-            Stream::Compute
-        };
-        channels.push((Comm::Expert, stream));
+        channels.push((Comm::Expert, group_stream));
     }
     if plan.mesh.context() > 1 {
-        // The ring's steps run on the all-to-all stream (inline under `runtime: fsdp2`).
-        let on_own_stream = plan
-            .programs
-            .iter()
-            .any(|p| p.instrs.iter().any(|x| x.stream == Stream::AllToAll));
-        let stream = if on_own_stream {
-            Stream::AllToAll
-        } else {
-            Stream::Compute
-        };
-        channels.push((Comm::Context, stream));
+        channels.push((Comm::Context, group_stream));
     }
     channels
         .into_iter()
