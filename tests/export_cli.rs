@@ -469,6 +469,13 @@ fn context_spec(dir: &Path, name: &str) -> (std::path::PathBuf, shardplan_planne
     let spec = dir.join(format!("{name}.yaml"));
     std::fs::write(&spec, text).unwrap();
     let plan_file = dir.join(format!("{name}.json"));
+    tiny_llama_plan_file(&spec, &plan_file);
+    let plan = serde_json::from_str(&std::fs::read_to_string(&plan_file).unwrap()).unwrap();
+    (spec, plan, plan_file)
+}
+
+/// Plans tiny-llama under `spec` into the plan file `out` (`--format json`).
+fn tiny_llama_plan_file(spec: &Path, out: &Path) {
     shardplan_ok(&[
         "plan",
         "--model",
@@ -478,10 +485,8 @@ fn context_spec(dir: &Path, name: &str) -> (std::path::PathBuf, shardplan_planne
         "--format",
         "json",
         "--out",
-        plan_file.to_str().unwrap(),
+        out.to_str().unwrap(),
     ]);
-    let plan = serde_json::from_str(&std::fs::read_to_string(&plan_file).unwrap()).unwrap();
-    (spec, plan, plan_file)
 }
 
 /// A context-parallel plan's program: its mesh is torchtitan's (FSDP over shard x context,
@@ -568,17 +573,7 @@ fn a_context_parallel_plan_exports_its_mesh_and_layout() {
         let spec_text = std::fs::read_to_string(&spec).unwrap();
         std::fs::write(&fsdp2_spec, format!("{spec_text}runtime: fsdp2\n")).unwrap();
         let fsdp2_plan = d.path().join(format!("{name}-fsdp2.json"));
-        shardplan_ok(&[
-            "plan",
-            "--model",
-            "examples/models/tiny-llama.yaml",
-            "--parallel",
-            fsdp2_spec.to_str().unwrap(),
-            "--format",
-            "json",
-            "--out",
-            fsdp2_plan.to_str().unwrap(),
-        ]);
+        tiny_llama_plan_file(&fsdp2_spec, &fsdp2_plan);
         let o = export_plan(&fsdp2_plan);
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let from_spec = d.path().join(format!("{name}-fsdp2"));
