@@ -45,6 +45,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--shardplan", default=None, help="a shardplan binary: also derive the constant")
     ap.add_argument("--hardware", default="h200", help="the built-in profile to plan with (default h200)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each block, as torchtitan's compile option: the host time of a "
+                         "compiled unit (`fsdp2_compiled_unit_host_us`)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     few, many = a.layers
@@ -61,9 +64,14 @@ def measure(fsdp2_step, a, layers, dev, rank, world):
         "--device", a.device, "--dim", str(s["dim"]), "--layers", str(layers), "--heads", str(s["heads"]),
         "--ffn", str(s["ffn"]), "--vocab", str(s["vocab"]), "--seq", str(s["seq"]),
         "--batch", str(s["batch"]), "--steps", str(a.steps), "--warmup", str(a.warmup),
-    ])
+    ] + (["--compile"] if a.compile else []))
     r = fsdp2_step.run(args, dev, rank, world)
     return r["step_seconds"], r["step_seconds_median"]
+
+
+def constant(a):
+    """The profile field this run measures."""
+    return "fsdp2_compiled_unit_host_us" if a.compile else "fsdp2_unit_host_us"
 
 
 def planned(a, layers):
@@ -78,8 +86,9 @@ def planned(a, layers):
         with open(spec, "w") as f:
             f.write(
                 "mesh: {replicate: 1, shard: 1}\ngpus_per_node: 1\n"
-                f"hardware: {{base: {a.hardware}, fsdp2_unit_host_us: 0}}\nruntime: fsdp2\nwrap: [block]\n"
-                "reshard_after_forward: true\nmixed_precision: {param: bf16, reduce: f32}\n"
+                f"hardware: {{base: {a.hardware}, {constant(a)}: 0}}\nruntime: fsdp2\nwrap: [block]\n"
+                + ("compile: {model: true}\n" if a.compile else "")
+                + "reshard_after_forward: true\nmixed_precision: {param: bf16, reduce: f32}\n"
                 f"batch: {{per_rank: {s['batch']}, seq_len: {s['seq']}, grad_accum: 1}}\n"
                 "optimizer: {adamw: {lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1, "
                 "implementation: foreach}}\ngrad_clip: 1.0\n"
@@ -122,6 +131,7 @@ def main(argv=None):
         "step_seconds": {str(k): v[0] for k, v in times.items()},
         "step_seconds_median": {str(k): v[1] for k, v in times.items()},
         "measured_seconds_per_block": per_block,
+        "compiled": a.compile,
         "how": "the median step's growth per block between the two depths, one fully_shard per block",
     }
     if a.shardplan:
@@ -136,9 +146,9 @@ def main(argv=None):
             hardware=a.hardware,
             planned_step_seconds={str(few): p_few, str(many): p_many},
             planner_seconds_per_block=planner_block,
-            fsdp2_unit_host_us=unit,
+            **{constant(a): unit},
         )
-        print(f"hardware: {{base: {a.hardware}, fsdp2_unit_host_us: {unit:.0f}}}", file=sys.stderr)
+        print(f"hardware: {{base: {a.hardware}, {constant(a)}: {unit:.0f}}}", file=sys.stderr)
     fsdp2_step.write_report(report, a.out)
     return 0
 

@@ -63,3 +63,29 @@ impl<'de> Deserialize<'de> for BoolOrInt {
         d.deserialize_any(V)
     }
 }
+
+/// `true`, `false`, or a map deserialized as `T`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BoolOr<T> {
+    Bool(bool),
+    Map(T),
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for BoolOr<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+            type Value = BoolOr<T>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("true, false or a mapping")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(BoolOr::Bool(v))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(BoolOr::Map)
+            }
+        }
+        d.deserialize_any(V(PhantomData))
+    }
+}

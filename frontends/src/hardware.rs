@@ -101,6 +101,11 @@ pub struct HardwareProfile {
     /// (`runtime: fsdp2` only). Default [`FSDP2_UNIT_HOST_US`].
     #[serde(default = "default_fsdp2_unit_host_us")]
     pub fsdp2_unit_host_us: f64,
+    /// The same for an FSDP unit whose block is compiled (`compile.model`): its ops are one
+    /// compiled graph forward and one backward, not an autograd node and a dispatch each.
+    /// Default [`FSDP2_COMPILED_UNIT_HOST_US`].
+    #[serde(default = "default_fsdp2_compiled_unit_host_us")]
+    pub fsdp2_compiled_unit_host_us: f64,
     /// How the framework being planned runs memory-bound ops: `eager` (PyTorch eager, as
     /// FSDP2 and torchtitan run: an RMSNorm or a rotary embedding is several kernels
     /// through f32 temporaries) or `fused` (one kernel per graph op, as shardplan's
@@ -168,6 +173,10 @@ fn default_nccl_channel_mib() -> f64 {
 
 fn default_fsdp2_unit_host_us() -> f64 {
     FSDP2_UNIT_HOST_US
+}
+
+fn default_fsdp2_compiled_unit_host_us() -> f64 {
+    FSDP2_COMPILED_UNIT_HOST_US
 }
 
 fn default_sm_count() -> f64 {
@@ -242,6 +251,16 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
 /// autograd recording of the unit's ops are what it stands for. `benches/fsdp2_host.py`
 /// (`gpu-check --checks host`) measures it on its own; not yet run on a GPU.
 pub const FSDP2_UNIT_HOST_US: f64 = 2400.0;
+
+/// Host time of FSDP2 per compiled FSDP unit and step: [`FSDP2_UNIT_HOST_US`] times the
+/// share of it a compiled block keeps, 0.83, measured with `benches/fsdp2_host.py` on a CPU
+/// (torch 2.15, one rank, gloo, a block of 64 wide whose kernels take next to nothing; the
+/// median step's growth per block from 4 to 20 blocks: 3.66 ms eager, 3.05 ms with each
+/// block compiled by `nn.Module.compile(fullgraph=True)`; 2026-12-06). What a compiled
+/// block saves is its ops' dispatch and autograd bookkeeping; FSDP2's hooks, its copy-in
+/// and copy-out and the optimizer's per-parameter work stay. A CPU's ratio stands in for
+/// a GPU host's until `gpu-check --checks host` runs `--compile` on one: 2,000 us.
+pub const FSDP2_COMPILED_UNIT_HOST_US: f64 = 2000.0;
 
 /// The cost-model constants `benches/gpu_profile.py` (`gpu-check --checks profile`)
 /// measured on one H200 SXM (141 GB; PyTorch 2.11, cuDNN 9.19; 2026-11-26): matmul 0.63 of
@@ -374,6 +393,7 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
         copy_gbps: 0.0,
         step_overhead_us: 0.0,
         fsdp2_unit_host_us: FSDP2_UNIT_HOST_US,
+        fsdp2_compiled_unit_host_us: FSDP2_COMPILED_UNIT_HOST_US,
         kernels: KernelMode::Eager,
     };
     Some(match name {
@@ -409,7 +429,7 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
 
 impl HardwareProfile {
     /// `(field name, value)` of every number, for validation and printing.
-    pub fn numbers(&self) -> [(&'static str, f64); 28] {
+    pub fn numbers(&self) -> [(&'static str, f64); 29] {
         [
             ("bf16_tflops", self.bf16_tflops),
             ("f32_tflops", self.f32_tflops),
@@ -439,6 +459,7 @@ impl HardwareProfile {
             ("copy_gbps", self.copy_gbps),
             ("step_overhead_us", self.step_overhead_us),
             ("fsdp2_unit_host_us", self.fsdp2_unit_host_us),
+            ("fsdp2_compiled_unit_host_us", self.fsdp2_compiled_unit_host_us),
         ]
     }
 

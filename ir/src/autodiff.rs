@@ -58,6 +58,20 @@ pub struct DiffOptions {
     /// compiler's partitioner does (torch.compile's min-cut recomputes pointwise ops). Off,
     /// backward reads the forward values, as PyTorch eager saves them.
     pub recompute_pointwise: bool,
+    /// Backward recomputes a cast to a wider dtype inside the loss module from its operand,
+    /// which it keeps instead (a compiled loss keeps the bf16 logits, not their f32 copy).
+    /// Independent of `recompute_pointwise`.
+    pub recompute_widening_casts: bool,
+}
+
+/// Whether `id` is a cast to a wider dtype inside the loss that
+/// [`DiffOptions::recompute_widening_casts`] recomputes.
+fn widening_cast(forward: &Graph, id: NodeId, options: DiffOptions) -> bool {
+    let n = forward.node(id);
+    options.recompute_widening_casts
+        && matches!(n.op, Op::Cast { .. })
+        && forward.enclosing(n.scope, crate::ModuleKind::Loss).is_some()
+        && n.ty.dtype.size_bytes() > forward.node(n.inputs[0]).ty.dtype.size_bytes()
 }
 
 /// Builds the joint graph of `forward`, whose first output must be a scalar float loss;
@@ -178,6 +192,7 @@ fn differentiate_from(
                     Op::RmsNorm { .. } | Op::LayerNorm { .. } => true,
                     _ => false,
                 }
+                || widening_cast(forward, id, options) && wants(id)
         })
         .collect();
     let mut copies: IdVec<NodeId, Option<NodeId>> = IdVec::from_elem(None, forward_len);

@@ -472,6 +472,18 @@ impl Graph {
         self.scopes.iter()
     }
 
+    /// The innermost scope of kind `kind` that is `id` or holds it, if any.
+    pub fn enclosing(&self, id: ScopeId, kind: crate::ModuleKind) -> Option<ScopeId> {
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            if self.scope(c).kind == kind {
+                return Some(c);
+            }
+            cur = self.scope(c).parent;
+        }
+        None
+    }
+
     /// The outermost non-root ancestor of `id` (itself when it is top level), or the root.
     pub fn top_level(&self, id: ScopeId) -> ScopeId {
         let mut cur = id;

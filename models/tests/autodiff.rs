@@ -107,6 +107,7 @@ fn recomputing_pointwise_ops_leaves_their_outputs_to_the_forward_pass() {
             &g,
             DiffOptions {
                 recompute_pointwise: true,
+                ..DiffOptions::default()
             },
         )
         .unwrap();

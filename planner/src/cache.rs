@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::thread::{Scope, ScopedJoinHandle};
 
-use shardplan_frontends::{ActivationCheckpointing, HardwareProfile, ParallelConfig, Runtime};
+use shardplan_frontends::{ActivationCheckpointing, Compile, HardwareProfile, ParallelConfig, Runtime};
 use shardplan_ir::{DType, JointGraph, NodeId, ParamId};
 
 use crate::cost::{self, NodeTimes};
@@ -33,6 +33,7 @@ struct StepsKey {
     hardware: HardwareProfile,
     param: DType,
     runtime: Runtime,
+    compile: Compile,
 }
 
 impl StepsKey {
@@ -42,6 +43,7 @@ impl StepsKey {
         self.checkpointing == config.activation_checkpointing
             && self.param == config.mixed_precision.param
             && self.runtime == config.runtime
+            && self.compile == config.compile
             && self.groups.len() == fsdp.len()
             && self.groups.iter().zip(fsdp).all(|(a, f)| *a == f.params)
             && self.hardware == config.hardware
@@ -67,7 +69,7 @@ pub struct PlanCache {
     /// groups).
     exec: Vec<(ActivationCheckpointing, Runner, Arc<ExecOrder>)>,
     /// Every node's times, by hardware and compute dtype (one entry per search).
-    node_times: Vec<(HardwareProfile, DType, Arc<NodeTimes>)>,
+    node_times: Vec<(HardwareProfile, DType, Compile, Arc<NodeTimes>)>,
     model_flops: Option<f64>,
 }
 
@@ -168,13 +170,13 @@ impl PlanCache {
             .map(|(_, _, e)| e.clone())
     }
 
-    /// The node times kept for `config`'s hardware and compute dtype.
+    /// The node times kept for `config`'s hardware, compute dtype and compilation.
     fn cached_times(&self, config: &ParallelConfig) -> Option<Arc<NodeTimes>> {
         let param = config.mixed_precision.param;
         self.node_times
             .iter()
-            .find(|(h, d, _)| *h == config.hardware && *d == param)
-            .map(|(_, _, t)| t.clone())
+            .find(|(h, d, c, _)| *h == config.hardware && *d == param && *c == config.compile)
+            .map(|(_, _, _, t)| t.clone())
     }
 
     /// Begins on threads of `scope` what [`PlanCache::steps_begun`] needs besides the
@@ -197,7 +199,7 @@ impl PlanCache {
         let flops = self.model_flops.is_none();
         let times = self.cached_times(config).is_none().then(|| {
             scope.spawn(move || {
-                let times = NodeTimes::new(&joint.graph, &config.hardware, param);
+                let times = NodeTimes::new(&joint.graph, &config.hardware, param, config.compile);
                 (times, flops.then(|| model_flops(joint)))
             })
         });
@@ -207,8 +209,12 @@ impl PlanCache {
     /// Keeps node times (and the model FLOPs) made by [`PlanCache::begin`]'s thread.
     fn keep_times(&mut self, config: &ParallelConfig, (times, flops): (NodeTimes, Option<f64>)) -> Arc<NodeTimes> {
         let times = Arc::new(times);
-        self.node_times
-            .push((config.hardware.clone(), config.mixed_precision.param, times.clone()));
+        self.node_times.push((
+            config.hardware.clone(),
+            config.mixed_precision.param,
+            config.compile,
+            times.clone(),
+        ));
         if self.model_flops.is_none() {
             self.model_flops = flops;
         }
@@ -257,6 +263,7 @@ impl PlanCache {
             hardware: config.hardware.clone(),
             param,
             runtime: config.runtime,
+            compile: config.compile,
         };
         let exec = self.exec_for(joint, config);
         let (mut steps, acts) = steps::steps_and_events_in(joint, fsdp, &exec, runner);
@@ -266,17 +273,13 @@ impl PlanCache {
             (None, None) => self.keep_times(
                 config,
                 (
-                    NodeTimes::new(&joint.graph, &config.hardware, param),
+                    NodeTimes::new(&joint.graph, &config.hardware, param, config.compile),
                     Some(model_flops(joint)),
                 ),
             ),
         };
-        let unit_host_s = if config.runtime.is_shardplan() {
-            0.0
-        } else {
-            config.hardware.fsdp2_unit_host_us * 1e-6
-        };
-        let (step_s, step_parts) = cost::step_costs(&times, &steps, unit_host_s);
+        let unit_host_s = cost::unit_host_seconds(&joint.graph, fsdp, config);
+        let (step_s, step_parts) = cost::step_costs(&times, &steps, &unit_host_s);
         cost::annotate_tensor_ops(&joint.graph, &times, &mut steps);
         let x = Arc::new(CachedSteps {
             steps,

@@ -38,10 +38,11 @@
 //!   copies its gradients (and, with shards, its parameters) on its own thread at
 //!   `copy_gbps` ([`compute_copies`]).
 
+use crate::compiled::Compiled;
 use crate::mesh::Mesh;
 use crate::plan::{Breakdown, Buffer, Comm, Instr, Pool, Stream, WorkKind};
 use crate::steps::Step;
-use shardplan_frontends::{HardwareProfile, KernelMode};
+use shardplan_frontends::{Compile, HardwareProfile, KernelMode, ParallelConfig};
 use shardplan_ir::{DType, Graph, NodeId, NormWrt, Op};
 
 /// Every node's [`OpModel::seconds`] with its parts ([`OpModel::parts`]), costed once per
@@ -50,8 +51,8 @@ use shardplan_ir::{DType, Graph, NodeId, NormWrt, Op};
 pub(crate) struct NodeTimes(Vec<(f64, WorkKind, f64, f64)>);
 
 impl NodeTimes {
-    pub(crate) fn new(g: &Graph, hw: &HardwareProfile, compute_dtype: DType) -> Self {
-        let model = OpModel::new(g, hw, compute_dtype);
+    pub(crate) fn new(g: &Graph, hw: &HardwareProfile, compute_dtype: DType, compile: Compile) -> Self {
+        let model = OpModel::new(g, hw, compute_dtype).compiled(compile);
         NodeTimes((0..g.node_count()).map(|i| model.timed(NodeId(i as u32))).collect())
     }
 
@@ -65,18 +66,18 @@ impl NodeTimes {
 
 /// Seconds to run each step (segment) once (the sum of its ops' [`OpModel::seconds`]), and
 /// the same seconds by kind of work, each op's time split into its work and the launches it
-/// does not hide ([`OpModel::parts`]). `unit_host_s` is a framework's host time per FSDP
-/// unit and step that the device waits for (PyTorch FSDP2's hooks: `fsdp2_unit_host_us`
-/// under `runtime: fsdp2`, else 0): half of it before each unit's first forward step, half
-/// before its first backward step, where FSDP2's pre-forward and pre-backward hooks run
-/// (the post hooks' time lands in the same gaps).
-pub(crate) fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) -> (Vec<f64>, Vec<Breakdown>) {
+/// does not hide ([`OpModel::parts`]). `unit_host_s[g]` is a framework's host time per step
+/// for FSDP unit `g` that the device waits for ([`unit_host_seconds`]): half of it before
+/// each unit's first forward step, half before its first backward step, where FSDP2's
+/// pre-forward and pre-backward hooks run (the post hooks' time lands in the same gaps).
+pub(crate) fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: &[f64]) -> (Vec<f64>, Vec<Breakdown>) {
     let mut hooked = std::collections::HashSet::new();
     steps
         .iter()
         .map(|s| {
             let mut total = 0.0;
             let mut b = Breakdown::default();
+            let unit_host_s = unit_host_s.get(s.group.index()).copied().unwrap_or(0.0);
             if unit_host_s > 0.0 && s.phase != crate::steps::Phase::Recompute && hooked.insert((s.group, s.phase)) {
                 total += unit_host_s / 2.0;
                 b.add(WorkKind::Hooks, unit_host_s / 2.0);
@@ -90,6 +91,34 @@ pub(crate) fn step_costs(times: &NodeTimes, steps: &[Step], unit_host_s: f64) ->
             (total, b)
         })
         .unzip()
+}
+
+/// Host time per step of each FSDP unit of `groups` that the device waits for: PyTorch
+/// FSDP2's (`runtime: fsdp2`), `fsdp2_unit_host_us` per unit, or
+/// `fsdp2_compiled_unit_host_us` for a unit inside a compiled block (`compile.model`);
+/// none under shardplan's runtime.
+pub(crate) fn unit_host_seconds(g: &Graph, groups: &[crate::group::FsdpGroup], config: &ParallelConfig) -> Vec<f64> {
+    if config.runtime.is_shardplan() {
+        return vec![0.0; groups.len()];
+    }
+    let hw = &config.hardware;
+    groups
+        .iter()
+        .map(|grp| {
+            let compiled = config.compile.model
+                && !grp.is_root()
+                && grp
+                    .scopes
+                    .iter()
+                    .all(|&s| g.enclosing(s, shardplan_ir::ModuleKind::Block).is_some());
+            let us = if compiled {
+                hw.fsdp2_compiled_unit_host_us
+            } else {
+                hw.fsdp2_unit_host_us
+            };
+            us * 1e-6
+        })
+        .collect()
 }
 
 /// Records each step's tensor-, expert- and context-parallel collectives
@@ -280,6 +309,8 @@ pub struct OpModel<'a> {
     causal: bool,
     /// The layout of a context-parallel graph's rows (the backward parts do not say).
     context: Option<shardplan_ir::ContextLayout>,
+    /// What torch.compile runs, and fuses, of the graph (nothing by default).
+    compiled: Compiled,
 }
 
 impl<'a> OpModel<'a> {
@@ -300,7 +331,14 @@ impl<'a> OpModel<'a> {
             launch: hw.kernel_launch_us * 1e-6,
             causal,
             context: g.context_layout(),
+            compiled: Compiled::default(),
         }
+    }
+
+    /// This model with the blocks and loss `compile` names compiled.
+    pub fn compiled(mut self, compile: Compile) -> Self {
+        self.compiled = Compiled::new(self.g, compile);
+        self
     }
 
     /// Seconds of one node.
@@ -455,6 +493,7 @@ impl<'a> OpModel<'a> {
                     KernelMode::Fused => self.launched(t, 1.0),
                 }
             }
+            _ if self.compiled.compiled(id) => self.inductor_seconds(id, bytes, flops),
             op => {
                 let (kernels, factor) = match self.hw.kernels {
                     KernelMode::Eager => eager_traffic(op),
@@ -463,6 +502,24 @@ impl<'a> OpModel<'a> {
                 self.launched((bytes * factor / self.bw).max(flops / self.peak), kernels)
             }
         }
+    }
+
+    /// A memory-bound node of a compiled region ([`crate::compiled`]): its bytes without
+    /// the values fused away (its own, when it is computed inside its readers' kernel, and
+    /// those of its fused operands), in one kernel of its own unless it is fused.
+    fn inductor_seconds(&self, id: NodeId, bytes: f64, flops: f64) -> (f64, f64) {
+        let node = self.g.node(id);
+        let value = |v: NodeId| self.g.node(v).ty.bytes().unwrap_or(0) as f64;
+        let fused_in: f64 = node
+            .inputs
+            .iter()
+            .filter(|&&i| self.compiled.fused(i))
+            .map(|&i| value(i))
+            .sum();
+        let own = if self.compiled.fused(id) { value(id) } else { 0.0 };
+        let moved = (bytes - fused_in - own).max(0.0);
+        let kernels = if self.compiled.fused(id) { 0.0 } else { 1.0 };
+        self.launched((moved / self.bw).max(flops / self.peak), kernels)
     }
 
     /// Bandwidth and latency of a tensor group's ring: NVLink, inside one node.

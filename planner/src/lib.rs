@@ -16,6 +16,7 @@ pub mod arena;
 pub mod auto;
 pub mod bounds;
 mod cache;
+mod compiled;
 mod cost;
 mod error;
 mod group;

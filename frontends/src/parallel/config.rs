@@ -66,6 +66,30 @@ impl MeshShape {
     }
 }
 
+/// `torch.compile` as torchtitan applies it (its `compile` job option, under `runtime: fsdp2`):
+/// every transformer block compiled on its own (`fullgraph=True`, before `fully_shard`) and
+/// the loss function compiled apart. The spec writes `compile: true` for both, or
+/// `compile: {model: true, loss: false}` to choose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Compile {
+    /// Each block compiled: its pointwise ops and norms fused by inductor, its backward
+    /// partitioned by AOTAutograd (what it saves, what it recomputes).
+    pub model: bool,
+    /// The cross-entropy compiled: the f32 cast, the log-softmax and the loss in one pass.
+    pub loss: bool,
+}
+
+impl Compile {
+    pub fn is_default(&self) -> bool {
+        *self == Compile::default()
+    }
+
+    /// Whether anything is compiled.
+    pub fn any(&self) -> bool {
+        self.model || self.loss
+    }
+}
+
 /// Context parallelism's options (torchtitan's defaults: all-gather, head-tail).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContextParallel {
@@ -515,6 +539,10 @@ pub struct ParallelConfig {
     /// (expandable segments on).
     #[serde(default, skip_serializing_if = "AllocatorConfig::is_default")]
     pub allocator: AllocatorConfig,
+    /// `torch.compile` of the blocks and the loss (`runtime: fsdp2` only); absent from a
+    /// serialised config when nothing is compiled.
+    #[serde(default, skip_serializing_if = "Compile::is_default")]
+    pub compile: Compile,
     /// Tensor parallelism's options (used when `mesh.tensor > 1`); absent from a
     /// serialised config when default.
     #[serde(default, skip_serializing_if = "TensorParallel::is_default")]
@@ -569,11 +597,13 @@ impl ParallelConfig {
 
     /// How the run's backward pass is built: shardplan's executor (`kernels: fused`,
     /// `runtime: shardplan`) recomputes pointwise ops and norms in backward rather than
-    /// keeping their outputs; PyTorch eager (and FSDP2's run) keeps them.
+    /// keeping their outputs; PyTorch eager (and FSDP2's run) keeps them. A compiled loss
+    /// (`compile.loss`) keeps the logits and recomputes their f32 copy in its backward.
     pub fn diff_options(&self) -> shardplan_ir::DiffOptions {
         shardplan_ir::DiffOptions {
             recompute_pointwise: self.runtime == Runtime::Shardplan
                 && self.hardware.kernels == crate::hardware::KernelMode::Fused,
+            recompute_widening_casts: self.compile.loss,
         }
     }
 }

@@ -90,6 +90,7 @@ impl ParallelSpecFile {
         let lr_schedule = lr_schedule(&mut o, self.lr_schedule)?;
         let data = data(&mut o, self.data, &src.path)?;
         let allocator = allocator(&mut o, self.allocator);
+        let compile = compile(&mut o, self.compile, runtime)?;
         let pipeline = pipeline(&mut o, self.pipeline, mesh.pipeline, batch.per_rank, &src.path)?;
 
         let config = ParallelConfig {
@@ -113,6 +114,7 @@ impl ParallelSpecFile {
             data,
             runtime,
             allocator,
+            compile,
             tensor_parallel,
             context_parallel,
             moe,
@@ -392,6 +394,38 @@ fn allocator(o: &mut Origin, spec: Option<Spanned<AllocatorFile>>) -> AllocatorC
         }
     }
     allocator
+}
+
+/// What is compiled: `true` for the blocks and the loss, a map to choose, nothing when
+/// absent. Only a PyTorch run compiles (`runtime: fsdp2`).
+fn compile(
+    o: &mut Origin,
+    spec: Option<Spanned<crate::either::BoolOr<CompileFile>>>,
+    runtime: Runtime,
+) -> Result<Compile, SpecError> {
+    let Some(c) = spec else {
+        return Ok(Compile::default());
+    };
+    o.insert("compile", pos(&c));
+    let compile = match c.value {
+        crate::either::BoolOr::Bool(b) => Compile { model: b, loss: b },
+        crate::either::BoolOr::Map(m) => {
+            record(o, "compile.model", &m.model);
+            record(o, "compile.loss", &m.loss);
+            Compile {
+                model: m.model.is_some_and(|v| v.value),
+                loss: m.loss.is_some_and(|v| v.value),
+            }
+        }
+    };
+    if compile.any() && runtime != Runtime::Fsdp2 {
+        return Err(o.error(
+            "compile",
+            "`compile` is torch.compile of a PyTorch FSDP2 run, and this spec plans shardplan's own executor, which does not compile",
+            "add `runtime: fsdp2` to plan (and `export fsdp2`) the compiled PyTorch run, or remove `compile`",
+        ));
+    }
+    Ok(compile)
 }
 
 /// Parses and validates a parallel spec.

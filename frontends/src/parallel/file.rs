@@ -2,7 +2,7 @@
 //! value with its span, so the conversion can name where a bad value was written.
 
 use super::*;
-use crate::either::{BoolOrInt, NameOr};
+use crate::either::{BoolOr, BoolOrInt, NameOr};
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 use shardplan_ir::{DType, ModuleKind};
@@ -33,6 +33,7 @@ pub(super) struct ParallelSpecFile {
     pub(super) data: Option<Spanned<NameOr<DataFile>>>,
     pub(super) runtime: Option<Spanned<Runtime>>,
     pub(super) allocator: Option<Spanned<AllocatorFile>>,
+    pub(super) compile: Option<Spanned<BoolOr<CompileFile>>>,
     pub(super) tensor_parallel: Option<Spanned<TensorParallelFile>>,
     pub(super) context_parallel: Option<Spanned<ContextParallelFile>>,
     pub(super) moe: Option<Spanned<MoeFile>>,
@@ -71,6 +72,13 @@ pub(super) struct TensorParallelFile {
 pub(super) struct ContextParallelFile {
     pub(super) rotate: Option<Spanned<shardplan_ir::ContextRotate>>,
     pub(super) load_balance: Option<Spanned<shardplan_ir::ContextBalance>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CompileFile {
+    pub(super) model: Option<Spanned<bool>>,
+    pub(super) loss: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -145,6 +153,7 @@ pub(super) struct HardwareFile {
     pub(super) copy_gbps: Option<Spanned<f64>>,
     pub(super) step_overhead_us: Option<Spanned<f64>>,
     pub(super) fsdp2_unit_host_us: Option<Spanned<f64>>,
+    pub(super) fsdp2_compiled_unit_host_us: Option<Spanned<f64>>,
     pub(super) kernels: Option<Spanned<crate::hardware::KernelMode>>,
 }
 

@@ -210,6 +210,12 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         None => y.push_str("grad_clip: null\n"),
     }
     y.push_str(&format!("seed: {}\n", c.seed));
+    if !c.compile.is_default() {
+        y.push_str(&format!(
+            "compile: {{model: {}, loss: {}}}\n",
+            c.compile.model, c.compile.loss
+        ));
+    }
     if !c.allocator.is_default() {
         y.push_str(&format!(
             "allocator: {{expandable_segments: {}}}\n",

@@ -264,17 +264,32 @@ pub enum Runner {
     Eager,
     /// PyTorch eager under autograd, as FSDP2 runs a plan (`runtime: fsdp2`): `Eager`, plus
     /// what the training loop holds that the graph does not name: token ids are int64
-    /// tensors, and the loss the loop keeps lives through backward.
-    Fsdp2,
+    /// tensors, and the loss the loop keeps lives through backward. With `compile`, the
+    /// compiled blocks and loss hold what inductor's kernels and AOTAutograd's partitioner
+    /// hold instead ([`crate::compiled`]).
+    Fsdp2(shardplan_frontends::Compile),
 }
 
 impl Runner {
     /// What runs a parallel spec's compute.
     pub fn of(config: &shardplan_frontends::ParallelConfig) -> Self {
         match (config.runtime, config.hardware.kernels) {
-            (shardplan_frontends::Runtime::Fsdp2, _) => Runner::Fsdp2,
+            (shardplan_frontends::Runtime::Fsdp2, _) => Runner::Fsdp2(config.compile),
             (_, shardplan_frontends::KernelMode::Eager) => Runner::Eager,
             (_, shardplan_frontends::KernelMode::Fused) => Runner::Shardplan,
+        }
+    }
+
+    /// Whether this is FSDP2's run (`runtime: fsdp2`), compiled or not.
+    pub fn is_fsdp2(self) -> bool {
+        matches!(self, Runner::Fsdp2(_))
+    }
+
+    /// What this run compiles (nothing but under `runtime: fsdp2` with `compile`).
+    pub fn compile(self) -> shardplan_frontends::Compile {
+        match self {
+            Runner::Fsdp2(c) => c,
+            _ => shardplan_frontends::Compile::default(),
         }
     }
 
@@ -292,7 +307,11 @@ impl Runner {
         let numel = shape.numel().unwrap_or(0);
         let last = shape.dims().last().copied().unwrap_or(1).max(1);
         let rows = numel / last;
+        let compiled = self.compile().model && g.enclosing(node.scope, shardplan_ir::ModuleKind::Block).is_some();
         match node.op {
+            // A compiled block's partitioner saves the norm's input (a graph value its
+            // backward reads) and `rstd`, one f32 per row, and recomputes the rest.
+            Op::RmsNorm { .. } | Op::LayerNorm { .. } if compiled => rows.saturating_mul(4),
             // `x * rsqrt(mean(x^2) + eps)` in f32, then `* weight`: the `rsqrt` (f32, one per
             // row) and the normalised rows (4 bytes per element; in bf16 the f32 copy of the
             // input and the normalised rows in bf16 instead of the input, 4 bytes either way).

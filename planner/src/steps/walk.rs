@@ -78,10 +78,7 @@ impl<'a> Tables<'a> {
     fn bytes(&self, id: NodeId) -> u64 {
         let b = self.exec.value_bytes(self.g, id);
         let node = self.g.node(id);
-        if self.runner == Runner::Fsdp2
-            && matches!(node.op, Op::Input { .. })
-            && node.ty.dtype == shardplan_ir::DType::U32
-        {
+        if self.runner.is_fsdp2() && matches!(node.op, Op::Input { .. }) && node.ty.dtype == shardplan_ir::DType::U32 {
             b.saturating_mul(2)
         } else {
             b
@@ -105,7 +102,7 @@ impl<'a> Tables<'a> {
     fn stream_of(&self, id: NodeId) -> Stream {
         let op = &self.g.node(id).op;
         let own = (self.g.expert_overlap() && op.is_expert_collective()) || op.is_context_collective();
-        if self.runner != Runner::Fsdp2 && own {
+        if !self.runner.is_fsdp2() && own {
             Stream::AllToAll
         } else {
             Stream::Compute
@@ -325,7 +322,7 @@ impl<'a> Walker<'a> {
         // gradient is its own tensor, made by the op that computes it while the step's
         // activations die around it, so the step ends before each one on those terms.
         let first_grad = match (copy, self.t.grad_group[id]) {
-            (false, Some(gg)) => (self.t.runner == Runner::Fsdp2 || !s.grads.contains(&gg)) && s.act_peak > self.live,
+            (false, Some(gg)) => (self.t.runner.is_fsdp2() || !s.grads.contains(&gg)) && s.act_peak > self.live,
             _ => false,
         };
         s.phase != phase
@@ -427,10 +424,11 @@ impl<'a> Walker<'a> {
 
     /// PyTorch eager's cross-entropy is `log_softmax` then `nll_loss`: its backward makes
     /// the log-probabilities' gradient (as large as the logits) before the logits'
-    /// gradient, beside it.
+    /// gradient, beside it. A compiled loss computes the logits' gradient in one kernel.
     fn eager_cross_entropy(&mut self, id: NodeId) {
         let node = self.t.g.node(id);
         if self.t.runner == Runner::Shardplan
+            || self.t.runner.compile().loss
             || !matches!(node.op, Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. })
         {
             return;
@@ -450,7 +448,7 @@ impl<'a> Walker<'a> {
         let (joint, runner) = (self.t.joint, self.t.runner);
         let extra = if id.index() >= joint.forward_len {
             0
-        } else if runner == Runner::Fsdp2 && id == joint.loss && !copy {
+        } else if runner.is_fsdp2() && id == joint.loss && !copy {
             // The loss a training loop keeps (`loss = model(...)`) lives through backward.
             joint.graph.node(id).ty.bytes().unwrap_or(0)
         } else {

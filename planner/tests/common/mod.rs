@@ -6,7 +6,7 @@ pub mod edit;
 pub mod gen;
 
 use shardplan_frontends::{parse_parallel_spec, ParallelConfig, Source};
-use shardplan_ir::{differentiate, JointGraph};
+use shardplan_ir::{differentiate_with, DiffOptions, JointGraph};
 use shardplan_models::{preset, trace, ModelConfig};
 use shardplan_planner::{plan_in, shardplan_executor_prediction, Plan, PlanCache};
 
@@ -17,10 +17,17 @@ pub fn parallel(yaml: &str) -> ParallelConfig {
         .0
 }
 
-/// The joint graph of `model` traced at `config`'s micro-batch shape and parameter dtype.
+/// The joint graph of `model` traced at `config`'s micro-batch shape and parameter dtype:
+/// under `runtime: fsdp2` differentiated as `shardplan plan` does (a compiled loss
+/// recomputes its f32 logits), else as PyTorch eager keeps values, whatever the kernels.
 pub fn joint_of(model: &ModelConfig, config: &ParallelConfig) -> JointGraph {
     let g = trace(model, config.trace_options()).unwrap();
-    differentiate(&g).unwrap()
+    let options = if config.runtime.is_shardplan() {
+        DiffOptions::default()
+    } else {
+        config.diff_options()
+    };
+    differentiate_with(&g, options).unwrap()
 }
 
 /// Plans `joint` for `config` as `shardplan plan` does: under another runtime, with

@@ -104,7 +104,7 @@ type NumberField<'a> = (&'static str, Option<&'a Spanned<f64>>, &'a mut f64);
 
 /// Every number a hardware mapping may give, with the profile field each sets, in the
 /// order they are checked (and named when missing).
-fn number_fields<'a>(h: &'a HardwareFile, p: &'a mut HardwareProfile) -> [NumberField<'a>; 28] {
+fn number_fields<'a>(h: &'a HardwareFile, p: &'a mut HardwareProfile) -> [NumberField<'a>; 29] {
     [
         ("bf16_tflops", h.bf16_tflops.as_ref(), &mut p.bf16_tflops),
         ("f32_tflops", h.f32_tflops.as_ref(), &mut p.f32_tflops),
@@ -170,6 +170,11 @@ fn number_fields<'a>(h: &'a HardwareFile, p: &'a mut HardwareProfile) -> [Number
             h.fsdp2_unit_host_us.as_ref(),
             &mut p.fsdp2_unit_host_us,
         ),
+        (
+            "fsdp2_compiled_unit_host_us",
+            h.fsdp2_compiled_unit_host_us.as_ref(),
+            &mut p.fsdp2_compiled_unit_host_us,
+        ),
     ]
 }
 
@@ -197,6 +202,7 @@ fn number_range(name: &str) -> (&'static str, fn(f64) -> bool) {
             | "copy_gbps"
             | "step_overhead_us"
             | "fsdp2_unit_host_us"
+            | "fsdp2_compiled_unit_host_us"
     );
     if name.ends_with("_efficiency") {
         ("in (0, 1]", |x| x > 0.0 && x <= 1.0)

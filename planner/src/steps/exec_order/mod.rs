@@ -60,6 +60,10 @@ pub struct ExecOrder {
     /// ([`JointGraph::recompute_of`]) that a checkpointed block's recompute already makes:
     /// it does not run, and its readers read that recomputed copy.
     alias: Vec<Option<NodeId>>,
+    /// What torch.compile fuses (`Runner::Fsdp2` with `compile`): a fused node's value is
+    /// computed inside its readers' kernels and holds no memory. Empty when nothing is
+    /// compiled.
+    compiled: crate::compiled::Compiled,
 }
 
 /// One attention backward as shardplan's executor runs it under
@@ -104,7 +108,7 @@ impl ExecOrder {
     /// ([`ExecOrder::shardplan_kernels`]), flash attention under PyTorch.
     pub fn new(joint: &JointGraph, ac: ActivationCheckpointing, runner: Runner) -> Self {
         let mut exec = ExecOrder::in_graph_order(joint, ac);
-        if runner != Runner::Fsdp2 {
+        if !runner.is_fsdp2() {
             // The ring runs on the all-to-all stream (`steps::walk`), FSDP2 inline.
             ring::overlap_context_collectives(&joint.graph, joint.forward_len, &mut exec.order);
             exec.last_reads(&joint.graph);
@@ -114,6 +118,7 @@ impl ExecOrder {
         } else {
             exec.flash_attention = true;
         }
+        exec.compiled = crate::compiled::Compiled::new(&joint.graph, runner.compile());
         exec
     }
 
@@ -195,6 +200,7 @@ impl ExecOrder {
             blockwise_of: Vec::new(),
             in_place: Vec::new(),
             alias,
+            compiled: crate::compiled::Compiled::default(),
         };
         exec.last_reads(g);
         exec
@@ -462,6 +468,7 @@ impl ExecOrder {
                     shardplan_ir::Op::AttnProbs { .. } | shardplan_ir::Op::AttnGradScores
                 ))
             || self.placeholder(id)
+            || self.compiled.fused(id)
         {
             0
         } else {

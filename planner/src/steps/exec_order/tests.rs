@@ -123,6 +123,7 @@ fn a_checkpointed_block_reads_its_recompute_instead_of_recomputing_twice() {
         &g,
         DiffOptions {
             recompute_pointwise: true,
+            ..DiffOptions::default()
         },
     )
     .unwrap();
