@@ -108,6 +108,11 @@ CONFIGS = {
     "bf16": ("mixed_precision: {param: bf16, reduce: f32}\n", "", True),
     "offload": ("offload: cpu\n", "", False),
     "init-from": ("", "", False),
+    # torch.compile of each block and of the loss (torchtitan's compile option), which only
+    # a PyTorch run plans: `runtime: fsdp2` is in the spec; the compiled peak is held
+    # against the compiled prediction.
+    "compile": ("runtime: fsdp2\ncompile: true\n", "", False),
+    "compile-selective-ac": ("runtime: fsdp2\ncompile: true\nactivation_checkpointing: selective\n", "", False),
     "tokens": ("data: {tokens: train.bin, dtype: u16, val: val.bin, eval_every: 2, eval_batches: 2}\n", "", False),
     # Expert parallelism (mixtures of experts only): the routed experts split over expert
     # groups, their rows sent by all-to-all, each expert FSDP-sharded over the ranks that
@@ -136,6 +141,9 @@ def parse_args(argv=None):
     ap.add_argument("--launcher", choices=["torchrun", "fork"], default="torchrun")
     ap.add_argument("--out", default=os.path.join(ROOT, "target", "fsdp2-export"))
     ap.add_argument("--memory-check", action="store_true", help="also fail when a peak misses its bound")
+    ap.add_argument("--memory-meter", choices=["auto", "tracker", "profiler"], default="auto",
+                    help="the program's CPU peak: FSDPMemTracker, or the CPU allocator under torch.profiler "
+                         "(auto: the profiler for compiled programs)")
     return ap.parse_args(argv)
 
 
@@ -177,13 +185,35 @@ def losses(path):
     return [json.loads(line) for line in open(path) if line.strip()]
 
 
+def eager_twin(a, model, d, parallel, init, env):
+    """The compiled spec's eager program (its `compile:` line dropped), exported and run with
+    the profiler's meter, which the compiled program needs (FSDPMemTracker's dispatch mode and
+    torch.compile exclude each other): its losses, measured and predicted peaks."""
+    e = os.path.join(d, "eager")
+    os.makedirs(e, exist_ok=True)
+    spec_path = os.path.join(e, "parallel.yaml")
+    with open(parallel) as f, open(spec_path, "w") as g:
+        g.write("".join(line for line in f if not line.startswith("compile:")))
+    run([a.shardplan, "export", "fsdp2", "--model", model, "--parallel", spec_path, "--out", e])
+    log = os.path.join(e, "fsdp2.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    run(launch(a, free_port()) + [os.path.join(e, "train.py"), "--steps", str(a.steps), "--log-file", log,
+                                  "--track-memory", "--memory-meter", "profiler"] + init, env=env)
+    rows = losses(log)
+    return {"losses": rows, "measured": max(x["peak_allocated"] for x in rows[1:] or rows),
+            "predicted": predicted_peak(a, model, spec_path, "runtime: fsdp2\n")}
+
+
 def predicted_peak(a, model, parallel, fsdp2_lines, even=False):
     """The plan's peak per rank for `parallel` plus `fsdp2_lines` (None if it is refused);
     with `even`, the peak at the even routing split of an expert-parallel plan (None
     without one)."""
     path = parallel.replace(".yaml", "-fsdp2.yaml")
     with open(parallel) as f, open(path, "w") as g:
-        g.write(f.read() + fsdp2_lines)
+        text = f.read()
+        # A spec that plans FSDP2's run already says so.
+        g.write(text + ("" if "runtime: fsdp2" in text and "runtime: fsdp2" in fsdp2_lines else fsdp2_lines))
     p = subprocess.run([a.shardplan, "plan", "--model", model, "--parallel", path, "--format", "json"],
                        capture_output=True, text=True)
     if p.returncode != 0:
@@ -274,7 +304,8 @@ def check(a, model, model_name, name, env):
             os.remove(os.path.join(d, f))
     t0 = time.time()
     run(launch(a, free_port()) + [os.path.join(d, "train.py"), "--steps", str(a.steps),
-                    "--log-file", os.path.join(d, "fsdp2.jsonl"), "--track-memory"] + init, env=env)
+                    "--log-file", os.path.join(d, "fsdp2.jsonl"), "--track-memory",
+                    "--memory-meter", a.memory_meter] + init, env=env)
     t_torch = time.time() - t0
     run([a.shardplan, "train", "--model", model, "--parallel", parallel, "--steps", str(a.steps),
          "--log", os.path.join(d, "shardplan.jsonl")] + init)
@@ -295,8 +326,15 @@ def check(a, model, model_name, name, env):
     if fsdp2 is None:
         fsdp2 = predicted_peak(a, model, parallel, "hardware: {base: h100-sxm, kernels: eager}\n")
         model_used = "kernels: eager"
-    own = predicted_peak(a, model, parallel, "")
+    own = predicted_peak(a, model, parallel, "") if "runtime: fsdp2" not in CONFIGS[name][0] else None
     ratio = measured / fsdp2 if measured and fsdp2 else None
+    twin = None
+    if "compile:" in CONFIGS[name][0] and measured and fsdp2:
+        twin = eager_twin(a, model, d, parallel, init, env)
+        # The same meter on both programs: the compiled peak with the meter's own offset
+        # taken out (the eager twin's measured peak less its prediction).
+        ratio = (measured - (twin["measured"] - twin["predicted"])) / fsdp2
+        rel = max([rel] + [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(twin["losses"], theirs)])
     bound = 0.10 if bf16 else 0.05
     # Under expert parallelism the plan is sized at the routing bound and says what the even
     # split needs: the measured peak is held between the two (each within the tolerance).
@@ -309,6 +347,7 @@ def check(a, model, model_name, name, env):
         "fsdp2_measured_peak": measured, "fsdp2_predicted_peak": fsdp2, "prediction_model": model_used,
         "measured_over_predicted": ratio, "shardplan_predicted_peak": own, "torchrun_seconds": t_torch,
         "fsdp2_predicted_peak_even": even, "measured_over_even": even_ratio,
+        "eager_twin": {k: v for k, v in (twin or {}).items() if k != "losses"} or None,
     }
     bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
     if name in EP_CONFIGS:

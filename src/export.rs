@@ -289,6 +289,11 @@ fn render(
         checkpointing_literal(g, parallel),
     ));
     lits.push((
+        "COMPILE",
+        "torch.compile as torchtitan applies it: each block on its own (`model`, before fully_shard), the loss function (`loss`)",
+        json!({"model": parallel.compile.model, "loss": parallel.compile.loss}),
+    ));
+    lits.push((
         "BATCH",
         "per rank and micro-batch; gradient accumulation and when gradients are reduced",
         json!({

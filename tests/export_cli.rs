@@ -941,6 +941,43 @@ fn check_runs<S: AsRef<str>>(runs: &[S], more: &[S]) {
     );
 }
 
+/// torch.compile as torchtitan applies it (`compile: true`: each block and the loss), on 4
+/// CPU ranks with inductor, 5 steps: the compiled program's losses equal its eager twin's
+/// and `shardplan train`'s within 1e-4, and its peak, measured by the CPU allocator's count
+/// under torch.profiler (FSDPMemTracker cannot watch a compiled program) with that meter's
+/// offset on the eager twin taken out, is within 5% of the compiled prediction.
+/// `SHARDPLAN_EXPORT_FULL=1` adds selective checkpointing compiled, whose peak is printed
+/// but not yet held (`benches/FSDP2-MEMORY.md`, "Compiled").
+#[test]
+fn exported_compiled_programs_train_as_the_eager_ones() {
+    let Some(py) = torch_python() else {
+        eprintln!("skipped: no Python with torch, safetensors and numpy (set SHARDPLAN_TORCH_PYTHON)");
+        return;
+    };
+    let text = run_export_check(&py, &["--steps", "5", "--runs", "llama/compile"]);
+    assert!(text.contains("all 1 runs within tolerance"), "{text}");
+    if std::env::var_os("SHARDPLAN_EXPORT_FULL").is_some_and(|v| v != "0") {
+        let out = tempfile::tempdir().unwrap();
+        let o = Command::new("python3")
+            .args([
+                "benches/fsdp2_export.py",
+                "--steps",
+                "5",
+                "--size",
+                "small",
+                "--launcher",
+                "fork",
+            ])
+            .args(["--runs", "llama/compile-selective-ac", "--python", &py, "--shardplan"])
+            .arg(env!("CARGO_BIN_EXE_shardplan"))
+            .arg("--out")
+            .arg(out.path())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    }
+}
+
 /// Expert parallelism as torchtitan runs it under FSDP2 (the rows sent to their experts'
 /// ranks and back by all-to-all, each rank's experts an FSDP unit over the ranks holding
 /// them): the exported program's losses equal `shardplan train`'s on groups of 2, under

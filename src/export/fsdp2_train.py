@@ -20,6 +20,7 @@
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -53,6 +54,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--track-memory", action="store_true",
                     help="CPU: measure each step's peak with FSDPMemTracker (slower)")
+    ap.add_argument("--memory-meter", choices=["auto", "tracker", "profiler"], default="auto",
+                    help="CPU, with --track-memory: FSDPMemTracker, or the CPU allocator under torch.profiler "
+                         "(auto: the profiler when compiled, which FSDPMemTracker cannot measure)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="save torch.distributed.checkpoint (DCP) checkpoints here (step-N/), at the end and every --checkpoint-every steps")
@@ -662,7 +666,8 @@ def selective_policy(save):
                     return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
-        return {"context_fn": lambda: create_selective_checkpoint_contexts(policy)}
+        # A partial, not a lambda: torch.compile traces a checkpoint's context_fn only so.
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
 
     return contexts
 
@@ -675,6 +680,22 @@ def apply_checkpointing(model):
     make = selective_policy(CHECKPOINTING["save"]) if kind == "selective" else (lambda: {})
     for path in CHECKPOINTING["blocks"]:
         module_at(model, path).checkpoint = make
+
+
+def apply_compile(model):
+    """torch.compile as torchtitan applies it, after checkpointing and before fully_shard:
+    each block compiled on its own (in place, so it stays the module FSDP2 wraps and its
+    parameters keep their names; a whole graph, but a block with routed experts, whose
+    all-to-all and router logits break it), and the loss function."""
+    if COMPILE["model"] and CHECKPOINTING["kind"] == "selective":
+        # The op policy counts matmuls in a dict; under a compiled checkpoint that count is
+        # a forward side effect dynamo would replay in backward unless told to skip it.
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    if COMPILE["model"]:
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
+            block.compile(fullgraph=not getattr(block, "moe", False))
+    if COMPILE["loss"]:
+        model.loss.compile()
 
 
 def make_mesh(device):
@@ -1225,12 +1246,60 @@ def evaluate(model, device, rank, world):
     return total.item() / (ev["batches"] * world)
 
 
-class MemoryMeter:
-    """Each step's peak: the CUDA allocator's, or FSDPMemTracker's on the CPU."""
+class AllocatorWatch:
+    """The CPU allocator's running count of live bytes, as torch.profiler's memory profiling
+    keeps it, from before the model is materialised: profiling sessions run back to back, so
+    the count follows every tensor of the run, and a step's peak is the most it reached
+    during the step. Used where FSDPMemTracker cannot go: its dispatch mode and
+    torch.compile exclude each other, while compiled kernels allocate through the same CPU
+    allocator the profiler counts."""
 
-    def __init__(self, model, opt, device, track):
-        self.device, self.tracker = device, None
-        if device.type == "cpu" and track:
+    def __init__(self):
+        self.prof = self._start()
+
+    @staticmethod
+    def _start():
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        prof.start()
+        return prof
+
+    def peak_of(self, fn):
+        """`fn()` and the most bytes the CPU allocator held while it ran."""
+        from torch._C._profiler import _EventType
+
+        self.prof.stop()
+        self.prof = self._start()
+        out = fn()
+        done = self.prof
+        done.stop()
+        self.prof = self._start()
+        most, stack = 0, list(done.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                most = max(most, e.extra_fields.total_allocated)
+        return out, most
+
+
+def allocator_watch(a, device):
+    """An AllocatorWatch when this CPU run measures its peak through the profiler
+    (`--memory-meter profiler`, or `auto` with anything compiled), else None."""
+    compiled = COMPILE["model"] or COMPILE["loss"]
+    if device.type != "cpu" or not a.track_memory:
+        return None
+    if a.memory_meter == "profiler" or (a.memory_meter == "auto" and compiled):
+        return AllocatorWatch()
+    return None
+
+
+class MemoryMeter:
+    """Each step's peak: the CUDA allocator's; on the CPU FSDPMemTracker's, or the CPU
+    allocator's as an AllocatorWatch sees it."""
+
+    def __init__(self, model, opt, device, track, watch=None):
+        self.device, self.tracker, self.watch = device, None, watch
+        if device.type == "cpu" and track and watch is None:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             self.tracker = FSDPMemTracker(model, opt)
@@ -1245,6 +1314,9 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             out = fn()
             return out, torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+        if self.watch is not None:
+            out, peak = self.watch.peak_of(fn)
+            return out, peak, None
         if self.tracker is None:
             return fn(), None, None
         self.tracker.reset_mod_stats()
@@ -1298,9 +1370,11 @@ def run(a, device, rank, world):
         return run_pipeline(a, device, rank, world)
     model, names = build_model()
     apply_checkpointing(model)
+    apply_compile(model)
     meshes = make_mesh(device)
     apply_fully_shard(model, meshes, device)
     set_prefetch(model)
+    watch = allocator_watch(a, device)
     model.to_empty(device="cpu" if OFFLOAD else device)
     init_weights(model, names, a.init_from)
     opt = make_optimizer(model)
@@ -1309,7 +1383,7 @@ def run(a, device, rank, world):
     batches = Batches(DATA, dp_rank, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
     if a.check_context_layout:
         return check_context_layout(model, batches, device, rank, world, meshes[0])
-    meter = MemoryMeter(model, opt, device, a.track_memory)
+    meter = MemoryMeter(model, opt, device, a.track_memory, watch)
     tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * dp_world * BATCH["grad_accum"]
     log = open(a.log, "a") if a.log and rank == 0 else None
     first = resume_checkpoint(a.resume, model, names, opt, batches, a.names == "torchtitan") if a.resume else 0
@@ -1407,6 +1481,7 @@ def build_stages(a, device, mesh, dp):
 
     model, names = build_model()
     apply_checkpointing(model)
+    apply_compile(model)
     me = mesh.get_local_rank("pp")
     count = len(PIPELINE["stages"])
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],

@@ -178,6 +178,8 @@ pub fn executor_config(config: &ParallelConfig) -> ParallelConfig {
     let mut c = config.clone();
     c.hardware.kernels = shardplan_frontends::KernelMode::Fused;
     c.runtime = shardplan_frontends::Runtime::Shardplan;
+    // shardplan's executor runs its own kernels; torch.compile is PyTorch's.
+    c.compile = shardplan_frontends::Compile::default();
     c
 }
 
