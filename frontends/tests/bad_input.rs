@@ -923,3 +923,44 @@ fn tensor_parallel_needs_a_model_that_splits() {
     .unwrap();
     shardplan_models::trace(&odd.config, trace_options(Some(&p))).unwrap();
 }
+
+#[test]
+fn compile_is_a_pytorch_runs_and_takes_a_bool_or_a_map() {
+    let ok = |text: &str| parse_parallel_spec(&Source::from_text("p.yaml", text)).unwrap().0;
+    // PAR_OK plans shardplan's own executor, which does not compile.
+    let n = PAR_OK.lines().count() as u64;
+    check(
+        &parallel(&format!("{PAR_OK}compile: true\n")),
+        n + 1,
+        10,
+        &[
+            "`compile` is torch.compile of a PyTorch FSDP2 run",
+            "add `runtime: fsdp2`",
+        ],
+    );
+    let c = ok(&format!("{PAR_OK}runtime: fsdp2\ncompile: true\n"));
+    assert_eq!(
+        c.compile,
+        shardplan_frontends::Compile {
+            model: true,
+            loss: true
+        }
+    );
+    let c = ok(&format!("{PAR_OK}runtime: fsdp2\ncompile: {{model: true}}\n"));
+    assert_eq!(
+        c.compile,
+        shardplan_frontends::Compile {
+            model: true,
+            loss: false
+        }
+    );
+    // Writing `compile: false` anywhere is fine.
+    assert!(!ok(&format!("{PAR_OK}compile: false\n")).compile.any());
+    // The written spec reads back as it was.
+    let c = ok(&format!("{PAR_OK}runtime: fsdp2\ncompile: {{loss: true}}\n"));
+    assert_eq!(ok(&shardplan_frontends::spec_yaml(&c)).compile, c.compile);
+    let e = parallel(&format!(
+        "{PAR_OK}runtime: fsdp2\ncompile: {{model: true, graphs: 2}}\n"
+    ));
+    assert!(e.to_string().contains("graphs"), "{e}");
+}

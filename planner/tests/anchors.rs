@@ -137,6 +137,54 @@ fn rows() -> (Vec<Row>, Vec<String>) {
     (out, unplanned)
 }
 
+/// A published figure or range, as the comparison table prints it.
+fn published((lo, hi): (f64, f64)) -> String {
+    if lo == hi {
+        format!("{lo:.0}")
+    } else {
+        format!("{lo:.0}-{hi:.0}")
+    }
+}
+
+/// A compiled row's lines of `benches/predictions.sh`'s table at one peak: its speed, its
+/// eager twin's, and (at the NVL end only) both reserved peaks.
+fn print_compiled_rows(
+    r: &CompiledRow,
+    peak: f64,
+    (tps, eager_tps): (f64, f64),
+    (gib, eager_gib): (f64, f64),
+    ratio: f64,
+) {
+    println!(
+        "row: {} compiled at {peak} TFLOP/s | tokens/s/GPU | {tps:.0} | {} | {ratio:.3}",
+        r.id,
+        published(r.tokens)
+    );
+    if let Some(t) = r.eager_tokens {
+        println!(
+            "row: {} eager at {peak} TFLOP/s | tokens/s/GPU | {eager_tps:.0} | {t} | {:.3}",
+            r.id,
+            eager_tps / t
+        );
+    }
+    if peak != H100_96GB_500W_TFLOPS.0 {
+        return;
+    }
+    println!(
+        "row: {} compiled | reserved GiB | {gib:.2} | {} | {:.3}",
+        r.id,
+        r.reserved_gib,
+        gib / r.reserved_gib
+    );
+    if let Some(m) = r.eager_reserved_gib {
+        println!(
+            "row: {} eager | reserved GiB | {eager_gib:.2} | {m} | {:.3}",
+            r.id,
+            eager_gib / m
+        );
+    }
+}
+
 /// The plan's step by kind of work, as `shardplan plan` prints it, on one line.
 fn breakdown(p: &Plan) -> String {
     let e = &p.estimate;
@@ -202,6 +250,11 @@ fn every_published_row_is_predicted() {
                 p.estimate.step_s,
                 breakdown(&p)
             );
+            println!(
+                "row: {}{at} | tokens/s/GPU | {tps:.0} | {} | {ratio:.3}",
+                r.id,
+                published(r.tokens)
+            );
             let parts = p.estimate.breakdown.total();
             if (parts - p.estimate.compute_s).abs() > 1e-9 * p.estimate.compute_s {
                 failures.push(format!(
@@ -233,6 +286,11 @@ fn every_published_row_is_predicted() {
                 r.reserved_gib.map(|x| format!(" (published {x})")).unwrap_or_default()
             );
             if let Some(pub_r) = r.reserved_gib {
+                println!(
+                    "row: {} | reserved GiB | {reserved:.2} | {pub_r} | {:.3}",
+                    r.id,
+                    reserved / pub_r
+                );
                 if (reserved / pub_r - 1.0).abs() > 0.10 {
                     failures.push(format!("{}: reserved {reserved:.2} GiB vs published {pub_r}", r.id));
                 }
@@ -400,6 +458,13 @@ fn every_published_compiled_row_is_predicted() {
                 reserved(&eager),
                 r.eager_reserved_gib.map(|m| format!(" ({:.3}x)", reserved(&eager) / m)).unwrap_or_default(),
                 breakdown(&compiled)
+            );
+            print_compiled_rows(
+                r,
+                peak,
+                (tps(&compiled), tps(&eager)),
+                (reserved(&compiled), reserved(&eager)),
+                ratio,
             );
             if !(1.0 - TOLERANCE..=bound).contains(&ratio) {
                 failures.push(format!(

@@ -141,6 +141,28 @@ hooks {:.1} ms of {:.1} ms",
             p.estimate.breakdown.get(WorkKind::Hooks) * 1e3,
             p.estimate.step_s * 1e3,
         );
+        let row = |what: &str, predicted: String, measured: String, ratio: f64| {
+            println!("row: H200 {} | {what} | {predicted} | {measured} | {ratio:.3}", r.name)
+        };
+        let (lo, hi) = r.tokens_per_s;
+        let range = if lo == hi {
+            format!("{lo:.0}")
+        } else {
+            format!("{lo:.0}-{hi:.0}")
+        };
+        row("tokens/s", format!("{:.0}", p.estimate.tokens_per_s), range, speed);
+        row(
+            "allocated GiB",
+            format!("{:.2}", p.memory.peak as f64 / GIB),
+            r.allocated_gib.to_string(),
+            allocated,
+        );
+        row(
+            "reserved GiB",
+            format!("{:.2}", p.memory.reserved_peak as f64 / GIB),
+            r.reserved_gib.to_string(),
+            reserved,
+        );
         if (speed - 1.0).abs() > SPEED_TOLERANCE {
             failures.push(format!("{}: tokens/s {speed:.3}x the measured", r.name));
         }
@@ -246,6 +268,19 @@ fn the_compiled_h200_run_is_predicted() {
         compiled.memory.peak as f64 / GIB,
         compiled.estimate.breakdown.get(WorkKind::Hooks) * 1e3
     );
+    for (what, p, (tps, gib), speed, allocated) in [
+        ("fused AdamW, eager", &eager, H200_EAGER_FUSED, es, ea),
+        ("fused AdamW, compiled", &compiled, H200_COMPILED, cs, ca),
+    ] {
+        println!(
+            "row: H200 1.1B, 2 x 2048, {what} | tokens/s | {:.0} | {tps:.0} | {speed:.3}",
+            tokens / p.estimate.step_s
+        );
+        println!(
+            "row: H200 1.1B, 2 x 2048, {what} | allocated GiB | {:.2} | {gib} | {allocated:.3}",
+            p.memory.peak as f64 / GIB
+        );
+    }
     assert!((es - 1.0).abs() <= SPEED_TOLERANCE, "eager speed {es:.3}");
     assert!((ea - 1.0).abs() <= MEMORY_TOLERANCE, "eager allocated {ea:.3}");
     assert!((ca - 1.0).abs() <= MEMORY_TOLERANCE, "compiled allocated {ca:.3}");
