@@ -61,6 +61,11 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
             checkpointing_literal(&forward, &config),
         ),
         (
+            "COMPILE",
+            "torch.compile as torchtitan applies it: each block on its own (`model`, before fully_shard), the loss function (`loss`)",
+            json!({"model": config.compile.model, "loss": config.compile.loss}),
+        ),
+        (
             "BATCH",
             "per data-parallel rank (its pipeline's micro-batches split it)",
             json!({"per_rank": config.batch.per_rank, "seq_len": config.batch.seq_len, "grad_accum": 1, "grad_sync": "every_micro_batch"}),
