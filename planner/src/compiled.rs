@@ -36,14 +36,7 @@ impl Compiled {
         }
         let region: Vec<Option<(ScopeId, bool)>> = g
             .nodes()
-            .map(|(_, n)| {
-                let scope = compile
-                    .model
-                    .then(|| g.enclosing(n.scope, ModuleKind::Block))
-                    .flatten()
-                    .or_else(|| compile.loss.then(|| g.enclosing(n.scope, ModuleKind::Loss)).flatten());
-                scope.map(|s| (s, n.is_backward()))
-            })
+            .map(|(_, n)| region_scope(g, n.scope, compile).map(|s| (s, n.is_backward())))
             .collect();
         let mut fused = vec![false; g.node_count()];
         let outputs: std::collections::HashSet<NodeId> = g.outputs().iter().copied().collect();
@@ -70,6 +63,17 @@ impl Compiled {
     pub(crate) fn fused(&self, id: NodeId) -> bool {
         self.fused.get(id.index()).copied().unwrap_or(false)
     }
+}
+
+/// The compiled block that holds `scope` (`compile.model`), if any.
+pub(crate) fn compiled_block(g: &Graph, scope: ScopeId, compile: Compile) -> Option<ScopeId> {
+    compile.model.then(|| g.enclosing(scope, ModuleKind::Block)).flatten()
+}
+
+/// The compiled region that holds `scope`: its compiled block, or the compiled loss
+/// (`compile.loss`), if any.
+pub(crate) fn region_scope(g: &Graph, scope: ScopeId, compile: Compile) -> Option<ScopeId> {
+    compiled_block(g, scope, compile).or_else(|| compile.loss.then(|| g.enclosing(scope, ModuleKind::Loss)).flatten())
 }
 
 /// Ops inductor generates code for and fuses with their neighbours: pointwise ops, norms

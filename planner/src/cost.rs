@@ -105,12 +105,11 @@ pub(crate) fn unit_host_seconds(g: &Graph, groups: &[crate::group::FsdpGroup], c
     groups
         .iter()
         .map(|grp| {
-            let compiled = config.compile.model
-                && !grp.is_root()
+            let compiled = !grp.is_root()
                 && grp
                     .scopes
                     .iter()
-                    .all(|&s| g.enclosing(s, shardplan_ir::ModuleKind::Block).is_some());
+                    .all(|&s| crate::compiled::compiled_block(g, s, config.compile).is_some());
             let us = if compiled {
                 hw.fsdp2_compiled_unit_host_us
             } else {

@@ -53,7 +53,7 @@ def parse_args(argv=None):
     ap.add_argument("--init-from", default=None, help="initial weights: a safetensors file with Hugging Face names")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--track-memory", action="store_true",
-                    help="CPU: measure each step's peak with FSDPMemTracker (slower)")
+                    help="CPU: measure each step's peak (slower; --memory-meter says how)")
     ap.add_argument("--memory-meter", choices=["auto", "tracker", "profiler"], default="auto",
                     help="CPU, with --track-memory: FSDPMemTracker, or the CPU allocator under torch.profiler "
                          "(auto: the profiler when compiled, which FSDPMemTracker cannot measure)")

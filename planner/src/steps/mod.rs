@@ -307,7 +307,7 @@ impl Runner {
         let numel = shape.numel().unwrap_or(0);
         let last = shape.dims().last().copied().unwrap_or(1).max(1);
         let rows = numel / last;
-        let compiled = self.compile().model && g.enclosing(node.scope, shardplan_ir::ModuleKind::Block).is_some();
+        let compiled = crate::compiled::compiled_block(g, node.scope, self.compile()).is_some();
         match node.op {
             // A compiled block's partitioner saves the norm's input (a graph value its
             // backward reads) and `rstd`, one f32 per row, and recomputes the rest.
