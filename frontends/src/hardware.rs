@@ -240,17 +240,18 @@ pub const KERNEL_LAUNCH_US: f64 = 5.0;
 pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
 
 /// Host time of eager FSDP2 per FSDP unit and step, beyond `kernel_launch_us` per kernel:
-/// 2,400 us. Fitted to four PyTorch FSDP2 runs on an H200 (the exported 1.1B at 2 x 2048 and
+/// 2,250 us. Fitted to four PyTorch FSDP2 runs on an H200 (the exported 1.1B at 2 x 2048 and
 /// at 4 x 2048 under full and selective checkpointing, and a 3.2B at 1 x 4096; foreach AdamW;
 /// docs/src/measured.md, "Held against an H200"; `planner/tests/h200_runs.rs`): with the
 /// H200's measured constants the kernels account for 96-272 ms of steps measured at
-/// 133-325 ms, and what each row leaves is 1.5-3.5 ms per unit; this is about their mean, and
-/// the mean of any three predicts the fourth's speed within 11%. torch.profiler of the same
+/// 133-325 ms, and what each row leaves is 1.4-3.3 ms per unit (2,756, 1,396, 3,306 and 1,557
+/// us, once the clip's second pass and FSDP2's casting copy-in are costed); this is their
+/// mean, and the mean of any three predicts the fourth's speed within 11%. torch.profiler of the same
 /// step agrees that the host sets the pace at this batch: its kernels sum to 78 ms of a 131 ms
 /// step. FSDP2's four hooks per unit in Python, its copy-in and copy-out bookkeeping and the
 /// autograd recording of the unit's ops are what it stands for. `benches/fsdp2_host.py`
 /// (`gpu-check --checks host`) measures it on its own; not yet run on a GPU.
-pub const FSDP2_UNIT_HOST_US: f64 = 2400.0;
+pub const FSDP2_UNIT_HOST_US: f64 = 2250.0;
 
 /// Host time of FSDP2 per compiled FSDP unit and step: [`FSDP2_UNIT_HOST_US`] times the
 /// share of it a compiled block keeps, 0.83, measured with `benches/fsdp2_host.py` on a CPU
@@ -259,8 +260,8 @@ pub const FSDP2_UNIT_HOST_US: f64 = 2400.0;
 /// block compiled by `nn.Module.compile(fullgraph=True)`; 2026-12-06). What a compiled
 /// block saves is its ops' dispatch and autograd bookkeeping; FSDP2's hooks, its copy-in
 /// and copy-out and the optimizer's per-parameter work stay. A CPU's ratio stands in for
-/// a GPU host's until `gpu-check --checks host` runs `--compile` on one: 2,000 us.
-pub const FSDP2_COMPILED_UNIT_HOST_US: f64 = 2000.0;
+/// a GPU host's until `gpu-check --checks host` runs `--compile` on one: 1,870 us.
+pub const FSDP2_COMPILED_UNIT_HOST_US: f64 = 1870.0;
 
 /// The cost-model constants `benches/gpu_profile.py` (`gpu-check --checks profile`)
 /// measured on one H200 SXM (141 GB; PyTorch 2.11, cuDNN 9.19; 2026-11-26): matmul 0.63 of

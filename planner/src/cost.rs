@@ -695,6 +695,11 @@ pub(crate) struct OptimizerTraffic {
     pub state_per_param: u64,
     /// torch's foreach AdamW (`runtime: fsdp2`, `implementation: foreach`): a pass per op.
     pub foreach_adamw: bool,
+    /// torch's `clip_grad_norm_` (`runtime: fsdp2`): after the norm, every gradient is
+    /// multiplied by the clamped coefficient in place (`_foreach_mul_`, done even when the
+    /// coefficient is 1 to spare a host sync; torch/nn/utils/clip_grad.py,
+    /// `_clip_grads_with_norm_`), a second pass reading and writing them.
+    pub clip_scales_grads: bool,
 }
 
 impl OptimizerTraffic {
@@ -704,6 +709,7 @@ impl OptimizerTraffic {
             foreach_adamw: !policy.runtime.is_shardplan()
                 && policy.optimizer == crate::OptimizerKind::Adamw
                 && policy.adamw_implementation == shardplan_frontends::AdamwImplementation::Foreach,
+            clip_scales_grads: !policy.runtime.is_shardplan() && policy.grad_clip.is_some(),
         }
     }
 }
@@ -744,10 +750,18 @@ pub(crate) fn instr_seconds(
             if s.pool != d.pool {
                 s.bytes().min(d.bytes()) as f64 / (hw.host_link_gbps * 1e9)
             } else {
-                (s.bytes().min(d.bytes()) * 2) as f64 / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
+                // The elements copied are read in the source's dtype and written in the
+                // destination's: a cast (FSDP2's copy-in of f32 shards into a bf16
+                // all-gather input) reads more than it writes.
+                let n = s.numel.min(d.numel);
+                (n * (s.dtype.size_bytes() + d.dtype.size_bytes())) as f64 / (hw.hbm_gbps * 1e9 * hw.memory_efficiency)
             }
         }
-        Instr::GradNorm { grads, .. } => grads.iter().map(|&b| bytes(b)).sum::<u64>() as f64 / mem_bw,
+        Instr::GradNorm { grads, .. } => {
+            let read = grads.iter().map(|&b| bytes(b)).sum::<u64>();
+            let passes = if optimizer.clip_scales_grads { 3 } else { 1 };
+            (passes * read) as f64 / mem_bw
+        }
         Instr::OptimizerStep { grads, params, .. } => {
             let p = buffers[params.index()].bytes();
             let moved = if optimizer.foreach_adamw {

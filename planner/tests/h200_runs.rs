@@ -281,6 +281,7 @@ fn the_compiled_h200_run_is_predicted() {
             p.memory.peak as f64 / GIB
         );
     }
+    print_by_kind(&eager);
     assert!((es - 1.0).abs() <= SPEED_TOLERANCE, "eager speed {es:.3}");
     assert!((ea - 1.0).abs() <= MEMORY_TOLERANCE, "eager allocated {ea:.3}");
     assert!((ca - 1.0).abs() <= MEMORY_TOLERANCE, "compiled allocated {ca:.3}");
@@ -290,4 +291,63 @@ fn the_compiled_h200_run_is_predicted() {
     );
     // Measured, compiling sped the step 1.44x; the plan must see at least part of it.
     assert!(compiled.estimate.step_s < eager.estimate.step_s);
+}
+
+/// torch.profiler's GPU kernel time of the eager fused-AdamW run above, by kind, ms per
+/// step (`../shared/GPU-NOTES.md`, "Where FSDP2's step goes", H200, 2026-11-26): GEMMs,
+/// cuDNN flash attention (forward 1.6 + backward 4.1), FSDP2's copy-in and copy-out with
+/// the casts, other elementwise kernels, norms, fused AdamW; the step's wall time is 131 ms.
+const H200_PROFILE_MS: [(&str, f64); 6] = [
+    ("matmul", 31.0),
+    ("attention", 5.7),
+    ("fsdp copy-in/out and casts", 20.0),
+    ("elementwise (rotary, activations, loss, casts)", 7.0),
+    ("norms", 2.0),
+    ("optimizer", 12.5),
+];
+
+/// The plan's device time of `p` by the profile's kinds, beside the profile, as rows of
+/// `benches/predictions.sh`'s table. FSDP2's copies count on every stream (the profile sums
+/// kernels of all streams): the compute stream's copies and packs, and the all-gather
+/// stream's copy-in.
+fn print_by_kind(p: &Plan) {
+    let b = &p.estimate.breakdown;
+    let ms = |k: WorkKind| b.get(k) * 1e3;
+    let side_copies: f64 = p.programs[0]
+        .instrs
+        .iter()
+        .enumerate()
+        .filter(|(_, x)| {
+            x.stream != shardplan_planner::Stream::Compute && matches!(x.instr, shardplan_planner::Instr::Copy { .. })
+        })
+        .map(|(i, _)| (p.timing.end[i] - p.timing.start[i]) * 1e3)
+        .sum();
+    let planned = [
+        ms(WorkKind::Matmul),
+        ms(WorkKind::Attention),
+        ms(WorkKind::FsdpCopies) + side_copies,
+        ms(WorkKind::Elementwise) + ms(WorkKind::Rotary) + ms(WorkKind::CrossEntropy) + ms(WorkKind::Layout),
+        ms(WorkKind::Norm),
+        ms(WorkKind::Optimizer),
+    ];
+    for ((kind, measured), plan) in H200_PROFILE_MS.iter().zip(planned) {
+        println!(
+            "row: H200 1.1B, 2 x 2048, fused AdamW, eager: {kind} | device ms | {plan:.1} | {measured} | {:.3}",
+            plan / measured
+        );
+    }
+    let (plan_sum, measured_sum) = (
+        planned.iter().sum::<f64>(),
+        H200_PROFILE_MS.iter().map(|(_, m)| m).sum::<f64>(),
+    );
+    println!(
+        "row: H200 1.1B, 2 x 2048, fused AdamW, eager: these kernels | device ms | {plan_sum:.1} | {measured_sum} | {:.3}",
+        plan_sum / measured_sum
+    );
+    println!(
+        "row: H200 1.1B, 2 x 2048, fused AdamW, eager: the rest of the step (host) | ms | {:.1} | {:.1} | {:.3}",
+        p.estimate.step_s * 1e3 - plan_sum,
+        131.0 - measured_sum,
+        (p.estimate.step_s * 1e3 - plan_sum) / (131.0 - measured_sum)
+    );
 }
