@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests print every row before they assert; a row outside its tolerance still prints,
 # and the tests' verdict is said after the table.
-out=$(cargo test -q -p shardplan-planner --test anchors --test h200_runs -- --nocapture --test-threads 1 2>&1) \
+out=$(cargo test -q --no-fail-fast -p shardplan-planner --test anchors --test h200_runs -- --nocapture --test-threads 1 2>&1) \
   && verdict="every row within the tests' tolerances" \
   || verdict="FAILED: $(printf '%s\n' "$out" | grep -E -A3 'panicked at' | grep -v 'panicked at' | head -n 6 | tr '\n' ' ')"
 rows=$(printf '%s\n' "$out" | sed -n 's/^[.]*row: //p')

@@ -62,6 +62,11 @@ pub struct DiffOptions {
     /// which it keeps instead (a compiled loss keeps the bf16 logits, not their f32 copy).
     /// Independent of `recompute_pointwise`.
     pub recompute_widening_casts: bool,
+    /// Backward recomputes the output of an activation function (`silu`, `gelu`, `relu`)
+    /// inside a transformer block from its input, which the activation's own backward reads
+    /// anyway, instead of keeping it: torch.compile's partitioner in a compiled block.
+    /// Independent of `recompute_pointwise`.
+    pub recompute_block_activations: bool,
 }
 
 /// Whether `id` is a cast to a wider dtype inside the loss that
@@ -72,6 +77,15 @@ fn widening_cast(forward: &Graph, id: NodeId, options: DiffOptions) -> bool {
         && matches!(n.op, Op::Cast { .. })
         && forward.enclosing(n.scope, crate::ModuleKind::Loss).is_some()
         && n.ty.dtype.size_bytes() > forward.node(n.inputs[0]).ty.dtype.size_bytes()
+}
+
+/// Whether `id` is an activation inside a block that
+/// [`DiffOptions::recompute_block_activations`] recomputes.
+fn block_activation(forward: &Graph, id: NodeId, options: DiffOptions) -> bool {
+    let n = forward.node(id);
+    options.recompute_block_activations
+        && matches!(n.op, Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu)
+        && forward.enclosing(n.scope, crate::ModuleKind::Block).is_some()
 }
 
 /// Builds the joint graph of `forward`, whose first output must be a scalar float loss;
@@ -193,6 +207,7 @@ fn differentiate_from(
                     _ => false,
                 }
                 || widening_cast(forward, id, options) && wants(id)
+                || block_activation(forward, id, options) && wants(id) && wants(forward.node(id).inputs[0])
         })
         .collect();
     let mut copies: IdVec<NodeId, Option<NodeId>> = IdVec::from_elem(None, forward_len);

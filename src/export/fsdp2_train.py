@@ -1246,50 +1246,73 @@ def evaluate(model, device, rank, world):
     return total.item() / (ev["batches"] * world)
 
 
+def state_bytes(model, opt):
+    """Bytes of what lives across steps, each storage once: the model's parameters (this
+    rank's shards), buffers and gradients, and the optimizer's state (FSDPMemTracker's count
+    at a step's start)."""
+    storages = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            st = t.untyped_storage()
+            if st.nbytes() > 0:
+                storages[st.data_ptr()] = st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for buf in model.buffers():
+        add(buf)
+    for state in opt.state.values():
+        for v in state.values():
+            add(v)
+    return sum(storages.values())
+
+
 class AllocatorWatch:
-    """The CPU allocator's running count of live bytes, as torch.profiler's memory profiling
-    keeps it, from before the model is materialised: profiling sessions run back to back, so
-    the count follows every tensor of the run, and a step's peak is the most it reached
-    during the step. Used where FSDPMemTracker cannot go: its dispatch mode and
-    torch.compile exclude each other, while compiled kernels allocate through the same CPU
-    allocator the profiler counts."""
+    """A step's peak on the CPU from the CPU allocator's own count, as torch.profiler's
+    memory profiling keeps it: what lives across steps when the step starts (`state_bytes`)
+    plus the most the count rose above its value at the start during the step. Used where
+    FSDPMemTracker cannot go: its dispatch mode and torch.compile exclude each other, while
+    compiled kernels allocate through the same CPU allocator the profiler counts. The count
+    misses frees made on threads the profiler does not watch (gloo's), so it is taken
+    afresh from each step's start."""
 
-    def __init__(self):
-        self.prof = self._start()
-
-    @staticmethod
-    def _start():
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        prof.start()
-        return prof
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
 
     def peak_of(self, fn):
         """`fn()` and the most bytes the CPU allocator held while it ran."""
         from torch._C._profiler import _EventType
 
-        self.prof.stop()
-        self.prof = self._start()
+        base = state_bytes(self.model, self.opt)
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        prof.start()
         out = fn()
-        done = self.prof
-        done.stop()
-        self.prof = self._start()
-        most, stack = 0, list(done.profiler.kineto_results.experimental_event_tree())
+        prof.stop()
+        events = []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
         while stack:
             e = stack.pop()
             stack.extend(e.children)
             if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-                most = max(most, e.extra_fields.total_allocated)
-        return out, most
+                events.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
+        if not events:
+            return out, base
+        events.sort()
+        start = events[0][1] - events[0][2]
+        return out, base + max(total for _, total, _ in events) - start
 
 
-def allocator_watch(a, device):
+def allocator_watch(a, device, model, opt):
     """An AllocatorWatch when this CPU run measures its peak through the profiler
     (`--memory-meter profiler`, or `auto` with anything compiled), else None."""
     compiled = COMPILE["model"] or COMPILE["loss"]
     if device.type != "cpu" or not a.track_memory:
         return None
     if a.memory_meter == "profiler" or (a.memory_meter == "auto" and compiled):
-        return AllocatorWatch()
+        return AllocatorWatch(model, opt)
     return None
 
 
@@ -1374,7 +1397,6 @@ def run(a, device, rank, world):
     meshes = make_mesh(device)
     apply_fully_shard(model, meshes, device)
     set_prefetch(model)
-    watch = allocator_watch(a, device)
     model.to_empty(device="cpu" if OFFLOAD else device)
     init_weights(model, names, a.init_from)
     opt = make_optimizer(model)
@@ -1383,7 +1405,7 @@ def run(a, device, rank, world):
     batches = Batches(DATA, dp_rank, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
     if a.check_context_layout:
         return check_context_layout(model, batches, device, rank, world, meshes[0])
-    meter = MemoryMeter(model, opt, device, a.track_memory, watch)
+    meter = MemoryMeter(model, opt, device, a.track_memory, allocator_watch(a, device, model, opt))
     tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * dp_world * BATCH["grad_accum"]
     log = open(a.log, "a") if a.log and rank == 0 else None
     first = resume_checkpoint(a.resume, model, names, opt, batches, a.names == "torchtitan") if a.resume else 0

@@ -597,13 +597,15 @@ impl ParallelConfig {
 
     /// How the run's backward pass is built: shardplan's executor (`kernels: fused`,
     /// `runtime: shardplan`) recomputes pointwise ops and norms in backward rather than
-    /// keeping their outputs; PyTorch eager (and FSDP2's run) keeps them. A compiled loss
+    /// keeping their outputs; PyTorch eager (and FSDP2's run) keeps them. A compiled block
+    /// (`compile.model`) recomputes its activation function's output, and a compiled loss
     /// (`compile.loss`) keeps the logits and recomputes their f32 copy in its backward.
     pub fn diff_options(&self) -> shardplan_ir::DiffOptions {
         shardplan_ir::DiffOptions {
             recompute_pointwise: self.runtime == Runtime::Shardplan
                 && self.hardware.kernels == crate::hardware::KernelMode::Fused,
             recompute_widening_casts: self.compile.loss,
+            recompute_block_activations: self.compile.model,
         }
     }
 }
