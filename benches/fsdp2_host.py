@@ -12,6 +12,8 @@ already charges (the block's launches). The difference is the constant:
 
   python3 benches/fsdp2_host.py --device cuda --shardplan target/release/shardplan \\
       --hardware h200 --out host.json
+  python3 benches/fsdp2_host.py --device cuda --compile --shardplan target/release/shardplan \\
+      --hardware h200 --out host-compiled.json   # fsdp2_compiled_unit_host_us
   python3 benches/fsdp2_host.py --device cpu --layers 2 4 --steps 2 --shardplan BIN  # smoke test
 
 Output: a JSON report (stdout and --out) with every step time, the measured seconds per

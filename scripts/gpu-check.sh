@@ -712,6 +712,12 @@ if wants host; then
   rc=$?
   if [ $rc = 0 ]; then status host ok "$(grep -o '^hardware: {.*}' "$d/stderr.txt" | tail -1)"
   else status host FAIL "exit $rc: $(tail -n 3 "$d/stderr.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
+  # The same with each block compiled: fsdp2_compiled_unit_host_us.
+  timeout "$PROFILE_TIMEOUT" "$PY" benches/fsdp2_host.py --device cuda --compile --shardplan "$d/shardplan" \
+    --hardware "$hw" --out "$OUTDIR/host-compiled.json" >"$d/stdout-compiled.txt" 2>"$d/stderr-compiled.txt"
+  rc=$?
+  if [ $rc = 0 ]; then status host-compiled ok "$(grep -o '^hardware: {.*}' "$d/stderr-compiled.txt" | tail -1)"
+  else status host-compiled FAIL "exit $rc: $(tail -n 3 "$d/stderr-compiled.txt" | tr '\n' ' ' | cut -c1-400)"; FAILED=1; fi
 else
   status host skipped "--checks"
 fi

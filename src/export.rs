@@ -288,6 +288,7 @@ fn render(
         "activation checkpointing: kind, the blocks it wraps, what a selective block saves",
         checkpointing_literal(g, parallel),
     ));
+    lits.push(allocator_literal(parallel));
     lits.push((
         "COMPILE",
         "torch.compile as torchtitan applies it: each block on its own (`model`, before fully_shard), the loss function (`loss`)",
@@ -404,6 +405,16 @@ fn program(header: &str, lits: &[(&str, &str, Value)]) -> String {
     TEMPLATE
         .replacen("# @@HEADER@@", &format!("# {header}"), 1)
         .replacen("# @@PLAN@@\n", &block, 1)
+}
+
+/// The caching allocator the plan models (`allocator` in the spec), which the program sets
+/// through `PYTORCH_ALLOC_CONF` before torch starts.
+pub(crate) fn allocator_literal(parallel: &ParallelConfig) -> (&'static str, &'static str, Value) {
+    (
+        "ALLOCATOR",
+        "PyTorch's caching allocator as planned: expandable segments (PYTORCH_ALLOC_CONF=expandable_segments:True, torchtitan's launch setting) or one cudaMalloc segment per miss",
+        json!({"expandable_segments": parallel.allocator.expandable_segments}),
+    )
 }
 
 /// What the planner predicts for FSDP2 running this plan: the plan's own figures when it was

@@ -304,6 +304,9 @@ fn the_literals_are_the_plans_decisions() {
         "OFFLOAD = True",
         "\"grad_sync\": \"final_micro_batch\"",
         "[\"model.layers.0.self_attn.k_proj.weight\", [32, 64], [\"normal\", 0.02, 3]]",
+        // The allocator the plan models (expandable segments by default), and nothing compiled.
+        "ALLOCATOR = {\"expandable_segments\": True}",
+        "COMPILE = {\"loss\": False, \"model\": False}",
     ] {
         assert!(text.contains(want), "`{want}` not in the program:\n{text}");
     }

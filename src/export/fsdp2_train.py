@@ -30,6 +30,11 @@ import struct
 import sys
 import time
 
+# The caching allocator the plan was made for, set before torch starts CUDA. A setting
+# already in the environment is kept (the run may then hold memory otherwise than planned).
+if ALLOCATOR["expandable_segments"] and not ({"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ)):
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

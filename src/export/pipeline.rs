@@ -60,6 +60,7 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
             "activation checkpointing: kind, the blocks it wraps, what a selective block saves",
             checkpointing_literal(&forward, &config),
         ),
+        super::allocator_literal(&config),
         (
             "COMPILE",
             "torch.compile as torchtitan applies it: each block on its own (`model`, before fully_shard), the loss function (`loss`)",
