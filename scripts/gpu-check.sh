@@ -32,7 +32,9 @@
 #              gradient norms from the --log files, max relative difference, pass at --tol
 #   export     `shardplan export fsdp2` of the same 1B plan, run under torchrun on this GPU
 #              (PyTorch FSDP2 exactly as planned): tokens/s and torch.cuda peak allocated /
-#              reserved beside the plan's prediction (`plan --compare` of its log: compare.txt)
+#              reserved beside the plan's prediction (`plan --compare` of its log: compare.txt);
+#              then two steps more with --alloc-trace, the CUDA allocator's requests replayed
+#              beside the plan's (`plan --alloc-trace`: alloc-trace.txt and .json)
 #   profile    benches/gpu_profile.py: the cost model's constants measured on this GPU
 #              (bf16 GEMMs at Llama's shapes, sustained GEMM throughput, flash attention
 #              forward and backward, HBM bandwidth, eager per-op cost, RMSNorm / rotary /
@@ -604,6 +606,19 @@ if wants export; then
   fi
   [ -s "$d/fsdp2.jsonl" ] && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" \
     --compare "$d/fsdp2.jsonl" >"$d/compare.txt" 2>&1
+  # The allocator's own history over two more steps, apart from the timed run (recording
+  # slows it), replayed beside the plan's requests: rules against the measured reserved
+  # peak, and the plan's sequence against the run's (docs/src/memory.md).
+  if [ $rc = 0 ]; then
+    timeout "$TIMEOUT" "$PY" -m torch.distributed.run --nproc-per-node 1 "$d/train.py" --device cuda \
+      --steps 2 --alloc-trace "$d/alloc-trace.jsonl" >"$d/alloc-trace.out" 2>&1 \
+      && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" --alloc-trace "$d/alloc-trace.jsonl" \
+        >"$d/alloc-trace.txt" 2>&1 \
+      && sp plan --model "$d/model.yaml" --parallel "$d/parallel.yaml" --alloc-trace "$d/alloc-trace.jsonl" \
+        --format json >"$d/alloc-trace.json" 2>&1
+    [ -s "$d/alloc-trace.txt" ] && cat "$d/alloc-trace.txt"
+    rm -f "$d/alloc-trace.jsonl"
+  fi
   "$PY" - "$d" "$rc" "$WARMUP" <<'EOF'
 import ast, json, os, statistics, sys
 d, rc, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

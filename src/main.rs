@@ -1,5 +1,6 @@
 //! The `shardplan` command.
 
+mod alloc_trace;
 mod auto;
 mod calibrate;
 mod checkpoint;

@@ -50,6 +50,11 @@ pub struct PlanArgs {
     /// peak_reserved) from any framework, with ratios.
     #[arg(long, value_name = "METRICS", conflicts_with = "auto")]
     pub compare: Option<PathBuf>,
+    /// Replay a run's allocator requests (the exported program's `--alloc-trace` file)
+    /// through the plan's model of the caching allocator, beside the plan's own requests,
+    /// under both allocator settings.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["auto", "compare"])]
+    pub alloc_trace: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -245,6 +250,21 @@ pub fn run(args: &PlanArgs) -> Result<(), CliError> {
     if parallel.config.pipeline.is_some() {
         return run_pipeline(args, &model, &parallel);
     }
+    if let Some(file) = &args.alloc_trace {
+        let trace = crate::alloc_trace::read(file)?;
+        let (p, joint) = make_plan_and_graph(&model, &parallel, &parallel.config)?;
+        let c = crate::alloc_trace::compare(&p, &joint, &parallel.config, &trace);
+        let out = match args.format {
+            Format::Json => serde_json::to_string(&c).context("serialising the comparison")? + "\n",
+            Format::Text => crate::alloc_trace::text(&c, file),
+            Format::Trace | Format::PpCsv => {
+                return Err(CliError::Usage(
+                    "--alloc-trace prints a comparison of allocator replays, as text or JSON\n  help: use --format text or --format json with --alloc-trace".into(),
+                ))
+            }
+        };
+        return write_out(args, &out);
+    }
     let p = make_plan(&model, &parallel, &parallel.config)?;
     if let Some(budget) = args.memory_budget {
         if verify(&p, Some(budget)).is_err() {
@@ -285,8 +305,8 @@ fn run_pipeline(args: &PlanArgs, model: &LoadedModel, parallel: &LoadedParallel)
             "leave it out: plan with --format text, json, trace or pp-csv",
         ))
     };
-    if args.compare.is_some() || args.memory_budget.is_some() {
-        return Err(refused("--compare or --memory-budget"));
+    if args.compare.is_some() || args.memory_budget.is_some() || args.alloc_trace.is_some() {
+        return Err(refused("--compare, --memory-budget or --alloc-trace"));
     }
     let custom = custom_schedule(parallel)?;
     let forward =

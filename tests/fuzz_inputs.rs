@@ -982,6 +982,95 @@ fn fuzz_profiles() {
     eprintln!("profiles: {n} cases, {accepted} accepted, {spawned} through the binary");
 }
 
+// ---- allocation traces (an exported program's `--alloc-trace`, read by `plan --alloc-trace`) ----
+
+/// A trace as the exported program writes one: the header, then allocations on three
+/// streams and frees, some of addresses reused.
+fn sample_alloc_trace(rng: &mut Rng) -> String {
+    let mut out = String::from(
+        "{\"shardplan_alloc_trace\": 1, \"device\": \"cuda\", \"max_allocated\": 4096, \"max_reserved\": 20971520, \"expandable_segments\": true}\n",
+    );
+    let mut live: Vec<u64> = Vec::new();
+    for _ in 0..200 {
+        if !live.is_empty() && rng.below(3) == 0 {
+            let a = live.swap_remove(rng.below(live.len()));
+            out.push_str(&format!("{{\"free\": {a}}}\n"));
+        } else {
+            let a = 4096 * (1 + rng.below(64) as u64);
+            let bytes = 1u64 << rng.below(26);
+            out.push_str(&format!(
+                "{{\"alloc\": {a}, \"bytes\": {bytes}, \"stream\": {}}}\n",
+                [7u64, 94_000_000_000, 3][rng.below(3)]
+            ));
+            live.push(a);
+        }
+    }
+    out
+}
+
+#[test]
+fn fuzz_alloc_traces() {
+    use shardplan_frontends::AllocatorConfig;
+    use shardplan_planner::allocator::{read_alloc_trace, replay_requests};
+    let dir = scratch();
+    let spec = dir.path().join("p.yaml");
+    std::fs::write(&spec, format!("{MESH_1X2}runtime: fsdp2\n")).unwrap();
+    let file = dir.path().join("fuzzed-trace.jsonl");
+    let mut rng = Rng(seed() ^ 0xa11c);
+    let n = cases(1000);
+    let (mut accepted, mut spawned) = (0, 0);
+    for k in 0..n {
+        let text = sample_alloc_trace(&mut rng);
+        let (mutated, what) = if rng.below(3) == 0 {
+            mutate_text(&text, &mut rng)
+        } else {
+            // One line's JSON mutated, the rest as written.
+            let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+            let i = rng.below(lines.len());
+            let mut v: Value = serde_json::from_str(&lines[i]).unwrap();
+            let what = mutate_json(&mut v, &mut rng, &[]);
+            lines[i] = serde_json::to_string(&v).unwrap();
+            (lines.join("\n"), format!("line {}: {what}", i + 1))
+        };
+        let case = format!("alloc trace case {k}: {what}");
+        let (f, t) = (file.clone(), mutated.clone());
+        let r = guarded(&case, Duration::from_secs(60), move || {
+            read_alloc_trace(&f, &t).map_err(|e| e.to_string()).map(|trace| {
+                for expandable_segments in [false, true] {
+                    replay_requests(&trace.requests, AllocatorConfig { expandable_segments });
+                }
+            })
+        });
+        match r {
+            Err(msg) => assert_located(&case, &msg, "fuzzed-trace.jsonl"),
+            Ok(()) => accepted += 1,
+        }
+        if k % 50 == 0 {
+            spawned += 1;
+            std::fs::write(&file, &mutated).unwrap();
+            let o = common::shardplan(&[
+                "plan",
+                "--model",
+                "tiny-llama",
+                "--parallel",
+                spec.to_str().unwrap(),
+                "--alloc-trace",
+                file.to_str().unwrap(),
+            ]);
+            let err = common::stderr(&o);
+            assert!(
+                matches!(o.status.code(), Some(0) | Some(2)),
+                "{case}: exit {:?}: {err}",
+                o.status.code()
+            );
+            if o.status.code() == Some(2) {
+                assert_located(&case, &err, "fuzzed-trace.jsonl");
+            }
+        }
+    }
+    eprintln!("alloc traces: {n} cases, {accepted} accepted, {spawned} through the binary");
+}
+
 // ---- DCP checkpoints ----
 
 /// Every tensor and value of a DCP checkpoint, read through `shardplan_dcp`.

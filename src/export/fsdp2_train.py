@@ -63,6 +63,9 @@ def parse_args(argv=None):
                     help="CPU, with --track-memory: FSDPMemTracker, or the CPU allocator under torch.profiler "
                          "(auto: the profiler when compiled, which FSDPMemTracker cannot measure)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per process (default: torch's)")
+    ap.add_argument("--alloc-trace", default=None,
+                    help="write rank 0's allocator requests, from the parameters' materialisation to the last "
+                         "step, to this file (JSON lines) for `shardplan plan --alloc-trace`")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="save torch.distributed.checkpoint (DCP) checkpoints here (step-N/), at the end and every --checkpoint-every steps")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
@@ -1310,6 +1313,149 @@ class AllocatorWatch:
         return out, base + max(total for _, total, _ in events) - start
 
 
+class AllocTrace:
+    """`--alloc-trace`: every request rank 0 makes of its allocator while it runs, written as
+    JSON lines that `shardplan plan --alloc-trace` replays through the planner's model of
+    PyTorch's caching allocator. A header line, then `{"alloc": ID, "bytes": N, "stream": S}`
+    and `{"free": ID}` in order (ID: the address, reused after a free; S: a small number per
+    stream). On a GPU, the CUDA allocator's own history (`_record_memory_history`: each
+    request, the stream it was made on, and the free as the allocator completes it) and its
+    measured peaks; on the CPU, which has no streams, the CPU allocator under torch.profiler,
+    each request put on the stream FSDP2 makes it on on a GPU, from the profiler's scopes
+    (`FSDP2_STREAM_OF`)."""
+
+    def __init__(self, path, device):
+        self.path, self.device = path, device
+        if device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=50_000_000, stacks="python")
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            self.prof.start()
+
+    def finish(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            events = cuda_requests(snap["device_traces"][self.device.index or 0])
+            header = {"max_allocated": torch.cuda.max_memory_allocated(self.device),
+                      "max_reserved": torch.cuda.max_memory_reserved(self.device),
+                      "expandable_segments": "expandable_segments:True" in os.environ.get("PYTORCH_ALLOC_CONF", "")}
+        else:
+            self.prof.stop()
+            events = cpu_requests(self.prof)
+            header = {"max_allocated": None, "max_reserved": None, "expandable_segments": None}
+        header = {"shardplan_alloc_trace": 1, "device": self.device.type, **header}
+        with open(self.path, "w") as f:
+            f.write(json.dumps(header) + "\n")
+            for e in events:
+                f.write(json.dumps(e) + "\n")
+
+
+def cuda_requests(trace):
+    """The CUDA allocator's history as requests: `alloc`, and `free_completed` (when the
+    block is back in its pool), streams numbered in the order they first appear."""
+    streams = {}
+    out = []
+    for e in trace:
+        if e["action"] == "alloc":
+            s = streams.setdefault(e["stream"], len(streams))
+            out.append({"alloc": e["addr"], "bytes": e["size"], "stream": s})
+        elif e["action"] == "free_completed":
+            out.append({"free": e["addr"]})
+    return out
+
+
+# The streams FSDP2 makes its requests on, as this program's CPU trace names them (the
+# planner's stream numbers: 0 the default stream, 1 all-gather, 2 reduce-scatter). Under
+# `FSDP::all_gather` FSDP2 casts and copies in on its all-gather copy-in stream. Under
+# `FSDP::post_backward_reduce` the reduce-scatter input is made on the default stream (the
+# first request made directly in that scope), and everything after it on the reduce-scatter
+# stream (`foreach_reduce`'s `with device_handle.stream(reduce_scatter_stream)`). At world
+# size 1 FSDP2 skips the all-gather and its streams.
+DEFAULT_STREAM, ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 0, 1, 2
+
+# Requests a CPU run makes that a GPU run does not, left out of its trace: what gloo
+# allocates inside a collective (`c10d::*`; NCCL keeps its buffers outside the caching
+# allocator), and the workspaces of the CPU kernels that have GPU twins allocating none per
+# call, made and freed inside one call (the bf16 matmul's packed operands, CPU flash
+# attention's per-thread buffers, the CPU path of FSDP2's mixed-dtype chunk-cat, which on a
+# GPU is one kernel writing into the reduce-scatter input).
+CPU_ONLY_OPS = ("c10d::",)
+CPU_KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "fsdp::chunk_cat")
+
+
+def cpu_memory_events(prof):
+    """Every allocation and free of the CPU allocator under `prof`, in time order:
+    (address, signed bytes, the names of its enclosing scopes innermost first, the
+    innermost CPU kernel call it was made in or None)."""
+    from torch._C._profiler import _EventType
+
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag != _EventType.Allocation or e.extra_fields.device.type != "cpu":
+            continue
+        scopes, kernel, p = [], None, e.parent
+        while p is not None:
+            scopes.append(p.name)
+            if kernel is None and p.name.startswith(CPU_KERNELS):
+                kernel = (p.name, p.start_time_ns)
+            p = p.parent
+        found.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, scopes, kernel))
+    found.sort(key=lambda t: t[0])
+    return [f[1:] for f in found]
+
+
+def gpu_twin(events):
+    """The indices of `events` a GPU run makes too: without the CPU-only ops' requests and
+    the CPU kernels' workspaces (a block made and freed inside one kernel call)."""
+    keep = [True] * len(events)
+    made = {}
+    for i, (ptr, size, scopes, kernel) in enumerate(events):
+        if size > 0:
+            made[ptr] = (i, kernel)
+            if any(n.startswith(CPU_ONLY_OPS) for n in scopes):
+                keep[i] = False
+            continue
+        j, k = made.pop(ptr, (None, None))
+        if j is None or not keep[j]:
+            keep[i] = False
+        elif kernel is not None and kernel == k:
+            keep[i] = keep[j] = False
+    return keep
+
+
+def cpu_requests(prof):
+    events = cpu_memory_events(prof)
+    keep = gpu_twin(events)
+    out = []
+    reduce_scope, input_made = None, False
+    for (ptr, size, scopes, _), kept in zip(events, keep):
+        if not kept:
+            continue
+        if size < 0:
+            out.append({"free": ptr})
+            continue
+        scope = next((n for n in scopes if n.startswith("FSDP::post_backward_reduce")), None)
+        if scope != reduce_scope:
+            reduce_scope, input_made = scope, False
+        stream = DEFAULT_STREAM
+        if any(n.startswith("FSDP::all_gather") and not n.startswith("FSDP::all_gather_copy_out") for n in scopes):
+            stream = ALL_GATHER_STREAM
+        elif scope is not None:
+            if input_made:
+                stream = REDUCE_SCATTER_STREAM
+            elif len(scopes) >= 2 and scopes[1] == scope:
+                input_made = True
+        out.append({"alloc": ptr, "bytes": size, "stream": stream})
+    return out
+
+
 def allocator_watch(a, device, model, opt):
     """An AllocatorWatch when this CPU run measures its peak through the profiler
     (`--memory-meter profiler`, or `auto` with anything compiled), else None."""
@@ -1402,6 +1548,7 @@ def run(a, device, rank, world):
     meshes = make_mesh(device)
     apply_fully_shard(model, meshes, device)
     set_prefetch(model)
+    trace = AllocTrace(a.alloc_trace, device) if a.alloc_trace and rank == 0 else None
     model.to_empty(device="cpu" if OFFLOAD else device)
     init_weights(model, names, a.init_from)
     opt = make_optimizer(model)
@@ -1410,7 +1557,11 @@ def run(a, device, rank, world):
     batches = Batches(DATA, dp_rank, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
     if a.check_context_layout:
         return check_context_layout(model, batches, device, rank, world, meshes[0])
-    meter = MemoryMeter(model, opt, device, a.track_memory, allocator_watch(a, device, model, opt))
+    watch = allocator_watch(a, device, model, opt)
+    if trace is not None and watch is not None:
+        raise SystemExit("error: --alloc-trace and the profiler's memory meter both run torch.profiler; "
+                         "pass one of them (or --memory-meter tracker)")
+    meter = MemoryMeter(model, opt, device, a.track_memory, watch)
     tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * dp_world * BATCH["grad_accum"]
     log = open(a.log, "a") if a.log and rank == 0 else None
     first = resume_checkpoint(a.resume, model, names, opt, batches, a.names == "torchtitan") if a.resume else 0
@@ -1454,6 +1605,8 @@ def run(a, device, rank, world):
         every = a.checkpoint_every
         if a.checkpoint_dir and (step + 1 == a.steps or (every and (step + 1) % every == 0)):
             save_checkpoint(a, model, names, opt, batches, step + 1, rank)
+    if trace is not None:
+        trace.finish()
 
 
 # ---------------------------------------------------------------- pipeline parallelism

@@ -383,7 +383,7 @@ fn check_fsdp2_checkpointing(
     Ok(())
 }
 
-/// The caching allocator's options (expandable segments off unless written).
+/// The caching allocator's options (expandable segments on unless written otherwise).
 fn allocator(o: &mut Origin, spec: Option<Spanned<AllocatorFile>>) -> AllocatorConfig {
     let mut allocator = AllocatorConfig::default();
     if let Some(a) = spec {

@@ -44,6 +44,9 @@
 //! stream, where a vector beats a search tree several times over). Blocks live in an arena
 //! whose slots are reused, so a long replay allocates only while the free lists grow.
 
+mod trace;
+pub use trace::{read_alloc_trace, RecordedTrace, MAX_REQUEST_BYTES, MAX_STREAMS, MAX_TRACE_REQUESTED, TRACE_VERSION};
+
 /// Every request is rounded up to a multiple of this many bytes.
 pub(crate) const MIN_BLOCK: u64 = 512;
 /// The largest request the small pool serves (1 MiB).
@@ -61,8 +64,10 @@ pub(crate) const SMALL_PAGE: u64 = 2 << 20;
 /// Mapping granularity of an expandable segment of the large pool (20 MiB).
 pub(crate) const LARGE_PAGE: u64 = 20 << 20;
 
+/// Streams whose pools are kept apart (3 bits of stream).
+pub(crate) const STREAMS: usize = 8;
 /// Pool-and-stream classes: the small flag and 3 bits of stream.
-const CLASSES: usize = 16;
+const CLASSES: usize = 2 * STREAMS;
 
 const NONE: u32 = u32::MAX;
 
@@ -158,6 +163,10 @@ pub(crate) struct CachingAllocator {
     pub requested: u64,
     pub allocated_peak: u64,
     pub requested_peak: u64,
+    /// Each stream's own requested bytes, and their peaks (by the stream's low 3 bits, as
+    /// its pools are kept).
+    stream_requested: [u64; STREAMS],
+    pub stream_requested_peaks: [u64; STREAMS],
     /// Segments reserved so far (with expandable segments: mappings grown).
     pub segments: u64,
 }
@@ -192,6 +201,8 @@ impl CachingAllocator {
             requested: 0,
             allocated_peak: 0,
             requested_peak: 0,
+            stream_requested: [0; STREAMS],
+            stream_requested_peaks: [0; STREAMS],
             segments: 0,
         }
     }
@@ -265,6 +276,9 @@ impl CachingAllocator {
         self.requested = self.requested.saturating_add(bytes);
         self.allocated_peak = self.allocated_peak.max(self.allocated);
         self.requested_peak = self.requested_peak.max(self.requested);
+        let st = usize::from(stream) % STREAMS;
+        self.stream_requested[st] = self.stream_requested[st].saturating_add(bytes);
+        self.stream_requested_peaks[st] = self.stream_requested_peaks[st].max(self.stream_requested[st]);
         Some(Allocation {
             block: b,
             requested: bytes,
@@ -282,6 +296,8 @@ impl CachingAllocator {
         }
         self.allocated = self.allocated.saturating_sub(block.size);
         self.requested = self.requested.saturating_sub(a.requested);
+        let st = usize::from(block.stream) % STREAMS;
+        self.stream_requested[st] = self.stream_requested[st].saturating_sub(a.requested);
         let mut merged = Block { live: false, ..block };
         if block.prev != NONE && !self.blocks[block.prev as usize].live {
             let p = self.blocks[block.prev as usize];
@@ -399,6 +415,8 @@ pub struct Replay {
     pub allocated_peak: u64,
     /// Peak of the requested bytes themselves (the plan's own accounting).
     pub requested_peak: u64,
+    /// Each stream's own peak of requested bytes (by stream number, 8 of them).
+    pub stream_requested_peaks: [u64; STREAMS],
     pub segments: u64,
     /// Steps replayed: until one reserves nothing more, at most [`MAX_REPLAYS`].
     pub steps: u32,
@@ -415,63 +433,131 @@ pub fn replay(
     acts: &crate::steps::ActEvents,
     settings: shardplan_frontends::AllocatorConfig,
 ) -> Replay {
-    use crate::plan::{Instr, Pool, Stream};
-    let mut a = CachingAllocator::new(settings.expandable_segments);
-    let mut bufs: Vec<Option<Allocation>> = vec![None; buffers.len()];
-    let mut values: Vec<Option<Allocation>> = vec![None; acts.values as usize];
+    use crate::plan::{Pool, Stream};
+    let mut r = Replayer::new(settings);
     let compute = Stream::Compute.index() as u8;
     for b in buffers.iter().filter(|b| b.persistent && b.pool == Pool::Device) {
-        if let Some(slot) = bufs.get_mut(b.id.index()) {
-            *slot = a.alloc(compute, b.bytes());
-        }
+        r.apply(Request::Alloc {
+            id: b.id.index() as u32,
+            stream: compute,
+            bytes: b.bytes(),
+        });
     }
+    let step = step_requests(program, buffers, acts);
     let mut steps = 0;
     while steps < MAX_REPLAYS {
-        let before = a.reserved;
-        for issued in &program.instrs {
-            match &issued.instr {
-                Instr::Alloc { buf } => {
-                    let Some(b) = buffers.get(buf.index()) else { continue };
-                    if b.pool == Pool::Device {
-                        if let Some(old) = bufs[buf.index()].take() {
-                            a.free(old);
-                        }
-                        bufs[buf.index()] = a.alloc(issued.stream.index() as u8, b.bytes());
-                    }
-                }
-                Instr::Free { buf } => {
-                    if let Some(old) = bufs.get_mut(buf.index()).and_then(Option::take) {
-                        a.free(old);
-                    }
-                }
-                Instr::Compute { step, .. } => {
-                    for e in acts.of(*step) {
-                        let Some(slot) = values.get_mut(e.value as usize) else {
-                            continue;
-                        };
-                        if let Some(old) = slot.take() {
-                            a.free(old);
-                        }
-                        if e.bytes > 0 {
-                            *slot = a.alloc(compute, e.bytes);
-                        }
-                    }
-                }
-                _ => {}
-            }
+        let before = r.a.reserved;
+        for &q in &step {
+            r.apply(q);
         }
         steps += 1;
-        if steps > 1 && a.reserved == before {
+        if steps > 1 && r.a.reserved == before {
             break;
         }
     }
-    Replay {
-        reserved: a.reserved,
-        allocated_peak: a.allocated_peak,
-        requested_peak: a.requested_peak,
-        segments: a.segments,
-        steps,
+    r.done(steps)
+}
+
+/// One request a program makes of the allocator: `bytes` for `stream` under the id
+/// `id`, or the free of the live allocation `id`. Ids are dense (small integers: the
+/// replay keeps a slot per id).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Request {
+    Alloc { id: u32, stream: u8, bytes: u64 },
+    Free { id: u32 },
+}
+
+/// An allocator and the live allocation of each request id.
+struct Replayer {
+    a: CachingAllocator,
+    live: Vec<Option<Allocation>>,
+}
+
+impl Replayer {
+    fn new(settings: shardplan_frontends::AllocatorConfig) -> Self {
+        Replayer {
+            a: CachingAllocator::new(settings.expandable_segments),
+            live: Vec::new(),
+        }
     }
+
+    /// An alloc of a live id frees it first; a free of an id not live is nothing.
+    fn apply(&mut self, r: Request) {
+        let id = match r {
+            Request::Alloc { id, .. } | Request::Free { id } => id as usize,
+        };
+        if self.live.len() <= id {
+            self.live.resize(id + 1, None);
+        }
+        if let Some(old) = self.live[id].take() {
+            self.a.free(old);
+        }
+        if let Request::Alloc { stream, bytes, .. } = r {
+            self.live[id] = self.a.alloc(stream, bytes);
+        }
+    }
+
+    fn done(self, steps: u32) -> Replay {
+        Replay {
+            reserved: self.a.reserved,
+            allocated_peak: self.a.allocated_peak,
+            requested_peak: self.a.requested_peak,
+            stream_requested_peaks: self.a.stream_requested_peaks,
+            segments: self.a.segments,
+            steps,
+        }
+    }
+}
+
+/// Replays a recorded trace of requests once, in order, from an empty allocator: what the
+/// program that made them reserves under `settings`.
+pub fn replay_requests(requests: &[Request], settings: shardplan_frontends::AllocatorConfig) -> Replay {
+    let mut r = Replayer::new(settings);
+    for &q in requests {
+        r.apply(q);
+    }
+    r.done(1)
+}
+
+/// The requests of one step of `program`, as [`replay`] makes them: the program's allocs
+/// and frees of device buffers on their streams (id: the buffer's index), and each compute
+/// step's activations on the compute stream (id: the buffer count plus the value).
+pub fn step_requests(
+    program: &crate::plan::Program,
+    buffers: &[crate::plan::Buffer],
+    acts: &crate::steps::ActEvents,
+) -> Vec<Request> {
+    use crate::plan::{Instr, Pool, Stream};
+    let compute = Stream::Compute.index() as u8;
+    let on_device = |buf: usize| buffers.get(buf).is_some_and(|b| b.pool == Pool::Device);
+    let value_id = |v: u32| (buffers.len() as u32).saturating_add(v);
+    let mut out = Vec::new();
+    for issued in &program.instrs {
+        match &issued.instr {
+            Instr::Alloc { buf } if on_device(buf.index()) => out.push(Request::Alloc {
+                id: buf.index() as u32,
+                stream: issued.stream.index() as u8,
+                bytes: buffers[buf.index()].bytes(),
+            }),
+            Instr::Free { buf } if on_device(buf.index()) => out.push(Request::Free { id: buf.index() as u32 }),
+            Instr::Compute { step, .. } => {
+                for e in acts.of(*step) {
+                    let id = value_id(e.value);
+                    out.push(if e.bytes > 0 {
+                        Request::Alloc {
+                            id,
+                            stream: compute,
+                            bytes: e.bytes,
+                        }
+                    } else {
+                        Request::Free { id }
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// A lower bound on what [`replay`] reserves, without replaying: the sum over streams of

@@ -350,3 +350,43 @@ proptest! {
 
 /// The smallest request of the large pool.
 const SMALL_SIZE_PLUS: u64 = MIB + 1;
+
+// ---- recorded requests ----
+
+#[test]
+fn a_replayed_trace_keeps_each_streams_own_peak() {
+    use super::{replay_requests, Request};
+    use shardplan_frontends::AllocatorConfig;
+    let trace = [
+        Request::Alloc {
+            id: 0,
+            stream: 0,
+            bytes: 3 * MIB,
+        },
+        Request::Alloc {
+            id: 1,
+            stream: 2,
+            bytes: 5 * MIB,
+        },
+        Request::Free { id: 0 },
+        Request::Alloc {
+            id: 2,
+            stream: 0,
+            bytes: 2 * MIB,
+        },
+        // An alloc of a live id frees it first.
+        Request::Alloc {
+            id: 1,
+            stream: 2,
+            bytes: MIB,
+        },
+        Request::Free { id: 9 },
+    ];
+    for expandable_segments in [false, true] {
+        let r = replay_requests(&trace, AllocatorConfig { expandable_segments });
+        assert_eq!(r.stream_requested_peaks[0], 3 * MIB);
+        assert_eq!(r.stream_requested_peaks[2], 5 * MIB);
+        assert_eq!(r.requested_peak, 8 * MIB);
+        assert_eq!(r.steps, 1);
+    }
+}
