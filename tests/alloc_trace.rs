@@ -1,10 +1,11 @@
 //! The plan's requests of the caching allocator against PyTorch's own: where torch is
 //! installed, the exported FSDP2 program runs on the CPU with `--alloc-trace`, and its
-//! requests (the CPU allocator's, each put on the stream FSDP2 makes it on on a GPU)
-//! replayed through the planner's allocator model reserve what the plan's own requests
-//! reserve, and allocate the same peak. This holds the plan's sequence of requests (what
-//! is allocated when, how large, on which stream) to torch's, apart from the model's rules,
-//! which a GPU run's trace holds against what the device reserved.
+//! requests (the CPU allocator's, each put on the stream FSDP2 makes it on on a GPU),
+//! replayed through the planner's allocator model, reach on every stream the peak the
+//! plan's own requests reach, and allocate the same peak. This holds the plan's sequence
+//! of requests (what is allocated when, how large, on which stream) to torch's, apart from
+//! the model's rules, which a GPU run's trace holds against what the device reserved. The
+//! reserved peaks of both replays are printed beside.
 
 mod common;
 
@@ -17,12 +18,11 @@ use std::process::Command;
 const MODEL: &str = "family: llama\nname: trace-check\nvocab_size: 8192\ndim: 512\nn_layers: 4\nn_heads: 8\n\
 n_kv_heads: 4\nffn_dim: 1408\nnorm_eps: 1.0e-5\nrope_theta: 10000\nmax_seq_len: 1024\n";
 
-/// The run's allocated and (expandable segments) reserved peaks may differ from the plan's
-/// by this much: the 5% the planner's reserved predictions are held to (one 20 MiB page of
-/// an expandable segment is 3% here).
-const TOLERANCE: f64 = 0.05;
+/// The run's allocated peak may differ from the plan's by this much (within 0.6% on
+/// every row: the blocks a CPU run makes beside the plan's, its batch and RNG state).
+const TOLERANCE: f64 = 0.01;
 /// Each stream's own peak of requested bytes: the same requests, allocated in the same
-/// order, within the bytes a CPU run makes that the plan does not count (under 1%).
+/// order, within the bytes a CPU run makes that the plan does not count (0.1% here).
 const STREAM_TOLERANCE: f64 = 0.01;
 
 fn spec(shard: u64, checkpointing: &str, expandable: bool) -> String {
@@ -124,28 +124,25 @@ fn the_plans_allocator_requests_are_torchs() {
                 ratio("allocated_peak"),
                 ratio("reserved")
             );
-            if !expandable {
-                // Without expandable segments the reserved peak turns on where each block
-                // lands in its segment: printed, held by the streams' peaks alone.
-                continue;
-            }
-            // Each stream torch uses holds at its peak what the plan's holds. At world
-            // size 1 FSDP2 skips the all-gather (no all-gather stream), where the plan
-            // still gathers through a one-rank group (stream 1).
+            // The same requests on the same streams at the same moments: each stream's own
+            // peak, and the allocated peak (blocks as the allocator rounds and splits them).
             for st in 0..rp.len().max(pp.len()) {
                 let (r, p) = (rp.get(st).copied().unwrap_or(0), pp.get(st).copied().unwrap_or(0));
-                let skipped = shard == 1 && st == 1 && r == 0;
-                if !skipped && (r as f64 - p as f64).abs() > STREAM_TOLERANCE * p.max(1) as f64 {
+                if (r as f64 - p as f64).abs() > STREAM_TOLERANCE * p.max(1) as f64 {
                     failures.push(format!(
                         "{name}: stream {st} peaks at {r} bytes in the run, {p} in the plan"
                     ));
                 }
             }
-            for k in ["allocated_peak", "reserved"] {
-                if (ratio(k) - 1.0).abs() > TOLERANCE {
-                    failures.push(format!("{name}: {k} {:.3} of the plan's", ratio(k)));
-                }
+            if (ratio("allocated_peak") - 1.0).abs() > TOLERANCE {
+                failures.push(format!(
+                    "{name}: allocated {:.3} of the plan's",
+                    ratio("allocated_peak")
+                ));
             }
+            // The reserved peaks are printed: how the same requests lie in the segments is
+            // the open question (docs/src/memory.md), not held here.
+            let _ = expandable;
         }
     }
     // The text a user reads says the same.

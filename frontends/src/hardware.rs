@@ -244,11 +244,14 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.80;
 /// at 4 x 2048 under full and selective checkpointing, and a 3.2B at 1 x 4096; foreach AdamW;
 /// docs/src/measured.md, "Held against an H200"; `planner/tests/h200_runs.rs`): with the
 /// H200's measured constants the kernels account for 96-272 ms of steps measured at
-/// 133-325 ms, and what each row leaves is 1.4-3.3 ms per unit (2,756, 1,396, 3,306 and 1,557
-/// us, once the clip's second pass and FSDP2's casting copy-in are costed); this is their
-/// mean, and the mean of any three predicts the fourth's speed within 11%. torch.profiler of the same
-/// step agrees that the host sets the pace at this batch: its kernels sum to 78 ms of a 131 ms
-/// step. FSDP2's four hooks per unit in Python, its copy-in and copy-out bookkeeping and the
+/// 133-325 ms, and what each row left was 1.4-3.3 ms per unit (2,756, 1,396, 3,306 and 1,557
+/// us, once the clip's second pass and FSDP2's casting copy-in were costed); this is their
+/// mean. Since one-rank groups skip the all-gather (as FSDP2 does) the rows leave 2,676,
+/// 1,242, 3,152 and 1,422 us (mean 2,123); the value is kept, inside that spread, as
+/// refitting it to 2,120 moves the anchors and the fused-AdamW row 0.1-1.9% further from
+/// their measured speed. The mean of any three fits predicts the fourth's speed within 11%.
+/// torch.profiler of the same step agrees that the host sets the pace at this batch: its
+/// kernels sum to 78 ms of a 131 ms step. FSDP2's four hooks per unit in Python, its copy-in and copy-out bookkeeping and the
 /// autograd recording of the unit's ops are what it stands for. `benches/fsdp2_host.py`
 /// (`gpu-check --checks host`) measures it on its own; not yet run on a GPU.
 pub const FSDP2_UNIT_HOST_US: f64 = 2250.0;

@@ -39,7 +39,11 @@ struct Row {
     allocated_gib: f64,
     reserved_gib: f64,
     /// The most the reserved prediction may be below the measured peak, where the model
-    /// does not yet hold it within 5% (the allocator's segments under checkpointing).
+    /// does not yet hold it within 5%. The plan's requests are torch's own on the CPU
+    /// (tests/alloc_trace.rs: each stream's peak within 0.1%, FSDP2's world-size-1 path
+    /// included), and torch's own requests replayed reserve more than the plan's (1.08 at
+    /// these shapes with full checkpointing): how they lie in the segments, which a GPU
+    /// trace of these runs (gpu-check's export check) shows.
     reserved_floor: f64,
 }
 
@@ -64,7 +68,7 @@ const ROWS: &[Row] = &[
         tokens_per_s: (35_900.0, 35_900.0),
         allocated_gib: 20.63,
         reserved_gib: 24.47,
-        reserved_floor: 0.85,
+        reserved_floor: 0.83,
     },
     Row {
         name: "1.1B, 4 x 2048, selective AC",
@@ -86,7 +90,7 @@ const ROWS: &[Row] = &[
         tokens_per_s: (12_590.0, 12_590.0),
         allocated_gib: 56.24,
         reserved_gib: 65.47,
-        reserved_floor: 0.94,
+        reserved_floor: 0.93,
     },
 ];
 

@@ -281,8 +281,15 @@ impl<'a> Builder<'a> {
     }
 
     /// All-gathers group `g` on the all-gather stream once `gate` (a compute event)
-    /// passes, into the buffer `lowering` gathers into.
+    /// passes, into the buffer `lowering` gathers into; or, where the lowering skips a
+    /// one-rank gather, marks the sharded parameters gathered once `gate` passes.
     pub(crate) fn gather(&mut self, lowering: &mut impl Lowering, g: GroupId, gate: EventId, micro: u32, phase: Phase) {
+        if self.post_forward[g].is_none() && !self.offload() && lowering.skips_gather(self, g) {
+            self.emit(Stream::AllGather, Instr::Wait { event: gate });
+            let done = self.record(Stream::AllGather);
+            self.gathered[g] = Some((self.sharded[g], done, false));
+            return;
+        }
         let tag = self.suffix(micro, if phase == Phase::Forward { "fwd" } else { "bwd" });
         let dst = lowering.gather_output(self, g, &tag);
         let (src, comm, drop_src) = match self.post_forward[g].take() {

@@ -1,5 +1,7 @@
 //! PyTorch FSDP2's lowering (`runtime: fsdp2`): the schedule's decisions laid out as
 //! FSDP2's hooks hold memory (torch 2.15's `_fully_shard`):
+//! - at world size 1 there is no all-gather: where the group is first read, each shard is
+//!   cast (`gN.cast`) and copied into the unsharded parameters on the compute stream;
 //! - an all-gather writes a flat output (`gN.ag`, all-gather/reduce-scatter buffers); with
 //!   a parameter dtype other than the master's, the cast shard is first copied into a flat
 //!   input of its own (`gN.ag_in`), freed once the collective has its input;
@@ -57,6 +59,46 @@ impl Fsdp2 {
     }
 }
 
+/// FSDP2's `wait_for_unshard` at world size 1: each parameter's shard cast to the
+/// parameter dtype (`all_gather_inputs`) and copied into its unsharded storage, on the
+/// compute stream. The casts are one buffer of the group here, freed after the copy; torch
+/// holds two parameters' casts at a time, so the plan holds more for the copy's length.
+fn unshard_in_place(b: &mut Builder, g: GroupId, micro: u32, forward: bool) -> BufId {
+    let tag = b.suffix(micro, if forward { "fwd" } else { "bwd" });
+    let sharded = b.sharded[g];
+    let dst = b.gathered_buf(g, Category::UnshardedParams, || format!("{g}.unsharded.{tag}"));
+    let cast = (b.policy.mixed_precision.param != b.policy.mixed_precision.master())
+        .then(|| b.gathered_buf(g, Category::CommBuffers, || format!("{g}.cast.{tag}")));
+    let src = match cast {
+        Some(cast) => {
+            b.emit(Stream::Compute, Instr::Alloc { buf: cast });
+            b.emit(
+                Stream::Compute,
+                Instr::Copy {
+                    src: sharded,
+                    dst: cast,
+                    accumulate: false,
+                },
+            );
+            cast
+        }
+        None => sharded,
+    };
+    b.emit(Stream::Compute, Instr::Alloc { buf: dst });
+    b.emit(
+        Stream::Compute,
+        Instr::Copy {
+            src,
+            dst,
+            accumulate: false,
+        },
+    );
+    if let Some(cast) = cast {
+        b.emit(Stream::Compute, Instr::Free { buf: cast });
+    }
+    dst
+}
+
 /// Whether `b`'s optimizer is torch's AdamW.
 fn adamw(b: &Builder) -> bool {
     b.policy.optimizer == crate::OptimizerKind::Adamw
@@ -79,6 +121,12 @@ impl Lowering for Fsdp2 {
             );
             b.buffer_mut(steps).persistent = true;
         }
+    }
+
+    /// At world size 1 FSDP2 makes no all-gather (`FSDPParamGroup.unshard` returns at
+    /// once, and `wait_for_unshard` fills each parameter from its shard).
+    fn skips_gather(&self, b: &Builder, g: GroupId) -> bool {
+        b.shard_comm(g).size(b.mesh) == 1
     }
 
     fn gather_output(&mut self, b: &mut Builder, g: GroupId, tag: &str) -> BufId {
@@ -118,6 +166,9 @@ impl Lowering for Fsdp2 {
     /// it.
     fn first_read(&mut self, b: &mut Builder, g: GroupId, flat: BufId, micro: u32, phase: Phase) -> BufId {
         let forward = phase == Phase::Forward;
+        if flat == b.sharded[g] {
+            return unshard_in_place(b, g, micro, forward);
+        }
         if forward {
             self.release_ag_state(b);
         }

@@ -55,6 +55,12 @@ pub(crate) trait Lowering {
     /// parameters and optimizer state, in `pool`.
     fn group_state(&mut self, _b: &mut Builder, _g: GroupId, _params: u64, _pool: Pool) {}
 
+    /// Whether `g`'s all-gather, a collective over a group of one rank, is not made at all:
+    /// the compute stream's first read then gets the sharded parameters themselves.
+    fn skips_gather(&self, _b: &Builder, _g: GroupId) -> bool {
+        false
+    }
+
     /// The buffer an all-gather of `g` writes (`tag`: its pass and micro-batch).
     fn gather_output(&mut self, b: &mut Builder, g: GroupId, tag: &str) -> BufId;
 
