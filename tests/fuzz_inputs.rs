@@ -959,27 +959,33 @@ fn fuzz_profiles() {
         if k % 25 == 0 {
             spawned += 1;
             std::fs::write(&file, &mutated).unwrap();
-            let o = common::shardplan(&[
-                "plan",
-                "--model",
-                "tiny-llama",
-                "--parallel",
-                spec.to_str().unwrap(),
-                "--compare",
-                file.to_str().unwrap(),
-            ]);
-            let err = common::stderr(&o);
-            assert!(
-                matches!(o.status.code(), Some(0) | Some(2)),
-                "{case}: exit {:?}: {err}",
-                o.status.code()
-            );
-            if o.status.code() == Some(2) {
-                assert_located(&case, &err, "fuzzed-profile.json");
-            }
+            plan_reads(&case, &spec, "--compare", &file, "fuzzed-profile.json");
         }
     }
     eprintln!("profiles: {n} cases, {accepted} accepted, {spawned} through the binary");
+}
+
+/// `shardplan plan --model tiny-llama --parallel SPEC FLAG FILE` on a fuzzed file: it plans
+/// (exit 0) or refuses with an error that names the file (exit 2), and never panics.
+fn plan_reads(case: &str, spec: &Path, flag: &str, file: &Path, name: &str) {
+    let o = common::shardplan(&[
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--parallel",
+        spec.to_str().unwrap(),
+        flag,
+        file.to_str().unwrap(),
+    ]);
+    let err = common::stderr(&o);
+    assert!(
+        matches!(o.status.code(), Some(0) | Some(2)),
+        "{case}: exit {:?}: {err}",
+        o.status.code()
+    );
+    if o.status.code() == Some(2) {
+        assert_located(case, &err, name);
+    }
 }
 
 // ---- allocation traces (an exported program's `--alloc-trace`, read by `plan --alloc-trace`) ----
@@ -1048,24 +1054,7 @@ fn fuzz_alloc_traces() {
         if k % 50 == 0 {
             spawned += 1;
             std::fs::write(&file, &mutated).unwrap();
-            let o = common::shardplan(&[
-                "plan",
-                "--model",
-                "tiny-llama",
-                "--parallel",
-                spec.to_str().unwrap(),
-                "--alloc-trace",
-                file.to_str().unwrap(),
-            ]);
-            let err = common::stderr(&o);
-            assert!(
-                matches!(o.status.code(), Some(0) | Some(2)),
-                "{case}: exit {:?}: {err}",
-                o.status.code()
-            );
-            if o.status.code() == Some(2) {
-                assert_located(&case, &err, "fuzzed-trace.jsonl");
-            }
+            plan_reads(&case, &spec, "--alloc-trace", &file, "fuzzed-trace.jsonl");
         }
     }
     eprintln!("alloc traces: {n} cases, {accepted} accepted, {spawned} through the binary");
