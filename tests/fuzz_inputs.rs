@@ -74,6 +74,20 @@ fn guarded<T: Send + 'static>(case: &str, limit: Duration, f: impl FnOnce() -> T
 
 /// A refusal must name the file and where in it: a field path (in backticks), a
 /// `line:column`, or a byte offset; and it must not call itself an internal error.
+/// The binary on a fuzzed input ran (exit 0) or refused it (exit 2, with an error naming
+/// `file` where one is given), and never panicked.
+fn assert_ran_or_refused(case: &str, o: &std::process::Output, file: Option<&str>) {
+    let err = common::stderr(o);
+    assert!(
+        matches!(o.status.code(), Some(0) | Some(2)),
+        "{case}: exit {:?}: {err}",
+        o.status.code()
+    );
+    if let (Some(2), Some(file)) = (o.status.code(), file) {
+        assert_located(case, &err, file);
+    }
+}
+
 fn assert_located(case: &str, msg: &str, file: &str) {
     assert!(msg.contains(file), "{case}: the error does not name {file}: {msg}");
     let located = msg.contains('`')
@@ -356,15 +370,7 @@ fn fuzz_plan_json() {
             spawned += 1;
             std::fs::write(&file, &mutated).unwrap();
             let o = common::shardplan(&["train", "--plan", file.to_str().unwrap(), "--steps", "1"]);
-            let err = common::stderr(&o);
-            assert!(
-                matches!(o.status.code(), Some(0) | Some(2)),
-                "{case}: exit {:?}: {err}",
-                o.status.code()
-            );
-            if o.status.code() == Some(2) {
-                assert_located(&case, &err, "fuzzed-plan.json");
-            }
+            assert_ran_or_refused(&case, &o, Some("fuzzed-plan.json"));
         }
     }
     // An accepted edit of the schedule trains exactly as the original plan.
@@ -535,12 +541,7 @@ fn fuzz_spec(kind: &str, originals: &[&str], other: &str, default: usize, json: 
                 (file.display().to_string(), other.to_string())
             };
             let o = common::shardplan(&["plan", "--model", &m, "--parallel", &p]);
-            let err = common::stderr(&o);
-            assert!(
-                matches!(o.status.code(), Some(0) | Some(2)),
-                "{case}: exit {:?}: {err}",
-                o.status.code()
-            );
+            assert_ran_or_refused(&case, &o, None);
         }
     }
     eprintln!("{kind}: {n} cases");
@@ -977,15 +978,7 @@ fn plan_reads(case: &str, spec: &Path, flag: &str, file: &Path, name: &str) {
         flag,
         file.to_str().unwrap(),
     ]);
-    let err = common::stderr(&o);
-    assert!(
-        matches!(o.status.code(), Some(0) | Some(2)),
-        "{case}: exit {:?}: {err}",
-        o.status.code()
-    );
-    if o.status.code() == Some(2) {
-        assert_located(case, &err, name);
-    }
+    assert_ran_or_refused(case, &o, Some(name));
 }
 
 // ---- allocation traces (an exported program's `--alloc-trace`, read by `plan --alloc-trace`) ----
