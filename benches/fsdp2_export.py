@@ -124,10 +124,25 @@ CONFIGS = {
     "ep-2-full-ac": ("mesh: {shard: 4, expert: 2}\nactivation_checkpointing: full\n", "", False),
     "ep-2-accum-2-final": ("mesh: {shard: 4, expert: 2}\n", ", grad_accum: 2, grad_sync: final_micro_batch", False),
     "ep-2-bf16": ("mesh: {shard: 4, expert: 2}\nmixed_precision: {param: bf16, reduce: f32}\n", "", True),
+    # Tensor parallelism (Llama-family dense models only), torchtitan's plan with DTensor
+    # under fully_shard: sequence and loss parallel (both on unless written).
+    "fsdp-tp-2x2-selective-ac": ("mesh: {shard: 2, tensor: 2}\nactivation_checkpointing: selective\n", "", False),
+    "hsdp-tp-2x2-accum-2": ("mesh: {replicate: 2, tensor: 2}\n", ", grad_accum: 2, grad_sync: final_micro_batch",
+                            False),
+    "fsdp-tp-2x2-no-sp": ("mesh: {shard: 2, tensor: 2}\ntensor_parallel: {sequence_parallel: false, "
+                          "loss_parallel: false}\n", "", False),
+    "fsdp-tp-2x2-sp-no-lp": ("mesh: {shard: 2, tensor: 2}\ntensor_parallel: {loss_parallel: false}\n", "", False),
+    "fsdp-tp-2x2-full-ac": ("mesh: {shard: 2, tensor: 2}\nactivation_checkpointing: full\n", "", False),
+    "fsdp-tp-2x2-offload": ("mesh: {shard: 2, tensor: 2}\noffload: cpu\n", "", False),
+    "fsdp-tp-2x2-bf16": ("mesh: {shard: 2, tensor: 2}\nmixed_precision: {param: bf16, reduce: f32}\n", "", True),
 }
 # The models with routed experts, which the expert-parallel configurations need.
 MOE_MODELS = {"moe", "mixtral"}
 EP_CONFIGS = {name for name in CONFIGS if "ep-" in name}
+# The dense Llama-family models, which the tensor-parallel configurations need (GPT-2's
+# Conv1D layers have no DTensor style; the mixtures of experts' layout is not exported).
+TP_MODELS = {"llama", "qwen3"}
+TP_CONFIGS = {name for name in CONFIGS if "tp-" in name}
 
 
 def parse_args(argv=None):
@@ -243,7 +258,7 @@ def main(argv=None):
         pairs = [tuple(r.split("/", 1)) if "/" in r else (r, "") for r in a.runs.split(",")]
     else:
         pairs = [(m, c) for m in a.models.split(",") for c in a.configs.split(",")
-                 if c not in EP_CONFIGS or m in MOE_MODELS]
+                 if (c not in EP_CONFIGS or m in MOE_MODELS) and (c not in TP_CONFIGS or m in TP_MODELS)]
     for model_name, name in pairs:
         if model_name not in MODELS[a.size] or model_name == "batch" or name not in CONFIGS:
             print(f"unknown run {model_name}/{name}: models {', '.join(m for m in MODELS[a.size] if m != 'batch')}; "
@@ -251,6 +266,9 @@ def main(argv=None):
             return 2
         if name in EP_CONFIGS and model_name not in MOE_MODELS:
             print(f"{model_name}/{name}: expert parallelism needs a mixture of experts ({', '.join(sorted(MOE_MODELS))})")
+            return 2
+        if name in TP_CONFIGS and model_name not in TP_MODELS:
+            print(f"{model_name}/{name}: the tensor-parallel export needs a dense Llama ({', '.join(sorted(TP_MODELS))})")
             return 2
     for model_name in {m for m, _ in pairs}:
         with open(os.path.join(a.out, f"{model_name}.yaml"), "w") as f:

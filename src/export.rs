@@ -140,16 +140,7 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             ))
         }
     };
-    if plan.mesh.tensor() > 1 {
-        return Err(origin.refuse(
-            "mesh.tensor",
-            format!(
-                "the plan splits each block over tensor groups of {} ranks; `export fsdp2` writes FSDP2 alone (fully_shard on whole modules), not torchtitan's tensor-parallel plan",
-                plan.mesh.tensor()
-            ),
-            "export a plan without `mesh.tensor`, or run this one with `shardplan train`",
-        ));
-    }
+    check_tensor_parallel(&plan, &model, &origin)?;
     if parallel.moe.capacity_factor.is_some() {
         return Err(origin.refuse(
             "moe.capacity_factor",
@@ -170,10 +161,14 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
     std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
     let world = plan.mesh.world();
     // torch's context_parallel attends in CUDA's SDPA kernels only.
+    let tensor = match plan.mesh.tensor() {
+        1 => String::new(),
+        t => format!(" x tensor {t}"),
+    };
     let (context, device) = match plan.mesh.context() {
-        1 => (String::new(), "[--device cuda]"),
+        1 => (tensor, "[--device cuda]"),
         c => (
-            format!(", context groups of {c}; on the CPU `--check-context-layout` shows its split"),
+            format!("{tensor}, context groups of {c}; on the CPU `--check-context-layout` shows its split"),
             "--device cuda",
         ),
     };
@@ -186,6 +181,33 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
         plan.mesh.shard(),
         file.display()
     ))
+}
+
+/// Refuses the tensor-parallel plans torch's DTensor styles cannot express as shardplan
+/// splits them, naming the API.
+fn check_tensor_parallel(plan: &Plan, model: &ModelConfig, origin: &Origin) -> Result<(), CliError> {
+    if plan.mesh.tensor() <= 1 {
+        return Ok(());
+    }
+    let refuse = |field: &str, why: &str, help: &str| Err(origin.refuse(field, why.to_string(), help));
+    match model {
+        ModelConfig::Gpt2(_) => refuse(
+            "family",
+            "torch's ColwiseParallel and RowwiseParallel shard nn.Linear and nn.Embedding; GPT-2's Conv1D layers hold their weights transposed, and shardplan splits its fused q/k/v projection per block of three, which no DTensor placement of one dim (Shard) expresses",
+            "export a Llama-family model under `mesh.tensor`, or run this plan with `shardplan train`",
+        ),
+        ModelConfig::Llama(c) if c.tie_embeddings => refuse(
+            "mesh.tensor",
+            "torchtitan's plan shards the output projection as an nn.Linear with ColwiseParallel; this model's head is tied to the token embedding and has no weight of its own for parallelize_module to shard (torchtitan trains no tied model under tensor parallelism)",
+            "export without `mesh.tensor`, or run this plan with `shardplan train`",
+        ),
+        ModelConfig::Llama(c) if c.moe.is_some() => refuse(
+            "mesh.tensor",
+            "the export writes torchtitan's dense tensor-parallel plan; a mixture of experts' tensor-parallel layout (the routed experts' hidden units split over the tensor group, the router replicated) is not written by it",
+            "export the mixture of experts without `mesh.tensor` (expert parallelism exports), or run this plan with `shardplan train`",
+        ),
+        _ => Ok(()),
+    }
 }
 
 fn command_line() -> String {
@@ -221,13 +243,15 @@ fn render(
     command: &str,
 ) -> Result<String, CliError> {
     let g = &joint.graph;
-    // Under expert parallelism a rank's graph holds one expert rank's experts; the program
-    // lists the whole model's parameters (names and initialisation streams), as
-    // `shardplan train` numbers them, and each rank builds its own experts.
+    // Under expert parallelism a rank's graph holds one expert rank's experts, under tensor
+    // parallelism its slices; the program lists the whole model's parameters (names, whole
+    // shapes and initialisation streams), as `shardplan train` numbers them, and each rank
+    // builds its own experts and slices.
     let whole;
-    let every = if g.expert_degree() > 1 {
+    let every = if g.expert_degree() > 1 || plan.mesh.tensor() > 1 {
         let mut opts = parallel.trace_options();
         opts.expert = Default::default();
+        opts.tensor = Default::default();
         whole = shardplan_models::trace(model, opts)
             .map_err(|e| CliError::Usage(format!("tracing the whole model for its parameters: {e}")))?;
         &whole
@@ -255,6 +279,11 @@ fn render(
             "CONTEXT",
             "context parallelism (None: none): context groups of `degree` ranks, how keys and values reach every rank of one (torch's set_rotate_method), which rows of a sequence each holds (head_tail: torch's head-tail load balancer)",
             context_literal(plan),
+        ),
+        (
+            "TENSOR",
+            "tensor parallelism (None: none), torchtitan's plan over groups of `degree` consecutive ranks: sequence parallelism between blocks, the cross-entropy on vocabulary-split logits (loss_parallel), the embedding and head split by vocabulary (`split_vocab`: the vocabulary divides by the degree), async TP (compiled, CUDA)",
+            tensor_literal(plan, model, parallel),
         ),
         (
             "GROUPS",
@@ -339,10 +368,13 @@ fn render(
         "the pipeline's stages, their ranks and schedule (None: no pipeline)",
         Value::Null,
     ));
-    let context = match plan.mesh.context() {
+    let mut context = match plan.mesh.context() {
         1 => String::new(),
         c => format!(", context groups of {c}"),
     };
+    if plan.mesh.tensor() > 1 {
+        let _ = write!(context, ", tensor groups of {}", plan.mesh.tensor());
+    }
     let header = format!(
         "Generated by shardplan {} from plan {} (the SHA-256 of its JSON, first 16 digits):\n#   {}\n# {} on {} ranks ({} x {}{context}), {} FSDP groups.",
         env!("CARGO_PKG_VERSION"),
@@ -360,24 +392,46 @@ fn render(
 /// The `MESH` literal: replicate x shard, the shard axis FSDP's (with a context axis, the
 /// plan's `shard`, torchtitan's `dp_shard_cp`, and `context` its innermost ranks).
 fn mesh_literal(plan: &Plan) -> (&'static str, &'static str, Value) {
-    let (r, s, e, c) = (
+    let (r, s, e, c, t) = (
         plan.mesh.replicate(),
         plan.mesh.shard(),
         plan.mesh.expert(),
         plan.mesh.context(),
+        plan.mesh.tensor(),
     );
     if c > 1 {
         return (
             "MESH",
-            "replicate x shard (HSDP when replicate > 1), FSDP sharding over the shard axis (torchtitan's dp_shard_cp), whose innermost `context` ranks are a context group",
-            json!({"replicate": r, "shard": s, "expert": e, "context": c}),
+            "replicate x shard x tensor (HSDP when replicate > 1), FSDP sharding over the shard axis (torchtitan's dp_shard_cp), whose innermost `context` ranks are a context group; tensor groups of `tensor` consecutive ranks innermost",
+            json!({"replicate": r, "shard": s, "expert": e, "context": c, "tensor": t}),
         );
     }
     (
         "MESH",
-        "replicate x shard (HSDP when replicate > 1); the routed experts split over groups of `expert` consecutive shards",
-        json!({"replicate": r, "shard": s, "expert": e}),
+        "replicate x shard x tensor (HSDP when replicate > 1); the routed experts split over groups of `expert` consecutive shards; tensor groups of `tensor` consecutive ranks innermost",
+        json!({"replicate": r, "shard": s, "expert": e, "tensor": t}),
     )
+}
+
+/// The `TENSOR` literal: None, or the tensor groups' degree and options.
+fn tensor_literal(plan: &Plan, model: &ModelConfig, parallel: &ParallelConfig) -> Value {
+    let t = plan.mesh.tensor();
+    if t <= 1 {
+        return Value::Null;
+    }
+    let tp = &parallel.tensor_parallel;
+    let vocab = match model {
+        ModelConfig::Llama(c) => c.vocab_size,
+        ModelConfig::Gpt2(c) => c.vocab_size,
+        ModelConfig::Mlp(_) => 0,
+    };
+    json!({
+        "degree": t,
+        "sequence_parallel": tp.sequence_parallel,
+        "loss_parallel": tp.loss_parallel,
+        "split_vocab": vocab.is_multiple_of(t),
+        "async": tp.async_tp,
+    })
 }
 
 /// The `CONTEXT` literal: None, or the context groups' degree, rotation and load balance.
@@ -391,13 +445,16 @@ fn context_literal(plan: &Plan) -> Value {
 }
 
 /// The template with `header` and the literals `lits` (name, what it is, value) written in;
-/// a program without a `CONTEXT` literal (a pipeline's) gets `CONTEXT = None`, which the
-/// body reads.
+/// a program without a `CONTEXT` or `TENSOR` literal (a pipeline's) gets it as None, which
+/// the body reads.
 fn program(header: &str, lits: &[(&str, &str, Value)]) -> String {
     let mut block = String::new();
-    let no_context = [("CONTEXT", "context parallelism (None: none)", Value::Null)];
-    let missing = !lits.iter().any(|l| l.0 == "CONTEXT");
-    for (name, what, v) in lits.iter().chain(no_context.iter().filter(|_| missing)) {
+    let defaults = [
+        ("CONTEXT", "context parallelism (None: none)", Value::Null),
+        ("TENSOR", "tensor parallelism (None: none)", Value::Null),
+    ];
+    let missing = |name: &str| !lits.iter().any(|l| l.0 == name);
+    for (name, what, v) in lits.iter().chain(defaults.iter().filter(|d| missing(d.0))) {
         let _ = writeln!(block, "# {what}");
         let _ = writeln!(block, "{name} = {}\n", python(v, 0));
     }

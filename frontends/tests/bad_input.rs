@@ -43,6 +43,24 @@ fn good_specs_parse() {
     parse_parallel_spec(&Source::from_text("p.yaml", PAR_OK)).unwrap();
 }
 
+/// A mesh without `shard` takes what `world` leaves, or 1 (`mesh: {tensor: 4}` plans as a
+/// user of torchtitan's `dp_shard: -1` expects); a world the other axes do not divide is
+/// refused at `world`.
+#[test]
+fn the_shard_axis_defaults_to_what_world_leaves() {
+    let mesh = |text: &str| parse_parallel_spec(&Source::from_text("p.yaml", text)).unwrap().0.mesh;
+    let m = mesh("mesh: {tensor: 4}\ngpus_per_node: 4\n");
+    assert_eq!((m.shard, m.tensor, m.world()), (1, 4, 4));
+    let m = mesh("mesh: {pipeline: 2, tensor: 2}\ngpus_per_node: 4\n");
+    assert_eq!((m.pipeline, m.shard, m.tensor, m.world()), (2, 1, 2, 4));
+    let m = mesh("mesh: {replicate: 2, tensor: 4}\nworld: 64\n");
+    assert_eq!((m.replicate, m.shard, m.tensor), (2, 8, 4));
+    let m = mesh("mesh: {tensor: 2, context: 2}\nworld: 16\n");
+    assert_eq!((m.shard, m.context), (4, 2));
+    let e = parallel("mesh: {tensor: 8}\nworld: 12\n");
+    check(&e, 2, 8, &["`mesh.shard`", "do not divide world (12)", "set mesh.shard"]);
+}
+
 #[test]
 fn missing_file() {
     let e = load_model(&PathBuf::from("/nonexistent/model.yaml")).unwrap_err();
@@ -395,6 +413,25 @@ fn parallel_spec_rules() {
             "unknown variant",
         ),
         ("mesh: {shard: 4}\nbucket_mib: 0\n", 2, 13, "must be at least 1"),
+        (
+            "mesh: {shard: 2, tensor: 2}\ngpus_per_node: 4\ntensor_parallel: {async: true}\n",
+            3,
+            26,
+            "the model is not compiled",
+        ),
+        (
+            "mesh: {shard: 4}\nruntime: fsdp2\ncompile: true\ntensor_parallel: {async: true}\n",
+            4,
+            26,
+            "the mesh has no tensor axis",
+        ),
+        (
+            "mesh: {shard: 2, tensor: 2}\ngpus_per_node: 4\nruntime: fsdp2\ncompile: true\n\
+             tensor_parallel: {sequence_parallel: false, async: true}\n",
+            5,
+            51,
+            "sequence_parallel is off",
+        ),
         (
             "mesh: {replicate: 3, shard: 4}\ngpus_per_node: 8\n",
             2,

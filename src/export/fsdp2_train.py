@@ -256,14 +256,16 @@ class LlamaAttention(nn.Module):
         self.qk_norm = m["qk_norm"]
 
     def forward(self, x):
+        # Under tensor parallelism the projections' outputs hold this rank's heads only
+        # (ColwiseParallel's local output), so the head counts are read from the shapes.
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         a = attention(self.rope.apply(q), self.rope.apply(k), v)
-        return self.o_proj(a.reshape(b, s, self.heads * self.head_dim))
+        return self.o_proj(a.reshape(b, s, -1))
 
 
 class LlamaMlp(nn.Module):
@@ -463,17 +465,14 @@ class LlamaBlock(Block):
 
 
 class Head(nn.Module):
-    """The output projection; tied to the token embedding when `table` is given."""
+    """The output projection tied to the token embedding `table` (it holds no weight)."""
 
-    def __init__(self, dim, vocab, table=None):
+    def __init__(self, table):
         super().__init__()
-        self.table = [table] if table is not None else None  # a list: not a submodule
-        if table is None:
-            self.weight = nn.Parameter(torch.empty(vocab, dim))
+        self.table = [table]  # a list: not a submodule
 
     def forward(self, x):
-        w = self.table[0].weight if self.table is not None else self.weight
-        return F.linear(x, w)
+        return F.linear(x, self.table[0].weight)
 
 
 class Loss(nn.Module):
@@ -488,7 +487,11 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(m["vocab_size"], m["dim"])
         self.layers = nn.ModuleDict({str(i): LlamaBlock(m, rope, is_moe_layer(m, i)) for i in range(m["n_layers"])})
         self.norm = RMSNorm(m["dim"], m["norm_eps"])
-        self.output = Head(m["dim"], m["vocab_size"], self.tok_embeddings if m["tie_embeddings"] else None)
+        # An untied head is an nn.Linear, the module torch's ColwiseParallel shards.
+        if m["tie_embeddings"]:
+            self.output = Head(self.tok_embeddings)
+        else:
+            self.output = nn.Linear(m["dim"], m["vocab_size"], bias=False)
         self.loss = Loss()
         moe = m.get("moe")
         self.aux = (moe["top_k"], moe["aux_loss_coef"]) if moe and moe["aux_loss_coef"] > 0 else None
@@ -588,7 +591,7 @@ class Gpt2(nn.Module):
         self.wpe = nn.Embedding(m["max_seq_len"], m["dim"])
         self.h = nn.ModuleDict({str(i): Gpt2Block(m) for i in range(m["n_layers"])})
         self.ln_f = LayerNorm(m["dim"], m["norm_eps"])
-        self.lm_head = Head(m["dim"], m["vocab_size"], self.wte)
+        self.lm_head = Head(self.wte)
         self.loss = Loss()
 
     def forward(self, tokens, targets):
@@ -706,15 +709,103 @@ def apply_compile(model):
         model.loss.compile()
 
 
+# ---------------------------------------------------------------- tensor parallelism
+# torchtitan's Llama plan with DTensor, applied before checkpointing, compile and
+# fully_shard: per block the q/k/v and gate/up projections column-wise and the attention
+# output and down projections row-wise; with sequence parallelism the norms run on a
+# sequence chunk (SequenceParallel), the blocks' inputs all-gathered into attention and the
+# feed-forward (PrepareModuleInput) and the row-wise outputs reduce-scattered back; the
+# embedding row-wise and the output projection column-wise, split by vocabulary, the
+# cross-entropy on the vocabulary-split logits under loss_parallel(). Without sequence
+# parallelism the blocks' outputs are all-reduced. A vocabulary the group does not divide
+# stays whole on every rank (shardplan's plan): its embedding's output is cut to this rank's
+# chunk of the sequence and the head's input gathered.
+
+def tensor_plan():
+    """parallelize_module's plan for the whole model: {module path: style}."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    sp, lp, vocab = TENSOR["sequence_parallel"], TENSOR["loss_parallel"], TENSOR["split_vocab"]
+    between = Shard(1) if sp else Replicate()
+    plan = {}
+    if vocab:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        plan["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1) if lp else Replicate(),
+                                         use_local_output=not lp)
+    elif sp:
+        plan["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+        plan["output"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                            use_local_output=True)
+    if sp:
+        plan["norm"] = SequenceParallel()
+    for i in range(MODEL["n_layers"]):
+        p = f"layers.{i}"
+        if sp:
+            plan[f"{p}.attention_norm"] = SequenceParallel()
+            plan[f"{p}.ffn_norm"] = SequenceParallel()
+            plan[f"{p}.attention"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+            plan[f"{p}.feed_forward"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+        for proj in ["q_proj", "k_proj", "v_proj"]:
+            plan[f"{p}.attention.{proj}"] = ColwiseParallel()
+        if MODEL.get("qk_norm"):
+            # Qwen3's per-head norms on this rank's heads (torchtitan's: the heads' dim
+            # taken as sharded, the weight's gradient summed over the group).
+            for norm in ["q_norm", "k_norm"]:
+                plan[f"{p}.attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan[f"{p}.attention.o_proj"] = RowwiseParallel(output_layouts=between)
+        plan[f"{p}.feed_forward.gate_proj"] = ColwiseParallel()
+        plan[f"{p}.feed_forward.up_proj"] = ColwiseParallel()
+        plan[f"{p}.feed_forward.down_proj"] = RowwiseParallel(output_layouts=between)
+    return plan
+
+
+def apply_tensor_parallel(model, tp_mesh, device):
+    """torchtitan's tensor-parallel plan over the tensor group; under async TP, inductor's
+    micro-pipelined TP pass over symmetric memory (CUDA only)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, tp_mesh, tensor_plan())
+    if not TENSOR["async"]:
+        return
+    if device.type != "cuda":
+        if dist.get_rank() == 0:
+            print("note: async tensor parallelism needs CUDA's symmetric memory; on the CPU this program runs "
+                  "the same steps without it", file=sys.stderr)
+        return
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def loss_context():
+    """torch's loss_parallel() around a forward and backward whose cross-entropy reads
+    vocabulary-split logits; else nothing."""
+    if TENSOR is not None and TENSOR["loss_parallel"] and TENSOR["split_vocab"]:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 def make_mesh(device):
     """The data-parallel mesh, and under expert parallelism the routed experts' FSDP mesh:
     the ranks holding the same experts (every `expert`-th shard of a replica), with the
     expert groups' process group for the all-to-all."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    r, s, e = MESH["replicate"], MESH["shard"], MESH["expert"]
+    r, s, e, t = MESH["replicate"], MESH["shard"], MESH["expert"], MESH.get("tensor", 1)
     if CONTEXT is not None:
-        return make_context_mesh(device, r, s, CONTEXT["degree"]), None
+        return make_context_mesh(device, r, s, CONTEXT["degree"], t), None
+    if t > 1:
+        # One mesh of every axis, tensor innermost (consecutive ranks), sliced into FSDP's
+        # data-parallel part and the tensor groups, as torchtitan's init_device_mesh.
+        dims, names = ((r, s, t), ("replicate", "shard", "tensor")) if r > 1 else ((s, t), ("shard", "tensor"))
+        world = init_device_mesh(device.type, dims, mesh_dim_names=names)
+        TENSOR_MESH[0] = world["tensor"]
+        return (world["replicate", "shard"] if r > 1 else world["shard"]), None
     if r > 1:
         mesh = init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
     else:
@@ -731,23 +822,30 @@ def make_mesh(device):
     return mesh, experts
 
 
-def make_context_mesh(device, r, s, c):
-    """torchtitan's mesh under context parallelism: replicate x shard x cp, the context
-    groups the innermost `c` ranks of the shard axis, and FSDP sharding over shard and cp
-    together (`dp_shard_cp`, the plan's shard axis of `s` ranks). Returns FSDP's mesh
-    (replicate x dp_shard_cp, or dp_shard_cp alone) and sets CONTEXT_MESH to the cp mesh."""
+def make_context_mesh(device, r, s, c, t):
+    """torchtitan's mesh under context parallelism: replicate x shard x cp (x tensor), the
+    context groups the innermost `c` ranks of the shard axis (inside them the tensor groups
+    of `t`), and FSDP sharding over shard and cp together (`dp_shard_cp`, the plan's shard
+    axis of `s` ranks). Returns FSDP's mesh (replicate x dp_shard_cp, or dp_shard_cp alone)
+    and sets CONTEXT_MESH to the cp mesh (and TENSOR_MESH to the tensor groups')."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    tp = ((t,), ("tensor",)) if t > 1 else ((), ())
     if hasattr(DeviceMesh, "_unflatten"):
         # Newer torch: the cp mesh unflattened out of dp_shard_cp, as torchtitan now builds
         # it (slicing a flattened dim out of its root mesh is deprecated there).
         dims, names = ((r, s), ("replicate", "dp_shard_cp")) if r > 1 else ((s,), ("dp_shard_cp",))
-        mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
-        CONTEXT_MESH[0] = mesh._unflatten("dp_shard_cp", (s // c, c), ("shard", "cp"))["cp"]
-        return mesh
-    world = init_device_mesh(device.type, (r, s // c, c), mesh_dim_names=("replicate", "shard", "cp"))
+        world = init_device_mesh(device.type, dims + tp[0], mesh_dim_names=names + tp[1])
+        CONTEXT_MESH[0] = world._unflatten("dp_shard_cp", (s // c, c), ("shard", "cp"))["cp"]
+        if t > 1:
+            TENSOR_MESH[0] = world["tensor"]
+            return world[names]
+        return world
+    world = init_device_mesh(device.type, (r, s // c, c) + tp[0], mesh_dim_names=("replicate", "shard", "cp") + tp[1])
     world["shard", "cp"]._flatten("dp_shard_cp")
     CONTEXT_MESH[0] = world["cp"]
+    if t > 1:
+        TENSOR_MESH[0] = world["tensor"]
     return world["replicate", "dp_shard_cp"] if r > 1 else world["dp_shard_cp"]
 
 
@@ -779,19 +877,45 @@ def set_prefetch(model):
         module_at(model, key).set_modules_to_backward_prefetch([module_at(model, t) for t in targets])
 
 
-def local_rows(param):
-    """The rows of the full parameter this rank holds (FSDP2 shards dim 0 as torch.chunk)."""
+def chunk_of(span, parts, r):
+    """torch.chunk's piece `r` of `parts` of the range `span` (start, end), as DTensor's
+    Shard and FSDP2 cut a dim: pieces of ceil(len / parts), the last ones short or empty."""
+    start, end = span
+    size = -(-(end - start) // parts)
+    lo = min(start + r * size, end)
+    return lo, min(lo + size, end)
+
+
+def local_region(param):
+    """The block of the full parameter this rank holds, as one (start, end) per dim, and
+    its local tensor: the tensor group's slice first (Shard(d) of the `tensor` mesh dim),
+    then FSDP2's chunk of dim 0 of that slice over the data-parallel dim it shards."""
     local = param.to_local() if hasattr(param, "to_local") else param
-    n = param.shape[0]
+    spans = [(0, n) for n in param.shape]
     if not hasattr(param, "device_mesh"):
-        return 0, n, local
-    mesh = param.device_mesh
-    shard_dim = mesh.ndim - 1
-    ws = mesh.size(shard_dim)
-    r = mesh.get_local_rank(shard_dim)
-    chunk = -(-n // ws)
-    start = min(r * chunk, n)
-    return start, min(start + local.shape[0], n), local
+        return spans, local
+    mesh, placements = param.device_mesh, param.placements
+    names = mesh.mesh_dim_names or ()
+    order = sorted(range(mesh.ndim), key=lambda i: names[i] != "tensor" if i < len(names) else True)
+    for i in order:
+        dim = getattr(placements[i], "dim", None)
+        if placements[i].is_replicate() or placements[i].is_partial() or dim is None:
+            continue
+        spans[dim] = chunk_of(spans[dim], mesh.size(i), mesh.get_local_rank(i))
+    return spans, local
+
+
+def region_indices(spans, shape, lo_row, hi_row):
+    """Row-major indices in the full parameter of `shape` of the block `spans`, for rows
+    lo_row..hi_row of the block (int64, flat)."""
+    idx = torch.zeros((), dtype=torch.int64)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        a, b = (spans[d][0] + lo_row, spans[d][0] + hi_row) if d == 0 else spans[d]
+        axis = torch.arange(a, b, dtype=torch.int64) * stride
+        idx = axis.view([-1] + [1] * (len(shape) - 1 - d)) + idx
+        stride *= shape[d]
+    return idx.reshape(-1)
 
 
 def init_weights(model, names, init_from):
@@ -809,26 +933,27 @@ def init_weights(model, names, init_from):
         for path, p in model.named_parameters():
             hf = names[path]
             shape, init = by_hf[hf]
-            start, end, local = local_rows(p)
-            if end <= start:
+            spans, local = local_region(p)
+            if any(end <= start for start, end in spans):
                 continue
             if reader is not None:
                 t = reader.get_slice(hf)
                 if list(t.get_shape()) != shape:
                     raise SystemExit(f"error: {init_from}: {hf} has shape {t.get_shape()}, the model needs {shape}")
-                local.copy_(t[start:end].to(local.dtype))
+                local.copy_(t[tuple(slice(a, b) for a, b in spans)].to(local.dtype))
                 continue
             if init[0] == "constant":
                 local.fill_(init[1])
                 continue
             _, std, stream = init
-            row = math.prod(shape[1:])
-            flat = local.view(-1)
-            step = 1 << 22
-            for lo in range(0, flat.numel(), step):
-                idx = torch.arange(start * row + lo, start * row + min(lo + step, flat.numel()),
-                                   dtype=torch.int64, device=flat.device)
-                flat[lo: lo + idx.numel()].copy_((std * normal(SEED, stream, idx)).to(torch.float32))
+            rows = spans[0][1] - spans[0][0]
+            flat = local.view(rows, -1)
+            # Rows in blocks of about 4M elements: the indices are made per block.
+            step = max(1, (1 << 22) // max(flat.shape[1], 1))
+            for lo in range(0, rows, step):
+                hi = min(lo + step, rows)
+                idx = region_indices(spans, shape, lo, hi).to(flat.device)
+                flat[lo:hi].copy_((std * normal(SEED, stream, idx)).to(torch.float32).view(hi - lo, -1))
 
 
 # ---------------------------------------------------------------- the batches of `shardplan train`
@@ -1064,8 +1189,8 @@ def resume_checkpoint(path, model, names, opt, batches, torchtitan):
     dcp.load(sd, checkpoint_id=path)
     with torch.no_grad():
         for key, target, heads in fixups:
-            start, end, local = local_rows(target)
-            local.copy_(from_meta(sd[key], heads)[start:end].to(local.dtype))
+            spans, local = local_region(target)
+            local.copy_(from_meta(sd[key], heads)[tuple(slice(a, b) for a, b in spans)].to(local.dtype))
     if spec in sd and json.loads(sd[spec]) != json.loads(MODEL_SPEC):
         raise SystemExit(f"error: {path}: written for another model (`shardplan.model` differs from this program's)")
     batches.position = int(sd["dataloader.position"])
@@ -1085,6 +1210,8 @@ def resume_checkpoint(path, model, names, opt, batches, torchtitan):
 
 # The context groups' mesh (set by make_mesh under context parallelism).
 CONTEXT_MESH = [None]
+# The tensor groups' mesh (set by make_mesh under tensor parallelism).
+TENSOR_MESH = [None]
 
 CONTEXT_NEEDS_CUDA = (
     "the plan runs context parallelism, and torch's context_parallel runs attention only in "
@@ -1097,8 +1224,10 @@ CONTEXT_NEEDS_CUDA = (
 
 def data_rank(rank, world):
     """(this rank's data-parallel index, data-parallel ranks): the ranks of a context group
-    (the innermost CONTEXT["degree"] ranks) read the same sequences."""
+    and of a tensor group (together the innermost context x tensor ranks) read the same
+    sequences."""
     c = CONTEXT["degree"] if CONTEXT is not None else 1
+    c *= MESH.get("tensor", 1)
     return rank // c, world // c
 
 
@@ -1189,10 +1318,11 @@ def train_step(model, opt, batches, step, total, device, meter):
         if micro > 0:
             meter.next_micro_batch()
         tokens, targets = (t.to(device) for t in batches.next())
-        with context_shards(tokens, targets, device):
+        with context_shards(tokens, targets, device), loss_context():
             loss = model(tokens, targets)
             (loss / accum).backward()
-        loss_sum += loss.detach().double()
+        # Under loss parallelism the loss is a DTensor, the same on every tensor rank.
+        loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach().double()
     scale_expert_grads(model)
     if GRAD_CLIP is not None:
         clip_grad_norm(model, GRAD_CLIP, device)
@@ -1221,8 +1351,25 @@ def clip_grad_norm(model, clip, device):
     clip_grad_norm_ does. Under expert parallelism the experts' gradients are sharded over
     another mesh than the rest, which torch's cannot mix: each rank sums the squares of its
     own shards, and the sum over every rank counts each shard once per replica."""
-    if MESH["expert"] == 1:
+    if MESH["expert"] == 1 and MESH.get("tensor", 1) == 1:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return
+    if MESH["expert"] == 1:
+        # Under tensor parallelism the gradients are DTensors over replicate x shard x
+        # tensor, or over the data-parallel mesh alone where a module stays whole on every
+        # tensor rank (a vocabulary the group does not divide): each mesh's norm is reduced
+        # to its whole parameters' (torchtitan's way), and the meshes' norms combined.
+        by_mesh = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for params in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares += norm.float().to(device) ** 2
+        for params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, clip, squares.sqrt())
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
@@ -1248,8 +1395,9 @@ def evaluate(model, device, rank, world):
             tokens, targets = (t.to(device) for t in val.at(k))
             # Under context parallelism each rank's loss is over its rows, all of the same
             # count: the mean over every rank is the batch's.
-            with context_shards(tokens, targets, device):
-                total += model(tokens, targets).double()
+            with context_shards(tokens, targets, device), loss_context():
+                loss = model(tokens, targets)
+            total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).double()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / (ev["batches"] * world)
 
@@ -1506,11 +1654,12 @@ def start(device_kind):
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    pipeline = MESH.get("pipeline", 1)
-    want = pipeline * MESH["replicate"] * MESH["shard"]
+    pipeline, tensor = MESH.get("pipeline", 1), MESH.get("tensor", 1)
+    want = pipeline * MESH["replicate"] * MESH["shard"] * tensor
     if world != want:
-        raise SystemExit(f"error: the plan's mesh is {pipeline} x {MESH['replicate']} x {MESH['shard']} ranks "
-                         f"(pipeline x replicate x shard); started with {world} (run torchrun --nproc-per-node {want})")
+        raise SystemExit(f"error: the plan's mesh is {pipeline} x {MESH['replicate']} x {MESH['shard']} x {tensor} "
+                         f"ranks (pipeline x replicate x shard x tensor); started with {world} "
+                         f"(run torchrun --nproc-per-node {want})")
     if device_kind == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -1543,9 +1692,11 @@ def run(a, device, rank, world):
     if PIPELINE is not None:
         return run_pipeline(a, device, rank, world)
     model, names = build_model()
+    meshes = make_mesh(device)
+    if TENSOR is not None:
+        apply_tensor_parallel(model, TENSOR_MESH[0], device)
     apply_checkpointing(model)
     apply_compile(model)
-    meshes = make_mesh(device)
     apply_fully_shard(model, meshes, device)
     set_prefetch(model)
     trace = AllocTrace(a.alloc_trace, device) if a.alloc_trace and rank == 0 else None

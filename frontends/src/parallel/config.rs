@@ -127,6 +127,17 @@ pub struct TensorParallel {
     /// The cross-entropy runs on the vocabulary-split logits (torchtitan's
     /// `loss_parallel`); off, the logits are all-gathered first.
     pub loss_parallel: bool,
+    /// Asynchronous tensor parallelism (`async` in the spec; torchtitan's
+    /// `enable_async_tensor_parallel`): under torch.compile, inductor's micro-pipelined TP
+    /// pass splits each sequence-parallel all-gather and reduce-scatter and overlaps the
+    /// pieces with their matmuls, over symmetric memory on CUDA. Needs `compile` and
+    /// sequence parallelism.
+    #[serde(rename = "async", default, skip_serializing_if = "is_false")]
+    pub async_tp: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl Default for TensorParallel {
@@ -134,6 +145,7 @@ impl Default for TensorParallel {
         TensorParallel {
             sequence_parallel: true,
             loss_parallel: true,
+            async_tp: false,
         }
     }
 }

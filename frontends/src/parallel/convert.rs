@@ -58,7 +58,7 @@ impl ParallelSpecFile {
     /// Converts the spec section by section, in the order in which their errors are found.
     fn into_config(self, src: &Source) -> Result<(ParallelConfig, Origin), SpecError> {
         let mut o = Origin::new(&src.path);
-        let mesh = mesh(&mut o, self.mesh)?;
+        let mesh = mesh(&mut o, self.mesh, self.world.as_ref())?;
         let world = world(&mut o, &mesh, self.world)?;
         let gpus_per_node = gpus_per_node(&mut o, self.gpus_per_node, &mesh, world)?;
         let tensor_parallel = tensor_parallel(&mut o, self.tensor_parallel);
@@ -91,6 +91,7 @@ impl ParallelSpecFile {
         let data = data(&mut o, self.data, &src.path)?;
         let allocator = allocator(&mut o, self.allocator);
         let compile = compile(&mut o, self.compile, runtime)?;
+        check_async_tp(&o, &tensor_parallel, &mesh, &compile)?;
         let pipeline = pipeline(&mut o, self.pipeline, mesh.pipeline, batch.per_rank, &src.path)?;
 
         let config = ParallelConfig {
@@ -124,21 +125,25 @@ impl ParallelSpecFile {
     }
 }
 
-/// The mesh's axes, each at least 1, the expert axis dividing the shard axis.
-fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError> {
+/// The mesh's axes, each at least 1, the expert axis dividing the shard axis; an absent
+/// shard axis is what `world` leaves (1 without `world`), as torchtitan's `dp_shard: -1`.
+fn mesh(o: &mut Origin, spec: Spanned<MeshFile>, world: Option<&Spanned<u64>>) -> Result<MeshShape, SpecError> {
     o.insert("mesh", pos(&spec));
     let mesh_file = spec.value;
     record(o, "mesh.replicate", &mesh_file.replicate);
-    o.insert("mesh.shard", pos(&mesh_file.shard));
+    record(o, "mesh.shard", &mesh_file.shard);
     let pipeline = pipeline_axis(o, &mesh_file)?;
     record(o, "mesh.tensor", &mesh_file.tensor);
     let replicate = at_least_1(o, "mesh.replicate", mesh_file.replicate.map_or(1, |s| s.value))?;
-    let shard = at_least_1(o, "mesh.shard", mesh_file.shard.value)?;
     let tensor = at_least_1(o, "mesh.tensor", mesh_file.tensor.map_or(1, |s| s.value))?;
     record(o, "mesh.expert", &mesh_file.expert);
     let expert = at_least_1(o, "mesh.expert", mesh_file.expert.map_or(1, |s| s.value))?;
     record(o, "mesh.context", &mesh_file.context);
     let context = at_least_1(o, "mesh.context", mesh_file.context.map_or(1, |s| s.value))?;
+    let shard = match &mesh_file.shard {
+        Some(s) => at_least_1(o, "mesh.shard", s.value)?,
+        None => default_shard(o, [pipeline, replicate, context, tensor], world)?,
+    };
     check_context_axis(o, context, pipeline, expert)?;
     if !shard.is_multiple_of(expert) {
         return Err(o.error(
@@ -155,6 +160,28 @@ fn mesh(o: &mut Origin, spec: Spanned<MeshFile>) -> Result<MeshShape, SpecError>
         tensor,
         expert,
     })
+}
+
+/// The shard degree a mesh without `shard` gets: the ranks of `world` the other axes
+/// (`pipeline x replicate x context x tensor`) leave, or 1 without `world`.
+fn default_shard(o: &Origin, others: [u64; 4], world: Option<&Spanned<u64>>) -> Result<u64, SpecError> {
+    let Some(w) = world else {
+        return Ok(1);
+    };
+    let taken = others.iter().try_fold(1u64, |acc, &a| acc.checked_mul(a)).unwrap_or(u64::MAX);
+    if w.value == 0 || !w.value.is_multiple_of(taken) {
+        return Err(SpecError::file(
+            &o.file,
+            format!(
+                "the mesh's other axes take {taken} ranks, which do not divide world ({}), so the shard axis has no size",
+                w.value
+            ),
+        )
+        .at(Some(pos(w)))
+        .field("mesh.shard")
+        .help(format!("set mesh.shard, or make world a multiple of {taken}")));
+    }
+    Ok(w.value / taken)
 }
 
 /// Refuses a context axis beside the axes it does not combine with yet.
@@ -271,8 +298,43 @@ fn tensor_parallel(o: &mut Origin, spec: Option<Spanned<TensorParallelFile>>) ->
             o.insert("tensor_parallel.loss_parallel", pos(v));
             tensor_parallel.loss_parallel = v.value;
         }
+        if let Some(v) = &tp.value.async_tp {
+            o.insert("tensor_parallel.async", pos(v));
+            tensor_parallel.async_tp = v.value;
+        }
     }
     tensor_parallel
+}
+
+/// Async tensor parallelism as torchtitan allows it: a pass of torch.compile over the
+/// sequence-parallel collectives of a tensor axis.
+fn check_async_tp(o: &Origin, tp: &TensorParallel, mesh: &MeshShape, compile: &Compile) -> Result<(), SpecError> {
+    if !tp.async_tp {
+        return Ok(());
+    }
+    let field = "tensor_parallel.async";
+    if mesh.tensor <= 1 {
+        return Err(o.error(
+            field,
+            "async tensor parallelism overlaps the tensor group's collectives, and the mesh has no tensor axis",
+            "set mesh.tensor (2 or more), or remove `async`",
+        ));
+    }
+    if !tp.sequence_parallel {
+        return Err(o.error(
+            field,
+            "async tensor parallelism splits the sequence-parallel all-gathers and reduce-scatters, and sequence_parallel is off",
+            "set `sequence_parallel: true`, or remove `async`",
+        ));
+    }
+    if !compile.model {
+        return Err(o.error(
+            field,
+            "async tensor parallelism is a pass of torch.compile (inductor's micro-pipelined TP), and the model is not compiled (torchtitan refuses it so too)",
+            "add `compile: true` (with `runtime: fsdp2`), or remove `async`",
+        ));
+    }
+    Ok(())
 }
 
 /// Context parallelism's options: torchtitan's defaults unless written.

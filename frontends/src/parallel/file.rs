@@ -65,6 +65,8 @@ pub(super) struct MoeFile {
 pub(super) struct TensorParallelFile {
     pub(super) sequence_parallel: Option<Spanned<bool>>,
     pub(super) loss_parallel: Option<Spanned<bool>>,
+    #[serde(rename = "async")]
+    pub(super) async_tp: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,7 +115,8 @@ pub(super) fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(d: 
 pub(super) struct MeshFile {
     pub(super) pipeline: Option<Spanned<u64>>,
     pub(super) replicate: Option<Spanned<u64>>,
-    pub(super) shard: Spanned<u64>,
+    /// Absent: what `world` leaves once the other axes are taken, or 1 without `world`.
+    pub(super) shard: Option<Spanned<u64>>,
     pub(super) context: Option<Spanned<u64>>,
     pub(super) tensor: Option<Spanned<u64>>,
     pub(super) expert: Option<Spanned<u64>>,

@@ -100,9 +100,11 @@ fn mesh_yaml(c: &ParallelConfig) -> String {
         }
     }
     if !c.tensor_parallel.is_default() {
+        let tp = &c.tensor_parallel;
+        let async_tp = if tp.async_tp { ", async: true" } else { "" };
         y.push_str(&format!(
-            "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}}}\n",
-            c.tensor_parallel.sequence_parallel, c.tensor_parallel.loss_parallel
+            "tensor_parallel: {{sequence_parallel: {}, loss_parallel: {}{async_tp}}}\n",
+            tp.sequence_parallel, tp.loss_parallel
         ));
     }
     if !c.context_parallel.is_default() {
