@@ -140,7 +140,7 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
             ))
         }
     };
-    check_tensor_parallel(&plan, &model, &origin)?;
+    check_tensor_parallel(plan.mesh.tensor(), &model, &origin)?;
     if parallel.moe.capacity_factor.is_some() {
         return Err(origin.refuse(
             "moe.capacity_factor",
@@ -185,8 +185,8 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
 
 /// Refuses the tensor-parallel plans torch's DTensor styles cannot express as shardplan
 /// splits them, naming the API.
-fn check_tensor_parallel(plan: &Plan, model: &ModelConfig, origin: &Origin) -> Result<(), CliError> {
-    if plan.mesh.tensor() <= 1 {
+fn check_tensor_parallel(tensor: u64, model: &ModelConfig, origin: &Origin) -> Result<(), CliError> {
+    if tensor <= 1 {
         return Ok(());
     }
     let refuse = |field: &str, why: &str, help: &str| Err(origin.refuse(field, why.to_string(), help));
@@ -283,7 +283,7 @@ fn render(
         (
             "TENSOR",
             "tensor parallelism (None: none), torchtitan's plan over groups of `degree` consecutive ranks: sequence parallelism between blocks, the cross-entropy on vocabulary-split logits (loss_parallel), the embedding and head split by vocabulary (`split_vocab`: the vocabulary divides by the degree), async TP (compiled, CUDA)",
-            tensor_literal(plan, model, parallel),
+            tensor_literal(plan.mesh.tensor(), model, parallel),
         ),
         (
             "GROUPS",
@@ -413,9 +413,8 @@ fn mesh_literal(plan: &Plan) -> (&'static str, &'static str, Value) {
     )
 }
 
-/// The `TENSOR` literal: None, or the tensor groups' degree and options.
-fn tensor_literal(plan: &Plan, model: &ModelConfig, parallel: &ParallelConfig) -> Value {
-    let t = plan.mesh.tensor();
+/// The `TENSOR` literal: None, or the tensor groups' degree `t` and options.
+fn tensor_literal(t: u64, model: &ModelConfig, parallel: &ParallelConfig) -> Value {
     if t <= 1 {
         return Value::Null;
     }

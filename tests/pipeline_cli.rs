@@ -3,8 +3,9 @@
 
 mod common;
 
-use common::{shardplan, shardplan_ok, stderr, stdout};
+use common::{json_lines, shardplan, shardplan_ok, stderr, stdout};
 use std::io::Write;
+use std::path::Path;
 
 fn spec(text: &str) -> tempfile::NamedTempFile {
     let mut f = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
@@ -247,7 +248,93 @@ fn train_refuses_expert_parallel_stages_and_unsupported_options() {
         "p.json",
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("--profile with a pipeline"), "{}", stderr(&o));
+    // The refusal says why: the option reads what a pipeline rank does not run.
+    assert!(
+        stderr(&o).contains("--profile with a pipeline") && stderr(&o).contains("several stage graphs"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// `--init-from` with a pipeline: Hugging Face safetensors (`checkpoint export`'s) and a
+/// DCP checkpoint start the pipeline's stages from those weights, as the same weights
+/// start a run without a pipeline: the first steps' losses agree, and differ from a run
+/// from shardplan's own initialisation.
+#[test]
+fn train_starts_a_pipeline_from_pretrained_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let model = "examples/models/tiny-llama.yaml";
+    let flat = d.join("flat.yaml");
+    std::fs::write(
+        &flat,
+        std::fs::read_to_string("examples/parallel/pp-2-1f1b-cpu.yaml")
+            .unwrap()
+            .replace("mesh: {pipeline: 2, shard: 1}", "mesh: {shard: 2}")
+            .replace("batch: {per_rank: 4, seq_len: 64}", "batch: {per_rank: 2, seq_len: 64}")
+            .replace("pipeline: {schedule: 1F1B, microbatches: 4}", ""),
+    )
+    .unwrap();
+    let (ck, dcp) = (d.join("ck"), d.join("dcp"));
+    for (root, format) in [(&ck, "shardplan"), (&dcp, "dcp")] {
+        shardplan_ok(&[
+            "train",
+            "--model",
+            model,
+            "--parallel",
+            flat.to_str().unwrap(),
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            root.to_str().unwrap(),
+            "--checkpoint-format",
+            format,
+        ]);
+    }
+    let weights = d.join("w.safetensors");
+    let step = ck.join("step-00000003");
+    shardplan_ok(&[
+        "checkpoint",
+        "export",
+        step.to_str().unwrap(),
+        "--out",
+        weights.to_str().unwrap(),
+    ]);
+    let run = |spec: &str, from: Option<&Path>, log: &str| -> Vec<f64> {
+        let log = d.join(log);
+        let mut args = vec![
+            "train",
+            "--model",
+            model,
+            "--parallel",
+            spec,
+            "--steps",
+            "2",
+            "--log",
+            log.to_str().unwrap(),
+        ];
+        if let Some(p) = from {
+            args.extend(["--init-from", p.to_str().unwrap()]);
+        }
+        shardplan_ok(&args);
+        json_lines(&log).iter().map(|v| v["loss"].as_f64().unwrap()).collect()
+    };
+    let pp = "examples/parallel/pp-2-1f1b-cpu.yaml";
+    let want = run(flat.to_str().unwrap(), Some(&weights), "flat.jsonl");
+    let dcp_step = std::fs::read_dir(&dcp)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.join(".metadata").is_file())
+        .unwrap();
+    for (what, from) in [("safetensors", weights.as_path()), ("DCP", dcp_step.as_path())] {
+        let got = run(pp, Some(from), &format!("pp-{what}.jsonl"));
+        for (a, b) in want.iter().zip(&got) {
+            assert!(((a - b) / a).abs() < 1e-5, "{what}: {got:?} vs {want:?}");
+        }
+    }
+    let fresh = run(pp, None, "fresh.jsonl");
+    assert!((fresh[0] - want[0]).abs() > 1e-3, "{fresh:?} vs {want:?}");
 }
 
 #[test]

@@ -58,7 +58,12 @@ fn the_shard_axis_defaults_to_what_world_leaves() {
     let m = mesh("mesh: {tensor: 2, context: 2}\nworld: 16\n");
     assert_eq!((m.shard, m.context), (4, 2));
     let e = parallel("mesh: {tensor: 8}\nworld: 12\n");
-    check(&e, 2, 8, &["`mesh.shard`", "do not divide world (12)", "set mesh.shard"]);
+    check(
+        &e,
+        2,
+        8,
+        &["`mesh.shard`", "do not divide world (12)", "set mesh.shard"],
+    );
 }
 
 #[test]

@@ -1359,17 +1359,10 @@ def clip_grad_norm(model, clip, device):
         # tensor, or over the data-parallel mesh alone where a module stays whole on every
         # tensor rank (a vocabulary the group does not divide): each mesh's norm is reduced
         # to its whole parameters' (torchtitan's way), and the meshes' norms combined.
-        by_mesh = {}
-        for p in model.parameters():
-            if p.grad is not None:
-                by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        by_mesh = grads_by_mesh(model.parameters())
+        norm = squared_norm(by_mesh, device).sqrt()
         for params in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            squares += norm.float().to(device) ** 2
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, clip, squares.sqrt())
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
@@ -1382,6 +1375,27 @@ def clip_grad_norm(model, clip, device):
     coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
     for g in local:
         g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
+
+
+def grads_by_mesh(params):
+    """The parameters with a gradient, by their gradient's device mesh (None: a plain
+    tensor): torch's norm and clip take one mesh at a time."""
+    by_mesh = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return by_mesh
+
+
+def squared_norm(by_mesh, device):
+    """The squared global norm of the gradients of `by_mesh`: each mesh's norm reduced to
+    its whole parameters' (DTensor's full_tensor), the squares summed, f32 on `device`."""
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares += norm.float().to(device) ** 2
+    return squares
 
 
 def evaluate(model, device, rank, world):
@@ -1791,15 +1805,18 @@ class StageModule(nn.Module):
 
 
 def make_pipeline_mesh(device):
-    """The (pipeline, replicate, shard) mesh, pipeline outermost, and its data-parallel part."""
+    """The (pipeline, replicate, shard, tensor) mesh, pipeline outermost and the tensor
+    groups innermost, and its data-parallel part; sets TENSOR_MESH under tensor
+    parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    p, r, s = MESH.get("pipeline", 1), MESH["replicate"], MESH["shard"]
-    if r > 1:
-        mesh = init_device_mesh(device.type, (p, r, s), mesh_dim_names=("pp", "replicate", "shard"))
-        return mesh, mesh["replicate", "shard"]
-    mesh = init_device_mesh(device.type, (p, s), mesh_dim_names=("pp", "shard"))
-    return mesh, mesh["shard"]
+    p, r, s, t = MESH.get("pipeline", 1), MESH["replicate"], MESH["shard"], MESH.get("tensor", 1)
+    dp = ("replicate", "shard") if r > 1 else ("shard",)
+    dims = (p,) + ((r, s) if r > 1 else (s,)) + ((t,) if t > 1 else ())
+    mesh = init_device_mesh(device.type, dims, mesh_dim_names=("pp",) + dp + (("tensor",) if t > 1 else ()))
+    if t > 1:
+        TENSOR_MESH[0] = mesh["tensor"]
+    return mesh, mesh[dp]
 
 
 def pipeline_loss(logits, targets):
@@ -1811,6 +1828,8 @@ def build_stages(a, device, mesh, dp):
     from torch.distributed.pipelining import PipelineStage
 
     model, names = build_model()
+    if TENSOR is not None:
+        apply_tensor_parallel(model, TENSOR_MESH[0], device)
     apply_checkpointing(model)
     apply_compile(model)
     me = mesh.get_local_rank("pp")
@@ -1830,7 +1849,20 @@ def build_stages(a, device, mesh, dp):
         init_weights(part, names, a.init_from)
         parts.append(part)
         stages.append(PipelineStage(part, s, count, device, group=mesh.get_group("pp")))
-    return parts, stages
+    return parts, stages, names
+
+
+class StageParameters:
+    """This rank's stages as a checkpoint reads a model: every parameter under the model's
+    own path (a stage keeps its modules' paths), so a pipeline checkpoint holds each
+    parameter under its Hugging Face name, as one without a pipeline does."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def named_parameters(self):
+        for part in self.parts:
+            yield from part.named_parameters()
 
 
 def make_schedule(stages):
@@ -1853,32 +1885,38 @@ def make_schedule(stages):
 
 def clip_pipeline(parts, mesh, clip, device):
     """torch's clip over every stage of the pipeline: each rank's norm over its stages'
-    gradient shards (full over the data-parallel mesh), squared, summed over the pipeline
-    on the process group's device."""
-    params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    sq = (norm.double() ** 2).to(device=device)
+    gradient shards (full over the data-parallel and tensor meshes), squared, summed over
+    the pipeline on the process group's device."""
+    by_mesh = grads_by_mesh(p for part in parts for p in part.parameters())
+    sq = squared_norm(by_mesh, device).double()
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group("pp"))
-    torch.nn.utils.clip_grads_with_norm_(params, clip, sq.sqrt().float())
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, clip, sq.sqrt().float())
 
 
 def run_pipeline(a, device, rank, world):
-    if a.checkpoint_dir or a.resume:
-        raise SystemExit("error: --checkpoint-dir and --resume: a pipeline program does not checkpoint yet")
     mesh, dp = make_pipeline_mesh(device)
-    parts, stages = build_stages(a, device, mesh, dp)
+    parts, stages, names = build_stages(a, device, mesh, dp)
     sched = make_schedule(stages)
     opt = make_optimizer(nn.ModuleList(parts))
+    # Checkpoints: every rank saves and loads its own stages' shards; the folder holds the
+    # whole model under its own names (DCP merges the ranks' plans), so it resumes here, in
+    # `shardplan train` (with or without a pipeline) and in the program of another mesh.
+    view = StageParameters(parts)
     count = len(PIPELINE["stages"])
     first = any(s.stage_index == 0 for s in stages)
     last = any(s.stage_index == count - 1 for s in stages)
-    dp_world = MESH["replicate"] * MESH["shard"]
-    batches = Batches(DATA, rank % dp_world, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
+    dp_world, tensor = MESH["replicate"] * MESH["shard"], MESH.get("tensor", 1)
+    # A pipeline rank's tensor group (its innermost ranks) reads one data-parallel rank's rows.
+    dp_rank = (rank % (dp_world * tensor)) // tensor
+    batches = Batches(DATA, dp_rank, dp_world, BATCH["per_rank"], BATCH["seq_len"], MODEL["vocab_size"])
     tokens_per_step = BATCH["per_rank"] * BATCH["seq_len"] * dp_world
     log = open(a.log, "a") if a.log and rank == 0 else None
-    for step in range(a.steps):
+    first_step = resume_checkpoint(a.resume, view, names, opt, batches, a.names == "torchtitan") if a.resume else 0
+    if first_step >= a.steps:
+        raise SystemExit(f"error: the checkpoint is at step {first_step}; --steps {a.steps} leaves nothing to do "
+                         "(--steps counts the whole run)")
+    for step in range(first_step, a.steps):
         dist.barrier()
         t0 = time.perf_counter()
         for group in opt.param_groups:
@@ -1887,14 +1925,17 @@ def run_pipeline(a, device, rank, world):
         losses = []
         args = (tokens,) if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
-        sched.step(*args, **kwargs)
+        with loss_context():
+            sched.step(*args, **kwargs)
         if GRAD_CLIP is not None:
             clip_pipeline(parts, mesh, GRAD_CLIP, device)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        total = torch.tensor(sum(float(x) for x in losses), dtype=torch.float64, device=device)
+        whole = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]
+        total = torch.tensor(sum(float(x) for x in whole), dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        loss = total.item() / (PIPELINE["microbatches"] * dp_world)
+        # Every rank of the last stage's tensor groups holds the same losses.
+        loss = total.item() / (PIPELINE["microbatches"] * dp_world * tensor)
         seconds = time.perf_counter() - t0
         if not math.isfinite(loss):
             raise SystemExit(f"error: non-finite loss {loss} at step {step + 1}")
@@ -1906,6 +1947,9 @@ def run_pipeline(a, device, rank, world):
                 log.write(text + "\n")
                 log.flush()
             print(text, file=sys.stdout if step + 1 == a.steps else sys.stderr)
+        every = a.checkpoint_every
+        if a.checkpoint_dir and (step + 1 == a.steps or (every and (step + 1) % every == 0)):
+            save_checkpoint(a, view, names, opt, batches, step + 1, rank)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,17 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
         .map_err(|e| CliError::Input(lp.origin.error(e.field(), e.to_string(), e.help())))?;
     let model = lm.config.clone();
     let origin = Origin::Spec(Box::new((lp, lm)));
+    super::check_tensor_parallel(config.mesh.tensor, &model, &origin)?;
+    // Under tensor parallelism the traced stages hold one tensor rank's slices; the program
+    // lists the whole model's parameters and each rank cuts its own.
+    let whole = if config.mesh.tensor > 1 {
+        let mut opts = config.trace_options();
+        opts.tensor = Default::default();
+        shardplan_models::trace(&model, opts)
+            .map_err(|e| CliError::Usage(format!("tracing the whole model for its parameters: {e}")))?
+    } else {
+        forward.clone()
+    };
     let p = &plan.program;
     let mesh = config.mesh;
     let lits: Vec<(&str, &str, Value)> = vec![
@@ -39,12 +50,17 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
         (
             "PARAMS",
             "every parameter: Hugging Face name, shape, initialisation (constant, or normal with std and stream)",
-            params_literal(&forward),
+            params_literal(&whole),
         ),
         (
             "MESH",
-            "pipeline x replicate x shard, pipeline outermost (HSDP inside the stages when replicate > 1)",
-            json!({"pipeline": mesh.pipeline, "replicate": mesh.replicate, "shard": mesh.shard, "expert": 1}),
+            "pipeline x replicate x shard x tensor, pipeline outermost (HSDP inside the stages when replicate > 1), tensor groups innermost",
+            json!({"pipeline": mesh.pipeline, "replicate": mesh.replicate, "shard": mesh.shard, "expert": 1, "tensor": mesh.tensor}),
+        ),
+        (
+            "TENSOR",
+            "tensor parallelism inside each stage (None: none), torchtitan's plan as without a pipeline",
+            super::tensor_literal(mesh.tensor, &model, &config),
         ),
         ("GROUPS", "not used under a pipeline: each stage wraps its blocks, then itself", json!([])),
         ("FORWARD_PREFETCH", "not used under a pipeline", json!([])),
@@ -128,16 +144,6 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
 /// What the program does not run under a pipeline, refused naming the field.
 fn refuse(config: &shardplan_frontends::ParallelConfig, spec: &LoadedParallel) -> Result<(), CliError> {
     let refuse = |field: &str, message: String, help: &str| CliError::Input(spec.origin.error(field, message, help));
-    if config.mesh.tensor > 1 {
-        return Err(refuse(
-            "mesh.tensor",
-            format!(
-                "the pipeline's stages split each block over tensor groups of {} ranks; `export fsdp2` writes FSDP2 alone inside each stage, not torchtitan's tensor-parallel plan",
-                config.mesh.tensor
-            ),
-            "export without `mesh.tensor`, or run this spec with `shardplan train`",
-        ));
-    }
     if config.mesh.expert > 1 {
         return Err(refuse(
             "mesh.expert",

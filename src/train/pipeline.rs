@@ -10,8 +10,8 @@ use shardplan_executor::train::pipeline::{PipelineMetrics, PipelineTrainer};
 use shardplan_frontends::{trace_error, trace_options, LoadedModel, LoadedParallel, SpecError};
 
 /// Trains `model` with `parallel`'s pipeline on `device` for `--steps` steps, on the ranks
-/// `engine` places here: resumed from `--resume`, checkpointed under `--checkpoint-dir`
-/// every `--checkpoint-every` steps and at the end.
+/// `engine` places here: started from `--init-from` or resumed from `--resume`,
+/// checkpointed under `--checkpoint-dir` every `--checkpoint-every` steps and at the end.
 pub fn run(
     args: &TrainArgs,
     engine: &dyn Engine,
@@ -76,6 +76,13 @@ fn start(
     }
     let mut trainer = PipelineTrainer::from_placement(&model.config, config, &plan, args.steps, device, placement)
         .map_err(located)?;
+    if let Some(path) = &args.init_from {
+        trainer.init_from(path).map_err(|e| {
+            CliError::Input(SpecError::file(path, e.to_string()).help(
+                "give Hugging Face safetensors (a file, or a folder with an index) or a DCP checkpoint of this model",
+            ))
+        })?;
+    }
     if let Some(dir) = &args.resume {
         let warnings = trainer.load(dir).map_err(|e| {
             CliError::Input(SpecError::file(dir, e.to_string()).help("give a shardplan checkpoint of this model"))
@@ -98,17 +105,29 @@ fn save(args: &TrainArgs, trainer: &mut PipelineTrainer) -> Result<(), shardplan
     Ok(())
 }
 
-/// Refuses what this path does not do yet, naming the option.
+/// Refuses the options that read a plan's instruction streams, which a pipeline rank does
+/// not run, naming the option and why.
 fn refuse_unsupported(args: &TrainArgs, parallel: &LoadedParallel) -> Result<(), CliError> {
     let unsupported = [
-        (args.init_from.is_some(), "--init-from"),
-        (args.trace.is_some(), "--trace"),
-        (args.profile.is_some(), "--profile"),
-        (!args.inject_fault.is_empty(), "--inject-fault"),
+        (
+            args.trace.is_some(),
+            "--trace",
+            "the trace records each stream of an FSDP plan's program, and a pipeline rank runs its schedule's actions (`shardplan plan` prints them) instead of those streams",
+        ),
+        (
+            args.profile.is_some(),
+            "--profile",
+            "the profile times the ops of the one graph an FSDP plan runs against its cost model, and a pipeline rank runs several stage graphs",
+        ),
+        (
+            !args.inject_fault.is_empty(),
+            "--inject-fault",
+            "a fault is injected at a named instruction of an FSDP plan's program, which a pipeline step does not have",
+        ),
     ];
-    if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
+    if let Some((_, what, why)) = unsupported.iter().find(|(given, _, _)| *given) {
         return Err(CliError::Usage(format!(
-            "{what} with a pipeline (mesh.pipeline in {}): pipeline training runs without traces, profiles or fault injection yet; leave {what} out",
+            "{what} with a pipeline (mesh.pipeline in {}): {why}; leave {what} out, or train the spec without its pipeline",
             parallel.origin.file.display()
         )));
     }

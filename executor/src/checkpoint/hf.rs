@@ -4,7 +4,7 @@
 
 use super::meta::dtype_size;
 use super::read::{read_header, read_range, read_rows, to_f32, Header};
-use super::{io, is_checkpoint, local_rows, read_metadata, resolve, whole_dims};
+use super::{io, is_checkpoint, local_rows, read_metadata, resolve, whole_dims, TensorSource};
 use crate::train::sharded::ShardedTrainer;
 use crate::ExecError;
 use candle_core::{Device, Tensor};
@@ -94,6 +94,89 @@ impl ShardedTrainer {
         }
         let device = self.device().clone();
         self.to_device(&device)
+    }
+}
+
+/// Hugging Face safetensors as a [`TensorSource`]: one file, or a folder with
+/// `model.safetensors` or shards listed by its index; each tensor's header checked once
+/// against the model's shape, its rows read on demand.
+pub(crate) struct SafetensorsSource {
+    path: PathBuf,
+    files: HashMap<String, PathBuf>,
+    headers: HashMap<PathBuf, Header>,
+}
+
+impl SafetensorsSource {
+    pub(crate) fn open(path: &Path) -> Result<Self, ExecError> {
+        Ok(SafetensorsSource {
+            path: path.to_path_buf(),
+            files: hf_files(path)?,
+            headers: HashMap::new(),
+        })
+    }
+
+    /// The file holding `name`, its dtype, shape and byte range (the header read once).
+    fn entry(&mut self, name: &str) -> Result<(PathBuf, String, Vec<u64>, u64, u64), ExecError> {
+        let file = self
+            .files
+            .get(name)
+            .or_else(|| self.files.get("*"))
+            .cloned()
+            .ok_or_else(|| {
+                ExecError::Checkpoint(format!(
+                    "{}: no tensor `{name}` (the index lists no file for it)",
+                    self.path.display()
+                ))
+            })?;
+        if !self.headers.contains_key(&file) {
+            self.headers.insert(file.clone(), read_header(&file)?);
+        }
+        let (dtype, shape, begin, end) = self.headers[&file]
+            .tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ExecError::Checkpoint(format!("{}: no tensor `{name}`", file.display())))?;
+        Ok((file, dtype, shape, begin, end))
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn check_shape(&mut self, name: &str, want: &[u64]) -> Result<(), ExecError> {
+        let (file, dtype, shape, begin, end) = self.entry(name)?;
+        if shape != want {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` has shape {shape:?}, the model needs {want:?}",
+                file.display(),
+            )));
+        }
+        let size = dtype_size(&dtype).ok_or_else(|| {
+            ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` is {dtype}; use F32, BF16 or F16",
+                file.display()
+            ))
+        })?;
+        let need = want.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
+        if need != Some(end - begin) {
+            return Err(ExecError::Checkpoint(format!(
+                "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} does not",
+                file.display(),
+                end - begin
+            )));
+        }
+        Ok(())
+    }
+
+    fn rows(&mut self, name: &str, rows: std::ops::Range<u64>) -> Result<Vec<f32>, ExecError> {
+        let (file, dtype, shape, begin, _) = self.entry(name)?;
+        let size = dtype_size(&dtype).ok_or_else(|| ExecError::Checkpoint(format!("{name}: dtype {dtype}")))?;
+        let row_bytes = shape.iter().skip(1).product::<u64>() * size;
+        let bytes = read_range(
+            &file,
+            begin + rows.start * row_bytes,
+            (rows.end - rows.start) * row_bytes,
+            name,
+        )?;
+        to_f32(&bytes, &dtype).ok_or_else(|| ExecError::Checkpoint(format!("{name}: dtype {dtype}")))
     }
 }
 

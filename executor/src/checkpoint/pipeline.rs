@@ -157,7 +157,10 @@ impl PipelineTrainer {
                 .map(|s| s.graph.joint.graph.param(ParamId::new(0)).name.to_string());
             let (run, more) = read_run_state(&ck, &self.model, first.as_deref())?;
             warnings.extend(more);
-            let loaded = self.read_stages(&mut DcpSource::new(&ck, CheckpointNames::HuggingFace, &self.model))?;
+            let loaded = self.read_stages(
+                &mut DcpSource::new(&ck, CheckpointNames::HuggingFace, &self.model),
+                true,
+            )?;
             let position = run.position.unwrap_or(run.step);
             self.apply(loaded, run.optimizer_steps, position, run.step)?;
             return Ok(warnings);
@@ -175,15 +178,48 @@ impl PipelineTrainer {
             )));
         }
         // Read everything first: a failure leaves the trainer as it was.
-        let loaded = self.read_stages(&mut ShardplanSource::new(&dir, &meta))?;
+        let loaded = self.read_stages(&mut ShardplanSource::new(&dir, &meta), true)?;
         self.apply(loaded, meta.optimizer_steps, meta.data_position, meta.step)?;
         Ok(warnings)
     }
 
-    /// Every local rank's chunks of every stage's parameters and optimizer states, from
-    /// `source`: by rank, stage, parameter, then the parameter and each state.
-    fn read_stages(&self, source: &mut dyn TensorSource) -> Result<Vec<Vec<Vec<Vec<Tensor>>>>, ExecError> {
-        let states = state_names(&self.config.optimizer);
+    /// Starts from pretrained weights: Hugging Face safetensors (one file, or a folder
+    /// with `model.safetensors` or an index) or a DCP checkpoint's parameters, each rank
+    /// reading only its chunks of its stages; the optimizer starts fresh, at step 0.
+    pub fn init_from(&mut self, path: &Path) -> Result<(), ExecError> {
+        let loaded = if shardplan_dcp::is_checkpoint(path) {
+            let ck = shardplan_dcp::Checkpoint::open(path).map_err(|e| ExecError::Checkpoint(e.to_string()))?;
+            self.read_stages(
+                &mut DcpSource::new(&ck, CheckpointNames::HuggingFace, &self.model),
+                false,
+            )?
+        } else {
+            self.read_stages(&mut super::hf::SafetensorsSource::open(path)?, false)?
+        };
+        for (rank, by_stage) in self.ranks.iter_mut().zip(loaded) {
+            for (stage, by_param) in rank.stages.iter_mut().zip(by_stage) {
+                for (i, kinds) in by_param.into_iter().enumerate() {
+                    if let Some(m) = kinds.into_iter().next() {
+                        stage.chunks[i].master = m.to_device(&self.device)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every local rank's chunks of every stage's parameters and (`with_states`) optimizer
+    /// states, from `source`: by rank, stage, parameter, then the parameter and each state.
+    fn read_stages(
+        &self,
+        source: &mut dyn TensorSource,
+        with_states: bool,
+    ) -> Result<Vec<Vec<Vec<Vec<Tensor>>>>, ExecError> {
+        let states = if with_states {
+            state_names(&self.config.optimizer)
+        } else {
+            &[]
+        };
         let shards = self.config.mesh.shard;
         let mut loaded = Vec::with_capacity(self.ranks.len());
         for rank in &self.ranks {

@@ -65,7 +65,7 @@ impl ParallelSpecFile {
         let context_parallel = context_parallel(&mut o, self.context_parallel);
         let moe = moe(&mut o, self.moe)?;
         let mut hardware = hardware(&mut o, self.hardware)?;
-        let runtime = runtime(&mut o, self.runtime, &mut hardware, mesh.tensor)?;
+        let runtime = runtime(&mut o, self.runtime, &mut hardware)?;
 
         let wrap = wrap(&mut o, self.wrap)?;
         let wrap_modules = wrap_modules(&mut o, self.wrap_modules);
@@ -168,7 +168,10 @@ fn default_shard(o: &Origin, others: [u64; 4], world: Option<&Spanned<u64>>) -> 
     let Some(w) = world else {
         return Ok(1);
     };
-    let taken = others.iter().try_fold(1u64, |acc, &a| acc.checked_mul(a)).unwrap_or(u64::MAX);
+    let taken = others
+        .iter()
+        .try_fold(1u64, |acc, &a| acc.checked_mul(a))
+        .unwrap_or(u64::MAX);
     if w.value == 0 || !w.value.is_multiple_of(taken) {
         return Err(SpecError::file(
             &o.file,
@@ -397,7 +400,6 @@ fn runtime(
     o: &mut Origin,
     spec: Option<Spanned<Runtime>>,
     hardware: &mut HardwareProfile,
-    tensor: u64,
 ) -> Result<Runtime, SpecError> {
     record(o, "runtime", &spec);
     let runtime = spec.map_or(Runtime::Shardplan, |s| s.value);
@@ -412,13 +414,6 @@ fn runtime(
             ));
         }
         hardware.kernels = KernelMode::Eager;
-        if tensor > 1 {
-            return Err(o.error(
-                "runtime",
-                "`runtime: fsdp2` models FSDP2's hooks on a data-parallel mesh; shardplan has no model of DTensor tensor parallelism under FSDP2",
-                "plan tensor parallelism with `runtime: shardplan` (the default), or set mesh.tensor to 1",
-            ));
-        }
     }
     Ok(runtime)
 }

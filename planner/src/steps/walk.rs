@@ -425,20 +425,44 @@ impl<'a> Walker<'a> {
     /// PyTorch eager's cross-entropy is `log_softmax` then `nll_loss`: its backward makes
     /// the log-probabilities' gradient (as large as the logits) before the logits'
     /// gradient, beside it. A compiled loss computes the logits' gradient in one kernel.
+    ///
+    /// Under `loss_parallel()` DTensor runs both as Python over the vocabulary-split
+    /// logits (`torch.distributed.tensor.parallel.loss`): the forward holds the shifted
+    /// logits and their exponentials beside its input, and the backward holds a zeroed
+    /// gradient and `zeros + exp(log_probs)` beside the logits' gradient, each as large as
+    /// the logits: two transients where eager's one kernel has none or one.
     fn eager_cross_entropy(&mut self, id: NodeId) {
         let node = self.t.g.node(id);
-        if self.t.runner == Runner::Shardplan
-            || self.t.runner.compile().loss
-            || !matches!(node.op, Op::CrossEntropyGrad | Op::VocabCrossEntropyGrad { .. })
-        {
+        if self.t.runner == Runner::Shardplan || self.t.runner.compile().loss {
             return;
         }
+        let transients = match node.op {
+            Op::CrossEntropyGrad => 1u32,
+            Op::VocabCrossEntropy { .. } | Op::VocabCrossEntropyGrad { .. } => 2,
+            _ => return,
+        };
         let extra = self.t.g.node(node.inputs[0]).ty.bytes().unwrap_or(u64::MAX);
-        self.peak(extra);
-        let value = self.acts.values;
-        self.acts.push(self.detail, ActEvent { value, bytes: extra });
-        self.acts.push(self.detail, ActEvent { value, bytes: 0 });
-        self.acts.values += 1;
+        self.peak(extra.saturating_mul(u64::from(transients)));
+        let first = self.acts.values;
+        for k in 0..transients {
+            self.acts.push(
+                self.detail,
+                ActEvent {
+                    value: first + k,
+                    bytes: extra,
+                },
+            );
+        }
+        for k in 0..transients {
+            self.acts.push(
+                self.detail,
+                ActEvent {
+                    value: first + k,
+                    bytes: 0,
+                },
+            );
+        }
+        self.acts.values += transients;
     }
 
     /// What PyTorch saves for forward node `id` beyond its value ([`Runner::saved_bytes`];
