@@ -1888,7 +1888,7 @@ def clip_pipeline(parts, mesh, clip, device):
     gradient shards (full over the data-parallel and tensor meshes), squared, summed over
     the pipeline on the process group's device."""
     by_mesh = grads_by_mesh(p for part in parts for p in part.parameters())
-    sq = squared_norm(by_mesh, device).double()
+    sq = squared_norm(by_mesh, device).to(device=device, dtype=torch.float64)
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group("pp"))
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, clip, sq.sqrt().float())
