@@ -140,11 +140,6 @@ CONFIGS = {
     "fsdp-tp-2x2-full-ac": ("mesh: {shard: 2, tensor: 2}\nactivation_checkpointing: full\n", "", False),
     "fsdp-tp-2x2-offload": ("mesh: {shard: 2, tensor: 2}\noffload: cpu\n", "", False),
     "fsdp-tp-2x2-bf16": ("mesh: {shard: 2, tensor: 2}\nmixed_precision: {param: bf16, reduce: f32}\n", "", True),
-    # Compiled blocks over DTensor, and async TP (on the CPU the program runs without
-    # inductor's micro-pipelined TP pass, which needs CUDA's symmetric memory).
-    "fsdp-tp-2x2-compile": ("mesh: {shard: 2, tensor: 2}\nruntime: fsdp2\ncompile: true\n", "", False),
-    "fsdp-tp-2x2-async": ("mesh: {shard: 2, tensor: 2}\nruntime: fsdp2\ncompile: true\n"
-                          "tensor_parallel: {async: true}\n", "", False),
 }
 # The models with routed experts, which the expert-parallel configurations need.
 MOE_MODELS = {"moe", "mixtral"}

@@ -502,6 +502,26 @@ fn plans_fsdp2_cannot_run_as_planned_are_refused() {
         );
         assert!(!d.path().join("train.py").exists());
     }
+    // torch.compile over DTensor TP modules (and so async TP) does not run as eager does
+    // under torch 2.15: refused at `compile`, saying what was measured.
+    for extra in ["", "tensor_parallel: {async: true}\n"] {
+        let spec = d.path().join("tp-compiled.yaml");
+        std::fs::write(
+            &spec,
+            format!("mesh: {{shard: 2, tensor: 2}}\ngpus_per_node: 4\nruntime: fsdp2\ncompile: true\n{extra}batch: {{per_rank: 2, seq_len: 16}}\n"),
+        )
+        .unwrap();
+        let o = export("examples/models/tiny-llama.yaml", spec.to_str().unwrap(), d.path());
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("tp-compiled.yaml:4:")
+                && err.contains("`compile`")
+                && err.contains("torch.compile over DTensor"),
+            "{err}"
+        );
+        assert!(!d.path().join("train.py").exists());
+    }
     // A missing --out or specs is a usage error, not a panic.
     let o = shardplan(&["export", "fsdp2", "--model", "examples/models/tiny-gpt2.yaml"]);
     assert_eq!(o.status.code(), Some(2));
