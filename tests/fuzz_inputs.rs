@@ -584,6 +584,22 @@ fn fuzz_parallel_yaml() {
     );
 }
 
+/// Tensor parallelism's fields: a mesh whose shard axis is left to `world`, and
+/// `tensor_parallel` with `async` (which needs `compile` under `runtime: fsdp2`).
+#[test]
+fn fuzz_tensor_parallel_yaml() {
+    let dir = scratch();
+    let seed = dir.path().join("tp-async.yaml");
+    std::fs::write(
+        &seed,
+        "mesh: {tensor: 2}\nworld: 4\ngpus_per_node: 4\nruntime: fsdp2\ncompile: true\n\
+         tensor_parallel: {sequence_parallel: true, loss_parallel: true, async: true}\n\
+         batch: {per_rank: 2, seq_len: 16}\n",
+    )
+    .unwrap();
+    fuzz_spec("parallel-tp", &[seed.to_str().unwrap()], "tiny-llama", 300, false);
+}
+
 /// Context parallelism's fields (`mesh.context`, `context_parallel:`).
 #[test]
 fn fuzz_context_yaml() {

@@ -20,8 +20,7 @@ impl ShardedTrainer {
         if shardplan_dcp::is_checkpoint(path) {
             return self.init_from_dcp(path);
         }
-        let files = hf_files(path)?;
-        let mut headers: HashMap<PathBuf, Header> = HashMap::new();
+        let mut source = SafetensorsSource::open(path)?;
         let names = self.param_names();
         let plan = &self.shared.plan;
         let mesh = plan.mesh;
@@ -35,53 +34,14 @@ impl ShardedTrainer {
                 let mut flat = vec![0f32; l.shard_numel as usize];
                 for pl in &l.params {
                     let name = &names[self.whole.id(pl.param, mesh.expert_index(rank))];
-                    let file = files.get(name).or_else(|| files.get("*")).ok_or_else(|| {
-                        ExecError::Checkpoint(format!(
-                            "{}: no tensor `{name}` (the index lists no file for it)",
-                            path.display()
-                        ))
-                    })?;
-                    if !headers.contains_key(file) {
-                        headers.insert(file.clone(), read_header(file)?);
-                    }
-                    let (dtype, shape, begin, end) = headers[file]
-                        .tensors
-                        .get(name)
-                        .cloned()
-                        .ok_or_else(|| ExecError::Checkpoint(format!("{}: no tensor `{name}`", file.display())))?;
                     let param = g.param(pl.param);
-                    let want = whole_dims(param);
-                    if shape != want {
-                        return Err(ExecError::Checkpoint(format!(
-                            "{}: tensor `{name}` has shape {shape:?}, the model needs {want:?}",
-                            file.display(),
-                        )));
-                    }
-                    let size = dtype_size(&dtype).ok_or_else(|| {
-                        ExecError::Checkpoint(format!(
-                            "{}: tensor `{name}` is {dtype}; use F32, BF16 or F16",
-                            file.display()
-                        ))
-                    })?;
-                    let all_rows = want.first().copied().unwrap_or(1);
-                    let row_bytes = want.iter().skip(1).product::<u64>() * size;
-                    if end - begin != all_rows * row_bytes {
-                        return Err(ExecError::Checkpoint(format!(
-                            "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {}",
-                            file.display(),
-                            end - begin,
-                            all_rows * row_bytes
-                        )));
-                    }
+                    source.check_shape(name, &whole_dims(param))?;
                     let shard = mesh.shard_rank(rank, &grp.group);
                     let rows = chunk_rows(pl.dims.first().copied().unwrap_or(1), l.shard, shard);
                     if rows.is_empty() {
                         continue;
                     }
-                    let vals = local_rows(param, coords.tensor, rows, &mut |r| {
-                        let bytes = read_range(file, begin + r.start * row_bytes, (r.end - r.start) * row_bytes, name)?;
-                        Ok(to_f32(&bytes, &dtype).expect("dtype checked above"))
-                    })?;
+                    let vals = local_rows(param, coords.tensor, rows, &mut |r| source.rows(name, r))?;
                     let at = pl.shard_offset as usize;
                     flat[at..at + vals.len()].copy_from_slice(&vals);
                 }
@@ -155,10 +115,10 @@ impl TensorSource for SafetensorsSource {
                 file.display()
             ))
         })?;
-        let need = want.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
-        if need != Some(end - begin) {
+        let need = want.iter().try_fold(size, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX);
+        if need != end - begin {
             return Err(ExecError::Checkpoint(format!(
-                "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} does not",
+                "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {need}",
                 file.display(),
                 end - begin
             )));
