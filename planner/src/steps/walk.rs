@@ -426,8 +426,8 @@ impl<'a> Walker<'a> {
     /// the log-probabilities' gradient (as large as the logits) before the logits'
     /// gradient, beside it. A compiled loss computes the logits' gradient in one kernel.
     ///
-    /// Under `loss_parallel()` DTensor runs both as Python over the vocabulary-split
-    /// logits (`torch.distributed.tensor.parallel.loss`): the forward holds the shifted
+    /// Under `loss_parallel()` (FSDP2's run) DTensor runs both as Python over the
+    /// vocabulary-split logits (`torch.distributed.tensor.parallel.loss`): the forward holds the shifted
     /// logits and their exponentials beside its input, and the backward holds a zeroed
     /// gradient and `zeros + exp(log_probs)` beside the logits' gradient, each as large as
     /// the logits: two transients where eager's one kernel has none or one.
@@ -436,9 +436,13 @@ impl<'a> Walker<'a> {
         if self.t.runner == Runner::Shardplan || self.t.runner.compile().loss {
             return;
         }
+        // DTensor's loss_parallel() is what FSDP2's run (`runtime: fsdp2`, the exported
+        // program) executes; `kernels: eager` alone keeps eager's one-kernel count.
+        let dtensor = self.t.runner.is_fsdp2();
         let transients = match node.op {
             Op::CrossEntropyGrad => 1u32,
-            Op::VocabCrossEntropy { .. } | Op::VocabCrossEntropyGrad { .. } => 2,
+            Op::VocabCrossEntropyGrad { .. } if !dtensor => 1,
+            Op::VocabCrossEntropy { .. } | Op::VocabCrossEntropyGrad { .. } if dtensor => 2,
             _ => return,
         };
         let extra = self.t.g.node(node.inputs[0]).ty.bytes().unwrap_or(u64::MAX);
