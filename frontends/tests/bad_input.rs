@@ -434,7 +434,7 @@ fn parallel_spec_rules() {
             "mesh: {shard: 2, tensor: 2}\ngpus_per_node: 4\nruntime: fsdp2\ncompile: true\n\
              tensor_parallel: {sequence_parallel: false, async: true}\n",
             5,
-            51,
+            52,
             "sequence_parallel is off",
         ),
         (
@@ -824,6 +824,9 @@ fn tensor_parallel_fields() {
     let c = ok("mesh: {shard: 4, tensor: 2}\ntensor_parallel: {sequence_parallel: false}\n");
     assert!(!c.tensor_parallel.sequence_parallel && c.tensor_parallel.loss_parallel);
     assert_eq!(ok(PAR_OK).mesh.tensor, 1);
+    // `runtime: fsdp2` plans DTensor's tensor parallelism (the exported program's).
+    let c = ok("mesh: {shard: 4, tensor: 2}\nruntime: fsdp2\n");
+    assert_eq!((c.runtime, c.mesh.tensor), (shardplan_frontends::Runtime::Fsdp2, 2));
     for (text, line, col, texts) in [
         (
             "mesh: {shard: 4, tensor: 0}\n",
@@ -855,12 +858,6 @@ fn tensor_parallel_fields() {
                 "`world`",
                 "replicate x shard x tensor = 1 x 4 x 2 = 8 ranks, but world is 4",
             ][..],
-        ),
-        (
-            "mesh: {shard: 4, tensor: 2}\nruntime: fsdp2\n",
-            2,
-            10,
-            &["`runtime`", "no model of DTensor tensor parallelism"][..],
         ),
         (
             "mesh: {shard: 4, tensor: 2}\ntensor_parallel: {sequence: true}\n",

@@ -115,7 +115,10 @@ impl TensorSource for SafetensorsSource {
                 file.display()
             ))
         })?;
-        let need = want.iter().try_fold(size, |acc, &d| acc.checked_mul(d)).unwrap_or(u64::MAX);
+        let need = want
+            .iter()
+            .try_fold(size, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(u64::MAX);
         if need != end - begin {
             return Err(ExecError::Checkpoint(format!(
                 "{}: tensor `{name}` holds {} bytes; shape {shape:?} of {dtype} needs {need}",
