@@ -263,11 +263,7 @@ fn render(
     // builds its own experts and slices.
     let whole;
     let every = if g.expert_degree() > 1 || plan.mesh.tensor() > 1 {
-        let mut opts = parallel.trace_options();
-        opts.expert = Default::default();
-        opts.tensor = Default::default();
-        whole = shardplan_models::trace(model, opts)
-            .map_err(|e| CliError::Usage(format!("tracing the whole model for its parameters: {e}")))?;
+        whole = whole_model(model, parallel)?;
         &whole
     } else {
         g
@@ -297,7 +293,7 @@ fn render(
         (
             "TENSOR",
             "tensor parallelism (None: none), torchtitan's plan over groups of `degree` consecutive ranks: sequence parallelism between blocks, the cross-entropy on vocabulary-split logits (loss_parallel), the embedding and head split by vocabulary (`split_vocab`: the vocabulary divides by the degree), async TP (compiled, CUDA)",
-            tensor_literal(plan.mesh.tensor(), model, parallel),
+            tensor_literal(plan.mesh.tensor(), g, parallel),
         ),
         (
             "GROUPS",
@@ -427,22 +423,31 @@ fn mesh_literal(plan: &Plan) -> (&'static str, &'static str, Value) {
     )
 }
 
-/// The `TENSOR` literal: None, or the tensor groups' degree `t` and options.
-fn tensor_literal(t: u64, model: &ModelConfig, parallel: &ParallelConfig) -> Value {
+/// The model traced without its expert and tensor axes: every parameter whole, numbered as
+/// `shardplan train` numbers them for initialisation.
+fn whole_model(model: &ModelConfig, parallel: &ParallelConfig) -> Result<Graph, CliError> {
+    let mut opts = parallel.trace_options();
+    opts.expert = Default::default();
+    opts.tensor = Default::default();
+    shardplan_models::trace(model, opts)
+        .map_err(|e| CliError::Usage(format!("tracing the whole model for its parameters: {e}")))
+}
+
+/// The `TENSOR` literal: None, or the tensor groups' degree `t` and options; whether the
+/// embedding is split by vocabulary is read off the tensor rank's graph `g`, as traced.
+fn tensor_literal(t: u64, g: &Graph, parallel: &ParallelConfig) -> Value {
     if t <= 1 {
         return Value::Null;
     }
     let tp = &parallel.tensor_parallel;
-    let vocab = match model {
-        ModelConfig::Llama(c) => c.vocab_size,
-        ModelConfig::Gpt2(c) => c.vocab_size,
-        ModelConfig::Mlp(_) => 0,
-    };
+    let split_vocab = g
+        .params()
+        .any(|(_, p)| g.scope(p.scope).kind == ModuleKind::Embedding && p.tensor.is_some());
     json!({
         "degree": t,
         "sequence_parallel": tp.sequence_parallel,
         "loss_parallel": tp.loss_parallel,
-        "split_vocab": vocab.is_multiple_of(t),
+        "split_vocab": split_vocab,
         "async": tp.async_tp,
     })
 }

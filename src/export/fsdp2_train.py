@@ -780,6 +780,12 @@ def apply_tensor_parallel(model, tp_mesh, device):
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
+def whole_value(t):
+    """A plain tensor of `t`: under loss parallelism the loss is a DTensor (the same on
+    every tensor rank), made whole."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def loss_context():
     """torch's loss_parallel() around a forward and backward whose cross-entropy reads
     vocabulary-split logits; else nothing."""
@@ -1321,8 +1327,7 @@ def train_step(model, opt, batches, step, total, device, meter):
         with context_shards(tokens, targets, device), loss_context():
             loss = model(tokens, targets)
             (loss / accum).backward()
-        # Under loss parallelism the loss is a DTensor, the same on every tensor rank.
-        loss_sum += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach().double()
+        loss_sum += whole_value(loss).detach().double()
     scale_expert_grads(model)
     if GRAD_CLIP is not None:
         clip_grad_norm(model, GRAD_CLIP, device)
@@ -1411,7 +1416,7 @@ def evaluate(model, device, rank, world):
             # count: the mean over every rank is the batch's.
             with context_shards(tokens, targets, device), loss_context():
                 loss = model(tokens, targets)
-            total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).double()
+            total += whole_value(loss).double()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / (ev["batches"] * world)
 
@@ -1931,8 +1936,7 @@ def run_pipeline(a, device, rank, world):
             clip_pipeline(parts, mesh, GRAD_CLIP, device)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        whole = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in losses]
-        total = torch.tensor(sum(float(x) for x in whole), dtype=torch.float64, device=device)
+        total = torch.tensor(sum(float(whole_value(x)) for x in losses), dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         # Every rank of the last stage's tensor groups holds the same losses.
         loss = total.item() / (PIPELINE["microbatches"] * dp_world * tensor)

@@ -32,10 +32,7 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
     // Under tensor parallelism the traced stages hold one tensor rank's slices; the program
     // lists the whole model's parameters and each rank cuts its own.
     let whole = if config.mesh.tensor > 1 {
-        let mut opts = config.trace_options();
-        opts.tensor = Default::default();
-        shardplan_models::trace(&model, opts)
-            .map_err(|e| CliError::Usage(format!("tracing the whole model for its parameters: {e}")))?
+        super::whole_model(&model, &config)?
     } else {
         forward.clone()
     };
@@ -61,7 +58,7 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
         (
             "TENSOR",
             "tensor parallelism inside each stage (None: none), torchtitan's plan as without a pipeline",
-            super::tensor_literal(mesh.tensor, &model, &config),
+            super::tensor_literal(mesh.tensor, &forward, &config),
         ),
         ("GROUPS", "not used under a pipeline: each stage wraps its blocks, then itself", json!([])),
         ("FORWARD_PREFETCH", "not used under a pipeline", json!([])),
