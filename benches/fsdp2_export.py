@@ -140,13 +140,21 @@ CONFIGS = {
     "fsdp-tp-2x2-full-ac": ("mesh: {shard: 2, tensor: 2}\nactivation_checkpointing: full\n", "", False),
     "fsdp-tp-2x2-offload": ("mesh: {shard: 2, tensor: 2}\noffload: cpu\n", "", False),
     "fsdp-tp-2x2-bf16": ("mesh: {shard: 2, tensor: 2}\nmixed_precision: {param: bf16, reduce: f32}\n", "", True),
+    # A mixture of experts under tensor parallelism (expert tensor parallelism: each expert's
+    # hidden units split over the tensor group), with and without an expert axis.
+    "moe-tp-2x2": ("mesh: {shard: 2, tensor: 2}\n", "", False),
+    "moe-tp-2x2-no-sp": ("mesh: {shard: 2, tensor: 2}\ntensor_parallel: {sequence_parallel: false, "
+                         "loss_parallel: false}\n", "", False),
+    "ep-2-tp-2": ("mesh: {shard: 2, expert: 2, tensor: 2}\n", "", False),
 }
-# The models with routed experts, which the expert-parallel configurations need.
+# The models with routed experts, which the expert-parallel configurations (and those named
+# moe-) need.
 MOE_MODELS = {"moe", "mixtral"}
 EP_CONFIGS = {name for name in CONFIGS if "ep-" in name}
-# The dense Llama-family models, which the tensor-parallel configurations need (GPT-2's
-# Conv1D layers have no DTensor style; the mixtures of experts' layout is not exported).
-TP_MODELS = {"llama", "qwen3"}
+MOE_CONFIGS = EP_CONFIGS | {name for name in CONFIGS if name.startswith("moe-")}
+# The Llama-family models, which the tensor-parallel configurations need (GPT-2's Conv1D
+# layers have no DTensor style).
+TP_MODELS = {"llama", "qwen3", "moe", "mixtral"}
 TP_CONFIGS = {name for name in CONFIGS if "tp-" in name}
 
 
@@ -265,17 +273,19 @@ def main(argv=None):
         pairs = [tuple(r.split("/", 1)) if "/" in r else (r, "") for r in a.runs.split(",")]
     else:
         pairs = [(m, c) for m in a.models.split(",") for c in a.configs.split(",")
-                 if (c not in EP_CONFIGS or m in MOE_MODELS) and (c not in TP_CONFIGS or m in TP_MODELS)]
+                 if (c not in MOE_CONFIGS or m in MOE_MODELS) and (c not in TP_CONFIGS or m in TP_MODELS)]
     for model_name, name in pairs:
         if model_name not in MODELS[a.size] or model_name == "batch" or name not in CONFIGS:
             print(f"unknown run {model_name}/{name}: models {', '.join(m for m in MODELS[a.size] if m != 'batch')}; "
                   f"configs {', '.join(CONFIGS)}")
             return 2
-        if name in EP_CONFIGS and model_name not in MOE_MODELS:
-            print(f"{model_name}/{name}: expert parallelism needs a mixture of experts ({', '.join(sorted(MOE_MODELS))})")
+        if name in MOE_CONFIGS and model_name not in MOE_MODELS:
+            print(f"{model_name}/{name}: this configuration needs a mixture of experts "
+                  f"({', '.join(sorted(MOE_MODELS))})")
             return 2
         if name in TP_CONFIGS and model_name not in TP_MODELS:
-            print(f"{model_name}/{name}: the tensor-parallel export needs a dense Llama ({', '.join(sorted(TP_MODELS))})")
+            print(f"{model_name}/{name}: the tensor-parallel export needs a Llama-family model "
+                  f"({', '.join(sorted(TP_MODELS))})")
             return 2
     for model_name in {m for m, _ in pairs}:
         with open(os.path.join(a.out, f"{model_name}.yaml"), "w") as f:

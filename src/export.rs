@@ -202,11 +202,6 @@ fn check_tensor_parallel(tensor: u64, model: &ModelConfig, origin: &Origin) -> R
             "torchtitan's plan shards the output projection as an nn.Linear with ColwiseParallel; this model's head is tied to the token embedding and has no weight of its own for parallelize_module to shard (torchtitan trains no tied model under tensor parallelism)",
             "export without `mesh.tensor`, or run this plan with `shardplan train`",
         ),
-        ModelConfig::Llama(c) if c.moe.is_some() => refuse(
-            "mesh.tensor",
-            "the export writes torchtitan's dense tensor-parallel plan; a mixture of experts' tensor-parallel layout (the routed experts' hidden units split over the tensor group, the router replicated) is not written by it",
-            "export the mixture of experts without `mesh.tensor` (expert parallelism exports), or run this plan with `shardplan train`",
-        ),
         _ => Ok(()),
     }
 }

@@ -277,8 +277,31 @@ class LlamaMlp(nn.Module):
         self.down_proj = nn.Linear(width, m["dim"], bias=False)
         self.act = activation(m["activation"])
 
+    # Set by apply_tensor_parallel on a mixture of experts' experts: the weights are this
+    # tensor rank's slices (DTensors), multiplied as plain tensors, the output partial.
+    local_slices = False
+
     def forward(self, x):
+        if self.local_slices:
+            gate, up, down = (local(p.weight) for p in (self.gate_proj, self.up_proj, self.down_proj))
+            return F.linear(self.act(F.linear(x, gate)) * F.linear(x, up), down)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def local(t):
+    """This tensor rank's block of a DTensor `t` as a plain tensor whose gradient reaches
+    `t` with its placements; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tp_summed(t):
+    """`t` itself, its gradient summed over the tensor group (each tensor rank's gradient
+    is a partial sum there); `t` itself without tensor parallelism."""
+    if TENSOR_MESH[0] is None:
+        return t
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(t, TENSOR_MESH[0], [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 # Set while the routed experts run: their matmuls are shardplan's grouped matmuls, which
@@ -307,8 +330,11 @@ class Experts(nn.ModuleDict):
 
 def expert_rank():
     """This rank's place in its expert group: the group is `MESH["expert"]` consecutive
-    shards of one replica, so the rank's number modulo the degree."""
-    return dist.get_rank() % MESH["expert"] if MESH["expert"] > 1 and dist.is_initialized() else 0
+    shards of one replica (ranks of one tensor group share a shard), so the rank's shard
+    number modulo the degree."""
+    if MESH["expert"] == 1 or not dist.is_initialized():
+        return 0
+    return dist.get_rank() // MESH.get("tensor", 1) % MESH["expert"]
 
 
 # The expert group's process group (all-to-all), set by make_mesh under expert parallelism.
@@ -336,7 +362,15 @@ class MoeFfn(nn.Module):
     Under expert parallelism (torchtitan's): each rank of an expert group of `MESH["expert"]`
     ranks holds a contiguous share of the experts; the rows go to the rank holding their
     expert and come back with all-to-all, in the order shardplan's dispatch uses (by local
-    expert, then by the rank they came from)."""
+    expert, then by the rank they came from).
+
+    Under tensor parallelism (shardplan's layout, torchtitan's expert tensor parallelism):
+    every tensor rank routes every token of its group the same way, from the whole input
+    (gathered by the block's PrepareModuleInputOutput), and holds a slice of each expert's
+    hidden units (and of the shared expert's), so its output is partial, summed by the
+    block's output layout. The experts' input and the routing weights are read through
+    `tp_summed`, as the shared expert gate's weight is: their gradients meet the partial
+    outputs."""
 
     def __init__(self, m):
         super().__init__()
@@ -383,7 +417,8 @@ class MoeFfn(nn.Module):
         w = scores.gather(1, ids)
         if self.norm:
             w = w / w.sum(dim=-1, keepdim=True)
-        w = w.to(x.dtype).reshape(-1)
+        w = tp_summed(w.to(x.dtype)).reshape(-1)
+        h = tp_summed(h)
         # The tokens' rows in expert order (by token, then choice, within an expert), each
         # expert on its run of them, scaled by their weights, put back in token order and
         # summed over each token's choices (a gather and a sum save no rows for backward,
@@ -397,7 +432,7 @@ class MoeFfn(nn.Module):
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(h)
             if hasattr(self, "shared_expert_gate"):
-                shared = torch.sigmoid(self.shared_expert_gate(h)) * shared
+                shared = torch.sigmoid(F.linear(h, tp_summed(self.shared_expert_gate.weight))) * shared
             y = y + shared
         return y.view(b, s, d), logits
 
@@ -505,7 +540,9 @@ class Llama(nn.Module):
         ROUTER_LOGITS.clear()
         loss = self.loss(self.output(self.norm(x)), targets)
         if self.aux is not None and router_logits:
-            loss = loss + moe_aux_loss(router_logits, *self.aux)
+            # Under loss parallelism the cross-entropy is a DTensor (the same on every
+            # tensor rank), made whole before the plain load-balancing loss joins it.
+            loss = whole_value(loss) + moe_aux_loss(router_logits, *self.aux)
         return loss
 
     @staticmethod
@@ -723,9 +760,9 @@ def apply_compile(model):
 
 def tensor_plan():
     """parallelize_module's plan for the whole model: {module path: style}."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 
     sp, lp, vocab = TENSOR["sequence_parallel"], TENSOR["loss_parallel"], TENSOR["split_vocab"]
     between = Shard(1) if sp else Replicate()
@@ -746,7 +783,6 @@ def tensor_plan():
             plan[f"{p}.attention_norm"] = SequenceParallel()
             plan[f"{p}.ffn_norm"] = SequenceParallel()
             plan[f"{p}.attention"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
-            plan[f"{p}.feed_forward"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
         for proj in ["q_proj", "k_proj", "v_proj"]:
             plan[f"{p}.attention.{proj}"] = ColwiseParallel()
         if MODEL.get("qk_norm"):
@@ -755,6 +791,16 @@ def tensor_plan():
             for norm in ["q_norm", "k_norm"]:
                 plan[f"{p}.attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan[f"{p}.attention.o_proj"] = RowwiseParallel(output_layouts=between)
+        if is_moe_layer(MODEL, i):
+            # The whole input in (its gradient whole on every rank, see MoeFfn), the partial
+            # output summed out to the layout between blocks; the router logits as they are.
+            # The experts' slices are made by shard_expert_slices.
+            plan[f"{p}.feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Partial(), None), desired_output_layouts=(between, None), use_local_output=True)
+            continue
+        if sp:
+            plan[f"{p}.feed_forward"] = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
         plan[f"{p}.feed_forward.gate_proj"] = ColwiseParallel()
         plan[f"{p}.feed_forward.up_proj"] = ColwiseParallel()
         plan[f"{p}.feed_forward.down_proj"] = RowwiseParallel(output_layouts=between)
@@ -767,6 +813,9 @@ def apply_tensor_parallel(model, tp_mesh, device):
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, tp_mesh, tensor_plan())
+    for block in model.layers.values():
+        if getattr(block, "moe", False):
+            shard_expert_slices(block.feed_forward, tp_mesh)
     if not TENSOR["async"]:
         return
     if device.type != "cuda":
@@ -778,6 +827,20 @@ def apply_tensor_parallel(model, tp_mesh, device):
 
     torch._inductor.config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def shard_expert_slices(moe, tp_mesh):
+    """Each routed expert's (and the shared expert's) slice on this tensor rank: the gate and
+    up projections' hidden units (Shard(0)), the down projection's inputs (Shard(1)), as
+    torchtitan's TensorParallel shards its grouped experts; the router and the shared
+    expert's gate stay whole."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mlps = list(moe.experts.values()) + ([moe.shared_expert] if hasattr(moe, "shared_expert") else [])
+    for mlp in mlps:
+        for linear, dim in ((mlp.gate_proj, 0), (mlp.up_proj, 0), (mlp.down_proj, 1)):
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight, tp_mesh, [Shard(dim)]))
+        mlp.local_slices = True
 
 
 def whole_value(t):
@@ -811,7 +874,8 @@ def make_mesh(device):
         dims, names = ((r, s, t), ("replicate", "shard", "tensor")) if r > 1 else ((s, t), ("shard", "tensor"))
         world = init_device_mesh(device.type, dims, mesh_dim_names=names)
         TENSOR_MESH[0] = world["tensor"]
-        return (world["replicate", "shard"] if r > 1 else world["shard"]), None
+        dp = world["replicate", "shard"] if r > 1 else world["shard"]
+        return dp, (tensor_expert_mesh(world, r, s, e) if e > 1 else None)
     if r > 1:
         mesh = init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
     else:
@@ -826,6 +890,19 @@ def make_mesh(device):
         experts = ep["expert_shard"]
     EXPERT_GROUP[0] = ep.get_group("expert")
     return mesh, experts
+
+
+def tensor_expert_mesh(world, r, s, e):
+    """Under expert and tensor parallelism, the routed experts' FSDP mesh out of the same
+    root as the tensor groups' (FSDP2 shards a DTensor over a mesh of one root): the shard
+    axis unflattened into expert_shard x expert, the expert groups' process group for the
+    all-to-all (ranks of one tensor rank)."""
+    if not hasattr(world, "_unflatten"):
+        raise SystemExit(f"error: expert parallelism under tensor parallelism needs DeviceMesh._unflatten, "
+                         f"which torch {torch.__version__} does not have: install a newer torch")
+    ep = world._unflatten("shard", (s // e, e), ("expert_shard", "expert"))
+    EXPERT_GROUP[0] = ep.get_group("expert")
+    return ep["replicate", "expert_shard"] if r > 1 else ep["expert_shard"]
 
 
 def make_context_mesh(device, r, s, c, t):
@@ -1373,13 +1450,22 @@ def clip_grad_norm(model, clip, device):
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     # On the process group's device (NCCL reduces CUDA tensors only), gradients offloaded or not.
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in local:
-        total += g.detach().float().pow(2).sum().to(device)
+    for g, whole in zip(local, grads):
+        # A gradient every tensor rank holds the same of counts once per tensor group.
+        copies = 1 if split_over_tensor(whole) else MESH.get("tensor", 1)
+        total += g.detach().float().pow(2).sum().to(device) / copies
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     norm = (total / MESH["replicate"]).sqrt()
     coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
     for g in local:
         g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
+
+
+def split_over_tensor(t):
+    """Whether the DTensor `t` is sharded over the tensor groups (each tensor rank holds
+    its own block)."""
+    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tensor" in names and t.placements[names.index("tensor")].is_shard()
 
 
 def grads_by_mesh(params):

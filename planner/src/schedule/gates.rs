@@ -5,7 +5,7 @@
 use crate::group::GroupId;
 use crate::plan::{PlannedGroup, Policy};
 use crate::steps::{Phase, Step};
-use shardplan_frontends::{Reshard, Runtime};
+use shardplan_frontends::Reshard;
 use shardplan_ir::IdVec;
 
 /// Where each group is used within one micro-batch.
@@ -102,7 +102,7 @@ pub(crate) fn gates(steps: &[Step], groups: &[PlannedGroup], policy: &Policy) ->
                 .min();
             let at = match trigger {
                 Some(k) => k.min(pos),
-                None if i >= depth => hook_fires(steps, groups, policy, list[i - depth], start),
+                None if i >= depth => hook_fires(steps, groups, list[i - depth], start),
                 None => start.min(pos),
             };
             out.push(Gate {
@@ -132,29 +132,22 @@ pub fn hook_group(groups: &[PlannedGroup], k: GroupId) -> GroupId {
         .map_or(k, |o| o.group.id)
 }
 
-/// Where the group of `(need, group)` prefetches what follows it: the step that first
-/// reads it, or under FSDP2 (`runtime: fsdp2`) where its hooks fire ([`hook_group`]): a
-/// block's first step of the pass, which may run under its routed experts' group before
-/// any step reads the block's own parameters (Mixtral's block opens its backward with the
-/// experts').
-fn hook_fires(
-    steps: &[Step],
-    groups: &[PlannedGroup],
-    policy: &Policy,
-    (need, g): (usize, GroupId),
-    start: usize,
-) -> usize {
-    if policy.runtime != Runtime::Fsdp2 {
+/// Where the group of `(need, group)` prefetches what follows it, on either runtime: where
+/// its module's hooks fire under FSDP2, its module's first step of the pass. A block's
+/// backward may open with steps that read none of its parameters (under tensor
+/// parallelism, the gradient of its output's reduce-scatter gathered back) or with steps
+/// under its routed experts' group ([`hook_group`]: Mixtral's block, or the experts'
+/// all-to-all backward); a unit of routed experts, whose module runs inside the block's
+/// steps, fires at its first read.
+fn hook_fires(steps: &[Step], groups: &[PlannedGroup], (need, g): (usize, GroupId), start: usize) -> usize {
+    // A unit of routed experts: its hooks fire where its module runs, at its first read.
+    if groups[g.index()].group.experts {
         return need;
     }
     let phase = steps[need].phase == Phase::Forward;
     (start..need)
         .rev()
-        .take_while(|&k| {
-            steps[k].group != g
-                && hook_group(groups, steps[k].group) == g
-                && (steps[k].phase == Phase::Forward) == phase
-        })
+        .take_while(|&k| hook_group(groups, steps[k].group) == g && (steps[k].phase == Phase::Forward) == phase)
         .last()
         .unwrap_or(need)
 }
