@@ -103,9 +103,13 @@ fn the_plans_allocator_requests_are_torchs() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("model.yaml");
     std::fs::write(&model, MODEL).unwrap();
-    // One rank (FSDP2's world-size-1 path, as the H200 rows ran) under each kind of
-    // checkpointing, and two (the all-gather on its own stream).
-    let cases = [(1, "none"), (1, "full"), (1, "selective"), (2, "none")];
+    // One rank (FSDP2's world-size-1 path, as the H200 rows ran) with full checkpointing,
+    // and two (the all-gather on its own stream); `SHARDPLAN_EXPORT_FULL=1` adds one rank
+    // without checkpointing and with selective checkpointing (about 200 s a case on 2 cores).
+    let mut cases = vec![(1, "full"), (2, "none")];
+    if std::env::var_os("SHARDPLAN_EXPORT_FULL").is_some_and(|v| v != "0") {
+        cases.extend([(1, "none"), (1, "selective")]);
+    }
     let mut failures = Vec::new();
     for (shard, checkpointing) in cases {
         let name = format!("{shard}-{checkpointing}");

@@ -836,9 +836,11 @@ fn exported_programs_train_as_shardplan_does() {
         "init-from",
         "tokens",
     ];
+    // Full checkpointing runs in the tensor-parallel, expert-parallel and pipeline tests;
+    // no-reshard and prefetch-2 change the literals only (the_literals_are_the_plans_decisions).
     let in_ci = |model: &str, c: &str| match model {
-        "llama" => c != "accum-2-every",
-        _ => matches!(c, "1x4" | "init-from"),
+        "llama" => !matches!(c, "accum-2-every" | "no-reshard" | "prefetch-2" | "full-ac"),
+        _ => c == "1x4",
     };
     let all = ["llama", "gpt2"]
         .iter()
@@ -1050,22 +1052,18 @@ fn exported_compiled_programs_train_as_the_eager_ones() {
 /// Expert parallelism as torchtitan runs it under FSDP2 (the rows sent to their experts'
 /// ranks and back by all-to-all, each rank's experts an FSDP unit over the ranks holding
 /// them): the exported program's losses equal `shardplan train`'s on groups of 2, under
-/// HSDP, full checkpointing and accumulation (what moves the experts' collectives), and
+/// HSDP and accumulation (what moves the experts' collectives), and
 /// FSDPMemTracker's peak lies between the `runtime: fsdp2` predictions at the even routing
 /// split and at the bound; Mixtral (no shared expert, every layer routed, its own names,
 /// its block's hooks firing under its experts' group) on a group of 2.
-/// `SHARDPLAN_EXPORT_FULL=1` adds groups of 4, bf16 parameters and Mixtral under each.
+/// `SHARDPLAN_EXPORT_FULL=1` adds full checkpointing, groups of 4, bf16 parameters and
+/// Mixtral under each.
 #[test]
 fn exported_expert_parallel_programs_train_as_shardplan_does() {
     check_runs(
+        &["moe/ep-2", "moe/hsdp-ep-2", "moe/ep-2-accum-2-final", "mixtral/ep-2"],
         &[
-            "moe/ep-2",
-            "moe/hsdp-ep-2",
             "moe/ep-2-full-ac",
-            "moe/ep-2-accum-2-final",
-            "mixtral/ep-2",
-        ],
-        &[
             "moe/ep-4",
             "moe/ep-2-bf16",
             "mixtral/ep-4",
@@ -1083,8 +1081,12 @@ fn exported_expert_parallel_programs_train_as_shardplan_does() {
 /// FSDPMemTracker's peak within 5% of the `runtime: fsdp2` prediction. FSDP 2 x TP 2 with
 /// sequence and loss parallel and selective checkpointing; HSDP 2 x TP 2 (`mesh:
 /// {replicate: 2, tensor: 2}`, the shard axis defaulted) with accumulation; no sequence
-/// parallelism; Qwen3's head norms. `SHARDPLAN_EXPORT_FULL=1` adds the rest of the
-/// tensor-parallel configurations.
+/// parallelism; Qwen3's head norms; a mixture of experts on an expert and a tensor axis
+/// (FSDP 2 x EP 2 x TP 2: each expert's hidden units split over the tensor group, the rows
+/// sent by all-to-all between ranks of one tensor rank), its peak between the predictions
+/// at the even routing split and at the bound. `SHARDPLAN_EXPORT_FULL=1` adds the rest of
+/// the tensor-parallel configurations (the mixtures of experts without an expert axis,
+/// without sequence parallelism, and Mixtral).
 #[test]
 fn exported_tensor_parallel_programs_train_as_shardplan_does() {
     let Some(py) = torch_python() else {
@@ -1096,9 +1098,13 @@ fn exported_tensor_parallel_programs_train_as_shardplan_does() {
         "llama/hsdp-tp-2x2-accum-2",
         "llama/fsdp-tp-2x2-no-sp",
         "qwen3/fsdp-tp-2x2-selective-ac",
+        "moe/ep-2-tp-2",
     ];
     if std::env::var_os("SHARDPLAN_EXPORT_FULL").is_some_and(|v| v != "0") {
         runs.extend([
+            "moe/moe-tp-2x2",
+            "moe/moe-tp-2x2-no-sp",
+            "mixtral/moe-tp-2x2",
             "llama/fsdp-tp-2x2-sp-no-lp",
             "llama/fsdp-tp-2x2-full-ac",
             "llama/fsdp-tp-2x2-offload",
