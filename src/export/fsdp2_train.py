@@ -973,10 +973,10 @@ def local_region(param):
     """The block of the full parameter this rank holds, as one (start, end) per dim, and
     its local tensor: the tensor group's slice first (Shard(d) of the `tensor` mesh dim),
     then FSDP2's chunk of dim 0 of that slice over the data-parallel dim it shards."""
-    local = param.to_local() if hasattr(param, "to_local") else param
+    mine = local(param)
     spans = [(0, n) for n in param.shape]
     if not hasattr(param, "device_mesh"):
-        return spans, local
+        return spans, mine
     mesh, placements = param.device_mesh, param.placements
     names = mesh.mesh_dim_names or ()
     order = sorted(range(mesh.ndim), key=lambda i: names[i] != "tensor" if i < len(names) else True)
@@ -985,7 +985,7 @@ def local_region(param):
         if placements[i].is_replicate() or placements[i].is_partial() or dim is None:
             continue
         spans[dim] = chunk_of(spans[dim], mesh.size(i), mesh.get_local_rank(i))
-    return spans, local
+    return spans, mine
 
 
 def region_indices(spans, shape, lo_row, hi_row):
@@ -1447,17 +1447,17 @@ def clip_grad_norm(model, clip, device):
             torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    shards = [local(g) for g in grads]
     # On the process group's device (NCCL reduces CUDA tensors only), gradients offloaded or not.
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for g, whole in zip(local, grads):
+    for g, whole in zip(shards, grads):
         # A gradient every tensor rank holds the same of counts once per tensor group.
         copies = 1 if split_over_tensor(whole) else MESH.get("tensor", 1)
         total += g.detach().float().pow(2).sum().to(device) / copies
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     norm = (total / MESH["replicate"]).sqrt()
     coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-    for g in local:
+    for g in shards:
         g.detach().mul_(coef.to(device=g.device, dtype=g.dtype))
 
 
@@ -1515,8 +1515,7 @@ def state_bytes(model, opt):
 
     def add(t):
         if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            st = t.untyped_storage()
+            st = local(t).untyped_storage()
             if st.nbytes() > 0:
                 storages[st.data_ptr()] = st.nbytes()
 
