@@ -140,6 +140,10 @@ CONFIGS = {
     "fsdp-tp-2x2-full-ac": ("mesh: {shard: 2, tensor: 2}\nactivation_checkpointing: full\n", "", False),
     "fsdp-tp-2x2-offload": ("mesh: {shard: 2, tensor: 2}\noffload: cpu\n", "", False),
     "fsdp-tp-2x2-bf16": ("mesh: {shard: 2, tensor: 2}\nmixed_precision: {param: bf16, reduce: f32}\n", "", True),
+    # torchtitan's large-run setting: compiled blocks and loss with async TP (on the CPU the
+    # program runs without its pass) and selective checkpointing.
+    "fsdp-tp-2x2-compile": ("mesh: {shard: 2, tensor: 2}\nruntime: fsdp2\ncompile: true\n"
+                            "tensor_parallel: {async: true}\nactivation_checkpointing: selective\n", "", False),
     # A mixture of experts under tensor parallelism (expert tensor parallelism: each expert's
     # hidden units split over the tensor group), with and without an expert axis.
     "moe-tp-2x2": ("mesh: {shard: 2, tensor: 2}\n", "", False),
@@ -217,14 +221,14 @@ def losses(path):
 
 
 def eager_twin(a, model, d, parallel, init, env):
-    """The compiled spec's eager program (its `compile:` line dropped), exported and run with
+    """The compiled spec's eager program (its `compile:` line and async TP dropped), exported and run with
     the profiler's meter, which the compiled program needs (FSDPMemTracker's dispatch mode and
     torch.compile exclude each other): its losses, measured and predicted peaks."""
     e = os.path.join(d, "eager")
     os.makedirs(e, exist_ok=True)
     spec_path = os.path.join(e, "parallel.yaml")
     with open(parallel) as f, open(spec_path, "w") as g:
-        g.write("".join(line for line in f if not line.startswith("compile:")))
+        g.write("".join(line.replace("async: true", "async: false") for line in f if not line.startswith("compile:")))
     run([a.shardplan, "export", "fsdp2", "--model", model, "--parallel", spec_path, "--out", e])
     log = os.path.join(e, "fsdp2.jsonl")
     if os.path.exists(log):

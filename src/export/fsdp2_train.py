@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 try:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -532,13 +533,13 @@ class Llama(nn.Module):
         self.aux = (moe["top_k"], moe["aux_loss_coef"]) if moe and moe["aux_loss_coef"] > 0 else None
 
     def forward(self, tokens, targets):
-        x = self.tok_embeddings(tokens)
+        x = settled(self.tok_embeddings(tokens))
         ROUTER_LOGITS.clear()
         for layer in self.layers.values():
             x = layer(x)
         router_logits = ROUTER_LOGITS[:]
         ROUTER_LOGITS.clear()
-        loss = self.loss(self.output(self.norm(x)), targets)
+        loss = self.loss(settled(self.output(self.norm(x))), targets)
         if self.aux is not None and router_logits:
             # Under loss parallelism the cross-entropy is a DTensor (the same on every
             # tensor rank), made whole before the plain load-balancing loss joins it.
@@ -735,6 +736,8 @@ def apply_compile(model):
     each block compiled on its own (in place, so it stays the module FSDP2 wraps and its
     parameters keep their names; a whole graph, but a block with routed experts, whose
     all-to-all and router logits break it), and the loss function."""
+    if (COMPILE["model"] or COMPILE["loss"]) and TENSOR is not None:
+        rank_compile_cache()
     if COMPILE["model"] and CHECKPOINTING["kind"] == "selective":
         # The op policy counts matmuls in a dict; under a compiled checkpoint that count is
         # a forward side effect dynamo would replay in backward unless told to skip it.
@@ -744,6 +747,29 @@ def apply_compile(model):
             block.compile(fullgraph=not getattr(block, "moe", False))
     if COMPILE["loss"]:
         model.loss.compile()
+
+
+def settled(x):
+    """`x` as a compiled module can take it in and pass a gradient back through: an eager
+    DTensor collective's output (an AsyncCollectiveTensor: the embedding's or the head's
+    under tensor parallelism) copied out, else `x` itself. torch 2.15 drops the gradient of
+    a compiled region's AsyncCollectiveTensor input (the embedding's gradient came back
+    zero on 4 CPU ranks), and a copy outside the region keeps it."""
+    if (COMPILE["model"] or COMPILE["loss"]) and isinstance(x, AsyncCollectiveTensor):
+        return x.clone()
+    return x
+
+
+def rank_compile_cache():
+    """Inductor's on-disk cache, one directory a rank. A compiled tensor-parallel graph
+    names its tensor group's process group, and torch 2.15's cache key leaves the name out:
+    a rank of another tensor group that loads the graph stops with "Could not resolve the
+    process group registered under the name N" (seen on the second run of 4 CPU ranks)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    base, leaf = cache_dir(), f"rank{dist.get_rank()}"
+    if os.path.basename(base) != leaf:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, leaf)
 
 
 # ---------------------------------------------------------------- tensor parallelism
@@ -1350,7 +1376,8 @@ def check_context_layout(model, batches, device, rank, world, fsdp_mesh):
     shards it, then the forward up to where it stops (on the CPU, at the first attention,
     which torch's ring attention cannot run there). One JSON line per rank on stdout: its
     context and data-parallel index, FSDP's mesh, the global positions of its rows, whether
-    its tokens, targets and rotary rows are those positions', and how the forward ended."""
+    its tokens, targets and rotary rows are those positions', and how the forward ended.
+    Under tensor parallelism, its tensor index too: a tensor group shares its rows."""
     tokens, targets = (t.to(device) for t in batches.at(0))
     whole = (tokens.clone(), targets.clone())
     seq = tokens.shape[1]
@@ -1359,6 +1386,7 @@ def check_context_layout(model, batches, device, rank, world, fsdp_mesh):
     out = {
         "rank": rank,
         "context_rank": CONTEXT_MESH[0].get_local_rank(),
+        "tensor_rank": TENSOR_MESH[0].get_local_rank() if TENSOR_MESH[0] is not None else 0,
         "data_rank": data_rank(rank, world)[0],
         "fsdp_mesh": {"names": list(fsdp_mesh.mesh_dim_names), "shape": list(fsdp_mesh.shape)},
     }
@@ -1890,7 +1918,7 @@ class StageModule(nn.Module):
     def forward(self, x):
         ROUTER_LOGITS.clear()
         for path in self.order:
-            x = module_at(self, path)(x)
+            x = settled(module_at(self, path)(x))
         return x
 
 

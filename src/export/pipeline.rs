@@ -28,7 +28,6 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
     let model = lm.config.clone();
     let origin = Origin::Spec(Box::new((lp, lm)));
     super::check_tensor_parallel(config.mesh.tensor, &model, &origin)?;
-    super::check_compiled_tensor_parallel(config.mesh.tensor, &config, &origin)?;
     // Under tensor parallelism the traced stages hold one tensor rank's slices; the program
     // lists the whole model's parameters and each rank cuts its own.
     let whole = if config.mesh.tensor > 1 {
