@@ -32,8 +32,9 @@ torch); the tests use it, torchrun stays the default.
 
 Tensor parallelism (`*tp-*` configurations, the dense Llama-family models): torchtitan's
 plan with DTensor under fully_shard, FSDP 2 x TP 2 with selective or full checkpointing,
-CPU offload or bf16, HSDP 2 x TP 2 with accumulation, without sequence parallelism, and
-sequence parallelism without loss parallelism.
+CPU offload or bf16, HSDP 2 x TP 2 with accumulation, without sequence parallelism,
+sequence parallelism without loss parallelism, and compiled with async TP and selective
+checkpointing (`fsdp-tp-2x2-compile`).
 
 Prints a table and writes DIR/summary.json; exits 1 when a loss differs by more than the
 tolerance (--tolerance, 1e-4 relative; 2e-2 for bf16) or a peak misses its bound (--memory-check: 5% for

@@ -431,16 +431,24 @@ impl<'a> Walker<'a> {
     /// logits and their exponentials beside its input, and the backward holds a zeroed
     /// gradient and `zeros + exp(log_probs)` beside the logits' gradient, each as large as
     /// the logits: two transients where eager's one kernel has none or one.
+    ///
+    /// Compiled, the loss's pointwise work fuses (the forward's reductions around its two
+    /// all-reduces write only rows), but loss_parallel's backward scatters into its zeroed
+    /// gradient in place: inductor writes that buffer before the fused kernel reads it,
+    /// one transient as large as the logits.
     fn eager_cross_entropy(&mut self, id: NodeId) {
         let node = self.t.g.node(id);
-        if self.t.runner == Runner::Shardplan || self.t.runner.compile().loss {
+        if self.t.runner == Runner::Shardplan {
             return;
         }
         // DTensor's loss_parallel() is what FSDP2's run (`runtime: fsdp2`, the exported
         // program) executes; `kernels: eager` alone keeps eager's one-kernel count.
         let dtensor = self.t.runner.is_fsdp2();
+        let compiled = self.t.runner.compile().loss;
         let transients = match node.op {
-            Op::CrossEntropyGrad => 1u32,
+            Op::VocabCrossEntropyGrad { .. } if dtensor && compiled => 1u32,
+            _ if compiled => return,
+            Op::CrossEntropyGrad => 1,
             Op::VocabCrossEntropyGrad { .. } if !dtensor => 1,
             Op::VocabCrossEntropy { .. } | Op::VocabCrossEntropyGrad { .. } if dtensor => 2,
             _ => return,
