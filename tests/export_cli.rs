@@ -1149,7 +1149,13 @@ fn exported_pipeline_programs_train_as_shardplan_does() {
     std::fs::write(d.join("s.csv"), "0F0,0F1,0B0,0B1\r\n1F0,1F1,1B0,1B1\r\n").unwrap();
     let pp_fsdp = "mesh: {pipeline: 2, shard: 2}";
     let cases = [
-        ("1f1b", pp_fsdp, "{schedule: 1F1B, microbatches: 2}", 2),
+        // FSDP2's CPU offload inside the stages.
+        (
+            "1f1b-offload",
+            "mesh: {pipeline: 2, shard: 2}\noffload: cpu",
+            "{schedule: 1F1B, microbatches: 2}",
+            2,
+        ),
         (
             "interleaved",
             pp_fsdp,

@@ -1952,8 +1952,10 @@ def build_stages(a, device, mesh, dp):
     apply_compile(model)
     me = mesh.get_local_rank("pp")
     count = len(PIPELINE["stages"])
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
-                              reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
+                                            reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])}
+    if OFFLOAD:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     parts, stages = [], []
     for s in range(count):
         if PIPELINE["rank_of_stage"][s] != me:
@@ -1961,9 +1963,9 @@ def build_stages(a, device, mesh, dp):
         part = StageModule(model, PIPELINE["stages"][s])
         for path in part.order:
             if isinstance(module_at(part, path), Block):
-                fully_shard(module_at(part, path), mesh=dp, reshard_after_forward=False, mp_policy=mp)
-        fully_shard(part, mesh=dp, reshard_after_forward=False, mp_policy=mp)
-        part.to_empty(device=device)
+                fully_shard(module_at(part, path), mesh=dp, reshard_after_forward=False, **kw)
+        fully_shard(part, mesh=dp, reshard_after_forward=False, **kw)
+        part.to_empty(device="cpu" if OFFLOAD else device)
         init_weights(part, names, a.init_from)
         parts.append(part)
         stages.append(PipelineStage(part, s, count, device, group=mesh.get_group("pp")))

@@ -67,7 +67,11 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
             "unsharded parameter (compute) dtype and gradient reduction dtype; master weights f32",
             json!({"param": config.mixed_precision.param.name(), "reduce": config.mixed_precision.reduce.name()}),
         ),
-        ("OFFLOAD", "sharded parameters, gradients and optimizer state on the host", json!(false)),
+        (
+            "OFFLOAD",
+            "sharded parameters, gradients and optimizer state on the host",
+            json!(config.offload == Offload::Cpu),
+        ),
         (
             "CHECKPOINTING",
             "activation checkpointing: kind, the blocks it wraps, what a selective block saves",
@@ -146,13 +150,6 @@ fn refuse(config: &shardplan_frontends::ParallelConfig, spec: &LoadedParallel) -
             "mesh.expert",
             "the exported pipeline program runs no expert parallelism inside its stages".into(),
             "export without `mesh.expert`, or run this spec with `shardplan train`",
-        ));
-    }
-    if config.offload == Offload::Cpu {
-        return Err(refuse(
-            "offload",
-            "the exported pipeline program keeps its stages' state on the device".into(),
-            "export without `offload`",
         ));
     }
     if config.batch.grad_accum != 1 {
