@@ -25,11 +25,13 @@ const TOLERANCE: f64 = 0.01;
 /// order, within the bytes a CPU run makes that the plan does not count (0.1% here).
 const STREAM_TOLERANCE: f64 = 0.01;
 
-fn spec(shard: u64, checkpointing: &str, expandable: bool) -> String {
+/// The spec of a case: `shard` ranks, `checkpointing`, parameters in `param` (bf16 as the
+/// H200 rows ran; f32 is some twenty times faster on a CPU without bf16 matmuls).
+fn spec(shard: u64, checkpointing: &str, param: &str, expandable: bool) -> String {
     format!(
         "mesh: {{replicate: 1, shard: {shard}}}\ngpus_per_node: {shard}\nhardware: {{base: h200}}\nruntime: fsdp2\n\
 allocator: {{expandable_segments: {expandable}}}\nwrap: [block]\nreshard_after_forward: true\n\
-mixed_precision: {{param: bf16, reduce: f32}}\nactivation_checkpointing: {checkpointing}\n\
+mixed_precision: {{param: {param}, reduce: f32}}\nactivation_checkpointing: {checkpointing}\n\
 batch: {{per_rank: 2, seq_len: 1024, grad_accum: 1}}\n\
 optimizer: {{adamw: {{lr: 3.0e-4, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.1, implementation: foreach}}}}\n\
 lr_schedule: {{warmup_steps: 0, min_lr_ratio: 1.0}}\ngrad_clip: 1.0\nseed: 0\ndata: synthetic\n"
@@ -103,18 +105,19 @@ fn the_plans_allocator_requests_are_torchs() {
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("model.yaml");
     std::fs::write(&model, MODEL).unwrap();
-    // One rank (FSDP2's world-size-1 path, as the H200 rows ran) with full checkpointing,
-    // and two (the all-gather on its own stream); `SHARDPLAN_EXPORT_FULL=1` adds one rank
-    // without checkpointing and with selective checkpointing (about 200 s a case on 2 cores).
-    let mut cases = vec![(1, "full"), (2, "none")];
+    // One rank (FSDP2's world-size-1 path) with full checkpointing in bf16, as the H200 rows
+    // ran, and two in f32 (the all-gather on its own stream, f32 for speed: a bf16 case is
+    // about 200 s on 2 cores); `SHARDPLAN_EXPORT_FULL=1` adds two ranks in bf16 and one rank
+    // without checkpointing and with selective checkpointing.
+    let mut cases = vec![(1, "full", "bf16"), (2, "none", "f32")];
     if std::env::var_os("SHARDPLAN_EXPORT_FULL").is_some_and(|v| v != "0") {
-        cases.extend([(1, "none"), (1, "selective")]);
+        cases.extend([(2, "none", "bf16"), (1, "none", "bf16"), (1, "selective", "bf16")]);
     }
     let mut failures = Vec::new();
-    for (shard, checkpointing) in cases {
-        let name = format!("{shard}-{checkpointing}");
+    for (shard, checkpointing, param) in cases {
+        let name = format!("{shard}-{checkpointing}-{param}");
         let parallel = d.path().join(format!("{name}.yaml"));
-        std::fs::write(&parallel, spec(shard, checkpointing, true)).unwrap();
+        std::fs::write(&parallel, spec(shard, checkpointing, param, true)).unwrap();
         let trace = record(&py, d.path(), &name, &model, &parallel, shard);
         let c = comparison(&model, &parallel, &trace);
         for s in c["settings"].as_array().unwrap() {
@@ -155,9 +158,9 @@ fn the_plans_allocator_requests_are_torchs() {
         "--model",
         model.to_str().unwrap(),
         "--parallel",
-        d.path().join("1-full.yaml").to_str().unwrap(),
+        d.path().join("1-full-bf16.yaml").to_str().unwrap(),
         "--alloc-trace",
-        d.path().join("1-full.jsonl").to_str().unwrap(),
+        d.path().join("1-full-bf16.jsonl").to_str().unwrap(),
     ]));
     assert!(
         text.contains("the run's requests") && text.contains("cudaMalloc segments"),
