@@ -958,17 +958,23 @@ def make_context_mesh(device, r, s, c, t):
     return world["replicate", "dp_shard_cp"] if r > 1 else world["dp_shard_cp"]
 
 
+def fully_shard_policies(device):
+    """fully_shard's keyword arguments of the plan: its mixed precision, and CPU offload
+    when planned."""
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
+                                            reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])}
+    if OFFLOAD:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    return kw
+
+
 def apply_fully_shard(model, meshes, device):
     """fully_shard per planned group, innermost modules first, the root last. The routed
     experts' groups shard over the ranks holding the same experts (torchtitan's expert
     FSDP); their gradients are averaged over every data-parallel rank by
     `scale_expert_grads`."""
     mesh, expert_mesh = meshes
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
-                              reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])
-    kw = {"mp_policy": mp}
-    if OFFLOAD:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    kw = fully_shard_policies(device)
     order = sorted(range(len(GROUPS)), key=lambda i: (GROUPS[i]["modules"] == [],
                                                       -max((m.count(".") for m in GROUPS[i]["modules"]), default=0), i))
     for i in order:
@@ -1952,10 +1958,7 @@ def build_stages(a, device, mesh, dp):
     apply_compile(model)
     me = mesh.get_local_rank("pp")
     count = len(PIPELINE["stages"])
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[MIXED_PRECISION["param"]],
-                                            reduce_dtype=DTYPES[MIXED_PRECISION["reduce"]])}
-    if OFFLOAD:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    kw = fully_shard_policies(device)
     parts, stages = [], []
     for s in range(count):
         if PIPELINE["rank_of_stage"][s] != me:
