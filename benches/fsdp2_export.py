@@ -151,7 +151,19 @@ CONFIGS = {
     "moe-tp-2x2-no-sp": ("mesh: {shard: 2, tensor: 2}\ntensor_parallel: {sequence_parallel: false, "
                          "loss_parallel: false}\n", "", False),
     "ep-2-tp-2": ("mesh: {shard: 2, expert: 2, tensor: 2}\n", "", False),
+    # torchao's Float8 linears (`emulate=True` on the CPU), every linear but the head: the
+    # first step's loss within FLOAT8_FIRST, every step's within FLOAT8_ALL (summation order
+    # alone moves a Float8 trajectory that much), and the spec without `float8` apart at
+    # step 1 by more than FLOAT8_FIRST.
+    "float8-tensorwise": ("float8: {recipe: tensorwise}\n", "", False),
+    "float8-tensorwise-ag": ("float8: {recipe: tensorwise, fsdp_float8_all_gather: true, precompute_scale: true}\n",
+                             "", False),
+    "float8-rowwise": ("float8: {recipe: rowwise}\n", "", False),
+    "float8-rowwise-gw-hp": ("float8: {recipe: rowwise_with_gw_hp}\n", "", False),
+    "float8-hsdp-selective-ac": ("mesh: {replicate: 2, shard: 2}\nactivation_checkpointing: selective\n"
+                                 "float8: {recipe: rowwise}\n", "", False),
 }
+FLOAT8_FIRST, FLOAT8_ALL = 5e-6, 5e-3
 # The models with routed experts, which the expert-parallel configurations (and those named
 # moe-) need.
 MOE_MODELS = {"moe", "mixtral"}
@@ -239,6 +251,22 @@ def eager_twin(a, model, d, parallel, init, env):
     rows = losses(log)
     return {"losses": rows, "measured": max(x["peak_allocated"] for x in rows[1:] or rows),
             "predicted": predicted_peak(a, model, spec_path, "runtime: fsdp2\n")}
+
+
+def float8_check(a, model, parallel, ours, theirs, init):
+    """A Float8 run's figures: the first step's relative loss difference (program against
+    `shardplan train`), every step's, and how far the same spec without `float8` lands
+    from the program at step 1 (it must differ, or the check could not fail)."""
+    plain = parallel + ".plain.yaml"
+    with open(parallel) as f, open(plain, "w") as g:
+        g.write("".join(line for line in f if not line.startswith("float8:")))
+    log = plain + ".jsonl"
+    if os.path.exists(log):
+        os.remove(log)
+    run([a.shardplan, "train", "--model", model, "--parallel", plain, "--steps", "1", "--log", log] + init)
+    base = losses(log)[0]["loss"]
+    diff = [abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(ours, theirs)]
+    return {"first": diff[0], "all": max(diff), "without_float8_first": abs(base - theirs[0]["loss"]) / abs(theirs[0]["loss"])}
 
 
 def predicted_peak(a, model, parallel, fsdp2_lines, even=False):
@@ -376,6 +404,9 @@ def check(a, model, model_name, name, env):
         # and its peak shows what compiling saved.
         twin = eager_twin(a, model, d, parallel, init, env)
         rel = max([rel] + [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(twin["losses"], theirs)])
+    float8 = float8_check(a, model, parallel, ours, theirs, init) if "float8:" in CONFIGS[name][0] else None
+    if float8:
+        rel, tol = float8["all"], FLOAT8_ALL
     bound = 0.10 if bf16 else 0.05
     # Under expert parallelism the plan is sized at the routing bound and says what the even
     # split needs: the measured peak is held between the two (each within the tolerance).
@@ -389,8 +420,11 @@ def check(a, model, model_name, name, env):
         "measured_over_predicted": ratio, "shardplan_predicted_peak": own, "torchrun_seconds": t_torch,
         "fsdp2_predicted_peak_even": even, "measured_over_even": even_ratio,
         "eager_twin": {k: v for k, v in (twin or {}).items() if k != "losses"} or None,
+        "float8": float8,
     }
     bad = len(theirs) != a.steps or len(ours) != a.steps or rel > tol
+    if float8 and (float8["first"] > FLOAT8_FIRST or float8["without_float8_first"] <= FLOAT8_FIRST):
+        bad = True
     if name in EP_CONFIGS:
         if a.memory_check and (ratio is None or even_ratio is None or ratio > 1 + bound or even_ratio < 1 - bound):
             bad = True

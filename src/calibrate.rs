@@ -212,6 +212,7 @@ fn matmul_rate(ranks: usize, secs: f64, launch: f64) -> Result<(f64, f64), CliEr
             Op::Linear {
                 bias: false,
                 layout: WeightLayout::OutIn,
+                float8: None,
             },
             &[&[m, width], &[width, width]],
         )?;
@@ -336,6 +337,9 @@ fn profile(ranks: usize, f: &Figures) -> HardwareProfile {
     hw.name = format!("cpu-{ranks}-ranks");
     hw.bf16_tflops = f.tflops;
     hw.f32_tflops = f.tflops;
+    // Float8 is emulated in f32 here (torchao's `emulate=True`); no MX emulation.
+    hw.fp8_tflops = f.tflops;
+    hw.mxfp8_tflops = 0.0;
     hw.hbm_gbps = f.hbm_gbps;
     hw.hbm_gib = host_memory_gib();
     hw.intra_node_gbps = f.link_gbps;

@@ -141,6 +141,7 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
         }
     };
     check_tensor_parallel(plan.mesh.tensor(), &model, &origin)?;
+    check_low_precision(&parallel, &origin)?;
     if parallel.moe.capacity_factor.is_some() {
         return Err(origin.refuse(
             "moe.capacity_factor",
@@ -181,6 +182,39 @@ fn fsdp2(args: &Fsdp2Args) -> Result<(), CliError> {
         plan.mesh.shard(),
         file.display()
     ))
+}
+
+/// Refuses the low-precision linears the program cannot yet write: MXFP8 (torchao's MX
+/// linears run on Blackwell only, and `shardplan train` has no emulation to hold them to),
+/// and Float8 under tensor parallelism (torchao's Float8 TP styles).
+fn check_low_precision(parallel: &ParallelConfig, origin: &Origin) -> Result<(), CliError> {
+    if parallel.mxfp8.is_some() {
+        return Err(origin.refuse(
+            "mxfp8",
+            "MXFP8 linears are planned but not exported yet: `shardplan train` does not emulate them, so no run could check the program".into(),
+            "plan it with `shardplan plan`, or export with `float8`",
+        ));
+    }
+    if parallel.float8.is_some() && parallel.mesh.tensor > 1 {
+        return Err(origin.refuse(
+            "float8",
+            "Float8 under tensor parallelism is planned but not exported yet: its scales reduce over the tensor group (torchao's Float8 TP styles), which `shardplan train` does not run".into(),
+            "export Float8 on FSDP or HSDP meshes, or this mesh without `float8`",
+        ));
+    }
+    Ok(())
+}
+
+/// The `FLOAT8` literal: None, or the recipe, the Float8 linears by Hugging Face module
+/// path (as the traced graph `g` chose them) and torchao's FSDP options.
+pub(crate) fn float8_literal(g: &Graph, parallel: &ParallelConfig) -> Value {
+    let Some(f) = &parallel.float8 else { return Value::Null };
+    json!({
+        "recipe": f.recipe.name(),
+        "linears": shardplan_models::float8::float8_linears(g),
+        "fsdp_float8_all_gather": f.fsdp_float8_all_gather,
+        "precompute_scale": f.precompute_scale,
+    })
 }
 
 /// Refuses the tensor-parallel plans torch's DTensor styles cannot express as shardplan
@@ -313,6 +347,11 @@ fn render(
         "COMPILE",
         "torch.compile as torchtitan applies it: each block on its own (`model`, before fully_shard), the loss function (`loss`)",
         json!({"model": parallel.compile.model, "loss": parallel.compile.loss}),
+    ));
+    lits.push((
+        "FLOAT8",
+        "Float8 linears (torchao's convert_to_float8_training; None: none): recipe, the linears by Hugging Face module path, FSDP's float8 all-gather and precomputed scales",
+        float8_literal(g, parallel),
     ));
     lits.push((
         "BATCH",
@@ -451,6 +490,7 @@ fn program(header: &str, lits: &[(&str, &str, Value)]) -> String {
     let defaults = [
         ("CONTEXT", "context parallelism (None: none)", Value::Null),
         ("TENSOR", "tensor parallelism (None: none)", Value::Null),
+        ("FLOAT8", "Float8 linears (None: none)", Value::Null),
     ];
     let missing = |name: &str| !lits.iter().any(|l| l.0 == name);
     for (name, what, v) in lits.iter().chain(defaults.iter().filter(|d| missing(d.0))) {

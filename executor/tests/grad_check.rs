@@ -173,7 +173,7 @@ proptest! {
             let x = c.param(&[b, s, n]);
             let w = c.param(&if layout == WeightLayout::OutIn { [out, n] } else { [n, out] });
             let bias = c.param(&[out]);
-            let y = c.op(Op::Linear { bias: true, layout }, &[x, w, bias]);
+            let y = c.op(Op::Linear { bias: true, layout, float8: None }, &[x, w, bias]);
             c.check(y);
         }
     }
@@ -295,7 +295,7 @@ proptest! {
         let mut c = Case::new(seed);
         let x = c.param(&[t, d]);
         let router = c.param(&[e, d]);
-        let linear = Op::Linear { bias: false, layout: WeightLayout::OutIn };
+        let linear = Op::Linear { bias: false, layout: WeightLayout::OutIn, float8: None };
         let logits = c.op(linear, &[x, router]);
         let top = c.op(Op::MoeTopK { k, score }, &[logits]);
         let w = c.op(Op::MoeRouterWeights { score, norm }, &[logits, top]);

@@ -11,6 +11,14 @@ pub struct HardwareProfile {
     pub bf16_tflops: f64,
     /// Dense f32 peak without TF32 (PyTorch's default for matmuls), TFLOP/s.
     pub f32_tflops: f64,
+    /// Dense float8 (e4m3/e5m2) tensor-core peak, TFLOP/s; 0 where the device has none
+    /// (before Ada and Hopper, SM89), which refuses `float8`.
+    #[serde(default)]
+    pub fp8_tflops: f64,
+    /// Dense MXFP8 (block-scaled float8) tensor-core peak, TFLOP/s; 0 where the device has
+    /// no MX tensor cores (before Blackwell), which refuses `mxfp8`.
+    #[serde(default)]
+    pub mxfp8_tflops: f64,
     /// Device memory, GiB, as the driver reports it.
     pub hbm_gib: f64,
     /// Device memory bandwidth, GB/s.
@@ -308,6 +316,8 @@ pub const H100_96GB_500W_TFLOPS: (f64, f64) = (835.0, 989.0);
 struct Arch {
     bf16: f64,
     f32: f64,
+    fp8: f64,
+    mxfp8: f64,
     nvlink: f64,
     net: f64,
     host: (f64, f64),
@@ -337,6 +347,8 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
     const AMPERE: Arch = Arch {
         bf16: 312.0,
         f32: 19.5,
+        fp8: 0.0,
+        mxfp8: 0.0,
         nvlink: 300.0,
         net: 25.0,
         host: (25.0, 50.0),
@@ -348,6 +360,8 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
     const HOPPER: Arch = Arch {
         bf16: 989.0,
         f32: 67.0,
+        fp8: 1979.0,
+        mxfp8: 0.0,
         nvlink: 450.0,
         net: 50.0,
         host: (50.0, 75.0),
@@ -359,6 +373,8 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
     const BLACKWELL: Arch = Arch {
         bf16: 2250.0,
         f32: 80.0,
+        fp8: 4500.0,
+        mxfp8: 4500.0,
         nvlink: 900.0,
         net: 50.0,
         host: (50.0, 75.0),
@@ -371,6 +387,8 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
         name: name.to_string(),
         bf16_tflops: a.bf16,
         f32_tflops: a.f32,
+        fp8_tflops: a.fp8,
+        mxfp8_tflops: a.mxfp8,
         hbm_gib: gib,
         hbm_gbps: hbm,
         intra_node_gbps: a.nvlink,
@@ -412,6 +430,8 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
         // taken as the 96 GB H100s report it (95,830 MiB), not measured on this part.
         "h100-96gb-500w" => HardwareProfile {
             bf16_tflops: H100_96GB_500W_TFLOPS.0,
+            // Float8 runs the tensor cores at twice bf16's rate, as on every Hopper part.
+            fp8_tflops: 2.0 * H100_96GB_500W_TFLOPS.0,
             ..p(&HOPPER, 93.6, 2400.0)
         },
         // Hopper's figures with the efficiencies and launch cost measured on an H200.
@@ -433,10 +453,12 @@ pub fn builtin(name: &str) -> Option<HardwareProfile> {
 
 impl HardwareProfile {
     /// `(field name, value)` of every number, for validation and printing.
-    pub fn numbers(&self) -> [(&'static str, f64); 29] {
+    pub fn numbers(&self) -> [(&'static str, f64); 31] {
         [
             ("bf16_tflops", self.bf16_tflops),
             ("f32_tflops", self.f32_tflops),
+            ("fp8_tflops", self.fp8_tflops),
+            ("mxfp8_tflops", self.mxfp8_tflops),
             ("hbm_gib", self.hbm_gib),
             ("hbm_gbps", self.hbm_gbps),
             ("intra_node_gbps", self.intra_node_gbps),

@@ -8,7 +8,9 @@
 //! Architecture invariant: autodiff only appends nodes; forward node ids are unchanged, so a
 //! plan can refer to forward values of the joint graph by their forward ids.
 
-use crate::{DType, Graph, IdVec, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, TpGrad, WeightLayout};
+use crate::{
+    DType, Float8Cast, Graph, IdVec, IrError, NodeId, NormWrt, Op, ParamId, Shape, TensorType, TpGrad, WeightLayout,
+};
 
 /// A forward+backward graph and where its results are.
 #[derive(Clone, Debug)]
@@ -311,6 +313,14 @@ fn sum_all(g: &mut Graph, parts: &[NodeId], of: NodeId) -> Result<NodeId, IrErro
 }
 
 /// `dx` summed to `shape` when the forward op broadcast it, else `dx` itself.
+/// `x` as a Float8 matmul reads it under `cast`; `x` itself in high precision.
+fn float8_cast(g: &mut Graph, x: NodeId, cast: Option<Float8Cast>, of: NodeId) -> Result<NodeId, IrError> {
+    match cast {
+        Some(cast) if cast.scaled.is_some() => g.add_grad_node(Op::Float8Cast { cast }, &[x], of),
+        _ => Ok(x),
+    }
+}
+
 fn unbroadcast(g: &mut Graph, dx: NodeId, shape: &Shape, of: NodeId) -> Result<NodeId, IrError> {
     if &g.node(dx).ty.shape == shape {
         Ok(dx)
@@ -353,28 +363,45 @@ fn vjp(
                 }
             }
         }
-        Op::Linear { bias, layout } => {
+        Op::Linear { bias, layout, float8 } => {
             let flipped = match layout {
                 WeightLayout::OutIn => WeightLayout::InOut,
                 WeightLayout::InOut => WeightLayout::OutIn,
             };
+            let casts = float8.map(|r| r.casts());
+            // One cast of `dy` where both gradients read it alike (tensorwise).
+            let mut dy_casts: Vec<(Option<Float8Cast>, NodeId)> = Vec::new();
+            let mut cast_dy = |g: &mut Graph, cast: Option<Float8Cast>| -> Result<NodeId, IrError> {
+                if let Some(&(_, n)) = dy_casts.iter().find(|(c, _)| *c == cast) {
+                    return Ok(n);
+                }
+                let n = float8_cast(g, dy, cast, id)?;
+                dy_casts.push((cast, n));
+                Ok(n)
+            };
             if wanted[0] {
+                // The weight is `[out, in]`: `w_t`'s casts read it transposed.
+                let dy_q = cast_dy(g, casts.map(|c| c.grad_input_grad_output))?;
+                let w_q = float8_cast(g, ins[1], casts.map(|c| c.grad_input_weight_t.transposed()), id)?;
                 put(
                     0,
                     g.add_grad_node(
                         Op::Linear {
                             bias: false,
                             layout: flipped,
+                            float8: None,
                         },
-                        &[dy, ins[1]],
+                        &[dy_q, w_q],
                         id,
                     )?,
                 );
             }
             if wanted[1] {
+                let x_q = float8_cast(g, ins[0], casts.map(|c| c.grad_weight_input), id)?;
+                let dy_q = cast_dy(g, casts.map(|c| c.grad_weight_grad_output))?;
                 put(
                     1,
-                    g.add_grad_node(Op::WeightGrad { layout: *layout }, &[ins[0], dy], id)?,
+                    g.add_grad_node(Op::WeightGrad { layout: *layout }, &[x_q, dy_q], id)?,
                 );
             }
             if *bias && wanted[2] {

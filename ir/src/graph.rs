@@ -396,6 +396,30 @@ impl Graph {
         self.dag[NodeIndex::new(id.index())].grad_of = Some(grad_of);
     }
 
+    /// Makes the forward linear layer `id` a Float8 one under `recipe` (torchao's
+    /// `convert_to_float8_training` swaps the module; its value's type is unchanged).
+    /// Errors for any other node, or for `[in, out]` weights.
+    pub fn set_float8(&mut self, id: NodeId, recipe: crate::Float8Recipe) -> Result<(), IrError> {
+        let scope = self.scope(self.node(id).scope).display_path().to_string();
+        let node = &mut self.dag[NodeIndex::new(id.index())];
+        match &mut node.op {
+            Op::Linear {
+                layout: crate::WeightLayout::OutIn,
+                float8,
+                ..
+            } if node.grad_of.is_none() => {
+                *float8 = Some(recipe);
+                Ok(())
+            }
+            op => Err(IrError::Shape {
+                op: op.name(),
+                scope,
+                operands: String::new(),
+                reason: "only a forward linear layer with [out, in] weights trains in Float8".into(),
+            }),
+        }
+    }
+
     /// Marks a node as a graph output (the loss).
     pub fn add_output(&mut self, node: NodeId) {
         self.outputs.push(node);

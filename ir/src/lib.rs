@@ -9,6 +9,7 @@ mod cost;
 mod dot;
 mod dtype;
 mod error;
+mod float8;
 mod graph;
 mod ids;
 mod op;
@@ -23,6 +24,7 @@ pub use cost::{elementwise_flops, Cost};
 pub use dot::to_dot;
 pub use dtype::DType;
 pub use error::IrError;
+pub use float8::{Float8Cast, Float8Format, Float8Granularity, Float8LinearCasts, Float8Recipe};
 pub use graph::{ExpertSplit, Graph, Node, Operands, Param, TensorSplit};
 #[doc(hidden)]
 pub use ids::__private;

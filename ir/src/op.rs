@@ -3,7 +3,7 @@
 //! Ops are coarse where kernels are coarse (attention, rms_norm, cross_entropy), so the
 //! planner and cost model see the same units the executor runs.
 
-use crate::{ContextLayout, ContextRotate, DType, ParamId, Shape, TensorType};
+use crate::{ContextLayout, ContextRotate, DType, Float8Cast, Float8Recipe, ParamId, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -127,8 +127,16 @@ pub enum Op {
     Param { param: ParamId },
     /// `(table [V, D], ids [...] int) -> [..., D]`.
     Embedding,
-    /// `(x [..., in], w, bias? [out]) -> [..., out]`.
-    Linear { bias: bool, layout: WeightLayout },
+    /// `(x [..., in], w, bias? [out]) -> [..., out]`. With `float8`, a torchao Float8 linear
+    /// (`[out, in]` weights only): `x` and `w` are each cast under the recipe's output casts
+    /// and the product taken of the values read back; the bias is added in high precision.
+    /// Its backward casts its operands with [`Op::Float8Cast`].
+    Linear {
+        bias: bool,
+        layout: WeightLayout,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        float8: Option<Float8Recipe>,
+    },
     /// `(a [..., m, k], b [..., k, n]) -> [..., m, n]`, batch dims broadcast.
     MatMul,
     /// Elementwise sum with broadcasting.
@@ -184,6 +192,10 @@ pub enum Op {
     Concat { dim: usize },
     /// Change the element type.
     Cast { dtype: DType },
+    /// A matmul operand as a Float8 matmul reads it (backward only: a Float8 linear's
+    /// gradients): `(x) -> x`'s type, each value scaled, cast to float8 and read back,
+    /// the matrix `[numel / last, last]` scaled per `cast`'s granularity.
+    Float8Cast { cast: Float8Cast },
     /// Sum of all elements: `(x) -> []`, same dtype.
     Sum,
 
@@ -427,6 +439,7 @@ impl Op {
             Op::Narrow { .. } => "narrow",
             Op::Concat { .. } => "concat",
             Op::Cast { .. } => "cast",
+            Op::Float8Cast { .. } => "float8_cast",
             Op::Sum => "sum",
             Op::Fill { .. } => "fill",
             Op::SumTo { .. } => "sum_to",
@@ -485,18 +498,18 @@ impl Op {
     /// Attributes for printing (`eps=1e-5`), empty when the op has none.
     pub fn attrs(&self) -> String {
         match self {
-            Op::Linear { bias, layout } => {
-                let mut s = String::new();
+            Op::Linear { bias, layout, float8 } => {
+                let mut parts = Vec::new();
                 if *bias {
-                    s.push_str("bias");
+                    parts.push("bias".to_string());
                 }
                 if *layout == WeightLayout::InOut {
-                    if !s.is_empty() {
-                        s.push(' ');
-                    }
-                    s.push_str("w=[in,out]");
+                    parts.push("w=[in,out]".to_string());
                 }
-                s
+                if let Some(r) = float8 {
+                    parts.push(format!("float8={}", r.name()));
+                }
+                parts.join(" ")
             }
             Op::RmsNorm { eps } | Op::LayerNorm { eps } => format!("eps={eps:e}"),
             Op::Rope {
@@ -511,6 +524,7 @@ impl Op {
             Op::Narrow { dim, start, len } => format!("dim={dim} start={start} len={len}"),
             Op::Concat { dim } => format!("dim={dim}"),
             Op::Cast { dtype } => format!("to={dtype}"),
+            Op::Float8Cast { cast } => cast.to_string(),
             Op::Fill { value } => format!("value={value}"),
             Op::SumTo { shape } | Op::BroadcastTo { shape } => format!("to={shape}"),
             Op::WeightGrad {
@@ -594,7 +608,9 @@ impl Op {
             Op::Linear { bias, .. } => 2 + usize::from(*bias),
             Op::LayerNorm { .. } | Op::Attention { .. } => 3,
             Op::Rope { .. } | Op::Silu | Op::Gelu | Op::GeluErf | Op::Relu | Op::Sigmoid | Op::Softmax { .. } => 1,
-            Op::Reshape { .. } | Op::Transpose { .. } | Op::Narrow { .. } | Op::Cast { .. } => 1,
+            Op::Reshape { .. } | Op::Transpose { .. } | Op::Narrow { .. } | Op::Cast { .. } | Op::Float8Cast { .. } => {
+                1
+            }
             Op::TpAllGather { .. }
             | Op::TpReduceScatter { .. }
             | Op::TpAllReduce { .. }
@@ -626,6 +642,11 @@ impl Op {
         match self {
             Op::Input { .. } | Op::Param { .. } | Op::Fill { .. } => Err("leaf ops take their type as given".into()),
             Op::Embedding | Op::VocabEmbedding { .. } => infer_embedding(ins[0], ins[1]),
+            Op::Linear {
+                layout: WeightLayout::InOut,
+                float8: Some(_),
+                ..
+            } => Err("a Float8 linear takes [out, in] weights (torch.nn.Linear's)".into()),
             Op::Linear { layout, .. } => infer_linear(*layout, ins),
             Op::MatMul => infer_matmul(ins[0], ins[1]),
             Op::Add | Op::Mul => {
@@ -699,6 +720,7 @@ impl Op {
             }
             Op::Concat { dim } => infer_concat(*dim, ins),
             Op::Cast { dtype } => Ok(TensorType::new(*dtype, ins[0].shape.clone())),
+            Op::Float8Cast { .. } => Ok(ins[0].clone()),
             Op::Sum => {
                 float(ins[0], "input")?;
                 Ok(TensorType::new(ins[0].dtype, Shape::scalar()))

@@ -56,10 +56,12 @@ fn linear() {
     let out_in = Op::Linear {
         bias: false,
         layout: WeightLayout::OutIn,
+        float8: None,
     };
     let in_out_bias = Op::Linear {
         bias: true,
         layout: WeightLayout::InOut,
+        float8: None,
     };
     assert_eq!(ok(out_in.clone(), &[(F, &[2, 8, 64]), (F, &[32, 64])]), "f32[2,8,32]");
     assert_eq!(
@@ -290,6 +292,7 @@ fn costs_follow_the_documented_conventions() {
             Op::Linear {
                 bias: false,
                 layout: WeightLayout::OutIn,
+                float8: None,
             },
             &[x, w],
             root,
@@ -325,6 +328,7 @@ fn module_stats_count_params_costs_and_non_view_bytes() {
             Op::Linear {
                 bias: false,
                 layout: WeightLayout::OutIn,
+                float8: None,
             },
             &[x, w],
             block,

@@ -139,6 +139,7 @@ pub(crate) fn build(t: &mut Tracer, c: &Gpt2Config, batch: u64, seq: u64) -> Res
         Op::Linear {
             bias: false,
             layout: WeightLayout::OutIn,
+            float8: None,
         },
         &[x, wte],
     )?;

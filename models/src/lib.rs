@@ -4,6 +4,7 @@
 //! Architecture invariant: builders only call the IR's graph API; they hold no tensors.
 
 mod config;
+pub mod float8;
 mod gpt2;
 mod llama;
 mod mlp;
@@ -15,6 +16,7 @@ pub use config::{
     Activation, ConfigError, Gpt2Config, LayerSet, LlamaConfig, MlpConfig, ModelConfig, MoeConfig, MoeNames, Router,
     MAX_LAYERS,
 };
+pub use float8::{Float8Linears, Float8Options};
 pub use presets::{preset, PRESET_NAMES};
 pub use shardplan_ir::RopeScaling;
 pub use trace::{trace, TraceError, TraceOptions};

@@ -270,6 +270,7 @@ fn output(
             Op::Linear {
                 bias: false,
                 layout: WeightLayout::OutIn,
+                float8: None,
             },
             &[x, table],
         )?

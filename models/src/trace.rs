@@ -1,12 +1,12 @@
 //! Entry point of tracing: a validated config and the batch shape in, an IR graph out.
 
 use crate::tracer::{ContextOptions, ExpertOptions, TensorOptions, Tracer};
-use crate::{gpt2, llama, mlp, ConfigError, ModelConfig};
+use crate::{gpt2, llama, mlp, ConfigError, Float8Options, ModelConfig};
 use shardplan_ir::{ContextBalance, DType, Graph, IrError};
 use thiserror::Error;
 
 /// The concrete shape a graph is traced for (a plan is for one shape).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TraceOptions {
     /// Sequences per micro-batch on one rank.
     pub batch: u64,
@@ -21,6 +21,8 @@ pub struct TraceOptions {
     /// Context parallelism: with `degree > 1` the graph is one context rank's program,
     /// `seq_len / degree` rows of each sequence.
     pub context: ContextOptions,
+    /// Float8 linears (torchao's `convert_to_float8_training`), chosen after tracing.
+    pub float8: Option<Float8Options>,
 }
 
 impl Default for TraceOptions {
@@ -32,6 +34,7 @@ impl Default for TraceOptions {
             tensor: TensorOptions::default(),
             expert: ExpertOptions::default(),
             context: ContextOptions::default(),
+            float8: None,
         }
     }
 }
@@ -105,6 +108,9 @@ pub fn trace(config: &ModelConfig, opts: TraceOptions) -> Result<Graph, TraceErr
     }
     let mut g = t.g;
     g.set_expert_overlap(opts.expert.overlap);
+    if let Some(f8) = &opts.float8 {
+        crate::float8::convert(&mut g, f8)?;
+    }
     Ok(g)
 }
 

@@ -340,7 +340,15 @@ impl Tracer {
         if bias {
             ins.push(self.split_param(scope, &format!("{prefix}.bias"), &[local[out_dim]], 0, parts)?);
         }
-        self.op(scope, Op::Linear { bias, layout }, &ins)
+        self.op(
+            scope,
+            Op::Linear {
+                bias,
+                layout,
+                float8: None,
+            },
+            &ins,
+        )
     }
 
     /// A row-parallel linear layer: `shape` is the whole weight's, each tensor rank holds
@@ -371,7 +379,15 @@ impl Tracer {
         } else {
             None
         };
-        let y = self.op(scope, Op::Linear { bias: false, layout }, &[x, w])?;
+        let y = self.op(
+            scope,
+            Op::Linear {
+                bias: false,
+                layout,
+                float8: None,
+            },
+            &[x, w],
+        )?;
         let y = self.tp_exit(scope, y)?;
         match b {
             Some(b) => {
@@ -410,7 +426,15 @@ impl Tracer {
             };
             ins.push(self.param(scope, &format!("{prefix}.bias"), &[out])?);
         }
-        self.op(scope, Op::Linear { bias, layout }, &ins)
+        self.op(
+            scope,
+            Op::Linear {
+                bias,
+                layout,
+                float8: None,
+            },
+            &ins,
+        )
     }
 
     pub fn reshape(&mut self, scope: ScopeId, x: NodeId, dims: &[u64]) -> Result<NodeId, IrError> {

@@ -188,6 +188,7 @@ pub(crate) fn work_kind(op: &Op) -> WorkKind {
         Op::MoeGatherIds { .. } | Op::MoeDispatch { .. } | Op::MoeCombine { .. } => WorkKind::ExpertComm,
         Op::CpAllGather { .. } | Op::CpReduceScatter { .. } => WorkKind::ContextComm,
         Op::MoeLocalIds { .. } | Op::MoeDrop { .. } => WorkKind::Layout,
+        Op::Float8Cast { .. } => WorkKind::Float8Casts,
         Op::Add
         | Op::Mul
         | Op::Silu

@@ -781,10 +781,13 @@ pub enum WorkKind {
     /// PyTorch FSDP2's host time per FSDP unit that the GPU waits for (`runtime: fsdp2`,
     /// `fsdp2_unit_host_us`): its hooks in Python and its ops' autograd bookkeeping.
     Hooks,
+    /// Float8 linears' scaling and casts (torchao's amax, scale and cast of each operand;
+    /// one fused kernel each under `compile`).
+    Float8Casts,
 }
 
 impl WorkKind {
-    pub const ALL: [WorkKind; 16] = [
+    pub const ALL: [WorkKind; 17] = [
         WorkKind::Matmul,
         WorkKind::Attention,
         WorkKind::Norm,
@@ -801,6 +804,7 @@ impl WorkKind {
         WorkKind::ExpertComm,
         WorkKind::ContextComm,
         WorkKind::Hooks,
+        WorkKind::Float8Casts,
     ];
 
     pub fn name(self) -> &'static str {
@@ -821,6 +825,7 @@ impl WorkKind {
             WorkKind::ExpertComm => "expert all-to-all",
             WorkKind::ContextComm => "context ring",
             WorkKind::Hooks => "fsdp2 host (hooks)",
+            WorkKind::Float8Casts => "float8 casts",
         }
     }
 }
@@ -853,6 +858,9 @@ pub struct Breakdown {
     /// Absent from the JSON outside `runtime: fsdp2`.
     #[serde(skip_serializing_if = "is_zero")]
     pub hooks_s: f64,
+    /// Absent from the JSON without Float8 linears.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub float8_casts_s: f64,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -901,6 +909,7 @@ impl Breakdown {
             WorkKind::ExpertComm => &mut self.expert_comm_s,
             WorkKind::ContextComm => &mut self.context_comm_s,
             WorkKind::Hooks => &mut self.hooks_s,
+            WorkKind::Float8Casts => &mut self.float8_casts_s,
         }
     }
 }

@@ -20,6 +20,7 @@
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -729,6 +730,46 @@ def apply_checkpointing(model):
     make = selective_policy(CHECKPOINTING["save"]) if kind == "selective" else (lambda: {})
     for path in CHECKPOINTING["blocks"]:
         module_at(model, path).checkpoint = make
+
+
+def apply_float8(model, names, device):
+    """torchao's Float8 linears, swapped in as torchtitan's converter does (at build, before
+    tensor parallelism, checkpointing, compile and fully_shard): the linears the plan names,
+    by Hugging Face module path. On the CPU torchao emulates the float8 matmuls
+    (`emulate=True`: each operand cast to float8 and read back, the product in f32)."""
+    if FLOAT8 is None:
+        return
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise SystemExit(f"error: the plan trains Float8 linears, which need torchao ({e}); pip install torchao")
+    hf_modules = set(FLOAT8["linears"])
+    paths = {path.removesuffix(".weight") for path, hf in names.items() if hf.removesuffix(".weight") in hf_modules}
+    if len(paths) != len(hf_modules):
+        raise SystemExit("error: the plan's Float8 linears are not all modules of this model (was the program edited?)")
+    if FLOAT8["recipe"] == "tensorwise":
+        config = Float8LinearConfig(
+            enable_fsdp_float8_all_gather=FLOAT8["fsdp_float8_all_gather"],
+            emulate=device.type != "cuda",
+        )
+    else:
+        config = Float8LinearConfig.from_recipe_name(FLOAT8["recipe"])
+        config = dataclasses.replace(config, emulate=device.type != "cuda")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn in paths)
+    converted = {fqn for fqn, mod in model.named_modules() if type(mod).__name__ == "Float8Linear"}
+    if converted != paths:
+        raise SystemExit(f"error: torchao converted {sorted(converted ^ paths)} differently from the plan")
+
+
+def precompute_float8_scales(modules):
+    """The Float8 weights' scales for the next step's float8 all-gathers, one all-reduce of
+    every amax after the optimizer step (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
+    if FLOAT8 is None or not FLOAT8["precompute_scale"]:
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for m in modules:
+        precompute_float8_dynamic_scale_for_fsdp(m)
 
 
 def apply_compile(model):
@@ -1444,6 +1485,7 @@ def train_step(model, opt, batches, step, total, device, meter):
         clip_grad_norm(model, GRAD_CLIP, device)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    precompute_float8_scales([model])
     # The loss of the global batch: the mean over every rank and micro-batch.
     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
     return loss_sum.item() / (accum * dist.get_world_size())
@@ -1830,6 +1872,7 @@ def run(a, device, rank, world):
     if PIPELINE is not None:
         return run_pipeline(a, device, rank, world)
     model, names = build_model()
+    apply_float8(model, names, device)
     meshes = make_mesh(device)
     if TENSOR is not None:
         apply_tensor_parallel(model, TENSOR_MESH[0], device)
@@ -1952,6 +1995,7 @@ def build_stages(a, device, mesh, dp):
     from torch.distributed.pipelining import PipelineStage
 
     model, names = build_model()
+    apply_float8(model, names, device)
     if TENSOR is not None:
         apply_tensor_parallel(model, TENSOR_MESH[0], device)
     apply_checkpointing(model)
@@ -2054,6 +2098,7 @@ def run_pipeline(a, device, rank, world):
             clip_pipeline(parts, mesh, GRAD_CLIP, device)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        precompute_float8_scales(parts)
         total = torch.tensor(sum(float(whole_value(x)) for x in losses), dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         # Every rank of the last stage's tensor groups holds the same losses.

@@ -28,6 +28,7 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
     let model = lm.config.clone();
     let origin = Origin::Spec(Box::new((lp, lm)));
     super::check_tensor_parallel(config.mesh.tensor, &model, &origin)?;
+    super::check_low_precision(&config, &origin)?;
     // Under tensor parallelism the traced stages hold one tensor rank's slices; the program
     // lists the whole model's parameters and each rank cuts its own.
     let whole = if config.mesh.tensor > 1 {
@@ -53,6 +54,11 @@ pub(super) fn export(out: &Path, lm: LoadedModel, lp: LoadedParallel) -> Result<
             "MESH",
             "pipeline x replicate x shard x tensor, pipeline outermost (HSDP inside the stages when replicate > 1), tensor groups innermost",
             json!({"pipeline": mesh.pipeline, "replicate": mesh.replicate, "shard": mesh.shard, "expert": 1, "tensor": mesh.tensor}),
+        ),
+        (
+            "FLOAT8",
+            "Float8 linears (torchao's convert_to_float8_training; None: none), as without a pipeline",
+            super::float8_literal(&forward, &config),
         ),
         (
             "TENSOR",

@@ -13,62 +13,60 @@
 //! `scripts/float8-fixtures.py` with torch and torchao, holds every cast, scale and
 //! operand here to torch's bits.
 
+use candle_core::{DType, Tensor};
 use float8::{F8E4M3, F8E5M2};
+pub use shardplan_ir::{
+    Float8Cast as Cast, Float8Format as Format, Float8Granularity as Granularity, Float8Recipe as Recipe,
+};
 
-/// A float8 format: torch's `float8_e4m3fn` (no infinities, largest 448) or `float8_e5m2`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Format {
-    E4m3,
-    E5m2,
-}
-
-impl Format {
-    /// The largest finite value (`torch.finfo(dtype).max`).
-    pub fn max(self) -> f32 {
-        match self {
-            Format::E4m3 => 448.0,
-            Format::E5m2 => 57344.0,
-        }
-    }
-
-    /// `x` clamped to the largest finite value and rounded to this format (ties to even),
-    /// read back as f32: torchao's `to_fp8_saturated(x, dtype).float()`. NaN stays NaN.
-    pub fn cast_saturated(self, x: f32) -> f32 {
-        let top = self.max();
-        let x = if x.is_nan() { x } else { x.clamp(-top, top) };
-        match self {
-            Format::E4m3 => F8E4M3::from_f32(x).to_f32(),
-            Format::E5m2 => F8E5M2::from_f32(x).to_f32(),
-        }
-    }
-
-    /// The scale of values whose largest magnitude is `amax`: torchao's `amax_to_scale`.
-    pub fn scale(self, amax: f32, power_of_two: bool) -> f32 {
-        let scale = (f64::from(self.max()) / f64::from(amax).max(1e-12)) as f32;
-        if power_of_two {
-            scale.log2().floor().exp2()
-        } else {
-            scale
-        }
+/// The largest finite value of `format` (`torch.finfo(dtype).max`).
+pub fn max(format: Format) -> f32 {
+    match format {
+        Format::E4m3 => 448.0,
+        Format::E5m2 => 57344.0,
     }
 }
 
-/// Which values share a scale: the whole tensor, or (axiswise) each row or each column of
-/// a row-major matrix (torchao's `axiswise_dim` -1 and 0).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Granularity {
-    Tensorwise,
-    Rows,
-    Columns,
+/// `x` clamped to the largest finite value and rounded to `format` (ties to even), read
+/// back as f32: torchao's `to_fp8_saturated(x, dtype).float()`. NaN stays NaN.
+pub fn cast_saturated(format: Format, x: f32) -> f32 {
+    let top = max(format);
+    let x = if x.is_nan() { x } else { x.clamp(-top, top) };
+    match format {
+        Format::E4m3 => F8E4M3::from_f32(x).to_f32(),
+        Format::E5m2 => F8E5M2::from_f32(x).to_f32(),
+    }
 }
 
-/// How one matmul operand is read: cast to `format` under `granularity`, or (`None`) in
-/// high precision.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cast {
-    pub scaled: Option<(Granularity, Format)>,
-    /// Scales rounded down to a power of two (the rowwise recipes).
-    pub power_of_two: bool,
+/// The scale of values whose largest magnitude is `amax`: torchao's `amax_to_scale`.
+pub fn scale(format: Format, amax: f32, power_of_two: bool) -> f32 {
+    let scale = (f64::from(max(format)) / f64::from(amax).max(1e-12)) as f32;
+    if power_of_two {
+        scale.log2().floor().exp2()
+    } else {
+        scale
+    }
+}
+
+/// The tensor `t` as a Float8 matmul reads it under `cast`, in f32: `t` read as the
+/// matrix `[numel / last, last]`, each scale group cast and read back.
+pub fn cast_tensor(t: &Tensor, cast: Cast) -> candle_core::Result<Tensor> {
+    let t32 = t.to_dtype(DType::F32)?;
+    if cast.scaled.is_none() {
+        return Ok(t32);
+    }
+    let cols = t.dims().last().copied().unwrap_or(1);
+    let data = t32.flatten_all()?.to_vec1::<f32>()?;
+    let rows = data.len().checked_div(cols).unwrap_or(0);
+    let out = operand(
+        cast,
+        Matrix {
+            data: &data,
+            rows,
+            cols,
+        },
+    );
+    Tensor::from_vec(out, t.dims(), t.device())
 }
 
 /// A matrix of `rows x cols`, row-major.
@@ -79,11 +77,11 @@ pub struct Matrix<'a> {
     pub cols: usize,
 }
 
-impl Cast {
-    /// The operand `m` as torchao's emulated matmul reads it: `cast(m * s) / s` per scale
-    /// group, or `m` itself in high precision.
-    pub fn operand(&self, m: Matrix<'_>) -> Vec<f32> {
-        let Some((granularity, format)) = self.scaled else {
+/// The operand `m` as torchao's emulated matmul reads it under `cast`: `cast(m * s) / s`
+/// per scale group, or `m` itself in high precision.
+pub fn operand(cast: Cast, m: Matrix<'_>) -> Vec<f32> {
+    {
+        let Some((granularity, format)) = cast.scaled else {
             return m.data.to_vec();
         };
         assert_eq!(m.data.len(), m.rows * m.cols, "a {} x {} matrix", m.rows, m.cols);
@@ -100,7 +98,7 @@ impl Cast {
                 .collect(),
         }
         .into_iter()
-        .map(|a| format.scale(a, self.power_of_two))
+        .map(|a| scale(format, a, cast.power_of_two))
         .collect();
         m.data
             .iter()
@@ -111,78 +109,9 @@ impl Cast {
                     Granularity::Rows => scales[i / m.cols],
                     Granularity::Columns => scales[i % m.cols],
                 };
-                format.cast_saturated(v * s) / s
+                cast_saturated(format, v * s) / s
             })
             .collect()
-    }
-}
-
-/// torchao's Float8 recipes (`Float8LinearConfig.from_recipe_name`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Recipe {
-    /// One scale a tensor; e4m3 operands, e5m2 output gradients.
-    Tensorwise,
-    /// A scale a row (of each matmul's contraction), powers of two, e4m3 throughout.
-    Rowwise,
-    /// As rowwise, but the weight's gradient matmul in high precision and the weight read
-    /// tensorwise for the input's gradient.
-    RowwiseWithGwHp,
-}
-
-/// The casts of a linear layer `y = x @ w_t` (`w_t` the weight transposed, `[in, out]`)
-/// for its three matmuls: the output (`x`, `w_t`), the input's gradient (`dy`, `w_t`, read
-/// as `w_t.t()`) and the weight's gradient (`dy`, `x`, read as `dy.t() @ x`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LinearCasts {
-    pub output_input: Cast,
-    pub output_weight_t: Cast,
-    pub grad_input_grad_output: Cast,
-    pub grad_input_weight_t: Cast,
-    pub grad_weight_grad_output: Cast,
-    pub grad_weight_input: Cast,
-}
-
-impl Recipe {
-    /// Every cast of the recipe, with torchao's axes: each scale group runs along the
-    /// matmul's contraction dim.
-    pub fn casts(self) -> LinearCasts {
-        use Format::{E4m3, E5m2};
-        use Granularity::{Columns, Rows, Tensorwise};
-        let pow2 = self != Recipe::Tensorwise;
-        let cast = |g: Granularity, f: Format| Cast {
-            scaled: Some((g, f)),
-            power_of_two: pow2,
-        };
-        let high = Cast {
-            scaled: None,
-            power_of_two: pow2,
-        };
-        match self {
-            Recipe::Tensorwise => LinearCasts {
-                output_input: cast(Tensorwise, E4m3),
-                output_weight_t: cast(Tensorwise, E4m3),
-                grad_input_grad_output: cast(Tensorwise, E5m2),
-                grad_input_weight_t: cast(Tensorwise, E4m3),
-                grad_weight_grad_output: cast(Tensorwise, E5m2),
-                grad_weight_input: cast(Tensorwise, E4m3),
-            },
-            Recipe::Rowwise => LinearCasts {
-                output_input: cast(Rows, E4m3),
-                output_weight_t: cast(Columns, E4m3),
-                grad_input_grad_output: cast(Rows, E4m3),
-                grad_input_weight_t: cast(Rows, E4m3),
-                grad_weight_grad_output: cast(Columns, E4m3),
-                grad_weight_input: cast(Columns, E4m3),
-            },
-            Recipe::RowwiseWithGwHp => LinearCasts {
-                output_input: cast(Rows, E4m3),
-                output_weight_t: cast(Columns, E4m3),
-                grad_input_grad_output: cast(Rows, E4m3),
-                grad_input_weight_t: cast(Tensorwise, E4m3),
-                grad_weight_grad_output: high,
-                grad_weight_input: high,
-            },
-        }
     }
 }
 
@@ -229,7 +158,7 @@ mod tests {
         let f = fixture();
         for (name, case) in f["casts"].as_object().unwrap() {
             let fmt = format(name);
-            let ours: Vec<f32> = floats(&case["input"]).iter().map(|&x| fmt.cast_saturated(x)).collect();
+            let ours: Vec<f32> = floats(&case["input"]).iter().map(|&x| cast_saturated(fmt, x)).collect();
             same_bits(&format!("{name} casts"), &ours, &floats(&case["output"]));
         }
     }
@@ -241,7 +170,7 @@ mod tests {
             let fmt = format(name);
             let amax = floats(&case["amax"]);
             for (key, pow2) in [("scale", false), ("scale_power_of_two", true)] {
-                let ours: Vec<f32> = amax.iter().map(|&a| fmt.scale(a, pow2)).collect();
+                let ours: Vec<f32> = amax.iter().map(|&a| scale(fmt, a, pow2)).collect();
                 same_bits(&format!("{name} {key}"), &ours, &floats(&case[key]));
             }
         }
@@ -286,7 +215,7 @@ mod tests {
                 cols: n,
             };
             let want = &case["expected"];
-            for (key, cast, operand) in [
+            for (key, cast, m) in [
                 ("output.input", c.output_input, xm),
                 ("output.weight_t", c.output_weight_t, wm),
                 ("grad_input.grad_output", c.grad_input_grad_output, dym),
@@ -294,11 +223,7 @@ mod tests {
                 ("grad_weight.grad_output", c.grad_weight_grad_output, dym),
                 ("grad_weight.input", c.grad_weight_input, xm),
             ] {
-                same_bits(
-                    &format!("{recipe:?} {key}"),
-                    &cast.operand(operand),
-                    &floats(&want[key]),
-                );
+                same_bits(&format!("{recipe:?} {key}"), &operand(cast, m), &floats(&want[key]));
             }
         }
     }
@@ -307,11 +232,14 @@ mod tests {
     fn a_zero_row_keeps_its_zeros_and_its_neighbours_scale() {
         let data = [0.0, 0.0, 3.0, -1.5];
         let cast = Recipe::Rowwise.casts().output_input;
-        let out = cast.operand(Matrix {
-            data: &data,
-            rows: 2,
-            cols: 2,
-        });
+        let out = operand(
+            cast,
+            Matrix {
+                data: &data,
+                rows: 2,
+                cols: 2,
+            },
+        );
         assert_eq!(out, vec![0.0, 0.0, 3.0, -1.5]);
     }
 }

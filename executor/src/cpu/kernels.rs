@@ -7,7 +7,7 @@ use crate::cpu::expert::ExpertGroup;
 use crate::cpu::linear::{linear, rows, weight_grad};
 pub use crate::cpu::mask::Mask;
 use crate::cpu::tensor::TensorGroup;
-use crate::cpu::{attention, fused, moe};
+use crate::cpu::{attention, float8, fused, moe};
 use crate::ExecError;
 use candle_core::{DType as CDType, Device, Tensor, D};
 use shardplan_ir::{ContextLayout, DType, NormWrt, Op, TensorType};
@@ -454,6 +454,23 @@ pub fn apply(ctx: &Ctx, op: &Op, ins: &[&Tensor], out: &TensorType) -> Result<Te
         }
         Op::Fill { value } => Tensor::ones(odims.as_slice(), cdtype(out.dtype), &ctx.device)?.affine(*value, 0.0)?,
         Op::Embedding => embedding(ins[0], ins[1], &odims)?,
+        Op::Linear {
+            layout,
+            float8: Some(recipe),
+            ..
+        } => {
+            // torchao's emulated Float8 linear: both operands cast and read back in f32, the
+            // product in f32, then the output's dtype; the bias after, in high precision.
+            let c = recipe.casts();
+            let x = float8::cast_tensor(ins[0], c.output_input)?;
+            let w = float8::cast_tensor(ins[1], c.output_weight_t.transposed())?;
+            let y = linear(&x, &w, *layout, &odims)?.to_dtype(cdtype(out.dtype))?;
+            match ins.get(2) {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            }
+        }
+        Op::Float8Cast { cast } => float8::cast_tensor(ins[0], *cast)?.to_dtype(cdtype(out.dtype))?,
         Op::Linear { layout, .. } => {
             let y = linear(ins[0], ins[1], *layout, &odims)?;
             match ins.get(2) {

@@ -569,6 +569,12 @@ pub struct ParallelConfig {
     /// Pipeline parallelism's schedule and stages, when `mesh.pipeline > 1`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline: Option<Pipeline>,
+    /// Float8 linears (torchao); absent from a serialised config when off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub float8: Option<super::Float8>,
+    /// MXFP8 linears (torchao's MX); absent from a serialised config when off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mxfp8: Option<super::Mxfp8>,
 }
 
 impl ParallelConfig {
@@ -596,6 +602,7 @@ impl ParallelConfig {
                 balance: self.context_parallel.load_balance,
                 rotate: self.context_parallel.rotate,
             },
+            float8: self.float8.as_ref().map(|f| f.options()),
         }
     }
 

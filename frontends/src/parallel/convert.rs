@@ -6,6 +6,7 @@
 //! precision, checkpointing), `training` the training run (batch, optimizer, schedule,
 //! data), `hardware` the hardware profile.
 
+mod float8;
 mod fsdp;
 mod hardware;
 mod pipeline;
@@ -16,6 +17,7 @@ use super::*;
 use crate::hardware::{HardwareProfile, KernelMode};
 use crate::yaml::{self, pos};
 use crate::{Origin, Source, SpecError};
+use float8::{float8, mxfp8};
 use fsdp::{activation_checkpointing, mixed_precision, prefetch, reshard_after_forward, wrap, wrap_modules};
 use hardware::hardware;
 use pipeline::{pipeline, pipeline_axis};
@@ -93,6 +95,8 @@ impl ParallelSpecFile {
         let compile = compile(&mut o, self.compile, runtime)?;
         check_async_tp(&o, &tensor_parallel, &mesh, &compile)?;
         let pipeline = pipeline(&mut o, self.pipeline, mesh.pipeline, batch.per_rank, &src.path)?;
+        let float8 = float8(&mut o, self.float8, &hardware)?;
+        let mxfp8 = mxfp8(&mut o, self.mxfp8, &hardware, float8.as_ref())?;
 
         let config = ParallelConfig {
             mesh,
@@ -120,6 +124,8 @@ impl ParallelSpecFile {
             context_parallel,
             moe,
             pipeline,
+            float8,
+            mxfp8,
         };
         Ok((config, o))
     }

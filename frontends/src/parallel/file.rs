@@ -38,6 +38,24 @@ pub(super) struct ParallelSpecFile {
     pub(super) context_parallel: Option<Spanned<ContextParallelFile>>,
     pub(super) moe: Option<Spanned<MoeFile>>,
     pub(super) pipeline: Option<Spanned<PipelineFile>>,
+    pub(super) float8: Option<Spanned<Float8File>>,
+    pub(super) mxfp8: Option<Spanned<Mxfp8File>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Float8File {
+    pub(super) recipe: Option<Spanned<Float8Recipe>>,
+    pub(super) filter_fqns: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) fsdp_float8_all_gather: Option<Spanned<bool>>,
+    pub(super) precompute_scale: Option<Spanned<bool>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Mxfp8File {
+    pub(super) recipe: Option<Spanned<Mxfp8Recipe>>,
+    pub(super) filter_fqns: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -128,6 +146,8 @@ pub(super) struct HardwareFile {
     pub(super) base: Option<Spanned<String>>,
     pub(super) name: Option<String>,
     pub(super) bf16_tflops: Option<Spanned<f64>>,
+    pub(super) fp8_tflops: Option<Spanned<f64>>,
+    pub(super) mxfp8_tflops: Option<Spanned<f64>>,
     pub(super) f32_tflops: Option<Spanned<f64>>,
     pub(super) hbm_gib: Option<Spanned<f64>>,
     pub(super) hbm_gbps: Option<Spanned<f64>>,

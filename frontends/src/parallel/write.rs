@@ -218,6 +218,7 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
             c.compile.model, c.compile.loss
         ));
     }
+    y.push_str(&low_precision_yaml(c));
     if !c.allocator.is_default() {
         y.push_str(&format!(
             "allocator: {{expandable_segments: {}}}\n",
@@ -250,4 +251,27 @@ pub fn spec_yaml(c: &ParallelConfig) -> String {
         }
     }
     y
+}
+
+/// The `float8:` or `mxfp8:` line that reads back as the config's, or nothing.
+fn low_precision_yaml(c: &ParallelConfig) -> String {
+    let q = |x: &String| serde_json::to_string(x).unwrap_or_else(|_| "\"\"".into());
+    let list = |v: &[String]| v.iter().map(q).collect::<Vec<_>>().join(", ");
+    if let Some(f) = &c.float8 {
+        return format!(
+            "float8: {{recipe: {}, filter_fqns: [{}], fsdp_float8_all_gather: {}, precompute_scale: {}}}\n",
+            f.recipe.name(),
+            list(&f.filter_fqns),
+            f.fsdp_float8_all_gather,
+            f.precompute_scale
+        );
+    }
+    if let Some(m) = &c.mxfp8 {
+        let recipe = match m.recipe {
+            Mxfp8Recipe::Mxfp8Cublas => "mxfp8_cublas",
+            Mxfp8Recipe::Mxfp8CublasRceil => "mxfp8_cublas_rceil",
+        };
+        return format!("mxfp8: {{recipe: {recipe}, filter_fqns: [{}]}}\n", list(&m.filter_fqns));
+    }
+    String::new()
 }

@@ -105,6 +105,7 @@ struct ExpertWeights {
 const LINEAR: Op = Op::Linear {
     bias: false,
     layout: WeightLayout::OutIn,
+    float8: None,
 };
 
 impl<'a> Moe<'a> {

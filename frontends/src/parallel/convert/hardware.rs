@@ -91,6 +91,9 @@ fn base_profile(o: &mut Origin, base: &Option<Spanned<String>>) -> Result<Hardwa
             matmul_efficiency: f64::NAN,
             host_link_gbps: f64::NAN,
             host_mem_gbps: f64::NAN,
+            // No float8 tensor cores unless written.
+            fp8_tflops: 0.0,
+            mxfp8_tflops: 0.0,
             // Not hardware numbers a user must know: NCCL's, CUDA's and the
             // kernels' typical figures (the H100's where they differ by GPU).
             ..builtin("h100-sxm").expect("built-in profile")
@@ -104,10 +107,12 @@ type NumberField<'a> = (&'static str, Option<&'a Spanned<f64>>, &'a mut f64);
 
 /// Every number a hardware mapping may give, with the profile field each sets, in the
 /// order they are checked (and named when missing).
-fn number_fields<'a>(h: &'a HardwareFile, p: &'a mut HardwareProfile) -> [NumberField<'a>; 29] {
+fn number_fields<'a>(h: &'a HardwareFile, p: &'a mut HardwareProfile) -> [NumberField<'a>; 31] {
     [
         ("bf16_tflops", h.bf16_tflops.as_ref(), &mut p.bf16_tflops),
         ("f32_tflops", h.f32_tflops.as_ref(), &mut p.f32_tflops),
+        ("fp8_tflops", h.fp8_tflops.as_ref(), &mut p.fp8_tflops),
+        ("mxfp8_tflops", h.mxfp8_tflops.as_ref(), &mut p.mxfp8_tflops),
         ("hbm_gib", h.hbm_gib.as_ref(), &mut p.hbm_gib),
         ("hbm_gbps", h.hbm_gbps.as_ref(), &mut p.hbm_gbps),
         ("intra_node_gbps", h.intra_node_gbps.as_ref(), &mut p.intra_node_gbps),
@@ -203,6 +208,8 @@ fn number_range(name: &str) -> (&'static str, fn(f64) -> bool) {
             | "step_overhead_us"
             | "fsdp2_unit_host_us"
             | "fsdp2_compiled_unit_host_us"
+            | "fp8_tflops"
+            | "mxfp8_tflops"
     );
     if name.ends_with("_efficiency") {
         ("in (0, 1]", |x| x > 0.0 && x <= 1.0)
