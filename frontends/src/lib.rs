@@ -25,8 +25,9 @@ pub use model_spec::{parse_model_spec, Family, ModelSpecFile};
 pub use origin::Origin;
 pub use parallel::{
     parse_parallel_spec, spec_yaml, ActivationCheckpointing, AdamwImplementation, AllocatorConfig, Batch, Compile,
-    ContextParallel, DataSource, Eval, GradSync, LrSchedule, MeshShape, MixedPrecision, MoeParallel, Offload,
-    Optimizer, ParallelConfig, Pipeline, PipelineSchedule, Prefetch, Reshard, Runtime, SavePolicy, SavedMatmuls,
-    StageSplit, TensorParallel, TokenDType, DEFAULT_MOE_CAPACITY, MAX_EVAL_BATCHES, MAX_WORLD,
+    ContextParallel, DataSource, Eval, Float8, GradSync, LrSchedule, MeshShape, MixedPrecision, MoeParallel, Mxfp8,
+    Mxfp8Recipe, Offload, Optimizer, ParallelConfig, Pipeline, PipelineSchedule, Prefetch, Reshard, Runtime,
+    SavePolicy, SavedMatmuls, StageSplit, TensorParallel, TokenDType, DEFAULT_MOE_CAPACITY, MAX_EVAL_BATCHES,
+    MAX_WORLD,
 };
 pub use source::{Source, MAX_SPEC_BYTES};

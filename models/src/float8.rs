@@ -68,19 +68,16 @@ impl Float8Options {
     }
 }
 
-/// Makes the forward graph's eligible linear layers Float8 ones.
-pub fn convert(g: &mut Graph, opts: &Float8Options) -> Result<Float8Linears, IrError> {
+/// Which of the forward graph's linear layers `opts` makes Float8 (their nodes, and their
+/// module paths in `converted`) and which it leaves, with why; the graph is not changed.
+pub fn classify(g: &Graph, opts: &Float8Options) -> (Vec<NodeId>, Float8Linears) {
+    let mut nodes = Vec::new();
     let mut done = Float8Linears::default();
-    let linears: Vec<NodeId> = g
-        .nodes()
-        .filter(|(_, n)| !n.is_backward() && matches!(n.op, Op::Linear { .. }))
-        .map(|(id, _)| id)
-        .collect();
-    for id in linears {
-        let node = g.node(id);
+    for (id, node) in g.nodes().filter(|(_, n)| !n.is_backward()) {
         let Op::Linear { layout, .. } = node.op else { continue };
-        let weight = g.node(node.inputs[1]);
-        let Op::Param { param } = weight.op else { continue };
+        let Op::Param { param } = g.node(node.inputs[1]).op else {
+            continue;
+        };
         let p = g.param(param);
         let name = p.name.strip_suffix(".weight").unwrap_or(&p.name).to_string();
         let reason = if p.scope != node.scope {
@@ -95,10 +92,19 @@ pub fn convert(g: &mut Graph, opts: &Float8Options) -> Result<Float8Linears, IrE
         match reason {
             Some(reason) => done.skipped.push(Float8Skip { module: name, reason }),
             None => {
-                g.set_float8(id, opts.recipe)?;
+                nodes.push(id);
                 done.converted.push(name);
             }
         }
+    }
+    (nodes, done)
+}
+
+/// Makes the forward graph's eligible linear layers Float8 ones ([`classify`]).
+pub fn convert(g: &mut Graph, opts: &Float8Options) -> Result<Float8Linears, IrError> {
+    let (nodes, done) = classify(g, opts);
+    for id in nodes {
+        g.set_float8(id, opts.recipe)?;
     }
     Ok(done)
 }

@@ -438,8 +438,21 @@ impl<'a> OpModel<'a> {
                 };
                 let batch = (numel(out) / (m * n)).max(1.0);
                 let fill = self.tile_fill(m, n, batch);
-                let t = flops / (self.peak * self.hw.matmul_efficiency * fill);
-                self.launched(t.max(bytes / self.bw), 1.0)
+                let t = flops / (self.gemm_peak(id) * self.hw.matmul_efficiency * fill);
+                let (mut t, mut kernels) = (t.max(bytes / self.bw), 1.0);
+                if let Op::Linear { float8: Some(_), .. } = node.op {
+                    // The forward's casts of the input and the weight, before the GEMM.
+                    for &i in &node.inputs[..2] {
+                        let (s, k) = self.float8_cast_seconds(id, i);
+                        t += s;
+                        kernels += k;
+                    }
+                }
+                self.launched(t, kernels)
+            }
+            Op::Float8Cast { .. } => {
+                let (s, k) = self.float8_cast_seconds(id, node.inputs[0]);
+                self.launched(s, k)
             }
             // One grouped GEMM over the experts: each expert's `T * k / E` rows (the even
             // split) by its weight, the experts' tiles sharing the waves.
@@ -540,6 +553,46 @@ impl<'a> OpModel<'a> {
             KernelMode::Fused => work + kernels * self.launch,
         };
         (t, work)
+    }
+
+    /// The peak FLOP/s of matmul `id`: the float8 tensor cores' for a Float8 linear's
+    /// forward and for a backward product of two float8-cast operands (rowwise with a high
+    /// precision weight gradient keeps that one in bf16), else the compute dtype's.
+    fn gemm_peak(&self, id: NodeId) -> f64 {
+        let node = self.g.node(id);
+        let cast = |i: &NodeId| matches!(self.g.node(*i).op, Op::Float8Cast { .. });
+        let float8 = match node.op {
+            Op::Linear { float8: Some(_), .. } => true,
+            Op::Linear { .. } | Op::WeightGrad { .. } => node.inputs.len() >= 2 && node.inputs[..2].iter().all(cast),
+            _ => false,
+        };
+        if float8 && self.hw.fp8_tflops > 0.0 {
+            self.hw.fp8_tflops * 1e12
+        } else {
+            self.peak
+        }
+    }
+
+    /// Seconds and kernels of torchao's cast of the value `x` for node `id`'s Float8 matmul:
+    /// the amax (a reduction over `x`), the scale, and the scaled, clamped cast writing one
+    /// byte an element. Eager PyTorch runs it as about 9 kernels (abs, max, the scale's
+    /// arithmetic, multiply, clamp, convert) moving `x` 6 times; inductor as 2 (the
+    /// reduction, then one fused cast), moving it twice.
+    fn float8_cast_seconds(&self, id: NodeId, x: NodeId) -> (f64, f64) {
+        let v = &self.g.node(x).ty;
+        let (read, numel) = (
+            v.bytes().unwrap_or(u64::MAX) as f64,
+            v.numel().unwrap_or(u64::MAX) as f64,
+        );
+        let (kernels, passes) = if self.compiled.compiled(id) {
+            (2.0, 2.0)
+        } else {
+            match self.hw.kernels {
+                KernelMode::Eager => (9.0, 6.0),
+                KernelMode::Fused => (1.0, 6.0),
+            }
+        };
+        ((passes * read + numel) / self.bw, kernels)
     }
 
     /// The fraction of tile slots an `m x n` output (`batch` of them) fills.

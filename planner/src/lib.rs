@@ -46,9 +46,9 @@ pub use group::{group, GroupId, WrapPolicy};
 pub use layout::{chunk_rows, GroupLayout};
 pub use mesh::{Coords, Mesh};
 pub use plan::{
-    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Fsdp2Hooks, HookModel, HookRefusal, Instr,
-    Issued, OptimizerKind, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp, RuntimePrediction, WorkKind,
-    PLAN_VERSION,
+    Access, Breakdown, BufId, Buffer, ByCategory, Category, Comm, EventId, Float8Report, Fsdp2Hooks, HookModel,
+    HookRefusal, Instr, Issued, OptimizerKind, Plan, PlanSource, Policy, Pool, Program, RankSpan, ReduceOp,
+    RuntimePrediction, WorkKind, PLAN_VERSION,
 };
 pub use steps::{steps_and_events, ExecOrder, Phase, Runner, Step, StepId, ValueSlot};
 pub use stream::Stream;
@@ -93,6 +93,7 @@ pub fn plan_in(
     let done = placed.simulated.take();
     let mut plan = assemble(g, lowered, &config.hardware, groups, steps, placed);
     plan.fsdp2_hooks = Some(hooks::fsdp2_hooks(&plan, None));
+    plan.float8 = config.float8.as_ref().map(|f| Float8Report::of(g, f));
     let model_flops = cache.model_flops(joint);
     // simulate → estimate; beside them, each on a thread of its own, the caching
     // allocator's replay, the arena's layout and proof, and the verifier's proof, none of
@@ -277,6 +278,7 @@ fn assemble(
         experts,
         prefetch_moves: placed.moves,
         fsdp2_hooks: None,
+        float8: None,
     }
 }
 

@@ -1015,6 +1015,35 @@ pub struct Plan {
     /// it; derived from the program by `hooks.rs`. `None` only in the auto search's
     /// candidates, which are never written.
     pub fsdp2_hooks: Option<HookModel>,
+    /// The Float8 linears and those left in high precision; absent without `float8`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub float8: Option<Float8Report>,
+}
+
+/// What `float8` made of the model's linear layers (torchao's choice, as the tracer made
+/// it): the Float8 ones by Hugging Face module path, and the rest with why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Float8Report {
+    pub recipe: shardplan_ir::Float8Recipe,
+    pub fsdp_float8_all_gather: bool,
+    pub precompute_scale: bool,
+    pub linears: Vec<String>,
+    /// `(module, reason)`.
+    pub high_precision: Vec<(String, String)>,
+}
+
+impl Float8Report {
+    /// The report of the forward graph `g` under `f`.
+    pub fn of(g: &shardplan_ir::Graph, f: &shardplan_frontends::Float8) -> Self {
+        let (_, chosen) = shardplan_models::float8::classify(g, &f.options());
+        Float8Report {
+            recipe: f.recipe,
+            fsdp_float8_all_gather: f.fsdp_float8_all_gather,
+            precompute_scale: f.precompute_scale,
+            linears: chosen.converted,
+            high_precision: chosen.skipped.into_iter().map(|s| (s.module, s.reason)).collect(),
+        }
+    }
 }
 
 impl Plan {

@@ -16,6 +16,7 @@ pub(crate) fn summary(o: &mut String, plan: &Plan) {
         expert_lines(o, plan, e);
     }
     policy_lines(o, plan);
+    float8_lines(o, plan);
     batch_line(o, plan);
     o.push('\n');
     memory_table(o, plan);
@@ -268,6 +269,47 @@ fn policy_lines(o: &mut String, plan: &Plan) {
         p.mixed_precision.master(),
         if p.offload == Offload::Cpu { "cpu" } else { "none" },
     );
+}
+
+/// The Float8 linears, when there are any: the recipe and its FSDP options, how many of the
+/// linears it makes Float8, and those it leaves in high precision by reason (the first
+/// three names of each).
+fn float8_lines(o: &mut String, plan: &Plan) {
+    let Some(f) = &plan.float8 else { return };
+    let mut options = Vec::new();
+    if f.fsdp_float8_all_gather {
+        options.push("float8 all-gather");
+    }
+    if f.precompute_scale {
+        options.push("precomputed scales");
+    }
+    let options = if options.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", options.join(", "))
+    };
+    let total = f.linears.len() + f.high_precision.len();
+    let _ = writeln!(
+        o,
+        "float8: {}{options}, {} of {total} linears",
+        f.recipe.name(),
+        f.linears.len()
+    );
+    let mut reasons: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (module, reason) in &f.high_precision {
+        match reasons.iter_mut().find(|(r, _)| r == reason) {
+            Some((_, ms)) => ms.push(module),
+            None => reasons.push((reason, vec![module])),
+        }
+    }
+    for (reason, modules) in reasons {
+        let more = match modules.len() {
+            n if n > 3 => format!(" and {} more", n - 3),
+            _ => String::new(),
+        };
+        let names: Vec<&str> = modules.iter().take(3).copied().collect();
+        let _ = writeln!(o, "        high precision: {}{more}: {reason}", names.join(", "));
+    }
 }
 
 /// The prefetch policy in words: its depths, and the explicit lists of each pass.
