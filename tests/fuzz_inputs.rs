@@ -600,6 +600,35 @@ fn fuzz_tensor_parallel_yaml() {
     fuzz_spec("parallel-tp", &[seed.to_str().unwrap()], "tiny-llama", 300, false);
 }
 
+/// The low-precision linears' fields: `float8:` (recipe, filter, the float8 all-gather and
+/// precomputed scales), `mxfp8:` on a Blackwell profile, and the hardware's float8 peaks.
+#[test]
+fn fuzz_float8_yaml() {
+    let dir = scratch();
+    let float8 = dir.path().join("float8.yaml");
+    std::fs::write(
+        &float8,
+        "mesh: {shard: 4}\ngpus_per_node: 4\nhardware: {base: h100-sxm, fp8_tflops: 1979, mxfp8_tflops: 0}\n\
+         float8: {recipe: tensorwise, filter_fqns: [lm_head, auto_filter_small_kn], fsdp_float8_all_gather: true, \
+         precompute_scale: true}\nbatch: {per_rank: 2, seq_len: 16}\n",
+    )
+    .unwrap();
+    let mxfp8 = dir.path().join("mxfp8.yaml");
+    std::fs::write(
+        &mxfp8,
+        "mesh: {shard: 4}\ngpus_per_node: 4\nhardware: b200\nmxfp8: {recipe: mxfp8_cublas_rceil, filter_fqns: [lm_head]}\n\
+         batch: {per_rank: 2, seq_len: 16}\n",
+    )
+    .unwrap();
+    fuzz_spec(
+        "parallel-float8",
+        &[float8.to_str().unwrap(), mxfp8.to_str().unwrap()],
+        "tiny-llama",
+        300,
+        false,
+    );
+}
+
 /// Context parallelism's fields (`mesh.context`, `context_parallel:`).
 #[test]
 fn fuzz_context_yaml() {

@@ -438,6 +438,48 @@ fn parallel_spec_rules() {
             "sequence_parallel is off",
         ),
         (
+            "mesh: {shard: 8}\nhardware: a100-80gb\nfloat8: {recipe: rowwise}\n",
+            3,
+            9,
+            "has no float8 tensor cores",
+        ),
+        (
+            "mesh: {shard: 8}\nfloat8: {recipe: rowwise, fsdp_float8_all_gather: true}\n",
+            2,
+            51,
+            "only with tensorwise",
+        ),
+        (
+            "mesh: {shard: 8}\nfloat8: {precompute_scale: true}\n",
+            2,
+            28,
+            "the float8 all-gather, which is off",
+        ),
+        (
+            "mesh: {shard: 8}\nfloat8: {recipe: rowwise_with_gw_hp, filter_fqns: [auto_filter_small_kn]}\n",
+            2,
+            51,
+            "no `auto_filter_small_kn` heuristics",
+        ),
+        (
+            "mesh: {shard: 8}\nfloat8: {filter_fqns: [lm_head, \"\"]}\n",
+            2,
+            33,
+            "an empty entry matches every linear",
+        ),
+        (
+            "mesh: {shard: 8}\nmxfp8: {recipe: mxfp8_cublas}\n",
+            2,
+            8,
+            "has no MX tensor cores",
+        ),
+        (
+            "mesh: {shard: 8}\nhardware: b200\nfloat8: {}\nmxfp8: {}\n",
+            4,
+            8,
+            "asks for both",
+        ),
+        (
             "mesh: {replicate: 3, shard: 4}\ngpus_per_node: 8\n",
             2,
             16,

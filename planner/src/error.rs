@@ -52,6 +52,14 @@ pub enum PlanError {
         message: String,
         fix: String,
     },
+    /// A spec option the checks accept that the planner does not plan yet: the field, the
+    /// reason, the fix.
+    #[error("{message}")]
+    NotPlanned {
+        field: &'static str,
+        message: String,
+        fix: String,
+    },
     /// The model's graph cannot be differentiated or planned.
     #[error("{0}")]
     Graph(String),
@@ -71,7 +79,7 @@ impl PlanError {
             PlanError::NoSuchModule { .. } => "wrap_modules",
             PlanError::PrefetchModule { .. } => "prefetch.explicit",
             PlanError::ReshardDoesNotDivide { .. } => "reshard_after_forward",
-            PlanError::Pipeline { field, .. } => field,
+            PlanError::Pipeline { field, .. } | PlanError::NotPlanned { field, .. } => field,
             PlanError::Graph(_) | PlanError::Bug(_) => "batch",
         }
     }
@@ -94,7 +102,7 @@ impl PlanError {
             PlanError::ReshardDoesNotDivide { shard, .. } => {
                 format!("use true, false, or a divisor of {shard} (usually gpus_per_node)")
             }
-            PlanError::Pipeline { fix, .. } => fix.clone(),
+            PlanError::Pipeline { fix, .. } | PlanError::NotPlanned { fix, .. } => fix.clone(),
             PlanError::Graph(_) => "use smaller sizes in the model or the batch".into(),
             PlanError::Bug(_) => "please report this with the model and parallel spec".into(),
         }

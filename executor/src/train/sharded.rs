@@ -210,6 +210,13 @@ fn check_runnable(plan: &Plan) -> Result<(), ExecError> {
             "plans with per-rank programs are not supported by the executor".into(),
         ));
     }
+    if plan.float8.is_some() && plan.mesh.tensor() > 1 {
+        // torchao's scales of a tensor-parallel weight or activation are the whole
+        // tensor's (a reduction over the tensor group); this executor's casts see its slice.
+        return Err(ExecError::Unsupported(
+            "`float8` under tensor parallelism is planned, not run: its scales reduce over the tensor group, which this executor's Float8 casts do not yet; run Float8 on FSDP or HSDP meshes".into(),
+        ));
+    }
     Ok(())
 }
 
