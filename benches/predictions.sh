@@ -6,14 +6,14 @@
 #   benches/predictions.sh            # a Markdown table on stdout
 #
 # The rows and their specs are the tests' own (`cargo test -p shardplan-planner --test anchors
-# --test h200_runs`), which also hold each row to its tolerance; this prints what they plan.
+# --test float8_anchors --test h200_runs`), which also hold each row to its tolerance; this prints what they plan.
 # Ratios are predicted / measured (1.000 inside a published range). The 96 GB H100 rows are
 # planned at both ends of their GPU's known peak (835 and 989 TFLOP/s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests print every row before they assert; a row outside its tolerance still prints,
 # and the tests' verdict is said after the table.
-out=$(cargo test -q --no-fail-fast -p shardplan-planner --test anchors --test h200_runs -- --nocapture --test-threads 1 2>&1) \
+out=$(cargo test -q --no-fail-fast -p shardplan-planner --test anchors --test float8_anchors --test h200_runs -- --nocapture --test-threads 1 2>&1) \
   && verdict="every row within the tests' tolerances" \
   || verdict="FAILED: $(printf '%s\n' "$out" | grep -E -A3 'panicked at' | grep -v 'panicked at' | head -n 6 | tr '\n' ' ')"
 rows=$(printf '%s\n' "$out" | sed -n 's/^[.]*row: //p')

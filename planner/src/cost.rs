@@ -385,6 +385,7 @@ impl<'a> OpModel<'a> {
                 // A ring over the tensor group, inside one node (the spec keeps it there);
                 // the full buffer is the gathered output or the reduced input.
                 let full = match node.op {
+                    Op::TpAllGather { .. } if self.gathers_float8(id) => node.ty.numel(),
                     Op::TpAllGather { .. } => node.ty.bytes(),
                     _ => self.g.node(node.inputs[0]).ty.bytes(),
                 }
@@ -553,6 +554,29 @@ impl<'a> OpModel<'a> {
             KernelMode::Fused => work + kernels * self.launch,
         };
         (t, work)
+    }
+
+    /// Whether the tensor all-gather `id` moves float8: torchao's Float8 TP styles cast a
+    /// sequence-parallel activation before gathering it when every reader is a tensorwise
+    /// Float8 linear in the forward (one byte an element; rowwise recipes gather in high
+    /// precision).
+    fn gathers_float8(&self, id: NodeId) -> bool {
+        let users: Vec<NodeId> = self
+            .g
+            .users(id)
+            .into_iter()
+            .filter(|&u| !self.g.node(u).is_backward())
+            .collect();
+        !users.is_empty()
+            && users.iter().all(|&u| {
+                matches!(
+                    self.g.node(u).op,
+                    Op::Linear {
+                        float8: Some(shardplan_ir::Float8Recipe::Tensorwise),
+                        ..
+                    }
+                )
+            })
     }
 
     /// The peak FLOP/s of matmul `id`: the float8 tensor cores' for a Float8 linear's
