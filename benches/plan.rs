@@ -11,7 +11,8 @@
 //! The `pipeline` group plans Llama 3.1 405B on 512 H100s as FSDP 8 x TP 8 x PP 8 (1F1B and
 //! Interleaved1F1B, 32 micro-batches) from its traced forward graph: the stage cut and each
 //! stage's autodiff, its FSDP plan, the schedule, the timeline and every rank's memory
-//! (target: under 20 ms).
+//! (target: under 20 ms), and the 1F1B plan with Float8 tensorwise linears (target: under
+//! 20 ms).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardplan_frontends::{load_model, load_parallel, trace_options};
@@ -64,6 +65,10 @@ fn pipeline_planning(c: &mut Criterion) {
         (
             "llama3-405b-pp8-fsdp8-tp8-interleaved",
             "pp-8-fsdp-8-tp-8-405b-interleaved.yaml",
+        ),
+        (
+            "llama3-405b-pp8-fsdp8-tp8-1f1b-float8",
+            "pp-8-fsdp-8-tp-8-405b-float8.yaml",
         ),
     ] {
         let m = load_model(Path::new("examples/models/llama3-405b.yaml")).expect("model");
