@@ -14,9 +14,11 @@ use std::fmt::Write as _;
 mod pipeline;
 
 fn table(o: &mut String, cands: &[Candidate], top: usize, budget: u64) {
+    // A float8 column only when the search tried Float8 (`float8:` without a recipe).
+    let float8 = cands.iter().any(|c| c.knobs.float8 != "none");
     let _ = writeln!(
         o,
-        "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>6} {:>11} {:>11} {:>11}  fits",
+        "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>6} {:>11} {:>11} {:>11}  fits{}",
         "#",
         "mesh",
         "blocks",
@@ -28,13 +30,14 @@ fn table(o: &mut String, cands: &[Candidate], top: usize, budget: u64) {
         "MFU",
         "exposed",
         "peak",
-        "device"
+        "device",
+        if float8 { "  float8" } else { "" }
     );
     for (i, c) in cands.iter().take(top).enumerate() {
         let k = &c.knobs;
         let _ = writeln!(
             o,
-            "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>5.1}% {:>11} {:>11} {:>11}  {}",
+            "  {:>3}  {:<9} {:>6}  {:<7} {:<8} {:<13} {:<7} {:>12} {:>5.1}% {:>11} {:>11} {:>11}  {}{}",
             i + 1,
             k.mesh(),
             if k.blocks_per_group == 0 {
@@ -56,7 +59,12 @@ fn table(o: &mut String, cands: &[Candidate], top: usize, budget: u64) {
             } else {
                 format!(">{}", bytes(c.device))
             },
-            fits(c, budget)
+            fits(c, budget),
+            if float8 {
+                " ".repeat(6usize.saturating_sub(fits(c, budget).len())) + &k.float8
+            } else {
+                String::new()
+            }
         );
     }
     if cands.iter().take(top).any(|c| fits(c, budget) == "-") {

@@ -52,6 +52,10 @@ pub struct Fixed {
     /// The context-parallel degree (`mesh.context`); only [`search_model`] searches it, and
     /// only for long sequences ([`context_degrees`]).
     pub context: bool,
+    /// The Float8 recipe (`float8.recipe`); a spec that writes `float8:` without a recipe
+    /// leaves it to the search ([`float8_options`]), which tries bf16 too. Without
+    /// `float8:` nothing is searched: Float8 changes the numerics, so only a user asks.
+    pub float8: bool,
 }
 
 impl Fixed {
@@ -69,6 +73,7 @@ impl Fixed {
             tensor: origin.has("mesh.tensor"),
             expert: origin.has("mesh.expert"),
             context: origin.has("mesh.context"),
+            float8: origin.has("float8.recipe"),
         }
     }
 }
@@ -96,10 +101,56 @@ pub struct Knobs {
     /// Ranks of a context-parallel group (each holds `1 / context` of every sequence).
     #[serde(default = "one")]
     pub context: u64,
+    /// The Float8 recipe (`none`, `tensorwise`, `tensorwise+ag` with the float8 all-gather
+    /// and precomputed scales, `rowwise`, `rowwise_with_gw_hp`).
+    #[serde(default = "no_float8")]
+    pub float8: String,
 }
 
 fn one() -> u64 {
     1
+}
+
+fn no_float8() -> String {
+    "none".into()
+}
+
+/// The [`Knobs::float8`] name of a spec's Float8 setting.
+pub fn float8_name(f: &Option<shardplan_frontends::Float8>) -> String {
+    match f {
+        None => no_float8(),
+        Some(f) if f.fsdp_float8_all_gather => format!("{}+ag", f.recipe.name()),
+        Some(f) => f.recipe.name().to_string(),
+    }
+}
+
+/// The Float8 settings [`search_model`] tries: the spec's own when it fixes the recipe or
+/// has no `float8:`; else bf16 and every recipe with the spec's filter (no
+/// `rowwise_with_gw_hp` beside `auto_filter_small_kn`, which torchao refuses).
+pub fn float8_options(base: &ParallelConfig, fixed: Fixed) -> Vec<Option<shardplan_frontends::Float8>> {
+    use shardplan_frontends::Float8;
+    use shardplan_ir::Float8Recipe;
+    use shardplan_models::float8::AUTO_FILTER;
+    let Some(f) = base.float8.as_ref().filter(|_| !fixed.float8) else {
+        return vec![base.float8.clone()];
+    };
+    let with = |recipe, all_gather| Float8 {
+        recipe,
+        filter_fqns: f.filter_fqns.clone(),
+        fsdp_float8_all_gather: all_gather,
+        precompute_scale: all_gather,
+    };
+    // The float8 all-gather is not among them: its halved bytes and buffers are not in the
+    // plan yet, so it would tie with plain tensorwise.
+    let mut v = vec![
+        None,
+        Some(with(Float8Recipe::Tensorwise, false)),
+        Some(with(Float8Recipe::Rowwise, false)),
+    ];
+    if !f.filter_fqns.iter().any(|x| x == AUTO_FILTER) {
+        v.push(Some(with(Float8Recipe::RowwiseWithGwHp, false)));
+    }
+    v
 }
 
 impl Knobs {
@@ -366,6 +417,7 @@ impl Choice {
             tensor: self.mesh.tensor,
             expert: self.mesh.expert,
             context: self.mesh.context,
+            float8: float8_name(&c.float8),
         };
         (knobs, c)
     }
@@ -510,7 +562,12 @@ pub fn model_spaces(
     for c in context_degrees(model, base, fixed) {
         for t in tensor_degrees(base, fixed) {
             for e in expert_degrees(model, base, fixed) {
-                configs.extend(space_config(base, fixed, (c, t, e)));
+                for f in float8_options(base, fixed) {
+                    configs.extend(space_config(base, fixed, (c, t, e)).map(|mut config| {
+                        config.float8 = f.clone();
+                        config
+                    }));
+                }
             }
         }
     }
@@ -595,7 +652,7 @@ pub fn knob_effects(candidates: &[Candidate], budget: u64) -> Vec<String> {
     };
     let k = &w.knobs;
     type Get = fn(&Knobs) -> String;
-    let knobs: [(&str, Get); 6] = [
+    let knobs: [(&str, Get); 7] = [
         ("mesh", |k| k.mesh()),
         ("blocks per group", |k| k.blocks_per_group.to_string()),
         ("reshard_after_forward", |k| k.reshard_after_forward.clone()),
@@ -604,6 +661,7 @@ pub fn knob_effects(candidates: &[Candidate], budget: u64) -> Vec<String> {
         }),
         ("activation_checkpointing", |k| k.activation_checkpointing.clone()),
         ("offload", |k| if k.offload { "cpu".into() } else { "none".into() }),
+        ("float8", |k| k.float8.clone()),
     ];
     let mut out = Vec::new();
     for (i, (name, get)) in knobs.iter().enumerate() {

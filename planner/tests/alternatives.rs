@@ -219,6 +219,16 @@ fn fixed_knobs_are_the_fields_the_spec_writes() {
             tensor: false,
             expert: false,
             context: false,
+            float8: false,
+        }
+    );
+    // `float8:` without a recipe leaves the recipe to the search; with one, it is fixed.
+    assert_eq!(fixed("mesh: {shard: 8}\nfloat8: {}\n"), Fixed::default());
+    assert_eq!(
+        fixed("mesh: {shard: 8}\nfloat8: {recipe: rowwise}\n"),
+        Fixed {
+            float8: true,
+            ..Fixed::default()
         }
     );
     assert_eq!(

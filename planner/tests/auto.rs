@@ -428,3 +428,53 @@ fn the_emitted_spec_keeps_a_non_default_allocator() {
         .0;
     assert_eq!(back, off, "{yaml}");
 }
+
+/// `float8:` without a recipe makes the recipe a knob: the search plans bf16 and every
+/// recipe, names each candidate's, says what the winner's bought against the best bf16 (or
+/// other recipe) candidate, and emits a spec that plans to the winner. Without `float8:`
+/// (or with a recipe) nothing about Float8 is searched.
+#[test]
+fn float8_without_a_recipe_is_searched() {
+    let model = preset("llama3-8b").unwrap();
+    let base = "mesh: {shard: 8}\ngpus_per_node: 8\nhardware: h100-sxm\nmixed_precision: {param: bf16, reduce: f32}\nbatch: {per_rank: 1, seq_len: 4096}\nactivation_checkpointing: full\n";
+    let search_of = |extra: &str| {
+        let (c, origin) = parse_parallel_spec(&Source::from_text("p.yaml", format!("{base}{extra}"))).unwrap();
+        let fixed = Fixed::from_origin(&origin);
+        search_model(&model, &c, fixed, 80 << 30, true).unwrap().ok().unwrap()
+    };
+    let names = |r: &AutoResult| {
+        let mut v: Vec<String> = r.candidates.iter().map(|c| c.knobs.float8.clone()).collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    // Every recipe is a space of the search; the pruned candidates keep bf16 and the best.
+    let spaces = |extra: &str| {
+        let (c, origin) = parse_parallel_spec(&Source::from_text("p.yaml", format!("{base}{extra}"))).unwrap();
+        let mut v: Vec<String> = model_spaces(&model, &c, Fixed::from_origin(&origin))
+            .unwrap()
+            .iter()
+            .map(|(_, c)| shardplan_planner::auto::float8_name(&c.float8))
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    assert_eq!(
+        spaces("float8: {}\n"),
+        ["none", "rowwise", "rowwise_with_gw_hp", "tensorwise"]
+    );
+    assert_eq!(
+        spaces("float8: {filter_fqns: [auto_filter_small_kn]}\n"),
+        ["none", "rowwise", "tensorwise"]
+    );
+    let open = search_of("float8: {}\n");
+    assert!(names(&open).len() >= 2, "{:?}", names(&open));
+    let effects = shardplan_planner::auto::knob_effects(&open.candidates, 80 << 30);
+    assert!(effects.iter().any(|e| e.starts_with("float8 ")), "{effects:?}");
+    // The winner's spec plans to it.
+    let (again, _) = parse_parallel_spec(&Source::from_text("w.yaml", spec_yaml(&open.config))).unwrap();
+    assert_eq!(again.float8, open.config.float8);
+    assert_eq!(spaces(""), ["none"]);
+    assert_eq!(spaces("float8: {recipe: rowwise}\n"), ["rowwise"]);
+}
