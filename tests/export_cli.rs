@@ -248,6 +248,16 @@ fn every_bundled_example_exports_a_program_that_compiles() {
             assert!(err.contains(&format!("{p}:")), "{m} {p}: {err}");
             continue;
         }
+        if !o.status.success() && err.contains("`float8`") {
+            // Float8 under tensor parallelism: planned, refused by the export at the field.
+            assert_eq!(o.status.code(), Some(2), "{err}");
+            assert!(
+                err.contains(&format!("{p}:")) && err.contains("tensor parallelism"),
+                "{m} {p}: {err}"
+            );
+            done.insert(key_p);
+            continue;
+        }
         if !o.status.success() && err.contains("`mesh.tensor`") {
             // A model the tensor axis does not split, or whose tensor-parallel layout no
             // DTensor style writes: refused at the field, naming why.
